@@ -1,0 +1,82 @@
+"""Engine settings: one dataclass, validated once, with defaults derived from the model and device."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from nanoref.models import Qwen3Config
+from nanoref.ops.backends import BACKEND_NAMES
+from nanoref.utils.loader import load_model_config
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def parse_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    if dtype is None or dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype):
+        if dtype not in _DTYPES.values():
+            raise ValueError(f"dtype must be one of {list(_DTYPES)}, got {dtype}")
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {list(_DTYPES)}, got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+def parse_device(device: str | torch.device | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' but no CUDA GPU is available to this PyTorch build; use device='cpu'")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {str(device)!r}")
+    return device
+
+
+@dataclass
+class EngineConfig:
+    model: str | Path
+    device: str | torch.device | None = None
+    dtype: str | torch.dtype | None = None
+    enforce_eager: bool = False
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 4096
+    max_model_len: int | None = None  # default: the model's max_position_embeddings, capped at 4096
+    kvcache_block_size: int = 16
+    num_kvcache_blocks: int | None = None  # None: derived from memory
+    gpu_memory_utilization: float = 0.9
+    attention_backend: str = "auto"
+    tensor_parallel_size: int = 1
+    # filled in by __post_init__
+    model_folder: Path = field(init=False)
+    architecture: str = field(init=False)
+    hf_config: Qwen3Config = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.model_folder, self.architecture, self.hf_config = load_model_config(self.model)
+        self.device = parse_device(self.device)
+        self.dtype = parse_dtype(self.dtype, self.device)
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        block = self.kvcache_block_size
+        if not isinstance(block, int) or block < 16 or block > 256 or block & (block - 1):
+            raise ValueError(f"kvcache_block_size must be a power of two from 16 to 256, got {block!r}")
+        limit = self.hf_config.max_position_embeddings
+        if self.max_model_len is None:
+            self.max_model_len = min(limit, 4096)
+        if not isinstance(self.max_model_len, int) or not 1 < self.max_model_len <= limit:
+            raise ValueError(f"max_model_len must be an integer in [2, {limit}] (the model's limit), got {self.max_model_len!r}")
+        if self.num_kvcache_blocks is not None and (not isinstance(self.num_kvcache_blocks, int) or self.num_kvcache_blocks <= 0):
+            raise ValueError(f"num_kvcache_blocks must be a positive integer or None, got {self.num_kvcache_blocks!r}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if self.attention_backend not in BACKEND_NAMES:
+            raise ValueError(f"attention_backend must be one of {BACKEND_NAMES}, got {self.attention_backend!r}")
+        if self.tensor_parallel_size != 1:
+            raise NotImplementedError("tensor_parallel_size > 1 is not implemented yet; nanoref runs on one device")

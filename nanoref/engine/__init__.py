@@ -1,0 +1,1 @@
+"""The engine: sequences, paged blocks, the scheduler, the model runner and the step loop."""

@@ -1,0 +1,180 @@
+"""Paged KV blocks with prefix caching.
+
+The cache is `num_blocks` blocks of `block_size` token slots. A sequence owns a list of block ids
+(its block table); token t of the sequence lives in slot `block_table[t // block_size] * block_size
++ t % block_size`.
+
+Prefix caching: once a *full* block's K/V has been computed, the block gets a hash chained over
+every token before it: hash(previous block's hash, this block's tokens). A later sequence whose
+prompt starts with the same tokens finds the same chain of hashes and shares those blocks (ref
+counts) instead of recomputing them. Token ids are compared too, so a hash collision cannot serve
+wrong K/V. Freed blocks keep their hash and content until they are reused for something else (lazy
+eviction), so a finished request's prefix can still be hit.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+import xxhash
+
+from nanoref.engine.sequence import Sequence
+
+
+def chain_hash(token_ids: list[int], prefix_hash: int = -1) -> int:
+    """64-bit hash of a full block's tokens, chained on the previous block's hash."""
+    h = xxhash.xxh64()
+    if prefix_hash != -1:
+        h.update(prefix_hash.to_bytes(8, "little"))
+    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    return h.intdigest()
+
+
+class Block:
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash = -1  # -1: not (yet) reusable through the prefix cache
+        self.token_ids: list[int] = []
+
+    def reset(self) -> None:
+        self.ref_count = 1
+        self.hash = -1
+        self.token_ids = []
+
+    def __repr__(self) -> str:
+        return f"Block({self.block_id}, ref={self.ref_count}, hash={'-' if self.hash == -1 else hex(self.hash)[:8]})"
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.block_size = block_size
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.hash_to_block_id: dict[int, int] = {}
+        self.free_block_ids: deque[int] = deque(range(num_blocks))  # oldest freed first: LRU eviction
+        self.used_block_ids: set[int] = set()
+        # counters for metrics and notebooks
+        self.num_hit_blocks = 0
+        self.num_lookup_blocks = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_block_ids)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return (num_tokens + self.block_size - 1) // self.block_size
+
+    # -- allocation ---------------------------------------------------------------------------
+    def _take_free_block(self) -> int:
+        block_id = self.free_block_ids.popleft()
+        block = self.blocks[block_id]
+        if block.hash != -1 and self.hash_to_block_id.get(block.hash) == block_id:
+            del self.hash_to_block_id[block.hash]  # evicted: its content is about to be overwritten
+        block.reset()
+        self.used_block_ids.add(block_id)
+        return block_id
+
+    def _cacheable_prefix_blocks(self, seq: Sequence) -> int:
+        """Full blocks that may be served from the cache. The last token is always recomputed: the
+        step that follows needs its logits, so a prompt is never served entirely from the cache."""
+        return (seq.num_tokens - 1) // self.block_size
+
+    def _find_cached_prefix(self, seq: Sequence) -> list[int]:
+        """Block ids holding the longest cached prefix of seq, by chained hash plus a token check."""
+        hits: list[int] = []
+        prefix_hash = -1
+        for index in range(self._cacheable_prefix_blocks(seq)):
+            token_ids = seq.block(index)
+            prefix_hash = chain_hash(token_ids, prefix_hash)
+            block_id = self.hash_to_block_id.get(prefix_hash, -1)
+            if block_id == -1 or self.blocks[block_id].token_ids != token_ids:
+                break
+            hits.append(block_id)
+        return hits
+
+    def can_allocate(self, seq: Sequence) -> bool:
+        hits = self._find_cached_prefix(seq)
+        revived = sum(1 for block_id in hits if block_id not in self.used_block_ids)  # hits sitting in the free list
+        return self.num_free_blocks - revived >= seq.num_blocks - len(hits)
+
+    def allocate(self, seq: Sequence) -> None:
+        """Give seq a block table covering all its tokens, sharing cached prefix blocks."""
+        assert not seq.block_table, f"sequence {seq.seq_id} already has blocks"
+        hits = self._find_cached_prefix(seq)
+        self.num_lookup_blocks += self._cacheable_prefix_blocks(seq)
+        self.num_hit_blocks += len(hits)
+        for block_id in hits:
+            block = self.blocks[block_id]
+            if block_id in self.used_block_ids:
+                block.ref_count += 1
+            else:  # freed earlier but not yet overwritten: take it back out of the free list
+                self.free_block_ids.remove(block_id)
+                self.used_block_ids.add(block_id)
+                block.ref_count = 1
+            seq.block_table.append(block_id)
+        for _ in range(len(hits), seq.num_blocks):
+            seq.block_table.append(self._take_free_block())
+        seq.num_prefix_hit_tokens = len(hits) * self.block_size
+        seq.num_computed_tokens = seq.num_prefix_hit_tokens
+        seq.num_hashed_blocks = len(hits)
+
+    def deallocate(self, seq: Sequence) -> None:
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            assert block.ref_count >= 0, f"block {block_id} freed twice"
+            if block.ref_count == 0:
+                self.used_block_ids.remove(block_id)
+                self.free_block_ids.append(block_id)
+        seq.block_table.clear()
+        seq.num_computed_tokens = 0
+        seq.num_hashed_blocks = 0
+
+    # -- decode -------------------------------------------------------------------------------
+    def can_append(self, seq: Sequence) -> bool:
+        """Room for the K/V of seq's last token (a new block when it starts one)."""
+        return self.num_free_blocks >= seq.num_blocks - len(seq.block_table)
+
+    def may_append(self, seq: Sequence) -> None:
+        while len(seq.block_table) < seq.num_blocks:
+            seq.block_table.append(self._take_free_block())
+
+    # -- after a step -------------------------------------------------------------------------
+    def commit(self, seq: Sequence) -> None:
+        """Register the hashes of seq's blocks whose K/V is now fully computed.
+
+        Hashes are published only once the K/V is really in the cache: a block hashed at allocation
+        could be hit by another sequence before (or, with chunked prefill, several steps before) its
+        K/V has been written.
+        """
+        num_full = seq.num_computed_tokens // self.block_size
+        start = seq.num_hashed_blocks
+        prefix_hash = self.blocks[seq.block_table[start - 1]].hash if start else -1
+        for index in range(start, num_full):
+            block = self.blocks[seq.block_table[index]]
+            token_ids = seq.block(index)
+            block.hash = chain_hash(token_ids, prefix_hash)
+            block.token_ids = token_ids
+            self.hash_to_block_id[block.hash] = block.block_id
+            prefix_hash = block.hash
+        seq.num_hashed_blocks = max(start, num_full)
+
+    # -- invariants (tests and notebooks) -----------------------------------------------------
+    def check_invariants(self, live: list[Sequence] = ()) -> None:
+        refs = [0] * self.num_blocks
+        for seq in live:
+            for block_id in seq.block_table:
+                refs[block_id] += 1
+        for block in self.blocks:
+            assert block.ref_count == refs[block.block_id], f"{block}: expected ref {refs[block.block_id]}"
+            assert (block.ref_count > 0) == (block.block_id in self.used_block_ids), f"{block} used/free mismatch"
+        assert len(self.free_block_ids) == len(set(self.free_block_ids)), "a block is in the free list twice"
+        assert self.used_block_ids.isdisjoint(self.free_block_ids), "a block is both used and free"
+        assert len(self.used_block_ids) + len(self.free_block_ids) == self.num_blocks, "a block leaked"
+        for h, block_id in self.hash_to_block_id.items():
+            assert self.blocks[block_id].hash == h, f"stale hash entry for block {block_id}"

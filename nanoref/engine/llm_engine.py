@@ -1,0 +1,156 @@
+"""The engine loop: schedule, run, postprocess, until every request has finished."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import fields
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+
+from nanoref.config import EngineConfig
+from nanoref.engine.model_runner import ModelRunner
+from nanoref.engine.scheduler import Scheduler
+from nanoref.engine.sequence import Sequence
+from nanoref.sampling_params import SamplingParams
+
+
+def load_tokenizer(folder: Path) -> Any | None:
+    """The folder's HF tokenizer, or None when it has none (token-id prompts still work)."""
+    if not any((folder / name).exists() for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(folder))
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model_runner = ModelRunner(config)
+        self.tokenizer = load_tokenizer(config.model_folder)
+        self.vocab_size = config.hf_config.vocab_size
+        eos = set(config.hf_config.eos_token_id)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos.add(int(self.tokenizer.eos_token_id))
+        self.scheduler = Scheduler(
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            max_model_len=config.max_model_len,
+            num_kvcache_blocks=self.model_runner.num_kvcache_blocks,
+            kvcache_block_size=config.kvcache_block_size,
+            eos_token_ids=eos,
+        )
+
+    # -- requests -----------------------------------------------------------------------------
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"{self.config.model_folder} has no tokenizer: pass prompts as lists of token ids")
+            return self.tokenizer.encode(prompt)
+        return list(prompt)
+
+    def check_request(self, token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError, naming the problem, for a request the engine could never serve."""
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        if not token_ids:
+            raise ValueError("the prompt is empty")
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in token_ids):
+            raise ValueError("token ids must be integers")
+        bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
+        limit = self.config.max_model_len
+        if len(token_ids) >= limit:
+            raise ValueError(
+                f"the prompt has {len(token_ids)} tokens but max_model_len is {limit}: "
+                f"at most {limit - 1} prompt tokens leave room for a generated one"
+            )
+        longest = min(len(token_ids) + params.max_tokens, limit)
+        manager = self.scheduler.block_manager
+        if manager.blocks_needed(longest) > manager.num_blocks:
+            raise ValueError(
+                f"the request needs up to {manager.blocks_needed(longest)} KV blocks ({longest} tokens) but the "
+                f"cache has only {manager.num_blocks}: raise num_kvcache_blocks or lower max_tokens"
+            )
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams) -> Sequence:
+        token_ids = self.tokenize(prompt)
+        self.check_request(token_ids, params)
+        seq = Sequence(token_ids, params, self.config.kvcache_block_size)
+        if params.seed is not None:
+            seq.generator = torch.Generator(device=self.config.device).manual_seed(params.seed)
+        self.scheduler.add(seq)
+        return seq
+
+    # -- the loop -----------------------------------------------------------------------------
+    def step(self) -> tuple[list[Sequence], int]:
+        """One forward pass. Returns (sequences finished in it, tokens computed: > 0 prefill, < 0 decode)."""
+        seqs, is_prefill = self.scheduler.schedule()
+        num_tokens = sum(seq.num_scheduled_tokens for seq in seqs) if is_prefill else -len(seqs)
+        token_ids = self.model_runner.run(seqs, is_prefill)
+        finished = self.scheduler.postprocess(seqs, token_ids)
+        return finished, num_tokens
+
+    def abort_all(self) -> None:
+        """Drop every unfinished request and free its blocks (after an error or an interrupt)."""
+        self.scheduler.abort_all()
+
+    def is_finished(self) -> bool:
+        return self.scheduler.is_finished()
+
+    def decode(self, token_ids: list[int]) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def generate(
+        self,
+        prompts: list[str] | list[list[int]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[dict]:
+        """Generate for every prompt; returns, in input order, dicts with "text" and "token_ids"."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            raise TypeError("prompts must be a list: list[str] or list[list[int]] (wrap a single prompt in [])")
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"got {len(sampling_params)} SamplingParams for {len(prompts)} prompts")
+        # check every request before any work starts, so one bad prompt does not leave half a batch queued
+        encoded = []
+        for index, (prompt, params) in enumerate(zip(prompts, sampling_params)):
+            try:
+                token_ids = self.tokenize(prompt)
+                self.check_request(token_ids, params)
+            except (ValueError, TypeError) as error:
+                raise type(error)(f"prompt {index}: {error}") from None
+            encoded.append(token_ids)
+        seqs = [self.add_request(token_ids, params) for token_ids, params in zip(encoded, sampling_params)]
+        bar = tqdm(total=len(seqs), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
+        prefill_tps = decode_tps = 0.0
+        try:
+            while not self.is_finished():
+                start = time.perf_counter()
+                finished, num_tokens = self.step()
+                elapsed = max(time.perf_counter() - start, 1e-9)
+                if num_tokens > 0:
+                    prefill_tps = num_tokens / elapsed
+                else:
+                    decode_tps = -num_tokens / elapsed
+                bar.set_postfix(prefill=f"{prefill_tps:.0f} tok/s", decode=f"{decode_tps:.0f} tok/s", refresh=False)
+                bar.update(len(finished))
+        except BaseException:
+            self.abort_all()  # leave a clean engine behind: later calls must not inherit half a batch
+            raise
+        finally:
+            bar.close()
+        return [{"text": self.decode(seq.completion_token_ids), "token_ids": seq.completion_token_ids} for seq in seqs]
+
+
+def engine_kwargs() -> set[str]:
+    return {f.name for f in fields(EngineConfig) if f.init}

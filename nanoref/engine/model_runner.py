@@ -1,0 +1,257 @@
+"""Turns a scheduled batch of sequences into flat tensors plus metadata, runs the model, samples.
+
+Prefill: every scheduled sequence contributes the tokens it has not computed yet (its chunk), all
+concatenated into `input_ids (N,)` and `positions (N,)`; `cu_seqlens_q` marks where each one starts.
+Decode: every sequence contributes its last token, so N == num_seqs, and `context_lens` +
+`block_tables` tell attention where each history lies in the paged cache.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from nanoref.config import EngineConfig
+from nanoref.engine.sequence import Sequence
+from nanoref.layers.attention import Attention
+from nanoref.layers.sampler import Sampler
+from nanoref.ops.backends import resolve_backend
+from nanoref.utils.context import Context, get_context, reset_context, set_context
+from nanoref.utils.loader import load_model
+from nanoref.utils.tracing import trace_step, tracing_enabled
+
+
+def _cpu_memory_available() -> int:
+    """Bytes of memory available to new allocations (Linux), else a conservative 4 GiB."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 4 << 30
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device: torch.device = config.device
+        self.block_size = config.kvcache_block_size
+        torch.manual_seed(0)  # anything random at load time stays reproducible
+        self.model, self.hf_config = load_model(config.model_folder, self.device, config.dtype)
+        self.backend = resolve_backend(config.attention_backend, self.device)
+        if self.block_size % self.backend.block_size_multiple:
+            raise ValueError(
+                f"attention backend {self.backend.name!r} needs kvcache_block_size to be a multiple of "
+                f"{self.backend.block_size_multiple}, got {self.block_size}"
+            )
+        self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
+        for layer in self.attention_layers:
+            layer.backend = self.backend
+        self.sampler = Sampler()
+        # at most this many blocks per sequence: the width of the decode block tables
+        self.max_blocks_per_seq = (config.max_model_len + self.block_size - 1) // self.block_size
+        self.num_kvcache_blocks = config.num_kvcache_blocks or self._blocks_from_memory()
+        self._allocate_kv_cache()
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self.capture_cudagraphs()
+
+    # -- the KV cache ---------------------------------------------------------------------------
+    @property
+    def kv_bytes_per_token(self) -> int:
+        c = self.hf_config
+        return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * self.config.dtype.itemsize
+
+    def _blocks_from_memory(self) -> int:
+        per_block = self.kv_bytes_per_token * self.block_size
+        if self.device.type == "cuda":
+            # Run the largest prefill once to learn the activations' peak, then give the KV cache
+            # what remains of gpu_memory_utilization.
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self._warmup()
+            free, total = torch.cuda.mem_get_info(self.device)
+            used = total - free
+            peak = torch.cuda.memory_stats(self.device)["allocated_bytes.all.peak"]
+            current = torch.cuda.memory_stats(self.device)["allocated_bytes.all.current"]
+            budget = int(total * self.config.gpu_memory_utilization) - used - (peak - current)
+            num_blocks = budget // per_block
+            if num_blocks <= 0:
+                raise RuntimeError(
+                    f"no GPU memory left for the KV cache at gpu_memory_utilization={self.config.gpu_memory_utilization}"
+                )
+            return num_blocks
+        # CPU: enough for max_num_seqs full-length sequences, but never more than a quarter of free RAM
+        wanted = self.config.max_num_seqs * self.max_blocks_per_seq
+        return max(1, min(wanted, _cpu_memory_available() // 4 // per_block))
+
+    def _allocate_kv_cache(self) -> None:
+        c = self.hf_config
+        shape = (2, c.num_hidden_layers, self.num_kvcache_blocks, self.block_size, c.num_key_value_heads, c.head_dim)
+        self.kv_cache = torch.zeros(shape, dtype=self.config.dtype, device=self.device)
+        for index, layer in enumerate(self.attention_layers):
+            layer.k_cache = self.kv_cache[0, index]  # (num_blocks, block_size, Hk, D), a view
+            layer.v_cache = self.kv_cache[1, index]
+
+    @torch.inference_mode()
+    def _warmup(self) -> None:
+        num_tokens = min(self.config.max_num_batched_tokens, self.config.max_num_seqs * self.config.max_model_len)
+        seq_len = min(self.config.max_model_len, num_tokens)
+        num_seqs = max(1, num_tokens // seq_len)
+        lens = [seq_len] * num_seqs
+        cu = torch.tensor([0] + [seq_len * (i + 1) for i in range(num_seqs)], dtype=torch.int32, device=self.device)
+        set_context(Context(is_prefill=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=seq_len, max_seqlen_k=seq_len))
+        ids = torch.zeros(sum(lens), dtype=torch.int64, device=self.device)
+        positions = torch.arange(seq_len, device=self.device).repeat(num_seqs)
+        self.model.compute_logits(self.model(ids, positions))
+        reset_context()
+
+    # -- flat inputs ----------------------------------------------------------------------------
+    def _slots(self, seq: Sequence, start: int, end: int) -> list[int]:
+        """Cache slot of each token position in [start, end) of seq."""
+        bs = self.block_size
+        return [seq.block_table[t // bs] * bs + t % bs for t in range(start, end)]
+
+    def _block_tables(self, seqs: list[Sequence], width: int | None = None) -> torch.Tensor:
+        width = width or max(len(seq.block_table) for seq in seqs)
+        rows = [seq.block_table + [-1] * (width - len(seq.block_table)) for seq in seqs]
+        return torch.tensor(rows, dtype=torch.int32, device=self.device)  # (num_seqs, width)
+
+    def prepare_prefill(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slot_mapping: list[int] = []
+        cu_seqlens_q, cu_seqlens_k = [0], [0]
+        max_seqlen_q = max_seqlen_k = 0
+        has_history = False
+        for seq in seqs:
+            start = seq.num_computed_tokens  # earlier chunks and prefix-cache hits are already cached
+            end = start + seq.num_scheduled_tokens
+            input_ids.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))  # each token's position inside its own sequence
+            slot_mapping.extend(self._slots(seq, start, end))
+            cu_seqlens_q.append(cu_seqlens_q[-1] + end - start)
+            cu_seqlens_k.append(cu_seqlens_k[-1] + end)  # keys: the history plus this chunk
+            max_seqlen_q, max_seqlen_k = max(max_seqlen_q, end - start), max(max_seqlen_k, end)
+            has_history |= start > 0
+        as_tensor = lambda values, dtype: torch.tensor(values, dtype=dtype, device=self.device)  # noqa: E731
+        context = Context(
+            is_prefill=True,
+            cu_seqlens_q=as_tensor(cu_seqlens_q, torch.int32),  # (num_seqs + 1,)
+            cu_seqlens_k=as_tensor(cu_seqlens_k, torch.int32),  # (num_seqs + 1,)
+            max_seqlen_q=max_seqlen_q,
+            max_seqlen_k=max_seqlen_k,
+            slot_mapping=as_tensor(slot_mapping, torch.int64),  # (N,)
+            # with history, attention must read keys from the paged cache, through the block tables
+            block_tables=self._block_tables(seqs) if has_history else None,
+        )
+        set_context(context)
+        return as_tensor(input_ids, torch.int64), as_tensor(positions, torch.int64)  # (N,), (N,)
+
+    def prepare_decode(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+        input_ids = [seq.last_token for seq in seqs]
+        positions = [seq.num_tokens - 1 for seq in seqs]
+        slot_mapping = [self._slots(seq, seq.num_tokens - 1, seq.num_tokens)[0] for seq in seqs]
+        context_lens = [seq.num_tokens for seq in seqs]
+        as_tensor = lambda values, dtype: torch.tensor(values, dtype=dtype, device=self.device)  # noqa: E731
+        set_context(
+            Context(
+                is_prefill=False,
+                slot_mapping=as_tensor(slot_mapping, torch.int64),  # (num_seqs,)
+                context_lens=as_tensor(context_lens, torch.int32),  # (num_seqs,)
+                block_tables=self._block_tables(seqs),  # (num_seqs, max_blocks)
+            )
+        )
+        return as_tensor(input_ids, torch.int64), as_tensor(positions, torch.int64)  # (num_seqs,), (num_seqs,)
+
+    def prepare_sample(self, seqs: list[Sequence]) -> dict:
+        params = [seq.sampling_params for seq in seqs]
+        return dict(
+            temperatures=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=self.device),
+            top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64, device=self.device),
+            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=self.device),
+            generators=[seq.generator for seq in seqs],
+        )
+
+    # -- running ------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, is_prefill: bool) -> torch.Tensor:
+        batch = input_ids.shape[0]
+        if is_prefill or not self.graphs or batch > max(self.graphs) or tracing_enabled():
+            return self.model.compute_logits(self.model(input_ids, positions))
+        return self._replay(input_ids, positions, batch)
+
+    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
+        """One forward over the scheduled sequences -> one sampled token id per sequence."""
+        input_ids, positions = self.prepare_prefill(seqs) if is_prefill else self.prepare_decode(seqs)
+        if tracing_enabled():
+            c = get_context()
+            trace_step(
+                "prefill" if is_prefill else "decode",
+                seq_ids=[seq.seq_id for seq in seqs], input_ids=input_ids, positions=positions,
+                cu_seqlens_q=c.cu_seqlens_q, cu_seqlens_k=c.cu_seqlens_k, slot_mapping=c.slot_mapping,
+                context_lens=c.context_lens, block_tables=c.block_tables,
+            )
+        logits = self.run_model(input_ids, positions, is_prefill)  # (num_seqs, vocab)
+        token_ids = self.sampler(logits, **self.prepare_sample(seqs)).tolist()
+        reset_context()
+        return token_ids
+
+    # -- CUDA graphs (decode only) --------------------------------------------------------------
+    def _graph_batch_sizes(self) -> list[int]:
+        top = self.config.max_num_seqs
+        sizes = [b for b in (1, 2, 4, 8) if b < top] + list(range(16, top, 16))
+        return sizes + [top]  # always include max_num_seqs itself, whatever it is
+
+    @torch.inference_mode()
+    def capture_cudagraphs(self) -> None:
+        """Record one decode forward per batch-size bucket; replay pads a batch up to its bucket.
+
+        Graphs replay fixed kernels on fixed addresses, so inputs live in static buffers that each
+        step fills in place. Padding rows carry slot -1 (store nothing) and context length 0.
+        """
+        if os.environ.get("NANOREF_NO_CUDAGRAPH"):
+            return
+        max_bs = self.config.max_num_seqs
+        hidden = self.hf_config.hidden_size
+        dev = self.device
+        self.graph_vars = dict(
+            input_ids=torch.zeros(max_bs, dtype=torch.int64, device=dev),
+            positions=torch.zeros(max_bs, dtype=torch.int64, device=dev),
+            slot_mapping=torch.full((max_bs,), -1, dtype=torch.int64, device=dev),
+            context_lens=torch.zeros(max_bs, dtype=torch.int32, device=dev),
+            block_tables=torch.zeros(max_bs, self.max_blocks_per_seq, dtype=torch.int32, device=dev),
+            hidden=torch.zeros(max_bs, hidden, dtype=self.config.dtype, device=dev),
+        )
+        v = self.graph_vars
+        pool = None
+        for bs in reversed(self._graph_batch_sizes()):
+            graph = torch.cuda.CUDAGraph()
+            set_context(Context(
+                is_prefill=False, slot_mapping=v["slot_mapping"][:bs],
+                context_lens=v["context_lens"][:bs], block_tables=v["block_tables"][:bs],
+            ))
+            v["hidden"][:bs] = self.model(v["input_ids"][:bs], v["positions"][:bs])  # warm up outside capture
+            with torch.cuda.graph(graph, pool):
+                v["hidden"][:bs] = self.model(v["input_ids"][:bs], v["positions"][:bs])
+            pool = pool or graph.pool()
+            self.graphs[bs] = graph
+            torch.cuda.synchronize(dev)
+            reset_context()
+
+    def _replay(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: int) -> torch.Tensor:
+        bs = min(b for b in self.graphs if b >= batch)
+        context, v = get_context(), self.graph_vars
+        v["input_ids"][:batch] = input_ids
+        v["positions"][:batch] = positions
+        v["slot_mapping"].fill_(-1)
+        v["slot_mapping"][:batch] = context.slot_mapping
+        v["context_lens"].zero_()
+        v["context_lens"][:batch] = context.context_lens
+        width = context.block_tables.shape[1]
+        v["block_tables"][:batch, :width] = context.block_tables
+        self.graphs[bs].replay()
+        return self.model.compute_logits(v["hidden"][:batch])

@@ -1,0 +1,136 @@
+"""Continuous batching: which sequences run in the next step, and how many tokens each.
+
+A step is either a prefill step or a decode step (never both), as in Nano-vLLM:
+- prefill: admit waiting sequences while the token budget (`max_num_batched_tokens`), the sequence
+  budget (`max_num_seqs`) and the free KV blocks allow. A prompt larger than what is left of the
+  token budget is cut into chunks (chunked prefill): it stays at the head of the queue, holding its
+  blocks, and the next step continues it.
+- decode: every running sequence gets one token. When the KV blocks run out, the newest running
+  sequence is preempted: its blocks are freed and it goes back to the head of the queue, to be
+  recomputed later (often largely from the prefix cache).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from nanoref.engine.block_manager import BlockManager
+from nanoref.engine.sequence import Sequence, SequenceStatus
+
+
+class Scheduler:
+    def __init__(
+        self,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        num_kvcache_blocks: int,
+        kvcache_block_size: int,
+        eos_token_ids: set[int],
+    ) -> None:
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.eos_token_ids = eos_token_ids
+        self.block_manager = BlockManager(num_kvcache_blocks, kvcache_block_size)
+        self.waiting: deque[Sequence] = deque()
+        self.running: deque[Sequence] = deque()
+        self.num_preemptions = 0
+
+    def is_finished(self) -> bool:
+        return not self.waiting and not self.running
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    # -- scheduling ---------------------------------------------------------------------------
+    def schedule(self) -> tuple[list[Sequence], bool]:
+        """-> (sequences to run, is_prefill). Each gets `num_scheduled_tokens` set."""
+        scheduled = self._schedule_prefill()
+        if scheduled:
+            return scheduled, True
+        scheduled = self._schedule_decode()
+        assert scheduled, "nothing could be scheduled"
+        return scheduled, False
+
+    def _schedule_prefill(self) -> list[Sequence]:
+        scheduled: list[Sequence] = []
+        budget = self.max_num_batched_tokens
+        while self.waiting and budget > 0:
+            seq = self.waiting[0]
+            if not seq.block_table:  # not started yet: needs a slot in the batch and its blocks
+                if len(self.running) + len(scheduled) >= self.max_num_seqs:
+                    break
+                if not self.block_manager.can_allocate(seq):
+                    break
+                self.block_manager.allocate(seq)
+            chunk = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            seq.num_scheduled_tokens = chunk
+            budget -= chunk
+            scheduled.append(seq)
+            if seq.num_computed_tokens + chunk < seq.num_tokens:
+                break  # a chunk of a longer prompt: it stays first in line for the next step
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+        return scheduled
+
+    def _schedule_decode(self) -> list[Sequence]:
+        scheduled: list[Sequence] = []
+        while self.running and len(scheduled) < self.max_num_seqs:
+            seq = self.running.popleft()
+            while not self.block_manager.can_append(seq):
+                if self.running:
+                    self.preempt(self.running.pop())  # the newest gives its blocks back
+                else:
+                    self.preempt(seq)
+                    break
+            else:
+                self.block_manager.may_append(seq)
+                seq.num_scheduled_tokens = 1
+                scheduled.append(seq)
+        self.running.extendleft(reversed(scheduled))
+        return scheduled
+
+    def preempt(self, seq: Sequence) -> None:
+        """Recompute-style preemption: drop the K/V, requeue first; generated tokens are kept."""
+        seq.status = SequenceStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.block_manager.deallocate(seq)
+        self.waiting.appendleft(seq)
+
+    def abort_all(self) -> None:
+        for seq in [*self.running, *self.waiting]:
+            if seq.block_table:
+                self.block_manager.deallocate(seq)
+            seq.status = SequenceStatus.FINISHED
+        self.running.clear()
+        self.waiting.clear()
+
+    # -- after the forward --------------------------------------------------------------------
+    def postprocess(self, seqs: list[Sequence], token_ids: list[int]) -> list[Sequence]:
+        """Advance each sequence by what the step computed; append sampled tokens; finish sequences.
+
+        Returns the sequences that finished in this step.
+        """
+        finished: list[Sequence] = []
+        for seq, token_id in zip(seqs, token_ids):
+            seq.num_computed_tokens += seq.num_scheduled_tokens
+            seq.num_scheduled_tokens = 0
+            self.block_manager.commit(seq)
+            if seq.num_computed_tokens < seq.num_tokens:
+                continue  # mid-prompt chunk: its logits predict nothing anyone asked for
+            seq.append_token(token_id)
+            params = seq.sampling_params
+            if (
+                (not params.ignore_eos and token_id in self.eos_token_ids)
+                or seq.num_completion_tokens >= params.max_tokens
+                or seq.num_tokens >= self.max_model_len
+            ):
+                seq.status = SequenceStatus.FINISHED
+                self.block_manager.deallocate(seq)
+                self.running.remove(seq)
+                finished.append(seq)
+        return finished

@@ -1,0 +1,86 @@
+"""A request's explicit state: its tokens, how many have K/V in the cache, and its blocks."""
+
+from __future__ import annotations
+
+from enum import Enum, auto
+from itertools import count
+
+import torch
+
+from nanoref.sampling_params import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()  # queued for prefill (new, or preempted and to be recomputed)
+    RUNNING = auto()  # prefilled; one token per decode step
+    FINISHED = auto()
+
+
+class Sequence:
+    _ids = count()
+
+    def __init__(self, token_ids: list[int], sampling_params: SamplingParams, block_size: int) -> None:
+        self.seq_id = next(Sequence._ids)
+        self.status = SequenceStatus.WAITING
+        self.token_ids = list(token_ids)
+        self.num_prompt_tokens = len(token_ids)
+        self.sampling_params = sampling_params
+        self.block_size = block_size
+        self.block_table: list[int] = []
+        # tokens whose K/V is in the cache; the rest still need a forward pass
+        self.num_computed_tokens = 0
+        # tokens that a step is about to compute (set by the scheduler, consumed by postprocess)
+        self.num_scheduled_tokens = 0
+        # prompt tokens found in the prefix cache at the last allocation
+        self.num_prefix_hit_tokens = 0
+        # leading blocks whose hash the block manager has registered
+        self.num_hashed_blocks = 0
+        self.num_preemptions = 0
+        # a seeded request draws its sampling noise from its own generator (set by the engine)
+        self.generator: torch.Generator | None = None
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def last_token(self) -> int:
+        return self.token_ids[-1]
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return self.num_tokens - self.num_prompt_tokens
+
+    @property
+    def completion_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED
+
+    @property
+    def is_prefilling(self) -> bool:
+        """More than the last token lacks K/V: this sequence needs a prefill (chunk) next."""
+        return self.num_computed_tokens < self.num_tokens - 1 or not self.block_table
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks needed to hold every token's K/V."""
+        return (self.num_tokens + self.block_size - 1) // self.block_size
+
+    def block(self, index: int) -> list[int]:
+        """The token ids that block `index` of this sequence holds (the last block may be partial)."""
+        return self.token_ids[index * self.block_size : (index + 1) * self.block_size]
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence(id={self.seq_id}, {self.status.name}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, blocks={self.block_table})"
+        )

@@ -1,0 +1,1 @@
+"""Model layers that work on flat `(N, hidden)` tokens."""

@@ -1,0 +1,55 @@
+"""The attention module: store this step's K/V in the paged cache, then attend through the backend.
+
+Prefill: flat varlen causal attention over the step's tokens. When some of a sequence's keys are
+already in the cache (a prefix-cache hit, or an earlier chunk of a chunked prefill), the engine sets
+`block_tables` and the keys and values are read back from the paged cache instead of from this
+step's fresh K/V, with `cu_seqlens_k` running ahead of `cu_seqlens_q`.
+Decode: one query per sequence; it gets a length-1 sequence axis, (B, 1, H, D), because decode
+kernels (flash-attn's `flash_attn_with_kvcache`) take a batch of short query blocks against a cache.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from nanoref.ops.backends import AttentionBackend, resolve_backend
+from nanoref.utils.context import get_context
+from nanoref.utils.tracing import trace
+
+
+class Attention(nn.Module):
+    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.num_kv_heads = num_kv_heads
+        # views into the engine's one big cache tensor; empty until the model runner allocates it
+        self.k_cache = torch.tensor([])
+        self.v_cache = torch.tensor([])
+        self.backend: AttentionBackend = resolve_backend("torch", torch.device("cpu"))
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q: (N, H, D); k, v: (N, Hk, D) -> (N, H, D)."""
+        context = get_context()
+        k_cache, v_cache = self.k_cache, self.v_cache
+        if k_cache.numel() and context.slot_mapping is not None:
+            self.backend.store_kvcache(k, v, k_cache, v_cache, context.slot_mapping)
+        if context.is_prefill:
+            if context.block_tables is not None:  # history in the cache: read every key from there
+                k, v = k_cache, v_cache
+            out = self.backend.varlen(
+                q, k, v,
+                cu_seqlens_q=context.cu_seqlens_q, cu_seqlens_k=context.cu_seqlens_k,
+                max_seqlen_q=context.max_seqlen_q, max_seqlen_k=context.max_seqlen_k,
+                softmax_scale=self.scale, causal=True, block_table=context.block_tables,
+            )  # (N, H, D)
+        else:
+            out = self.backend.decode(
+                q.unsqueeze(1), k_cache, v_cache,  # (B, H, D) -> (B, 1, H, D)
+                cache_seqlens=context.context_lens, block_table=context.block_tables,
+                softmax_scale=self.scale, causal=True,
+            ).squeeze(1)  # (B, 1, H, D) -> (B, H, D)
+        trace("attn", q=q, k=k, v=v, out=out)
+        return out

@@ -1,0 +1,57 @@
+"""`LLM`: the user-facing entry point, with vLLM's argument names."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from nanoref.config import EngineConfig
+from nanoref.engine.llm_engine import LLMEngine
+
+DEFAULT_MODEL = Path(__file__).parent / "default_model"
+
+
+class LLM(LLMEngine):
+    """A paged, continuously batched Qwen3 engine.
+
+        llm = LLM("path/to/Qwen3-0.6B")
+        llm.generate(["Hello"], SamplingParams(temperature=0.6, max_tokens=32))
+
+    device: "cuda" when available, else "cpu". dtype: bfloat16 on CUDA, float32 on CPU.
+    num_kvcache_blocks: an explicit count overrides the one derived from memory.
+    attention_backend: "torch" (reference), "flash_attn" (CUDA, when installed) or "auto".
+    enforce_eager: on CUDA, skip capturing decode CUDA graphs.
+    """
+
+    def __init__(
+        self,
+        model: str | Path = DEFAULT_MODEL,
+        *,
+        device: str | torch.device | None = None,
+        dtype: str | torch.dtype | None = None,
+        enforce_eager: bool = False,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 4096,
+        max_model_len: int | None = None,
+        kvcache_block_size: int = 16,
+        num_kvcache_blocks: int | None = None,
+        gpu_memory_utilization: float = 0.9,
+        attention_backend: str = "auto",
+        tensor_parallel_size: int = 1,
+    ) -> None:
+        config = EngineConfig(
+            model=model,
+            device=device,
+            dtype=dtype,
+            enforce_eager=enforce_eager,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len,
+            kvcache_block_size=kvcache_block_size,
+            num_kvcache_blocks=num_kvcache_blocks,
+            gpu_memory_utilization=gpu_memory_utilization,
+            attention_backend=attention_backend,
+            tensor_parallel_size=tensor_parallel_size,
+        )
+        super().__init__(config)

@@ -1,0 +1,197 @@
+"""Qwen3 (dense) in the flat layout: every tensor is (N, ...) with N the step's tokens.
+
+Nothing here knows about sequences or batches: norms, projections and the MLP act per token, and
+attention finds sequence boundaries in the step's `Context`. Differences from Llama worth noticing:
+q_norm and k_norm (an RMSNorm over each head's vector, before RoPE), and no bias in q/k/v by default.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from nanoref.layers.activation import SiluAndMul
+from nanoref.layers.attention import Attention
+from nanoref.layers.embed_head import LMHead, VocabEmbedding
+from nanoref.layers.layernorm import RMSNorm
+from nanoref.layers.linear import Linear, MergedLinear, QKVLinear
+from nanoref.layers.rotary import RotaryEmbedding
+from nanoref.utils.tracing import trace, trace_layer
+
+
+@dataclass
+class Qwen3Config:
+    """The fields of an HF `config.json` that a Qwen3 forward needs."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    eos_token_id: list[int] = field(default_factory=list)
+    torch_dtype: str | None = None
+
+    REQUIRED = (
+        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+        "num_attention_heads", "max_position_embeddings",
+    )
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> Qwen3Config:
+        missing = [key for key in cls.REQUIRED if key not in raw]
+        if missing:
+            raise ValueError(f"config.json lacks required Qwen3 fields: {', '.join(missing)}")
+        # transformers 5 keeps rope_theta inside rope_parameters; transformers 4 at the top level
+        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise ValueError(f"rope type {rope_type!r} is not supported (only 'default' RoPE)")
+        rope_theta = rope.get("rope_theta", raw.get("rope_theta", 1_000_000.0))
+        heads = int(raw["num_attention_heads"])
+        eos = raw.get("eos_token_id")
+        eos_ids = [] if eos is None else [int(e) for e in (eos if isinstance(eos, list) else [eos])]
+        config = cls(
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=int(raw["hidden_size"]),
+            intermediate_size=int(raw["intermediate_size"]),
+            num_hidden_layers=int(raw["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
+            head_dim=int(raw.get("head_dim") or raw["hidden_size"] // heads),
+            max_position_embeddings=int(raw["max_position_embeddings"]),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            attention_bias=bool(raw.get("attention_bias", False)),
+            eos_token_id=eos_ids,
+            torch_dtype=raw.get("dtype") or raw.get("torch_dtype"),
+        )
+        if config.num_attention_heads % config.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({config.num_key_value_heads})"
+            )
+        if config.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {config.head_dim}")
+        return config
+
+
+class Qwen3Attention(nn.Module):
+    def __init__(self, config: Qwen3Config) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = QKVLinear(
+            config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, bias=config.attention_bias
+        )
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
+        self.rotary_emb = RotaryEmbedding(self.head_dim, config.max_position_embeddings, config.rope_theta)
+        self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads)
+        self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden)  # (N, (H + 2 Hk) * D)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)  # (N, H, D)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)  # (N, Hk, D)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)  # (N, Hk, D)
+        q, k = self.q_norm(q), self.k_norm(k)  # Qwen3: per-head RMSNorm before RoPE
+        q, k = self.rotary_emb(positions, q, k)
+        trace("qkv_proj", hidden=hidden, qkv=qkv, q=q, k=k, v=v)
+        out = self.attn(q, k, v)  # (N, H, D)
+        return self.o_proj(out.flatten(1, 2))  # (N, H * D) -> (N, hidden)
+
+
+class Qwen3MLP(nn.Module):
+    def __init__(self, config: Qwen3Config) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedLinear(config.hidden_size, [config.intermediate_size] * 2, bias=False)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(hidden)  # (N, 2 * I)
+        out = self.down_proj(self.act_fn(gate_up))  # (N, I) -> (N, hidden)
+        trace("mlp", hidden=hidden, gate_up=gate_up, out=out)
+        return out
+
+
+class Qwen3DecoderLayer(nn.Module):
+    def __init__(self, config: Qwen3Config) -> None:
+        super().__init__()
+        self.self_attn = Qwen3Attention(config)
+        self.mlp = Qwen3MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # the fused norm adds the previous block's output to the residual stream and normalises it
+        if residual is None:
+            hidden, residual = self.input_layernorm(hidden), hidden
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        hidden = self.mlp(hidden)
+        return hidden, residual
+
+
+class Qwen3Model(nn.Module):
+    def __init__(self, config: Qwen3Config) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)  # (N,) -> (N, hidden)
+        residual = None
+        for index, layer in enumerate(self.layers):
+            trace_layer(index)
+            hidden, residual = layer(positions, hidden, residual)
+        trace_layer(None)
+        hidden, _ = self.norm(hidden, residual)  # (N, hidden)
+        trace("norm", hidden=hidden)
+        return hidden
+
+
+class Qwen3ForCausalLM(nn.Module):
+    # checkpoint name -> (nanoref parameter, shard) for the weights packed into fused matmuls
+    packed_modules_mapping = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, config: Qwen3Config) -> None:
+        super().__init__()
+        self.config = config
+        self.model = Qwen3Model(config)
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight  # one tensor, two uses
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: (N,) -> hidden (N, hidden_size)."""
+        return self.model(input_ids, positions)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(N, hidden) -> (num_seqs, vocab): only each sequence's last token in prefill."""
+        return self.lm_head(hidden)

@@ -1,0 +1,107 @@
+"""Torch reference attention with flash-attn's argument names: the CPU default backend.
+
+Two entry points mirror flash-attn:
+- `varlen_attention` ~ `flash_attn_varlen_func`: flat queries of many sequences, causal within each.
+  With `block_table`, `k`/`v` are the paged caches and each sequence's keys are read through its block
+  table (prefix-cache hits and chunked prefill: the keys include history the queries do not).
+- `paged_decode_attention` ~ `flash_attn_with_kvcache`: one query token per sequence, `(B, 1, H, D)`,
+  against `cache_seqlens[b]` tokens of history found through `block_table[b]`.
+
+Both loop over sequences and call PyTorch's scaled_dot_product_attention per sequence: slow but plain,
+and free of padding.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def gather_paged(cache: torch.Tensor, block_table_row: torch.Tensor, length: int) -> torch.Tensor:
+    """The first `length` tokens of one sequence from a paged cache layer.
+
+    cache: (num_blocks, block_size, Hk, D); block_table_row: (max_blocks,) physical block ids.
+    Returns (length, Hk, D), contiguous in logical order wherever the blocks lie.
+    """
+    block_size = cache.shape[1]
+    num_blocks = (length + block_size - 1) // block_size
+    blocks = cache[block_table_row[:num_blocks].long()]  # (num_blocks, block_size, Hk, D)
+    return blocks.flatten(0, 1)[:length]  # (length, Hk, D)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
+    """One sequence. q: (Lq, H, D); k, v: (Lk, Hk, D); queries are the last Lq of the Lk positions."""
+    len_q, len_k = q.shape[0], k.shape[0]
+    group = q.shape[1] // k.shape[1]
+    qh = q.transpose(0, 1)  # (H, Lq, D)
+    kh = k.transpose(0, 1).repeat_interleave(group, dim=0)  # (H, Lk, D)
+    vh = v.transpose(0, 1).repeat_interleave(group, dim=0)  # (H, Lk, D)
+    mask = None
+    if causal and len_q > 1:
+        # bottom-right aligned: query i sits at position len_k - len_q + i
+        q_pos = torch.arange(len_k - len_q, len_k, device=q.device)[:, None]  # (Lq, 1)
+        mask = torch.arange(len_k, device=q.device)[None, :] <= q_pos  # (Lq, Lk)
+    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)  # (H, Lq, D)
+    return out.transpose(0, 1)  # (Lq, H, D)
+
+
+def varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float | None = None,
+    causal: bool = True,
+    block_table: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """q: (Nq, H, D). Without block_table k, v: (Nk, Hk, D) flat; with it, paged caches. -> (Nq, H, D)."""
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    out = torch.empty_like(q)
+    starts_q, starts_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    for b in range(len(starts_q) - 1):
+        q_lo, q_hi = starts_q[b], starts_q[b + 1]
+        len_k = starts_k[b + 1] - starts_k[b]
+        if block_table is None:
+            kb = k[starts_k[b] : starts_k[b + 1]]  # (Lk, Hk, D)
+            vb = v[starts_k[b] : starts_k[b + 1]]
+        else:
+            kb = gather_paged(k, block_table[b], len_k)  # (Lk, Hk, D)
+            vb = gather_paged(v, block_table[b], len_k)
+        out[q_lo:q_hi] = _attend(q[q_lo:q_hi], kb, vb, scale, causal)
+    return out
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    block_table: torch.Tensor,
+    softmax_scale: float | None = None,
+    causal: bool = True,
+) -> torch.Tensor:
+    """q: (B, 1, H, D); caches: (num_blocks, block_size, Hk, D); cache_seqlens: (B,). -> (B, 1, H, D).
+
+    Gathers every sequence's blocks into one padded (B, Lmax, Hk, D) tensor and masks positions past
+    each sequence's length. No Python loop and no host sync, so a CUDA graph can capture it.
+    """
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    batch, max_blocks = block_table.shape
+    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    group = q.shape[2] // num_kv_heads
+    blocks = block_table.long().clamp(min=0)  # (B, max_blocks); -1 padding -> block 0, masked below
+    k = k_cache[blocks].view(batch, max_blocks * block_size, num_kv_heads, head_dim)  # (B, Lmax, Hk, D)
+    v = v_cache[blocks].view(batch, max_blocks * block_size, num_kv_heads, head_dim)  # (B, Lmax, Hk, D)
+    k = k.transpose(1, 2).repeat_interleave(group, dim=1)  # (B, H, Lmax, D)
+    v = v.transpose(1, 2).repeat_interleave(group, dim=1)  # (B, H, Lmax, D)
+    valid = torch.arange(max_blocks * block_size, device=q.device)[None, :] < cache_seqlens[:, None]  # (B, Lmax)
+    # the single query is the newest token, so causality is exactly "within the history"
+    out = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k, v, attn_mask=valid[:, None, None, :], scale=scale
+    )  # (B, H, 1, D)
+    return out.transpose(1, 2)  # (B, 1, H, D)

@@ -1,0 +1,77 @@
+"""Attention backends behind one interface, with flash-attn's argument names.
+
+A backend is three functions: `store_kvcache(key, value, k_cache, v_cache, slot_mapping)`,
+`varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+block_table)` (as `flash_attn_varlen_func`) and `decode(q, k_cache, v_cache, cache_seqlens,
+block_table, softmax_scale, causal)` (as `flash_attn_with_kvcache`). The attention layer calls
+whichever the engine picked; nothing else in the model knows which one runs.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from nanoref.ops import attention_torch
+from nanoref.ops.store_kvcache import store_kvcache_torch
+
+BACKEND_NAMES = ("auto", "torch", "flash_attn")
+
+
+@dataclass(frozen=True)
+class AttentionBackend:
+    name: str
+    store_kvcache: Callable[..., None]
+    varlen: Callable[..., torch.Tensor]
+    decode: Callable[..., torch.Tensor]
+    # flash-attn's paged kernels accept only block sizes that are multiples of this
+    block_size_multiple: int = 1
+
+
+def flash_attn_available() -> bool:
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+def _torch_backend() -> AttentionBackend:
+    return AttentionBackend(
+        name="torch",
+        store_kvcache=store_kvcache_torch,
+        varlen=attention_torch.varlen_attention,
+        decode=attention_torch.paged_decode_attention,
+    )
+
+
+def _flash_attn_backend() -> AttentionBackend:
+    from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache
+
+    def decode(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale=None, causal=True):
+        return flash_attn_with_kvcache(
+            q, k_cache, v_cache, cache_seqlens=cache_seqlens, block_table=block_table,
+            softmax_scale=softmax_scale, causal=causal,
+        )
+
+    return AttentionBackend(
+        name="flash_attn",
+        store_kvcache=store_kvcache_torch,
+        varlen=flash_attn_varlen_func,
+        decode=decode,
+        block_size_multiple=256,
+    )
+
+
+def resolve_backend(name: str, device: torch.device) -> AttentionBackend:
+    """Pick a backend by name; "auto" is flash-attn on CUDA when it imports, else torch."""
+    if name not in BACKEND_NAMES:
+        raise ValueError(f"attention_backend must be one of {BACKEND_NAMES}, got {name!r}")
+    if name == "auto":
+        name = "flash_attn" if device.type == "cuda" and flash_attn_available() else "torch"
+    if name == "flash_attn":
+        if device.type != "cuda":
+            raise ValueError("attention_backend='flash_attn' needs a CUDA device; use 'torch' on CPU")
+        if not flash_attn_available():
+            raise ValueError("attention_backend='flash_attn' but flash-attn is not installed (pip install 'nanoref[flash]')")
+        return _flash_attn_backend()
+    return _torch_backend()

@@ -1,0 +1,52 @@
+"""Writing each new token's K/V into its slot of the paged cache (torch reference).
+
+A cache layer is `(num_blocks, block_size, num_kv_heads, head_dim)`. Viewed as rows of
+`D = num_kv_heads * head_dim` values, slot `s = block_id * block_size + offset` is row `s`, so a token's
+K/V is one row copy. Slot -1 marks a token whose K/V must not be stored (padding in the static
+buffers that CUDA graphs replay).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nanoref.utils.tracing import trace
+
+
+def check_kvcache_layout(
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """The layouts a row copy relies on; a clear message beats a silently scrambled cache."""
+    num_tokens, num_kv_heads, head_dim = key.shape
+    if value.shape != key.shape:
+        raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} must have the same shape")
+    if key.stride(-1) != 1 or value.stride(-1) != 1:
+        raise ValueError("key/value: the last axis (head_dim) must be contiguous")
+    if key.stride(1) != head_dim or value.stride(1) != head_dim:
+        raise ValueError("key/value: heads must be packed (stride of the head axis == head_dim)")
+    if k_cache.shape != v_cache.shape or k_cache.dim() != 4:
+        raise ValueError("k_cache and v_cache must both be (num_blocks, block_size, num_kv_heads, head_dim)")
+    if tuple(k_cache.shape[2:]) != (num_kv_heads, head_dim):
+        raise ValueError(f"cache rows hold {tuple(k_cache.shape[2:])} but key rows are {(num_kv_heads, head_dim)}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("k_cache and v_cache must be contiguous (one row of D values per slot)")
+    if slot_mapping.dim() != 1 or slot_mapping.numel() != num_tokens:
+        raise ValueError(f"slot_mapping must hold one slot per token: {slot_mapping.numel()} for {num_tokens} tokens")
+
+
+def store_kvcache_torch(
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """key, value: (N, Hk, D); caches: (num_blocks, block_size, Hk, D); slot_mapping: (N,), -1 = skip."""
+    check_kvcache_layout(key, value, k_cache, v_cache, slot_mapping)
+    keep = slot_mapping >= 0  # (N,)
+    slots = slot_mapping[keep]  # (n,)
+    row = key.shape[1] * key.shape[2]
+    k_rows = k_cache.view(-1, row)  # (num_blocks * block_size, D)
+    v_rows = v_cache.view(-1, row)  # (num_blocks * block_size, D)
+    k_rows[slots] = key[keep].reshape(-1, row).to(k_cache.dtype)  # (n, D) -> rows `slots`
+    v_rows[slots] = value[keep].reshape(-1, row).to(v_cache.dtype)
+    trace("store_kvcache", key=key, slot_mapping=slot_mapping, k_cache=k_cache)
+
+
+store_kvcache = store_kvcache_torch

@@ -1,0 +1,1 @@
+"""Per-step context, model loading and shape tracing."""

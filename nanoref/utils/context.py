@@ -1,0 +1,52 @@
+"""Per-step metadata: the only place that knows which flat token belongs to which sequence.
+
+The model sees flat tensors (`input_ids (N,)`, `hidden (N, hidden_size)`). Before each forward the
+model runner fills a `Context` and publishes it with `set_context`; the attention layers and the LM
+head read it with `get_context`. Keeping it out of the call signatures lets every other layer stay a
+plain per-token function, as in Nano-vLLM.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Context:
+    is_prefill: bool = False
+    # prefill (varlen): sequence boundaries in the flat query and key streams
+    cu_seqlens_q: torch.Tensor | None = None  # (num_seqs + 1,) int32: [0, q1, q1+q2, ...]
+    cu_seqlens_k: torch.Tensor | None = None  # (num_seqs + 1,) int32: keys include cached history
+    max_seqlen_q: int = 0
+    max_seqlen_k: int = 0
+    # where each new token's K/V goes: block_id * block_size + offset, -1 = write nothing
+    slot_mapping: torch.Tensor | None = None  # (N,) int64
+    # decode: tokens of history per sequence (the new token included)
+    context_lens: torch.Tensor | None = None  # (num_seqs,) int32
+    # physical block ids per sequence, padded with -1; set in decode and in prefill with cached history
+    block_tables: torch.Tensor | None = None  # (num_seqs, max_blocks) int32
+
+    @property
+    def num_seqs(self) -> int:
+        if self.is_prefill:
+            return 0 if self.cu_seqlens_q is None else self.cu_seqlens_q.numel() - 1
+        return 0 if self.context_lens is None else self.context_lens.numel()
+
+
+_CONTEXT = Context()
+
+
+def get_context() -> Context:
+    return _CONTEXT
+
+
+def set_context(context: Context) -> None:
+    global _CONTEXT
+    _CONTEXT = context
+
+
+def reset_context() -> None:
+    global _CONTEXT
+    _CONTEXT = Context()
