@@ -96,7 +96,7 @@ class Qwen3Attention(nn.Module):
         self.qkv_proj = QKVLinear(
             config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, bias=config.attention_bias
         )
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.attention_bias)
         self.rotary_emb = RotaryEmbedding(self.head_dim, config.max_position_embeddings, config.rope_theta)
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads)
         self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
