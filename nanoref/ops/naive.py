@@ -2,7 +2,7 @@
 
 Every faster path in nanoref (varlen, paged, Triton, flash-attn) is checked against this one. It
 pads each sequence to the longest, masks the padding and the future explicitly, and runs plain
-matmul + softmax in float32, so there is nothing clever in it to get wrong.
+matmul + softmax in (at least) float32, so there is nothing clever in it to get wrong.
 """
 
 from __future__ import annotations
@@ -45,9 +45,10 @@ def naive_padded_attention(
     group = num_heads // k.shape[1]
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
 
-    qp, q_valid = pad_flat(q.float(), cu_seqlens_q)  # (B, H, Lq, D)
-    kp, k_valid = pad_flat(k.float(), cu_seqlens_k)  # (B, Hk, Lk, D)
-    vp, _ = pad_flat(v.float(), cu_seqlens_k)  # (B, Hk, Lk, D)
+    compute = torch.promote_types(q.dtype, torch.float32)  # at least float32; float64 stays float64
+    qp, q_valid = pad_flat(q.to(compute), cu_seqlens_q)  # (B, H, Lq, D)
+    kp, k_valid = pad_flat(k.to(compute), cu_seqlens_k)  # (B, Hk, Lk, D)
+    vp, _ = pad_flat(v.to(compute), cu_seqlens_k)  # (B, Hk, Lk, D)
     kp = kp.repeat_interleave(group, dim=1)  # (B, H, Lk, D): query head h reads KV head h // group
     vp = vp.repeat_interleave(group, dim=1)  # (B, H, Lk, D)
 

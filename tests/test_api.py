@@ -1,0 +1,191 @@
+"""The user-facing API: arguments, errors that name the problem, loader failures, sampling."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from nanoref import LLM, ModelFolderError, SamplingParams
+from nanoref.layers.sampler import Sampler
+
+from .conftest import random_prompts
+
+
+def test_unknown_keyword_raises_type_error(tiny_model):
+    with pytest.raises(TypeError):
+        LLM(tiny_model, max_num_seq=4)  # typo of max_num_seqs
+
+
+def test_defaults_on_cpu(tiny_model):
+    llm = LLM(tiny_model, num_kvcache_blocks=8)
+    assert llm.config.device.type == "cpu" and llm.config.dtype == torch.float32
+    assert llm.model_runner.backend.name == "torch"
+    assert llm.model_runner.kv_cache.shape == (2, 2, 8, 16, 2, 16)  # (2, layers, blocks, block, Hk, D)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(kvcache_block_size=24), "power of two"),
+        (dict(kvcache_block_size=8), "power of two"),
+        (dict(max_model_len=10_000), "max_model_len"),
+        (dict(attention_backend="cuda-magic"), "attention_backend"),
+        (dict(dtype="float8"), "dtype"),
+        (dict(max_num_seqs=0), "max_num_seqs"),
+        (dict(gpu_memory_utilization=1.5), "gpu_memory_utilization"),
+    ],
+)
+def test_bad_engine_arguments(tiny_model, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        LLM(tiny_model, **kwargs)
+
+
+def test_tensor_parallel_not_available(tiny_model):
+    with pytest.raises(NotImplementedError, match="tensor_parallel_size"):
+        LLM(tiny_model, tensor_parallel_size=2)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(max_tokens=0), "max_tokens"),
+        (dict(temperature=-0.1), "temperature"),
+        (dict(top_p=0.0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(top_k=-1), "top_k"),
+    ],
+)
+def test_bad_sampling_params(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_bad_prompts_are_named_and_engine_keeps_serving(tiny_model):
+    llm = LLM(tiny_model, num_kvcache_blocks=3, max_model_len=64)
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    good = random_prompts(seed=0, lengths=[5])[0]
+    with pytest.raises(ValueError, match="prompt 1: the prompt is empty"):
+        llm.generate([good, []], greedy, use_tqdm=False)
+    with pytest.raises(ValueError, match="prompt 0: token id 256 is outside the vocabulary"):
+        llm.generate([[1, 256]], greedy, use_tqdm=False)
+    with pytest.raises(ValueError, match="max_model_len is 64"):
+        llm.generate([list(range(64))], greedy, use_tqdm=False)
+    with pytest.raises(ValueError, match="KV blocks"):
+        llm.generate([good], SamplingParams(max_tokens=100), use_tqdm=False)  # 64 tokens = 4 blocks > 3
+    with pytest.raises(ValueError, match="2 SamplingParams for 1 prompts"):
+        llm.generate([good], [greedy, greedy], use_tqdm=False)
+    with pytest.raises(ValueError, match="no tokenizer"):
+        llm.generate(["text"], greedy, use_tqdm=False)
+    assert llm.is_finished()  # nothing half-queued
+    out = llm.generate([good], greedy, use_tqdm=False)
+    assert len(out[0]["token_ids"]) == 4 and out[0]["text"] is None
+
+
+def test_outputs_in_input_order_and_max_tokens(tiny_model):
+    llm = LLM(tiny_model, num_kvcache_blocks=64)
+    prompts = random_prompts(seed=9, lengths=[30, 2, 11])
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (3, 9, 1)]
+    out = llm.generate(prompts, params, use_tqdm=False)
+    assert [len(o["token_ids"]) for o in out] == [3, 9, 1]
+    single = [llm.generate([p], q, use_tqdm=False)[0] for p, q in zip(prompts, params)]
+    assert out == single
+
+
+def test_generation_stops_at_max_model_len(tiny_model):
+    llm = LLM(tiny_model, num_kvcache_blocks=16, max_model_len=20)
+    out = llm.generate([list(range(1, 16))], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True), use_tqdm=False)
+    assert len(out[0]["token_ids"]) == 5  # 15 prompt + 5 generated = max_model_len
+
+
+def test_seeded_sampling_is_reproducible_and_batch_independent(tiny_model):
+    llm = LLM(tiny_model, num_kvcache_blocks=64)
+    prompts = random_prompts(seed=10, lengths=[8, 13])
+    params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, max_tokens=12, seed=123, ignore_eos=True)
+    alone = llm.generate([prompts[0]], params, use_tqdm=False)[0]
+    batched = llm.generate(prompts, params, use_tqdm=False)[0]
+    assert alone == batched
+    other = llm.generate([prompts[0]], SamplingParams(temperature=1.0, max_tokens=12, seed=7, ignore_eos=True), use_tqdm=False)
+    assert other != alone
+
+
+def test_sampler_respects_top_k_and_greedy():
+    logits = torch.tensor([[0.0, 5.0, 4.0, -3.0], [1.0, 0.0, 3.0, 2.0]])
+    sampler = Sampler()
+    draws = set()
+    for _ in range(50):
+        ids = sampler(logits, torch.tensor([2.0, 0.0]), torch.tensor([2, 0]), torch.tensor([1.0, 1.0]))
+        assert ids[1].item() == 2  # greedy row
+        draws.add(ids[0].item())
+    assert draws <= {1, 2} and len(draws) == 2  # top-2 only, both reachable at temperature 2
+    ids = sampler(logits, torch.tensor([1.0, 1.0]), torch.tensor([0, 0]), torch.tensor([1e-6, 1e-6]))
+    assert ids.tolist() == [1, 2]  # a tiny top_p keeps only the most likely token
+
+
+# -- the loader: every way a model folder can be wrong ---------------------------------------------
+def test_model_id_says_how_to_download():
+    with pytest.raises(ModelFolderError, match="huggingface-cli download Qwen/Qwen3-0.6B"):
+        LLM("Qwen/Qwen3-0.6B")
+
+
+def test_missing_folder(tmp_path):
+    with pytest.raises(ModelFolderError, match="does not exist"):
+        LLM(tmp_path / "nowhere")
+
+
+def test_folder_without_config(tmp_path):
+    with pytest.raises(ModelFolderError, match="no config.json"):
+        LLM(tmp_path)
+
+
+def test_malformed_config(tmp_path, tiny_model):
+    shutil.copytree(tiny_model, tmp_path / "m")
+    (tmp_path / "m" / "config.json").write_text("{not json")
+    with pytest.raises(ModelFolderError, match="not valid JSON"):
+        LLM(tmp_path / "m")
+
+
+def test_config_missing_fields(tmp_path, tiny_model):
+    shutil.copytree(tiny_model, tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    del config["hidden_size"]
+    (tmp_path / "m" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelFolderError, match="hidden_size"):
+        LLM(tmp_path / "m")
+
+
+def test_folder_without_weights(tmp_path, tiny_model):
+    (tmp_path / "m").mkdir()
+    shutil.copy(tiny_model / "config.json", tmp_path / "m")
+    with pytest.raises(ModelFolderError, match="no \\*.safetensors"):
+        LLM(tmp_path / "m")
+
+
+def test_unsupported_architecture(tmp_path, tiny_model):
+    shutil.copytree(tiny_model, tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    config["architectures"] = ["LlamaForCausalLM"]
+    (tmp_path / "m" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelFolderError, match="LlamaForCausalLM is not supported"):
+        LLM(tmp_path / "m")
+
+
+def test_checkpoint_shape_mismatch(tmp_path, tiny_model):
+    shutil.copytree(tiny_model, tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    config["intermediate_size"] = 96
+    (tmp_path / "m" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelFolderError, match="mlp"):
+        LLM(tmp_path / "m")
+
+
+def test_transformers4_rope_theta_is_read(tmp_path, tiny_model):
+    shutil.copytree(tiny_model, tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    config.pop("rope_parameters")
+    config["rope_theta"] = 12345.0
+    (tmp_path / "m" / "config.json").write_text(json.dumps(config))
+    llm = LLM(tmp_path / "m", num_kvcache_blocks=4)
+    assert llm.config.hf_config.rope_theta == 12345.0

@@ -1,0 +1,163 @@
+"""Block manager and scheduler invariants, without a model: ref counts, hash hits, no leaks."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from nanoref import SamplingParams
+from nanoref.engine.block_manager import BlockManager, chain_hash
+from nanoref.engine.scheduler import Scheduler
+from nanoref.engine.sequence import Sequence, SequenceStatus
+
+BS = 16
+
+
+def seq_of(tokens: list[int], max_tokens: int = 8) -> Sequence:
+    return Sequence(tokens, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), BS)
+
+
+def compute_all(manager: BlockManager, seq: Sequence) -> None:
+    """What a prefill step does to the bookkeeping: every token but none new is now in the cache."""
+    seq.num_computed_tokens = seq.num_tokens
+    manager.commit(seq)
+
+
+def test_chain_hash_depends_on_prefix():
+    block = list(range(BS))
+    assert chain_hash(block) == chain_hash(list(block))
+    assert chain_hash(block, prefix_hash=1) != chain_hash(block, prefix_hash=2)
+    assert chain_hash(block) != chain_hash(block[::-1])
+
+
+def test_allocate_and_free_ref_counts():
+    manager = BlockManager(num_blocks=8, block_size=BS)
+    seq = seq_of(list(range(40)))  # 3 blocks: 16 + 16 + 8
+    assert manager.can_allocate(seq)
+    manager.allocate(seq)
+    assert len(seq.block_table) == 3 and manager.num_free_blocks == 5
+    assert all(manager.blocks[b].ref_count == 1 for b in seq.block_table)
+    manager.check_invariants([seq])
+    manager.deallocate(seq)
+    assert manager.num_free_blocks == 8 and seq.block_table == []
+    manager.check_invariants([])
+
+
+def test_prefix_hit_shares_blocks_and_counts_refs():
+    manager = BlockManager(num_blocks=10, block_size=BS)
+    shared = list(range(100, 132))  # two full blocks
+    a = seq_of(shared + [1, 2, 3])
+    manager.allocate(a)
+    assert a.num_prefix_hit_tokens == 0
+    compute_all(manager, a)
+    b = seq_of(shared + [7, 8])
+    manager.allocate(b)
+    assert b.num_prefix_hit_tokens == 32 and b.num_computed_tokens == 32
+    assert b.block_table[:2] == a.block_table[:2] and b.block_table[2] != a.block_table[2]
+    assert [manager.blocks[i].ref_count for i in a.block_table[:2]] == [2, 2]
+    manager.check_invariants([a, b])
+    manager.deallocate(a)
+    assert [manager.blocks[i].ref_count for i in b.block_table[:2]] == [1, 1]
+    manager.deallocate(b)
+    manager.check_invariants([])
+
+
+def test_no_hit_before_kv_is_computed():
+    """Hashes are published only after the K/V is in the cache (a chunk in flight must not be hit)."""
+    manager = BlockManager(num_blocks=10, block_size=BS)
+    a, b = seq_of(list(range(40))), seq_of(list(range(40)))
+    manager.allocate(a)
+    manager.allocate(b)
+    assert b.num_prefix_hit_tokens == 0
+
+
+def test_hit_needs_identical_prefix_not_just_identical_block():
+    manager = BlockManager(num_blocks=10, block_size=BS)
+    a = seq_of(list(range(32)) + [5])
+    manager.allocate(a)
+    compute_all(manager, a)
+    b = seq_of([999] + list(range(1, 16)) + list(range(16, 32)) + [5])  # block 1 equal, block 0 differs
+    manager.allocate(b)
+    assert b.num_prefix_hit_tokens == 0
+
+
+def test_hash_collision_is_caught_by_token_check():
+    manager = BlockManager(num_blocks=10, block_size=BS)
+    a = seq_of(list(range(17)))
+    manager.allocate(a)
+    compute_all(manager, a)
+    block = manager.blocks[a.block_table[0]]
+    block.token_ids = [-1] * BS  # as if another content had produced the same hash
+    b = seq_of(list(range(17)))
+    manager.allocate(b)
+    assert b.num_prefix_hit_tokens == 0
+
+
+def test_whole_prompt_cached_still_leaves_a_token_to_compute():
+    manager = BlockManager(num_blocks=10, block_size=BS)
+    a = seq_of(list(range(32)) + [1])
+    manager.allocate(a)
+    compute_all(manager, a)
+    b = seq_of(list(range(32)))  # exactly the two cached blocks
+    manager.allocate(b)
+    assert b.num_prefix_hit_tokens == 16  # the last block is recomputed, so the query is never empty
+    assert b.num_computed_tokens < b.num_tokens
+
+
+def test_freed_blocks_stay_hittable_until_reused():
+    manager = BlockManager(num_blocks=4, block_size=BS)
+    a = seq_of(list(range(33)))
+    manager.allocate(a)
+    compute_all(manager, a)
+    manager.deallocate(a)
+    b = seq_of(list(range(33)))
+    assert manager.can_allocate(b)
+    manager.allocate(b)
+    assert b.num_prefix_hit_tokens == 32  # revived from the free list
+    manager.check_invariants([b])
+    manager.deallocate(b)
+    c = seq_of(list(range(500, 564)))  # 4 fresh blocks: evicts everything cached
+    manager.allocate(c)
+    assert manager.hash_to_block_id == {}
+    manager.deallocate(c)
+    manager.check_invariants([])
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_scheduler_random_workload_keeps_invariants(seed):
+    """Drive the scheduler with a fake model: every request finishes once, with its token count."""
+    rng = random.Random(seed)
+    num_blocks = rng.choice([6, 10, 40])
+    scheduler = Scheduler(
+        max_num_seqs=rng.choice([2, 4, 16]), max_num_batched_tokens=rng.choice([8, 32, 256]),
+        max_model_len=512, num_kvcache_blocks=num_blocks, kvcache_block_size=BS, eos_token_ids=set(),
+    )
+    prefix = [rng.randrange(50) for _ in range(32)]
+    seqs = []
+    for _ in range(12):
+        prompt = (prefix if rng.random() < 0.5 else []) + [rng.randrange(50) for _ in range(rng.randint(1, 40))]
+        max_tokens = rng.randint(1, 30)
+        if scheduler.block_manager.blocks_needed(len(prompt) + max_tokens) > num_blocks:
+            continue  # the engine rejects such requests up front
+        seq = seq_of(prompt, max_tokens)
+        seqs.append(seq)
+        scheduler.add(seq)
+    finished_order = []
+    for _ in range(10_000):
+        if scheduler.is_finished():
+            break
+        batch, is_prefill = scheduler.schedule()
+        assert batch and len(batch) <= scheduler.max_num_seqs
+        if is_prefill:
+            assert sum(s.num_scheduled_tokens for s in batch) <= scheduler.max_num_batched_tokens
+        live = [s for s in seqs if s.block_table]
+        scheduler.block_manager.check_invariants(live)
+        finished_order += scheduler.postprocess(batch, [rng.randrange(50) for _ in batch])
+    assert scheduler.is_finished()
+    assert sorted(s.seq_id for s in finished_order) == sorted(s.seq_id for s in seqs)  # each exactly once
+    for seq in seqs:
+        assert seq.status == SequenceStatus.FINISHED
+        assert seq.num_completion_tokens == seq.sampling_params.max_tokens
+    scheduler.block_manager.check_invariants([])
+    assert scheduler.block_manager.num_free_blocks == num_blocks

@@ -1,0 +1,128 @@
+"""Attention kernels (torch reference backend) against the naive padded oracle, on fresh random inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nanoref.ops import (
+    gather_paged,
+    naive_padded_attention,
+    paged_decode_attention,
+    store_kvcache_torch,
+    varlen_attention,
+)
+
+TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+def cu(lens: list[int]) -> torch.Tensor:
+    return torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+
+
+def random_paged_cache(lens, block_size, num_kv_heads, head_dim, dtype, g):
+    """Fill a paged cache with random K/V for sequences of `lens` tokens, in shuffled blocks.
+
+    Returns k_cache, v_cache, block_table (B, max_blocks, -1 padded), and the contiguous K/V (flat).
+    """
+    blocks_per_seq = [(n + block_size - 1) // block_size for n in lens]
+    num_blocks = sum(blocks_per_seq) + 3
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
+    order = torch.randperm(num_blocks, generator=g).tolist()  # physical blocks in no particular order
+    width = max(blocks_per_seq)
+    block_table = torch.full((len(lens), width), -1, dtype=torch.int32)
+    for b, nb in enumerate(blocks_per_seq):
+        block_table[b, :nb] = torch.tensor([order.pop() for _ in range(nb)], dtype=torch.int32)
+    k_flat = torch.cat([gather_paged(k_cache, block_table[b], n) for b, n in enumerate(lens)])
+    v_flat = torch.cat([gather_paged(v_cache, block_table[b], n) for b, n in enumerate(lens)])
+    return k_cache, v_cache, block_table, k_flat, v_flat
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (8, 2)])
+def test_varlen_attention_matches_naive(dtype, heads, kv_heads):
+    g = torch.Generator().manual_seed(heads * 10 + kv_heads)
+    lens = [1, 5, 17, 33]
+    n, d = sum(lens), 32
+    q = torch.randn(n, heads, d, generator=g).to(dtype)
+    k = torch.randn(n, kv_heads, d, generator=g).to(dtype)
+    v = torch.randn(n, kv_heads, d, generator=g).to(dtype)
+    out = varlen_attention(q, k, v, cu(lens), cu(lens), max(lens), max(lens), causal=True)
+    ref = naive_padded_attention(q, k, v, cu(lens), cu(lens), causal=True)
+    assert out.shape == (n, heads, d) and out.dtype == dtype
+    torch.testing.assert_close(out.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_varlen_attention_with_cached_history(block_size, dtype):
+    """Queries are the last tokens of longer sequences whose keys are read through block tables."""
+    g = torch.Generator().manual_seed(block_size)
+    k_lens, q_lens = [20, 47, 16, 70], [3, 47, 1, 30]
+    heads, kv_heads, d = 4, 2, 16
+    k_cache, v_cache, block_table, k_flat, v_flat = random_paged_cache(k_lens, block_size, kv_heads, d, dtype, g)
+    q = torch.randn(sum(q_lens), heads, d, generator=g).to(dtype)
+    out = varlen_attention(
+        q, k_cache, v_cache, cu(q_lens), cu(k_lens), max(q_lens), max(k_lens), causal=True, block_table=block_table
+    )
+    ref = naive_padded_attention(q, k_flat, v_flat, cu(q_lens), cu(k_lens), causal=True)
+    torch.testing.assert_close(out.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads", [(2, 2), (4, 2), (8, 2)])
+def test_paged_decode_matches_naive(block_size, dtype, heads, kv_heads):
+    g = torch.Generator().manual_seed(block_size + heads)
+    lens = [1, 15, 16, 17, 40, 77]  # not multiples of the block size, and exact multiples
+    d = 32
+    k_cache, v_cache, block_table, k_flat, v_flat = random_paged_cache(lens, block_size, kv_heads, d, dtype, g)
+    q = torch.randn(len(lens), 1, heads, d, generator=g).to(dtype)  # (B, 1, H, D)
+    cache_seqlens = torch.tensor(lens, dtype=torch.int32)
+    out = paged_decode_attention(q, k_cache, v_cache, cache_seqlens, block_table, causal=True)
+    ones = [1] * len(lens)
+    ref = naive_padded_attention(q.squeeze(1), k_flat, v_flat, cu(ones), cu(lens), causal=True)  # (B, H, D)
+    assert out.shape == q.shape
+    torch.testing.assert_close(out.squeeze(1).float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_naive_oracle_against_dense_softmax():
+    """The oracle itself, against a hand-written single-sequence softmax(QK^T)V with a causal mask."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(6, 2, 8, generator=g, dtype=torch.float64) for _ in range(3))
+    scores = torch.einsum("qhd,khd->hqk", q, k) / 8**0.5
+    scores = scores.masked_fill(torch.ones(6, 6, dtype=torch.bool).triu(1), float("-inf"))
+    expected = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+    torch.testing.assert_close(naive_padded_attention(q, k, v, cu([6]), cu([6])), expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_kvcache_writes_slots_and_skips_minus_one(dtype):
+    g = torch.Generator().manual_seed(7)
+    num_blocks, block_size, kv_heads, d = 6, 16, 2, 8
+    key = torch.randn(5, kv_heads, d, generator=g).to(dtype)
+    value = torch.randn(5, kv_heads, d, generator=g).to(dtype)
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, d, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, d, generator=g).to(dtype)
+    before_k, before_v = k_cache.clone(), v_cache.clone()
+    slots = torch.tensor([3, -1, 16 * 4 + 15, 16 + 0, -1])
+    store_kvcache_torch(key, value, k_cache, v_cache, slots)
+    expected_k, expected_v = before_k.view(-1, kv_heads, d).clone(), before_v.view(-1, kv_heads, d).clone()
+    for token, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            expected_k[slot], expected_v[slot] = key[token], value[token]
+    assert torch.equal(k_cache.view(-1, kv_heads, d), expected_k)
+    assert torch.equal(v_cache.view(-1, kv_heads, d), expected_v)
+
+
+def test_store_kvcache_rejects_bad_layouts():
+    key = torch.randn(4, 2, 8)
+    cache = torch.zeros(2, 16, 2, 8)
+    with pytest.raises(ValueError, match="one slot per token"):
+        store_kvcache_torch(key, key, cache, cache.clone(), torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="packed"):
+        wide = torch.randn(4, 2, 16)[:, :, :8]  # head axis stride 16 != head_dim 8
+        store_kvcache_torch(wide, wide, cache, cache.clone(), torch.arange(4))
+    with pytest.raises(ValueError, match="cache rows"):
+        store_kvcache_torch(key, key, torch.zeros(2, 16, 4, 8), torch.zeros(2, 16, 4, 8), torch.arange(4))
