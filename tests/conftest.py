@@ -66,3 +66,12 @@ def shared_prefix_prompts(seed: int, prefix_len: int, suffix_lens: list[int], vo
     g = torch.Generator().manual_seed(seed)
     prefix = torch.randint(0, vocab, (prefix_len,), generator=g).tolist()
     return [prefix + torch.randint(0, vocab, (n,), generator=g).tolist() for n in suffix_lens]
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

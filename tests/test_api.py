@@ -19,8 +19,9 @@ def test_unknown_keyword_raises_type_error(tiny_model):
         LLM(tiny_model, max_num_seq=4)  # typo of max_num_seqs
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the defaults of a machine without a GPU")
 def test_defaults_on_cpu(tiny_model):
-    llm = LLM(tiny_model, num_kvcache_blocks=8)
+    llm = LLM(tiny_model, device="cpu", num_kvcache_blocks=8)
     assert llm.config.device.type == "cpu" and llm.config.dtype == torch.float32
     assert llm.model_runner.backend.name == "torch"
     assert llm.model_runner.kv_cache.shape == (2, 2, 8, 16, 2, 16)  # (2, layers, blocks, block, Hk, D)
@@ -64,7 +65,7 @@ def test_bad_sampling_params(kwargs, match):
 
 
 def test_bad_prompts_are_named_and_engine_keeps_serving(tiny_model):
-    llm = LLM(tiny_model, num_kvcache_blocks=3, max_model_len=64)
+    llm = LLM(tiny_model, device="cpu", num_kvcache_blocks=3, max_model_len=64)
     greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     good = random_prompts(seed=0, lengths=[5])[0]
     with pytest.raises(ValueError, match="prompt 1: the prompt is empty"):
@@ -85,7 +86,7 @@ def test_bad_prompts_are_named_and_engine_keeps_serving(tiny_model):
 
 
 def test_outputs_in_input_order_and_max_tokens(tiny_model):
-    llm = LLM(tiny_model, num_kvcache_blocks=64)
+    llm = LLM(tiny_model, device="cpu", num_kvcache_blocks=64)
     prompts = random_prompts(seed=9, lengths=[30, 2, 11])
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (3, 9, 1)]
     out = llm.generate(prompts, params, use_tqdm=False)
@@ -95,13 +96,13 @@ def test_outputs_in_input_order_and_max_tokens(tiny_model):
 
 
 def test_generation_stops_at_max_model_len(tiny_model):
-    llm = LLM(tiny_model, num_kvcache_blocks=16, max_model_len=20)
+    llm = LLM(tiny_model, device="cpu", num_kvcache_blocks=16, max_model_len=20)
     out = llm.generate([list(range(1, 16))], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True), use_tqdm=False)
     assert len(out[0]["token_ids"]) == 5  # 15 prompt + 5 generated = max_model_len
 
 
 def test_seeded_sampling_is_reproducible_and_batch_independent(tiny_model):
-    llm = LLM(tiny_model, num_kvcache_blocks=64)
+    llm = LLM(tiny_model, device="cpu", num_kvcache_blocks=64)
     prompts = random_prompts(seed=10, lengths=[8, 13])
     params = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, max_tokens=12, seed=123, ignore_eos=True)
     alone = llm.generate([prompts[0]], params, use_tqdm=False)[0]

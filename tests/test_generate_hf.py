@@ -29,7 +29,7 @@ def assert_no_block_leaked(llm: LLM):
 def test_greedy_matches_hf_ample_memory(tiny_models, name):
     folder = tiny_models[name]
     prompts = random_prompts(seed=1, lengths=[1, 7, 16, 17, 33, 50])
-    llm = LLM(folder, num_kvcache_blocks=256)
+    llm = LLM(folder, device="cpu", num_kvcache_blocks=256)
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert_matches_hf(folder, prompts, outputs, GREEDY.max_tokens)
     assert_no_block_leaked(llm)
@@ -39,7 +39,7 @@ def test_greedy_matches_hf_ample_memory(tiny_models, name):
 def test_greedy_matches_hf_chunked_prefill(tiny_model, block_size):
     """A token budget smaller than the prompts: every prompt is prefilled in several chunks."""
     prompts = random_prompts(seed=2, lengths=[45, 30, 70, 9])
-    llm = LLM(tiny_model, num_kvcache_blocks=128, max_num_batched_tokens=13, kvcache_block_size=block_size)
+    llm = LLM(tiny_model, device="cpu", num_kvcache_blocks=128, max_num_batched_tokens=13, kvcache_block_size=block_size)
     steps = []
     original_schedule = llm.scheduler.schedule
 
@@ -63,7 +63,7 @@ def test_greedy_matches_hf_under_preemption(tiny_models, name):
     folder = tiny_models[name]
     prompts = shared_prefix_prompts(seed=3, prefix_len=32, suffix_lens=[5, 12, 20, 3, 9, 27])
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    llm = LLM(folder, num_kvcache_blocks=12, kvcache_block_size=16, max_num_seqs=8)
+    llm = LLM(folder, device="cpu", num_kvcache_blocks=12, kvcache_block_size=16, max_num_seqs=8)
     outputs = llm.generate(prompts, params, use_tqdm=False)
     assert llm.scheduler.num_preemptions > 0, "the KV budget was meant to force preemption"
     assert llm.scheduler.block_manager.num_hit_blocks > 0, "shared prefixes were meant to hit the cache"
@@ -73,7 +73,7 @@ def test_greedy_matches_hf_under_preemption(tiny_models, name):
 
 def test_prefix_cache_hits_across_calls_keep_output_exact(tiny_model):
     prompts = shared_prefix_prompts(seed=4, prefix_len=48, suffix_lens=[4, 19])
-    llm = LLM(tiny_model, num_kvcache_blocks=64)
+    llm = LLM(tiny_model, device="cpu", num_kvcache_blocks=64)
     first = llm.generate(prompts, GREEDY, use_tqdm=False)
     hits_before = llm.scheduler.block_manager.num_hit_blocks
     second = llm.generate(prompts, GREEDY, use_tqdm=False)
@@ -85,7 +85,7 @@ def test_prefix_cache_hits_across_calls_keep_output_exact(tiny_model):
 def test_prompt_entirely_in_prefix_cache(tiny_model):
     """A prompt of whole blocks that is fully cached still computes its last token (no empty query)."""
     prompt = random_prompts(seed=5, lengths=[32])[0]
-    llm = LLM(tiny_model, num_kvcache_blocks=32)
+    llm = LLM(tiny_model, device="cpu", num_kvcache_blocks=32)
     llm.generate([prompt + [1, 2, 3]], GREEDY, use_tqdm=False)  # caches the prompt's two full blocks
     out = llm.generate([prompt], GREEDY, use_tqdm=False)
     assert llm.scheduler.block_manager.num_hit_blocks >= 1
@@ -96,7 +96,7 @@ def test_prompt_entirely_in_prefix_cache(tiny_model):
 def test_prefill_logits_allclose_hf(tiny_models, name):
     folder = tiny_models[name]
     prompts = random_prompts(seed=6, lengths=[3, 21, 40])
-    llm = LLM(folder, num_kvcache_blocks=32)
+    llm = LLM(folder, device="cpu", num_kvcache_blocks=32)
     runner = llm.model_runner
     ids = torch.tensor([t for p in prompts for t in p])  # (N,)
     positions = torch.cat([torch.arange(len(p)) for p in prompts])  # (N,)

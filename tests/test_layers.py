@@ -58,7 +58,7 @@ def test_rotary_matches_hf():
 
 
 def test_trace_shapes_prints_real_flat_shapes(tiny_model):
-    llm = LLM(tiny_model, num_kvcache_blocks=16)
+    llm = LLM(tiny_model, device="cpu", num_kvcache_blocks=16)
     buffer = io.StringIO()
     with trace_shapes(file=buffer):
         llm.generate([[1, 2, 3, 4, 5], [6, 7, 8]], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)

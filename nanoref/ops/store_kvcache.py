@@ -39,13 +39,23 @@ def store_kvcache_torch(
 ) -> None:
     """key, value: (N, Hk, D); caches: (num_blocks, block_size, Hk, D); slot_mapping: (N,), -1 = skip."""
     check_kvcache_layout(key, value, k_cache, v_cache, slot_mapping)
-    keep = slot_mapping >= 0  # (N,)
-    slots = slot_mapping[keep]  # (n,)
     row = key.shape[1] * key.shape[2]
-    k_rows = k_cache.view(-1, row)  # (num_blocks * block_size, D)
-    v_rows = v_cache.view(-1, row)  # (num_blocks * block_size, D)
-    k_rows[slots] = key[keep].reshape(-1, row).to(k_cache.dtype)  # (n, D) -> rows `slots`
-    v_rows[slots] = value[keep].reshape(-1, row).to(v_cache.dtype)
+    k_rows = k_cache.view(-1, row)  # (num_blocks * block_size, D): slot s is row s
+    v_rows = v_cache.view(-1, row)
+    key_rows = key.reshape(-1, row).to(k_cache.dtype)  # (N, D)
+    value_rows = value.reshape(-1, row).to(v_cache.dtype)  # (N, D)
+    keep = slot_mapping >= 0  # (N,)
+    if key.is_cuda and torch.cuda.is_current_stream_capturing():
+        # A boolean mask needs the host to learn how many tokens survive, which a CUDA graph cannot
+        # record. Instead every skipped token repeats the write of the first stored token: the same
+        # value to the same slot twice changes nothing. (Graph batches always start with a real token.)
+        first = keep.int().argmax()  # (): a token that is stored
+        source = torch.where(keep, torch.arange(keep.numel(), device=keep.device), first)  # (N,)
+        k_rows[slot_mapping[source]] = key_rows[source]
+        v_rows[slot_mapping[source]] = value_rows[source]
+    else:
+        k_rows[slot_mapping[keep]] = key_rows[keep]  # (n, D) -> rows `slots`
+        v_rows[slot_mapping[keep]] = value_rows[keep]
     trace("store_kvcache", key=key, slot_mapping=slot_mapping, k_cache=k_cache)
 
 

@@ -1,0 +1,46 @@
+"""CUDA: the engine on a GPU, eager and with decode CUDA graphs. Skipped without a GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nanoref import LLM, SamplingParams
+
+from .conftest import hf_greedy, random_prompts, shared_prefix_prompts
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("max_num_seqs", [20, 64])  # 20: not a multiple of the 16-wide graph buckets
+def test_cuda_graphs_match_eager_and_hf(tiny_model, max_num_seqs):
+    prompts = random_prompts(seed=11, lengths=[3, 9, 17, 25, 33, 1, 40, 12, 5, 30, 18, 22, 7, 2, 16, 31, 8, 19, 27, 14, 6])
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    kwargs = dict(device="cuda", dtype="float32", num_kvcache_blocks=256, max_num_seqs=max_num_seqs)
+    eager = LLM(tiny_model, enforce_eager=True, **kwargs)
+    graphed = LLM(tiny_model, **kwargs)
+    assert not eager.model_runner.graphs
+    assert max(graphed.model_runner.graphs) == max_num_seqs
+    out_eager = eager.generate(prompts, params, use_tqdm=False)
+    out_graph = graphed.generate(prompts, params, use_tqdm=False)
+    assert out_graph == out_eager
+    for prompt, output in zip(prompts, out_graph):
+        assert output["token_ids"] == hf_greedy(tiny_model, prompt, params.max_tokens)
+
+
+def test_cuda_preemption_and_prefix_cache_match_hf(tiny_model):
+    prompts = shared_prefix_prompts(seed=12, prefix_len=32, suffix_lens=[5, 12, 20, 3, 9, 27])
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    llm = LLM(tiny_model, device="cuda", dtype="float32", num_kvcache_blocks=12, max_num_seqs=8)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.scheduler.num_preemptions > 0
+    for prompt, output in zip(prompts, outputs):
+        assert output["token_ids"] == hf_greedy(tiny_model, prompt, params.max_tokens)
+
+
+def test_cuda_bfloat16_default_and_memory_derived_cache(tiny_model):
+    llm = LLM(tiny_model, gpu_memory_utilization=0.05)
+    assert llm.config.device.type == "cuda" and llm.config.dtype == torch.bfloat16
+    assert llm.model_runner.num_kvcache_blocks > 1000
+    out = llm.generate(random_prompts(seed=13, lengths=[4, 50]), SamplingParams(temperature=0.7, max_tokens=16), use_tqdm=False)
+    assert all(0 < len(o["token_ids"]) <= 16 and all(0 <= t < 256 for t in o["token_ids"]) for o in out)
