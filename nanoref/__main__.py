@@ -38,8 +38,12 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         params = SamplingParams(
-            temperature=args.temperature, max_tokens=args.max_tokens, top_k=args.top_k,
-            top_p=args.top_p, seed=args.seed, ignore_eos=args.ignore_eos,
+            temperature=args.temperature,
+            max_tokens=args.max_tokens,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            seed=args.seed,
+            ignore_eos=args.ignore_eos,
         )
         llm = LLM(args.model, device=args.device, dtype=args.dtype, attention_backend=args.attention_backend)
         if args.trace:

@@ -71,8 +71,12 @@ class EngineConfig:
         if self.max_model_len is None:
             self.max_model_len = min(limit, 4096)
         if not isinstance(self.max_model_len, int) or not 1 < self.max_model_len <= limit:
-            raise ValueError(f"max_model_len must be an integer in [2, {limit}] (the model's limit), got {self.max_model_len!r}")
-        if self.num_kvcache_blocks is not None and (not isinstance(self.num_kvcache_blocks, int) or self.num_kvcache_blocks <= 0):
+            raise ValueError(
+                f"max_model_len must be an integer in [2, {limit}] (the model's limit), got {self.max_model_len!r}"
+            )
+        if self.num_kvcache_blocks is not None and (
+            not isinstance(self.num_kvcache_blocks, int) or self.num_kvcache_blocks <= 0
+        ):
             raise ValueError(f"num_kvcache_blocks must be a positive integer or None, got {self.num_kvcache_blocks!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")

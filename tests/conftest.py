@@ -50,9 +50,7 @@ def hf_greedy(folder, prompt: list[int], max_new_tokens: int) -> list[int]:
     model = hf_model(folder)
     ids = torch.tensor([prompt])
     with torch.no_grad():
-        out = model.generate(
-            ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens
-        )
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens)
     return out[0, len(prompt) :].tolist()
 
 

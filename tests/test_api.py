@@ -97,7 +97,9 @@ def test_outputs_in_input_order_and_max_tokens(tiny_model):
 
 def test_generation_stops_at_max_model_len(tiny_model):
     llm = LLM(tiny_model, device="cpu", num_kvcache_blocks=16, max_model_len=20)
-    out = llm.generate([list(range(1, 16))], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True), use_tqdm=False)
+    out = llm.generate(
+        [list(range(1, 16))], SamplingParams(temperature=0, max_tokens=50, ignore_eos=True), use_tqdm=False
+    )
     assert len(out[0]["token_ids"]) == 5  # 15 prompt + 5 generated = max_model_len
 
 
@@ -108,7 +110,9 @@ def test_seeded_sampling_is_reproducible_and_batch_independent(tiny_model):
     alone = llm.generate([prompts[0]], params, use_tqdm=False)[0]
     batched = llm.generate(prompts, params, use_tqdm=False)[0]
     assert alone == batched
-    other = llm.generate([prompts[0]], SamplingParams(temperature=1.0, max_tokens=12, seed=7, ignore_eos=True), use_tqdm=False)
+    other = llm.generate(
+        [prompts[0]], SamplingParams(temperature=1.0, max_tokens=12, seed=7, ignore_eos=True), use_tqdm=False
+    )
     assert other != alone
 
 

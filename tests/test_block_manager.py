@@ -130,8 +130,12 @@ def test_scheduler_random_workload_keeps_invariants(seed):
     rng = random.Random(seed)
     num_blocks = rng.choice([6, 10, 40])
     scheduler = Scheduler(
-        max_num_seqs=rng.choice([2, 4, 16]), max_num_batched_tokens=rng.choice([8, 32, 256]),
-        max_model_len=512, num_kvcache_blocks=num_blocks, kvcache_block_size=BS, eos_token_ids=set(),
+        max_num_seqs=rng.choice([2, 4, 16]),
+        max_num_batched_tokens=rng.choice([8, 32, 256]),
+        max_model_len=512,
+        num_kvcache_blocks=num_blocks,
+        kvcache_block_size=BS,
+        eos_token_ids=set(),
     )
     prefix = [rng.randrange(50) for _ in range(32)]
     seqs = []

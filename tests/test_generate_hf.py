@@ -39,7 +39,9 @@ def test_greedy_matches_hf_ample_memory(tiny_models, name):
 def test_greedy_matches_hf_chunked_prefill(tiny_model, block_size):
     """A token budget smaller than the prompts: every prompt is prefilled in several chunks."""
     prompts = random_prompts(seed=2, lengths=[45, 30, 70, 9])
-    llm = LLM(tiny_model, device="cpu", num_kvcache_blocks=128, max_num_batched_tokens=13, kvcache_block_size=block_size)
+    llm = LLM(
+        tiny_model, device="cpu", num_kvcache_blocks=128, max_num_batched_tokens=13, kvcache_block_size=block_size
+    )
     steps = []
     original_schedule = llm.scheduler.schedule
 

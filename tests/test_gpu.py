@@ -14,7 +14,9 @@ pytestmark = pytest.mark.gpu
 
 @pytest.mark.parametrize("max_num_seqs", [20, 64])  # 20: not a multiple of the 16-wide graph buckets
 def test_cuda_graphs_match_eager_and_hf(tiny_model, max_num_seqs):
-    prompts = random_prompts(seed=11, lengths=[3, 9, 17, 25, 33, 1, 40, 12, 5, 30, 18, 22, 7, 2, 16, 31, 8, 19, 27, 14, 6])
+    prompts = random_prompts(
+        seed=11, lengths=[3, 9, 17, 25, 33, 1, 40, 12, 5, 30, 18, 22, 7, 2, 16, 31, 8, 19, 27, 14, 6]
+    )
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     kwargs = dict(device="cuda", dtype="float32", num_kvcache_blocks=256, max_num_seqs=max_num_seqs)
     eager = LLM(tiny_model, enforce_eager=True, **kwargs)
@@ -42,5 +44,7 @@ def test_cuda_bfloat16_default_and_memory_derived_cache(tiny_model):
     llm = LLM(tiny_model, gpu_memory_utilization=0.05)
     assert llm.config.device.type == "cuda" and llm.config.dtype == torch.bfloat16
     assert llm.model_runner.num_kvcache_blocks > 1000
-    out = llm.generate(random_prompts(seed=13, lengths=[4, 50]), SamplingParams(temperature=0.7, max_tokens=16), use_tqdm=False)
+    out = llm.generate(
+        random_prompts(seed=13, lengths=[4, 50]), SamplingParams(temperature=0.7, max_tokens=16), use_tqdm=False
+    )
     assert all(0 < len(o["token_ids"]) <= 16 and all(0 <= t < 256 for t in o["token_ids"]) for o in out)

@@ -81,7 +81,8 @@ class ModelRunner:
             num_blocks = budget // per_block
             if num_blocks <= 0:
                 raise RuntimeError(
-                    f"no GPU memory left for the KV cache at gpu_memory_utilization={self.config.gpu_memory_utilization}"
+                    "no GPU memory left for the KV cache at "
+                    f"gpu_memory_utilization={self.config.gpu_memory_utilization}"
                 )
             return num_blocks
         # CPU: enough for max_num_seqs full-length sequences, but never more than a quarter of free RAM
@@ -103,7 +104,9 @@ class ModelRunner:
         num_seqs = max(1, num_tokens // seq_len)
         lens = [seq_len] * num_seqs
         cu = torch.tensor([0] + [seq_len * (i + 1) for i in range(num_seqs)], dtype=torch.int32, device=self.device)
-        set_context(Context(is_prefill=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=seq_len, max_seqlen_k=seq_len))
+        set_context(
+            Context(is_prefill=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=seq_len, max_seqlen_k=seq_len)
+        )
         ids = torch.zeros(sum(lens), dtype=torch.int64, device=self.device)
         positions = torch.arange(seq_len, device=self.device).repeat(num_seqs)
         self.model.compute_logits(self.model(ids, positions))
@@ -191,9 +194,14 @@ class ModelRunner:
             c = get_context()
             trace_step(
                 "prefill" if is_prefill else "decode",
-                seq_ids=[seq.seq_id for seq in seqs], input_ids=input_ids, positions=positions,
-                cu_seqlens_q=c.cu_seqlens_q, cu_seqlens_k=c.cu_seqlens_k, slot_mapping=c.slot_mapping,
-                context_lens=c.context_lens, block_tables=c.block_tables,
+                seq_ids=[seq.seq_id for seq in seqs],
+                input_ids=input_ids,
+                positions=positions,
+                cu_seqlens_q=c.cu_seqlens_q,
+                cu_seqlens_k=c.cu_seqlens_k,
+                slot_mapping=c.slot_mapping,
+                context_lens=c.context_lens,
+                block_tables=c.block_tables,
             )
         logits = self.run_model(input_ids, positions, is_prefill)  # (num_seqs, vocab)
         token_ids = self.sampler(logits, **self.prepare_sample(seqs)).tolist()
@@ -230,10 +238,14 @@ class ModelRunner:
         pool = None
         for bs in reversed(self._graph_batch_sizes()):
             graph = torch.cuda.CUDAGraph()
-            set_context(Context(
-                is_prefill=False, slot_mapping=v["slot_mapping"][:bs],
-                context_lens=v["context_lens"][:bs], block_tables=v["block_tables"][:bs],
-            ))
+            set_context(
+                Context(
+                    is_prefill=False,
+                    slot_mapping=v["slot_mapping"][:bs],
+                    context_lens=v["context_lens"][:bs],
+                    block_tables=v["block_tables"][:bs],
+                )
+            )
             v["hidden"][:bs] = self.model(v["input_ids"][:bs], v["positions"][:bs])  # warm up outside capture
             with torch.cuda.graph(graph, pool):
                 v["hidden"][:bs] = self.model(v["input_ids"][:bs], v["positions"][:bs])

@@ -41,18 +41,34 @@ class Attention(nn.Module):
                 k, v = k_cache, v_cache
             trace("attn.varlen", q=q, k=k, v=v, cu_seqlens_q=context.cu_seqlens_q, cu_seqlens_k=context.cu_seqlens_k)
             out = self.backend.varlen(
-                q, k, v,
-                cu_seqlens_q=context.cu_seqlens_q, cu_seqlens_k=context.cu_seqlens_k,
-                max_seqlen_q=context.max_seqlen_q, max_seqlen_k=context.max_seqlen_k,
-                softmax_scale=self.scale, causal=True, block_table=context.block_tables,
+                q,
+                k,
+                v,
+                cu_seqlens_q=context.cu_seqlens_q,
+                cu_seqlens_k=context.cu_seqlens_k,
+                max_seqlen_q=context.max_seqlen_q,
+                max_seqlen_k=context.max_seqlen_k,
+                softmax_scale=self.scale,
+                causal=True,
+                block_table=context.block_tables,
             )  # (N, H, D)
         else:
             q = q.unsqueeze(1)  # (B, H, D) -> (B, 1, H, D): a length-1 query block per sequence
-            trace("attn.decode", q=q, k_cache=k_cache, context_lens=context.context_lens, block_tables=context.block_tables)
+            trace(
+                "attn.decode",
+                q=q,
+                k_cache=k_cache,
+                context_lens=context.context_lens,
+                block_tables=context.block_tables,
+            )
             out = self.backend.decode(
-                q, k_cache, v_cache,
-                cache_seqlens=context.context_lens, block_table=context.block_tables,
-                softmax_scale=self.scale, causal=True,
+                q,
+                k_cache,
+                v_cache,
+                cache_seqlens=context.context_lens,
+                block_table=context.block_tables,
+                softmax_scale=self.scale,
+                causal=True,
             ).squeeze(1)  # (B, 1, H, D) -> (B, H, D)
         trace("attn.out", out=out)
         return out

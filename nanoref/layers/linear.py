@@ -30,7 +30,9 @@ class Linear(nn.Module):
             self.bias = nn.Parameter(torch.empty(output_size))
             self.bias.weight_loader = self.weight_loader
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: int | str | None = None) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: int | str | None = None
+    ) -> None:
         default_weight_loader(param, loaded_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -49,7 +51,9 @@ class MergedLinear(Linear):
         index = int(shard_id)
         return slice(self.offsets[index], self.offsets[index] + self.output_sizes[index])
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: int | str | None = None) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: int | str | None = None
+    ) -> None:
         if shard_id is None:
             return default_weight_loader(param, loaded_weight)
         rows = self.shard_rows(shard_id)

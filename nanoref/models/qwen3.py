@@ -42,8 +42,12 @@ class Qwen3Config:
     torch_dtype: str | None = None
 
     REQUIRED = (
-        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-        "num_attention_heads", "max_position_embeddings",
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "max_position_embeddings",
     )
 
     @classmethod
@@ -78,7 +82,8 @@ class Qwen3Config:
         )
         if config.num_attention_heads % config.num_key_value_heads:
             raise ValueError(
-                f"num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({config.num_key_value_heads})"
+                f"num_attention_heads ({heads}) must be a multiple of "
+                f"num_key_value_heads ({config.num_key_value_heads})"
             )
         if config.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {config.head_dim}")

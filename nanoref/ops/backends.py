@@ -49,8 +49,13 @@ def _flash_attn_backend() -> AttentionBackend:
 
     def decode(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale=None, causal=True):
         return flash_attn_with_kvcache(
-            q, k_cache, v_cache, cache_seqlens=cache_seqlens, block_table=block_table,
-            softmax_scale=softmax_scale, causal=causal,
+            q,
+            k_cache,
+            v_cache,
+            cache_seqlens=cache_seqlens,
+            block_table=block_table,
+            softmax_scale=softmax_scale,
+            causal=causal,
         )
 
     return AttentionBackend(
@@ -72,6 +77,8 @@ def resolve_backend(name: str, device: torch.device) -> AttentionBackend:
         if device.type != "cuda":
             raise ValueError("attention_backend='flash_attn' needs a CUDA device; use 'torch' on CPU")
         if not flash_attn_available():
-            raise ValueError("attention_backend='flash_attn' but flash-attn is not installed (pip install 'nanoref[flash]')")
+            raise ValueError(
+                "attention_backend='flash_attn' but flash-attn is not installed (pip install 'nanoref[flash]')"
+            )
         return _flash_attn_backend()
     return _torch_backend()
