@@ -27,6 +27,8 @@ def make_tiny_qwen3(folder: str | Path, seed: int = 0, initializer_range: float 
     """
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers.utils import logging as hf_logging
+
 
     settings = {**TINY_QWEN3, **overrides}
     theta = settings.pop("rope_theta", 10_000.0)
@@ -41,5 +43,11 @@ def make_tiny_qwen3(folder: str | Path, seed: int = 0, initializer_range: float 
     torch.manual_seed(seed)
     model = Qwen3ForCausalLM(config).float().eval()
     folder = Path(folder)
-    model.save_pretrained(folder)
+    bar_was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # no "Writing model shards" bar in test and notebook output
+    try:
+        model.save_pretrained(folder)
+    finally:
+        if bar_was_on:
+            hf_logging.enable_progress_bar()
     return folder

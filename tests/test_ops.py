@@ -126,3 +126,15 @@ def test_store_kvcache_rejects_bad_layouts():
         store_kvcache_torch(wide, wide, cache, cache.clone(), torch.arange(4))
     with pytest.raises(ValueError, match="cache rows"):
         store_kvcache_torch(key, key, torch.zeros(2, 16, 4, 8), torch.zeros(2, 16, 4, 8), torch.arange(4))
+
+
+@pytest.mark.parametrize("len_q", [2, 5])
+def test_paged_decode_with_several_queries_is_causal(len_q):
+    """As flash_attn_with_kvcache: Lq new tokens at the end of each history, causal among themselves."""
+    g = torch.Generator().manual_seed(len_q)
+    lens = [len_q, 20, 33]
+    k_cache, v_cache, block_table, k_flat, v_flat = random_paged_cache(lens, 16, 2, 16, torch.float32, g)
+    q = torch.randn(len(lens), len_q, 4, 16, generator=g)  # (B, Lq, H, D)
+    out = paged_decode_attention(q, k_cache, v_cache, torch.tensor(lens, dtype=torch.int32), block_table)
+    ref = naive_padded_attention(q.flatten(0, 1), k_flat, v_flat, cu([len_q] * len(lens)), cu(lens))
+    torch.testing.assert_close(out.flatten(0, 1), ref, atol=2e-5, rtol=2e-5)

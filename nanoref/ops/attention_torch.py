@@ -85,23 +85,29 @@ def paged_decode_attention(
     softmax_scale: float | None = None,
     causal: bool = True,
 ) -> torch.Tensor:
-    """q: (B, 1, H, D); caches: (num_blocks, block_size, Hk, D); cache_seqlens: (B,). -> (B, 1, H, D).
+    """q: (B, Lq, H, D); caches: (num_blocks, block_size, Hk, D); cache_seqlens: (B,). -> (B, Lq, H, D).
 
+    Decode passes Lq = 1: the newest token against its whole history. As in flash-attn, Lq > 1 means
+    the last Lq tokens of each history, causal among themselves (mask aligned bottom-right).
     Gathers every sequence's blocks into one padded (B, Lmax, Hk, D) tensor and masks positions past
     each sequence's length. No Python loop and no host sync, so a CUDA graph can capture it.
     """
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     batch, max_blocks = block_table.shape
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
-    group = q.shape[2] // num_kv_heads
+    len_q, group = q.shape[1], q.shape[2] // num_kv_heads
     blocks = block_table.long().clamp(min=0)  # (B, max_blocks); -1 padding -> block 0, masked below
     k = k_cache[blocks].view(batch, max_blocks * block_size, num_kv_heads, head_dim)  # (B, Lmax, Hk, D)
     v = v_cache[blocks].view(batch, max_blocks * block_size, num_kv_heads, head_dim)  # (B, Lmax, Hk, D)
     k = k.transpose(1, 2).repeat_interleave(group, dim=1)  # (B, H, Lmax, D)
     v = v.transpose(1, 2).repeat_interleave(group, dim=1)  # (B, H, Lmax, D)
-    valid = torch.arange(max_blocks * block_size, device=q.device)[None, :] < cache_seqlens[:, None]  # (B, Lmax)
-    # the single query is the newest token, so causality is exactly "within the history"
+    key_pos = torch.arange(max_blocks * block_size, device=q.device)  # (Lmax,)
+    lens = cache_seqlens.long()[:, None, None]  # (B, 1, 1)
+    visible = key_pos[None, None, :] < lens  # (B, 1, Lmax): inside the history
+    if causal and len_q > 1:
+        query_pos = lens - len_q + torch.arange(len_q, device=q.device)[None, :, None]  # (B, Lq, 1)
+        visible = visible & (key_pos[None, None, :] <= query_pos)  # (B, Lq, Lmax)
     out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k, v, attn_mask=valid[:, None, None, :], scale=scale
-    )  # (B, H, 1, D)
-    return out.transpose(1, 2)  # (B, 1, H, D)
+        q.transpose(1, 2), k, v, attn_mask=visible[:, None], scale=scale
+    )  # (B, H, Lq, D)
+    return out.transpose(1, 2)  # (B, Lq, H, D)
