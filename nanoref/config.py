@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from nanoref.models import Qwen3Config
-from nanoref.ops.backends import BACKEND_NAMES
+from nanoref.ops.backends import choose_backend
 from nanoref.utils.loader import load_model_config
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -46,7 +46,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 4096
     max_model_len: int | None = None  # default: the model's max_position_embeddings, capped at 4096
-    kvcache_block_size: int = 16
+    kvcache_block_size: int | None = None  # default: 16, or 256 where flash-attn serves
     num_kvcache_blocks: int | None = None  # None: derived from memory
     gpu_memory_utilization: float = 0.9
     attention_backend: str = "auto"
@@ -65,8 +65,11 @@ class EngineConfig:
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         block = self.kvcache_block_size
-        if not isinstance(block, int) or block < 16 or block > 256 or block & (block - 1):
+        if block is not None and (not isinstance(block, int) or block < 16 or block > 256 or block & (block - 1)):
             raise ValueError(f"kvcache_block_size must be a power of two from 16 to 256, got {block!r}")
+        self.attention_backend = choose_backend(self.attention_backend, self.device, self.dtype, block)
+        if block is None:  # flash-attn's paged kernels want multiples of 256; small blocks show paging best
+            self.kvcache_block_size = 256 if self.attention_backend == "flash_attn" else 16
         limit = self.hf_config.max_position_embeddings
         if self.max_model_len is None:
             self.max_model_len = min(limit, 4096)
@@ -80,7 +83,5 @@ class EngineConfig:
             raise ValueError(f"num_kvcache_blocks must be a positive integer or None, got {self.num_kvcache_blocks!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
-        if self.attention_backend not in BACKEND_NAMES:
-            raise ValueError(f"attention_backend must be one of {BACKEND_NAMES}, got {self.attention_backend!r}")
         if self.tensor_parallel_size != 1:
             raise NotImplementedError("tensor_parallel_size > 1 is not implemented yet; nanoref runs on one device")

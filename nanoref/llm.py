@@ -21,6 +21,7 @@ class LLM(LLMEngine):
     device: "cuda" when available, else "cpu". dtype: bfloat16 on CUDA, float32 on CPU.
     num_kvcache_blocks: an explicit count overrides the one derived from memory.
     attention_backend: "torch" (reference), "flash_attn" (CUDA, when installed) or "auto".
+    kvcache_block_size: tokens per KV block; default 16, or 256 when flash-attn serves.
     enforce_eager: on CUDA, skip capturing decode CUDA graphs.
     """
 
@@ -34,7 +35,7 @@ class LLM(LLMEngine):
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 4096,
         max_model_len: int | None = None,
-        kvcache_block_size: int = 16,
+        kvcache_block_size: int | None = None,
         num_kvcache_blocks: int | None = None,
         gpu_memory_utilization: float = 0.9,
         attention_backend: str = "auto",

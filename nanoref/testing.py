@@ -29,7 +29,6 @@ def make_tiny_qwen3(folder: str | Path, seed: int = 0, initializer_range: float 
     from transformers import Qwen3Config, Qwen3ForCausalLM
     from transformers.utils import logging as hf_logging
 
-
     settings = {**TINY_QWEN3, **overrides}
     theta = settings.pop("rope_theta", 10_000.0)
     config = Qwen3Config(

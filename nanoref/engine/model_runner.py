@@ -42,11 +42,6 @@ class ModelRunner:
         torch.manual_seed(0)  # anything random at load time stays reproducible
         self.model, self.hf_config = load_model(config.model_folder, self.device, config.dtype)
         self.backend = resolve_backend(config.attention_backend, self.device)
-        if self.block_size % self.backend.block_size_multiple:
-            raise ValueError(
-                f"attention backend {self.backend.name!r} needs kvcache_block_size to be a multiple of "
-                f"{self.backend.block_size_multiple}, got {self.block_size}"
-            )
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         for layer in self.attention_layers:
             layer.backend = self.backend

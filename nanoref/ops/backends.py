@@ -27,8 +27,6 @@ class AttentionBackend:
     store_kvcache: Callable[..., None]
     varlen: Callable[..., torch.Tensor]
     decode: Callable[..., torch.Tensor]
-    # flash-attn's paged kernels accept only block sizes that are multiples of this
-    block_size_multiple: int = 1
 
 
 def flash_attn_available() -> bool:
@@ -63,16 +61,21 @@ def _flash_attn_backend() -> AttentionBackend:
         store_kvcache=store_kvcache_torch,
         varlen=flash_attn_varlen_func,
         decode=decode,
-        block_size_multiple=256,
     )
 
 
-def resolve_backend(name: str, device: torch.device) -> AttentionBackend:
-    """Pick a backend by name; "auto" is flash-attn on CUDA when it imports, else torch."""
+def choose_backend(name: str, device: torch.device, dtype: torch.dtype, block_size: int | None) -> str:
+    """The concrete backend for a request; "auto" takes flash-attn only where it can serve the setup.
+
+    auto: flash-attn on CUDA when it imports, the dtype is half precision and the block size (if one was
+    asked for) is a multiple of 256; otherwise torch. An explicit choice that cannot work raises.
+    """
     if name not in BACKEND_NAMES:
         raise ValueError(f"attention_backend must be one of {BACKEND_NAMES}, got {name!r}")
+    flash_ok = device.type == "cuda" and flash_attn_available() and dtype in (torch.float16, torch.bfloat16)
     if name == "auto":
-        name = "flash_attn" if device.type == "cuda" and flash_attn_available() else "torch"
+        fits = block_size is None or block_size % 256 == 0
+        return "flash_attn" if flash_ok and fits else "torch"
     if name == "flash_attn":
         if device.type != "cuda":
             raise ValueError("attention_backend='flash_attn' needs a CUDA device; use 'torch' on CPU")
@@ -80,5 +83,19 @@ def resolve_backend(name: str, device: torch.device) -> AttentionBackend:
             raise ValueError(
                 "attention_backend='flash_attn' but flash-attn is not installed (pip install 'nanoref[flash]')"
             )
+        if dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"attention_backend='flash_attn' needs float16 or bfloat16, got {dtype}")
+        if block_size is not None and block_size % 256:
+            raise ValueError(
+                f"attention_backend='flash_attn' needs kvcache_block_size a multiple of 256, got {block_size}"
+            )
+    return name
+
+
+def resolve_backend(name: str, device: torch.device) -> AttentionBackend:
+    """The backend's functions by concrete name ("torch" or "flash_attn")."""
+    if name == "flash_attn":
         return _flash_attn_backend()
-    return _torch_backend()
+    if name == "torch":
+        return _torch_backend()
+    raise ValueError(f"unknown attention backend {name!r}")
