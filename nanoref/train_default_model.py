@@ -47,12 +47,54 @@ DEMO_PROMPTS = ("Beautiful is better than", "Simple is better than", "The")
 
 # Builtins whose docstrings change little between CPython releases.
 BUILTIN_NAMES = (
-    "abs", "all", "any", "ascii", "bin", "bool", "callable", "chr", "dict",
-    "divmod", "enumerate", "filter", "float", "format", "getattr", "hasattr",
-    "hash", "hex", "id", "input", "int", "isinstance", "issubclass", "iter",
-    "len", "list", "map", "max", "min", "next", "object", "oct", "open", "ord",
-    "pow", "print", "range", "repr", "reversed", "round", "set", "setattr",
-    "sorted", "str", "sum", "tuple", "type", "zip",
+    "abs",
+    "all",
+    "any",
+    "ascii",
+    "bin",
+    "bool",
+    "callable",
+    "chr",
+    "dict",
+    "divmod",
+    "enumerate",
+    "filter",
+    "float",
+    "format",
+    "getattr",
+    "hasattr",
+    "hash",
+    "hex",
+    "id",
+    "input",
+    "int",
+    "isinstance",
+    "issubclass",
+    "iter",
+    "len",
+    "list",
+    "map",
+    "max",
+    "min",
+    "next",
+    "object",
+    "oct",
+    "open",
+    "ord",
+    "pow",
+    "print",
+    "range",
+    "repr",
+    "reversed",
+    "round",
+    "set",
+    "setattr",
+    "sorted",
+    "str",
+    "sum",
+    "tuple",
+    "type",
+    "zip",
 )
 
 # Built-in types whose public methods' docstrings are used as well.
@@ -61,10 +103,29 @@ TYPE_NAMES = ("bytes", "dict", "float", "int", "list", "set", "str")
 # Pure-Python stdlib modules: their module docstring plus the docstrings of
 # their public functions and classes (sorted by name, so the order is fixed).
 MODULE_NAMES = (
-    "argparse", "bisect", "calendar", "collections", "contextlib", "copy",
-    "dataclasses", "difflib", "fnmatch", "fractions", "functools", "heapq",
-    "json", "keyword", "operator", "posixpath", "pprint", "random", "shlex",
-    "statistics", "string", "textwrap", "timeit",
+    "argparse",
+    "bisect",
+    "calendar",
+    "collections",
+    "contextlib",
+    "copy",
+    "dataclasses",
+    "difflib",
+    "fnmatch",
+    "fractions",
+    "functools",
+    "heapq",
+    "json",
+    "keyword",
+    "operator",
+    "posixpath",
+    "pprint",
+    "random",
+    "shlex",
+    "statistics",
+    "string",
+    "textwrap",
+    "timeit",
 )
 
 # Every Nth document is a copy of the Zen, so it is a strong, recurring
@@ -85,8 +146,7 @@ def stdlib_docstrings() -> list[str]:
     docs = [inspect.getdoc(getattr(builtins, name)) for name in BUILTIN_NAMES]
     for type_name in TYPE_NAMES:
         cls = getattr(builtins, type_name)
-        docs.extend(inspect.getdoc(getattr(cls, attr)) for attr in sorted(vars(cls))
-                    if not attr.startswith("_"))
+        docs.extend(inspect.getdoc(getattr(cls, attr)) for attr in sorted(vars(cls)) if not attr.startswith("_"))
     for mod_name in MODULE_NAMES:
         module = importlib.import_module(mod_name)
         docs.append(inspect.getdoc(module))
@@ -204,9 +264,19 @@ def train(
     return smoothed
 
 
-def write_readme(out: Path, model: Qwen3ForCausalLM, *, n_params: int, n_docs: int,
-                 n_tokens: int, corpus_sha: str, steps: int, seed: int, final_loss: float,
-                 train_seconds: float) -> None:
+def write_readme(
+    out: Path,
+    model: Qwen3ForCausalLM,
+    *,
+    n_params: int,
+    n_docs: int,
+    n_tokens: int,
+    corpus_sha: str,
+    steps: int,
+    seed: int,
+    final_loss: float,
+    train_seconds: float,
+) -> None:
     c = model.config
     text = f"""# nanoref default model
 
@@ -235,16 +305,16 @@ Zen of Python and recites fragments of stdlib docstrings; nothing more.
 
 ## Training data
 
-{n_docs} documents ({n_tokens:,} tokens, sha256 `{corpus_sha[:16]}`), separated
-by `{EOS}`: the Zen of Python (decoded from the `this` module, repeated after
-every {ZEN_EVERY} docstrings) and the docstrings of selected builtins and
-pure-Python stdlib modules, read with `inspect.getdoc`. Built with
-CPython {platform.python_version()}; other versions may produce a slightly
-different corpus because docstrings change between releases.
+{n_docs} documents ({n_tokens:,} tokens, sha256 `{corpus_sha[:16]}`)
+separated by `{EOS}`: the Zen of Python (decoded from the `this`
+module, repeated after every {ZEN_EVERY} docstrings) and the docstrings of
+selected builtins and pure-Python stdlib modules, read with `inspect.getdoc`.
+Built with CPython {platform.python_version()}; other versions may produce a
+slightly different corpus because docstrings change between releases.
 
 Trained for {steps} AdamW steps (seed {seed}, context {CONTEXT}) in
-{train_seconds / 60:.1f} minutes on {torch.get_num_threads()} CPU threads; final smoothed loss
-{final_loss:.3f}.
+{train_seconds / 60:.1f} minutes on {torch.get_num_threads()} CPU threads;
+final smoothed loss {final_loss:.3f}.
 
 ## Rebuild
 
@@ -265,7 +335,9 @@ def verify(out: Path, max_new_tokens: int = 40) -> None:
         ids = tokenizer(prompt, return_tensors="pt").input_ids
         with torch.no_grad():
             generated = model.generate(
-                ids, max_new_tokens=max_new_tokens, do_sample=False,
+                ids,
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
                 pad_token_id=tokenizer.pad_token_id,
             )
         text = tokenizer.decode(generated[0], skip_special_tokens=False)
@@ -305,15 +377,25 @@ def main(argv: list[str] | None = None) -> None:
     print(f"model: {n_params:,} parameters")
 
     t0 = time.perf_counter()
-    final_loss = train(model, data, steps=args.steps, batch_size=args.batch_size,
-                       peak_lr=args.lr, seed=args.seed, log_every=args.log_every)
+    final_loss = train(
+        model,
+        data,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        peak_lr=args.lr,
+        seed=args.seed,
+        log_every=args.log_every,
+    )
     train_seconds = time.perf_counter() - t0
     print(f"training took {train_seconds:.1f}s, final smoothed loss {final_loss:.4f}")
 
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     model.generation_config = GenerationConfig(
-        bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=eos_id, do_sample=False,
+        bos_token_id=eos_id,
+        eos_token_id=eos_id,
+        pad_token_id=eos_id,
+        do_sample=False,
     )
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
@@ -324,9 +406,18 @@ def main(argv: list[str] | None = None) -> None:
     tok_config = json.loads(tok_config_path.read_text())
     tok_config["tokenizer_class"] = "PreTrainedTokenizerFast"
     tok_config_path.write_text(json.dumps(tok_config, indent=2) + "\n")
-    write_readme(out, model, n_params=n_params, n_docs=len(documents), n_tokens=len(data),
-                 corpus_sha=corpus_sha, steps=args.steps, seed=args.seed, final_loss=final_loss,
-                 train_seconds=train_seconds)
+    write_readme(
+        out,
+        model,
+        n_params=n_params,
+        n_docs=len(documents),
+        n_tokens=len(data),
+        corpus_sha=corpus_sha,
+        steps=args.steps,
+        seed=args.seed,
+        final_loss=final_loss,
+        train_seconds=train_seconds,
+    )
     size = sum(f.stat().st_size for f in out.iterdir() if f.is_file())
     print(f"saved to {out} ({size / 1e6:.2f} MB)")
 
