@@ -67,7 +67,9 @@ class EngineConfig:
         block = self.kvcache_block_size
         if block is not None and (not isinstance(block, int) or block < 16 or block > 256 or block & (block - 1)):
             raise ValueError(f"kvcache_block_size must be a power of two from 16 to 256, got {block!r}")
-        self.attention_backend = choose_backend(self.attention_backend, self.device, self.dtype, block)
+        self.attention_backend = choose_backend(
+            self.attention_backend, self.device, self.dtype, block, self.hf_config.head_dim
+        )
         if block is None:  # flash-attn's paged kernels want multiples of 256; small blocks show paging best
             self.kvcache_block_size = 256 if self.attention_backend == "flash_attn" else 16
         limit = self.hf_config.max_position_embeddings

@@ -9,6 +9,7 @@ whichever the engine picked; nothing else in the model knows which one runs.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -64,18 +65,34 @@ def _flash_attn_backend() -> AttentionBackend:
     )
 
 
-def choose_backend(name: str, device: torch.device, dtype: torch.dtype, block_size: int | None) -> str:
+@functools.cache
+def flash_attn_serves(head_dim: int, dtype: torch.dtype) -> bool:
+    """Whether the installed flash-attn runs this head_dim and dtype: builds can be cut down to a few."""
+    try:
+        from flash_attn import flash_attn_varlen_func
+
+        q = torch.randn(2, 1, head_dim, device="cuda", dtype=dtype)  # (N, H, D): one sequence of 2 tokens
+        cu_seqlens = torch.tensor([0, 2], dtype=torch.int32, device="cuda")
+        flash_attn_varlen_func(q, q, q, cu_seqlens, cu_seqlens, 2, 2, causal=True)
+        return True
+    except Exception:  # any failure means "not for this model"; the explicit choice reports it below
+        return False
+
+
+def choose_backend(name: str, device: torch.device, dtype: torch.dtype, block_size: int | None, head_dim: int) -> str:
     """The concrete backend for a request; "auto" takes flash-attn only where it can serve the setup.
 
-    auto: flash-attn on CUDA when it imports, the dtype is half precision and the block size (if one was
-    asked for) is a multiple of 256; otherwise torch. An explicit choice that cannot work raises.
+    auto: flash-attn on CUDA when it imports, the dtype is half precision, the block size (if one was
+    asked for) is a multiple of 256 and the build runs this head_dim; otherwise torch. An explicit
+    choice that cannot work raises.
     """
     if name not in BACKEND_NAMES:
         raise ValueError(f"attention_backend must be one of {BACKEND_NAMES}, got {name!r}")
-    flash_ok = device.type == "cuda" and flash_attn_available() and dtype in (torch.float16, torch.bfloat16)
+    half = dtype in (torch.float16, torch.bfloat16)
     if name == "auto":
         fits = block_size is None or block_size % 256 == 0
-        return "flash_attn" if flash_ok and fits else "torch"
+        usable = device.type == "cuda" and half and fits and flash_attn_available()
+        return "flash_attn" if usable and flash_attn_serves(head_dim, dtype) else "torch"
     if name == "flash_attn":
         if device.type != "cuda":
             raise ValueError("attention_backend='flash_attn' needs a CUDA device; use 'torch' on CPU")
