@@ -61,7 +61,12 @@ def test_flash_varlen_and_decode_match_oracle():
 
 def test_flash_backend_end_to_end_agrees_with_torch_backend(tmp_path):
     folder = make_tiny_qwen3(
-        tmp_path / "m", num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, hidden_size=256
+        tmp_path / "m",
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        hidden_size=256,
+        max_position_embeddings=2048,
     )
     prompts = random_prompts(seed=14, lengths=[5, 300, 40, 700])
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
