@@ -194,3 +194,14 @@ def test_transformers4_rope_theta_is_read(tmp_path, tiny_model):
     (tmp_path / "m" / "config.json").write_text(json.dumps(config))
     llm = LLM(tmp_path / "m", num_kvcache_blocks=4)
     assert llm.config.hf_config.rope_theta == 12345.0
+
+
+def test_checkpoint_missing_one_shard_of_a_fused_weight(tmp_path, tiny_model):
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(tiny_model, tmp_path / "m")
+    tensors = load_file(str(tmp_path / "m" / "model.safetensors"))
+    del tensors["model.layers.1.self_attn.k_proj.weight"]  # q and v stay: qkv_proj would be a third garbage
+    save_file(tensors, str(tmp_path / "m" / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ModelFolderError, match="lacks 1 tensors: model.layers.1.self_attn.k_proj.weight"):
+        LLM(tmp_path / "m")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -150,7 +149,3 @@ class LLMEngine:
         finally:
             bar.close()
         return [{"text": self.decode(seq.completion_token_ids), "token_ids": seq.completion_token_ids} for seq in seqs]
-
-
-def engine_kwargs() -> set[str]:
-    return {f.name for f in fields(EngineConfig) if f.init}

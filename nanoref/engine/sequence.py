@@ -63,11 +63,6 @@ class Sequence:
         return self.status == SequenceStatus.FINISHED
 
     @property
-    def is_prefilling(self) -> bool:
-        """More than the last token lacks K/V: this sequence needs a prefill (chunk) next."""
-        return self.num_computed_tokens < self.num_tokens - 1 or not self.block_table
-
-    @property
     def num_blocks(self) -> int:
         """Blocks needed to hold every token's K/V."""
         return (self.num_tokens + self.block_size - 1) // self.block_size

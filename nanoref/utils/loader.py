@@ -83,6 +83,16 @@ def load_weights(model: nn.Module, folder: Path) -> None:
     packed = getattr(model, "packed_modules_mapping", {})
     params = dict(model.named_parameters(remove_duplicate=False))
     tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
+    # what a complete checkpoint provides: every parameter, and every shard of the fused ones
+    expected: set[str] = set()
+    for param_name in params:
+        parts = [part for part, (fused, _) in packed.items() if f".{fused}." in param_name]  # e.g. q/k/v_proj
+        if parts:
+            expected |= {param_name.replace(packed[part][0], part) for part in parts}
+        else:
+            expected.add(param_name)
+    if tied:
+        expected.discard("lm_head.weight")
     loaded: set[str] = set()
     for file in weight_files(folder):
         with safe_open(str(file), framework="pt") as handle:
@@ -110,10 +120,8 @@ def load_weights(model: nn.Module, folder: Path) -> None:
                         loader(param, tensor, shard_id)
                 except ValueError as error:
                     raise ModelFolderError(f"{file.name}: tensor {name!r}: {error}") from None
-                loaded.add(target)
-    if tied:
-        loaded.add("lm_head.weight")
-    missing = sorted(set(params) - loaded)
+                loaded.add(name)
+    missing = sorted(expected - loaded)
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
         raise ModelFolderError(f"{folder}: the checkpoint lacks {len(missing)} tensors: {shown}")
