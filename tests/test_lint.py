@@ -17,5 +17,5 @@ ROOT = Path(__file__).resolve().parents[1]
 )
 def test_ruff_check():
     ruff = shutil.which("ruff") or str(Path(sys.prefix) / "bin" / "ruff")
-    result = subprocess.run([ruff, "check", "nanoref", "tests"], cwd=ROOT, capture_output=True, text=True)
+    result = subprocess.run([ruff, "check", "nanoref", "tests", "benchmarks"], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
