@@ -60,7 +60,7 @@ def test_rotary_matches_hf():
 def test_trace_shapes_prints_real_flat_shapes(tiny_model):
     llm = LLM(tiny_model, device="cpu", num_kvcache_blocks=16)
     buffer = io.StringIO()
-    with trace_shapes(file=buffer):
+    with trace_shapes(file=buffer) as tracer:
         llm.generate([[1, 2, 3, 4, 5], [6, 7, 8]], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
     text = buffer.getvalue()
     assert "step 1 [prefill]" in text and "step 2 [decode]" in text and "step 3" not in text
@@ -69,6 +69,16 @@ def test_trace_shapes_prints_real_flat_shapes(tiny_model):
     assert "layers.0.attn.decode         q (2, 1, 4, 16)" in text  # the decode query's length-1 axis
     assert "layers.1." not in text  # only the first layer by default
     assert "lm_head                      hidden (2, 64)  logits (2, 256)" in text  # last tokens only
-    buffer = io.StringIO()
+    # the same facts as data
+    prefill, decode = tracer.steps
+    assert (prefill.kind, decode.kind) == ("prefill", "decode")
+    assert prefill.metadata["cu_seqlens_q"] == [0, 5, 8] and prefill.metadata["positions"] == [0, 1, 2, 3, 4, 0, 1, 2]
+    assert decode.metadata["context_lens"] == [6, 4]
+    assert decode.stage("layers.0.attn.decode")["q"] == (2, 1, 4, 16)
+    assert prefill.stage("lm_head") == {"hidden": (2, 64), "logits": (2, 256)}
+    before = len(buffer.getvalue())
     llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
-    assert buffer.getvalue() == ""  # off outside the block
+    assert len(buffer.getvalue()) == before and len(tracer.steps) == 2  # off outside the block
+    with trace_shapes(echo=False) as quiet:
+        llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+    assert len(buffer.getvalue()) == before and [s.kind for s in quiet.steps] == ["prefill", "decode"]

@@ -1,7 +1,8 @@
-"""Shape tracing: print the real shapes that flow through the engine, step by step.
+"""Shape tracing: show the real shapes that flow through the engine, step by step.
 
-    with nanoref.trace_shapes():
-        llm.generate(["Hello"], SamplingParams(max_tokens=2))
+    with nanoref.trace_shapes() as trace:
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
+    trace.steps[0].metadata["cu_seqlens_q"]   # the same facts as data
 
 The engine calls `trace(stage, **tensors)` at each stage; it costs one attribute check when tracing
 is off. Notebooks use this instead of typed-in shape strings, so what they show is what runs.
@@ -19,53 +20,64 @@ import torch
 
 
 @dataclass
-class _Tracer:
+class StepTrace:
+    """One engine step as the tracer saw it."""
+
+    index: int  # 1-based step number inside the `trace_shapes` block
+    kind: str  # "prefill" or "decode"
+    metadata: dict[str, Any]  # short tensors as lists of values, longer ones as shapes (tuples)
+    stages: list[tuple[str, dict[str, tuple[int, ...]]]] = field(default_factory=list)  # (stage, {name: shape})
+
+    def stage(self, name: str) -> dict[str, tuple[int, ...]]:
+        """The shapes of the first stage called `name` (e.g. "layers.0.attn.decode")."""
+        return next(shapes for stage, shapes in self.stages if stage == name)
+
+
+@dataclass
+class ShapeTracer:
     layers: tuple[int, ...] | None = (0,)  # decoder layers to show; None = all
-    max_steps: int | None = None  # stop printing after this many engine steps
+    max_steps: int | None = None  # record only this many engine steps
     show_metadata: bool = True
-    file: TextIO = field(default_factory=lambda: sys.stdout)
-    step: int = 0
+    file: TextIO | None = None  # where to print; None = do not print, only record
+    steps: list[StepTrace] = field(default_factory=list)
     layer: int | None = None  # the decoder layer running now (None outside the layers)
+    _step: int = 0
 
     def visible(self) -> bool:
-        if self.max_steps is not None and self.step > self.max_steps:
+        if self.max_steps is not None and self._step > self.max_steps:
             return False
         if self.layer is not None and self.layers is not None and self.layer not in self.layers:
             return False
         return True
 
+    def print(self, line: str) -> None:
+        if self.file is not None:
+            print(line, file=self.file)
 
-_TRACER: _Tracer | None = None
+
+_TRACER: ShapeTracer | None = None
+_SMALL = 24  # metadata tensors up to this many values are shown in full
 
 
 def tracing_enabled() -> bool:
     return _TRACER is not None
 
 
-def _describe(value: Any) -> str:
-    if isinstance(value, torch.Tensor):
-        shape = "(" + ", ".join(str(s) for s in value.shape) + ("," if value.dim() == 1 else "") + ")"
-        return shape
-    return str(value)
-
-
-def _small(value: Any) -> str:
-    """Metadata is worth seeing in full when it is short: print values, not just shapes."""
-    if isinstance(value, torch.Tensor):
-        if value.numel() <= 24:
-            return str(value.tolist())
-        return _describe(value)
-    return str(value)
+def _shape_text(shape: tuple[int, ...]) -> str:
+    return "(" + ", ".join(str(s) for s in shape) + ("," if len(shape) == 1 else "") + ")"
 
 
 def trace(stage: str, **tensors: Any) -> None:
-    """Print one stage's tensors as `name (shape)`; a no-op unless tracing is on."""
+    """Record (and print) one stage's tensor shapes; a no-op unless tracing is on."""
     tracer = _TRACER
     if tracer is None or not tracer.visible():
         return
+    if not tracer.steps:  # the model called directly, outside an engine step
+        tracer.steps.append(StepTrace(0, "forward", {}))
     where = stage if tracer.layer is None else f"layers.{tracer.layer}.{stage}"
-    parts = "  ".join(f"{k} {_describe(v)}" for k, v in tensors.items())
-    print(f"  {where:<28} {parts}", file=tracer.file)
+    shapes = {name: tuple(t.shape) for name, t in tensors.items() if isinstance(t, torch.Tensor)}
+    tracer.steps[-1].stages.append((where, shapes))
+    tracer.print(f"  {where:<28} " + "  ".join(f"{name} {_shape_text(shape)}" for name, shape in shapes.items()))
 
 
 def trace_step(kind: str, **metadata: Any) -> None:
@@ -73,14 +85,20 @@ def trace_step(kind: str, **metadata: Any) -> None:
     tracer = _TRACER
     if tracer is None:
         return
-    tracer.step += 1
+    tracer._step += 1
     if not tracer.visible():
         return
-    print(f"step {tracer.step} [{kind}]", file=tracer.file)
+    values = {}
+    for name, value in metadata.items():
+        if isinstance(value, torch.Tensor):
+            value = value.tolist() if value.numel() <= _SMALL else tuple(value.shape)
+        if value is not None:
+            values[name] = value
+    tracer.steps.append(StepTrace(tracer._step, kind, values))
+    tracer.print(f"step {tracer._step} [{kind}]")
     if tracer.show_metadata:
-        for name, value in metadata.items():
-            if value is not None:
-                print(f"  {name:<28} {_small(value)}", file=tracer.file)
+        for name, value in values.items():
+            tracer.print(f"  {name:<28} {_shape_text(value) if isinstance(value, tuple) else value}")
 
 
 def trace_layer(index: int | None) -> None:
@@ -95,21 +113,24 @@ def trace_shapes(
     max_steps: int | None = None,
     show_metadata: bool = True,
     file: TextIO | None = None,
-) -> Iterator[None]:
+    echo: bool = True,
+) -> Iterator[ShapeTracer]:
     """Print every stage's tensor shapes and each step's metadata while the block runs.
 
-    layers: which decoder layers to print (all layers look alike; default: the first only).
-    max_steps: print only the first `max_steps` engine steps.
+    layers: which decoder layers to show (all layers look alike; default: the first only).
+    max_steps: show only the first `max_steps` engine steps.
+    echo: print (to `file`, default stdout); with echo=False the steps are only recorded.
+    Yields the tracer: `tracer.steps` holds a `StepTrace` per step, the same facts as data.
     """
     global _TRACER
     previous = _TRACER
-    _TRACER = _Tracer(
+    _TRACER = ShapeTracer(
         layers=None if layers is None else tuple(layers),
         max_steps=max_steps,
         show_metadata=show_metadata,
-        file=file or sys.stdout,
+        file=(file or sys.stdout) if echo else None,
     )
     try:
-        yield
+        yield _TRACER
     finally:
         _TRACER = previous
