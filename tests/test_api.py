@@ -78,11 +78,14 @@ def test_bad_prompts_are_named_and_engine_keeps_serving(tiny_model):
         llm.generate([good], SamplingParams(max_tokens=100), use_tqdm=False)  # 64 tokens = 4 blocks > 3
     with pytest.raises(ValueError, match="2 SamplingParams for 1 prompts"):
         llm.generate([good], [greedy, greedy], use_tqdm=False)
+    with pytest.raises(TypeError, match="prompt 0: a prompt must be a string or a list of integer token ids"):
+        llm.generate([[1.5, 2]], greedy, use_tqdm=False)
     with pytest.raises(ValueError, match="no tokenizer"):
         llm.generate(["text"], greedy, use_tqdm=False)
     assert llm.is_finished()  # nothing half-queued
     out = llm.generate([good], greedy, use_tqdm=False)
     assert len(out[0]["token_ids"]) == 4 and out[0]["text"] is None
+    assert llm.generate([torch.tensor(good)], greedy, use_tqdm=False) == out  # tensors of ids work too
 
 
 def test_outputs_in_input_order_and_max_tokens(tiny_model):

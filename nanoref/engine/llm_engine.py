@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 import time
 from pathlib import Path
 from typing import Any
@@ -49,7 +50,12 @@ class LLMEngine:
             if self.tokenizer is None:
                 raise ValueError(f"{self.config.model_folder} has no tokenizer: pass prompts as lists of token ids")
             return self.tokenizer.encode(prompt)
-        return list(prompt)
+        if hasattr(prompt, "tolist"):  # a torch tensor or numpy array of ids
+            prompt = prompt.tolist()
+        try:
+            return [operator.index(t) for t in prompt]  # ints of any integer type; 3.0 or "3" are errors
+        except TypeError:
+            raise TypeError("a prompt must be a string or a list of integer token ids") from None
 
     def check_request(self, token_ids: list[int], params: SamplingParams) -> None:
         """Raise ValueError, naming the problem, for a request the engine could never serve."""
@@ -57,8 +63,6 @@ class LLMEngine:
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
         if not token_ids:
             raise ValueError("the prompt is empty")
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in token_ids):
-            raise ValueError("token ids must be integers")
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})")
