@@ -108,6 +108,12 @@ class ModelRunner:
         reset_context()
 
     # -- flat inputs ----------------------------------------------------------------------------
+    def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
+        """A Python list as a device tensor; on CUDA through pinned memory, so the copy does not block."""
+        if self.device.type != "cuda":
+            return torch.tensor(values, dtype=dtype)
+        return torch.tensor(values, dtype=dtype, pin_memory=True).to(self.device, non_blocking=True)
+
     def _slots(self, seq: Sequence, start: int, end: int) -> list[int]:
         """Cache slot of each token position in [start, end) of seq."""
         bs = self.block_size
@@ -116,7 +122,7 @@ class ModelRunner:
     def _block_tables(self, seqs: list[Sequence], width: int | None = None) -> torch.Tensor:
         width = width or max(len(seq.block_table) for seq in seqs)
         rows = [seq.block_table + [-1] * (width - len(seq.block_table)) for seq in seqs]
-        return torch.tensor(rows, dtype=torch.int32, device=self.device)  # (num_seqs, width)
+        return self._tensor(rows, torch.int32)  # (num_seqs, width)
 
     def prepare_prefill(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
         input_ids: list[int] = []
@@ -135,42 +141,40 @@ class ModelRunner:
             cu_seqlens_k.append(cu_seqlens_k[-1] + end)  # keys: the history plus this chunk
             max_seqlen_q, max_seqlen_k = max(max_seqlen_q, end - start), max(max_seqlen_k, end)
             has_history |= start > 0
-        as_tensor = lambda values, dtype: torch.tensor(values, dtype=dtype, device=self.device)  # noqa: E731
         context = Context(
             is_prefill=True,
-            cu_seqlens_q=as_tensor(cu_seqlens_q, torch.int32),  # (num_seqs + 1,)
-            cu_seqlens_k=as_tensor(cu_seqlens_k, torch.int32),  # (num_seqs + 1,)
+            cu_seqlens_q=self._tensor(cu_seqlens_q, torch.int32),  # (num_seqs + 1,)
+            cu_seqlens_k=self._tensor(cu_seqlens_k, torch.int32),  # (num_seqs + 1,)
             max_seqlen_q=max_seqlen_q,
             max_seqlen_k=max_seqlen_k,
-            slot_mapping=as_tensor(slot_mapping, torch.int64),  # (N,)
+            slot_mapping=self._tensor(slot_mapping, torch.int64),  # (N,)
             # with history, attention must read keys from the paged cache, through the block tables
             block_tables=self._block_tables(seqs) if has_history else None,
         )
         set_context(context)
-        return as_tensor(input_ids, torch.int64), as_tensor(positions, torch.int64)  # (N,), (N,)
+        return self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64)  # (N,), (N,)
 
     def prepare_decode(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
         input_ids = [seq.last_token for seq in seqs]
         positions = [seq.num_tokens - 1 for seq in seqs]
         slot_mapping = [self._slots(seq, seq.num_tokens - 1, seq.num_tokens)[0] for seq in seqs]
         context_lens = [seq.num_tokens for seq in seqs]
-        as_tensor = lambda values, dtype: torch.tensor(values, dtype=dtype, device=self.device)  # noqa: E731
         set_context(
             Context(
                 is_prefill=False,
-                slot_mapping=as_tensor(slot_mapping, torch.int64),  # (num_seqs,)
-                context_lens=as_tensor(context_lens, torch.int32),  # (num_seqs,)
+                slot_mapping=self._tensor(slot_mapping, torch.int64),  # (num_seqs,)
+                context_lens=self._tensor(context_lens, torch.int32),  # (num_seqs,)
                 block_tables=self._block_tables(seqs),  # (num_seqs, max_blocks)
             )
         )
-        return as_tensor(input_ids, torch.int64), as_tensor(positions, torch.int64)  # (num_seqs,), (num_seqs,)
+        return self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64)  # (num_seqs,), (num_seqs,)
 
     def prepare_sample(self, seqs: list[Sequence]) -> dict:
         params = [seq.sampling_params for seq in seqs]
         return dict(
-            temperatures=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=self.device),
-            top_k=torch.tensor([p.top_k for p in params], dtype=torch.int64, device=self.device),
-            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=self.device),
+            temperatures=self._tensor([p.temperature for p in params], torch.float32),
+            top_k=self._tensor([p.top_k for p in params], torch.int64),
+            top_p=self._tensor([p.top_p for p in params], torch.float32),
             generators=[seq.generator for seq in seqs],
         )
 
