@@ -25,33 +25,13 @@ from random import randint, seed
 import torch
 
 from nanoref import LLM, SamplingParams
-
-# Qwen3-0.6B's config.json, as a dict (the architecture only; the weights are random)
-QWEN3_0_6B = dict(
-    vocab_size=151936,
-    hidden_size=1024,
-    intermediate_size=3072,
-    num_hidden_layers=28,
-    num_attention_heads=16,
-    num_key_value_heads=8,
-    head_dim=128,
-    max_position_embeddings=40960,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=True,
-)
+from nanoref.testing import QWEN3_0_6B, make_random_qwen3
 
 
 def random_qwen3_0_6b(folder: Path) -> Path:
-    """Save Qwen3-0.6B's architecture with random bf16 weights (initialised on the GPU when there is one)."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    config = Qwen3Config(**QWEN3_0_6B, rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0})
+    """Qwen3-0.6B's architecture with random bf16 weights (initialised on the GPU when there is one)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = Qwen3ForCausalLM(config).to(torch.bfloat16)
-    model.save_pretrained(folder)
-    return folder
+    return make_random_qwen3(folder, QWEN3_0_6B, dtype=torch.bfloat16, device=device)
 
 
 def workload(

@@ -1,35 +1,56 @@
-"""Tiny random Qwen3 checkpoints for tests and notebooks, built with HF transformers."""
+"""Random Qwen3 checkpoints for tests, notebooks and benchmarks, built with HF transformers."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-TINY_QWEN3: dict[str, Any] = dict(
-    vocab_size=256,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=512,
-    rms_norm_eps=1e-6,
-    tie_word_embeddings=False,
-)
+import torch
+
+# a model small enough for a test to run it hundreds of times on a CPU
+TINY_QWEN3: dict[str, Any] = {
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10_000.0,
+    "tie_word_embeddings": False,
+}
+
+# Qwen3-0.6B's architecture (its config.json), for benchmarks with random weights
+QWEN3_0_6B: dict[str, Any] = {
+    "vocab_size": 151936,
+    "hidden_size": 1024,
+    "intermediate_size": 3072,
+    "num_hidden_layers": 28,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "max_position_embeddings": 40960,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1_000_000.0,
+    "tie_word_embeddings": True,
+}
 
 
-def make_tiny_qwen3(folder: str | Path, seed: int = 0, initializer_range: float = 0.1, **overrides: Any) -> Path:
-    """Save a random `Qwen3ForCausalLM` (HF format, safetensors, float32) to `folder`; return the path.
-
-    initializer_range is larger than HF's 0.02 so that a random model's logits are well separated and
-    greedy decoding is not decided by float rounding.
-    """
-    import torch
+def make_random_qwen3(
+    folder: str | Path,
+    settings: dict[str, Any],
+    seed: int = 0,
+    initializer_range: float = 0.02,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+) -> Path:
+    """Save a randomly initialised HF `Qwen3ForCausalLM` with these config settings to `folder`."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
     from transformers.utils import logging as hf_logging
 
-    settings = {**TINY_QWEN3, **overrides}
+    settings = dict(settings)
     theta = settings.pop("rope_theta", 10_000.0)
     config = Qwen3Config(
         **settings,
@@ -40,7 +61,8 @@ def make_tiny_qwen3(folder: str | Path, seed: int = 0, initializer_range: float 
         pad_token_id=None,
     )
     torch.manual_seed(seed)
-    model = Qwen3ForCausalLM(config).float().eval()
+    with torch.device(device):  # a GPU initialises a large model in a fraction of the CPU's time
+        model = Qwen3ForCausalLM(config).to(dtype).eval()
     folder = Path(folder)
     bar_was_on = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # no "Writing model shards" bar in test and notebook output
@@ -50,3 +72,12 @@ def make_tiny_qwen3(folder: str | Path, seed: int = 0, initializer_range: float 
         if bar_was_on:
             hf_logging.enable_progress_bar()
     return folder
+
+
+def make_tiny_qwen3(folder: str | Path, seed: int = 0, initializer_range: float = 0.1, **overrides: Any) -> Path:
+    """Save a random tiny `Qwen3ForCausalLM` (HF format, safetensors, float32) to `folder`; return the path.
+
+    overrides replace entries of TINY_QWEN3. initializer_range is larger than HF's 0.02 so that a
+    random model's logits are well separated and greedy decoding is not decided by float rounding.
+    """
+    return make_random_qwen3(folder, {**TINY_QWEN3, **overrides}, seed=seed, initializer_range=initializer_range)
