@@ -12,7 +12,7 @@ from nanoref.ops import naive_padded_attention
 from nanoref.ops.backends import resolve_backend
 from nanoref.testing import make_tiny_qwen3
 
-from .conftest import random_prompts
+from .conftest import random_prompts, shared_prefix_prompts
 from .test_ops import cu, random_paged_cache
 
 pytestmark = [
@@ -59,28 +59,46 @@ def test_flash_varlen_and_decode_match_oracle():
     torch.testing.assert_close(out.squeeze(1).float(), ref.float(), atol=2e-2, rtol=2e-2)
 
 
-def test_flash_backend_end_to_end_agrees_with_torch_backend(tmp_path):
-    folder = make_tiny_qwen3(
-        tmp_path / "m",
+@pytest.fixture(scope="module")
+def qwen3_head128(tmp_path_factory):
+    return make_tiny_qwen3(
+        tmp_path_factory.mktemp("head128") / "m",
         num_attention_heads=HEADS,
         num_key_value_heads=KV_HEADS,
         head_dim=HEAD_DIM,
         hidden_size=256,
         max_position_embeddings=2048,
     )
-    prompts = random_prompts(seed=14, lengths=[5, 300, 40, 700])
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    kwargs = {"device": "cuda", "dtype": "bfloat16", "kvcache_block_size": BLOCK, "num_kvcache_blocks": 64}
-    flash = LLM(folder, attention_backend="flash_attn", **kwargs)
-    assert flash.model_runner.backend.name == "flash_attn"
-    reference = LLM(folder, attention_backend="torch", **kwargs)
-    out_flash = flash.generate(prompts, params, use_tqdm=False)
-    out_ref = reference.generate(prompts, params, use_tqdm=False)
+
+
+def assert_nearly_same(out_flash, out_ref):
     # bf16 kernels differ in rounding, so a near-tie may flip late in a sequence: demand the first tokens
     # exactly and nearly all of the rest
     same = sum(a == b for o, r in zip(out_flash, out_ref) for a, b in zip(o["token_ids"], r["token_ids"]))
     assert all(o["token_ids"][:4] == r["token_ids"][:4] for o, r in zip(out_flash, out_ref))
     assert same >= 0.9 * sum(len(o["token_ids"]) for o in out_ref), (out_flash, out_ref)
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_flash_backend_end_to_end_agrees_with_torch_backend(qwen3_head128, chunked):
+    """Plain prefill; or chunked prefill (token budget 200) with prompts sharing a 512-token prefix,
+    so that flash-attn's varlen reads cached history through block tables."""
+    if chunked:
+        prompts = shared_prefix_prompts(seed=15, prefix_len=512, suffix_lens=[3, 260, 40])
+        extra = {"max_num_batched_tokens": 200}
+    else:
+        prompts, extra = random_prompts(seed=14, lengths=[5, 300, 40, 700]), {}
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    kwargs = {"device": "cuda", "dtype": "bfloat16", "kvcache_block_size": BLOCK, "num_kvcache_blocks": 64, **extra}
+    flash = LLM(qwen3_head128, attention_backend="flash_attn", **kwargs)
+    assert flash.model_runner.backend.name == "flash_attn"
+    reference = LLM(qwen3_head128, attention_backend="torch", **kwargs)
+    for _ in range(2 if chunked else 1):  # the second round is served from the prefix cache
+        assert_nearly_same(
+            flash.generate(prompts, params, use_tqdm=False), reference.generate(prompts, params, use_tqdm=False)
+        )
+    if chunked:
+        assert flash.scheduler.block_manager.num_hit_blocks >= 3 * 2
 
 
 def test_flash_backend_rejects_small_blocks(tiny_model):
