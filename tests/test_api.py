@@ -155,13 +155,20 @@ def test_malformed_config(tmp_path, tiny_model):
         LLM(tmp_path / "m")
 
 
+def copy_with_config(tmp_path, tiny_model, edit):
+    """A copy of the tiny model folder whose config.json went through `edit(config)`."""
+    folder = tmp_path / "m"
+    shutil.copytree(tiny_model, folder)
+    config = json.loads((folder / "config.json").read_text())
+    edit(config)
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
 def test_config_missing_fields(tmp_path, tiny_model):
-    shutil.copytree(tiny_model, tmp_path / "m")
-    config = json.loads((tmp_path / "m" / "config.json").read_text())
-    del config["hidden_size"]
-    (tmp_path / "m" / "config.json").write_text(json.dumps(config))
+    folder = copy_with_config(tmp_path, tiny_model, lambda c: c.pop("hidden_size"))
     with pytest.raises(ModelFolderError, match="hidden_size"):
-        LLM(tmp_path / "m")
+        LLM(folder)
 
 
 def test_folder_without_weights(tmp_path, tiny_model):
@@ -172,30 +179,23 @@ def test_folder_without_weights(tmp_path, tiny_model):
 
 
 def test_unsupported_architecture(tmp_path, tiny_model):
-    shutil.copytree(tiny_model, tmp_path / "m")
-    config = json.loads((tmp_path / "m" / "config.json").read_text())
-    config["architectures"] = ["LlamaForCausalLM"]
-    (tmp_path / "m" / "config.json").write_text(json.dumps(config))
+    folder = copy_with_config(tmp_path, tiny_model, lambda c: c.update(architectures=["LlamaForCausalLM"]))
     with pytest.raises(ModelFolderError, match="LlamaForCausalLM is not supported"):
-        LLM(tmp_path / "m")
+        LLM(folder)
 
 
 def test_checkpoint_shape_mismatch(tmp_path, tiny_model):
-    shutil.copytree(tiny_model, tmp_path / "m")
-    config = json.loads((tmp_path / "m" / "config.json").read_text())
-    config["intermediate_size"] = 96
-    (tmp_path / "m" / "config.json").write_text(json.dumps(config))
+    folder = copy_with_config(tmp_path, tiny_model, lambda c: c.update(intermediate_size=96))
     with pytest.raises(ModelFolderError, match="mlp"):
-        LLM(tmp_path / "m")
+        LLM(folder)
 
 
 def test_transformers4_rope_theta_is_read(tmp_path, tiny_model):
-    shutil.copytree(tiny_model, tmp_path / "m")
-    config = json.loads((tmp_path / "m" / "config.json").read_text())
-    config.pop("rope_parameters")
-    config["rope_theta"] = 12345.0
-    (tmp_path / "m" / "config.json").write_text(json.dumps(config))
-    llm = LLM(tmp_path / "m", num_kvcache_blocks=4)
+    def to_transformers4(config):
+        config.pop("rope_parameters")
+        config["rope_theta"] = 12345.0
+
+    llm = LLM(copy_with_config(tmp_path, tiny_model, to_transformers4), num_kvcache_blocks=4)
     assert llm.config.hf_config.rope_theta == 12345.0
 
 

@@ -97,12 +97,11 @@ class ModelRunner:
         num_tokens = min(self.config.max_num_batched_tokens, self.config.max_num_seqs * self.config.max_model_len)
         seq_len = min(self.config.max_model_len, num_tokens)
         num_seqs = max(1, num_tokens // seq_len)
-        lens = [seq_len] * num_seqs
         cu = torch.tensor([0] + [seq_len * (i + 1) for i in range(num_seqs)], dtype=torch.int32, device=self.device)
         set_context(
             Context(is_prefill=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=seq_len, max_seqlen_k=seq_len)
         )
-        ids = torch.zeros(sum(lens), dtype=torch.int64, device=self.device)
+        ids = torch.zeros(seq_len * num_seqs, dtype=torch.int64, device=self.device)
         positions = torch.arange(seq_len, device=self.device).repeat(num_seqs)
         self.model.compute_logits(self.model(ids, positions))
         reset_context()
