@@ -17,6 +17,10 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first bad field (the engine checks again: fields can be reassigned)."""
         if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         if not self.temperature >= 0:  # also rejects NaN
