@@ -1,5 +1,6 @@
 """nanoref: a small, tested, notebook-taught reference of a Nano-vLLM-style inference engine."""
 
+from nanoref.engine.metrics import EngineMetrics, RequestMetrics, StepRecord
 from nanoref.llm import DEFAULT_MODEL, LLM
 from nanoref.sampling_params import SamplingParams
 from nanoref.utils.loader import ModelFolderError
@@ -7,4 +8,14 @@ from nanoref.utils.tracing import trace_shapes
 
 __version__ = "0.1.0"
 
-__all__ = ["DEFAULT_MODEL", "LLM", "ModelFolderError", "SamplingParams", "__version__", "trace_shapes"]
+__all__ = [
+    "DEFAULT_MODEL",
+    "LLM",
+    "EngineMetrics",
+    "ModelFolderError",
+    "RequestMetrics",
+    "SamplingParams",
+    "StepRecord",
+    "__version__",
+    "trace_shapes",
+]

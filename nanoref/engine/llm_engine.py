@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import operator
-import time
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +10,7 @@ import torch
 from tqdm.auto import tqdm
 
 from nanoref.config import EngineConfig
+from nanoref.engine.metrics import EngineMetrics, StepRecord
 from nanoref.engine.model_runner import ModelRunner
 from nanoref.engine.scheduler import Scheduler
 from nanoref.engine.sequence import Sequence
@@ -43,6 +43,7 @@ class LLMEngine:
             kvcache_block_size=config.kvcache_block_size,
             eos_token_ids=eos,
         )
+        self.metrics = EngineMetrics()  # step records and per-request metrics (see engine/metrics.py)
 
     # -- requests -----------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -61,6 +62,7 @@ class LLMEngine:
         """Raise ValueError, naming the problem, for a request the engine could never serve."""
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+        params.validate()
         if not token_ids:
             raise ValueError("the prompt is empty")
         bad = [t for t in token_ids if not 0 <= t < self.vocab_size]
@@ -86,20 +88,22 @@ class LLMEngine:
         seq = Sequence(token_ids, params, self.config.kvcache_block_size)
         if params.seed is not None:
             seq.generator = torch.Generator(device=self.config.device).manual_seed(params.seed)
+        self.metrics.add_request(seq)
         self.scheduler.add(seq)
         return seq
 
     # -- the loop -----------------------------------------------------------------------------
-    def step(self) -> tuple[list[Sequence], int]:
-        """One forward pass. Returns (sequences finished in it, tokens computed: > 0 prefill, < 0 decode)."""
+    def step(self) -> tuple[list[Sequence], StepRecord]:
+        """One forward pass. Returns (sequences finished in it, the step's record)."""
         seqs, is_prefill = self.scheduler.schedule()
-        num_tokens = sum(seq.num_scheduled_tokens for seq in seqs) if is_prefill else -len(seqs)
+        record = self.metrics.begin_step(self.scheduler, seqs, is_prefill)
         token_ids = self.model_runner.run(seqs, is_prefill)
         finished = self.scheduler.postprocess(seqs, token_ids)
-        return finished, num_tokens
+        return finished, self.metrics.end_step(record, seqs)
 
     def abort_all(self) -> None:
         """Drop every unfinished request and free its blocks (after an error or an interrupt)."""
+        self.metrics.forget([*self.scheduler.running, *self.scheduler.waiting])
         self.scheduler.abort_all()
 
     def is_finished(self) -> bool:
@@ -113,8 +117,13 @@ class LLMEngine:
         prompts: list[str] | list[list[int]],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        return_metrics: bool = False,
     ) -> list[dict]:
-        """Generate for every prompt; returns, in input order, dicts with "text" and "token_ids"."""
+        """Generate for every prompt; returns, in input order, dicts with "text" and "token_ids".
+
+        return_metrics: each dict also gets "metrics", the request's `RequestMetrics`. Either way
+        `self.metrics.steps` holds a `StepRecord` per step of this call.
+        """
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             raise TypeError("prompts must be a list: list[str] or list[list[int]] (wrap a single prompt in [])")
         prompts = list(prompts)
@@ -133,18 +142,18 @@ class LLMEngine:
             except (ValueError, TypeError) as error:
                 raise type(error)(f"prompt {index}: {error}") from None
             encoded.append(token_ids)
+        self.metrics.clear()
         seqs = [self.add_request(token_ids, params) for token_ids, params in zip(encoded, sampling_params)]
         bar = tqdm(total=len(seqs), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
         prefill_tps = decode_tps = 0.0
         try:
             while not self.is_finished():
-                start = time.perf_counter()
-                finished, num_tokens = self.step()
-                elapsed = max(time.perf_counter() - start, 1e-9)
-                if num_tokens > 0:
-                    prefill_tps = num_tokens / elapsed
+                finished, record = self.step()
+                tokens_per_second = record.num_tokens / max(record.elapsed, 1e-9)
+                if record.kind == "prefill":
+                    prefill_tps = tokens_per_second
                 else:
-                    decode_tps = -num_tokens / elapsed
+                    decode_tps = tokens_per_second
                 bar.set_postfix(prefill=f"{prefill_tps:.0f} tok/s", decode=f"{decode_tps:.0f} tok/s", refresh=False)
                 bar.update(len(finished))
         except BaseException:
@@ -152,4 +161,10 @@ class LLMEngine:
             raise
         finally:
             bar.close()
-        return [{"text": self.decode(seq.completion_token_ids), "token_ids": seq.completion_token_ids} for seq in seqs]
+        outputs = []
+        for seq in seqs:
+            output = {"text": self.decode(seq.completion_token_ids), "token_ids": seq.completion_token_ids}
+            if return_metrics:
+                output["metrics"] = self.metrics.requests[seq.seq_id]
+            outputs.append(output)
+        return outputs

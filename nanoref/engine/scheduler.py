@@ -37,6 +37,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0
+        self.preempted: list[int] = []  # seq_ids preempted by the latest schedule() (for step records)
 
     def is_finished(self) -> bool:
         return not self.waiting and not self.running
@@ -47,6 +48,7 @@ class Scheduler:
     # -- scheduling ---------------------------------------------------------------------------
     def schedule(self) -> tuple[list[Sequence], bool]:
         """-> (sequences to run, is_prefill). Each gets `num_scheduled_tokens` set."""
+        self.preempted = []
         scheduled = self._schedule_prefill()
         if scheduled:
             return scheduled, True
@@ -98,6 +100,7 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
+        self.preempted.append(seq.seq_id)
         self.block_manager.deallocate(seq)
         self.waiting.appendleft(seq)
 
