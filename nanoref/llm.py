@@ -20,7 +20,8 @@ class LLM(LLMEngine):
 
     device: "cuda" when available, else "cpu". dtype: bfloat16 on CUDA, float32 on CPU.
     num_kvcache_blocks: an explicit count overrides the one derived from memory.
-    attention_backend: "torch" (reference), "flash_attn" (CUDA, when installed) or "auto".
+    attention_backend: "torch" (reference), "triton" (GPU; CPU through the interpreter), "flash_attn" (CUDA,
+        when installed) or "auto" (flash-attn, else Triton on CUDA; torch on CPU).
     kvcache_block_size: tokens per KV block; default 16, or 256 when flash-attn serves.
     enforce_eager: on CUDA, skip capturing decode CUDA graphs.
     """

@@ -5,6 +5,10 @@ A backend is three functions: `store_kvcache(key, value, k_cache, v_cache, slot_
 block_table)` (as `flash_attn_varlen_func`) and `decode(q, k_cache, v_cache, cache_seqlens,
 block_table, softmax_scale, causal)` (as `flash_attn_with_kvcache`). The attention layer calls
 whichever the engine picked; nothing else in the model knows which one runs.
+
+- torch: `attention_torch` + `store_kvcache_torch`, plain PyTorch, the CPU default.
+- triton: `attention_triton` + `store_kvcache_triton`, compiled on a GPU, interpreted on a CPU.
+- flash_attn: flash-attn's kernels (CUDA, half precision), with the Triton KV store where Triton is installed.
 """
 
 from __future__ import annotations
@@ -18,8 +22,9 @@ import torch
 
 from nanoref.ops import attention_torch
 from nanoref.ops.store_kvcache import store_kvcache_torch
+from nanoref.ops.triton_setup import triton_available
 
-BACKEND_NAMES = ("auto", "torch", "flash_attn")
+BACKEND_NAMES = ("auto", "torch", "triton", "flash_attn")
 
 
 @dataclass(frozen=True)
@@ -32,6 +37,19 @@ class AttentionBackend:
 
 def flash_attn_available() -> bool:
     return importlib.util.find_spec("flash_attn") is not None
+
+
+def _triton_backend() -> AttentionBackend:
+    # imported here, not at the top: defining the kernels may switch on the Triton interpreter
+    from nanoref.ops import attention_triton
+    from nanoref.ops.store_kvcache_triton import store_kvcache_triton
+
+    return AttentionBackend(
+        name="triton",
+        store_kvcache=store_kvcache_triton,
+        varlen=attention_triton.varlen_attention,
+        decode=attention_triton.paged_decode_attention,
+    )
 
 
 def _torch_backend() -> AttentionBackend:
@@ -57,9 +75,13 @@ def _flash_attn_backend() -> AttentionBackend:
             causal=causal,
         )
 
+    store = store_kvcache_torch
+    if triton_available():
+        from nanoref.ops.store_kvcache_triton import store_kvcache_triton as store
+
     return AttentionBackend(
         name="flash_attn",
-        store_kvcache=store_kvcache_torch,
+        store_kvcache=store,
         varlen=flash_attn_varlen_func,
         decode=decode,
     )
@@ -80,22 +102,30 @@ def flash_attn_serves(head_dim: int, dtype: torch.dtype) -> bool:
 
 
 def choose_backend(name: str, device: torch.device, dtype: torch.dtype, block_size: int | None, head_dim: int) -> str:
-    """The concrete backend for a request; "auto" takes flash-attn only where it can serve the setup.
+    """The concrete backend for a request; "auto" takes the fastest one that can serve the setup.
 
     auto: flash-attn on CUDA when it imports, the dtype is half precision, the block size (if one was
-    asked for) is a multiple of 256 and the build runs this head_dim; otherwise torch. An explicit
-    choice that cannot work raises.
+    asked for) is a multiple of 256 and the build runs this head_dim; else Triton on CUDA when it is
+    installed; else torch (the CPU default: the Triton interpreter is for reading kernels, not speed).
+    An explicit choice that cannot work raises.
     """
     if name not in BACKEND_NAMES:
         raise ValueError(f"attention_backend must be one of {BACKEND_NAMES}, got {name!r}")
     half = dtype in (torch.float16, torch.bfloat16)
     if name == "auto":
+        if device.type != "cuda":
+            return "torch"
         fits = block_size is None or block_size % 256 == 0
-        usable = device.type == "cuda" and half and fits and flash_attn_available()
-        return "flash_attn" if usable and flash_attn_serves(head_dim, dtype) else "torch"
+        if half and fits and flash_attn_available() and flash_attn_serves(head_dim, dtype):
+            return "flash_attn"
+        return "triton" if triton_available() else "torch"
+    if name == "triton" and not triton_available():
+        raise ValueError(
+            "attention_backend='triton' but Triton is not installed (it ships Linux wheels only); use 'torch'"
+        )
     if name == "flash_attn":
         if device.type != "cuda":
-            raise ValueError("attention_backend='flash_attn' needs a CUDA device; use 'torch' on CPU")
+            raise ValueError("attention_backend='flash_attn' needs a CUDA device; use 'torch' or 'triton' on CPU")
         if not flash_attn_available():
             raise ValueError(
                 "attention_backend='flash_attn' but flash-attn is not installed (pip install 'nanoref[flash]')"
@@ -110,9 +140,11 @@ def choose_backend(name: str, device: torch.device, dtype: torch.dtype, block_si
 
 
 def resolve_backend(name: str, device: torch.device) -> AttentionBackend:
-    """The backend's functions by concrete name ("torch" or "flash_attn")."""
+    """The backend's functions by concrete name ("torch", "triton" or "flash_attn")."""
     if name == "flash_attn":
         return _flash_attn_backend()
+    if name == "triton":
+        return _triton_backend()
     if name == "torch":
         return _torch_backend()
     raise ValueError(f"unknown attention backend {name!r}")

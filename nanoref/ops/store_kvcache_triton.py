@@ -1,0 +1,58 @@
+"""The KV-store Triton kernel: one program per token copies its K and V rows into their cache slot.
+
+Same arguments as `store_kvcache_torch` (its reference, in store_kvcache.py). The cache layer
+`(num_blocks, block_size, Hk, head_dim)` is viewed as rows of `D = Hk * head_dim` values: slot
+`s = block_id * block_size + offset` is row `s`, so program `i` reads token i's row and writes it
+at `slot_mapping[i] * D + tl.arange(0, D)`. A slot of -1 means "do not store" (the padding tokens
+of a CUDA-graph batch): that program returns at once.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nanoref.ops.store_kvcache import check_kvcache_layout
+from nanoref.ops.triton_setup import import_triton
+from nanoref.utils.tracing import trace
+
+triton = import_triton()
+import triton.language as tl  # noqa: E402  (after import_triton: the interpreter switch comes first)
+
+
+@triton.jit
+def store_kvcache_kernel(
+    key_ptr,
+    key_stride,  # elements from one token's key row to the next
+    value_ptr,
+    value_stride,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_mapping_ptr,
+    D: tl.constexpr,  # num_kv_heads * head_dim: one row
+    BLOCK_D: tl.constexpr,  # D rounded up to a power of two (tl.arange needs one)
+):
+    token = tl.program_id(0)  # grid (N,): program i stores token i
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)  # int64: slot * D can pass 2**31
+    if slot == -1:
+        return
+    cols = tl.arange(0, BLOCK_D)
+    in_row = cols < D
+    key = tl.load(key_ptr + token * key_stride + cols, mask=in_row)  # (BLOCK_D,)
+    value = tl.load(value_ptr + token * value_stride + cols, mask=in_row)
+    tl.store(k_cache_ptr + slot * D + cols, key.to(k_cache_ptr.dtype.element_ty), mask=in_row)
+    tl.store(v_cache_ptr + slot * D + cols, value.to(v_cache_ptr.dtype.element_ty), mask=in_row)
+
+
+def store_kvcache_triton(
+    key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """key, value: (N, Hk, D); caches: (num_blocks, block_size, Hk, D); slot_mapping: (N,), -1 = skip."""
+    check_kvcache_layout(key, value, k_cache, v_cache, slot_mapping)
+    num_tokens, num_kv_heads, head_dim = key.shape
+    row = num_kv_heads * head_dim
+    if num_tokens:
+        store_kvcache_kernel[(num_tokens,)](
+            key, key.stride(0), value, value.stride(0), k_cache, v_cache, slot_mapping,
+            D=row, BLOCK_D=triton.next_power_of_2(row),
+        )  # fmt: skip
+    trace("store_kvcache", key=key, slot_mapping=slot_mapping, k_cache=k_cache)

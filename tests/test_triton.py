@@ -1,0 +1,170 @@
+"""Triton kernels against their torch references and the naive padded oracle (interpreter on CPU).
+
+Every workload is tiny: under the interpreter each program's loop iteration costs ~10 ms.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="Triton is not installed (Linux wheels only)")
+
+from nanoref import LLM, SamplingParams  # noqa: E402
+from nanoref.ops import attention_torch, naive_padded_attention, store_kvcache_torch  # noqa: E402
+from nanoref.ops.attention_triton import choose_num_splits, paged_decode_attention, varlen_attention  # noqa: E402
+from nanoref.ops.store_kvcache_triton import store_kvcache_triton  # noqa: E402
+
+from .conftest import hf_greedy, random_prompts, shared_prefix_prompts  # noqa: E402
+from .test_ops import TOL, cu, random_paged_cache  # noqa: E402
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+GQA = [(2, 2), (4, 2), (8, 2)]  # (query heads, KV heads): ratios 1, 2 and 4
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def on_device(*tensors):
+    return [t.to(DEVICE) for t in tensors]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kv_heads,head_dim", [(1, 16), (2, 32), (3, 24)])  # rows of 16, 64 and 72 values
+def test_store_kvcache_triton_equals_torch(dtype, kv_heads, head_dim):
+    g = torch.Generator().manual_seed(kv_heads * 100 + head_dim)
+    num_blocks, block_size, n = 5, 16, 23
+    key = torch.randn(n, kv_heads, head_dim, generator=g).to(dtype)
+    value = torch.randn(n, kv_heads, head_dim, generator=g).to(dtype)
+    cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:n]
+    slots[torch.randperm(n, generator=g)[:6]] = -1  # six tokens that must not be stored
+    key, value, cache, slots = on_device(key, value, cache, slots)
+    k_ref, v_ref = cache[0].clone(), cache[1].clone()
+    store_kvcache_torch(key, value, k_ref, v_ref, slots)
+    k_tri, v_tri = cache[0].clone(), cache[1].clone()
+    store_kvcache_triton(key, value, k_tri, v_tri, slots)
+    assert torch.equal(k_tri, k_ref) and torch.equal(v_tri, v_ref)
+    assert not torch.equal(k_tri, cache[0])  # something was written
+
+
+def test_store_kvcache_triton_rejects_bad_layouts():
+    key = torch.randn(4, 2, 8)
+    cache = torch.zeros(2, 16, 2, 8)
+    with pytest.raises(ValueError, match="one slot per token"):
+        store_kvcache_triton(key, key, cache, cache.clone(), torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="packed"):
+        wide = torch.randn(4, 2, 16)[:, :, :8]  # head axis stride 16 != head_dim 8
+        store_kvcache_triton(wide, wide, cache, cache.clone(), torch.arange(4))
+    with pytest.raises(ValueError, match="contiguous"):
+        strided = torch.zeros(2, 32, 2, 8)[:, ::2]
+        store_kvcache_triton(key, key, strided, strided.clone(), torch.arange(4))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads", GQA)
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_paged_decode_triton_matches_reference_and_oracle(dtype, heads, kv_heads, block_size):
+    g = torch.Generator().manual_seed(block_size * 10 + heads)
+    lens = [1, 15, 16, 17, 40, 77]  # not multiples of the block size, and exact multiples
+    k_cache, v_cache, block_table, k_flat, v_flat = random_paged_cache(lens, block_size, kv_heads, 32, dtype, g)
+    q = torch.randn(len(lens), 1, heads, 32, generator=g).to(dtype)  # (B, 1, H, D)
+    seqlens = torch.tensor(lens, dtype=torch.int32)
+    q, k_cache, v_cache, block_table, seqlens, k_flat, v_flat = on_device(
+        q, k_cache, v_cache, block_table, seqlens, k_flat, v_flat
+    )
+    reference = attention_torch.paged_decode_attention(q, k_cache, v_cache, seqlens, block_table)
+    ones = cu([1] * len(lens)).to(DEVICE)
+    oracle = naive_padded_attention(q.squeeze(1), k_flat, v_flat, ones, cu(lens).to(DEVICE))  # (B, H, D)
+    for num_splits in (1, 3):  # one pass, and split-KV with its merge kernel
+        out = paged_decode_attention(q, k_cache, v_cache, seqlens, block_table, num_splits=num_splits)
+        assert out.shape == q.shape and out.dtype == dtype
+        torch.testing.assert_close(out.float(), reference.float(), atol=TOL[dtype], rtol=TOL[dtype])
+        torch.testing.assert_close(out.squeeze(1).float(), oracle.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("len_q", [2, 5])
+def test_paged_decode_triton_several_queries_is_causal(len_q):
+    g = torch.Generator().manual_seed(len_q)
+    lens = [len_q, 20, 33]
+    k_cache, v_cache, block_table, k_flat, v_flat = random_paged_cache(lens, 16, 2, 16, torch.float32, g)
+    q = torch.randn(len(lens), len_q, 4, 16, generator=g)  # (B, Lq, H, D)
+    seqlens = torch.tensor(lens, dtype=torch.int32)
+    q, k_cache, v_cache, block_table, seqlens, k_flat, v_flat = on_device(
+        q, k_cache, v_cache, block_table, seqlens, k_flat, v_flat
+    )
+    out = paged_decode_attention(q, k_cache, v_cache, seqlens, block_table, num_splits=2)
+    queries = cu([len_q] * len(lens)).to(DEVICE)
+    oracle = naive_padded_attention(q.flatten(0, 1), k_flat, v_flat, queries, cu(lens).to(DEVICE))
+    torch.testing.assert_close(out.flatten(0, 1), oracle, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads,kv_heads", GQA)
+def test_varlen_triton_matches_oracle(dtype, heads, kv_heads):
+    g = torch.Generator().manual_seed(heads * 10 + kv_heads)
+    lens = [1, 5, 17, 70]
+    n, d = sum(lens), 32
+    q = torch.randn(n, heads, d, generator=g).to(dtype)
+    k = torch.randn(n, kv_heads, d, generator=g).to(dtype)
+    v = torch.randn(n, kv_heads, d, generator=g).to(dtype)
+    q, k, v, cu_lens = on_device(q, k, v, cu(lens))
+    out = varlen_attention(q, k, v, cu_lens, cu_lens, max(lens), max(lens), causal=True)
+    oracle = naive_padded_attention(q, k, v, cu_lens, cu_lens, causal=True)
+    assert out.shape == (n, heads, d) and out.dtype == dtype
+    torch.testing.assert_close(out.float(), oracle.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_varlen_triton_reads_history_through_block_tables(dtype, block_size):
+    """Prefix-cache hits and chunked prefill: queries are the last tokens of longer cached sequences."""
+    g = torch.Generator().manual_seed(block_size + 1)
+    k_lens, q_lens = [20, 47, 16, 70], [3, 47, 1, 30]
+    heads, kv_heads, d = 4, 2, 16
+    k_cache, v_cache, block_table, k_flat, v_flat = random_paged_cache(k_lens, block_size, kv_heads, d, dtype, g)
+    q = torch.randn(sum(q_lens), heads, d, generator=g).to(dtype)
+    q, k_cache, v_cache, block_table, k_flat, v_flat, cu_q, cu_k = on_device(
+        q, k_cache, v_cache, block_table, k_flat, v_flat, cu(q_lens), cu(k_lens)
+    )
+    args = (cu_q, cu_k, max(q_lens), max(k_lens))
+    out = varlen_attention(q, k_cache, v_cache, *args, causal=True, block_table=block_table)
+    reference = attention_torch.varlen_attention(q, k_cache, v_cache, *args, causal=True, block_table=block_table)
+    oracle = naive_padded_attention(q, k_flat, v_flat, cu_q, cu_k, causal=True)
+    torch.testing.assert_close(out.float(), reference.float(), atol=TOL[dtype], rtol=TOL[dtype])
+    torch.testing.assert_close(out.float(), oracle.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_split_count_depends_only_on_shapes():
+    # a small batch on a big GPU is split; a batch that fills the GPU, or a short context, is not
+    assert choose_num_splits(batch=1, num_kv_heads=8, max_context=8192, num_sms=132, block_n=64) == 32
+    assert choose_num_splits(batch=64, num_kv_heads=8, max_context=8192, num_sms=132, block_n=64) == 1
+    assert choose_num_splits(batch=1, num_kv_heads=8, max_context=256, num_sms=132, block_n=64) == 1
+
+
+def test_greedy_generation_with_triton_matches_hf(tiny_model):
+    """End to end through the engine: prefill, a prefix-cache hit, chunked prefill and decode on Triton."""
+    shared = shared_prefix_prompts(3, 20, [4, 6])
+    batches = [random_prompts(seed=5, lengths=[1, 9, 23]) + shared[:1], shared[1:]]  # the 2nd hits the 1st's cache
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    llm = LLM(tiny_model, device=DEVICE, dtype="float32", attention_backend="triton", max_num_batched_tokens=16)
+    assert llm.model_runner.backend.name == "triton"
+    for prompts in batches:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        for i, (prompt, output) in enumerate(zip(prompts, outputs)):
+            assert output["token_ids"] == hf_greedy(tiny_model, prompt, params.max_tokens), f"prompt {i} differs"
+    assert llm.scheduler.block_manager.num_hit_blocks > 0  # the shared prefix really came from the cache
+
+
+def test_backend_choice(monkeypatch):
+    from nanoref.ops import backends
+
+    cpu = torch.device("cpu")
+    assert backends.choose_backend("auto", cpu, torch.float32, None, 32) == "torch"  # the interpreter is for reading
+    assert backends.choose_backend("triton", cpu, torch.bfloat16, 16, 32) == "triton"
+    assert backends.resolve_backend("triton", cpu).decode is paged_decode_attention
+    if not torch.cuda.is_available():
+        assert os.environ["TRITON_INTERPRET"] == "1"  # switched on by nanoref, before the kernels were defined
+    monkeypatch.setattr(backends, "triton_available", lambda: False)
+    with pytest.raises(ValueError, match="Triton is not installed"):
+        backends.choose_backend("triton", cpu, torch.float32, None, 32)
