@@ -53,9 +53,11 @@ def test_tensor_parallel_not_available(tiny_model):
     "kwargs,match",
     [
         (dict(max_tokens=0), "max_tokens"),
+        (dict(max_tokens=-3), "max_tokens"),
         (dict(temperature=-0.1), "temperature"),
         (dict(top_p=0.0), "top_p"),
         (dict(top_p=1.5), "top_p"),
+        (dict(top_p=-0.5), "top_p"),
         (dict(top_k=-1), "top_k"),
     ],
 )
@@ -86,6 +88,46 @@ def test_bad_prompts_are_named_and_engine_keeps_serving(tiny_model):
     out = llm.generate([good], greedy, use_tqdm=False)
     assert len(out[0]["token_ids"]) == 4 and out[0]["text"] is None
     assert llm.generate([torch.tensor(good)], greedy, use_tqdm=False) == out  # tensors of ids work too
+
+
+def reassigned(**fields) -> SamplingParams:
+    """Valid SamplingParams whose fields were changed afterwards (a dataclass does not stop that)."""
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    for name, value in fields.items():
+        setattr(params, name, value)
+    return params
+
+
+@pytest.mark.parametrize(
+    "bad_prompt,bad_params,error,match",
+    [
+        (list(range(64)), None, ValueError, "prompt 1: the prompt has 64 tokens but max_model_len is 64"),
+        ([], None, ValueError, "prompt 1: the prompt is empty"),
+        ([5, 256], None, ValueError, "prompt 1: token id 256 is outside the vocabulary"),
+        ([5, -1], None, ValueError, "prompt 1: token id -1 is outside the vocabulary"),
+        ([5] * 10, SamplingParams(max_tokens=60), ValueError, "prompt 1: the request needs up to 4 KV blocks"),
+        ([5], reassigned(max_tokens=0), ValueError, "prompt 1: max_tokens must be a positive integer"),
+        ([5], reassigned(temperature=-1.0), ValueError, "prompt 1: temperature must be >= 0"),
+        ([5], reassigned(top_p=0.0), ValueError, r"prompt 1: top_p must be in \(0, 1\]"),
+        ([5], reassigned(top_k=-2), ValueError, "prompt 1: top_k must be an integer >= 0"),
+        ([5], "greedy", TypeError, "prompt 1: sampling params must be SamplingParams"),
+    ],
+)
+def test_each_bad_request_is_named_before_any_work_and_engine_keeps_serving(
+    tiny_model, bad_prompt, bad_params, error, match
+):
+    """One bad request behind a good one: the error names it, no step runs, and later calls are served."""
+    llm = LLM(tiny_model, device="cpu", num_kvcache_blocks=3, max_model_len=64)
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    good = random_prompts(seed=11, lengths=[7])[0]
+    expected = llm.generate([good], greedy, use_tqdm=False)
+    steps_before = list(llm.metrics.steps)
+    with pytest.raises(error, match=match):
+        llm.generate([good, bad_prompt], [greedy, bad_params or greedy], use_tqdm=False)
+    assert llm.metrics.steps == steps_before  # no step ran, not even for the good prompt
+    manager = llm.scheduler.block_manager
+    assert llm.is_finished() and manager.num_free_blocks == manager.num_blocks
+    assert llm.generate([good, good], greedy, use_tqdm=False) == expected * 2
 
 
 def test_outputs_in_input_order_and_max_tokens(tiny_model):
