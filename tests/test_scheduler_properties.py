@@ -104,8 +104,13 @@ def run_fake_engine(w: dict) -> tuple[list[Sequence], Scheduler, int]:
         batch, is_prefill = scheduler.schedule()
         assert batch and len(batch) <= w["max_num_seqs"]
         assert all(s.num_scheduled_tokens >= 1 for s in batch), "an empty query: no token to take logits from"
+        assert len(scheduler.running) <= w["max_num_seqs"]
         if is_prefill:
-            assert sum(s.num_scheduled_tokens for s in batch) <= w["max_num_batched_tokens"]
+            budget_left = w["max_num_batched_tokens"] - sum(s.num_scheduled_tokens for s in batch)
+            assert budget_left >= 0
+            head = scheduler.waiting[0] if scheduler.waiting else None
+            if head is not None and not head.block_table and budget_left > 0 and manager.can_allocate(head):
+                assert len(scheduler.running) == w["max_num_seqs"], "a request that fits was left waiting"
         else:
             assert all(s.num_scheduled_tokens == 1 for s in batch)
         live = [s for s in seqs if s.block_table]

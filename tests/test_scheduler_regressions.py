@@ -149,3 +149,13 @@ def test_cuda_graph_buckets_cover_every_decode_batch(max_num_seqs):
     for batch in range(1, max_num_seqs + 1):
         bucket = min(b for b in buckets if b >= batch)
         assert bucket - batch < 16  # padding stays bounded
+
+
+def test_prefill_admits_up_to_max_num_seqs(tiny_model):
+    """Sequences admitted in a step count once against max_num_seqs (not once queued and again running)."""
+    llm = LLM(tiny_model, device="cpu", num_kvcache_blocks=16, max_num_seqs=4)
+    out = llm.generate(random_prompts(seed=34, lengths=[5] * 6), greedy(3), use_tqdm=False, return_metrics=True)
+    first = llm.metrics.steps[0]
+    assert (first.kind, first.num_seqs, first.num_waiting) == ("prefill", 4, 2)
+    assert max(r.num_seqs for r in llm.metrics.steps) == 4
+    assert [len(o["token_ids"]) for o in out] == [3] * 6

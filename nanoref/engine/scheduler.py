@@ -62,7 +62,7 @@ class Scheduler:
         while self.waiting and budget > 0:
             seq = self.waiting[0]
             if not seq.block_table:  # not started yet: needs a slot in the batch and its blocks
-                if len(self.running) + len(scheduled) >= self.max_num_seqs:
+                if len(self.running) >= self.max_num_seqs:  # (what this step scheduled is in running already)
                     break
                 if not self.block_manager.can_allocate(seq):
                     break
