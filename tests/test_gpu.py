@@ -48,3 +48,27 @@ def test_cuda_bfloat16_default_and_memory_derived_cache(tiny_model):
         random_prompts(seed=13, lengths=[4, 50]), SamplingParams(temperature=0.7, max_tokens=16), use_tqdm=False
     )
     assert all(0 < len(o["token_ids"]) <= 16 and all(0 <= t < 256 for t in o["token_ids"]) for o in out)
+
+
+def test_auto_backend_on_cuda_is_compiled(tiny_model):
+    """auto on a GPU: flash-attn where it serves, else the compiled Triton kernels, never the torch loop."""
+    llm = LLM(tiny_model, num_kvcache_blocks=64)
+    assert llm.model_runner.backend.name in ("flash_attn", "triton")
+
+
+@pytest.mark.parametrize("block_size", [16, 256])
+def test_triton_backend_with_cuda_graphs_matches_hf(tiny_model, block_size):
+    """Compiled Triton kernels in the decode CUDA graphs, chunked prefill and prefix-cache hits."""
+    prompts = shared_prefix_prompts(seed=14, prefix_len=block_size + 24, suffix_lens=[5, 12, 20, 3, 9, 27])
+    prompts += random_prompts(seed=15, lengths=[1, 17, 33])
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    llm = LLM(
+        tiny_model, device="cuda", dtype="float32", attention_backend="triton", kvcache_block_size=block_size,
+        num_kvcache_blocks=64, max_num_seqs=12, max_num_batched_tokens=48,
+    )  # fmt: skip
+    assert llm.model_runner.graphs and llm.model_runner.backend.name == "triton"
+    llm.generate(prompts[:1], params, use_tqdm=False)  # its prefix then serves the others from the cache
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.scheduler.block_manager.num_hit_blocks > 0
+    for prompt, output in zip(prompts, outputs):
+        assert output["token_ids"] == hf_greedy(tiny_model, prompt, params.max_tokens)

@@ -16,7 +16,9 @@ bf16 operands is wrong (an interpreter bug), so the interpreter path upcasts eve
 
 from __future__ import annotations
 
+import functools
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -26,6 +28,21 @@ triton = import_triton()
 import triton.language as tl  # noqa: E402  (after import_triton: the interpreter switch comes first)
 
 LOG2E = 1.4426950408889634  # softmax in base 2: exp(x) == exp2(x * log2(e)), and exp2 is one instruction
+
+
+@dataclass
+class Launch:
+    """Tile sizes and launch settings: on a GPU, speed depends on these; benchmarks/kernels.py sweeps them."""
+
+    block_m: int = 64  # query rows per tile (prefill; decode's rows are fixed by GQA)
+    block_n: int = 64  # keys per tile
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+DECODE_LAUNCH = Launch(block_n=64, num_warps=4, num_stages=3)  # best of benchmarks/kernels.py --sweep on an H200
+PREFILL_LAUNCH = Launch()
+INTERPRETER_LAUNCH = Launch(block_m=64, block_n=64)  # few big tiles: the interpreter pays per iteration
 
 
 @triton.jit
@@ -232,6 +249,7 @@ def _dot_settings(dtype: torch.dtype) -> tuple[bool, str]:
     return interpreting(), "ieee" if dtype == torch.float32 else "tf32"
 
 
+@functools.cache
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 1
@@ -272,7 +290,8 @@ def paged_decode_attention(
     group = num_heads // num_kv_heads
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
     upcast, precision = _dot_settings(q.dtype)
-    block_n = 64
+    launch = INTERPRETER_LAUNCH if interpreting() else DECODE_LAUNCH
+    block_n = launch.block_n
     max_context = block_table.shape[1] * page
     if num_splits <= 0:
         num_splits = choose_num_splits(batch, num_kv_heads, max_context, _num_sms(q.device), block_n)
@@ -297,7 +316,7 @@ def paged_decode_attention(
         LEN_Q=len_q, GROUP=group, BLOCK_M=max(16, triton.next_power_of_2(len_q * group)),
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), PAGE=page, BLOCK_N=block_n,
         CAUSAL=causal, UPCAST=upcast, PRECISION=precision,
-        num_warps=4, num_stages=2,
+        num_warps=launch.num_warps, num_stages=launch.num_stages,
     )  # fmt: skip
     if num_splits > 1:
         merge_splits_kernel[(batch, len_q * num_heads)](
@@ -335,7 +354,7 @@ def varlen_attention(
         raise ValueError(f"{num_heads} query heads cannot share {num_kv_heads} KV heads evenly")
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
     upcast, precision = _dot_settings(q.dtype)
-    block_m, block_n = 64, 64
+    launch = INTERPRETER_LAUNCH if interpreting() else PREFILL_LAUNCH
     paged = block_table is not None
     if paged:  # (num_blocks, block_size, Hk, D)
         page, k_strides, v_strides = k.shape[1], k.stride()[:3], v.stride()[:3]
@@ -345,7 +364,7 @@ def varlen_attention(
         stride_bt, block_table = 0, cu_seqlens_k  # never read; any int tensor fills the pointer slot
     out = torch.empty_like(q)
     batch = cu_seqlens_q.numel() - 1
-    grid = (triton.cdiv(max_seqlen_q, block_m), batch, num_heads)
+    grid = (triton.cdiv(max_seqlen_q, launch.block_m), batch, num_heads)
     varlen_attention_kernel[grid](
         q, k, v, out, cu_seqlens_q, cu_seqlens_k, block_table,
         scale * LOG2E,
@@ -355,8 +374,8 @@ def varlen_attention(
         out.stride(0), out.stride(1),
         stride_bt,
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_M=block_m, BLOCK_N=block_n, PAGED=paged, PAGE=page,
+        BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, PAGED=paged, PAGE=page,
         CAUSAL=causal, UPCAST=upcast, PRECISION=precision,
-        num_warps=4, num_stages=2,
+        num_warps=launch.num_warps, num_stages=launch.num_stages,
     )  # fmt: skip
     return out

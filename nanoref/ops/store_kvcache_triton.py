@@ -33,7 +33,7 @@ def store_kvcache_kernel(
 ):
     token = tl.program_id(0)  # grid (N,): program i stores token i
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)  # int64: slot * D can pass 2**31
-    if slot == -1:
+    if slot < 0:  # -1: a padding token, nothing to store
         return
     cols = tl.arange(0, BLOCK_D)
     in_row = cols < D
@@ -50,6 +50,8 @@ def store_kvcache_triton(
     check_kvcache_layout(key, value, k_cache, v_cache, slot_mapping)
     num_tokens, num_kv_heads, head_dim = key.shape
     row = num_kv_heads * head_dim
+    if key.dtype != k_cache.dtype:  # convert in torch: one rounding rule (the interpreter's casts truncate)
+        key, value = key.to(k_cache.dtype), value.to(v_cache.dtype)
     if num_tokens:
         store_kvcache_kernel[(num_tokens,)](
             key, key.stride(0), value, value.stride(0), k_cache, v_cache, slot_mapping,

@@ -1,0 +1,366 @@
+"""Kernel benchmark: the Triton KV store and paged decode attention against the copy bandwidth and peers.
+
+    python benchmarks/kernels.py                       # on a CUDA GPU: check, then time, table + figure
+    python benchmarks/kernels.py --sweep               # first sweep the decode kernel's tile settings
+
+1. Checks correctness on the GPU (Triton against the torch reference and the naive padded oracle).
+2. Measures the device-to-device copy bandwidth (bytes read + written per second): the ceiling.
+3. Times with `triton.testing.do_bench` (median) at Qwen3-0.6B's attention shapes (16 query heads,
+   8 KV heads, head_dim 128, bf16):
+   - store_kvcache: N tokens' K and V rows into random slots; bytes = read + written.
+   - paged decode attention: batch B, every sequence `ctx` tokens long, its blocks scattered at random
+     in the cache (block sizes 16 and 256); bytes = the K/V read (q and the output are negligible).
+   - peers: PyTorch SDPA after gathering each sequence's pages into padded `(B, Hk, ctx, D)` K/V (the
+     same problem), and, as yardsticks on an easier problem, SDPA and compiled FlexAttention over such
+     contiguous tensors ready-made (no paging; FlexAttention's paged form is still experimental).
+4. Prints the tables, writes them as markdown and draws the figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from nanoref.ops import attention_torch, naive_padded_attention, store_kvcache_torch  # noqa: E402
+from nanoref.ops import attention_triton as tri  # noqa: E402
+from nanoref.ops.store_kvcache_triton import store_kvcache_triton  # noqa: E402
+
+HEADS, KV_HEADS, HEAD_DIM, DTYPE = 16, 8, 128, torch.bfloat16
+ROW_BYTES = KV_HEADS * HEAD_DIM * 2  # one token's K (or V) in bf16
+
+
+def bench(fn) -> float:
+    """Median milliseconds of one call of fn, replayed from a CUDA graph (as the engine's decode runs).
+
+    The graph takes Python and launch overhead out: tens of microseconds that would otherwise swamp
+    the small problems and say nothing about the kernels. `do_bench` flushes the L2 cache between calls.
+    """
+    from triton.testing import do_bench
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile and warm up outside the capture
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return do_bench(graph.replay, warmup=25, rep=100, return_mode="median")
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy of 2 GiB: bytes read + written per second (TB/s).
+
+    Timed without a graph: a captured copy_ becomes a memcpy node, served by the slower copy engines.
+    """
+    from triton.testing import do_bench
+
+    src = torch.empty(2**30, dtype=torch.bfloat16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src), warmup=25, rep=100, return_mode="median")
+    return 2 * src.numel() * 2 / ms / 1e9
+
+
+def paged_problem(batch: int, ctx: int, block_size: int, seed: int = 0):
+    """A paged cache holding `batch` sequences of `ctx` tokens in randomly scattered blocks."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    blocks_per_seq = math.ceil(ctx / block_size)
+    num_blocks = batch * blocks_per_seq
+    k_cache = torch.randn(num_blocks, block_size, KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE, generator=g)
+    v_cache = torch.randn_like(k_cache)
+    block_table = torch.randperm(num_blocks, device="cuda", generator=g).view(batch, blocks_per_seq).int()
+    q = torch.randn(batch, 1, HEADS, HEAD_DIM, device="cuda", dtype=DTYPE, generator=g)  # (B, 1, H, D)
+    seqlens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
+    return q, k_cache, v_cache, block_table, seqlens
+
+
+def dense_from_paged(k_cache, block_table, ctx):
+    """(B, Hk, ctx, D) contiguous: what SDPA and dense FlexAttention read."""
+    blocks = k_cache[block_table.long()]  # (B, blocks, block_size, Hk, D)
+    return blocks.flatten(1, 2)[:, :ctx].transpose(1, 2).contiguous()
+
+
+# -- 1. correctness --------------------------------------------------------------------------------
+
+
+def check_correctness() -> None:
+    g = torch.Generator(device="cuda").manual_seed(1)
+    lens = [1, 15, 16, 17, 300, 1029, 4000]  # not multiples of the block sizes, and exact multiples
+    for block_size in (16, 256):
+        blocks = [math.ceil(n / block_size) for n in lens]
+        num_blocks = sum(blocks) + 5
+        k_cache = torch.randn(num_blocks, block_size, KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE, generator=g)
+        v_cache = torch.randn_like(k_cache)
+        order = torch.randperm(num_blocks, device="cuda", generator=g)
+        block_table = torch.full((len(lens), max(blocks)), -1, dtype=torch.int32, device="cuda")
+        used = 0
+        for b, nb in enumerate(blocks):
+            block_table[b, :nb] = order[used : used + nb]
+            used += nb
+        seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+        q = torch.randn(len(lens), 1, HEADS, HEAD_DIM, device="cuda", dtype=DTYPE, generator=g)
+        k_flat = torch.cat([attention_torch.gather_paged(k_cache, block_table[b], n) for b, n in enumerate(lens)])
+        v_flat = torch.cat([attention_torch.gather_paged(v_cache, block_table[b], n) for b, n in enumerate(lens)])
+        cu = lambda xs: torch.tensor([0, *itertools.accumulate(xs)], dtype=torch.int32, device="cuda")
+        oracle = naive_padded_attention(q.squeeze(1), k_flat, v_flat, cu([1] * len(lens)), cu(lens))  # (B, H, D)
+        reference = attention_torch.paged_decode_attention(q, k_cache, v_cache, seqlens, block_table)
+        for splits in (0, 1, 4):
+            out = tri.paged_decode_attention(q, k_cache, v_cache, seqlens, block_table, num_splits=splits)
+            torch.testing.assert_close(out.float(), reference.float(), atol=2e-2, rtol=2e-2)
+            torch.testing.assert_close(out.squeeze(1).float(), oracle.float(), atol=2e-2, rtol=2e-2)
+        q_lens = [1, 15, 3, 17, 300, 29, 1000]
+        qp = torch.randn(sum(q_lens), HEADS, HEAD_DIM, device="cuda", dtype=DTYPE, generator=g)
+        args = (cu(q_lens), cu(lens), max(q_lens), max(lens))
+        out = tri.varlen_attention(qp, k_cache, v_cache, *args, block_table=block_table)
+        oracle = naive_padded_attention(qp, k_flat, v_flat, cu(q_lens), cu(lens))
+        torch.testing.assert_close(out.float(), oracle.float(), atol=2e-2, rtol=2e-2)
+        key, value = (torch.randn(500, KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE, generator=g) for _ in "kv")
+        slots = torch.randperm(num_blocks * block_size, device="cuda", generator=g)[:500]
+        slots[::7] = -1
+        caches = [k_cache.clone() for _ in range(4)]
+        store_kvcache_triton(key, value, caches[0], caches[1], slots)
+        store_kvcache_torch(key, value, caches[2], caches[3], slots)
+        assert torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+    print("correctness on the GPU: paged decode (splits auto/1/4), paged varlen prefill, store_kvcache: OK")
+
+
+# -- 2.-3. timing ---------------------------------------------------------------------------------
+
+
+def time_store(num_tokens: int) -> dict:
+    num_blocks = max(64, 2 * num_tokens // 16)
+    k_cache = torch.zeros(num_blocks, 16, KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE)
+    v_cache = torch.zeros_like(k_cache)
+    key, value = (torch.randn(num_tokens, KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE) for _ in "kv")
+    slots = torch.randperm(num_blocks * 16, device="cuda")[:num_tokens]
+    moved = 2 * 2 * num_tokens * ROW_BYTES  # K and V, read and written
+    triton_ms = bench(lambda: store_kvcache_triton(key, value, k_cache, v_cache, slots))
+    torch_ms = bench(lambda: store_kvcache_torch(key, value, k_cache, v_cache, slots))
+    return dict(
+        tokens=num_tokens, MB=moved / 1e6, triton_us=triton_ms * 1e3, triton_TBps=moved / triton_ms / 1e9,
+        torch_us=torch_ms * 1e3, torch_TBps=moved / torch_ms / 1e9,
+    )  # fmt: skip
+
+
+def triton_decode_ms(problem) -> float:
+    q, k_cache, v_cache, block_table, seqlens = problem
+    return bench(lambda: tri.paged_decode_attention(q, k_cache, v_cache, seqlens, block_table))
+
+
+_flex = None
+
+
+def flex_attention_compiled():
+    global _flex
+    if _flex is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _flex = torch.compile(flex_attention)
+    return _flex
+
+
+def time_decode(batch: int, ctx: int, block_sizes=(16, 256), peers: bool = True) -> list[dict]:
+    rows = []
+    kv_bytes = 2 * batch * ctx * ROW_BYTES  # K and V read once
+
+    def add(method: str, ms: float, **extra) -> None:
+        rows.append(dict(method=method, batch=batch, ctx=ctx, us=ms * 1e3, TBps=kv_bytes / ms / 1e9, **extra))
+
+    dense = None
+    for block_size in block_sizes:
+        problem = paged_problem(batch, ctx, block_size)
+        q, k_cache, v_cache, block_table, _ = problem
+        ms = triton_decode_ms(problem)
+        max_context = block_table.shape[1] * block_size
+        splits = tri.choose_num_splits(batch, KV_HEADS, max_context, tri._num_sms(q.device), tri.DECODE_LAUNCH.block_n)
+        add(f"triton paged, block {block_size}", ms, splits=splits)
+        if dense is None and peers:
+            k = dense_from_paged(k_cache, block_table, ctx)  # (B, Hk, ctx, D)
+            v = dense_from_paged(v_cache, block_table, ctx)
+            dense = (q.transpose(1, 2).contiguous(), k, v)  # q: (B, H, 1, D)
+        del problem, k_cache, v_cache  # free the paged cache before the next block size's
+    if peers:
+        qd, k, v = dense
+        problem = paged_problem(batch, ctx, 16)
+
+        def gather_then_sdpa(q, k_cache, v_cache, block_table, seqlens):
+            k = dense_from_paged(k_cache, block_table, ctx)  # (B, Hk, ctx, D)
+            v = dense_from_paged(v_cache, block_table, ctx)
+            return F.scaled_dot_product_attention(q.transpose(1, 2), k, v, enable_gqa=True)
+
+        ms = bench(lambda: gather_then_sdpa(*problem))
+        add("SDPA, gathered from pages", ms)
+        del problem
+        ms = bench(lambda: F.scaled_dot_product_attention(qd, k, v, enable_gqa=True))
+        add("SDPA, dense (no paging)", ms)
+        flex = flex_attention_compiled()
+        flex(qd, k, v, enable_gqa=True)  # compile outside the timing
+        ms = bench(lambda: flex(qd, k, v, enable_gqa=True))
+        add("FlexAttention, dense (no paging)", ms)
+    torch.cuda.empty_cache()
+    return rows
+
+
+def sweep_decode_launch() -> None:
+    """Try tile settings at the headline shapes; keep the best for the timings that follow."""
+    candidates = [
+        tri.Launch(block_n=n, num_warps=w, num_stages=s) for n in (32, 64, 128) for w in (4, 8) for s in (2, 3, 4)
+    ]
+    shapes = [(64, 1024), (64, 4096), (256, 1024), (256, 4096), (4, 4096)]
+    problems = {(b, c, bs): paged_problem(b, c, bs) for b, c in shapes for bs in (16, 256)}
+    best, best_score = None, -1.0
+    print("\ndecode tile sweep (TB/s of K/V read; geometric mean over shapes and block sizes)")
+    for launch in candidates:
+        tri.DECODE_LAUNCH = launch
+        rates = []
+        for (b, c, _bs), problem in problems.items():
+            ms = triton_decode_ms(problem)
+            rates.append(2 * b * c * ROW_BYTES / ms / 1e9)
+        score = math.exp(sum(map(math.log, rates)) / len(rates))
+        print(f"  {launch}: {score:.2f}  (min {min(rates):.2f}, max {max(rates):.2f})")
+        if score > best_score:
+            best, best_score = launch, score
+    tri.DECODE_LAUNCH = best
+    print(f"  best: {best}")
+    del problems
+    torch.cuda.empty_cache()
+
+
+# -- 4. report ------------------------------------------------------------------------------------
+
+
+def markdown_table(rows: list[dict], fmt: dict) -> str:
+    keys = list(rows[0])
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    for row in rows:
+        lines.append("| " + " | ".join(fmt.get(k, "{}").format(row.get(k, "")) for k in keys) + " |")
+    return "\n".join(lines)
+
+
+def draw(decode_rows: list[dict], copy_tbps: float, path: Path, gpu: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = list(dict.fromkeys(r["method"] for r in decode_rows))
+    batches = [b for b in (1, 16, 64, 256) if any(r["batch"] == b for r in decode_rows)]
+    fig, axes = plt.subplots(1, len(batches), figsize=(3.6 * len(batches), 3.4), sharey=True)
+    for ax, batch in zip(axes, batches):
+        for method in methods:
+            pts = sorted((r["ctx"], r["TBps"]) for r in decode_rows if r["batch"] == batch and r["method"] == method)
+            ax.plot([c for c, _ in pts], [t for _, t in pts], marker="o", label=method)
+        ax.axhline(copy_tbps, color="grey", ls="--", lw=1, label="copy bandwidth")
+        ax.axhline(0.7 * copy_tbps, color="grey", ls=":", lw=1, label="70% of copy")
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"batch {batch}")
+        ax.set_xlabel("context (tokens)")
+    axes[0].set_ylabel("K/V read (TB/s)")
+    axes[-1].legend(fontsize=7, loc="lower right")
+    fig.suptitle(f"Paged decode attention, Qwen3-0.6B shapes (16/8 heads, d=128, bf16), {gpu}", fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sweep", action="store_true", help="sweep the decode kernel's tile settings first")
+    parser.add_argument("--batches", default="1,4,16,64,128,256")
+    parser.add_argument("--contexts", default="128,512,1024,2048,4096,8192")
+    parser.add_argument("--markdown", type=Path, default=ROOT / "benchmarks/results/kernels_h200.md")
+    parser.add_argument("--figure", type=Path, default=ROOT / "figures/kernels_h200.png")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks/kernels.py needs a CUDA GPU (on a CPU, the tests check the kernels under the interpreter)")
+    import triton
+
+    gpu = torch.cuda.get_device_name()
+    started = time.time()
+    check_correctness()
+    copy_tbps = copy_bandwidth()
+    print(f"copy bandwidth: {copy_tbps:.2f} TB/s (read + written)")
+    if args.sweep:
+        sweep_decode_launch()
+
+    store_rows = [time_store(n) for n in (1, 16, 64, 256, 1024, 4096, 16384, 65536, 262144)]
+    for r in store_rows:
+        r["triton_of_copy"] = r["triton_TBps"] / copy_tbps
+    fmt = dict(MB="{:.3f}", triton_us="{:.1f}", triton_TBps="{:.2f}", torch_us="{:.1f}", torch_TBps="{:.2f}",
+               triton_of_copy="{:.0%}", us="{:.1f}", TBps="{:.2f}", of_copy="{:.0%}")  # fmt: skip
+    store_table = markdown_table(store_rows, fmt)
+    print("\nstore_kvcache\n" + store_table)
+
+    decode_rows = []
+    for batch in map(int, args.batches.split(",")):
+        for ctx in map(int, args.contexts.split(",")):
+            decode_rows += time_decode(batch, ctx)
+            print(f"  decode batch {batch} ctx {ctx}: " + ", ".join(
+                f"{r['method']} {r['TBps']:.2f}" for r in decode_rows[-5:]))  # fmt: skip
+    for r in decode_rows:
+        r["of_copy"] = r["TBps"] / copy_tbps
+    decode_table = markdown_table(decode_rows, fmt)
+    print("\npaged decode attention\n" + decode_table)
+
+    headline = [r for r in decode_rows if r["batch"] >= 64 and r["ctx"] >= 1024]
+    summary = []
+    for method in dict.fromkeys(r["method"] for r in headline):
+        mine = [r["TBps"] for r in headline if r["method"] == method]
+        summary.append(dict(method=method, min_TBps=min(mine), median_TBps=sorted(mine)[len(mine) // 2],
+                            min_of_copy=min(mine) / copy_tbps))  # fmt: skip
+    summary_table = markdown_table(summary, dict(min_TBps="{:.2f}", median_TBps="{:.2f}", min_of_copy="{:.0%}"))
+    print("\nbatch >= 64 and context >= 1024\n" + summary_table)
+
+    launch = tri.DECODE_LAUNCH
+    text = f"""# Kernel benchmark: one {gpu}
+
+`python benchmarks/kernels.py{" --sweep" if args.sweep else ""}`, measured {time.strftime("%Y-%m-%d")} on
+one {gpu} (torch {torch.__version__}, triton {triton.__version__}, Python {platform.python_version()}).
+Every time is the median of `triton.testing.do_bench` over a CUDA-graph replay of one call (no Python or
+launch overhead, as in the engine's graphed decode; L2 flushed between calls). Shapes: Qwen3-0.6B
+attention (16 query heads, 8 KV heads, head_dim 128), bf16. Copy bandwidth measured in the same run:
+**{copy_tbps:.2f} TB/s** (2 GiB device-to-device, bytes read + written). Decode kernel launch settings:
+block_n {launch.block_n}, num_warps {launch.num_warps}, num_stages {launch.num_stages}; split-KV count
+from `choose_num_splits` (column `splits`).
+
+## Paged decode attention, batch >= 64 and context >= 1024
+
+Bytes = the K/V read. "SDPA, gathered from pages" solves the same problem as the paged kernel: it gathers
+each sequence's blocks into padded `(B, Hk, ctx, D)` tensors, then calls SDPA. The two "no paging" rows
+read such contiguous tensors ready-made (the gather not counted): an easier problem, shown as a yardstick.
+
+{summary_table}
+
+## store_kvcache
+
+N tokens' K and V rows (2 KiB each) into random slots; bytes = read + written. The torch column is the
+reference (`index_put` with a boolean mask, which also syncs with the host). Below a few thousand tokens
+the time is launch latency, not bandwidth.
+
+{store_table}
+
+## Paged decode attention, every shape
+
+Every sequence of the batch holds `ctx` tokens, its blocks scattered at random through the cache.
+
+{decode_table}
+"""
+    args.markdown.parent.mkdir(parents=True, exist_ok=True)
+    args.markdown.write_text(text)
+    draw(decode_rows, copy_tbps, args.figure, gpu)
+    print(f"\nwrote {args.markdown} and {args.figure} in {time.time() - started:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
