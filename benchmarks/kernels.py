@@ -325,8 +325,8 @@ def main() -> None:
     launch = tri.DECODE_LAUNCH
     text = f"""# Kernel benchmark: one {gpu}
 
-`python benchmarks/kernels.py{" --sweep" if args.sweep else ""}`, measured {time.strftime("%Y-%m-%d")} on
-one {gpu} (torch {torch.__version__}, triton {triton.__version__}, Python {platform.python_version()}).
+`python benchmarks/kernels.py{" --sweep" if args.sweep else ""}`, measured {time.strftime("%Y-%m-%d")}
+on one {gpu} (torch {torch.__version__}, triton {triton.__version__}, Python {platform.python_version()}).
 Every time is the median of `triton.testing.do_bench` over a CUDA-graph replay of one call (no Python or
 launch overhead, as in the engine's graphed decode; L2 flushed between calls). Shapes: Qwen3-0.6B
 attention (16 query heads, 8 KV heads, head_dim 128), bf16. Copy bandwidth measured in the same run:
@@ -344,9 +344,9 @@ read such contiguous tensors ready-made (the gather not counted): an easier prob
 
 ## store_kvcache
 
-N tokens' K and V rows (2 KiB each) into random slots; bytes = read + written. The torch column is the
-reference (`index_put` with a boolean mask, which also syncs with the host). Below a few thousand tokens
-the time is launch latency, not bandwidth.
+N tokens' K and V rows (2 KiB each) into random slots; bytes = read + written. The torch column is
+the reference in its CUDA-graph form (`index_put`; each skipped token repeats a stored token's write).
+Below a few thousand tokens the time is launch latency, not bandwidth.
 
 {store_table}
 
