@@ -46,18 +46,26 @@ INTERPRETER_LAUNCH = Launch(block_m=64, block_n=64)  # few big tiles: the interp
 
 
 @triton.jit
-def _online_softmax_step(scores, visible, m_i, l_i, acc):
-    """Fold one tile of scores (already scaled to base 2) into the running max, sum and output scale.
+def _attend_tile(
+    q, k, v, visible, qk_scale, m_i, l_i, acc, UPCAST: tl.constexpr, PRECISION: tl.constexpr
+):  # fmt: skip
+    """Fold one tile of keys and values into the online softmax: running max m_i, sum l_i, output acc.
 
-    Returns the tile's probabilities (unnormalised) and the new (m_i, l_i, acc * alpha).
+    q: (M, D) query rows; k, v: (N, D); visible: (M, N), False where a key must not count. Base 2 throughout:
+    qk_scale carries log2(e), so exp2 gives the softmax's exp. Returns the new (m_i, l_i, acc).
     """
+    if UPCAST:  # the interpreter's tl.dot is wrong on bf16 operands
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (M, N)
     scores = tl.where(visible, scores, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, 1))  # (M,)
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet stays at zero
     alpha = tl.exp2(m_i - m_safe)  # (M,): rescales what was summed under the old max
     p = tl.exp2(scores - m_safe[:, None])  # (M, N)
     l_i = l_i * alpha + tl.sum(p, 1)
-    return p, m_new, l_i, acc * alpha[:, None]
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)  # (M, D)
+    return m_new, l_i, acc
 
 
 @triton.jit
@@ -109,15 +117,10 @@ def paged_decode_kernel(
         kv_mask = pos_ok[:, None] & dim_ok[None, :]
         k = tl.load(k_cache_ptr + row_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
         v = tl.load(v_cache_ptr + row_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N)
-        visible = pos_ok[None, :]
+        visible = pos_ok[None, :]  # (1, BLOCK_N), broadcast over the rows
         if CAUSAL:
-            visible = visible & (pos[None, :] <= q_pos[:, None])
-        p, m_i, l_i, acc = _online_softmax_step(scores, visible, m_i, l_i, acc)
-        acc += tl.dot(p.to(v.dtype), v, input_precision=PRECISION)  # (BLOCK_M, BLOCK_D)
+            visible = visible & (pos[None, :] <= q_pos[:, None])  # (BLOCK_M, BLOCK_N)
+        m_i, l_i, acc = _attend_tile(q, k, v, visible, qk_scale, m_i, l_i, acc, UPCAST, PRECISION)
 
     seen = l_i > 0.0  # False for a split past the sequence's end
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
@@ -221,15 +224,10 @@ def varlen_attention_kernel(
         kv_mask = pos_ok[:, None] & dim_ok[None, :]
         k = tl.load(k_ptr + k_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
         v = tl.load(v_ptr + v_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (BLOCK_M, BLOCK_N)
         visible = pos_ok[None, :]
-        if CAUSAL:
+        if CAUSAL:  # bottom-right aligned: query i sees keys up to position len_k - len_q + i
             visible = visible & (pos[None, :] <= q_pos[:, None])
-        p, m_i, l_i, acc = _online_softmax_step(scores, visible, m_i, l_i, acc)
-        acc += tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i, l_i, acc = _attend_tile(q, k, v, visible, qk_scale, m_i, l_i, acc, UPCAST, PRECISION)
 
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     out_rows = (q_start + offs_m).to(tl.int64) * stride_on + head * stride_oh
