@@ -1,7 +1,7 @@
 """Kernel benchmark: the Triton KV store and paged decode attention against the copy bandwidth and peers.
 
     python benchmarks/kernels.py                       # on a CUDA GPU: check, then time, table + figure
-    python benchmarks/kernels.py --sweep               # first sweep the decode kernel's tile settings
+    python benchmarks/kernels.py --sweep               # first sweep the kernels' tile settings (--sweep-prefill)
 
 1. Checks correctness on the GPU (Triton against the torch reference and the naive padded oracle).
 2. Measures the device-to-device copy bandwidth (bytes read + written per second): the ceiling.
@@ -13,6 +13,7 @@
    - peers: PyTorch SDPA after gathering each sequence's pages into padded `(B, Hk, ctx, D)` K/V (the
      same problem), and, as yardsticks on an easier problem, SDPA and compiled FlexAttention over such
      contiguous tensors ready-made (no paging; FlexAttention's paged form is still experimental).
+   - varlen causal prefill (equal-length sequences, no history): TFLOP/s against SDPA with is_causal.
 4. Prints the tables, writes them as markdown and draws the figure.
 """
 
@@ -237,6 +238,79 @@ def sweep_decode_launch() -> None:
     torch.cuda.empty_cache()
 
 
+PREFILL_SHAPES = [(1, 4096), (4, 1024), (16, 1024), (64, 256), (16, 4096)]  # (sequences, tokens each)
+
+
+def prefill_problem(batch: int, seqlen: int, seed: int = 0):
+    """Flat varlen inputs for `batch` causal sequences of `seqlen` tokens, and their padded SDPA view."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    n = batch * seqlen
+    q = torch.randn(n, HEADS, HEAD_DIM, device="cuda", dtype=DTYPE, generator=g)  # (N, H, D)
+    k, v = (torch.randn(n, KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE, generator=g) for _ in "kv")  # (N, Hk, D)
+    cu = torch.arange(0, n + 1, seqlen, dtype=torch.int32, device="cuda")
+    return q, k, v, cu, seqlen
+
+
+def causal_flops(batch: int, seqlen: int) -> float:
+    return 4 * batch * HEADS * HEAD_DIM * seqlen * (seqlen + 1) / 2  # QK^T and PV over the causal half
+
+
+def triton_prefill(problem):
+    q, k, v, cu, seqlen = problem
+    return tri.varlen_attention(q, k, v, cu, cu, seqlen, seqlen, causal=True)
+
+
+def sdpa_prefill(problem):
+    q, k, v, cu, seqlen = problem
+    batch = cu.numel() - 1
+    to_heads = lambda x: x.view(batch, seqlen, -1, HEAD_DIM).transpose(1, 2)  # (B, heads, L, D), a view
+    out = F.scaled_dot_product_attention(to_heads(q), to_heads(k), to_heads(v), is_causal=True, enable_gqa=True)
+    return out.transpose(1, 2).reshape(-1, HEADS, HEAD_DIM)  # (N, H, D)
+
+
+def time_prefill() -> list[dict]:
+    rows = []
+    for batch, seqlen in PREFILL_SHAPES:
+        problem = prefill_problem(batch, seqlen)
+        flops = causal_flops(batch, seqlen)
+        row = dict(sequences=batch, tokens_each=seqlen)
+        for name, fn in (("triton", triton_prefill), ("sdpa", sdpa_prefill)):
+            ms = bench(lambda fn=fn, problem=problem: fn(problem))
+            row[f"{name}_us"], row[f"{name}_TFLOPs"] = ms * 1e3, flops / ms / 1e9
+        rows.append(row)
+    return rows
+
+
+def sweep_prefill_launch() -> None:
+    """Try prefill tile settings (each checked against SDPA first); keep the fastest correct one."""
+    candidates = [
+        tri.Launch(block_m=m, block_n=n, num_warps=w, num_stages=st)
+        for m, n, w in ((64, 64, 4), (128, 64, 4), (128, 64, 8), (128, 32, 4), (64, 32, 4), (128, 128, 8))
+        for st in (2, 3)
+    ]
+    problems = [prefill_problem(b, L) for b, L in PREFILL_SHAPES]
+    expected = sdpa_prefill(problems[1])
+    best, best_score = None, -1.0
+    print("\nprefill tile sweep (TFLOP/s, geometric mean over shapes)")
+    for launch in candidates:
+        tri.PREFILL_LAUNCH = launch
+        try:
+            error = (triton_prefill(problems[1]).float() - expected.float()).abs().max().item()
+        except Exception as failure:  # e.g. out of shared memory for the biggest tiles
+            print(f"  {launch}: failed ({type(failure).__name__})")
+            continue
+        if error > 2e-2:
+            print(f"  {launch}: wrong (max error {error:.3g})")
+            continue
+        rates = [causal_flops(p[3].numel() - 1, p[4]) / bench(lambda p=p: triton_prefill(p)) / 1e9 for p in problems]
+        score = math.exp(sum(map(math.log, rates)) / len(rates))
+        print(f"  {launch}: {score:.0f}  (min {min(rates):.0f}, max {max(rates):.0f})")
+        if score > best_score:
+            best, best_score = launch, score
+    tri.PREFILL_LAUNCH = best
+    print(f"  best: {best}")
+
+
 # -- 4. report ------------------------------------------------------------------------------------
 
 
@@ -276,7 +350,8 @@ def draw(decode_rows: list[dict], copy_tbps: float, path: Path, gpu: str) -> Non
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sweep", action="store_true", help="sweep the decode kernel's tile settings first")
+    parser.add_argument("--sweep", action="store_true", help="sweep the kernels' tile settings first")
+    parser.add_argument("--sweep-prefill", action="store_true", help="sweep the prefill kernel's tile settings only")
     parser.add_argument("--batches", default="1,4,16,64,128,256")
     parser.add_argument("--contexts", default="128,512,1024,2048,4096,8192")
     parser.add_argument("--markdown", type=Path, default=ROOT / "benchmarks/results/kernels_h200.md")
@@ -293,6 +368,12 @@ def main() -> None:
     print(f"copy bandwidth: {copy_tbps:.2f} TB/s (read + written)")
     if args.sweep:
         sweep_decode_launch()
+    if args.sweep or args.sweep_prefill:
+        sweep_prefill_launch()
+    prefill_rows = time_prefill()
+    prefill_table = markdown_table(prefill_rows, dict(triton_us="{:.1f}", triton_TFLOPs="{:.0f}", sdpa_us="{:.1f}",
+                                                      sdpa_TFLOPs="{:.0f}"))  # fmt: skip
+    print("\nvarlen causal prefill\n" + prefill_table)
 
     store_rows = [time_store(n) for n in (1, 16, 64, 256, 1024, 4096, 16384, 65536, 262144)]
     for r in store_rows:
@@ -341,6 +422,15 @@ each sequence's blocks into padded `(B, Hk, ctx, D)` tensors, then calls SDPA. T
 read such contiguous tensors ready-made (the gather not counted): an easier problem, shown as a yardstick.
 
 {summary_table}
+
+## Varlen causal prefill
+
+`varlen_attention` on flat `(N, H, D)` tokens of equal-length causal sequences (the engine's prefill without
+history), against SDPA with `is_causal` on the same tokens viewed as padded `(B, H, L, D)`. FLOPs = QK^T and PV
+over the causal half. Tiles: block_m {tri.PREFILL_LAUNCH.block_m}, block_n {tri.PREFILL_LAUNCH.block_n},
+num_warps {tri.PREFILL_LAUNCH.num_warps}, num_stages {tri.PREFILL_LAUNCH.num_stages}.
+
+{prefill_table}
 
 ## store_kvcache
 
