@@ -41,7 +41,7 @@ class Launch:
 
 
 DECODE_LAUNCH = Launch(block_n=64, num_warps=4, num_stages=3)  # best of benchmarks/kernels.py --sweep on an H200
-PREFILL_LAUNCH = Launch()
+PREFILL_LAUNCH = Launch(block_m=64, block_n=64, num_warps=4, num_stages=3)  # likewise, --sweep-prefill
 INTERPRETER_LAUNCH = Launch(block_m=64, block_n=64)  # few big tiles: the interpreter pays per iteration
 
 
