@@ -12,6 +12,7 @@ from nanoref.ops import (
     store_kvcache_torch,
     varlen_attention,
 )
+from nanoref.ops.triton_setup import triton_available
 
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
@@ -116,16 +117,29 @@ def test_store_kvcache_writes_slots_and_skips_minus_one(dtype):
     assert torch.equal(v_cache.view(-1, kv_heads, d), expected_v)
 
 
-def test_store_kvcache_rejects_bad_layouts():
+def triton_store(*args):
+    if not triton_available():
+        pytest.skip("Triton is not installed (Linux wheels only)")
+    from nanoref.ops.store_kvcache_triton import store_kvcache_triton
+
+    return store_kvcache_triton(*args)
+
+
+@pytest.mark.parametrize("store", [store_kvcache_torch, triton_store], ids=["torch", "triton"])
+def test_store_kvcache_rejects_bad_layouts(store):
+    """Both stores share the layout checks: a layout a row copy cannot serve is an error, not a scrambled cache."""
     key = torch.randn(4, 2, 8)
     cache = torch.zeros(2, 16, 2, 8)
     with pytest.raises(ValueError, match="one slot per token"):
-        store_kvcache_torch(key, key, cache, cache.clone(), torch.tensor([0, 1]))
+        store(key, key, cache, cache.clone(), torch.tensor([0, 1]))
     with pytest.raises(ValueError, match="packed"):
         wide = torch.randn(4, 2, 16)[:, :, :8]  # head axis stride 16 != head_dim 8
-        store_kvcache_torch(wide, wide, cache, cache.clone(), torch.arange(4))
+        store(wide, wide, cache, cache.clone(), torch.arange(4))
     with pytest.raises(ValueError, match="cache rows"):
-        store_kvcache_torch(key, key, torch.zeros(2, 16, 4, 8), torch.zeros(2, 16, 4, 8), torch.arange(4))
+        store(key, key, torch.zeros(2, 16, 4, 8), torch.zeros(2, 16, 4, 8), torch.arange(4))
+    with pytest.raises(ValueError, match="contiguous"):
+        strided = torch.zeros(2, 32, 2, 8)[:, ::2]  # every other slot
+        store(key, key, strided, strided.clone(), torch.arange(4))
 
 
 @pytest.mark.parametrize("len_q", [2, 5])
