@@ -280,7 +280,7 @@ def paged_decode_attention(
     num_splits: as in flash-attn, 0 picks a split count from the shapes; 1 turns splitting off.
     """
     batch, len_q, num_heads, head_dim = q.shape
-    num_blocks, page, num_kv_heads, _ = k_cache.shape
+    page, num_kv_heads = k_cache.shape[1], k_cache.shape[2]  # (num_blocks, block_size, Hk, D)
     if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride() != k_cache.stride():
         raise ValueError("q, k_cache and v_cache need a contiguous last axis, and the caches equal strides")
     if num_heads % num_kv_heads:
