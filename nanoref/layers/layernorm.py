@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from nanoref.utils.seams import seam
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x: (..., hidden) -> (..., hidden): x * rsqrt(mean(x^2) + eps) * weight."""
@@ -44,5 +46,5 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
-            return rms_norm(x, self.weight, self.eps)
-        return add_rms_norm(x, residual, self.weight, self.eps)
+            return seam("rms_norm", rms_norm)(x, self.weight, self.eps)
+        return seam("add_rms_norm", add_rms_norm)(x, residual, self.weight, self.eps)

@@ -1,0 +1,61 @@
+"""Exercise seams: run the real engine with a learner's function in place of one of nanoref's own.
+
+A seam is a named place in the layers, ops or engine that asks `seam(name, default)` for the function
+to call. Outside a `use(...)` block that is always `default` (one truthiness check of an empty dict,
+so an unused seam costs nothing measurable); inside it, the learner's function:
+
+    from nanoref.utils.seams import use
+    with use(add_rms_norm=my_add_rms_norm):
+        llm.generate(...)          # every decoder layer now calls my_add_rms_norm
+
+This module sits at the bottom of the package beside `utils/context` and imports nothing from
+nanoref, so any layer may consult it. `nanoref.exercises` holds the checks the notebooks run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import TypeVar
+
+F = TypeVar("F", bound=Callable)
+
+# name -> where it sits and what the learner's function computes (same signature as the default's).
+# One line per seam, grouped by the notebook whose exercise replaces it.
+SEAMS: dict[str, str] = {
+    # 02_rmsnorm
+    "rms_norm": "layers/layernorm.py: rms_norm(x, weight, eps) -> normalised x",
+    "add_rms_norm": "layers/layernorm.py: add_rms_norm(x, residual, weight, eps) -> (normalised sum, new residual)",
+}
+
+_ACTIVE: dict[str, Callable] = {}  # the learner's functions while a `use` block runs
+
+
+def seam(name: str, default: F) -> F:
+    """The function to call at seam `name`: the learner's inside `use(...)`, else `default`."""
+    if _ACTIVE:
+        return _ACTIVE.get(name, default)
+    return default
+
+
+@contextlib.contextmanager
+def use(**functions: Callable) -> Iterator[None]:
+    """Install learner functions by seam name for the duration of the block (blocks may nest)."""
+    unknown = sorted(set(functions) - set(SEAMS))
+    if unknown:
+        raise ValueError(f"no exercise seam named {', '.join(map(repr, unknown))}; the seams are: {', '.join(SEAMS)}")
+    for name, function in functions.items():
+        if not callable(function):
+            raise TypeError(f"use({name}=...) needs a function, got {type(function).__name__}")
+    saved = dict(_ACTIVE)
+    _ACTIVE.update(functions)
+    try:
+        yield
+    finally:
+        _ACTIVE.clear()
+        _ACTIVE.update(saved)
+
+
+def active() -> dict[str, Callable]:
+    """The seams replaced right now (a copy), e.g. for a notebook to show what runs."""
+    return dict(_ACTIVE)
