@@ -1,0 +1,12 @@
+"""Checks for the notebooks' exercises: a learner's function alone against a reference, then inside the engine.
+
+Each exercise is a function named after an exercise seam (`nanoref.utils.seams.SEAMS`). Its `check_<seam>`
+first tests it on fresh random inputs against nanoref's own version or the naive oracle, with messages that say
+what to fix, then runs the real engine with it in place (`seams.use`) and compares greedy generation token by
+token with HF transformers (`check_generation`).
+"""
+
+from nanoref.exercises.common import ExerciseFailure, check_generation, tiny_model
+from nanoref.utils.seams import SEAMS, use
+
+__all__ = ["SEAMS", "ExerciseFailure", "check_generation", "tiny_model", "use"]

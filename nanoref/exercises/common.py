@@ -1,0 +1,106 @@
+"""What every exercise check shares: tiny models, HF's greedy reference, and the engine run with a seam in place."""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nanoref.testing import make_tiny_qwen3
+from nanoref.utils.seams import use
+
+
+class ExerciseFailure(AssertionError):
+    """An exercise's answer is wrong; the message says where and what to look at."""
+
+
+_MODELS: dict[tuple, Path] = {}
+_HF_OUTPUTS: dict[tuple, list[list[int]]] = {}
+
+
+def tiny_model(seed: int = 0, **overrides: Any) -> Path:
+    """A random tiny Qwen3 folder (HF format), built once per process and settings."""
+    key = (seed, tuple(sorted(overrides.items())))
+    if key not in _MODELS:
+        folder = Path(tempfile.mkdtemp(prefix="nanoref-exercise-")) / "tiny-qwen3"
+        _MODELS[key] = make_tiny_qwen3(folder, seed=seed, **overrides)
+    return _MODELS[key]
+
+
+def hf_greedy(folder: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """HF transformers' greedy continuation of each prompt (one at a time: no padding involved)."""
+    key = (str(folder), tuple(map(tuple, prompts)), max_new_tokens)
+    if key not in _HF_OUTPUTS:
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+
+        bar_was_on = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()  # no "Loading weights" bar in a notebook's output
+        try:
+            model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+        finally:
+            if bar_was_on:
+                hf_logging.enable_progress_bar()
+        outputs = []
+        for prompt in prompts:
+            ids = torch.tensor([prompt])
+            with torch.no_grad():
+                out = model.generate(
+                    ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens
+                )
+            outputs.append(out[0, len(prompt) :].tolist())
+        _HF_OUTPUTS[key] = outputs
+    return _HF_OUTPUTS[key]
+
+
+def random_prompts(seed: int, lengths: list[int], vocab: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=generator).tolist() for n in lengths]
+
+
+def check_generation(
+    functions: dict[str, Callable],
+    *,
+    prompts: list[list[int]] | None = None,
+    max_tokens: int = 8,
+    model: Path | None = None,
+    **engine_kwargs: Any,
+) -> list[list[int]]:
+    """Generate greedily with the real engine running the learner's `functions` (seam name -> function) and
+    compare every token with HF transformers. engine_kwargs go to `LLM` (e.g. num_kvcache_blocks,
+    max_num_batched_tokens, attention_backend). Returns the generated ids; raises ExerciseFailure naming the
+    first prompt and token that differ.
+    """
+    from nanoref import LLM, SamplingParams
+
+    model = model or tiny_model()
+    if prompts is None:
+        prompts = random_prompts(seed=1234, lengths=[5, 23, 17, 40], vocab=256)
+    expected = hf_greedy(model, prompts, max_tokens)
+    engine_kwargs.setdefault("num_kvcache_blocks", 64)
+    names = ", ".join(f"your `{name}`" for name in functions)
+    llm = LLM(model, **engine_kwargs)
+    try:
+        with use(**functions):
+            outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
+    except ExerciseFailure:
+        raise
+    except Exception as error:
+        raise ExerciseFailure(f"the engine failed while running {names}: {type(error).__name__}: {error}") from error
+    got = [out["token_ids"] for out in outputs]
+    for index, (mine, reference) in enumerate(zip(got, expected)):
+        for position, (a, b) in enumerate(zip(mine, reference)):
+            if a != b:
+                raise ExerciseFailure(
+                    f"with {names} in the engine, prompt {index} ({len(prompts[index])} tokens) generates token "
+                    f"{a} at output position {position} where HF transformers generates {b}"
+                    + (" (the tokens before it matched)" if position else " (already the first token differs)")
+                )
+        if len(mine) != len(reference):
+            raise ExerciseFailure(
+                f"with {names} in the engine, prompt {index} generated {len(mine)} tokens, HF {len(reference)}"
+            )
+    return got
