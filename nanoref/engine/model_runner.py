@@ -8,14 +8,12 @@ Decode: every sequence contributes its last token, so N == num_seqs, and `contex
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from nanoref.config import EngineConfig
 from nanoref.engine.sequence import Sequence
 from nanoref.layers.attention import Attention
-from nanoref.layers.sampler import Sampler
+from nanoref.layers.sampler import Sampler, SamplingBatch
 from nanoref.ops.backends import resolve_backend
 from nanoref.utils.context import Context, get_context, reset_context, set_context
 from nanoref.utils.loader import load_model
@@ -39,7 +37,6 @@ class ModelRunner:
         self.config = config
         self.device: torch.device = config.device
         self.block_size = config.kvcache_block_size
-        torch.manual_seed(0)  # anything random at load time stays reproducible
         self.model, self.hf_config = load_model(config.model_folder, self.device, config.dtype)
         self.backend = resolve_backend(config.attention_backend, self.device)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
@@ -118,8 +115,8 @@ class ModelRunner:
         bs = self.block_size
         return [seq.block_table[t // bs] * bs + t % bs for t in range(start, end)]
 
-    def _block_tables(self, seqs: list[Sequence], width: int | None = None) -> torch.Tensor:
-        width = width or max(len(seq.block_table) for seq in seqs)
+    def _block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
+        width = max(len(seq.block_table) for seq in seqs)
         rows = [seq.block_table + [-1] * (width - len(seq.block_table)) for seq in seqs]
         return self._tensor(rows, torch.int32)  # (num_seqs, width)
 
@@ -168,13 +165,16 @@ class ModelRunner:
         )
         return self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64)  # (num_seqs,), (num_seqs,)
 
-    def prepare_sample(self, seqs: list[Sequence]) -> dict:
+    def prepare_sample(self, seqs: list[Sequence]) -> SamplingBatch:
+        """Each row's settings, plus the host facts (all greedy? any top-k/top-p? which rows seeded?)
+        that let the sampler choose its path without reading the device."""
         params = [seq.sampling_params for seq in seqs]
-        return dict(
-            temperatures=self._tensor([p.temperature for p in params], torch.float32),
-            top_k=self._tensor([p.top_k for p in params], torch.int64),
-            top_p=self._tensor([p.top_p for p in params], torch.float32),
-            generators=[seq.generator for seq in seqs],
+        return SamplingBatch.from_host(
+            [p.temperature for p in params],
+            [p.top_k for p in params],
+            [p.top_p for p in params],
+            [seq.generator for seq in seqs],
+            device=self.device,
         )
 
     # -- running ------------------------------------------------------------------------------
@@ -185,9 +185,18 @@ class ModelRunner:
             return self.model.compute_logits(self.model(input_ids, positions))
         return self._replay(input_ids, positions, batch)
 
+    @torch.inference_mode()
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
         """One forward over the scheduled sequences -> one sampled token id per sequence."""
-        input_ids, positions = self.prepare_prefill(seqs) if is_prefill else self.prepare_decode(seqs)
+        try:
+            input_ids, positions = self.prepare_prefill(seqs) if is_prefill else self.prepare_decode(seqs)
+            return self._run(seqs, input_ids, positions, is_prefill)
+        finally:
+            reset_context()  # also when the step raises: the next step must not see this one's metadata
+
+    def _run(
+        self, seqs: list[Sequence], input_ids: torch.Tensor, positions: torch.Tensor, is_prefill: bool
+    ) -> list[int]:
         if tracing_enabled():
             c = get_context()
             trace_step(
@@ -202,9 +211,8 @@ class ModelRunner:
                 block_tables=c.block_tables,
             )
         logits = self.run_model(input_ids, positions, is_prefill)  # (num_seqs, vocab)
-        token_ids = self.sampler(logits, **self.prepare_sample(seqs)).tolist()
-        reset_context()
-        return token_ids
+        sampling = self.prepare_sample(seqs)  # host work while the GPU runs the forward just launched
+        return self.sampler(logits, batch=sampling).tolist()  # the step's one host sync
 
     # -- CUDA graphs (decode only) --------------------------------------------------------------
     def _graph_batch_sizes(self) -> list[int]:
@@ -219,8 +227,6 @@ class ModelRunner:
         Graphs replay fixed kernels on fixed addresses, so inputs live in static buffers that each
         step fills in place. Padding rows carry slot -1 (store nothing) and context length 0.
         """
-        if os.environ.get("NANOREF_NO_CUDAGRAPH"):
-            return
         max_bs = self.config.max_num_seqs
         hidden = self.hf_config.hidden_size
         dev = self.device

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanoref.utils.compile import on_cuda
+
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x: (N, 2 * I) = [gate | up] -> (N, I)."""
@@ -13,6 +15,10 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+# eager: chunk, silu, multiply = two kernels and an (N, I) temporary; compiled: one kernel (utils/compile.py)
+silu_and_mul_cuda = on_cuda(silu_and_mul)
+
+
 class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return silu_and_mul(x)
+        return silu_and_mul_cuda(x)

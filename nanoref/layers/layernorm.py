@@ -3,7 +3,7 @@
 Statistics are computed in float32 and the result is cast back before the weight multiply: the mean
 of squares overflows or loses precision in bf16/fp16, while keeping activations in low precision
 saves memory and bandwidth. The two forms are small pure functions so `torch.compile` can fuse them
-(notebook 02 measures where that pays).
+(notebook 02 measures where that pays); on CUDA the layer runs their compiled forms.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from nanoref.utils.compile import on_cuda
 from nanoref.utils.seams import seam
 
 
@@ -36,6 +37,12 @@ def add_rms_norm(
     return weight * normed.to(dtype), new_residual
 
 
+# On CUDA each form is ~8 small kernels eager and one compiled: RMSNorm runs twice per layer plus per-head
+# on q and k, so this is most of a decode step's kernel launches (utils/compile.py).
+rms_norm_cuda = on_cuda(rms_norm)
+add_rms_norm_cuda = on_cuda(add_rms_norm)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
@@ -46,5 +53,5 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
-            return seam("rms_norm", rms_norm)(x, self.weight, self.eps)
-        return seam("add_rms_norm", add_rms_norm)(x, residual, self.weight, self.eps)
+            return seam("rms_norm", rms_norm_cuda)(x, self.weight, self.eps)
+        return seam("add_rms_norm", add_rms_norm_cuda)(x, residual, self.weight, self.eps)

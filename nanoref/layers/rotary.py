@@ -9,12 +9,28 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from nanoref.utils.compile import on_cuda
+
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: (N, H, D); cos, sin: (N, D/2). Pairs element i with i + D/2 (neox layout)."""
     x1, x2 = x.float().chunk(2, dim=-1)  # (N, H, D/2) each
     cos, sin = cos[:, None, :], sin[:, None, :]  # (N, 1, D/2): same rotation for every head
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)  # (N, H, D)
+
+
+def rotary_qk(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_cache: torch.Tensor, sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions: (N,); q: (N, H, D); k: (N, Hk, D); caches: (P, D/2) -> rotated (q, k)."""
+    cos = cos_cache[positions]  # (N, D/2)
+    sin = sin_cache[positions]  # (N, D/2)
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+
+
+# eager: two table lookups and ~10 kernels per tensor (casts, halves, four products, cat); compiled: one
+# kernel for q and k together, reading each table row once (utils/compile.py)
+rotary_qk_cuda = on_cuda(rotary_qk)
 
 
 class RotaryEmbedding(nn.Module):
@@ -28,6 +44,4 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin_cache", freqs.sin(), persistent=False)  # (P, D/2)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos_cache[positions]  # (N, D/2)
-        sin = self.sin_cache[positions]  # (N, D/2)
-        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        return rotary_qk_cuda(positions, q, k, self.cos_cache, self.sin_cache)

@@ -4,12 +4,71 @@ temperature 0 is greedy (argmax). Otherwise: scale by 1/temperature, keep the to
 and the smallest set whose probability reaches top_p, then draw. The draw uses the exponential-race
 trick (argmax of p / E with E ~ Exp(1) is a sample from p), which needs no sort and lets a seeded
 request draw its noise from its own generator, so its output does not depend on its batch.
+
+Which path a batch takes is decided on the host, from facts the engine already knows from each
+request's `SamplingParams` (`SamplingBatch`): asking the device (`bool(mask.any())`) would be a host
+sync, and the first sync after a CUDA graph replay waits for the whole forward. The step's only sync
+is then the final `.tolist()` of the sampled ids.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 from torch import nn
+
+from nanoref.utils.compile import on_cuda
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row settings on the device plus what the host knows about them (no device reads needed)."""
+
+    temperatures: torch.Tensor | None  # (B,) float32; None when every row is greedy
+    top_k: torch.Tensor | None  # (B,) int64, 0 = off; None when no unseeded row filters
+    top_p: torch.Tensor | None  # (B,) float32, 1.0 = off; None when no unseeded row filters
+    all_greedy: bool = False  # every row takes the argmax: nothing random at all
+    any_greedy: bool = False  # some rows take the argmax, the others sample
+    any_filtered: bool = False  # some unseeded sampled row uses top_k or top_p
+    # seeded rows, drawn one by one from their own generator: (row, temperature, top_k, top_p, generator)
+    seeded: list[tuple[int, float, int, float, torch.Generator]] = field(default_factory=list)
+
+    @classmethod
+    def from_host(
+        cls,
+        temperatures: list[float],
+        top_k: list[int],
+        top_p: list[float],
+        generators: list[torch.Generator | None] | None = None,
+        device: torch.device | str = "cpu",
+    ) -> SamplingBatch:
+        """Build the batch from host lists (what the model runner reads off SamplingParams)."""
+        generators = generators or [None] * len(temperatures)
+        seeded, any_greedy, any_sampled, any_filtered = [], False, False, False
+        for row, (t, k, p, generator) in enumerate(zip(temperatures, top_k, top_p, generators)):
+            if t == 0:
+                any_greedy = True
+            elif generator is not None:
+                seeded.append((row, t, k, p, generator))
+            else:
+                any_sampled = True
+                any_filtered |= k > 0 or p < 1.0
+        if not any_sampled and not seeded:
+            return cls(None, None, None, all_greedy=True)
+
+        def tensor(values: list, dtype: torch.dtype) -> torch.Tensor:
+            host = torch.tensor(values, dtype=dtype, pin_memory=torch.device(device).type == "cuda")
+            return host.to(device, non_blocking=True)
+
+        return cls(
+            temperatures=tensor(temperatures, torch.float32),
+            top_k=tensor(top_k, torch.int64) if any_filtered else None,
+            top_p=tensor(top_p, torch.float32) if any_filtered else None,
+            any_greedy=any_greedy,
+            any_filtered=any_filtered,
+            seeded=seeded,
+        )
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -26,28 +85,63 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
 
 
+def sample_with_temperature(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+    """logits: (B, V); temperatures: (B,) float32 -> sampled ids (B,), with fresh Exp(1) noise.
+
+    One float32 (B, V) buffer, updated in place: scale, softmax, divide by the noise, argmax.
+    """
+    probs = logits.float().div_(temperatures.clamp(min=1e-5)[:, None]).softmax(dim=-1)  # (B, V)
+    return probs.div_(torch.empty_like(probs).exponential_()).argmax(dim=-1)  # (B,)
+
+
+# eager this is ~6 kernels over (B, V) float32 buffers (V = 151,936 for Qwen3); compiled, inductor fuses the
+# scale, softmax, noise and argmax into a couple of passes over the logits (utils/compile.py)
+sample_with_temperature_cuda = on_cuda(sample_with_temperature)
+
+
+def sample_seeded_row(
+    logits: torch.Tensor, temperature: float, top_k: int, top_p: float, generator: torch.Generator
+) -> torch.Tensor:
+    """logits: (V,) -> a 0-d id, from this request's own generator: the same whatever else is in the batch."""
+    scaled = logits.float()[None, :] / temperature  # (1, V)
+    if top_k > 0 or top_p < 1.0:
+        device = logits.device
+        scaled = apply_top_k_top_p(scaled, torch.tensor([top_k], device=device), torch.tensor([top_p], device=device))
+    probs = scaled.softmax(dim=-1)[0]  # (V,)
+    noise = torch.empty_like(probs).exponential_(generator=generator)  # (V,)
+    return (probs / noise).argmax()
+
+
 class Sampler(nn.Module):
     def forward(
         self,
         logits: torch.Tensor,
-        temperatures: torch.Tensor,
-        top_k: torch.Tensor,
-        top_p: torch.Tensor,
+        temperatures: torch.Tensor | None = None,
+        top_k: torch.Tensor | None = None,
+        top_p: torch.Tensor | None = None,
         generators: list[torch.Generator | None] | None = None,
+        *,
+        batch: SamplingBatch | None = None,
     ) -> torch.Tensor:
-        """logits: (B, V); temperatures, top_k, top_p: (B,) -> next token ids (B,)."""
-        logits = logits.float()
-        greedy_ids = logits.argmax(dim=-1)  # (B,)
-        sampled = temperatures > 0
-        if not bool(sampled.any()):
-            return greedy_ids
-        scaled = logits / temperatures.clamp(min=1e-5)[:, None]  # (B, V)
-        if bool((top_k > 0).any()) or bool((top_p < 1.0).any()):
-            scaled = apply_top_k_top_p(scaled, top_k, top_p)
-        probs = scaled.softmax(dim=-1)  # (B, V)
-        noise = torch.empty_like(probs).exponential_()  # (B, V)
-        for row, generator in enumerate(generators or []):
-            if generator is not None:
-                noise[row] = torch.empty(probs.shape[-1], device=probs.device).exponential_(generator=generator)
-        sampled_ids = (probs / noise).argmax(dim=-1)  # (B,)
-        return torch.where(sampled, sampled_ids, greedy_ids)
+        """logits: (B, V) -> next token ids (B,).
+
+        The engine passes `batch` (host facts included); the tensors-only form is for direct use and
+        reads the settings back to the host once to learn the same facts.
+        """
+        if batch is None:
+            batch = SamplingBatch.from_host(
+                temperatures.tolist(), top_k.tolist(), top_p.tolist(), generators, device=logits.device
+            )
+        if batch.all_greedy:
+            return logits.argmax(dim=-1)  # (B,)
+        if batch.any_filtered:  # the general path: a sort per row
+            scaled = logits.float() / batch.temperatures.clamp(min=1e-5)[:, None]  # (B, V)
+            probs = apply_top_k_top_p(scaled, batch.top_k, batch.top_p).softmax(dim=-1)
+            sampled_ids = probs.div_(torch.empty_like(probs).exponential_()).argmax(dim=-1)  # (B,)
+        else:
+            sampled_ids = sample_with_temperature_cuda(logits, batch.temperatures)
+        for row, temperature, k, p, generator in batch.seeded:
+            sampled_ids[row] = sample_seeded_row(logits[row], temperature, k, p, generator)
+        if batch.any_greedy:
+            return torch.where(batch.temperatures > 0, sampled_ids, logits.argmax(dim=-1))
+        return sampled_ids
