@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import types
 from collections.abc import Callable, Iterator
 from typing import TypeVar
 
@@ -30,19 +31,29 @@ _enabled = True
 
 def on_cuda(fn: F) -> F:
     """`fn`, run through `torch.compile` when its first argument is a CUDA tensor, eager otherwise."""
-    compiled: Callable | None = None
+    compiled: dict[tuple, Callable] = {}
 
     @functools.wraps(fn)
     def dispatch(x: torch.Tensor, *args, **kwargs):
-        nonlocal compiled
         if not (_enabled and x.is_cuda):
             return fn(x, *args, **kwargs)
-        if compiled is None:
-            compiled = torch.compile(fn, dynamic=True, fullgraph=True)
-        return compiled(x, *args, **kwargs)
+        key = (x.dtype, x.dim(), torch.is_grad_enabled(), torch.is_inference_mode_enabled())
+        if key not in compiled:
+            compiled[key] = torch.compile(_fresh_copy(fn), dynamic=True, fullgraph=True)
+        return compiled[key](x, *args, **kwargs)
 
     dispatch.eager = fn  # type: ignore[attr-defined]
     return dispatch  # type: ignore[return-value]
+
+
+def _fresh_copy(fn: Callable) -> Callable:
+    """The same function on its own code object. Dynamo keeps at most 8 compiled versions per code object
+    (then it raises, with fullgraph=True); dtype, rank and grad mode each force a new version, so a process
+    that serves a float32 and a bf16 model, or runs tests in several grad modes, would run out. One copy
+    per (dtype, rank, grad mode) keeps each copy to the batch-size variants alone."""
+    copy = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    copy.__kwdefaults__ = fn.__kwdefaults__
+    return copy
 
 
 def compiling() -> bool:

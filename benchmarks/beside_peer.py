@@ -1,0 +1,329 @@
+"""nanoref beside Nano-vLLM and HF transformers on Nano-vLLM's own benchmark, in one lease.
+
+The workload is Nano-vLLM's bench.py (see throughput.py): 256 requests, prompts of 100-1024 random
+ids, 100-1024 output tokens each, temperature 0.6, ignore_eos, on Qwen3-0.6B's architecture with
+random bf16 weights. Every engine runs in its own process (Nano-vLLM sets process-wide torch
+defaults), on the same model folder; each process warms up, then times `--runs-per-process`
+`generate` calls. Processes alternate (A B B A ...), so neither engine always runs on a cooler or
+warmer GPU; the table reports medians over every timed run.
+
+    python benchmarks/beside_peer.py --out-dir results/ \\
+        --engine nanoref=. --engine nano-vllm=/tmp/nano-vllm --engine nanoref-main=/path/to/old/checkout
+
+`--engine NAME=PATH` puts PATH first on the worker's PYTHONPATH: `nanoref*` names run nanoref's
+`LLM` from there (`nanoref-eager-layers` runs it with the element-wise layers and the sampler left
+uncompiled), `nano-vllm` runs Nano-vLLM's. The two engines named by --rounds run alternately that many
+times; the others once. HF transformers `generate` runs a scaled-down subset (`--hf-seqs` prompts of
+the workload, `--hf-tokens` output tokens each, one padded batch), and nanoref the same subset, for
+the ratio. The script also measures the device-to-device copy bandwidth and prints the workload's
+bytes-moved floor: every decode step reads the weights once and each running sequence's K/V.
+
+    python benchmarks/beside_peer.py --plot results/beside_peer.json figures/beside_peer_h200.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from random import randint, seed
+
+REPO = Path(__file__).resolve().parent.parent
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+# -- the workload, as plain host data (each engine builds its own SamplingParams) ---------------------
+def workload(num_seqs: int = 256, max_input_len: int = 1024, max_output_len: int = 1024) -> tuple[list, list]:
+    """Nano-vLLM bench.py's random stream: (prompts as id lists, max_tokens per request)."""
+    seed(0)
+    prompts = [[randint(0, 10000) for _ in range(randint(100, max_input_len))] for _ in range(num_seqs)]
+    max_tokens = [randint(100, max_output_len) for _ in range(num_seqs)]
+    return prompts, max_tokens
+
+
+def hf_subset(num_seqs: int, tokens: int) -> tuple[list, list]:
+    prompts, _ = workload()
+    return prompts[:num_seqs], [tokens] * num_seqs
+
+
+# -- workers: one engine, one process ------------------------------------------------------------------
+def run_nanoref(folder: str, variant: str, runs: int, subset: tuple[int, int]) -> dict:
+    import contextlib
+
+    import torch
+
+    from nanoref import LLM, SamplingParams
+
+    guard = contextlib.nullcontext()
+    if variant == "eager-layers":
+        from nanoref.utils.compile import eager_only
+
+        guard = eager_only()
+    with guard:
+        start = time.perf_counter()
+        llm = LLM(folder, max_num_seqs=512, max_num_batched_tokens=16384, max_model_len=4096)
+        load_s = time.perf_counter() - start
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8, temperature=0.6), use_tqdm=False)  # warm-up
+
+        def timed(prompts: list, max_tokens: list) -> tuple[float, float]:
+            params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in max_tokens]
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            torch.cuda.synchronize()
+            elapsed = time.perf_counter() - start
+            assert sum(len(o["token_ids"]) for o in outputs) == sum(max_tokens)
+            decode = [s.elapsed for s in llm.metrics.steps if s.kind == "decode"] or [0.0]
+            return elapsed, statistics.mean(decode) * 1e3
+
+        prompts, max_tokens = workload()
+        results = [timed(prompts, max_tokens) for _ in range(runs)]
+        sub = timed(*hf_subset(*subset)) if subset[0] else (None, None)
+    return dict(
+        times=[t for t, _ in results],
+        decode_step_ms=[d for _, d in results],
+        subset_time=sub[0],
+        load_s=load_s,
+        backend=llm.model_runner.backend.name,
+        graphs=bool(llm.model_runner.graphs),
+        block_size=llm.config.kvcache_block_size,
+    )
+
+
+def run_nano_vllm(folder: str, runs: int) -> dict:
+    from nanovllm import LLM, SamplingParams
+
+    start = time.perf_counter()
+    llm = LLM(folder, enforce_eager=False, max_model_len=4096)
+    load_s = time.perf_counter() - start
+    llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)  # bench.py's warm-up
+    prompts, max_tokens = workload()
+    times = []
+    for _ in range(runs):
+        params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in max_tokens]
+        start = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        times.append(time.perf_counter() - start)  # its generate ends with a host sync (.tolist())
+    return dict(times=times, load_s=load_s)
+
+
+def run_hf(folder: str, subset: tuple[int, int]) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).cuda().eval()
+    prompts, max_tokens = hf_subset(*subset)
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device="cuda")  # left padding
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device="cuda")
+    kwargs = dict(do_sample=True, temperature=0.6, top_k=0, top_p=1.0, pad_token_id=0)
+    with torch.no_grad():
+        model.generate(ids[:2, -16:], attention_mask=mask[:2, -16:], max_new_tokens=4, **kwargs)  # warm-up
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=subset[1], min_new_tokens=subset[1], **kwargs)
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    assert out.shape[1] - width == subset[1]
+    return dict(subset_time=elapsed)
+
+
+def worker(args: argparse.Namespace) -> None:
+    subset = (args.hf_seqs, args.hf_tokens)
+    if args.worker.startswith("nanoref"):
+        variant = args.worker.removeprefix("nanoref").lstrip("-")
+        result = run_nanoref(args.model, variant, args.runs_per_process, subset)
+    elif args.worker == "nano-vllm":
+        result = run_nano_vllm(args.model, args.runs_per_process)
+    elif args.worker == "hf":
+        result = run_hf(args.model, subset)
+    else:
+        raise SystemExit(f"unknown worker {args.worker!r}")
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+# -- the parent: model folder, bandwidth, floor, the alternating runs ---------------------------------
+def copy_bandwidth() -> float:
+    """Device-to-device copy, bytes read + written per second (median of 10 after warm-up)."""
+    import torch
+
+    src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    times = []
+    for i in range(13):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        if i >= 3:
+            times.append(start.elapsed_time(end) / 1e3)
+    return 2 * src.numel() / statistics.median(times)
+
+
+def bytes_moved(folder: Path) -> dict:
+    """Bytes the workload must move at least: per decode step the weights once plus every running K/V."""
+    config = json.loads((folder / "config.json").read_text())
+    weights = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
+    kv_per_token = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * config["head_dim"] * 2
+    prompts, max_tokens = workload()
+    total = 0
+    for step in range(1, max(max_tokens)):  # decode step s makes token s + 1 of every request still running
+        running = [(len(p), n) for p, n in zip(prompts, max_tokens) if n > step]
+        total += weights + kv_per_token * sum(p + step for p, _ in running)
+    return dict(weights=weights, kv_per_token=kv_per_token, total=total, output_tokens=sum(max_tokens))
+
+
+def make_model(folder: Path) -> Path:
+    import torch
+
+    sys.path.insert(0, str(REPO))
+    from nanoref.testing import QWEN3_0_6B, make_random_qwen3
+
+    make_random_qwen3(folder, QWEN3_0_6B, dtype=torch.bfloat16, device="cuda")
+    for name in TOKENIZER_FILES:  # Nano-vLLM loads a tokenizer (for its warm-up prompt and eos only)
+        shutil.copy(REPO / "nanoref" / "default_model" / name, folder / name)
+    return folder
+
+
+def launch(name: str, path: str, args: argparse.Namespace, folder: Path) -> dict:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [path, os.environ.get("PYTHONPATH")])))
+    command = [sys.executable, __file__, "--worker", name, "--model", str(folder)]
+    command += ["--runs-per-process", str(args.runs_per_process), "--hf-seqs", str(args.hf_seqs)]
+    command += ["--hf-tokens", str(args.hf_tokens)]
+    print(f"-- {name} ({path})", flush=True)
+    start = time.perf_counter()
+    proc = subprocess.run(command, env=env, capture_output=True, text=True)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode or not lines:
+        print(proc.stdout[-3000:], proc.stderr[-6000:], flush=True)
+        return dict(error=proc.stderr[-500:])
+    result = json.loads(lines[-1].removeprefix("RESULT "))
+    result["process_s"] = round(time.perf_counter() - start, 1)
+    print(f"   {json.dumps(result)}", flush=True)
+    return result
+
+
+def parent(args: argparse.Namespace) -> None:
+    import torch
+
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    folder = make_model(Path(tempfile.mkdtemp()) / "qwen3-0.6b-random")
+    bandwidth = copy_bandwidth()
+    floor = bytes_moved(folder)
+    floor["seconds"] = floor["total"] / bandwidth
+    floor["tok_per_s"] = floor["output_tokens"] / floor["seconds"]
+    print(
+        f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; floor {floor['seconds']:.2f} s = {floor['tok_per_s']:.0f} tok/s"
+    )
+    engines = dict(spec.split("=", 1) for spec in args.engine)
+    paired = [name for name in args.alternate if name in engines]
+    order: list[str] = []
+    for round_ in range(args.rounds):
+        order += paired if round_ % 2 == 0 else paired[::-1]
+    order += [name for name in engines if name not in paired]
+    if args.hf_seqs:
+        order.append("hf")
+    runs: list[dict] = []
+    for name in order:
+        runs.append(dict(engine=name, **launch(name, engines.get(name, ""), args, folder)))
+        summary = dict(
+            device=torch.cuda.get_device_name(),
+            torch=torch.__version__,
+            copy_bandwidth=bandwidth,
+            floor=floor,
+            subset=dict(seqs=args.hf_seqs, tokens=args.hf_tokens),
+            runs=runs,
+            medians=medians(runs, floor["output_tokens"], args.hf_seqs * args.hf_tokens),
+        )
+        # written after every process, so a run cut short by a time limit still leaves what it measured
+        (args.out_dir / "beside_peer.json").write_text(json.dumps(summary, indent=1) + "\n")
+    print(table(summary))
+
+
+def medians(runs: list[dict], output_tokens: int, subset_tokens: int) -> dict:
+    by_engine: dict[str, dict] = {}
+    for run in runs:
+        entry = by_engine.setdefault(run["engine"], dict(times=[], subset_times=[], decode_step_ms=[]))
+        entry["times"] += run.get("times", [])
+        entry["decode_step_ms"] += run.get("decode_step_ms", [])
+        if run.get("subset_time"):
+            entry["subset_times"].append(run["subset_time"])
+    for entry in by_engine.values():
+        if entry["times"]:
+            entry["tok_per_s"] = [round(output_tokens / t) for t in entry["times"]]
+            entry["median_tok_per_s"] = round(output_tokens / statistics.median(entry["times"]))
+        if entry["subset_times"]:
+            entry["subset_tok_per_s"] = round(subset_tokens / statistics.median(entry["subset_times"]))
+        if entry["decode_step_ms"]:
+            entry["median_decode_step_ms"] = round(statistics.median(entry["decode_step_ms"]), 2)
+    return by_engine
+
+
+def table(summary: dict) -> str:
+    rows = [
+        "| engine | output tok/s (each run) | median tok/s | decode step (ms) | subset tok/s |",
+        "|---|---|---|---|---|",
+    ]
+    for name, entry in summary["medians"].items():
+        each = " / ".join(f"{v:,}" for v in entry.get("tok_per_s", []))
+        rows.append(
+            f"| {name} | {each} | {entry.get('median_tok_per_s', '')} | {entry.get('median_decode_step_ms', '')} "
+            f"| {entry.get('subset_tok_per_s', '')} |"
+        )
+    return "\n".join(rows)
+
+
+def plot(source: Path, target: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    summary = json.loads(source.read_text())
+    entries = [(name, e) for name, e in summary["medians"].items() if e.get("median_tok_per_s")]
+    entries.sort(key=lambda item: item[1]["median_tok_per_s"])
+    fig, ax = plt.subplots(figsize=(7, 0.6 * len(entries) + 1.6))
+    names = [name for name, _ in entries]
+    ax.barh(names, [e["median_tok_per_s"] for _, e in entries], color="#4c72b0")
+    for row, (_, entry) in enumerate(entries):
+        ax.scatter(entry["tok_per_s"], [row] * len(entry["tok_per_s"]), color="black", s=12, zorder=3)
+    floor = summary["floor"]["tok_per_s"]
+    ax.axvline(floor, color="#c44e52", linestyle="--", label=f"bytes-moved floor ({floor:,.0f} tok/s)")
+    ax.set_xlabel("output tokens/s (bar: median; dots: runs)")
+    ax.set_title(f"Nano-vLLM's benchmark, random Qwen3-0.6B bf16, {summary['device']}")
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    fig.savefig(target, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--engine", action="append", default=[], help="NAME=PYTHONPATH entry (repeatable)")
+    parser.add_argument("--alternate", nargs=2, default=["nanoref", "nano-vllm"], help="the two engines to alternate")
+    parser.add_argument("--rounds", type=int, default=2, help="processes of each alternated engine")
+    parser.add_argument("--runs-per-process", type=int, default=2)
+    parser.add_argument("--hf-seqs", type=int, default=32, help="HF subset size (0: skip HF)")
+    parser.add_argument("--hf-tokens", type=int, default=128)
+    parser.add_argument("--out-dir", type=Path, default=Path("."))
+    parser.add_argument("--plot", nargs=2, type=Path, metavar=("JSON", "PNG"))
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--model", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.plot:
+        plot(*args.plot)
+    elif args.worker:
+        worker(args)
+    else:
+        parent(args)
+
+
+if __name__ == "__main__":
+    main()
