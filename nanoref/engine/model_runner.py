@@ -151,19 +151,32 @@ class ModelRunner:
         return self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64)  # (N,), (N,)
 
     def prepare_decode(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
-        input_ids = [seq.last_token for seq in seqs]
-        positions = [seq.num_tokens - 1 for seq in seqs]
-        slot_mapping = [self._slots(seq, seq.num_tokens - 1, seq.num_tokens)[0] for seq in seqs]
-        context_lens = [seq.num_tokens for seq in seqs]
+        # One pass over the batch and one host-to-device copy: this runs every decode step while the GPU
+        # waits, so every Python call and copy here shows up in the step time.
+        bs = self.block_size
+        num_seqs = len(seqs)
+        width = max(len(seq.block_table) for seq in seqs)
+        input_ids, positions, slots, context_lens, tables = [], [], [], [], []
+        for seq in seqs:
+            n = len(seq.token_ids)  # the new token sits at position n - 1
+            table = seq.block_table
+            input_ids.append(seq.token_ids[-1])
+            positions.append(n - 1)
+            slots.append(table[(n - 1) // bs] * bs + (n - 1) % bs)
+            context_lens.append(n)
+            tables += table
+            tables += [-1] * (width - len(table))
+        packed = self._tensor(input_ids + positions + slots + context_lens + tables, torch.int32)
+        ids_positions_slots = packed[: 3 * num_seqs].view(3, num_seqs).long()  # (3, num_seqs)
         set_context(
             Context(
                 is_prefill=False,
-                slot_mapping=self._tensor(slot_mapping, torch.int64),  # (num_seqs,)
-                context_lens=self._tensor(context_lens, torch.int32),  # (num_seqs,)
-                block_tables=self._block_tables(seqs),  # (num_seqs, max_blocks)
+                slot_mapping=ids_positions_slots[2],  # (num_seqs,)
+                context_lens=packed[3 * num_seqs : 4 * num_seqs],  # (num_seqs,)
+                block_tables=packed[4 * num_seqs :].view(num_seqs, width),  # (num_seqs, max_blocks)
             )
         )
-        return self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64)  # (num_seqs,), (num_seqs,)
+        return ids_positions_slots[0], ids_positions_slots[1]  # (num_seqs,), (num_seqs,)
 
     def prepare_sample(self, seqs: list[Sequence]) -> SamplingBatch:
         """Each row's settings, plus the host facts (all greedy? any top-k/top-p? which rows seeded?)

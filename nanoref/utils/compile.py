@@ -27,6 +27,7 @@ import torch
 F = TypeVar("F", bound=Callable)
 
 _enabled = True
+OPTIONS: dict = dict(dynamic=True, fullgraph=True)  # torch.compile's arguments for every on_cuda function
 
 
 def on_cuda(fn: F) -> F:
@@ -39,7 +40,7 @@ def on_cuda(fn: F) -> F:
             return fn(x, *args, **kwargs)
         key = (x.dtype, x.dim(), torch.is_grad_enabled(), torch.is_inference_mode_enabled())
         if key not in compiled:
-            compiled[key] = torch.compile(_fresh_copy(fn), dynamic=True, fullgraph=True)
+            compiled[key] = torch.compile(_fresh_copy(fn), **OPTIONS)
         return compiled[key](x, *args, **kwargs)
 
     dispatch.eager = fn  # type: ignore[attr-defined]
