@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from nanoref.utils.seams import seam
+
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """logits: (B, V) float32; top_k: (B,) int (0 = off); top_p: (B,) float (1.0 = off) -> masked (B, V)."""
@@ -43,7 +45,7 @@ class Sampler(nn.Module):
             return greedy_ids
         scaled = logits / temperatures.clamp(min=1e-5)[:, None]  # (B, V)
         if bool((top_k > 0).any()) or bool((top_p < 1.0).any()):
-            scaled = apply_top_k_top_p(scaled, top_k, top_p)
+            scaled = seam("apply_top_k_top_p", apply_top_k_top_p)(scaled, top_k, top_p)
         probs = scaled.softmax(dim=-1)  # (B, V)
         noise = torch.empty_like(probs).exponential_()  # (B, V)
         for row, generator in enumerate(generators or []):
