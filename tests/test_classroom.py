@@ -155,3 +155,14 @@ def test_check_reports_each_graded_cell(tmp_path):
     assert "FAIL  ex_silu_and_mul_test (2 points)" in cli.stdout
     assert "the first half of x is the gate" in cli.stdout
     assert "0 / 2 points" in cli.stdout
+
+
+def test_student_capstone_names_the_exercises_left_to_write(course):
+    folder = course / "release" / "nanoref"
+    nb = nbformat.read(folder / "10_capstone.ipynb", as_version=4)
+    client = NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(folder)}})
+    with pytest.raises(CellExecutionError) as failure:
+        client.execute()
+    assert failure.value.ename == "ClassroomError"
+    for seam in ("apply_rotary", "silu_and_mul", "apply_top_k_top_p"):
+        assert f"`{seam}` (07_model_and_sampling.ipynb)" in failure.value.evalue
