@@ -16,9 +16,10 @@ from nanoref.config import EngineConfig
 from nanoref.engine.sequence import Sequence
 from nanoref.layers.attention import Attention
 from nanoref.layers.sampler import Sampler
-from nanoref.ops.backends import resolve_backend
+from nanoref.models import build_model
+from nanoref.ops.backends import choose_backend, resolve_backend
 from nanoref.utils.context import Context, get_context, reset_context, set_context
-from nanoref.utils.loader import load_model
+from nanoref.utils.loader import load_weights
 from nanoref.utils.tracing import trace_step, tracing_enabled
 
 
@@ -38,9 +39,16 @@ class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.device: torch.device = config.device
+        self.hf_config = config.hf_config
+        # the backend is chosen here, not in the config: "auto" may run a tiny flash-attn kernel to probe the build
+        config.attention_backend = choose_backend(
+            config.attention_backend, self.device, config.dtype, config.kvcache_block_size, self.hf_config.head_dim
+        )
+        if config.kvcache_block_size is None:  # flash-attn's paged kernels want multiples of 256
+            config.kvcache_block_size = 256 if config.attention_backend == "flash_attn" else 16
         self.block_size = config.kvcache_block_size
-        torch.manual_seed(0)  # anything random at load time stays reproducible
-        self.model, self.hf_config = load_model(config.model_folder, self.device, config.dtype)
+        self.model = build_model(config.architecture, self.hf_config, self.device, config.dtype, config.max_model_len)
+        load_weights(self.model, config.model_folder)
         self.backend = resolve_backend(config.attention_backend, self.device)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         for layer in self.attention_layers:
