@@ -10,7 +10,7 @@ import torch
 
 from nanoref import DEFAULT_MODEL, LLM, SamplingParams
 
-from .conftest import hf_greedy
+from .helpers import hf_greedy
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:

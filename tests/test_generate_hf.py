@@ -8,7 +8,7 @@ import torch
 from nanoref import LLM, SamplingParams
 from nanoref.utils.context import Context, reset_context, set_context
 
-from .conftest import TINY_CONFIGS, hf_greedy, hf_model, random_prompts, shared_prefix_prompts
+from .helpers import TINY_CONFIGS, hf_greedy, hf_model, random_prompts, shared_prefix_prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 

@@ -17,7 +17,7 @@ from nanoref.ops import attention_torch, naive_padded_attention, store_kvcache_t
 from nanoref.ops.attention_triton import choose_num_splits, paged_decode_attention, varlen_attention  # noqa: E402
 from nanoref.ops.store_kvcache_triton import store_kvcache_triton  # noqa: E402
 
-from .conftest import hf_greedy, random_prompts, shared_prefix_prompts  # noqa: E402
+from .helpers import hf_greedy, random_prompts, shared_prefix_prompts  # noqa: E402
 from .test_ops import TOL, cu, random_paged_cache  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

@@ -54,6 +54,9 @@ class ModelRunner:
         for layer in self.attention_layers:
             layer.backend = self.backend
         self.sampler = Sampler()
+        # unseeded requests draw from this, seeded from fresh entropy: never from (or into) the global RNG
+        self.generator = torch.Generator(device=self.device)
+        self.generator.seed()
         # at most this many blocks per sequence: the width of the decode block tables
         self.max_blocks_per_seq = (config.max_model_len + self.block_size - 1) // self.block_size
         self.num_kvcache_blocks = config.num_kvcache_blocks or self._blocks_from_memory()
@@ -183,6 +186,7 @@ class ModelRunner:
             top_k=self._tensor([p.top_k for p in params], torch.int64),
             top_p=self._tensor([p.top_p for p in params], torch.float32),
             generators=[seq.generator for seq in seqs],
+            default_generator=self.generator,
         )
 
     # -- running ------------------------------------------------------------------------------

@@ -1,0 +1,60 @@
+"""Helpers shared by the test files: tiny model settings, HF transformers' greedy reference, prompts."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import torch
+
+# name -> overrides of nanoref.testing.TINY_QWEN3: tied/untied heads, GQA ratios 1, 2 and 4, q/k/v bias
+TINY_CONFIGS = {
+    "gqa2-untied": dict(),
+    "gqa1-tied": dict(num_attention_heads=4, num_key_value_heads=4, head_dim=32, tie_word_embeddings=True),
+    "gqa4-bias": dict(
+        num_attention_heads=8, num_key_value_heads=2, head_dim=16, num_hidden_layers=3, attention_bias=True
+    ),
+}
+
+
+_HF_CACHE: dict = {}
+
+
+def hf_model(folder):
+    from transformers import AutoModelForCausalLM
+
+    key = str(folder)
+    if key not in _HF_CACHE:
+        _HF_CACHE[key] = AutoModelForCausalLM.from_pretrained(key, dtype=torch.float32).eval()
+    return _HF_CACHE[key]
+
+
+def hf_greedy(folder, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """HF transformers `generate`, greedy, one prompt at a time (no padding involved)."""
+    model = hf_model(folder)
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens)
+    return out[0, len(prompt) :].tolist()
+
+
+def random_prompts(seed: int, lengths: list[int], vocab: int = 256) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def shared_prefix_prompts(seed: int, prefix_len: int, suffix_lens: list[int], vocab: int = 256) -> list[list[int]]:
+    """Prompts that all start with the same `prefix_len` tokens (prefix-cache material)."""
+    g = torch.Generator().manual_seed(seed)
+    prefix = torch.randint(0, vocab, (prefix_len,), generator=g).tolist()
+    return [prefix + torch.randint(0, vocab, (n,), generator=g).tolist() for n in suffix_lens]
+
+
+def copy_with_config(tmp_path, model_folder, edit):
+    """A copy of a model folder whose config.json went through `edit(config)`."""
+    folder = tmp_path / "m"
+    shutil.copytree(model_folder, folder)
+    config = json.loads((folder / "config.json").read_text())
+    edit(config)
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
