@@ -7,6 +7,8 @@ import shutil
 
 import torch
 
+from nanoref.ops import gather_paged
+
 # name -> overrides of nanoref.testing.TINY_QWEN3: tied/untied heads, GQA ratios 1, 2 and 4, q/k/v bias
 TINY_CONFIGS = {
     "gqa2-untied": dict(),
@@ -58,3 +60,30 @@ def copy_with_config(tmp_path, model_folder, edit):
     edit(config)
     (folder / "config.json").write_text(json.dumps(config))
     return folder
+
+
+# -- attention inputs ----------------------------------------------------------------------------
+TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+def cu(lens: list[int]) -> torch.Tensor:
+    return torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+
+
+def random_paged_cache(lens, block_size, num_kv_heads, head_dim, dtype, g):
+    """Fill a paged cache with random K/V for sequences of `lens` tokens, in shuffled blocks.
+
+    Returns k_cache, v_cache, block_table (B, max_blocks, -1 padded), and the contiguous K/V (flat).
+    """
+    blocks_per_seq = [(n + block_size - 1) // block_size for n in lens]
+    num_blocks = sum(blocks_per_seq) + 3
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
+    order = torch.randperm(num_blocks, generator=g).tolist()  # physical blocks in no particular order
+    width = max(blocks_per_seq)
+    block_table = torch.full((len(lens), width), -1, dtype=torch.int32)
+    for b, nb in enumerate(blocks_per_seq):
+        block_table[b, :nb] = torch.tensor([order.pop() for _ in range(nb)], dtype=torch.int32)
+    k_flat = torch.cat([gather_paged(k_cache, block_table[b], n) for b, n in enumerate(lens)])
+    v_flat = torch.cat([gather_paged(v_cache, block_table[b], n) for b, n in enumerate(lens)])
+    return k_cache, v_cache, block_table, k_flat, v_flat

@@ -12,6 +12,8 @@ from nanoref import DEFAULT_MODEL, LLM, SamplingParams
 
 from .helpers import hf_greedy
 
+pytestmark = pytest.mark.slow  # subprocesses that each start Python, torch and the model
+
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(

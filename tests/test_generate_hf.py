@@ -84,16 +84,6 @@ def test_prefix_cache_hits_across_calls_keep_output_exact(tiny_model):
     assert_matches_hf(tiny_model, prompts, second, GREEDY.max_tokens)
 
 
-def test_prompt_entirely_in_prefix_cache(tiny_model):
-    """A prompt of whole blocks that is fully cached still computes its last token (no empty query)."""
-    prompt = random_prompts(seed=5, lengths=[32])[0]
-    llm = LLM(tiny_model, device="cpu", num_kvcache_blocks=32)
-    llm.generate([prompt + [1, 2, 3]], GREEDY, use_tqdm=False)  # caches the prompt's two full blocks
-    out = llm.generate([prompt], GREEDY, use_tqdm=False)
-    assert llm.scheduler.block_manager.num_hit_blocks >= 1
-    assert_matches_hf(tiny_model, [prompt], out, GREEDY.max_tokens)
-
-
 @pytest.mark.parametrize("name", list(TINY_CONFIGS))
 def test_prefill_logits_allclose_hf(tiny_models, name):
     folder = tiny_models[name]
