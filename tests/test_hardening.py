@@ -286,3 +286,19 @@ def test_corrupt_tokenizer_names_it(tmp_path, content):
     (tmp_path / "m" / "tokenizer.json").write_text(content)
     with pytest.raises(ModelFolderError, match=r"the tokenizer \(tokenizer.json.*\) could not be loaded"):
         LLM(tmp_path / "m")
+
+
+def test_a_step_that_raises_leaves_no_context_behind(tiny_model, monkeypatch):
+    from nanoref.utils.context import get_context
+
+    llm = LLM(tiny_model, num_kvcache_blocks=16)
+
+    def broken_forward(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(llm.model_runner.model, "forward", broken_forward)
+    with pytest.raises(RuntimeError, match="boom"):
+        llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
+    context = get_context()
+    assert context.slot_mapping is None and context.cu_seqlens_q is None, "the failed step's metadata stayed published"
+    assert llm.is_finished() and llm.scheduler.block_manager.num_free_blocks == 16
