@@ -253,11 +253,10 @@ class ModelRunner:
                     block_tables=v["block_tables"][:batch_size],
                 )
             )
-            v["hidden"][:batch_size] = self.model(
-                v["input_ids"][:batch_size], v["positions"][:batch_size]
-            )  # warm up outside capture
+            ids, positions = v["input_ids"][:batch_size], v["positions"][:batch_size]
+            v["hidden"][:batch_size] = self.model(ids, positions)  # warm up outside capture
             with torch.cuda.graph(graph, pool):
-                v["hidden"][:batch_size] = self.model(v["input_ids"][:batch_size], v["positions"][:batch_size])
+                v["hidden"][:batch_size] = self.model(ids, positions)
             pool = pool or graph.pool()
             self.graphs[batch_size] = graph
             torch.cuda.synchronize(dev)
