@@ -302,3 +302,61 @@ def test_a_step_that_raises_leaves_no_context_behind(tiny_model, monkeypatch):
     context = get_context()
     assert context.slot_mapping is None and context.cu_seqlens_q is None, "the failed step's metadata stayed published"
     assert llm.is_finished() and llm.scheduler.block_manager.num_free_blocks == 16
+
+
+def test_unseeded_sampling_differs_between_engines(tiny_model):
+    """Each LLM seeds its own generator from fresh entropy: two runs of a program do not repeat each other."""
+    params = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True)
+    first = LLM(tiny_model, num_kvcache_blocks=16).generate([[1, 2, 3]], params, use_tqdm=False)
+    second = LLM(tiny_model, num_kvcache_blocks=16).generate([[1, 2, 3]], params, use_tqdm=False)
+    assert first[0]["token_ids"] != second[0]["token_ids"]
+
+
+# -- structure ------------------------------------------------------------------------------------
+def test_config_json_is_read_once_per_llm(tiny_model, monkeypatch):
+    import nanoref.models as models
+
+    calls = []
+    original = models.read_config
+    monkeypatch.setattr(models, "read_config", lambda folder: calls.append(folder) or original(folder))
+    LLM(tiny_model, num_kvcache_blocks=16)
+    assert len(calls) == 1
+
+
+def test_engine_config_runs_no_kernel(tiny_model, monkeypatch):
+    """The flash-attn probe belongs to choosing the backend (the model runner), not to building a config."""
+    from nanoref.config import EngineConfig
+    from nanoref.ops import backends
+
+    def probe(*args):
+        raise AssertionError("EngineConfig probed flash-attn")
+
+    monkeypatch.setattr(backends, "flash_attn_serves", probe)
+    config = EngineConfig(tiny_model, attention_backend="auto")
+    assert config.attention_backend == "auto" and config.kvcache_block_size is None
+
+
+def _nanoref_imports(path) -> set[str]:
+    import ast
+
+    tree = ast.parse(path.read_text())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("nanoref"):
+            names |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+        elif isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names if alias.name.startswith("nanoref")}
+    return names
+
+
+def test_layers_of_the_package_import_downwards():
+    """utils/ imports nothing above it (only utils), and nanoref.ops does not import its backends module back."""
+    from pathlib import Path
+
+    import nanoref
+
+    package = Path(nanoref.__file__).parent
+    for path in sorted((package / "utils").glob("*.py")):
+        upward = {name for name in _nanoref_imports(path) if not name.startswith("nanoref.utils")}
+        assert not upward, f"{path.name} imports {sorted(upward)}"
+    assert not {n for n in _nanoref_imports(package / "ops" / "__init__.py") if "backends" in n}
