@@ -36,8 +36,13 @@ class Sampler(nn.Module):
         top_k: torch.Tensor,
         top_p: torch.Tensor,
         generators: list[torch.Generator | None] | None = None,
+        default_generator: torch.Generator | None = None,
     ) -> torch.Tensor:
-        """logits: (B, V); temperatures, top_k, top_p: (B,) -> next token ids (B,)."""
+        """logits: (B, V); temperatures, top_k, top_p: (B,) -> next token ids (B,).
+
+        generators: a seeded request's own generator per row (None: unseeded). Unseeded rows draw from
+        `default_generator` (the engine's own, so the caller's global RNG is never touched).
+        """
         logits = logits.float()
         greedy_ids = logits.argmax(dim=-1)  # (B,)
         sampled = temperatures > 0
@@ -47,9 +52,11 @@ class Sampler(nn.Module):
         if bool((top_k > 0).any()) or bool((top_p < 1.0).any()):
             scaled = seam("apply_top_k_top_p", apply_top_k_top_p)(scaled, top_k, top_p)
         probs = scaled.softmax(dim=-1)  # (B, V)
-        noise = torch.empty_like(probs).exponential_()  # (B, V)
-        for row, generator in enumerate(generators or []):
-            if generator is not None:
-                noise[row] = torch.empty(probs.shape[-1], device=probs.device).exponential_(generator=generator)
+        noise = torch.empty_like(probs)  # (B, V)
+        seeded = [(row, g) for row, g in enumerate(generators or []) if g is not None]
+        if len(seeded) < probs.shape[0]:
+            noise.exponential_(generator=default_generator)
+        for row, generator in seeded:
+            noise[row] = torch.empty(probs.shape[-1], device=probs.device).exponential_(generator=generator)
         sampled_ids = (probs / noise).argmax(dim=-1)  # (B,)
         return torch.where(sampled, sampled_ids, greedy_ids)
