@@ -121,8 +121,7 @@ def collect_solutions(folder: str | Path = ".", *, allow_unstarted: bool = False
 NBGRADER_CONFIG = """\
 # nbgrader configuration of the nanoref course (written by `python -m nanoref.classroom build`)
 c = get_config()  # noqa: F821
-c.CourseDirectory.course_id = {course_id!r}
-c.CourseDirectory.root = {root!r}
+c.CourseDirectory.course_id = {course_id!r}  # the course folder is the one nbgrader runs in (relocatable)
 # a learner's solution region becomes exactly this (nbgrader's default, stated so the tests can rely on it)
 c.ClearSolutions.code_stub = {{"python": "# YOUR CODE HERE\\nraise NotImplementedError()"}}
 c.Execute.timeout = 600
@@ -183,7 +182,7 @@ def build(
     if source.exists():
         shutil.rmtree(source)
     source.mkdir(parents=True)
-    (out / "nbgrader_config.py").write_text(NBGRADER_CONFIG.format(course_id=COURSE_ID, root=str(out)))
+    (out / "nbgrader_config.py").write_text(NBGRADER_CONFIG.format(course_id=COURSE_ID))
     for notebook in notebooks:
         content = _self_contained(json.loads(notebook.read_text()))
         (source / notebook.name).write_text(json.dumps(content, indent=1, ensure_ascii=False) + "\n")
