@@ -166,3 +166,20 @@ def test_student_capstone_names_the_exercises_left_to_write(course):
     assert failure.value.ename == "ClassroomError"
     for seam in ("apply_rotary", "silu_and_mul", "apply_top_k_top_p"):
         assert f"`{seam}` (07_model_and_sampling.ipynb)" in failure.value.evalue
+
+
+def test_collect_solutions_names_a_broken_cell_and_an_unknown_seam(tmp_path):
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    exercise_notebook(broken / "a.ipynb", "return x +")
+    with pytest.raises(
+        ClassroomError, match="a.ipynb, exercise `silu_and_mul`: its cell fails on its own with SyntaxError"
+    ):
+        collect_solutions(broken)
+    unknown = tmp_path / "unknown"
+    unknown.mkdir()
+    nb = nbformat.read(exercise_notebook(unknown / "b.ipynb", "return x"), as_version=4)
+    nb.cells[0].metadata["nbgrader"]["grade_id"] = "ex_silu_and_multiply"
+    nbformat.write(nb, unknown / "b.ipynb")
+    with pytest.raises(ClassroomError, match="no matching seam.*silu_and_multiply \\(b.ipynb\\)"):
+        collect_solutions(unknown)
