@@ -23,7 +23,9 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     drop = ranks >= k  # (B, V): beyond the top k
     probs = sorted_logits.softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs  # (B, V): probability of the better-ranked tokens
-    drop |= mass_before >= top_p[:, None]  # the nucleus already reached top_p without this token
+    # the nucleus already reached top_p without this token; top_p 1.0 is "off", not a threshold: float32
+    # sums can reach 1.0 before the tail, which would drop it from rows that never asked for top_p
+    drop |= (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0)
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
 
