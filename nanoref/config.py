@@ -7,9 +7,8 @@ from pathlib import Path
 
 import torch
 
-from nanoref.models import Qwen3Config
-from nanoref.ops.backends import choose_backend
-from nanoref.utils.loader import load_model_config
+from nanoref.models import Qwen3Config, load_model_config
+from nanoref.ops.backends import BACKEND_NAMES
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -29,12 +28,22 @@ def parse_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.
 def parse_device(device: str | torch.device | None) -> torch.device:
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(device)
+    if not isinstance(device, (str, torch.device)):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    try:
+        device = torch.device(device)
+    except RuntimeError:  # torch's own message lists two dozen device types nanoref does not serve
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' but no CUDA GPU is available to this PyTorch build; use device='cpu'")
     if device.type not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda', got {str(device)!r}")
     return device
+
+
+def _is_int(value: object) -> bool:
+    """An integer that is not a bool (True would otherwise pass as 1)."""
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass
@@ -51,39 +60,42 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     attention_backend: str = "auto"
     tensor_parallel_size: int = 1
-    # filled in by __post_init__
+    # filled in by __post_init__: the folder and its parsed config.json (read once, here)
     model_folder: Path = field(init=False)
-    architecture: str = field(init=False)
+    architecture: str = field(init=False)  # the HF class name the model is built from
     hf_config: Qwen3Config = field(init=False)
 
     def __post_init__(self) -> None:
         self.model_folder, self.architecture, self.hf_config = load_model_config(self.model)
         self.device = parse_device(self.device)
         self.dtype = parse_dtype(self.dtype, self.device)
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be True or False, got {self.enforce_eager!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value <= 0:
+            if not _is_int(value) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         block = self.kvcache_block_size
-        if block is not None and (not isinstance(block, int) or block < 16 or block > 256 or block & (block - 1)):
+        if block is not None and (not _is_int(block) or block < 16 or block > 256 or block & (block - 1)):
             raise ValueError(f"kvcache_block_size must be a power of two from 16 to 256, got {block!r}")
-        self.attention_backend = choose_backend(
-            self.attention_backend, self.device, self.dtype, block, self.hf_config.head_dim
-        )
-        if block is None:  # flash-attn's paged kernels want multiples of 256; small blocks show paging best
-            self.kvcache_block_size = 256 if self.attention_backend == "flash_attn" else 16
+        # the concrete backend (and the block size that follows from it) is chosen by the model runner,
+        # which may have to run a flash-attn kernel to learn whether the installed build serves the model
+        if self.attention_backend not in BACKEND_NAMES:
+            raise ValueError(f"attention_backend must be one of {BACKEND_NAMES}, got {self.attention_backend!r}")
         limit = self.hf_config.max_position_embeddings
         if self.max_model_len is None:
             self.max_model_len = min(limit, 4096)
-        if not isinstance(self.max_model_len, int) or not 1 < self.max_model_len <= limit:
+        if not _is_int(self.max_model_len) or not 1 < self.max_model_len <= limit:
             raise ValueError(
                 f"max_model_len must be an integer in [2, {limit}] (the model's limit), got {self.max_model_len!r}"
             )
-        if self.num_kvcache_blocks is not None and (
-            not isinstance(self.num_kvcache_blocks, int) or self.num_kvcache_blocks <= 0
-        ):
+        blocks = self.num_kvcache_blocks
+        if blocks is not None and (not _is_int(blocks) or blocks <= 0):
             raise ValueError(f"num_kvcache_blocks must be a positive integer or None, got {self.num_kvcache_blocks!r}")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+        utilization = self.gpu_memory_utilization
+        if isinstance(utilization, bool) or not isinstance(utilization, (int, float)) or not 0.0 < utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if not _is_int(self.tensor_parallel_size) or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
         if self.tensor_parallel_size != 1:
             raise NotImplementedError("tensor_parallel_size > 1 is not implemented yet; nanoref runs on one device")

@@ -1,8 +1,13 @@
-"""Per-request sampling settings, checked when they are made."""
+"""Per-request sampling settings, checked when they are made (and again by the engine)."""
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
+
+_INT64_MAX = 2**63 - 1  # top_k travels to the sampler as an int64 tensor
+_SEED_LIMIT = 2**64  # torch.Generator.manual_seed takes an unsigned 64-bit seed
 
 
 @dataclass
@@ -21,17 +26,24 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field (the engine checks again: fields can be reassigned)."""
-        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens <= 0:
+        if not _is_int(self.max_tokens) or self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if not self.temperature >= 0:  # also rejects NaN
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature!r}")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
-        if not 0.0 < self.top_p <= 1.0:
+        if not _is_real(self.temperature) or not 0 <= self.temperature < math.inf:  # also rejects NaN
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
+        if not _is_int(self.top_k) or not 0 <= self.top_k <= _INT64_MAX:
+            raise ValueError(f"top_k must be an integer in [0, 2**63) (0 = off), got {self.top_k!r}")
+        if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            raise ValueError(f"seed must be an integer or None, got {self.seed!r}")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < _SEED_LIMIT):
+            raise ValueError(f"seed must be None or an integer in [0, 2**64), got {self.seed!r}")
 
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
+
+def _is_int(value: object) -> bool:
+    """Python or NumPy integers; not bools (True would pass as 1)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)

@@ -56,7 +56,6 @@ class BlockManager:
         self.used_block_ids: set[int] = set()
         # counters for metrics and notebooks
         self.num_hit_blocks = 0
-        self.num_lookup_blocks = 0
 
     @property
     def num_blocks(self) -> int:
@@ -106,7 +105,6 @@ class BlockManager:
         """Give seq a block table covering all its tokens, sharing cached prefix blocks."""
         assert not seq.block_table, f"sequence {seq.seq_id} already has blocks"
         hits = self._find_cached_prefix(seq)
-        self.num_lookup_blocks += self._cacheable_prefix_blocks(seq)
         self.num_hit_blocks += len(hits)
         for block_id in hits:
             block = self.blocks[block_id]

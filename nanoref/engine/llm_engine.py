@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import numbers
 import operator
-from pathlib import Path
-from typing import Any
+import threading
 
 import torch
 from tqdm.auto import tqdm
@@ -15,20 +15,15 @@ from nanoref.engine.model_runner import ModelRunner
 from nanoref.engine.scheduler import Scheduler
 from nanoref.engine.sequence import Sequence
 from nanoref.sampling_params import SamplingParams
-
-
-def load_tokenizer(folder: Path) -> Any | None:
-    """The folder's HF tokenizer, or None when it has none (token-id prompts still work)."""
-    if not any((folder / name).exists() for name in ("tokenizer.json", "tokenizer_config.json", "vocab.json")):
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(folder))
+from nanoref.utils.loader import load_tokenizer
 
 
 class LLMEngine:
+    """The engine. One `generate` (or `step`) runs at a time: calls from several threads are serialized."""
+
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        self._lock = threading.RLock()  # held by generate, step, add_request and abort_all
         self.model_runner = ModelRunner(config)
         self.tokenizer = load_tokenizer(config.model_folder)
         self.vocab_size = config.hf_config.vocab_size
@@ -47,14 +42,17 @@ class LLMEngine:
 
     # -- requests -----------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
+        """A prompt as token ids: a string (through the tokenizer), or a sequence of integer ids."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError(f"{self.config.model_folder} has no tokenizer: pass prompts as lists of token ids")
             return self.tokenizer.encode(prompt)
+        if isinstance(prompt, (bytes, bytearray, dict, set, frozenset)) or not hasattr(prompt, "__iter__"):
+            raise TypeError(f"a prompt must be a string or a list of integer token ids, got {type(prompt).__name__}")
         if hasattr(prompt, "tolist"):  # a torch tensor or numpy array of ids
             prompt = prompt.tolist()
-        try:
-            return [operator.index(t) for t in prompt]  # ints of any integer type; 3.0 or "3" are errors
+        try:  # ints of any integer type; 3.0, "3", True or a nested list are errors
+            return [_token_id(t) for t in prompt]
         except TypeError:
             raise TypeError("a prompt must be a string or a list of integer token ids") from None
 
@@ -82,29 +80,43 @@ class LLMEngine:
                 f"cache has only {manager.num_blocks}: raise num_kvcache_blocks or lower max_tokens"
             )
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams) -> Sequence:
+    def make_sequence(self, prompt: str | list[int], params: SamplingParams) -> Sequence:
+        """A checked request, not yet queued: everything that can fail about a request fails here."""
         token_ids = self.tokenize(prompt)
         self.check_request(token_ids, params)
         seq = Sequence(token_ids, params, self.config.kvcache_block_size)
         if params.seed is not None:
             seq.generator = torch.Generator(device=self.config.device).manual_seed(params.seed)
-        self.metrics.add_request(seq)
-        self.scheduler.add(seq)
+        return seq
+
+    def enqueue(self, seq: Sequence) -> None:
+        with self._lock:
+            self.metrics.add_request(seq)
+            self.scheduler.add(seq)
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams) -> Sequence:
+        """Check one request and queue it; a bad request raises and queues nothing."""
+        seq = self.make_sequence(prompt, params)
+        self.enqueue(seq)
         return seq
 
     # -- the loop -----------------------------------------------------------------------------
     def step(self) -> tuple[list[Sequence], StepRecord]:
         """One forward pass. Returns (sequences finished in it, the step's record)."""
-        seqs, is_prefill = self.scheduler.schedule()
-        record = self.metrics.begin_step(self.scheduler, seqs, is_prefill)
-        token_ids = self.model_runner.run(seqs, is_prefill)
-        finished = self.scheduler.postprocess(seqs, token_ids)
-        return finished, self.metrics.end_step(record, seqs)
+        with self._lock:
+            if self.scheduler.is_finished():
+                raise RuntimeError("step() found no request waiting or running: add one with add_request() first")
+            seqs, is_prefill = self.scheduler.schedule()
+            record = self.metrics.begin_step(self.scheduler, seqs, is_prefill)
+            token_ids = self.model_runner.run(seqs, is_prefill)
+            finished = self.scheduler.postprocess(seqs, token_ids)
+            return finished, self.metrics.end_step(record, seqs)
 
     def abort_all(self) -> None:
         """Drop every unfinished request and free its blocks (after an error or an interrupt)."""
-        self.metrics.forget([*self.scheduler.running, *self.scheduler.waiting])
-        self.scheduler.abort_all()
+        with self._lock:
+            self.metrics.forget([*self.scheduler.running, *self.scheduler.waiting])
+            self.scheduler.abort_all()
 
     def is_finished(self) -> bool:
         return self.scheduler.is_finished()
@@ -124,26 +136,28 @@ class LLMEngine:
         return_metrics: each dict also gets "metrics", the request's `RequestMetrics`. Either way
         `self.metrics.steps` holds a `StepRecord` per step of this call.
         """
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            raise TypeError("prompts must be a list: list[str] or list[list[int]] (wrap a single prompt in [])")
-        prompts = list(prompts)
+        prompts = _prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
+        sampling_params = list(sampling_params)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(sampling_params)} SamplingParams for {len(prompts)} prompts")
-        # check every request before any work starts, so one bad prompt does not leave half a batch queued
-        encoded = []
+        # check every request before queuing any, so one bad prompt leaves nothing queued
+        seqs = []
         for index, (prompt, params) in enumerate(zip(prompts, sampling_params)):
             try:
-                token_ids = self.tokenize(prompt)
-                self.check_request(token_ids, params)
+                seqs.append(self.make_sequence(prompt, params))
             except (ValueError, TypeError) as error:
                 raise type(error)(f"prompt {index}: {error}") from None
-            encoded.append(token_ids)
+        with self._lock:  # one generate at a time: concurrent callers wait for the engine
+            return self._run_to_completion(seqs, use_tqdm, return_metrics)
+
+    def _run_to_completion(self, seqs: list[Sequence], use_tqdm: bool, return_metrics: bool) -> list[dict]:
         self.metrics.clear()
-        seqs = [self.add_request(token_ids, params) for token_ids, params in zip(encoded, sampling_params)]
+        for seq in seqs:
+            self.enqueue(seq)
         bar = tqdm(total=len(seqs), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
         prefill_tps = decode_tps = 0.0
         try:
@@ -168,3 +182,21 @@ class LLMEngine:
                 output["metrics"] = self.metrics.requests[seq.seq_id]
             outputs.append(output)
         return outputs
+
+
+def _token_id(value: object) -> int:
+    if isinstance(value, bool):
+        raise TypeError("a bool is not a token id")
+    return operator.index(value)
+
+
+def _prompt_list(prompts: object) -> list:
+    """`generate`'s prompts as a list: a list, tuple, generator, or a 2-D tensor/array of ids."""
+    if isinstance(prompts, (str, bytes)):
+        raise TypeError("prompts must be a list: list[str] or list[list[int]] (wrap a single prompt in [])")
+    if isinstance(prompts, (dict, set, frozenset)) or not hasattr(prompts, "__iter__"):
+        raise TypeError(f"prompts must be a list of prompts, got {type(prompts).__name__}")
+    prompts = prompts.tolist() if hasattr(prompts, "tolist") else list(prompts)
+    if prompts and isinstance(prompts[0], numbers.Integral):
+        raise TypeError("prompts must be a list: list[str] or list[list[int]] (wrap a single prompt in [])")
+    return prompts

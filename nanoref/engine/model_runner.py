@@ -14,9 +14,10 @@ from nanoref.config import EngineConfig
 from nanoref.engine.sequence import Sequence
 from nanoref.layers.attention import Attention
 from nanoref.layers.sampler import Sampler, SamplingBatch
-from nanoref.ops.backends import resolve_backend
+from nanoref.models import build_model
+from nanoref.ops.backends import choose_backend, resolve_backend
 from nanoref.utils.context import Context, get_context, reset_context, set_context
-from nanoref.utils.loader import load_model
+from nanoref.utils.loader import load_weights
 from nanoref.utils.tracing import trace_step, tracing_enabled
 
 
@@ -36,13 +37,24 @@ class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.device: torch.device = config.device
+        self.hf_config = config.hf_config
+        # the backend is chosen here, not in the config: "auto" may run a tiny flash-attn kernel to probe the build
+        config.attention_backend = choose_backend(
+            config.attention_backend, self.device, config.dtype, config.kvcache_block_size, self.hf_config.head_dim
+        )
+        if config.kvcache_block_size is None:  # flash-attn's paged kernels want multiples of 256
+            config.kvcache_block_size = 256 if config.attention_backend == "flash_attn" else 16
         self.block_size = config.kvcache_block_size
-        self.model, self.hf_config = load_model(config.model_folder, self.device, config.dtype)
+        self.model = build_model(config.architecture, self.hf_config, self.device, config.dtype, config.max_model_len)
+        load_weights(self.model, config.model_folder)
         self.backend = resolve_backend(config.attention_backend, self.device)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         for layer in self.attention_layers:
             layer.backend = self.backend
         self.sampler = Sampler()
+        # unseeded requests draw from this, seeded from fresh entropy: never from (or into) the global RNG
+        self.generator = torch.Generator(device=self.device)
+        self.generator.seed()
         # at most this many blocks per sequence: the width of the decode block tables
         self.max_blocks_per_seq = (config.max_model_len + self.block_size - 1) // self.block_size
         self.num_kvcache_blocks = config.num_kvcache_blocks or self._blocks_from_memory()
@@ -112,8 +124,8 @@ class ModelRunner:
 
     def _slots(self, seq: Sequence, start: int, end: int) -> list[int]:
         """Cache slot of each token position in [start, end) of seq."""
-        bs = self.block_size
-        return [seq.block_table[t // bs] * bs + t % bs for t in range(start, end)]
+        size = self.block_size
+        return [seq.block_table[t // size] * size + t % size for t in range(start, end)]
 
     def _block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
         width = max(len(seq.block_table) for seq in seqs)
@@ -188,6 +200,7 @@ class ModelRunner:
             [p.top_p for p in params],
             [seq.generator for seq in seqs],
             device=self.device,
+            default_generator=self.generator,
         )
 
     # -- running ------------------------------------------------------------------------------
@@ -253,26 +266,27 @@ class ModelRunner:
         )
         v = self.graph_vars
         pool = None
-        for bs in reversed(self._graph_batch_sizes()):
+        for batch_size in reversed(self._graph_batch_sizes()):
             graph = torch.cuda.CUDAGraph()
             set_context(
                 Context(
                     is_prefill=False,
-                    slot_mapping=v["slot_mapping"][:bs],
-                    context_lens=v["context_lens"][:bs],
-                    block_tables=v["block_tables"][:bs],
+                    slot_mapping=v["slot_mapping"][:batch_size],
+                    context_lens=v["context_lens"][:batch_size],
+                    block_tables=v["block_tables"][:batch_size],
                 )
             )
-            v["hidden"][:bs] = self.model(v["input_ids"][:bs], v["positions"][:bs])  # warm up outside capture
+            ids, positions = v["input_ids"][:batch_size], v["positions"][:batch_size]
+            v["hidden"][:batch_size] = self.model(ids, positions)  # warm up outside capture
             with torch.cuda.graph(graph, pool):
-                v["hidden"][:bs] = self.model(v["input_ids"][:bs], v["positions"][:bs])
+                v["hidden"][:batch_size] = self.model(ids, positions)
             pool = pool or graph.pool()
-            self.graphs[bs] = graph
+            self.graphs[batch_size] = graph
             torch.cuda.synchronize(dev)
             reset_context()
 
     def _replay(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: int) -> torch.Tensor:
-        bs = min(b for b in self.graphs if b >= batch)
+        batch_size = min(b for b in self.graphs if b >= batch)
         context, v = get_context(), self.graph_vars
         v["input_ids"][:batch] = input_ids
         v["positions"][:batch] = positions
@@ -282,5 +296,5 @@ class ModelRunner:
         v["context_lens"][:batch] = context.context_lens
         width = context.block_tables.shape[1]
         v["block_tables"][:batch, :width] = context.block_tables
-        self.graphs[bs].replay()
+        self.graphs[batch_size].replay()
         return self.model.compute_logits(v["hidden"][:batch])

@@ -7,6 +7,22 @@ token with HF transformers (`check_generation`).
 """
 
 from nanoref.exercises.common import ExerciseFailure, check_generation, tiny_model
+from nanoref.exercises.model import (
+    check_apply_rotary,
+    check_apply_top_k_top_p,
+    check_seeded_sampling,
+    check_silu_and_mul,
+)
 from nanoref.utils.seams import SEAMS, use
 
-__all__ = ["SEAMS", "ExerciseFailure", "check_generation", "tiny_model", "use"]
+__all__ = [
+    "SEAMS",
+    "ExerciseFailure",
+    "check_apply_rotary",
+    "check_apply_top_k_top_p",
+    "check_generation",
+    "check_seeded_sampling",
+    "check_silu_and_mul",
+    "tiny_model",
+    "use",
+]

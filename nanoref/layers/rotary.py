@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from nanoref.utils.compile import on_cuda
+from nanoref.utils.seams import seam
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -44,4 +45,9 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin_cache", freqs.sin(), persistent=False)  # (P, D/2)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return rotary_qk_cuda(positions, q, k, self.cos_cache, self.sin_cache)
+        rotate = seam("apply_rotary", apply_rotary)
+        if rotate is apply_rotary:  # nanoref's own: on CUDA one compiled kernel for q and k together
+            return rotary_qk_cuda(positions, q, k, self.cos_cache, self.sin_cache)
+        cos = self.cos_cache[positions]  # (N, D/2)
+        sin = self.sin_cache[positions]  # (N, D/2)
+        return rotate(q, cos, sin), rotate(k, cos, sin)

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from nanoref.utils.compile import on_cuda
+from nanoref.utils.seams import seam
 
 
 @dataclass
@@ -33,6 +34,8 @@ class SamplingBatch:
     any_filtered: bool = False  # some unseeded sampled row uses top_k or top_p
     # seeded rows, drawn one by one from their own generator: (row, temperature, top_k, top_p, generator)
     seeded: list[tuple[int, float, int, float, torch.Generator]] = field(default_factory=list)
+    # the engine's own generator for unseeded rows, so the caller's global RNG is never touched
+    generator: torch.Generator | None = None
 
     @classmethod
     def from_host(
@@ -42,6 +45,7 @@ class SamplingBatch:
         top_p: list[float],
         generators: list[torch.Generator | None] | None = None,
         device: torch.device | str = "cpu",
+        default_generator: torch.Generator | None = None,
     ) -> SamplingBatch:
         """Build the batch from host lists (what the model runner reads off SamplingParams)."""
         generators = generators or [None] * len(temperatures)
@@ -68,6 +72,7 @@ class SamplingBatch:
             any_greedy=any_greedy,
             any_filtered=any_filtered,
             seeded=seeded,
+            generator=default_generator,
         )
 
 
@@ -80,22 +85,25 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     drop = ranks >= k  # (B, V): beyond the top k
     probs = sorted_logits.softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs  # (B, V): probability of the better-ranked tokens
-    drop |= mass_before >= top_p[:, None]  # the nucleus already reached top_p without this token
+    # the nucleus already reached top_p without this token; top_p 1.0 is "off", not a threshold: float32
+    # sums can reach 1.0 before the tail, which would drop it from rows that never asked for top_p
+    drop |= (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0)
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
 
 
-def sample_with_temperature(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
-    """logits: (B, V); temperatures: (B,) float32 -> sampled ids (B,), with fresh Exp(1) noise.
+def sample_with_temperature(logits: torch.Tensor, temperatures: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """logits: (B, V); temperatures: (B,) float32; noise: (B, V) float32 Exp(1) draws -> sampled ids (B,).
 
-    One float32 (B, V) buffer, updated in place: scale, softmax, divide by the noise, argmax.
+    Scale, softmax, divide by the noise, argmax: one pass over a float32 (B, V) buffer, updated in place.
     """
     probs = logits.float().div_(temperatures.clamp(min=1e-5)[:, None]).softmax(dim=-1)  # (B, V)
-    return probs.div_(torch.empty_like(probs).exponential_()).argmax(dim=-1)  # (B,)
+    return probs.div_(noise).argmax(dim=-1)  # (B,)
 
 
 # eager this is ~6 kernels over (B, V) float32 buffers (V = 151,936 for Qwen3); compiled, inductor fuses the
-# scale, softmax, noise and argmax into a couple of passes over the logits (utils/compile.py)
+# scale, softmax, division and argmax into a couple of passes over the logits (utils/compile.py). The noise is
+# drawn outside, from the engine's own generator: compiled random ops would draw from the global RNG.
 sample_with_temperature_cuda = on_cuda(sample_with_temperature)
 
 
@@ -106,7 +114,8 @@ def sample_seeded_row(
     scaled = logits.float()[None, :] / temperature  # (1, V)
     if top_k > 0 or top_p < 1.0:
         device = logits.device
-        scaled = apply_top_k_top_p(scaled, torch.tensor([top_k], device=device), torch.tensor([top_p], device=device))
+        top_k_t, top_p_t = torch.tensor([top_k], device=device), torch.tensor([top_p], device=device)
+        scaled = seam("apply_top_k_top_p", apply_top_k_top_p)(scaled, top_k_t, top_p_t)
     probs = scaled.softmax(dim=-1)[0]  # (V,)
     noise = torch.empty_like(probs).exponential_(generator=generator)  # (V,)
     return (probs / noise).argmax()
@@ -120,26 +129,35 @@ class Sampler(nn.Module):
         top_k: torch.Tensor | None = None,
         top_p: torch.Tensor | None = None,
         generators: list[torch.Generator | None] | None = None,
+        default_generator: torch.Generator | None = None,
         *,
         batch: SamplingBatch | None = None,
     ) -> torch.Tensor:
         """logits: (B, V) -> next token ids (B,).
 
         The engine passes `batch` (host facts included); the tensors-only form is for direct use and
-        reads the settings back to the host once to learn the same facts.
+        reads the settings back to the host once to learn the same facts. generators: a seeded request's
+        own generator per row (None: unseeded); unseeded rows draw from `default_generator`.
         """
         if batch is None:
             batch = SamplingBatch.from_host(
-                temperatures.tolist(), top_k.tolist(), top_p.tolist(), generators, device=logits.device
+                temperatures.tolist(),
+                top_k.tolist(),
+                top_p.tolist(),
+                generators,
+                device=logits.device,
+                default_generator=default_generator,
             )
         if batch.all_greedy:
             return logits.argmax(dim=-1)  # (B,)
+        noise = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)  # (B, V)
+        noise.exponential_(generator=batch.generator)
         if batch.any_filtered:  # the general path: a sort per row
             scaled = logits.float() / batch.temperatures.clamp(min=1e-5)[:, None]  # (B, V)
-            probs = apply_top_k_top_p(scaled, batch.top_k, batch.top_p).softmax(dim=-1)
-            sampled_ids = probs.div_(torch.empty_like(probs).exponential_()).argmax(dim=-1)  # (B,)
+            probs = seam("apply_top_k_top_p", apply_top_k_top_p)(scaled, batch.top_k, batch.top_p).softmax(dim=-1)
+            sampled_ids = probs.div_(noise).argmax(dim=-1)  # (B,)
         else:
-            sampled_ids = sample_with_temperature_cuda(logits, batch.temperatures)
+            sampled_ids = sample_with_temperature_cuda(logits, batch.temperatures, noise)
         for row, temperature, k, p, generator in batch.seeded:
             sampled_ids[row] = sample_seeded_row(logits[row], temperature, k, p, generator)
         if batch.any_greedy:

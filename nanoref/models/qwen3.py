@@ -7,6 +7,7 @@ q_norm and k_norm (an RMSNorm over each head's vector, before RoPE), and no bias
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,7 +40,6 @@ class Qwen3Config:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     eos_token_id: list[int] = field(default_factory=list)
-    torch_dtype: str | None = None
 
     REQUIRED = (
         "vocab_size",
@@ -52,33 +52,37 @@ class Qwen3Config:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> Qwen3Config:
+        """Parse and check an HF config.json dict; ValueError names the first bad field."""
         missing = [key for key in cls.REQUIRED if key not in raw]
         if missing:
             raise ValueError(f"config.json lacks required Qwen3 fields: {', '.join(missing)}")
         # transformers 5 keeps rope_theta inside rope_parameters; transformers 4 at the top level
         rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+        if not isinstance(rope, dict):
+            raise ValueError(f"rope_parameters must be a JSON object, got {rope!r}")
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type != "default":
             raise ValueError(f"rope type {rope_type!r} is not supported (only 'default' RoPE)")
-        rope_theta = rope.get("rope_theta", raw.get("rope_theta", 1_000_000.0))
-        heads = int(raw["num_attention_heads"])
+        heads = _integer(raw, "num_attention_heads")
+        hidden = _integer(raw, "hidden_size")
         eos = raw.get("eos_token_id")
-        eos_ids = [] if eos is None else [int(e) for e in (eos if isinstance(eos, list) else [eos])]
+        eos_ids = [] if eos is None else (eos if isinstance(eos, list) else [eos])
+        if not all(isinstance(e, int) and not isinstance(e, bool) and e >= 0 for e in eos_ids):
+            raise ValueError(f"eos_token_id must be a token id or a list of them, got {eos!r}")
         config = cls(
-            vocab_size=int(raw["vocab_size"]),
-            hidden_size=int(raw["hidden_size"]),
-            intermediate_size=int(raw["intermediate_size"]),
-            num_hidden_layers=int(raw["num_hidden_layers"]),
+            vocab_size=_integer(raw, "vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=_integer(raw, "intermediate_size"),
+            num_hidden_layers=_integer(raw, "num_hidden_layers"),
             num_attention_heads=heads,
-            num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
-            head_dim=int(raw.get("head_dim") or raw["hidden_size"] // heads),
-            max_position_embeddings=int(raw["max_position_embeddings"]),
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope_theta),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            attention_bias=bool(raw.get("attention_bias", False)),
-            eos_token_id=eos_ids,
-            torch_dtype=raw.get("dtype") or raw.get("torch_dtype"),
+            num_key_value_heads=_integer(raw, "num_key_value_heads", default=heads),
+            head_dim=_integer(raw, "head_dim", default=hidden // heads),
+            max_position_embeddings=_integer(raw, "max_position_embeddings", minimum=2),
+            rms_norm_eps=_positive_number(raw, "rms_norm_eps", 1e-6),
+            rope_theta=_positive_number(rope, "rope_theta", _positive_number(raw, "rope_theta", 1_000_000.0)),
+            tie_word_embeddings=_boolean(raw, "tie_word_embeddings", False),
+            attention_bias=_boolean(raw, "attention_bias", False),
+            eos_token_id=list(eos_ids),
         )
         if config.num_attention_heads % config.num_key_value_heads:
             raise ValueError(
@@ -90,8 +94,31 @@ class Qwen3Config:
         return config
 
 
+def _integer(raw: dict[str, Any], key: str, default: int | None = None, minimum: int = 1) -> int:
+    value = raw.get(key)
+    if value is None and default is not None:
+        value = default
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{key} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _positive_number(raw: dict[str, Any], key: str, default: float) -> float:
+    value = raw.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ValueError(f"{key} must be a positive finite number, got {value!r}")
+    return float(value)
+
+
+def _boolean(raw: dict[str, Any], key: str, default: bool) -> bool:
+    value = raw.get(key, default)
+    if not isinstance(value, bool):
+        raise ValueError(f"{key} must be true or false, got {value!r}")
+    return value
+
+
 class Qwen3Attention(nn.Module):
-    def __init__(self, config: Qwen3Config) -> None:
+    def __init__(self, config: Qwen3Config, rotary_emb: RotaryEmbedding) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -102,7 +129,7 @@ class Qwen3Attention(nn.Module):
             config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, bias=config.attention_bias
         )
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.attention_bias)
-        self.rotary_emb = RotaryEmbedding(self.head_dim, config.max_position_embeddings, config.rope_theta)
+        self.rotary_emb = rotary_emb  # one table shared by every layer
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads)
         self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
@@ -135,9 +162,9 @@ class Qwen3MLP(nn.Module):
 
 
 class Qwen3DecoderLayer(nn.Module):
-    def __init__(self, config: Qwen3Config) -> None:
+    def __init__(self, config: Qwen3Config, rotary_emb: RotaryEmbedding) -> None:
         super().__init__()
-        self.self_attn = Qwen3Attention(config)
+        self.self_attn = Qwen3Attention(config, rotary_emb)
         self.mlp = Qwen3MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
@@ -157,10 +184,12 @@ class Qwen3DecoderLayer(nn.Module):
 
 
 class Qwen3Model(nn.Module):
-    def __init__(self, config: Qwen3Config) -> None:
+    def __init__(self, config: Qwen3Config, max_positions: int) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Qwen3DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        # cos/sin for the positions the engine can reach (max_model_len), not the model's whole range
+        rotary_emb = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta)
+        self.layers = nn.ModuleList(Qwen3DecoderLayer(config, rotary_emb) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -185,10 +214,11 @@ class Qwen3ForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, config: Qwen3Config) -> None:
+    def __init__(self, config: Qwen3Config, max_positions: int | None = None) -> None:
+        """max_positions: size of the RoPE tables (the engine passes max_model_len); default: the model's limit."""
         super().__init__()
         self.config = config
-        self.model = Qwen3Model(config)
+        self.model = Qwen3Model(config, max_positions or config.max_position_embeddings)
         self.lm_head = LMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight  # one tensor, two uses

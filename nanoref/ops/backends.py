@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nanoref.ops import attention_torch
+from nanoref.ops import attention_torch  # a submodule: nanoref.ops itself does not import this file
 from nanoref.ops.store_kvcache import store_kvcache_torch
 from nanoref.ops.triton_setup import triton_available
 

@@ -57,6 +57,3 @@ def store_kvcache_torch(
         k_rows[slot_mapping[keep]] = key_rows[keep]  # (n, D) -> rows `slots`
         v_rows[slot_mapping[keep]] = value_rows[keep]
     trace("store_kvcache", key=key, slot_mapping=slot_mapping, k_cache=k_cache)
-
-
-store_kvcache = store_kvcache_torch

@@ -1,8 +1,9 @@
-"""Loading a local Hugging Face model folder: config.json, *.safetensors, tokenizer files.
+"""Reading a local Hugging Face model folder: config.json, *.safetensors, tokenizer files.
 
-Every way a folder can be wrong gets its own message: a hub id instead of a path, a missing folder,
-a config.json that is not JSON, no weights, an architecture nanoref does not implement, a checkpoint
-whose tensors do not match the config.
+Every way a folder can be wrong is a `ModelFolderError` naming the file: a hub id instead of a path, a
+missing folder, a config.json that is not UTF-8 JSON, unreadable or missing weights, tensors that match
+no parameter or have the wrong shape or dtype, a tensor in two shards, a broken tokenizer. Parsing the
+config into a model's settings and building the model belong to `nanoref.models`.
 """
 
 from __future__ import annotations
@@ -13,10 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
-
-from nanoref.models import MODEL_REGISTRY, Qwen3Config
 
 
 class ModelFolderError(ValueError):
@@ -46,32 +45,16 @@ def read_config(folder: Path) -> dict[str, Any]:
     if not config_path.is_file():
         raise ModelFolderError(f"{folder} has no config.json: is it a Hugging Face model folder?")
     try:
-        raw = json.loads(config_path.read_text())
+        raw = json.loads(config_path.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as error:
+        raise ModelFolderError(f"{config_path} is not UTF-8 text: {error}") from None
     except json.JSONDecodeError as error:
         raise ModelFolderError(f"{config_path} is not valid JSON: {error}") from None
+    except RecursionError:
+        raise ModelFolderError(f"{config_path} is nested too deeply to be a model config") from None
     if not isinstance(raw, dict):
         raise ModelFolderError(f"{config_path} must hold a JSON object")
     return raw
-
-
-def load_model_config(model: str | Path) -> tuple[Path, str, Qwen3Config]:
-    """Validate a folder and parse its config. Returns (folder, architecture, config)."""
-    folder = resolve_model_folder(model)
-    raw = read_config(folder)
-    architectures = raw.get("architectures") or []
-    supported = [name for name in architectures if name in MODEL_REGISTRY]
-    if not supported:
-        found = ", ".join(architectures) or f"none (model_type={raw.get('model_type')!r})"
-        raise ModelFolderError(
-            f"{folder}: architecture {found} is not supported; nanoref serves {', '.join(MODEL_REGISTRY)}"
-        )
-    if not weight_files(folder):
-        raise ModelFolderError(f"{folder} holds no *.safetensors weights")
-    try:
-        config = Qwen3Config.from_dict(raw)
-    except (ValueError, TypeError) as error:
-        raise ModelFolderError(f"{folder / 'config.json'}: {error}") from None
-    return folder, supported[0], config
 
 
 def weight_files(folder: Path) -> list[Path]:
@@ -93,45 +76,78 @@ def load_weights(model: nn.Module, folder: Path) -> None:
             expected.add(param_name)
     if tied:
         expected.discard("lm_head.weight")
-    loaded: set[str] = set()
+    loaded: dict[str, str] = {}  # checkpoint tensor -> the file it came from
+    tied_head: tuple[str, torch.Tensor] | None = None  # a tied checkpoint's own lm_head.weight, checked below
     for file in weight_files(folder):
-        with safe_open(str(file), framework="pt") as handle:
-            for name in handle.keys():
-                if tied and name == "lm_head.weight":
-                    continue  # tied checkpoints may still carry it: the embedding is the head
-                target, shard_id = name, None
-                for checkpoint_part, (fused_part, shard) in packed.items():
-                    if f".{checkpoint_part}." in name:
-                        target, shard_id = name.replace(checkpoint_part, fused_part), shard
-                        break
-                param = params.get(target)
-                if param is None:
-                    raise ModelFolderError(f"{file.name}: tensor {name!r} matches no parameter of the model")
-                tensor = handle.get_tensor(name).to(param.dtype)
-                loader = getattr(param, "weight_loader", None)
-                try:
-                    if loader is None:
-                        if param.shape != tensor.shape:
-                            raise ValueError(f"shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
-                        param.data.copy_(tensor)
-                    elif shard_id is None:
-                        loader(param, tensor)
-                    else:
-                        loader(param, tensor, shard_id)
-                except ValueError as error:
-                    raise ModelFolderError(f"{file.name}: tensor {name!r}: {error}") from None
-                loaded.add(name)
-    missing = sorted(expected - loaded)
+        try:
+            with safe_open(str(file), framework="pt") as handle:
+                for name in handle.keys():
+                    if name in loaded:
+                        raise ModelFolderError(f"{file.name}: tensor {name!r} is also in {loaded[name]}")
+                    loaded[name] = file.name
+                    tensor = handle.get_tensor(name)
+                    if not tensor.dtype.is_floating_point:
+                        raise ModelFolderError(f"{file.name}: tensor {name!r} has dtype {tensor.dtype}, not a float")
+                    if tied and name == "lm_head.weight":
+                        tied_head = (file.name, tensor)  # tied: the embedding is the head, so it must agree
+                        continue
+                    _load_tensor(params, packed, file.name, name, tensor)
+        except SafetensorError as error:  # truncated, empty or not a safetensors file at all
+            raise ModelFolderError(f"{file}: not a readable safetensors file: {error}") from None
+    if tied_head is not None:
+        file_name, head = tied_head
+        embedding = params["model.embed_tokens.weight"]
+        if head.shape != embedding.shape or not torch.equal(head.to(embedding.dtype), embedding.data):
+            raise ModelFolderError(
+                f"{folder / 'config.json'} sets tie_word_embeddings: true, but {file_name} holds an lm_head.weight "
+                "that differs from model.embed_tokens.weight; set tie_word_embeddings to false to use it"
+            )
+    missing = sorted(expected - set(loaded))
     if missing:
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
         raise ModelFolderError(f"{folder}: the checkpoint lacks {len(missing)} tensors: {shown}")
 
 
-def load_model(model_path: str | Path, device: torch.device, dtype: torch.dtype) -> tuple[nn.Module, Qwen3Config]:
-    folder, architecture, config = load_model_config(model_path)
-    with torch.device(device):
-        model = MODEL_REGISTRY[architecture](config)
-    for param in model.parameters():  # weights in the serving dtype; RoPE tables (buffers) stay float32
-        param.data = param.data.to(dtype)
-    load_weights(model, folder)
-    return model.eval(), config
+def _load_tensor(params: dict[str, nn.Parameter], packed: dict, file_name: str, name: str, tensor) -> None:
+    """Copy one checkpoint tensor into its parameter (or its shard of a fused one)."""
+    target, shard_id = name, None
+    for checkpoint_part, (fused_part, shard) in packed.items():
+        if f".{checkpoint_part}." in name:
+            target, shard_id = name.replace(checkpoint_part, fused_part), shard
+            break
+    param = params.get(target)
+    if param is None:
+        raise ModelFolderError(f"{file_name}: tensor {name!r} matches no parameter of the model")
+    tensor = tensor.to(param.dtype)
+    loader = getattr(param, "weight_loader", None)
+    try:
+        if loader is None:
+            if param.shape != tensor.shape:
+                raise ValueError(f"shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
+            param.data.copy_(tensor)
+        elif shard_id is None:
+            loader(param, tensor)
+        else:
+            loader(param, tensor, shard_id)
+    except ValueError as error:
+        raise ModelFolderError(f"{file_name}: tensor {name!r}: {error}") from None
+
+
+def load_tokenizer(folder: Path) -> Any | None:
+    """The folder's HF tokenizer, or None when it has none (token-id prompts still work)."""
+    names = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
+    present = [name for name in names if (folder / name).exists()]
+    if not present:
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    except Exception as error:  # corrupt JSON, missing keys, unknown classes: all "this folder's tokenizer"
+        raise ModelFolderError(
+            f"{folder}: the tokenizer ({', '.join(present)}) could not be loaded: {type(error).__name__}: {error}"
+        ) from None
+    # nanoref checks prompt lengths against max_model_len itself, with its own message; without this the
+    # tokenizer first warns about its own (often unrelated) model_max_length
+    tokenizer.model_max_length = 1 << 62
+    return tokenizer

@@ -26,6 +26,10 @@ SEAMS: dict[str, str] = {
     # 02_rmsnorm
     "rms_norm": "layers/layernorm.py: rms_norm(x, weight, eps) -> normalised x",
     "add_rms_norm": "layers/layernorm.py: add_rms_norm(x, residual, weight, eps) -> (normalised sum, new residual)",
+    # 07_model_and_sampling
+    "apply_rotary": "layers/rotary.py: apply_rotary(x, cos, sin) -> x rotated by RoPE (neox halves)",
+    "silu_and_mul": "layers/activation.py: silu_and_mul(x) -> silu(gate) * up of x = [gate | up]",
+    "apply_top_k_top_p": "layers/sampler.py: apply_top_k_top_p(logits, top_k, top_p) -> -inf outside top-k and top-p",
 }
 
 _ACTIVE: dict[str, Callable] = {}  # the learner's functions while a `use` block runs
