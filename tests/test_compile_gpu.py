@@ -13,7 +13,7 @@ from nanoref.layers.sampler import sample_with_temperature_cuda
 from nanoref.utils import seams
 from nanoref.utils.compile import eager_only
 
-from .conftest import hf_greedy, random_prompts
+from .helpers import hf_greedy, random_prompts
 
 pytestmark = pytest.mark.gpu
 

@@ -18,6 +18,7 @@ from nanoref.models import build_model
 from nanoref.ops.backends import choose_backend, resolve_backend
 from nanoref.utils.context import Context, get_context, reset_context, set_context
 from nanoref.utils.loader import load_weights
+from nanoref.utils.seams import seam
 from nanoref.utils.tracing import trace_step, tracing_enabled
 
 
@@ -31,6 +32,38 @@ def _cpu_memory_available() -> int:
     except OSError:
         pass
     return 4 << 30
+
+
+def pad_decode_batch(
+    buffers: dict[str, torch.Tensor],
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+) -> None:
+    """Copy a decode batch of B sequences into the first B rows of a graph bucket's static input buffers and
+    make the other rows harmless padding, in place.
+
+    buffers: the bucket's S >= B rows of each static input: "input_ids" (S,) int64, "positions" (S,) int64,
+        "slot_mapping" (S,) int64, "context_lens" (S,) int32, "block_tables" (S, max_blocks) int32.
+    input_ids, positions, slot_mapping: (B,) int64; context_lens: (B,) int32;
+    block_tables: (B, W) int32 with W <= max_blocks.
+    A padding row still runs through every kernel of the recorded graph: slot -1 makes the KV store skip it
+    and context length 0 makes attention read nothing for it. Its token id and position only need to be
+    valid (what an earlier step left there is).
+    """
+    batch, width = block_tables.shape
+    buffers["input_ids"][:batch] = input_ids
+    buffers["positions"][:batch] = positions
+    buffers["slot_mapping"][:batch] = slot_mapping
+    buffers["slot_mapping"][batch:] = -1
+    buffers["context_lens"][:batch] = context_lens
+    buffers["context_lens"][batch:] = 0
+    buffers["block_tables"][:batch, :width] = block_tables
+
+
+STATIC_INPUTS = ("input_ids", "positions", "slot_mapping", "context_lens", "block_tables")
 
 
 class ModelRunner:
@@ -60,6 +93,7 @@ class ModelRunner:
         self.num_kvcache_blocks = config.num_kvcache_blocks or self._blocks_from_memory()
         self._allocate_kv_cache()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.graph_vars: dict[str, torch.Tensor] = {}  # the static inputs replay reads (see capture_cudagraphs)
         if self.device.type == "cuda" and not config.enforce_eager:
             self.capture_cudagraphs()
 
@@ -207,7 +241,7 @@ class ModelRunner:
     @torch.inference_mode()
     def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, is_prefill: bool) -> torch.Tensor:
         batch = input_ids.shape[0]
-        if is_prefill or not self.graphs or batch > max(self.graphs) or tracing_enabled():
+        if is_prefill or tracing_enabled() or not self.graph_vars or batch > self.config.max_num_seqs:
             return self.model.compute_logits(self.model(input_ids, positions))
         return self._replay(input_ids, positions, batch)
 
@@ -246,6 +280,24 @@ class ModelRunner:
         sizes = [b for b in (1, 2, 4, 8) if b < top] + list(range(16, top, 16))
         return sizes + [top]  # always include max_num_seqs itself, whatever it is
 
+    def _allocate_static_inputs(self) -> None:
+        """The buffers every replay reads: max_num_seqs rows each; a bucket of size S uses the first S."""
+        max_bs, dev = self.config.max_num_seqs, self.device
+        self.graph_vars = dict(
+            input_ids=torch.zeros(max_bs, dtype=torch.int64, device=dev),
+            positions=torch.zeros(max_bs, dtype=torch.int64, device=dev),
+            slot_mapping=torch.full((max_bs,), -1, dtype=torch.int64, device=dev),
+            context_lens=torch.zeros(max_bs, dtype=torch.int32, device=dev),
+            block_tables=torch.zeros(max_bs, self.max_blocks_per_seq, dtype=torch.int32, device=dev),
+            hidden=torch.zeros(max_bs, self.hf_config.hidden_size, dtype=self.config.dtype, device=dev),
+        )
+
+    def enable_bucketed_decode(self) -> None:
+        """Run decode the way graphs do, on a machine without them (a CPU; notebook 06): pad each batch to its
+        bucket in the static buffers and run the model eagerly on them. Slower; for teaching and tests."""
+        if not self.graph_vars:
+            self._allocate_static_inputs()
+
     @torch.inference_mode()
     def capture_cudagraphs(self) -> None:
         """Record one decode forward per batch-size bucket; replay pads a batch up to its bucket.
@@ -253,17 +305,7 @@ class ModelRunner:
         Graphs replay fixed kernels on fixed addresses, so inputs live in static buffers that each
         step fills in place. Padding rows carry slot -1 (store nothing) and context length 0.
         """
-        max_bs = self.config.max_num_seqs
-        hidden = self.hf_config.hidden_size
-        dev = self.device
-        self.graph_vars = dict(
-            input_ids=torch.zeros(max_bs, dtype=torch.int64, device=dev),
-            positions=torch.zeros(max_bs, dtype=torch.int64, device=dev),
-            slot_mapping=torch.full((max_bs,), -1, dtype=torch.int64, device=dev),
-            context_lens=torch.zeros(max_bs, dtype=torch.int32, device=dev),
-            block_tables=torch.zeros(max_bs, self.max_blocks_per_seq, dtype=torch.int32, device=dev),
-            hidden=torch.zeros(max_bs, hidden, dtype=self.config.dtype, device=dev),
-        )
+        self._allocate_static_inputs()
         v = self.graph_vars
         pool = None
         for batch_size in reversed(self._graph_batch_sizes()):
@@ -282,19 +324,26 @@ class ModelRunner:
                 v["hidden"][:batch_size] = self.model(ids, positions)
             pool = pool or graph.pool()
             self.graphs[batch_size] = graph
-            torch.cuda.synchronize(dev)
+            torch.cuda.synchronize(self.device)
             reset_context()
 
     def _replay(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: int) -> torch.Tensor:
-        batch_size = min(b for b in self.graphs if b >= batch)
+        bucket = min(b for b in (self.graphs or self._graph_batch_sizes()) if b >= batch)
         context, v = get_context(), self.graph_vars
-        v["input_ids"][:batch] = input_ids
-        v["positions"][:batch] = positions
-        v["slot_mapping"].fill_(-1)
-        v["slot_mapping"][:batch] = context.slot_mapping
-        v["context_lens"].zero_()
-        v["context_lens"][:batch] = context.context_lens
-        width = context.block_tables.shape[1]
-        v["block_tables"][:batch, :width] = context.block_tables
-        self.graphs[batch_size].replay()
+        static = {name: v[name][:bucket] for name in STATIC_INPUTS}
+        seam("pad_decode_batch", pad_decode_batch)(
+            static, input_ids, positions, context.slot_mapping, context.context_lens, context.block_tables
+        )
+        if self.graphs:
+            self.graphs[bucket].replay()
+        else:  # bucketed decode without graphs: the same padded batch, run eagerly
+            width = context.block_tables.shape[1]
+            bucket_context = Context(
+                is_prefill=False,
+                slot_mapping=static["slot_mapping"],
+                context_lens=static["context_lens"],
+                block_tables=static["block_tables"][:, :width],
+            )
+            set_context(bucket_context)
+            v["hidden"][:bucket] = self.model(static["input_ids"], static["positions"])
         return self.model.compute_logits(v["hidden"][:batch])

@@ -7,6 +7,7 @@ token with HF transformers (`check_generation`).
 """
 
 from nanoref.exercises.common import ExerciseFailure, check_generation, tiny_model
+from nanoref.exercises.cuda_graphs import check_pad_decode_batch
 from nanoref.exercises.model import (
     check_apply_rotary,
     check_apply_top_k_top_p,
@@ -21,6 +22,7 @@ __all__ = [
     "check_apply_rotary",
     "check_apply_top_k_top_p",
     "check_generation",
+    "check_pad_decode_batch",
     "check_seeded_sampling",
     "check_silu_and_mul",
     "tiny_model",

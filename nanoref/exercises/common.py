@@ -67,11 +67,13 @@ def check_generation(
     prompts: list[list[int]] | None = None,
     max_tokens: int = 8,
     model: Path | None = None,
+    prepare: Callable[[Any], None] | None = None,
     **engine_kwargs: Any,
 ) -> list[list[int]]:
     """Generate greedily with the real engine running the learner's `functions` (seam name -> function) and
     compare every token with HF transformers. engine_kwargs go to `LLM` (e.g. num_kvcache_blocks,
-    max_num_batched_tokens, attention_backend). Returns the generated ids; raises ExerciseFailure naming the
+    max_num_batched_tokens, attention_backend); `prepare(llm)`, when given, runs on the engine before it generates
+    (e.g. to switch on a mode the seam lives in). Returns the generated ids; raises ExerciseFailure naming the
     first prompt and token that differ.
     """
     from nanoref import LLM, SamplingParams
@@ -83,6 +85,8 @@ def check_generation(
     engine_kwargs.setdefault("num_kvcache_blocks", 64)
     names = ", ".join(f"your `{name}`" for name in functions)
     llm = LLM(model, **engine_kwargs)
+    if prepare is not None:
+        prepare(llm)
     try:
         with use(**functions):
             outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)

@@ -30,6 +30,9 @@ SEAMS: dict[str, str] = {
     "apply_rotary": "layers/rotary.py: apply_rotary(x, cos, sin) -> x rotated by RoPE (neox halves)",
     "silu_and_mul": "layers/activation.py: silu_and_mul(x) -> silu(gate) * up of x = [gate | up]",
     "apply_top_k_top_p": "layers/sampler.py: apply_top_k_top_p(logits, top_k, top_p) -> -inf outside top-k and top-p",
+    # 06_cuda_graphs
+    "pad_decode_batch": "engine/model_runner.py: pad_decode_batch(buffers, input_ids, positions, slot_mapping, "
+    "context_lens, block_tables) -> None: a decode batch into its graph bucket's static buffers, padding harmless",
 }
 
 _ACTIVE: dict[str, Callable] = {}  # the learner's functions while a `use` block runs
