@@ -108,12 +108,17 @@ def paged_decode_attention(
     if len_q == 1:
         # One query per sequence: a KV head's `group` query heads can stand in the query-length axis, so each
         # K/V head is read once, not copied `group` times (repeat_interleave was ~a quarter of a CPU decode step).
-        # Spelled out rather than through SDPA: for one query row per head the plain matmuls are faster on a CPU.
+        # One KV head at a time: k[:, :, h] is a strided view that bmm reads in place (a 4-D matmul over
+        # (B, Hk) would first copy the gathered K/V), and for one query row per head two plain matmuls beat
+        # SDPA with a mask on a CPU.
         q_grouped = q.view(batch, num_kv_heads, group, head_dim)  # (B, Hk, group, D): H = Hk * group, in order
-        scores = (q_grouped @ k.permute(0, 2, 3, 1)) * scale  # (B, Hk, group, Lmax)
-        scores = scores.masked_fill(~visible[:, None], float("-inf"))
-        out = scores.softmax(dim=-1) @ v.transpose(1, 2)  # (B, Hk, group, D)
-        return out.reshape(batch, 1, num_kv_heads * group, head_dim)  # (B, 1, H, D)
+        hidden = ~visible  # (B, 1, Lmax): past each sequence's history
+        outs = []
+        for h in range(num_kv_heads):
+            scores = torch.bmm(q_grouped[:, h], k[:, :, h].transpose(1, 2)) * scale  # (B, group, Lmax)
+            probs = scores.masked_fill(hidden, float("-inf")).softmax(dim=-1)
+            outs.append(torch.bmm(probs, v[:, :, h]))  # (B, group, D)
+        return torch.stack(outs, dim=1).view(batch, 1, num_kv_heads * group, head_dim)  # (B, 1, H, D)
     k = k.transpose(1, 2).repeat_interleave(group, dim=1)  # (B, H, Lmax, D)
     v = v.transpose(1, 2).repeat_interleave(group, dim=1)  # (B, H, Lmax, D)
     if causal and len_q > 1:
