@@ -7,6 +7,15 @@ token with HF transformers (`check_generation`).
 """
 
 from nanoref.exercises.common import ExerciseFailure, check_generation, tiny_model
+from nanoref.exercises.rmsnorm import check_add_rms_norm, check_rms_norm
 from nanoref.utils.seams import SEAMS, use
 
-__all__ = ["SEAMS", "ExerciseFailure", "check_generation", "tiny_model", "use"]
+__all__ = [
+    "SEAMS",
+    "ExerciseFailure",
+    "check_add_rms_norm",
+    "check_generation",
+    "check_rms_norm",
+    "tiny_model",
+    "use",
+]
