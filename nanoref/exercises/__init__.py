@@ -8,6 +8,7 @@ token with HF transformers (`check_generation`).
 
 from nanoref.exercises.common import ExerciseFailure, check_generation, tiny_model
 from nanoref.exercises.rmsnorm import check_add_rms_norm, check_rms_norm
+from nanoref.exercises.varlen import check_prefill_metadata
 from nanoref.utils.seams import SEAMS, use
 
 __all__ = [
@@ -15,6 +16,7 @@ __all__ = [
     "ExerciseFailure",
     "check_add_rms_norm",
     "check_generation",
+    "check_prefill_metadata",
     "check_rms_norm",
     "tiny_model",
     "use",

@@ -23,6 +23,9 @@ F = TypeVar("F", bound=Callable)
 # name -> where it sits and what the learner's function computes (same signature as the default's).
 # One line per seam, grouped by the notebook whose exercise replaces it.
 SEAMS: dict[str, str] = {
+    # 01_varlen_flattening
+    "prefill_metadata": "engine/model_runner.py: prefill_metadata(token_ids, num_cached, num_new, block_tables, "
+    "block_size) -> (input_ids, positions, cu_seqlens_q, cu_seqlens_k, slot_mapping) of a prefill step",
     # 02_rmsnorm
     "rms_norm": "layers/layernorm.py: rms_norm(x, weight, eps) -> normalised x",
     "add_rms_norm": "layers/layernorm.py: add_rms_norm(x, residual, weight, eps) -> (normalised sum, new residual)",
