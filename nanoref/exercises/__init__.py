@@ -7,6 +7,7 @@ token with HF transformers (`check_generation`).
 """
 
 from nanoref.exercises.common import ExerciseFailure, check_generation, tiny_model
+from nanoref.exercises.kv_store import check_store_kvcache_kernel
 from nanoref.exercises.rmsnorm import check_add_rms_norm, check_rms_norm
 from nanoref.exercises.varlen import check_prefill_metadata
 from nanoref.utils.seams import SEAMS, use
@@ -18,6 +19,7 @@ __all__ = [
     "check_generation",
     "check_prefill_metadata",
     "check_rms_norm",
+    "check_store_kvcache_kernel",
     "tiny_model",
     "use",
 ]

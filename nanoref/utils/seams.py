@@ -29,6 +29,10 @@ SEAMS: dict[str, str] = {
     # 02_rmsnorm
     "rms_norm": "layers/layernorm.py: rms_norm(x, weight, eps) -> normalised x",
     "add_rms_norm": "layers/layernorm.py: add_rms_norm(x, residual, weight, eps) -> (normalised sum, new residual)",
+    # 03_triton_kv_store
+    "store_kvcache_kernel": "ops/store_kvcache_triton.py: the @triton.jit KV-store kernel, launched on the grid "
+    "(N,) as kernel[(N,)](key_ptr, key_stride, value_ptr, value_stride, k_cache_ptr, v_cache_ptr, "
+    "slot_mapping_ptr, D, BLOCK_D)",
 }
 
 _ACTIVE: dict[str, Callable] = {}  # the learner's functions while a `use` block runs
