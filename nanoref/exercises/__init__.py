@@ -8,6 +8,7 @@ token with HF transformers (`check_generation`).
 
 from nanoref.exercises.common import ExerciseFailure, check_generation, tiny_model
 from nanoref.exercises.kv_store import check_store_kvcache_kernel
+from nanoref.exercises.paged_decode import check_merge_splits, check_paged_decode_attention
 from nanoref.exercises.rmsnorm import check_add_rms_norm, check_rms_norm
 from nanoref.exercises.varlen import check_prefill_metadata
 from nanoref.utils.seams import SEAMS, use
@@ -17,6 +18,8 @@ __all__ = [
     "ExerciseFailure",
     "check_add_rms_norm",
     "check_generation",
+    "check_merge_splits",
+    "check_paged_decode_attention",
     "check_prefill_metadata",
     "check_rms_norm",
     "check_store_kvcache_kernel",

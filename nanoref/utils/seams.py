@@ -33,6 +33,11 @@ SEAMS: dict[str, str] = {
     "store_kvcache_kernel": "ops/store_kvcache_triton.py: the @triton.jit KV-store kernel, launched on the grid "
     "(N,) as kernel[(N,)](key_ptr, key_stride, value_ptr, value_stride, k_cache_ptr, v_cache_ptr, "
     "slot_mapping_ptr, D, BLOCK_D)",
+    # 04_paged_decode_attention
+    "paged_decode_attention": "layers/attention.py: paged_decode_attention(q, k_cache, v_cache, cache_seqlens, "
+    "block_table, softmax_scale, causal) -> (B, 1, H, D), in place of the backend's decode",
+    "merge_splits": "ops/attention_triton.py: merge_splits(partial, lse, out) writes the log-sum-exp merge of "
+    "split-KV partial outputs into out",
 }
 
 _ACTIVE: dict[str, Callable] = {}  # the learner's functions while a `use` block runs
