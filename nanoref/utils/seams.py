@@ -38,6 +38,9 @@ SEAMS: dict[str, str] = {
     "block_table, softmax_scale, causal) -> (B, 1, H, D), in place of the backend's decode",
     "merge_splits": "ops/attention_triton.py: merge_splits(partial, lse, out) writes the log-sum-exp merge of "
     "split-KV partial outputs into out",
+    # 05_scheduler
+    "find_cached_prefix": "engine/block_manager.py: find_cached_prefix(token_ids, block_size, hash_to_block_id, "
+    "blocks) -> the block ids of a prompt's longest cached prefix",
 }
 
 _ACTIVE: dict[str, Callable] = {}  # the learner's functions while a `use` block runs
