@@ -70,3 +70,14 @@ def test_wrong_kernels_fail_with_a_message(wrong, message):
 def test_a_plain_function_is_refused():
     with pytest.raises(ExerciseFailure, match="@triton.jit"):
         check_store_kvcache_kernel(lambda *args: None, engine=False)
+
+
+@triton.jit
+def unwritten_kernel(key_ptr, key_stride, value_ptr, value_stride, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+                     D: tl.constexpr, BLOCK_D: tl.constexpr):  # fmt: skip
+    raise NotImplementedError()  # what a student copy holds before the exercise is done
+
+
+def test_an_unwritten_kernel_stops_with_not_implemented_error():
+    with pytest.raises(NotImplementedError, match="not written yet"):
+        check_store_kvcache_kernel(unwritten_kernel, engine=False)
