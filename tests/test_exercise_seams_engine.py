@@ -10,6 +10,8 @@ import nanoref.exercises as exercises
 from nanoref import LLM, SamplingParams
 from nanoref.engine.block_manager import find_cached_prefix
 from nanoref.engine.model_runner import prefill_metadata
+from nanoref.engine.scheduler import choose_preemption_victim
+from nanoref.exercises.common import random_prompts
 from nanoref.layers.layernorm import add_rms_norm, rms_norm
 from nanoref.ops import attention_torch
 from nanoref.utils import seams
@@ -26,6 +28,7 @@ def defaults() -> dict:
         "add_rms_norm": (add_rms_norm, {}),
         "paged_decode_attention": (attention_torch.paged_decode_attention, {}),
         "find_cached_prefix": (find_cached_prefix, {"max_num_batched_tokens": 80}),
+        "choose_preemption_victim": (choose_preemption_victim, {"num_kvcache_blocks": 5}),  # preempts
     }
     try:
         from nanoref.ops import attention_triton
@@ -55,9 +58,15 @@ class Counting:
 @pytest.mark.parametrize("name", sorted(defaults()))
 def test_the_engine_calls_a_seam_only_inside_use(tiny_model, name):
     default, settings = defaults()[name]
-    llm = LLM(tiny_model, num_kvcache_blocks=32, **settings)
+    llm = LLM(tiny_model, **{"num_kvcache_blocks": 32, **settings})
     params = SamplingParams(temperature=0, max_tokens=3)
-    reference = llm.generate(PROMPTS, params, use_tqdm=False)
+    prompts = PROMPTS
+    if name == "choose_preemption_victim":  # four requests growing in 5 blocks of 16: one must step back
+        prompts, params = (
+            random_prompts(seed=1234, lengths=[5, 23, 17, 40], vocab=256),
+            SamplingParams(temperature=0, max_tokens=12),
+        )
+    reference = llm.generate(prompts, params, use_tqdm=False)
     counting = Counting(default)
     extra = {}
     if name == "merge_splits":  # splits only happen past one 64-key tile: force 2 per decode step
@@ -65,11 +74,11 @@ def test_the_engine_calls_a_seam_only_inside_use(tiny_model, name):
 
         extra["paged_decode_attention"] = functools.partial(attention_triton.paged_decode_attention, num_splits=2)
     with seams.use(**{name: counting}, **extra):
-        replaced = llm.generate(PROMPTS, params, use_tqdm=False)
+        replaced = llm.generate(prompts, params, use_tqdm=False)
     assert counting.calls, f"the engine never called seam {name!r}"
     assert replaced == reference, f"nanoref's own {name} through the seam changed the output"
     calls = counting.calls
-    assert llm.generate(PROMPTS, params, use_tqdm=False) == reference
+    assert llm.generate(prompts, params, use_tqdm=False) == reference
     assert counting.calls == calls and not seams.active(), f"seam {name!r} was used outside the block"
 
 

@@ -5,7 +5,12 @@ from __future__ import annotations
 import pytest
 
 from nanoref.engine.block_manager import chain_hash, find_cached_prefix
-from nanoref.exercises import ExerciseFailure, check_find_cached_prefix, check_generation
+from nanoref.exercises import (
+    ExerciseFailure,
+    check_choose_preemption_victim,
+    check_find_cached_prefix,
+    check_generation,
+)
 
 
 def test_nanorefs_own_lookup_passes_with_the_engine():
@@ -54,3 +59,23 @@ def test_the_engine_check_catches_a_prompt_served_entirely_from_the_cache():
             max_num_batched_tokens=32,
             kvcache_block_size=16,
         )
+
+
+def test_nanorefs_preemption_choice_passes_with_the_engine():
+    from nanoref.engine.scheduler import choose_preemption_victim
+
+    check_choose_preemption_victim(choose_preemption_victim)
+
+
+@pytest.mark.parametrize(
+    "wrong, message",
+    [
+        (lambda running, seq: running[0] if running else seq, "chose running\\[0\\], expected running\\[2\\]"),
+        (lambda running, seq: seq, "seq steps back only when no other sequence is running"),
+        (lambda running, seq: running.pop() if running else seq, "changed `running`"),
+        (lambda running, seq: None, "return one of the sequences you were given"),
+    ],
+)
+def test_wrong_preemption_choices_fail_with_a_message(wrong, message):
+    with pytest.raises(ExerciseFailure, match=message):
+        check_choose_preemption_victim(wrong, engine=False)

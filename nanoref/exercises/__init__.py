@@ -10,7 +10,7 @@ from nanoref.exercises.common import ExerciseFailure, check_generation, tiny_mod
 from nanoref.exercises.kv_store import check_store_kvcache_kernel
 from nanoref.exercises.paged_decode import check_merge_splits, check_paged_decode_attention
 from nanoref.exercises.rmsnorm import check_add_rms_norm, check_rms_norm
-from nanoref.exercises.scheduler import check_find_cached_prefix
+from nanoref.exercises.scheduler import check_choose_preemption_victim, check_find_cached_prefix
 from nanoref.exercises.varlen import check_prefill_metadata
 from nanoref.utils.seams import SEAMS, use
 
@@ -18,6 +18,7 @@ __all__ = [
     "SEAMS",
     "ExerciseFailure",
     "check_add_rms_norm",
+    "check_choose_preemption_victim",
     "check_find_cached_prefix",
     "check_generation",
     "check_merge_splits",

@@ -1,4 +1,4 @@
-"""Checks for notebook 05's exercise: `find_cached_prefix`, the block manager's prefix-cache lookup."""
+"""Checks for notebook 05's exercises: the block manager's prefix-cache lookup and the preemption choice."""
 
 from __future__ import annotations
 
@@ -110,3 +110,45 @@ def check_find_cached_prefix(fn: Callable, *, seed: int = 0, engine: bool = True
             max_num_batched_tokens=48,
             kvcache_block_size=16,
         )
+
+
+def _sequences(count: int, start: int = 0) -> list:
+    from nanoref.engine.sequence import Sequence
+    from nanoref.sampling_params import SamplingParams
+
+    return [Sequence([start + i + 1] * (3 + i), SamplingParams(temperature=0), block_size=16) for i in range(count)]
+
+
+def check_choose_preemption_victim(fn: Callable, *, engine: bool = True) -> None:
+    """`fn(running, seq) -> the sequence to preempt` against nanoref's policy, then the engine with a KV budget so
+    small that it preempts."""
+    from nanoref.engine.scheduler import choose_preemption_victim
+
+    for num_running in (3, 1, 0):
+        *running, seq = _sequences(num_running + 1)
+        names = {id(s): f"running[{i}]" for i, s in enumerate(running)} | {id(seq): "seq (the one needing a block)"}
+        given = list(running)
+        got = fn(given, seq)
+        want = choose_preemption_victim(list(running), seq)
+        if given != running:
+            raise ExerciseFailure("your function changed `running`; return the victim, the scheduler removes it")
+        if got is want:
+            continue
+        if id(got) not in names:
+            raise ExerciseFailure(f"return one of the sequences you were given (one of running, or seq), got {got!r}")
+        what = f"with {num_running} other running sequences you chose {names[id(got)]}, expected {names[id(want)]}"
+        if got is seq:
+            raise ExerciseFailure(f"{what}: seq steps back only when no other sequence is running")
+        raise ExerciseFailure(
+            f"{what}: preempt the newest (running is oldest first): it has the least work to lose, and the oldest "
+            "requests finish first"
+        )
+    if engine:
+        calls = []
+
+        def counted(running, seq):
+            calls.append(len(running))
+            return fn(running, seq)
+
+        check_generation({"choose_preemption_victim": counted}, max_tokens=12, num_kvcache_blocks=5)
+        assert calls, "the engine never had to preempt: the check's setup is wrong, not your function"

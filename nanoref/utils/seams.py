@@ -41,6 +41,8 @@ SEAMS: dict[str, str] = {
     # 05_scheduler
     "find_cached_prefix": "engine/block_manager.py: find_cached_prefix(token_ids, block_size, hash_to_block_id, "
     "blocks) -> the block ids of a prompt's longest cached prefix",
+    "choose_preemption_victim": "engine/scheduler.py: choose_preemption_victim(running, seq) -> the sequence to "
+    "preempt when seq needs a block and none is free",
 }
 
 _ACTIVE: dict[str, Callable] = {}  # the learner's functions while a `use` block runs
