@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
                 outputs = llm.generate(args.prompts, params, use_tqdm=False)
         else:
             outputs = llm.generate(args.prompts, params, use_tqdm=False)
-    except (ModelFolderError, ValueError) as error:
+    except (ModelFolderError, ValueError, TypeError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     for prompt, output in zip(args.prompts, outputs):

@@ -60,9 +60,11 @@ def make_random_qwen3(
         eos_token_id=None,
         pad_token_id=None,
     )
-    torch.manual_seed(seed)
-    with torch.device(device):  # a GPU initialises a large model in a fraction of the CPU's time
-        model = Qwen3ForCausalLM(config).to(dtype).eval()
+    devices = [torch.cuda.current_device()] if device != "cpu" and torch.cuda.is_available() else []
+    with torch.random.fork_rng(devices=devices):  # seeded init without touching the caller's RNG
+        torch.manual_seed(seed)
+        with torch.device(device):  # a GPU initialises a large model in a fraction of the CPU's time
+            model = Qwen3ForCausalLM(config).to(dtype).eval()
     folder = Path(folder)
     bar_was_on = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # no "Writing model shards" bar in test and notebook output

@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny random Qwen3 checkpoints and HF transformers' greedy reference."""
+"""Shared fixtures: tiny random Qwen3 checkpoints (helper functions live in tests/helpers.py)."""
 
 from __future__ import annotations
 
@@ -9,17 +9,10 @@ import torch
 
 from nanoref.testing import make_tiny_qwen3
 
+from .helpers import TINY_CONFIGS
+
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(min(2, os.cpu_count() or 1))
-
-# name -> overrides of nanoref.testing.TINY_QWEN3: tied/untied heads, GQA ratios 1, 2 and 4, q/k/v bias
-TINY_CONFIGS = {
-    "gqa2-untied": dict(),
-    "gqa1-tied": dict(num_attention_heads=4, num_key_value_heads=4, head_dim=32, tie_word_embeddings=True),
-    "gqa4-bias": dict(
-        num_attention_heads=8, num_key_value_heads=2, head_dim=16, num_hidden_layers=3, attention_bias=True
-    ),
-}
 
 
 @pytest.fixture(scope="session")
@@ -31,39 +24,6 @@ def tiny_models(tmp_path_factory) -> dict:
 @pytest.fixture(scope="session")
 def tiny_model(tiny_models):
     return tiny_models["gqa2-untied"]
-
-
-_HF_CACHE: dict = {}
-
-
-def hf_model(folder):
-    from transformers import AutoModelForCausalLM
-
-    key = str(folder)
-    if key not in _HF_CACHE:
-        _HF_CACHE[key] = AutoModelForCausalLM.from_pretrained(key, dtype=torch.float32).eval()
-    return _HF_CACHE[key]
-
-
-def hf_greedy(folder, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """HF transformers `generate`, greedy, one prompt at a time (no padding involved)."""
-    model = hf_model(folder)
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens)
-    return out[0, len(prompt) :].tolist()
-
-
-def random_prompts(seed: int, lengths: list[int], vocab: int = 256) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
-
-
-def shared_prefix_prompts(seed: int, prefix_len: int, suffix_lens: list[int], vocab: int = 256) -> list[list[int]]:
-    """Prompts that all start with the same `prefix_len` tokens (prefix-cache material)."""
-    g = torch.Generator().manual_seed(seed)
-    prefix = torch.randint(0, vocab, (prefix_len,), generator=g).tolist()
-    return [prefix + torch.randint(0, vocab, (n,), generator=g).tolist() for n in suffix_lens]
 
 
 def pytest_collection_modifyitems(config, items):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import shutil
 
 import pytest
@@ -11,7 +10,7 @@ import torch
 from nanoref import LLM, ModelFolderError, SamplingParams
 from nanoref.layers.sampler import Sampler
 
-from .conftest import random_prompts
+from .helpers import copy_with_config, random_prompts
 
 
 def test_unknown_keyword_raises_type_error(tiny_model):
@@ -195,16 +194,6 @@ def test_malformed_config(tmp_path, tiny_model):
     (tmp_path / "m" / "config.json").write_text("{not json")
     with pytest.raises(ModelFolderError, match="not valid JSON"):
         LLM(tmp_path / "m")
-
-
-def copy_with_config(tmp_path, tiny_model, edit):
-    """A copy of the tiny model folder whose config.json went through `edit(config)`."""
-    folder = tmp_path / "m"
-    shutil.copytree(tiny_model, folder)
-    config = json.loads((folder / "config.json").read_text())
-    edit(config)
-    (folder / "config.json").write_text(json.dumps(config))
-    return folder
 
 
 def test_config_missing_fields(tmp_path, tiny_model):

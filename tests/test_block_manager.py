@@ -24,11 +24,17 @@ def compute_all(manager: BlockManager, seq: Sequence) -> None:
     manager.commit(seq)
 
 
-def test_chain_hash_depends_on_prefix():
+def test_chain_hash_depends_on_every_token_and_the_prefix():
     block = list(range(BS))
-    assert chain_hash(block) == chain_hash(list(block))
-    assert chain_hash(block, prefix_hash=1) != chain_hash(block, prefix_hash=2)
-    assert chain_hash(block) != chain_hash(block[::-1])
+    hashes = {chain_hash(block)}
+    for position in range(BS):  # one token changed anywhere in the block gives a new hash
+        changed = list(block)
+        changed[position] += 1000
+        hashes.add(chain_hash(changed))
+    assert len(hashes) == BS + 1
+    assert chain_hash(block, prefix_hash=chain_hash(block)) != chain_hash(block, prefix_hash=chain_hash(block[::-1]))
+    assert chain_hash(block, prefix_hash=chain_hash(block)) != chain_hash(block)  # chained != unchained
+    assert chain_hash(tuple(block)) == chain_hash(block)  # only the values count, not the container
 
 
 def test_allocate_and_free_ref_counts():

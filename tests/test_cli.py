@@ -10,7 +10,9 @@ import torch
 
 from nanoref import DEFAULT_MODEL, LLM, SamplingParams
 
-from .conftest import hf_greedy
+from .helpers import hf_greedy
+
+pytestmark = pytest.mark.slow  # subprocesses that each start Python, torch and the model
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:

@@ -8,7 +8,7 @@ import torch
 from nanoref import LLM, SamplingParams
 from nanoref.utils.context import Context, reset_context, set_context
 
-from .conftest import TINY_CONFIGS, hf_greedy, hf_model, random_prompts, shared_prefix_prompts
+from .helpers import TINY_CONFIGS, hf_greedy, hf_model, random_prompts, shared_prefix_prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
@@ -82,16 +82,6 @@ def test_prefix_cache_hits_across_calls_keep_output_exact(tiny_model):
     assert llm.scheduler.block_manager.num_hit_blocks >= hits_before + 2 * 3  # 48 shared tokens = 3 blocks each
     assert first == second
     assert_matches_hf(tiny_model, prompts, second, GREEDY.max_tokens)
-
-
-def test_prompt_entirely_in_prefix_cache(tiny_model):
-    """A prompt of whole blocks that is fully cached still computes its last token (no empty query)."""
-    prompt = random_prompts(seed=5, lengths=[32])[0]
-    llm = LLM(tiny_model, device="cpu", num_kvcache_blocks=32)
-    llm.generate([prompt + [1, 2, 3]], GREEDY, use_tqdm=False)  # caches the prompt's two full blocks
-    out = llm.generate([prompt], GREEDY, use_tqdm=False)
-    assert llm.scheduler.block_manager.num_hit_blocks >= 1
-    assert_matches_hf(tiny_model, [prompt], out, GREEDY.max_tokens)
 
 
 @pytest.mark.parametrize("name", list(TINY_CONFIGS))

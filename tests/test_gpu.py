@@ -7,7 +7,7 @@ import torch
 
 from nanoref import LLM, SamplingParams
 
-from .conftest import hf_greedy, random_prompts, shared_prefix_prompts
+from .helpers import hf_greedy, random_prompts, shared_prefix_prompts
 
 pytestmark = pytest.mark.gpu
 

@@ -6,7 +6,7 @@ import pytest
 
 from nanoref import LLM, RequestMetrics, SamplingParams, StepRecord
 
-from .conftest import random_prompts
+from .helpers import random_prompts
 
 
 def greedy(max_tokens: int) -> SamplingParams:

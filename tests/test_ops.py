@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from nanoref.ops import (
-    gather_paged,
     naive_padded_attention,
     paged_decode_attention,
     store_kvcache_torch,
@@ -14,30 +13,7 @@ from nanoref.ops import (
 )
 from nanoref.ops.triton_setup import triton_available
 
-TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
-
-
-def cu(lens: list[int]) -> torch.Tensor:
-    return torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
-
-
-def random_paged_cache(lens, block_size, num_kv_heads, head_dim, dtype, g):
-    """Fill a paged cache with random K/V for sequences of `lens` tokens, in shuffled blocks.
-
-    Returns k_cache, v_cache, block_table (B, max_blocks, -1 padded), and the contiguous K/V (flat).
-    """
-    blocks_per_seq = [(n + block_size - 1) // block_size for n in lens]
-    num_blocks = sum(blocks_per_seq) + 3
-    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
-    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
-    order = torch.randperm(num_blocks, generator=g).tolist()  # physical blocks in no particular order
-    width = max(blocks_per_seq)
-    block_table = torch.full((len(lens), width), -1, dtype=torch.int32)
-    for b, nb in enumerate(blocks_per_seq):
-        block_table[b, :nb] = torch.tensor([order.pop() for _ in range(nb)], dtype=torch.int32)
-    k_flat = torch.cat([gather_paged(k_cache, block_table[b], n) for b, n in enumerate(lens)])
-    v_flat = torch.cat([gather_paged(v_cache, block_table[b], n) for b, n in enumerate(lens)])
-    return k_cache, v_cache, block_table, k_flat, v_flat
+from .helpers import TOL, cu, random_paged_cache
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

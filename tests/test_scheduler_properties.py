@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -185,6 +186,7 @@ def engine_workloads(draw):
     )
 
 
+@pytest.mark.slow  # the real engine, twenty times over
 def test_greedy_outputs_under_tight_budget_equal_ample(tiny_model):
     seen = {"examples": 0, "preempted": 0}
 

@@ -15,7 +15,7 @@ from nanoref import LLM, SamplingParams
 from nanoref.engine.block_manager import chain_hash
 from nanoref.engine.model_runner import ModelRunner
 
-from .conftest import hf_greedy, random_prompts
+from .helpers import hf_greedy, random_prompts
 
 
 def greedy(max_tokens: int) -> SamplingParams:

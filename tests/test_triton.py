@@ -11,14 +11,14 @@ import pytest
 import torch
 
 pytest.importorskip("triton", reason="Triton is not installed (Linux wheels only)")
+pytestmark = pytest.mark.slow  # the Triton interpreter runs every program in Python on a CPU
 
 from nanoref import LLM, SamplingParams  # noqa: E402
 from nanoref.ops import attention_torch, naive_padded_attention, store_kvcache_torch  # noqa: E402
 from nanoref.ops.attention_triton import choose_num_splits, paged_decode_attention, varlen_attention  # noqa: E402
 from nanoref.ops.store_kvcache_triton import store_kvcache_triton  # noqa: E402
 
-from .conftest import hf_greedy, random_prompts, shared_prefix_prompts  # noqa: E402
-from .test_ops import TOL, cu, random_paged_cache  # noqa: E402
+from .helpers import TOL, cu, hf_greedy, random_paged_cache, random_prompts, shared_prefix_prompts  # noqa: E402
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 GQA = [(2, 2), (4, 2), (8, 2)]  # (query heads, KV heads): ratios 1, 2 and 4
@@ -122,11 +122,22 @@ def test_varlen_triton_reads_history_through_block_tables(dtype, block_size):
     torch.testing.assert_close(out.float(), oracle.float(), atol=TOL[dtype], rtol=TOL[dtype])
 
 
-def test_split_count_depends_only_on_shapes():
-    # a small batch on a big GPU is split; a batch that fills the GPU, or a short context, is not
-    assert choose_num_splits(batch=1, num_kv_heads=8, max_context=8192, num_sms=132, block_n=64) == 32
-    assert choose_num_splits(batch=64, num_kv_heads=8, max_context=8192, num_sms=132, block_n=64) == 1
-    assert choose_num_splits(batch=1, num_kv_heads=8, max_context=256, num_sms=132, block_n=64) == 1
+@pytest.mark.parametrize("num_sms", [8, 132])
+def test_split_count_fills_the_gpu_with_long_splits(num_sms):
+    """What choose_num_splits promises, over a grid of shapes: at most 64 splits, each of >= 256 tokens; no
+    split when the batch alone fills the GPU twice; otherwise enough splits for about two programs per SM."""
+    for batch in (1, 2, 4, 16, 64, 256):
+        for kv_heads in (1, 2, 8):
+            for max_context in (64, 256, 1000, 4096, 32768):
+                splits = choose_num_splits(batch, kv_heads, max_context, num_sms=num_sms, block_n=64)
+                shape = f"batch {batch}, kv_heads {kv_heads}, context {max_context}: {splits} splits"
+                assert 1 <= splits <= 64, shape
+                assert splits == 1 or max_context // splits >= 256, shape + " shorter than 256 tokens each"
+                programs = batch * kv_heads
+                if programs >= 2 * num_sms:
+                    assert splits == 1, shape + " although the batch fills the GPU"
+                elif splits < min(64, max_context // 256):
+                    assert programs * splits >= 2 * num_sms, shape + " leave SMs idle"
 
 
 def test_greedy_generation_with_triton_matches_hf(tiny_model):

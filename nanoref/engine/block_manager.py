@@ -77,7 +77,6 @@ class BlockManager:
         self.used_block_ids: set[int] = set()
         # counters for metrics and notebooks
         self.num_hit_blocks = 0
-        self.num_lookup_blocks = 0
 
     @property
     def num_blocks(self) -> int:
@@ -100,11 +99,6 @@ class BlockManager:
         self.used_block_ids.add(block_id)
         return block_id
 
-    def _cacheable_prefix_blocks(self, seq: Sequence) -> int:
-        """Full blocks that may be served from the cache. The last token is always recomputed: the
-        step that follows needs its logits, so a prompt is never served entirely from the cache."""
-        return (seq.num_tokens - 1) // self.block_size
-
     def _find_cached_prefix(self, seq: Sequence) -> list[int]:
         """Block ids holding the longest cached prefix of seq (see find_cached_prefix)."""
         lookup = seam("find_cached_prefix", find_cached_prefix)
@@ -119,7 +113,6 @@ class BlockManager:
         """Give seq a block table covering all its tokens, sharing cached prefix blocks."""
         assert not seq.block_table, f"sequence {seq.seq_id} already has blocks"
         hits = self._find_cached_prefix(seq)
-        self.num_lookup_blocks += self._cacheable_prefix_blocks(seq)
         self.num_hit_blocks += len(hits)
         for block_id in hits:
             block = self.blocks[block_id]

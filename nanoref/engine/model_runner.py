@@ -8,7 +8,6 @@ Decode: every sequence contributes its last token, so N == num_seqs, and `contex
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import torch
@@ -93,6 +92,9 @@ class ModelRunner:
         for layer in self.attention_layers:
             layer.backend = self.backend
         self.sampler = Sampler()
+        # unseeded requests draw from this, seeded from fresh entropy: never from (or into) the global RNG
+        self.generator = torch.Generator(device=self.device)
+        self.generator.seed()
         # at most this many blocks per sequence: the width of the decode block tables
         self.max_blocks_per_seq = (config.max_model_len + self.block_size - 1) // self.block_size
         self.num_kvcache_blocks = config.num_kvcache_blocks or self._blocks_from_memory()
@@ -162,11 +164,11 @@ class ModelRunner:
 
     def _slots(self, seq: Sequence, start: int, end: int) -> list[int]:
         """Cache slot of each token position in [start, end) of seq."""
-        bs = self.block_size
-        return [seq.block_table[t // bs] * bs + t % bs for t in range(start, end)]
+        size = self.block_size
+        return [seq.block_table[t // size] * size + t % size for t in range(start, end)]
 
-    def _block_tables(self, seqs: list[Sequence], width: int | None = None) -> torch.Tensor:
-        width = width or max(len(seq.block_table) for seq in seqs)
+    def _block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
+        width = max(len(seq.block_table) for seq in seqs)
         rows = [seq.block_table + [-1] * (width - len(seq.block_table)) for seq in seqs]
         return self._tensor(rows, torch.int32)  # (num_seqs, width)
 
@@ -214,6 +216,7 @@ class ModelRunner:
             top_k=self._tensor([p.top_k for p in params], torch.int64),
             top_p=self._tensor([p.top_p for p in params], torch.float32),
             generators=[seq.generator for seq in seqs],
+            default_generator=self.generator,
         )
 
     # -- running ------------------------------------------------------------------------------
@@ -240,10 +243,11 @@ class ModelRunner:
                 context_lens=c.context_lens,
                 block_tables=c.block_tables,
             )
-        logits = self.run_model(input_ids, positions, is_prefill)  # (num_seqs, vocab)
-        token_ids = self.sampler(logits, **self.prepare_sample(seqs)).tolist()
-        reset_context()
-        return token_ids
+        try:
+            logits = self.run_model(input_ids, positions, is_prefill)  # (num_seqs, vocab)
+            return self.sampler(logits, **self.prepare_sample(seqs)).tolist()
+        finally:
+            reset_context()  # also when the step raises: no later step may see this one's metadata
 
     # -- CUDA graphs (decode only) --------------------------------------------------------------
     def _graph_batch_sizes(self) -> list[int]:
@@ -258,8 +262,6 @@ class ModelRunner:
         Graphs replay fixed kernels on fixed addresses, so inputs live in static buffers that each
         step fills in place. Padding rows carry slot -1 (store nothing) and context length 0.
         """
-        if os.environ.get("NANOREF_NO_CUDAGRAPH"):
-            return
         max_bs = self.config.max_num_seqs
         hidden = self.hf_config.hidden_size
         dev = self.device
@@ -273,26 +275,27 @@ class ModelRunner:
         )
         v = self.graph_vars
         pool = None
-        for bs in reversed(self._graph_batch_sizes()):
+        for batch_size in reversed(self._graph_batch_sizes()):
             graph = torch.cuda.CUDAGraph()
             set_context(
                 Context(
                     is_prefill=False,
-                    slot_mapping=v["slot_mapping"][:bs],
-                    context_lens=v["context_lens"][:bs],
-                    block_tables=v["block_tables"][:bs],
+                    slot_mapping=v["slot_mapping"][:batch_size],
+                    context_lens=v["context_lens"][:batch_size],
+                    block_tables=v["block_tables"][:batch_size],
                 )
             )
-            v["hidden"][:bs] = self.model(v["input_ids"][:bs], v["positions"][:bs])  # warm up outside capture
+            ids, positions = v["input_ids"][:batch_size], v["positions"][:batch_size]
+            v["hidden"][:batch_size] = self.model(ids, positions)  # warm up outside capture
             with torch.cuda.graph(graph, pool):
-                v["hidden"][:bs] = self.model(v["input_ids"][:bs], v["positions"][:bs])
+                v["hidden"][:batch_size] = self.model(ids, positions)
             pool = pool or graph.pool()
-            self.graphs[bs] = graph
+            self.graphs[batch_size] = graph
             torch.cuda.synchronize(dev)
             reset_context()
 
     def _replay(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: int) -> torch.Tensor:
-        bs = min(b for b in self.graphs if b >= batch)
+        batch_size = min(b for b in self.graphs if b >= batch)
         context, v = get_context(), self.graph_vars
         v["input_ids"][:batch] = input_ids
         v["positions"][:batch] = positions
@@ -302,5 +305,5 @@ class ModelRunner:
         v["context_lens"][:batch] = context.context_lens
         width = context.block_tables.shape[1]
         v["block_tables"][:batch, :width] = context.block_tables
-        self.graphs[bs].replay()
+        self.graphs[batch_size].replay()
         return self.model.compute_logits(v["hidden"][:batch])

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanoref.utils.seams import seam
+
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x: (N, 2 * I) = [gate | up] -> (N, I)."""
@@ -15,4 +17,4 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return silu_and_mul(x)
+        return seam("silu_and_mul", silu_and_mul)(x)

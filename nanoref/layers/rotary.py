@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from nanoref.utils.seams import seam
+
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: (N, H, D); cos, sin: (N, D/2). Pairs element i with i + D/2 (neox layout)."""
@@ -30,4 +32,5 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cos = self.cos_cache[positions]  # (N, D/2)
         sin = self.sin_cache[positions]  # (N, D/2)
-        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        rotate = seam("apply_rotary", apply_rotary)
+        return rotate(q, cos, sin), rotate(k, cos, sin)

@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from nanoref.utils.seams import seam
+
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """logits: (B, V) float32; top_k: (B,) int (0 = off); top_p: (B,) float (1.0 = off) -> masked (B, V)."""
@@ -21,7 +23,9 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     drop = ranks >= k  # (B, V): beyond the top k
     probs = sorted_logits.softmax(dim=-1)
     mass_before = probs.cumsum(dim=-1) - probs  # (B, V): probability of the better-ranked tokens
-    drop |= mass_before >= top_p[:, None]  # the nucleus already reached top_p without this token
+    # the nucleus already reached top_p without this token; top_p 1.0 is "off", not a threshold: float32
+    # sums can reach 1.0 before the tail, which would drop it from rows that never asked for top_p
+    drop |= (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0)
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
 
@@ -34,8 +38,13 @@ class Sampler(nn.Module):
         top_k: torch.Tensor,
         top_p: torch.Tensor,
         generators: list[torch.Generator | None] | None = None,
+        default_generator: torch.Generator | None = None,
     ) -> torch.Tensor:
-        """logits: (B, V); temperatures, top_k, top_p: (B,) -> next token ids (B,)."""
+        """logits: (B, V); temperatures, top_k, top_p: (B,) -> next token ids (B,).
+
+        generators: a seeded request's own generator per row (None: unseeded). Unseeded rows draw from
+        `default_generator` (the engine's own, so the caller's global RNG is never touched).
+        """
         logits = logits.float()
         greedy_ids = logits.argmax(dim=-1)  # (B,)
         sampled = temperatures > 0
@@ -43,11 +52,13 @@ class Sampler(nn.Module):
             return greedy_ids
         scaled = logits / temperatures.clamp(min=1e-5)[:, None]  # (B, V)
         if bool((top_k > 0).any()) or bool((top_p < 1.0).any()):
-            scaled = apply_top_k_top_p(scaled, top_k, top_p)
+            scaled = seam("apply_top_k_top_p", apply_top_k_top_p)(scaled, top_k, top_p)
         probs = scaled.softmax(dim=-1)  # (B, V)
-        noise = torch.empty_like(probs).exponential_()  # (B, V)
-        for row, generator in enumerate(generators or []):
-            if generator is not None:
-                noise[row] = torch.empty(probs.shape[-1], device=probs.device).exponential_(generator=generator)
+        noise = torch.empty_like(probs)  # (B, V)
+        seeded = [(row, g) for row, g in enumerate(generators or []) if g is not None]
+        if len(seeded) < probs.shape[0]:
+            noise.exponential_(generator=default_generator)
+        for row, generator in seeded:
+            noise[row] = torch.empty(probs.shape[-1], device=probs.device).exponential_(generator=generator)
         sampled_ids = (probs / noise).argmax(dim=-1)  # (B,)
         return torch.where(sampled, sampled_ids, greedy_ids)

@@ -28,12 +28,6 @@ class Context:
     # physical block ids per sequence, padded with -1; set in decode and in prefill with cached history
     block_tables: torch.Tensor | None = None  # (num_seqs, max_blocks) int32
 
-    @property
-    def num_seqs(self) -> int:
-        if self.is_prefill:
-            return 0 if self.cu_seqlens_q is None else self.cu_seqlens_q.numel() - 1
-        return 0 if self.context_lens is None else self.context_lens.numel()
-
 
 _CONTEXT = Context()
 

@@ -24,25 +24,22 @@ F = TypeVar("F", bound=Callable)
 # One line per seam, grouped by the notebook whose exercise replaces it.
 SEAMS: dict[str, str] = {
     # 01_varlen_flattening
-    "prefill_metadata": "engine/model_runner.py: prefill_metadata(token_ids, num_cached, num_new, block_tables, "
-    "block_size) -> (input_ids, positions, cu_seqlens_q, cu_seqlens_k, slot_mapping) of a prefill step",
+    "prefill_metadata": "engine/model_runner.py: a prefill step's (input_ids, positions, cu_seqlens_q/k, slot_mapping)",
     # 02_rmsnorm
     "rms_norm": "layers/layernorm.py: rms_norm(x, weight, eps) -> normalised x",
     "add_rms_norm": "layers/layernorm.py: add_rms_norm(x, residual, weight, eps) -> (normalised sum, new residual)",
     # 03_triton_kv_store
-    "store_kvcache_kernel": "ops/store_kvcache_triton.py: the @triton.jit KV-store kernel, launched on the grid "
-    "(N,) as kernel[(N,)](key_ptr, key_stride, value_ptr, value_stride, k_cache_ptr, v_cache_ptr, "
-    "slot_mapping_ptr, D, BLOCK_D)",
+    "store_kvcache_kernel": "ops/store_kvcache_triton.py: the @triton.jit kernel storing token i's K/V row in its slot",
     # 04_paged_decode_attention
-    "paged_decode_attention": "layers/attention.py: paged_decode_attention(q, k_cache, v_cache, cache_seqlens, "
-    "block_table, softmax_scale, causal) -> (B, 1, H, D), in place of the backend's decode",
-    "merge_splits": "ops/attention_triton.py: merge_splits(partial, lse, out) writes the log-sum-exp merge of "
-    "split-KV partial outputs into out",
+    "paged_decode_attention": "layers/attention.py: decode attention over the paged cache -> (B, 1, H, D)",
+    "merge_splits": "ops/attention_triton.py: merge_splits(partial, lse, out): split-KV's log-sum-exp merge into out",
     # 05_scheduler
-    "find_cached_prefix": "engine/block_manager.py: find_cached_prefix(token_ids, block_size, hash_to_block_id, "
-    "blocks) -> the block ids of a prompt's longest cached prefix",
-    "choose_preemption_victim": "engine/scheduler.py: choose_preemption_victim(running, seq) -> the sequence to "
-    "preempt when seq needs a block and none is free",
+    "find_cached_prefix": "engine/block_manager.py: the block ids of a prompt's longest cached prefix",
+    "choose_preemption_victim": "engine/scheduler.py: the sequence to preempt when seq needs a block and none is free",
+    # 07_model_and_sampling
+    "apply_rotary": "layers/rotary.py: apply_rotary(x, cos, sin) -> x rotated by RoPE (neox halves)",
+    "silu_and_mul": "layers/activation.py: silu_and_mul(x) -> silu(gate) * up of x = [gate | up]",
+    "apply_top_k_top_p": "layers/sampler.py: apply_top_k_top_p(logits, top_k, top_p) -> -inf outside top-k and top-p",
 }
 
 _ACTIVE: dict[str, Callable] = {}  # the learner's functions while a `use` block runs

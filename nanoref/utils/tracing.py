@@ -30,7 +30,11 @@ class StepTrace:
 
     def stage(self, name: str) -> dict[str, tuple[int, ...]]:
         """The shapes of the first stage called `name` (e.g. "layers.0.attn.decode")."""
-        return next(shapes for stage, shapes in self.stages if stage == name)
+        for stage, shapes in self.stages:
+            if stage == name:
+                return shapes
+        recorded = ", ".join(dict.fromkeys(stage for stage, _ in self.stages)) or "none"
+        raise KeyError(f"step {self.index} recorded no stage {name!r}; its stages: {recorded}")
 
 
 @dataclass

@@ -1,0 +1,42 @@
+"""python -m nanoref.classroom {build,check}: see nanoref/classroom/__init__.py and docs/teaching.md."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from nanoref.classroom import COURSE_ID, NOTEBOOKS_DIR, ClassroomError, _report, build, check
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m nanoref.classroom", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+    build_parser = commands.add_parser("build", help="lay out an nbgrader course and generate the student copies")
+    build_parser.add_argument("--out", required=True, type=Path, help="the course folder to write")
+    build_parser.add_argument("--notebooks", type=Path, default=NOTEBOOKS_DIR, help="where the reference notebooks are")
+    build_parser.add_argument("--assignment", default=COURSE_ID, help=f"the assignment's name (default {COURSE_ID})")
+    build_parser.add_argument("--only", nargs="+", metavar="NAME", help="only these notebooks (names or prefixes)")
+    check_parser = commands.add_parser("check", help="run a notebook and report each graded cell")
+    check_parser.add_argument("notebook", type=Path)
+    check_parser.add_argument("--timeout", type=int, default=600, help="seconds per cell")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "build":
+            students = build(args.out, notebooks_dir=args.notebooks, assignment=args.assignment, select=args.only)
+            print(
+                f"course in {args.out}: {len(students)} student notebooks in {args.out / 'release' / args.assignment}"
+            )
+            for path in students:
+                print(f"  {path.name}")
+            return 0
+        if not args.notebook.is_file():
+            raise ClassroomError(f"no notebook at {args.notebook}")
+        return _report(args.notebook, check(args.notebook, timeout=args.timeout))
+    except ClassroomError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,183 @@
+"""Checks for notebook 07's exercises: RoPE, SwiGLU's gate, and top-k / top-p masking.
+
+Each check tests the learner's function alone on fresh random inputs against nanoref's own version, with a
+message that says what differs and what to look at, then runs the real engine with it in place.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from nanoref.exercises.common import ExerciseFailure, check_generation, random_prompts, tiny_model
+from nanoref.layers.activation import silu_and_mul
+from nanoref.layers.rotary import RotaryEmbedding, apply_rotary
+from nanoref.layers.sampler import apply_top_k_top_p
+from nanoref.utils.seams import use
+
+
+def _fresh_generator() -> torch.Generator:
+    # new inputs on every call, so an answer cannot be fitted to one fixed draw
+    return torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, (1,)).item()))
+
+
+def _check_tensor(name: str, got: object, want: torch.Tensor) -> None:
+    if not isinstance(got, torch.Tensor):
+        raise ExerciseFailure(f"{name} must return a torch.Tensor, got {type(got).__name__}")
+    if tuple(got.shape) != tuple(want.shape):
+        raise ExerciseFailure(f"{name} returned shape {tuple(got.shape)}, expected {tuple(want.shape)}")
+    if got.dtype != want.dtype:
+        raise ExerciseFailure(f"{name} returned dtype {got.dtype}, expected {want.dtype} (the input's dtype)")
+
+
+# -- RoPE -----------------------------------------------------------------------------------------
+def _rotary_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # the GPT-J layout (pairs 2i, 2i+1): a common mix-up with the neox halves that Qwen3 uses
+    x1, x2 = x.float()[..., 0::2], x.float()[..., 1::2]  # (N, H, D/2) each
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2).to(x.dtype)
+
+
+def check_apply_rotary(fn: Callable, *, engine: bool = True) -> None:
+    """`fn(x, cos, sin)` against nanoref's `apply_rotary`, then greedy generation with it against HF."""
+    generator = _fresh_generator()
+    num_tokens, num_heads, head_dim = 11, 3, 16
+    rope = RotaryEmbedding(head_dim, max_position=64, base=10_000.0)
+    positions = torch.randint(0, 64, (num_tokens,), generator=generator)  # (N,): not 0..N-1 on purpose
+    cos, sin = rope.cos_cache[positions], rope.sin_cache[positions]  # (N, D/2) each
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(num_tokens, num_heads, head_dim, generator=generator).to(dtype)  # (N, H, D)
+        x_before = x.clone()
+        want = apply_rotary(x, cos, sin)
+        got = fn(x, cos, sin)
+        _check_tensor(f"apply_rotary on a {dtype} input", got, want)
+        if not torch.equal(x, x_before):
+            raise ExerciseFailure("apply_rotary changed its input x in place; return a new tensor instead")
+        tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+        if torch.allclose(got.float(), want.float(), **tolerance):
+            continue
+        if torch.allclose(got.float(), _rotary_interleaved(x, cos, sin).float(), **tolerance):
+            raise ExerciseFailure(
+                "apply_rotary rotates adjacent pairs (x[2i], x[2i+1]); Qwen3 uses the neox layout, which pairs "
+                "x[i] with x[i + D/2]: split the last axis into two halves"
+            )
+        if torch.allclose(got.float(), apply_rotary(x, cos, -sin).float(), **tolerance):
+            raise ExerciseFailure("apply_rotary rotates by -angle: check the signs (x1*cos - x2*sin, x2*cos + x1*sin)")
+        bad = (got.float() - want.float()).abs().amax(dim=-1)  # (N, H)
+        token, head = (int(i) for i in (bad == bad.max()).nonzero()[0])
+        raise ExerciseFailure(
+            f"apply_rotary({dtype}) differs from nanoref's at token {token}, head {head} (position "
+            f"{int(positions[token])}): max error {bad.max().item():.3g}. Each head of a token gets the same "
+            "rotation: cos and sin are (N, D/2) and need a head axis, cos[:, None, :]"
+        )
+    if engine:
+        check_generation({"apply_rotary": fn})
+
+
+# -- SwiGLU -------------------------------------------------------------------------------------
+def check_silu_and_mul(fn: Callable, *, engine: bool = True) -> None:
+    """`fn(x)` with x = [gate | up] against nanoref's `silu_and_mul`, then generation with it against HF."""
+    generator = _fresh_generator()
+    intermediate = 24
+    for dtype in (torch.float32, torch.bfloat16):
+        x = (3 * torch.randn(7, 2 * intermediate, generator=generator)).to(dtype)  # (N, 2 I)
+        want = silu_and_mul(x)
+        got = fn(x)
+        _check_tensor(f"silu_and_mul on a {dtype} input of shape {tuple(x.shape)}", got, want)
+        tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+        if torch.allclose(got.float(), want.float(), **tolerance):
+            continue
+        gate, up = x.chunk(2, dim=-1)
+        if torch.allclose(got.float(), (F.silu(up) * gate).float(), **tolerance):
+            raise ExerciseFailure("silu_and_mul applies silu to the second half; the first half of x is the gate")
+        if torch.allclose(got.float(), (torch.sigmoid(gate) * up).float(), **tolerance):
+            raise ExerciseFailure("silu_and_mul uses sigmoid(gate); silu(gate) is gate * sigmoid(gate)")
+        bad = (got.float() - want.float()).abs()  # (N, I)
+        row, col = (int(i) for i in (bad == bad.max()).nonzero()[0])
+        raise ExerciseFailure(
+            f"silu_and_mul({dtype}) differs from silu(gate) * up at row {row}, column {col}: got "
+            f"{got[row, col].item():.4g}, expected {want[row, col].item():.4g}"
+        )
+    if engine:
+        check_generation({"silu_and_mul": fn})
+
+
+# -- top-k / top-p --------------------------------------------------------------------------------
+def check_apply_top_k_top_p(fn: Callable, *, engine: bool = True) -> None:
+    """`fn(logits, top_k, top_p)` against nanoref's masking on random logits, then the engine: greedy generation
+    still equals HF's, and seeded sampling with top-k / top-p gives exactly the tokens nanoref's own masking gives.
+    """
+    generator = _fresh_generator()
+    vocab = 50
+    # one row per case: off, top-k only, top-p only, both, k = 1, k >= vocab, a tiny and a near-full nucleus
+    top_k = torch.tensor([0, 5, 0, 10, 1, 80, 0, 3], dtype=torch.int64)
+    top_p = torch.tensor([1.0, 1.0, 0.7, 0.5, 1.0, 1.0, 0.05, 0.99], dtype=torch.float32)
+    logits = 2 * torch.randn(len(top_k), vocab, generator=generator)  # (B, V) float32
+    inputs = logits.clone()
+    # nanoref's own masking as the reference; top_p 1.0 means off, so those rows are masked by top-k alone
+    want = apply_top_k_top_p(logits, top_k, torch.where(top_p < 1.0, top_p, 2.0))
+    got = fn(logits, top_k, top_p)
+    _check_tensor(f"apply_top_k_top_p on logits of shape {tuple(logits.shape)}", got, want)
+    if not torch.equal(logits, inputs):
+        raise ExerciseFailure("apply_top_k_top_p changed the logits in place; return a new tensor instead")
+    for row in range(len(top_k)):
+        kept_want, kept_got = torch.isfinite(want[row]), torch.isfinite(got[row])  # (V,)
+        setting = f"row {row} (top_k={int(top_k[row])}, top_p={float(top_p[row])})"
+        if not torch.equal(kept_got, kept_want):
+            extra = (kept_got & ~kept_want).nonzero().flatten().tolist()
+            missing = (kept_want & ~kept_got).nonzero().flatten().tolist()
+            hint = (
+                "top_k 0 and top_p 1.0 mean 'off'"
+                if int(top_k[row]) == 0 and float(top_p[row]) == 1.0
+                else "keep a token when it is among the top_k largest (top_k 0 = all) AND the probability of the "
+                "tokens ranked above it is still below top_p (so the best token is always kept)"
+            )
+            raise ExerciseFailure(
+                f"{setting}: you keep {int(kept_got.sum())} tokens, expected {int(kept_want.sum())}"
+                + (f"; kept but should be masked: token ids {extra[:5]}" if extra else "")
+                + (f"; masked but should be kept: token ids {missing[:5]}" if missing else "")
+                + f". {hint}"
+            )
+        if not torch.equal(got[row][kept_want], want[row][kept_want]):
+            raise ExerciseFailure(f"{setting}: the kept logits changed value; leave them exactly as they were")
+        if not bool((got[row][~kept_want] == float("-inf")).all()):
+            raise ExerciseFailure(f"{setting}: masked tokens must be -inf (so softmax gives them probability 0)")
+    if engine:
+        check_generation({"apply_top_k_top_p": fn})  # greedy requests never reach the masking: still HF's tokens
+        check_seeded_sampling({"apply_top_k_top_p": fn})
+
+
+def check_seeded_sampling(functions: dict[str, Callable], *, max_tokens: int = 8) -> list[list[int]]:
+    """Seeded sampling with top-k / top-p: the engine with the learner's `functions` must draw exactly the tokens
+    it draws with nanoref's own (the seed fixes the noise, so only the masking can change the outcome)."""
+    from nanoref import LLM, SamplingParams
+
+    model = tiny_model()
+    prompts = random_prompts(seed=4321, lengths=[6, 19, 11], vocab=256)
+    params = [
+        SamplingParams(temperature=0.9, top_k=20, seed=1, max_tokens=max_tokens),
+        SamplingParams(temperature=1.3, top_p=0.8, seed=2, max_tokens=max_tokens),
+        SamplingParams(temperature=0.7, top_k=40, top_p=0.6, seed=3, max_tokens=max_tokens),
+    ]
+    llm = LLM(model, num_kvcache_blocks=64)
+    expected = [out["token_ids"] for out in llm.generate(prompts, params, use_tqdm=False)]
+    names = ", ".join(f"your `{name}`" for name in functions)
+    try:
+        with use(**functions):
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+    except ExerciseFailure:
+        raise
+    except Exception as error:
+        raise ExerciseFailure(f"the engine failed while running {names}: {type(error).__name__}: {error}") from error
+    got = [out["token_ids"] for out in outputs]
+    for index, (mine, reference) in enumerate(zip(got, expected)):
+        if mine != reference:
+            position = next((i for i, (a, b) in enumerate(zip(mine, reference)) if a != b), min(len(mine), 8))
+            raise ExerciseFailure(
+                f"with {names} in the engine, seeded request {index} ({params[index]}) samples "
+                f"{mine[position : position + 1]} at output position {position} where nanoref samples "
+                f"{reference[position : position + 1]}"
+            )
+    return got

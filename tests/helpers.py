@@ -1,0 +1,89 @@
+"""Helpers shared by the test files: tiny model settings, HF transformers' greedy reference, prompts."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import torch
+
+from nanoref.ops import gather_paged
+
+# name -> overrides of nanoref.testing.TINY_QWEN3: tied/untied heads, GQA ratios 1, 2 and 4, q/k/v bias
+TINY_CONFIGS = {
+    "gqa2-untied": dict(),
+    "gqa1-tied": dict(num_attention_heads=4, num_key_value_heads=4, head_dim=32, tie_word_embeddings=True),
+    "gqa4-bias": dict(
+        num_attention_heads=8, num_key_value_heads=2, head_dim=16, num_hidden_layers=3, attention_bias=True
+    ),
+}
+
+
+_HF_CACHE: dict = {}
+
+
+def hf_model(folder):
+    from transformers import AutoModelForCausalLM
+
+    key = str(folder)
+    if key not in _HF_CACHE:
+        _HF_CACHE[key] = AutoModelForCausalLM.from_pretrained(key, dtype=torch.float32).eval()
+    return _HF_CACHE[key]
+
+
+def hf_greedy(folder, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """HF transformers `generate`, greedy, one prompt at a time (no padding involved)."""
+    model = hf_model(folder)
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens)
+    return out[0, len(prompt) :].tolist()
+
+
+def random_prompts(seed: int, lengths: list[int], vocab: int = 256) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def shared_prefix_prompts(seed: int, prefix_len: int, suffix_lens: list[int], vocab: int = 256) -> list[list[int]]:
+    """Prompts that all start with the same `prefix_len` tokens (prefix-cache material)."""
+    g = torch.Generator().manual_seed(seed)
+    prefix = torch.randint(0, vocab, (prefix_len,), generator=g).tolist()
+    return [prefix + torch.randint(0, vocab, (n,), generator=g).tolist() for n in suffix_lens]
+
+
+def copy_with_config(tmp_path, model_folder, edit):
+    """A copy of a model folder whose config.json went through `edit(config)`."""
+    folder = tmp_path / "m"
+    shutil.copytree(model_folder, folder)
+    config = json.loads((folder / "config.json").read_text())
+    edit(config)
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+# -- attention inputs ----------------------------------------------------------------------------
+TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
+def cu(lens: list[int]) -> torch.Tensor:
+    return torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+
+
+def random_paged_cache(lens, block_size, num_kv_heads, head_dim, dtype, g):
+    """Fill a paged cache with random K/V for sequences of `lens` tokens, in shuffled blocks.
+
+    Returns k_cache, v_cache, block_table (B, max_blocks, -1 padded), and the contiguous K/V (flat).
+    """
+    blocks_per_seq = [(n + block_size - 1) // block_size for n in lens]
+    num_blocks = sum(blocks_per_seq) + 3
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
+    order = torch.randperm(num_blocks, generator=g).tolist()  # physical blocks in no particular order
+    width = max(blocks_per_seq)
+    block_table = torch.full((len(lens), width), -1, dtype=torch.int32)
+    for b, nb in enumerate(blocks_per_seq):
+        block_table[b, :nb] = torch.tensor([order.pop() for _ in range(nb)], dtype=torch.int32)
+    k_flat = torch.cat([gather_paged(k_cache, block_table[b], n) for b, n in enumerate(lens)])
+    v_flat = torch.cat([gather_paged(v_cache, block_table[b], n) for b, n in enumerate(lens)])
+    return k_cache, v_cache, block_table, k_flat, v_flat

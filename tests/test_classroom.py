@@ -1,0 +1,185 @@
+"""Student copies made by nbgrader: no solution line survives, a copy stops at its first exercise, nbgrader's
+autograde gives the reference notebooks full marks; the learner's check and the capstone's collector."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+import torch
+from nbclient import NotebookClient
+from nbclient.exceptions import CellExecutionError
+
+from nanoref.classroom import NOTEBOOKS_DIR, ClassroomError, build, check, collect_solutions, exercises, run_nbgrader
+from nanoref.layers.activation import silu_and_mul
+
+pytest.importorskip("nbgrader")
+pytestmark = pytest.mark.slow
+
+AUTOGRADED = "07_model_and_sampling.ipynb"  # the autograde test's notebook (nbgrader executes it: ~20 s)
+
+
+@pytest.fixture(scope="module")
+def course(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("course")
+    build(out)
+    return out
+
+
+def source_lines(cell) -> list[str]:
+    source = cell["source"]
+    return (source if isinstance(source, str) else "".join(source)).splitlines()
+
+
+def regions(notebook: dict, begin: str, end: str) -> tuple[set[str], set[str]]:
+    """(lines inside begin/end regions, lines elsewhere in the notebook), stripped, blank lines left out."""
+    inside, outside = set(), set()
+    for cell in notebook["cells"]:
+        within = False
+        for line in source_lines(cell):
+            text = line.strip()
+            if text == begin:
+                within = True
+            elif text == end:
+                within = False
+            elif text:
+                (inside if within else outside).add(text)
+    return inside, outside
+
+
+def reference_notebooks() -> list[Path]:
+    return sorted(NOTEBOOKS_DIR.glob("[0-9]*.ipynb"))
+
+
+def with_exercises() -> list[Path]:
+    return [nb for nb in reference_notebooks() if any(exercises(nb))]
+
+
+def test_every_notebook_gets_a_student_copy(course):
+    released = sorted(p.name for p in (course / "release" / "nanoref").glob("*.ipynb"))
+    assert released == [p.name for p in reference_notebooks()]
+    assert (course / "release" / "nanoref" / "figures").is_dir()
+
+
+@pytest.mark.parametrize("notebook", with_exercises(), ids=lambda p: p.stem)
+def test_no_solution_line_survives(course, notebook):
+    reference = json.loads(notebook.read_text())
+    student = json.loads((course / "release" / "nanoref" / notebook.name).read_text())
+    student_text = {line.strip() for cell in student["cells"] for line in source_lines(cell)}
+    for begin, end in [("### BEGIN SOLUTION", "### END SOLUTION"), ("### BEGIN HIDDEN TESTS", "### END HIDDEN TESTS")]:
+        secret, public = regions(reference, begin, end)
+        leaked = sorted((secret - public) & student_text)
+        assert not leaked, f"{notebook.name}: lines from {begin} regions in the student copy: {leaked[:3]}"
+    solution_cells = [c for c in student["cells"] if c["metadata"].get("nbgrader", {}).get("solution")]
+    assert solution_cells and all("raise NotImplementedError()" in "".join(source_lines(c)) for c in solution_cells)
+
+
+@pytest.mark.parametrize("notebook", with_exercises(), ids=lambda p: p.stem)
+def test_student_copy_stops_at_its_first_exercise(course, notebook):
+    folder = course / "release" / "nanoref"
+    nb = nbformat.read(folder / notebook.name, as_version=4)
+    first_test = next(i for i, c in enumerate(nb.cells) if c.metadata.get("nbgrader", {}).get("grade"))
+    client = NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(folder)}})
+    with pytest.raises(CellExecutionError) as failure:
+        client.execute()
+    assert failure.value.ename == "NotImplementedError"
+    ran = [i for i, c in enumerate(nb.cells) if c.cell_type == "code" and c.get("execution_count")]
+    assert max(ran) == first_test, f"stopped at cell {max(ran)}, its first exercise's test is cell {first_test}"
+
+
+def test_autograde_gives_the_reference_full_marks(course):
+    from nbgrader.api import Gradebook
+
+    submitted = course / "submitted" / "reference" / "nanoref"
+    submitted.mkdir(parents=True)
+    shutil.copy(course / "source" / "nanoref" / AUTOGRADED, submitted / AUTOGRADED)
+    for folder in ("figures", "benchmarks"):
+        shutil.copytree(course / "source" / "nanoref" / folder, submitted / folder)
+    run_nbgrader(["autograde", "nanoref", "--create", "--force", "--student=reference"], course)
+    with Gradebook(f"sqlite:///{course / 'gradebook.db'}") as gradebook:
+        graded = gradebook.find_submission_notebook(Path(AUTOGRADED).stem, "nanoref", "reference")
+        assert graded.max_score > 0
+        assert graded.score == graded.max_score, f"{graded.score} of {graded.max_score} points"
+
+
+def test_collect_solutions_from_the_reference_notebooks():
+    functions = collect_solutions(NOTEBOOKS_DIR)
+    assert {"apply_rotary", "silu_and_mul", "apply_top_k_top_p"} <= set(functions)
+    x = torch.randn(5, 12)
+    assert torch.equal(functions["silu_and_mul"](x), silu_and_mul(x))
+    assert functions["silu_and_mul"].__module__ != "nanoref.layers.activation"  # the cell's own function
+
+
+def test_collect_solutions_names_unstarted_exercises(course):
+    folder = course / "release" / "nanoref"
+    with pytest.raises(ClassroomError, match="not written yet.*`apply_rotary` \\(07_model_and_sampling.ipynb\\)"):
+        collect_solutions(folder)
+    assert collect_solutions(folder, allow_unstarted=True) == {}
+
+
+def exercise_notebook(path: Path, body: str) -> Path:
+    nb = nbformat.v4.new_notebook()
+    solution = nbformat.v4.new_code_cell(f"import torch\n\n\ndef silu_and_mul(x):\n    {body}\n")
+    solution.metadata["nbgrader"] = dict(
+        solution=True, grade=False, locked=False, grade_id="ex_silu_and_mul", schema_version=3, task=False
+    )
+    test = nbformat.v4.new_code_cell(
+        "from nanoref.exercises import check_silu_and_mul\n\ncheck_silu_and_mul(silu_and_mul, engine=False)"
+    )
+    test.metadata["nbgrader"] = dict(
+        solution=False, grade=True, locked=True, grade_id="ex_silu_and_mul_test", points=2, schema_version=3, task=False
+    )
+    nb.cells = [solution, test]
+    nbformat.write(nb, path)
+    return path
+
+
+def test_check_reports_each_graded_cell(tmp_path):
+    right = exercise_notebook(
+        tmp_path / "right.ipynb", "gate, up = x.chunk(2, dim=-1)\n    return torch.nn.functional.silu(gate) * up"
+    )
+    [result] = check(right)
+    assert result.passed and result.points == 2
+    wrong = exercise_notebook(
+        tmp_path / "wrong.ipynb", "gate, up = x.chunk(2, dim=-1)\n    return torch.nn.functional.silu(up) * gate"
+    )
+    cli = subprocess.run(
+        [sys.executable, "-m", "nanoref.classroom", "check", str(wrong)], capture_output=True, text=True, timeout=300
+    )
+    assert cli.returncode == 1
+    assert "FAIL  ex_silu_and_mul_test (2 points)" in cli.stdout
+    assert "the first half of x is the gate" in cli.stdout
+    assert "0 / 2 points" in cli.stdout
+
+
+def test_student_capstone_names_the_exercises_left_to_write(course):
+    folder = course / "release" / "nanoref"
+    nb = nbformat.read(folder / "10_capstone.ipynb", as_version=4)
+    client = NotebookClient(nb, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(folder)}})
+    with pytest.raises(CellExecutionError) as failure:
+        client.execute()
+    assert failure.value.ename == "ClassroomError"
+    for seam in ("apply_rotary", "silu_and_mul", "apply_top_k_top_p"):
+        assert f"`{seam}` (07_model_and_sampling.ipynb)" in failure.value.evalue
+
+
+def test_collect_solutions_names_a_broken_cell_and_an_unknown_seam(tmp_path):
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    exercise_notebook(broken / "a.ipynb", "return x +")
+    with pytest.raises(
+        ClassroomError, match="a.ipynb, exercise `silu_and_mul`: its cell fails on its own with SyntaxError"
+    ):
+        collect_solutions(broken)
+    unknown = tmp_path / "unknown"
+    unknown.mkdir()
+    nb = nbformat.read(exercise_notebook(unknown / "b.ipynb", "return x"), as_version=4)
+    nb.cells[0].metadata["nbgrader"]["grade_id"] = "ex_silu_and_multiply"
+    nbformat.write(nb, unknown / "b.ipynb")
+    with pytest.raises(ClassroomError, match="no matching seam.*silu_and_multiply \\(b.ipynb\\)"):
+        collect_solutions(unknown)

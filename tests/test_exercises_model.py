@@ -1,0 +1,106 @@
+"""Notebook 07's exercise seams and checks: the engine really calls each seam, the checks accept nanoref's own
+functions and reject typical wrong answers with a message that names the mistake."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nanoref import LLM, SamplingParams
+from nanoref.exercises import (
+    ExerciseFailure,
+    check_apply_rotary,
+    check_apply_top_k_top_p,
+    check_silu_and_mul,
+)
+from nanoref.layers.activation import silu_and_mul
+from nanoref.layers.rotary import apply_rotary
+from nanoref.layers.sampler import apply_top_k_top_p
+from nanoref.utils import seams
+
+
+def counting(function, calls):
+    def wrapper(*args):
+        calls.append(args[0].shape)
+        return function(*args)
+
+    return wrapper
+
+
+@pytest.mark.parametrize(
+    "name, default, params",
+    [
+        ("apply_rotary", apply_rotary, SamplingParams(temperature=0, max_tokens=3)),
+        ("silu_and_mul", silu_and_mul, SamplingParams(temperature=0, max_tokens=3)),
+        ("apply_top_k_top_p", apply_top_k_top_p, SamplingParams(temperature=0.8, top_k=5, seed=7, max_tokens=3)),
+    ],
+)
+def test_the_engine_calls_each_seam(tiny_model, name, default, params):
+    llm = LLM(tiny_model, num_kvcache_blocks=16)
+    reference = llm.generate([[3, 1, 4, 1, 5]], params, use_tqdm=False)
+    calls = []
+    with seams.use(**{name: counting(default, calls)}):
+        replaced = llm.generate([[3, 1, 4, 1, 5]], params, use_tqdm=False)
+    assert calls, f"the engine never called the {name} seam"
+    assert replaced == reference
+
+
+def test_a_wrong_rotary_changes_generation(tiny_model):
+    llm = LLM(tiny_model, num_kvcache_blocks=16)
+    params = SamplingParams(temperature=0, max_tokens=8)
+    prompts = [list(range(10, 40))]
+    reference = llm.generate(prompts, params, use_tqdm=False)
+    with seams.use(apply_rotary=lambda x, cos, sin: x):  # no rotation at all
+        broken = llm.generate(prompts, params, use_tqdm=False)
+    assert broken != reference
+
+
+def test_checks_accept_nanorefs_own_functions():
+    check_apply_rotary(apply_rotary)
+    check_silu_and_mul(silu_and_mul)
+    check_apply_top_k_top_p(apply_top_k_top_p)
+
+
+def interleaved_rotary(x, cos, sin):
+    x1, x2 = x.float()[..., 0::2], x.float()[..., 1::2]
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2).to(x.dtype)
+
+
+def top_p_strict(logits, top_k, top_p):
+    # the nucleus cut one token too early: drops the token that crosses top_p
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    probs = sorted_logits.softmax(dim=-1)
+    drop = probs.cumsum(dim=-1) > top_p[:, None]
+    ranks = torch.arange(logits.shape[-1])[None, :]
+    drop |= ranks >= torch.where(top_k > 0, top_k, logits.shape[-1])[:, None]
+    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+
+
+@pytest.mark.parametrize(
+    "check, wrong, message",
+    [
+        (check_apply_rotary, interleaved_rotary, "adjacent pairs"),
+        (check_apply_rotary, lambda x, cos, sin: apply_rotary(x, cos, -sin), "-angle"),
+        (check_apply_rotary, lambda x, cos, sin: apply_rotary(x, cos, sin).float(), "dtype"),
+        (check_silu_and_mul, lambda x: F.silu(x.chunk(2, -1)[1]) * x.chunk(2, -1)[0], "first half of x is the gate"),
+        (check_silu_and_mul, lambda x: torch.sigmoid(x.chunk(2, -1)[0]) * x.chunk(2, -1)[1], "sigmoid"),
+        (check_apply_top_k_top_p, lambda logits, k, p: logits, "row 1 \\(top_k=5"),
+        (check_apply_top_k_top_p, top_p_strict, "top_p="),
+    ],
+)
+def test_checks_name_the_mistake(check, wrong, message):
+    with pytest.raises(ExerciseFailure, match=message):
+        check(wrong, engine=False)
+
+
+def test_seeded_check_catches_a_masking_that_only_differs_inside_the_engine():
+    # right on the check's own rows, wrong in the engine: temperature-scaled logits get masked with k doubled
+    def k_doubled(logits, top_k, top_p):
+        return apply_top_k_top_p(logits, top_k * 2, top_p)
+
+    with pytest.raises(ExerciseFailure, match="seeded request"):
+        from nanoref.exercises import check_seeded_sampling
+
+        check_seeded_sampling({"apply_top_k_top_p": k_doubled})

@@ -1,0 +1,362 @@
+"""Attacks on the public surface: threads, half-admitted batches, global state, loose types, broken folders."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from nanoref import LLM, ModelFolderError, SamplingParams, trace_shapes
+
+from .helpers import copy_with_config, random_prompts
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+# -- threads --------------------------------------------------------------------------------------
+def test_generate_from_several_threads_is_serialized_and_correct(tiny_model):
+    llm = LLM(tiny_model, num_kvcache_blocks=64)
+    batches = [random_prompts(seed=100 + i, lengths=[3 + i, 11, 17 - i]) for i in range(4)]
+    expected = [llm.generate(batch, GREEDY, use_tqdm=False) for batch in batches]
+    results: dict[int, object] = {}
+    start = threading.Barrier(len(batches))
+
+    def worker(index: int) -> None:
+        start.wait()  # all threads call generate at once
+        try:
+            results[index] = llm.generate(batches[index], GREEDY, use_tqdm=False)
+        except BaseException as error:  # recorded, so the assertion below shows it
+            results[index] = error
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(batches))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    for index, want in enumerate(expected):
+        assert results[index] == want, f"thread {index} got {results[index]!r}"
+    assert llm.is_finished() and llm.scheduler.block_manager.num_free_blocks == 64
+
+
+# -- atomic admission -----------------------------------------------------------------------------
+def reassigned(**fields) -> SamplingParams:
+    params = SamplingParams(temperature=0, max_tokens=4)
+    for name, value in fields.items():
+        setattr(params, name, value)  # past __post_init__: only the engine's own check can catch it
+    return params
+
+
+@pytest.mark.parametrize(
+    "fields, match",
+    [
+        (dict(seed=2**70), r"seed must be None or an integer in \[0, 2\*\*64\)"),
+        (dict(seed=-1), "seed must be"),
+        (dict(top_k=2**63), r"top_k must be an integer in \[0, 2\*\*63\)"),
+        (dict(ignore_eos="no"), "ignore_eos must be True or False"),
+        (dict(temperature=math.inf), "temperature must be a finite number"),
+        (dict(max_tokens=True), "max_tokens must be a positive integer"),
+    ],
+)
+def test_a_bad_request_queues_nothing_of_its_batch(tiny_model, fields, match):
+    llm = LLM(tiny_model, num_kvcache_blocks=16)
+    good = random_prompts(seed=1, lengths=[5])[0]
+    expected = llm.generate([good], GREEDY, use_tqdm=False)
+    with pytest.raises(ValueError, match="prompt 1: " + match):
+        llm.generate([good, good], [GREEDY, reassigned(**fields)], use_tqdm=False)
+    assert not llm.scheduler.waiting and not llm.scheduler.running
+    assert llm.scheduler.block_manager.num_free_blocks == 16
+    assert llm.generate([good], GREEDY, use_tqdm=False) == expected  # the next call runs only its own request
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(seed=2**64), "seed must be"),
+        (dict(seed=-1), "seed must be"),
+        (dict(top_k=2**63), "top_k must be"),
+        (dict(ignore_eos="no"), "ignore_eos must be True or False"),
+        (dict(temperature=float("nan")), "temperature must be"),
+        (dict(top_p=True), "top_p must be"),
+    ],
+)
+def test_sampling_params_refuse_values_torch_cannot_hold(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_largest_seed_and_top_k_are_served(tiny_model):
+    llm = LLM(tiny_model, num_kvcache_blocks=16)
+    params = SamplingParams(temperature=1.0, max_tokens=3, seed=2**64 - 1, top_k=2**63 - 1)
+    first = llm.generate([[1, 2, 3]], params, use_tqdm=False)
+    assert first == llm.generate([[1, 2, 3]], params, use_tqdm=False)
+
+
+# -- global state ---------------------------------------------------------------------------------
+def test_llm_leaves_the_global_rng_alone(tiny_model):
+    torch.manual_seed(1234)
+    before = torch.get_rng_state()
+    llm = LLM(tiny_model, num_kvcache_blocks=16)
+    assert torch.equal(torch.get_rng_state(), before), "LLM() changed the caller's global RNG"
+    seeded = SamplingParams(temperature=1.0, max_tokens=5, seed=7)
+    llm.generate([[1, 2, 3], [4, 5]], seeded, use_tqdm=False)
+    assert torch.equal(torch.get_rng_state(), before), "a generate with only seeded requests used the global RNG"
+
+
+# -- loose types ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("prompt", [b"abc", {1: 2}, {1, 2}, [True, False], [1.0, 2.0], 7.5])
+def test_prompts_that_are_not_token_ids(tiny_model, prompt):
+    llm = LLM(tiny_model, num_kvcache_blocks=16)
+    with pytest.raises(TypeError, match="prompt 0: a prompt must be a string or a list of integer token ids"):
+        llm.generate([prompt], GREEDY, use_tqdm=False)
+
+
+def test_prompts_as_an_array_or_a_generator(tiny_model):
+    llm = LLM(tiny_model, num_kvcache_blocks=16)
+    prompts = random_prompts(seed=2, lengths=[6, 6])
+    expected = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert llm.generate(np.array(prompts), GREEDY, use_tqdm=False) == expected
+    assert llm.generate(torch.tensor(prompts), GREEDY, use_tqdm=False) == expected
+    assert llm.generate((p for p in prompts), GREEDY, use_tqdm=False) == expected
+    with pytest.raises(TypeError, match="wrap a single prompt"):
+        llm.generate(np.array(prompts[0]), GREEDY, use_tqdm=False)
+    with pytest.raises(TypeError, match="prompts must be a list"):
+        llm.generate(b"abc", GREEDY, use_tqdm=False)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(max_num_seqs=True), "max_num_seqs must be a positive integer"),
+        (dict(kvcache_block_size=True), "kvcache_block_size must be"),
+        (dict(num_kvcache_blocks=False), "num_kvcache_blocks must be"),
+        (dict(enforce_eager="yes"), "enforce_eager must be True or False"),
+        (dict(device="tpu"), "device must be 'cpu' or 'cuda', got 'tpu'"),
+        (dict(device=3.5), "device must be 'cpu' or 'cuda'"),
+        (dict(tensor_parallel_size=0), "tensor_parallel_size must be a positive integer"),
+    ],
+)
+def test_engine_arguments_of_the_wrong_type(tiny_model, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        LLM(tiny_model, **kwargs)
+
+
+def test_step_with_nothing_queued(tiny_model):
+    llm = LLM(tiny_model, num_kvcache_blocks=16)
+    with pytest.raises(RuntimeError, match="no request waiting or running"):
+        llm.step()
+
+
+def test_cli_bad_device_is_one_line(capsys):
+    from nanoref.__main__ import main
+
+    assert main(["hello", "--device", "tpu"]) == 2
+    err = capsys.readouterr().err
+    assert err == "error: device must be 'cpu' or 'cuda', got 'tpu'\n"
+
+
+def test_trace_names_the_stages_it_has(tiny_model):
+    llm = LLM(tiny_model, num_kvcache_blocks=16)
+    with trace_shapes(max_steps=1) as trace:
+        llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
+    with pytest.raises(KeyError, match="recorded no stage 'layers.0.attn.decode'; its stages: .*layers.0.attn.varlen"):
+        trace.steps[0].stage("layers.0.attn.decode")
+
+
+def test_long_prompt_gets_only_nanorefs_error(capfd):
+    llm = LLM(num_kvcache_blocks=64, max_model_len=256)  # the built-in model: its tokenizer says 512 tokens
+    capfd.readouterr()
+    with pytest.raises(ValueError, match="prompt 0: the prompt has .* tokens but max_model_len is 256"):
+        llm.generate(["Beautiful is better than ugly. " * 200], GREEDY, use_tqdm=False)
+    captured = capfd.readouterr()
+    assert "Token indices sequence length" not in captured.err + captured.out
+
+
+# -- RoPE tables ----------------------------------------------------------------------------------
+def test_rope_tables_follow_max_model_len_and_are_shared(tmp_path, tiny_model):
+    folder = copy_with_config(tmp_path, tiny_model, lambda c: c.update(max_position_embeddings=10_000_000))
+    llm = LLM(folder, num_kvcache_blocks=16, max_model_len=128)
+    model = llm.model_runner.model
+    tables = {id(layer.self_attn.rotary_emb) for layer in model.model.layers}
+    assert len(tables) == 1, "each layer built its own RoPE table"
+    buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
+    assert buffer_bytes == 2 * 128 * (16 // 2) * 4  # cos and sin, 128 positions, head_dim / 2, float32
+    assert llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)[0]["token_ids"]
+
+
+# -- model folders --------------------------------------------------------------------------------
+CONFIG_EDITS = [
+    (lambda c: c.update(num_hidden_layers=0), "num_hidden_layers must be an integer >= 1, got 0"),
+    (lambda c: c.update(vocab_size=-5), "vocab_size must be an integer >= 1, got -5"),
+    (lambda c: c.update(hidden_size="64"), "hidden_size must be an integer >= 1, got '64'"),
+    (lambda c: c.update(rope_parameters=[1, 2]), r"rope_parameters must be a JSON object, got \[1, 2\]"),
+    (lambda c: c.update(architectures=7), "architectures must be a list of class names, got 7"),
+    (lambda c: c.update(architectures="Qwen3ForCausalLM"), "architectures must be a list of class names"),
+    (lambda c: c.update(max_position_embeddings=0), "max_position_embeddings must be an integer >= 2, got 0"),
+    (lambda c: c.update(rms_norm_eps=0), "rms_norm_eps must be a positive finite number, got 0"),
+    (lambda c: c.update(rms_norm_eps=float("nan")), "rms_norm_eps must be a positive finite number, got nan"),
+    (lambda c: c["rope_parameters"].update(rope_theta=-1.0), "rope_theta must be a positive finite number"),
+    (lambda c: c.update(tie_word_embeddings="yes"), "tie_word_embeddings must be true or false"),
+    (lambda c: c.update(eos_token_id="2"), "eos_token_id must be a token id or a list of them"),
+]
+
+
+@pytest.mark.parametrize("edit, match", CONFIG_EDITS)
+def test_bad_config_values_name_file_and_field(tmp_path, tiny_model, edit, match):
+    folder = copy_with_config(tmp_path, tiny_model, edit)
+    with pytest.raises(ModelFolderError, match=f"config.json: {match}"):
+        LLM(folder)
+
+
+@pytest.mark.parametrize(
+    "content, match",
+    [
+        (b"\xff\xfe{}", "is not UTF-8 text"),
+        (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
+        (b"[1, 2]", "must hold a JSON object"),
+    ],
+)
+def test_unreadable_config(tmp_path, tiny_model, content, match):
+    shutil.copytree(tiny_model, tmp_path / "m")
+    (tmp_path / "m" / "config.json").write_bytes(content)
+    with pytest.raises(ModelFolderError, match=match):
+        LLM(tmp_path / "m")
+
+
+@pytest.mark.parametrize("damage", ["truncated", "empty", "garbage"])
+def test_broken_safetensors_name_the_file(tmp_path, tiny_model, damage):
+    shutil.copytree(tiny_model, tmp_path / "m")
+    weights = tmp_path / "m" / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes({"truncated": data[: len(data) // 2], "empty": b"", "garbage": b"\x07" * 4096}[damage])
+    with pytest.raises(ModelFolderError, match="model.safetensors: not a readable safetensors file"):
+        LLM(tmp_path / "m")
+
+
+def _rewrite_weights(folder, edit) -> None:
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(folder / "model.safetensors"))
+    for name, tensors_of_file in edit(tensors).items():
+        save_file(tensors_of_file, str(folder / name), metadata={"format": "pt"})
+
+
+def test_integer_weights_are_refused(tmp_path, tiny_model):
+    shutil.copytree(tiny_model, tmp_path / "m")
+    name = "model.norm.weight"
+    _rewrite_weights(tmp_path / "m", lambda t: {"model.safetensors": {**t, name: t[name].to(torch.int32)}})
+    with pytest.raises(ModelFolderError, match=f"tensor '{name}' has dtype torch.int32, not a float"):
+        LLM(tmp_path / "m")
+
+
+def test_a_tensor_in_two_shards_is_refused(tmp_path, tiny_model):
+    shutil.copytree(tiny_model, tmp_path / "m")
+    name = "model.norm.weight"
+    _rewrite_weights(tmp_path / "m", lambda t: {"model.safetensors": t, "extra.safetensors": {name: t[name] * 2}})
+    with pytest.raises(ModelFolderError, match=f"model.safetensors: tensor '{name}' is also in extra.safetensors"):
+        LLM(tmp_path / "m")
+
+
+def test_tied_config_beside_a_different_lm_head_is_refused(tmp_path, tiny_model):
+    folder = copy_with_config(tmp_path, tiny_model, lambda c: c.update(tie_word_embeddings=True))
+    with pytest.raises(ModelFolderError, match="tie_word_embeddings: true, but model.safetensors holds an lm_head"):
+        LLM(folder)
+
+
+def test_tied_checkpoint_that_also_stores_the_same_head_loads(tmp_path, tiny_models):
+    folder = tmp_path / "m"
+    shutil.copytree(tiny_models["gqa1-tied"], folder)
+    _rewrite_weights(
+        folder, lambda t: {"model.safetensors": {**t, "lm_head.weight": t["model.embed_tokens.weight"].clone()}}
+    )
+    llm = LLM(folder, num_kvcache_blocks=16)
+    reference = LLM(tiny_models["gqa1-tied"], num_kvcache_blocks=16)
+    assert llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False) == reference.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
+
+
+@pytest.mark.parametrize("content", ["{not json", json.dumps({"model": {"type": "BPE"}})])
+def test_corrupt_tokenizer_names_it(tmp_path, content):
+    from nanoref import DEFAULT_MODEL
+
+    shutil.copytree(DEFAULT_MODEL, tmp_path / "m")
+    (tmp_path / "m" / "tokenizer.json").write_text(content)
+    with pytest.raises(ModelFolderError, match=r"the tokenizer \(tokenizer.json.*\) could not be loaded"):
+        LLM(tmp_path / "m")
+
+
+def test_a_step_that_raises_leaves_no_context_behind(tiny_model, monkeypatch):
+    from nanoref.utils.context import get_context
+
+    llm = LLM(tiny_model, num_kvcache_blocks=16)
+
+    def broken_forward(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(llm.model_runner.model, "forward", broken_forward)
+    with pytest.raises(RuntimeError, match="boom"):
+        llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
+    context = get_context()
+    assert context.slot_mapping is None and context.cu_seqlens_q is None, "the failed step's metadata stayed published"
+    assert llm.is_finished() and llm.scheduler.block_manager.num_free_blocks == 16
+
+
+def test_unseeded_sampling_differs_between_engines(tiny_model):
+    """Each LLM seeds its own generator from fresh entropy: two runs of a program do not repeat each other."""
+    params = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True)
+    first = LLM(tiny_model, num_kvcache_blocks=16).generate([[1, 2, 3]], params, use_tqdm=False)
+    second = LLM(tiny_model, num_kvcache_blocks=16).generate([[1, 2, 3]], params, use_tqdm=False)
+    assert first[0]["token_ids"] != second[0]["token_ids"]
+
+
+# -- structure ------------------------------------------------------------------------------------
+def test_config_json_is_read_once_per_llm(tiny_model, monkeypatch):
+    import nanoref.models as models
+
+    calls = []
+    original = models.read_config
+    monkeypatch.setattr(models, "read_config", lambda folder: calls.append(folder) or original(folder))
+    LLM(tiny_model, num_kvcache_blocks=16)
+    assert len(calls) == 1
+
+
+def test_engine_config_runs_no_kernel(tiny_model, monkeypatch):
+    """The flash-attn probe belongs to choosing the backend (the model runner), not to building a config."""
+    from nanoref.config import EngineConfig
+    from nanoref.ops import backends
+
+    def probe(*args):
+        raise AssertionError("EngineConfig probed flash-attn")
+
+    monkeypatch.setattr(backends, "flash_attn_serves", probe)
+    config = EngineConfig(tiny_model, attention_backend="auto")
+    assert config.attention_backend == "auto" and config.kvcache_block_size is None
+
+
+def _nanoref_imports(path) -> set[str]:
+    import ast
+
+    tree = ast.parse(path.read_text())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("nanoref"):
+            names |= {node.module} | {f"{node.module}.{alias.name}" for alias in node.names}
+        elif isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names if alias.name.startswith("nanoref")}
+    return names
+
+
+def test_layers_of_the_package_import_downwards():
+    """utils/ imports nothing above it (only utils), and nanoref.ops does not import its backends module back."""
+    from pathlib import Path
+
+    import nanoref
+
+    package = Path(nanoref.__file__).parent
+    for path in sorted((package / "utils").glob("*.py")):
+        upward = {name for name in _nanoref_imports(path) if not name.startswith("nanoref.utils")}
+        assert not upward, f"{path.name} imports {sorted(upward)}"
+    assert not {n for n in _nanoref_imports(package / "ops" / "__init__.py") if "backends" in n}

@@ -1,0 +1,48 @@
+"""environment.yml (conda) and pyproject.toml (pip) must name the same packages."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+tomllib = pytest.importorskip("tomllib", reason="tomllib is in the standard library from Python 3.11")
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _name(requirement: str) -> str:
+    """'triton>=3.0; platform_system == "Linux"' -> 'triton' (PEP 503 normalised)."""
+    name = re.match(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)", requirement).group(1)
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def pyproject_packages() -> set[str]:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    wanted = project["dependencies"] + [r for extra, reqs in extras.items() if extra != "flash" for r in reqs]
+    return {_name(r) for r in wanted if not _name(r).startswith("nanoref")}
+
+
+def environment_packages() -> tuple[set[str], set[str]]:
+    """(packages of the pip list, packages named only in comments of it)."""
+    text = (ROOT / "environment.yml").read_text()
+    pip_list = text.split("- pip:", 1)[1]
+    listed = {_name(m) for m in re.findall(r"^\s*-\s+([A-Za-z0-9][^\s#]*)", pip_list, flags=re.M)}
+    commented = {_name(m) for m in re.findall(r"^\s*#\s*-\s+([A-Za-z0-9][^\s#]*)", pip_list, flags=re.M)}
+    return listed, commented
+
+
+def test_environment_yml_lists_what_pyproject_declares():
+    listed, commented = environment_packages()
+    declared = pyproject_packages()
+    assert declared - listed == set(), f"in pyproject.toml but not in environment.yml: {sorted(declared - listed)}"
+    assert listed - declared == set(), f"in environment.yml but not in pyproject.toml: {sorted(listed - declared)}"
+    assert "flash-attn" in commented, "environment.yml should show CUDA users the flash-attn line"
+
+
+def test_the_setup_script_installs_the_dev_extra_and_says_what_it_does():
+    script = (ROOT / ".ci" / "with-venv").read_text()
+    assert '-e ".[dev]"' in script
+    assert [f"{i}/4" in script for i in range(1, 5)] == [True] * 4, "one progress line per setup stage"
