@@ -2,6 +2,7 @@
 
     python benchmarks/kernels.py                       # on a CUDA GPU: check, then time, table + figure
     python benchmarks/kernels.py --sweep               # first sweep the kernels' tile settings (--sweep-prefill)
+    python benchmarks/kernels.py --redraw              # anywhere: redraw the figure from the results table
 
 1. Checks correctness on the GPU (Triton against the torch reference and the naive padded oracle).
 2. Measures the device-to-device copy bandwidth (bytes read + written per second): the ceiling.
@@ -322,6 +323,16 @@ def markdown_table(rows: list[dict], fmt: dict) -> str:
     return "\n".join(lines)
 
 
+# how each method is drawn: the two Triton lines on top and told apart by marker and dash, the yardsticks below
+_STYLES = {
+    "triton paged, block 16": dict(color="tab:blue", marker="o", ls="-", lw=2.2, ms=6, zorder=6),
+    "triton paged, block 256": dict(color="tab:orange", marker="s", ls="--", lw=1.6, ms=7, mfc="none", zorder=7),
+    "SDPA, gathered from pages": dict(color="tab:green", marker="^", ls="-", lw=1.4, ms=5, zorder=4),
+    "SDPA, dense (no paging)": dict(color="0.45", marker="x", ls=":", lw=1.4, ms=6, zorder=3),
+    "FlexAttention, dense (no paging)": dict(color="tab:purple", marker="v", ls=":", lw=1.4, ms=5, zorder=3),
+}
+
+
 def draw(decode_rows: list[dict], copy_tbps: float, path: Path, gpu: str) -> None:
     import matplotlib
 
@@ -330,22 +341,42 @@ def draw(decode_rows: list[dict], copy_tbps: float, path: Path, gpu: str) -> Non
 
     methods = list(dict.fromkeys(r["method"] for r in decode_rows))
     batches = [b for b in (1, 16, 64, 256) if any(r["batch"] == b for r in decode_rows)]
-    fig, axes = plt.subplots(1, len(batches), figsize=(3.6 * len(batches), 3.4), sharey=True)
+    contexts = sorted({r["ctx"] for r in decode_rows})
+    fig, axes = plt.subplots(1, len(batches), figsize=(3.6 * len(batches), 3.6), sharey=True)
     for ax, batch in zip(axes, batches):
         for method in methods:
             pts = sorted((r["ctx"], r["TBps"]) for r in decode_rows if r["batch"] == batch and r["method"] == method)
-            ax.plot([c for c, _ in pts], [t for _, t in pts], marker="o", label=method)
-        ax.axhline(copy_tbps, color="grey", ls="--", lw=1, label="copy bandwidth")
-        ax.axhline(0.7 * copy_tbps, color="grey", ls=":", lw=1, label="70% of copy")
+            ax.plot([c for c, _ in pts], [t for _, t in pts], label=method, **_STYLES.get(method, {}))
+        ax.axhline(
+            copy_tbps, color="black", ls="--", lw=1, label=f"copy bandwidth ({copy_tbps:.2f} TB/s, read + write)"
+        )
         ax.set_xscale("log", base=2)
+        ax.set_xticks(contexts, [f"{c // 1024}k" if c >= 1024 else str(c) for c in contexts])  # measured ones only
+        ax.minorticks_off()
         ax.set_title(f"batch {batch}")
         ax.set_xlabel("context (tokens)")
+        ax.grid(axis="y", color="0.9")
     axes[0].set_ylabel("K/V read (TB/s)")
-    axes[-1].legend(fontsize=7, loc="lower right")
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=8, frameon=False, bbox_to_anchor=(0.5, -0.02))
     fig.suptitle(f"Paged decode attention, Qwen3-0.6B shapes (16/8 heads, d=128, bf16), {gpu}", fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.12, 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110, bbox_inches="tight")
+
+
+def read_results(markdown: Path) -> tuple[list[dict], float, str]:
+    """The decode rows, copy bandwidth and GPU name of a results file this script wrote (to redraw its figure)."""
+    text = markdown.read_text()
+    gpu = text.splitlines()[0].removeprefix("# Kernel benchmark: one ").strip()
+    copy_tbps = float(text.split("Copy bandwidth measured in the same run:")[1].split("**")[1].split()[0])
+    table = text.split("## Paged decode attention, every shape")[1]
+    rows = []
+    for line in table.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 7 and cells[1].isdigit():
+            rows.append(dict(method=cells[0], batch=int(cells[1]), ctx=int(cells[2]), TBps=float(cells[4])))
+    return rows, copy_tbps, gpu
 
 
 def main() -> None:
@@ -356,7 +387,13 @@ def main() -> None:
     parser.add_argument("--contexts", default="128,512,1024,2048,4096,8192")
     parser.add_argument("--markdown", type=Path, default=ROOT / "benchmarks/results/kernels_h200.md")
     parser.add_argument("--figure", type=Path, default=ROOT / "figures/kernels_h200.png")
+    parser.add_argument("--redraw", action="store_true", help="only redraw the figure from --markdown (no GPU needed)")
     args = parser.parse_args()
+    if args.redraw:
+        rows, copy_tbps, gpu = read_results(args.markdown)
+        draw(rows, copy_tbps, args.figure, gpu)
+        print(f"redrew {args.figure} from {args.markdown}")
+        return
     if not torch.cuda.is_available():
         sys.exit("benchmarks/kernels.py needs a CUDA GPU (on a CPU, the tests check the kernels under the interpreter)")
     import triton

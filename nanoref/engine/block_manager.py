@@ -20,6 +20,7 @@ import numpy as np
 import xxhash
 
 from nanoref.engine.sequence import Sequence
+from nanoref.utils.seams import seam
 
 
 def chain_hash(token_ids: list[int], prefix_hash: int = -1) -> int:
@@ -45,6 +46,26 @@ class Block:
 
     def __repr__(self) -> str:
         return f"Block({self.block_id}, ref={self.ref_count}, hash={'-' if self.hash == -1 else hex(self.hash)[:8]})"
+
+
+def find_cached_prefix(
+    token_ids: list[int], block_size: int, hash_to_block_id: dict[int, int], blocks: list[Block]
+) -> list[int]:
+    """Block ids holding the longest cached prefix of a prompt, by chained hash plus a token check.
+
+    Only full blocks before the last token count: the step that follows needs the last token's logits, so a
+    prompt is never served entirely from the cache. The walk stops at the first block that misses.
+    """
+    hits: list[int] = []
+    prefix_hash = -1
+    for index in range((len(token_ids) - 1) // block_size):
+        block_tokens = token_ids[index * block_size : (index + 1) * block_size]
+        prefix_hash = chain_hash(block_tokens, prefix_hash)
+        block_id = hash_to_block_id.get(prefix_hash, -1)
+        if block_id == -1 or blocks[block_id].token_ids != block_tokens:  # a miss, or a hash collision
+            break
+        hits.append(block_id)
+    return hits
 
 
 class BlockManager:
@@ -78,23 +99,10 @@ class BlockManager:
         self.used_block_ids.add(block_id)
         return block_id
 
-    def _cacheable_prefix_blocks(self, seq: Sequence) -> int:
-        """Full blocks that may be served from the cache. The last token is always recomputed: the
-        step that follows needs its logits, so a prompt is never served entirely from the cache."""
-        return (seq.num_tokens - 1) // self.block_size
-
     def _find_cached_prefix(self, seq: Sequence) -> list[int]:
-        """Block ids holding the longest cached prefix of seq, by chained hash plus a token check."""
-        hits: list[int] = []
-        prefix_hash = -1
-        for index in range(self._cacheable_prefix_blocks(seq)):
-            token_ids = seq.block(index)
-            prefix_hash = chain_hash(token_ids, prefix_hash)
-            block_id = self.hash_to_block_id.get(prefix_hash, -1)
-            if block_id == -1 or self.blocks[block_id].token_ids != token_ids:
-                break
-            hits.append(block_id)
-        return hits
+        """Block ids holding the longest cached prefix of seq (see find_cached_prefix)."""
+        lookup = seam("find_cached_prefix", find_cached_prefix)
+        return lookup(seq.token_ids, self.block_size, self.hash_to_block_id, self.blocks)
 
     def can_allocate(self, seq: Sequence) -> bool:
         hits = self._find_cached_prefix(seq)

@@ -8,6 +8,8 @@ Decode: every sequence contributes its last token, so N == num_seqs, and `contex
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from nanoref.config import EngineConfig
@@ -64,6 +66,43 @@ def pad_decode_batch(
 
 
 STATIC_INPUTS = ("input_ids", "positions", "slot_mapping", "context_lens", "block_tables")
+
+
+class PrefillMetadata(NamedTuple):
+    """A prefill step's flat inputs, as Python lists (the model runner makes them tensors)."""
+
+    input_ids: list[int]  # (N,): every sequence's new tokens, one after the other
+    positions: list[int]  # (N,): each token's position inside its own sequence
+    cu_seqlens_q: list[int]  # (num_seqs + 1,): where each sequence's new tokens start in the flat stream
+    cu_seqlens_k: list[int]  # (num_seqs + 1,): the same for its keys, cached history included
+    slot_mapping: list[int]  # (N,): the cache slot each new token's K/V goes to
+
+
+def prefill_metadata(
+    token_ids: list[list[int]],
+    num_cached: list[int],
+    num_new: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+) -> PrefillMetadata:
+    """The flat inputs of a prefill step over sequences b = 0, 1, ...
+
+    Sequence b has token_ids[b]; its first num_cached[b] tokens already have K/V in the cache (prefix-cache
+    hits, earlier chunks), and this step computes the next num_new[b]. Token t of sequence b lives in cache
+    slot block_tables[b][t // block_size] * block_size + t % block_size.
+    """
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slot_mapping: list[int] = []
+    cu_seqlens_q, cu_seqlens_k = [0], [0]
+    for tokens, start, count, table in zip(token_ids, num_cached, num_new, block_tables):
+        end = start + count
+        input_ids.extend(tokens[start:end])
+        positions.extend(range(start, end))
+        slot_mapping.extend(table[t // block_size] * block_size + t % block_size for t in range(start, end))
+        cu_seqlens_q.append(cu_seqlens_q[-1] + count)
+        cu_seqlens_k.append(cu_seqlens_k[-1] + end)  # keys: the history plus this chunk
+    return PrefillMetadata(input_ids, positions, cu_seqlens_q, cu_seqlens_k, slot_mapping)
 
 
 class ModelRunner:
@@ -167,31 +206,23 @@ class ModelRunner:
         return self._tensor(rows, torch.int32)  # (num_seqs, width)
 
     def prepare_prefill(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slot_mapping: list[int] = []
-        cu_seqlens_q, cu_seqlens_k = [0], [0]
-        max_seqlen_q = max_seqlen_k = 0
-        has_history = False
-        for seq in seqs:
-            start = seq.num_computed_tokens  # earlier chunks and prefix-cache hits are already cached
-            end = start + seq.num_scheduled_tokens
-            input_ids.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))  # each token's position inside its own sequence
-            slot_mapping.extend(self._slots(seq, start, end))
-            cu_seqlens_q.append(cu_seqlens_q[-1] + end - start)
-            cu_seqlens_k.append(cu_seqlens_k[-1] + end)  # keys: the history plus this chunk
-            max_seqlen_q, max_seqlen_k = max(max_seqlen_q, end - start), max(max_seqlen_k, end)
-            has_history |= start > 0
+        flat = seam("prefill_metadata", prefill_metadata)(
+            [seq.token_ids for seq in seqs],
+            [seq.num_computed_tokens for seq in seqs],  # earlier chunks and prefix-cache hits are already cached
+            [seq.num_scheduled_tokens for seq in seqs],
+            [seq.block_table for seq in seqs],
+            self.block_size,
+        )
+        input_ids, positions, cu_seqlens_q, cu_seqlens_k, slot_mapping = flat
         context = Context(
             is_prefill=True,
             cu_seqlens_q=self._tensor(cu_seqlens_q, torch.int32),  # (num_seqs + 1,)
             cu_seqlens_k=self._tensor(cu_seqlens_k, torch.int32),  # (num_seqs + 1,)
-            max_seqlen_q=max_seqlen_q,
-            max_seqlen_k=max_seqlen_k,
+            max_seqlen_q=max(seq.num_scheduled_tokens for seq in seqs),
+            max_seqlen_k=max(seq.num_computed_tokens + seq.num_scheduled_tokens for seq in seqs),
             slot_mapping=self._tensor(slot_mapping, torch.int64),  # (N,)
             # with history, attention must read keys from the paged cache, through the block tables
-            block_tables=self._block_tables(seqs) if has_history else None,
+            block_tables=self._block_tables(seqs) if any(seq.num_computed_tokens for seq in seqs) else None,
         )
         set_context(context)
         return self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64)  # (N,), (N,)

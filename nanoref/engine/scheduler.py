@@ -16,6 +16,17 @@ from collections import deque
 
 from nanoref.engine.block_manager import BlockManager
 from nanoref.engine.sequence import Sequence, SequenceStatus
+from nanoref.utils.seams import seam
+
+
+def choose_preemption_victim(running: list[Sequence], seq: Sequence) -> Sequence:
+    """The sequence to preempt when `seq` needs a new block for its next token and none is free.
+
+    running: the running sequences still waiting for their token in this decode step, oldest first (seq and those
+    already scheduled are not in it). The newest gives its blocks back: it has the least work to lose, and the
+    oldest requests finish first. When none is left, seq itself steps back.
+    """
+    return running[-1] if running else seq
 
 
 class Scheduler:
@@ -83,11 +94,14 @@ class Scheduler:
         while self.running and len(scheduled) < self.max_num_seqs:
             seq = self.running.popleft()
             while not self.block_manager.can_append(seq):
-                if self.running:
-                    self.preempt(self.running.pop())  # the newest gives its blocks back
-                else:
+                victim = seam("choose_preemption_victim", choose_preemption_victim)(list(self.running), seq)
+                if victim is seq:
                     self.preempt(seq)
                     break
+                if victim not in self.running:
+                    raise ValueError(f"the preemption victim {victim!r} is neither running nor {seq!r}")
+                self.running.remove(victim)
+                self.preempt(victim)
             else:
                 self.block_manager.may_append(seq)
                 seq.num_scheduled_tokens = 1

@@ -8,23 +8,36 @@ token with HF transformers (`check_generation`).
 
 from nanoref.exercises.common import ExerciseFailure, check_generation, tiny_model
 from nanoref.exercises.cuda_graphs import check_pad_decode_batch
+from nanoref.exercises.kv_store import check_store_kvcache_kernel
 from nanoref.exercises.model import (
     check_apply_rotary,
     check_apply_top_k_top_p,
     check_seeded_sampling,
     check_silu_and_mul,
 )
+from nanoref.exercises.paged_decode import check_merge_splits, check_paged_decode_attention
+from nanoref.exercises.rmsnorm import check_add_rms_norm, check_rms_norm
+from nanoref.exercises.scheduler import check_choose_preemption_victim, check_find_cached_prefix
+from nanoref.exercises.varlen import check_prefill_metadata
 from nanoref.utils.seams import SEAMS, use
 
 __all__ = [
     "SEAMS",
     "ExerciseFailure",
+    "check_add_rms_norm",
     "check_apply_rotary",
     "check_apply_top_k_top_p",
+    "check_choose_preemption_victim",
+    "check_find_cached_prefix",
     "check_generation",
+    "check_merge_splits",
     "check_pad_decode_batch",
+    "check_paged_decode_attention",
+    "check_prefill_metadata",
+    "check_rms_norm",
     "check_seeded_sampling",
     "check_silu_and_mul",
+    "check_store_kvcache_kernel",
     "tiny_model",
     "use",
 ]

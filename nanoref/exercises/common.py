@@ -83,6 +83,8 @@ def check_generation(
         prompts = random_prompts(seed=1234, lengths=[5, 23, 17, 40], vocab=256)
     expected = hf_greedy(model, prompts, max_tokens)
     engine_kwargs.setdefault("num_kvcache_blocks", 64)
+    # a CUDA graph replays the kernels recorded at capture, not the learner's function: run eagerly
+    engine_kwargs.setdefault("enforce_eager", True)
     names = ", ".join(f"your `{name}`" for name in functions)
     llm = LLM(model, **engine_kwargs)
     if prepare is not None:

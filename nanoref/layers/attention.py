@@ -15,6 +15,7 @@ from torch import nn
 
 from nanoref.ops.backends import AttentionBackend, resolve_backend
 from nanoref.utils.context import get_context
+from nanoref.utils.seams import seam
 from nanoref.utils.tracing import trace
 
 
@@ -61,7 +62,7 @@ class Attention(nn.Module):
                 context_lens=context.context_lens,
                 block_tables=context.block_tables,
             )
-            out = self.backend.decode(
+            out = seam("paged_decode_attention", self.backend.decode)(
                 q,
                 k_cache,
                 v_cache,

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from nanoref.ops.triton_setup import import_triton, interpreting
+from nanoref.utils.seams import seam
 
 triton = import_triton()
 import triton.language as tl  # noqa: E402  (after import_triton: the interpreter switch comes first)
@@ -265,6 +266,24 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: 
     return max(1, min(wanted, max_context // max(256, block_n), 64))
 
 
+def merge_splits(partial: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) -> None:
+    """Merge split-KV partial outputs into out, weighting each split by its share of the softmax.
+
+    partial: (B, S, Lq, H, D) float32, each split's output normalised over its own keys; lse: (B, S, Lq, H)
+    float32, each split's log-sum-exp in base 2 (-inf for a split that saw no key); out: (B, Lq, H, D), written.
+    """
+    batch, num_splits, len_q, num_heads, head_dim = partial.shape
+    merge_splits_kernel[(batch, len_q * num_heads)](
+        partial, lse, out,
+        num_splits,
+        partial.stride(0), partial.stride(1), partial.stride(2), partial.stride(3),
+        lse.stride(0), lse.stride(1), lse.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_S=triton.next_power_of_2(num_splits),
+    )  # fmt: skip
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -317,15 +336,7 @@ def paged_decode_attention(
         num_warps=launch.num_warps, num_stages=launch.num_stages,
     )  # fmt: skip
     if num_splits > 1:
-        merge_splits_kernel[(batch, len_q * num_heads)](
-            partial, lse, out,
-            num_splits,
-            partial.stride(0), partial.stride(1), partial.stride(2), partial.stride(3),
-            lse.stride(0), lse.stride(1), lse.stride(2),
-            out.stride(0), out.stride(1), out.stride(2),
-            NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-            BLOCK_S=triton.next_power_of_2(num_splits),
-        )  # fmt: skip
+        seam("merge_splits", merge_splits)(partial, lse, out)
     return out
 
 

@@ -13,6 +13,7 @@ import torch
 
 from nanoref.ops.store_kvcache import check_kvcache_layout
 from nanoref.ops.triton_setup import import_triton
+from nanoref.utils.seams import seam
 from nanoref.utils.tracing import trace
 
 triton = import_triton()
@@ -53,7 +54,7 @@ def store_kvcache_triton(
     if key.dtype != k_cache.dtype:  # convert in torch: one rounding rule (the interpreter's casts truncate)
         key, value = key.to(k_cache.dtype), value.to(v_cache.dtype)
     if num_tokens:
-        store_kvcache_kernel[(num_tokens,)](
+        seam("store_kvcache_kernel", store_kvcache_kernel)[(num_tokens,)](
             key, key.stride(0), value, value.stride(0), k_cache, v_cache, slot_mapping,
             D=row, BLOCK_D=triton.next_power_of_2(row),
         )  # fmt: skip

@@ -23,16 +23,26 @@ F = TypeVar("F", bound=Callable)
 # name -> where it sits and what the learner's function computes (same signature as the default's).
 # One line per seam, grouped by the notebook whose exercise replaces it.
 SEAMS: dict[str, str] = {
+    # 01_varlen_flattening
+    "prefill_metadata": "engine/model_runner.py: a prefill step's (input_ids, positions, cu_seqlens_q/k, slot_mapping)",
     # 02_rmsnorm
     "rms_norm": "layers/layernorm.py: rms_norm(x, weight, eps) -> normalised x",
     "add_rms_norm": "layers/layernorm.py: add_rms_norm(x, residual, weight, eps) -> (normalised sum, new residual)",
+    # 03_triton_kv_store
+    "store_kvcache_kernel": "ops/store_kvcache_triton.py: the @triton.jit kernel storing token i's K/V row in its slot",
+    # 04_paged_decode_attention
+    "paged_decode_attention": "layers/attention.py: decode attention over the paged cache -> (B, 1, H, D)",
+    "merge_splits": "ops/attention_triton.py: merge_splits(partial, lse, out): split-KV's log-sum-exp merge into out",
+    # 05_scheduler
+    "find_cached_prefix": "engine/block_manager.py: the block ids of a prompt's longest cached prefix",
+    "choose_preemption_victim": "engine/scheduler.py: the sequence to preempt when seq needs a block and none is free",
+    # 06_cuda_graphs
+    "pad_decode_batch": "engine/model_runner.py: pad_decode_batch(buffers, input_ids, positions, slot_mapping, "
+    "context_lens, block_tables) -> None: a decode batch into its graph bucket's static buffers, padding harmless",
     # 07_model_and_sampling
     "apply_rotary": "layers/rotary.py: apply_rotary(x, cos, sin) -> x rotated by RoPE (neox halves)",
     "silu_and_mul": "layers/activation.py: silu_and_mul(x) -> silu(gate) * up of x = [gate | up]",
     "apply_top_k_top_p": "layers/sampler.py: apply_top_k_top_p(logits, top_k, top_p) -> -inf outside top-k and top-p",
-    # 06_cuda_graphs
-    "pad_decode_batch": "engine/model_runner.py: pad_decode_batch(buffers, input_ids, positions, slot_mapping, "
-    "context_lens, block_tables) -> None: a decode batch into its graph bucket's static buffers, padding harmless",
 }
 
 _ACTIVE: dict[str, Callable] = {}  # the learner's functions while a `use` block runs

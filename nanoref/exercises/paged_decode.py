@@ -1,0 +1,174 @@
+"""Checks for notebook 04's exercises: paged decode attention in torch, and the split-KV log-sum-exp merge."""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+
+import torch
+
+from nanoref.exercises.common import ExerciseFailure, check_generation, random_prompts
+from nanoref.exercises.tensors import expect_tensor
+from nanoref.ops.attention_torch import gather_paged
+from nanoref.ops.naive import naive_padded_attention
+from nanoref.utils.seams import use
+
+_TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+
+
+def _paged_case(generator: torch.Generator, lens: list[int], block_size: int, dtype: torch.dtype):
+    """K/V of sequences with `lens` tokens in shuffled physical blocks (plus spare blocks nobody owns)."""
+    num_heads, num_kv_heads, head_dim = 8, 2, 32
+    blocks_per_seq = [math.ceil(n / block_size) for n in lens]
+    pool = sum(blocks_per_seq) + 3
+    k_cache, v_cache = torch.randn(2, pool, block_size, num_kv_heads, head_dim, generator=generator).to(dtype)
+    free = torch.randperm(pool, generator=generator).tolist()
+    table = torch.full((len(lens), max(blocks_per_seq)), -1, dtype=torch.int32)  # (B, max_blocks), -1 padded
+    for b, count in enumerate(blocks_per_seq):
+        table[b, :count] = torch.tensor([free.pop() for _ in range(count)])
+    q = torch.randn(len(lens), 1, num_heads, head_dim, generator=generator).to(dtype)  # (B, 1, H, D)
+    return q, k_cache, v_cache, torch.tensor(lens, dtype=torch.int32), table
+
+
+def _oracle(q, k_cache, v_cache, seqlens, table, scale):
+    """naive_padded_attention on the histories gathered into one flat key stream: (B, 1, H, D)."""
+    lens = seqlens.tolist()
+    k_flat = torch.cat([gather_paged(k_cache, table[b], n) for b, n in enumerate(lens)])  # (sum(lens), Hk, D)
+    v_flat = torch.cat([gather_paged(v_cache, table[b], n) for b, n in enumerate(lens)])
+    cu_q = torch.arange(len(lens) + 1, dtype=torch.int32)  # one query per sequence
+    cu_k = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    return naive_padded_attention(q.squeeze(1), k_flat, v_flat, cu_q, cu_k, softmax_scale=scale).unsqueeze(1)
+
+
+def _mistake(q, k_cache, v_cache, seqlens, table, scale, mistake: str) -> torch.Tensor:
+    """What a common mistake computes, in float64: (B, 1, H, D)."""
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = q.shape[2] // num_kv_heads
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for b, length in enumerate(seqlens.tolist()):
+        if mistake == "no length mask":  # every slot of the sequence's blocks, the unwritten tail included
+            length = int((table[b] >= 0).sum()) * block_size
+        if mistake == "physical order":  # the first blocks of the cache, whatever the block table says
+            k, v = k_cache.flatten(0, 1)[:length], v_cache.flatten(0, 1)[:length]
+        else:
+            k, v = gather_paged(k_cache, table[b], length), gather_paged(v_cache, table[b], length)  # (L, Hk, D)
+        heads = torch.arange(q.shape[2])
+        kv_of = heads % num_kv_heads if mistake == "gqa tiled" else heads // group  # (H,)
+        k, v = k.double()[:, kv_of], v.double()[:, kv_of]  # (L, H, D)
+        s = scale if mistake != "no scale" else 1.0
+        scores = torch.einsum("hd,lhd->hl", q[b, 0].double(), k) * s  # (H, L)
+        out[b, 0] = torch.einsum("hl,lhd->hd", scores.softmax(-1), v)
+    return out
+
+
+_HINTS = {
+    "no length mask": "it attends to every slot of the sequence's blocks: mask the positions >= cache_seqlens[b] "
+    "(the last block is only partly written)",
+    "physical order": "it reads the cache's blocks in physical order: find token p of sequence b in block "
+    "block_table[b, p // block_size], offset p % block_size",
+    "gqa tiled": "query head h reads KV head h % Hk: with grouped-query attention it reads KV head h // (H // Hk) "
+    "(repeat_interleave, not repeat)",
+    "no scale": "the scores are not scaled: multiply q·k by softmax_scale (1/sqrt(head_dim) when it is None)",
+}
+
+
+def check_paged_decode_attention(fn: Callable, *, seed: int = 0, engine: bool = True) -> None:
+    """`fn(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, causal)` against the naive oracle,
+    then in the engine in place of the backend's decode."""
+    generator = torch.Generator().manual_seed(seed)
+    lens = [1, 15, 33, 70]
+    for dtype, scale in ((torch.float32, 0.3), (torch.float32, None), (torch.bfloat16, 0.2)):
+        q, k_cache, v_cache, seqlens, table = _paged_case(generator, lens, 16, dtype)
+        case = f"{str(dtype).removeprefix('torch.')}, softmax_scale={scale}, histories of {lens} tokens"
+        args = (q.clone(), k_cache.clone(), v_cache.clone())
+        got = fn(*args, cache_seqlens=seqlens.clone(), block_table=table.clone(), softmax_scale=scale, causal=True)
+        got = expect_tensor(got, f"{case}: the output", q.shape, dtype)
+        if not (torch.equal(args[1], k_cache) and torch.equal(args[2], v_cache)):
+            raise ExerciseFailure(f"{case}: your function changed the KV cache; attention only reads it")
+        effective = scale if scale is not None else 1.0 / math.sqrt(q.shape[-1])
+        want = _oracle(q, k_cache, v_cache, seqlens, table, effective)
+        tol = _TOLERANCE[dtype]
+        bad = ~torch.isclose(got.double(), want.double(), atol=tol, rtol=tol)  # (B, 1, H, D)
+        if not bad.any():
+            continue
+        b, _, h, _ = (int(i) for i in bad.nonzero()[0])
+        message = (
+            f"{case}: sequence {b} (history of {lens[b]} tokens), query head {h} differs from the naive oracle: "
+            f"got {got[b, 0, h, :3].float().tolist()}..., expected {want[b, 0, h, :3].float().tolist()}..."
+        )
+        if scale is None and torch.allclose(
+            got.double(), _oracle(q, k_cache, v_cache, seqlens, table, 1.0).double(), atol=tol, rtol=tol
+        ):
+            raise ExerciseFailure(message + "; with softmax_scale=None use 1/sqrt(head_dim)")
+        for mistake, hint in _HINTS.items():
+            wrong = _mistake(q, k_cache, v_cache, seqlens, table, effective, mistake)
+            if torch.allclose(got.double(), wrong, atol=tol, rtol=tol):
+                raise ExerciseFailure(message + "; " + hint)
+        raise ExerciseFailure(message)
+    if engine:
+        check_generation({"paged_decode_attention": fn})
+
+
+def _merge_reference(partial: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """(B, S, Lq, H, D), (B, S, Lq, H) base 2 -> (B, Lq, H, D) in float64."""
+    lse = lse.double()
+    top = lse.max(dim=1, keepdim=True).values  # (B, 1, Lq, H)
+    weights = torch.exp2(lse - top)  # (B, S, Lq, H): 0 for an empty split
+    return (weights[..., None] * partial.double()).sum(1) / weights.sum(1)[..., None]
+
+
+def check_merge_splits(fn: Callable, *, seed: int = 0, engine: bool = True) -> None:
+    """`fn(partial, lse, out)` writes the merge into out; against a float64 reference, then in the engine on the
+    Triton backend with every decode step cut into 2 splits."""
+    generator = torch.Generator().manual_seed(seed)
+    batch, splits, len_q, heads, dim = 3, 4, 1, 4, 16
+    partial = torch.randn(batch, splits, len_q, heads, dim, generator=generator)  # float32
+    lse = 200 + 8 * torch.randn(batch, splits, len_q, heads, generator=generator)  # base 2: 2**200 overflows float32
+    partial[0, 2:], lse[0, 2:] = 0.0, -math.inf  # sequence 0's last two splits lie past its end: empty
+    untouched = -12345.0
+    out = torch.full((batch, len_q, heads, dim), untouched)
+    fn(partial.clone(), lse.clone(), out)
+    want = _merge_reference(partial, lse)
+    if (out == untouched).all():
+        raise ExerciseFailure("out is still untouched: write the merged result into it (out.copy_(...) or out[...] =)")
+    if not torch.allclose(out.double(), want, atol=1e-5, rtol=1e-5):
+        message = "the merged output differs from the reference"
+        if out.isnan().any() or out.isinf().any():
+            rows = sorted({int(i) for i in (out.isnan() | out.isinf()).nonzero()[:, 0]})
+            if rows == [0]:
+                hint = (
+                    "only sequence 0 has NaN or inf, and its last two splits are empty (lse = -inf, partial 0): "
+                    "subtract the largest lse over the splits before exp2, so an empty split weighs 2**-inf = 0"
+                )
+            else:
+                hint = (
+                    "NaN or inf in sequences " + str(rows) + ": lse values are around 200 and 2**200 overflows "
+                    "float32; subtract the largest lse over the splits before exp2"
+                )
+            raise ExerciseFailure(f"{message}: {hint}")
+        natural = torch.exp(lse.double() - lse.double().max(dim=1, keepdim=True).values)
+        natural_merge = (natural[..., None] * partial.double()).sum(1) / natural.sum(1)[..., None]
+        if torch.allclose(out.double(), natural_merge, atol=1e-5, rtol=1e-5):
+            raise ExerciseFailure(f"{message}: lse is in base 2 (the kernel's exp2), so weight split s by "
+                                  "2**(lse_s - max lse), not e**(...)")  # fmt: skip
+        weights = torch.exp2(lse.double() - lse.double().max(dim=1, keepdim=True).values)
+        if torch.allclose(out.double(), (weights[..., None] * partial.double()).sum(1), atol=1e-5, rtol=1e-5):
+            raise ExerciseFailure(f"{message}: divide by the sum of the weights (each partial is already normalised "
+                                  "over its own split; the weights must add up to 1)")  # fmt: skip
+        raise ExerciseFailure(f"{message} (first: sequence 0, head 0: got {out[0, 0, 0, :3].tolist()}..., expected "
+                              f"{want[0, 0, 0, :3].float().tolist()}...)")  # fmt: skip
+    if engine:
+        from nanoref.ops import attention_triton  # defines the kernels: the interpreter switch first
+
+        calls = []
+
+        def counted(partial, lse, out):
+            calls.append(partial.shape[1])
+            return fn(partial, lse, out)
+
+        # contexts past one 64-key tile, cut into 2 splits; the short prompt's second split is empty
+        prompts = random_prompts(seed=7, lengths=[70, 9, 100], vocab=256)
+        with use(paged_decode_attention=functools.partial(attention_triton.paged_decode_attention, num_splits=2)):
+            check_generation({"merge_splits": counted}, prompts=prompts, attention_backend="triton")
+        assert calls, "the engine never merged splits: the check's setup is wrong, not your function"

@@ -1,0 +1,94 @@
+"""Checks for notebook 02's exercises: `rms_norm` and the fused `add_rms_norm`."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from nanoref.exercises.common import ExerciseFailure, check_generation
+from nanoref.exercises.tensors import describe_row, expect_tensor, first_bad_row
+from nanoref.layers.layernorm import add_rms_norm, rms_norm
+
+# (atol, rtol) per dtype: one rounding of the output, twice over
+_TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 2e-2), torch.float16: (2e-3, 2e-3)}
+_EPS = 1e-6
+
+
+def _inputs(generator: torch.Generator, rows: int, hidden: int, scale: float, dtype: torch.dtype):
+    x = scale * torch.randn(rows, hidden, generator=generator)  # (T, hidden)
+    weight = 1 + 0.1 * torch.randn(hidden, generator=generator)  # (hidden,): a learned weight, not ones
+    return x.to(dtype), weight.to(dtype)
+
+
+def _compare(got: torch.Tensor, want: torch.Tensor, what: str, case: str, hint: str) -> None:
+    atol, rtol = _TOLERANCE[want.dtype]
+    row = first_bad_row(got, want, atol, rtol)
+    if row is not None:
+        raise ExerciseFailure(f"{case}: row {row} of {what} is {describe_row(got, want, row)}. {hint}")
+
+
+def _upcast_hint(got: torch.Tensor) -> str:
+    if got.isinf().any() or got.isnan().any() or (got == 0).all():
+        return (
+            "Your output holds inf, NaN or only zeros: in float16, squares of |x| > 256 overflow. Compute the "
+            "mean of squares in float32 (x.float()) and cast back to the input dtype before the weight multiply."
+        )
+    return "Compute the statistic in float32 (x.float()), cast back to x's dtype, then multiply by the weight."
+
+
+def check_rms_norm(fn: Callable, *, seed: int = 0, engine: bool = True) -> None:
+    """`fn(x, weight, eps) -> (..., hidden)` against nanoref's `rms_norm`, then inside the engine."""
+    generator = torch.Generator().manual_seed(seed)
+    x, weight = _inputs(generator, 6, 96, 1.0, torch.float32)
+    got = expect_tensor(fn(x, weight, _EPS), "rms_norm(x, weight, eps) on float32 x (6, 96)", x.shape, x.dtype)
+    unit = (got.double() / weight.double()).pow(2).mean(-1).sqrt()  # (T,): each row's RMS before the weight
+    if not torch.allclose(unit, torch.ones_like(unit), atol=1e-3):
+        raise ExerciseFailure(
+            f"float32: after dividing out the weight, row 0 of your output has RMS {unit[0].item():.4f}, expected 1: "
+            "divide x by sqrt(mean(x**2) over the last axis + eps), and multiply by the weight once"
+        )
+    _compare(got, rms_norm(x, weight, _EPS), "rms_norm(x)", "float32", "Mean over the last axis; eps inside the sqrt.")
+    x3 = torch.randn(2, 3, 40, generator=generator)  # (B, T, hidden): any leading axes
+    w3 = 1 + 0.1 * torch.randn(40, generator=generator)
+    got = expect_tensor(fn(x3, w3, _EPS), "rms_norm on a (2, 3, 40) input", x3.shape, x3.dtype)
+    hint = "Normalise over the last axis only (dim=-1, keepdim=True), whatever the leading axes."
+    _compare(got.flatten(0, 1), rms_norm(x3, w3, _EPS).flatten(0, 1), "the (6, 40) rows", "a 3-D input", hint)
+    x16, w16 = _inputs(generator, 4, 96, 300.0, torch.float16)
+    got = expect_tensor(fn(x16, w16, _EPS), "rms_norm on float16 x of magnitude ~300", x16.shape, x16.dtype)
+    _compare(got, rms_norm(x16, w16, _EPS), "rms_norm(x)", "float16, |x| ~ 300", _upcast_hint(got))
+    xb, wb = _inputs(generator, 8, 96, 3.0, torch.bfloat16)
+    got = expect_tensor(fn(xb, wb, _EPS), "rms_norm on bfloat16 x", xb.shape, xb.dtype)
+    _compare(got, rms_norm(xb, wb, _EPS), "rms_norm(x)", "bfloat16", _upcast_hint(got))
+    if engine:
+        check_generation({"rms_norm": fn})
+
+
+def check_add_rms_norm(fn: Callable, *, seed: int = 0, engine: bool = True) -> None:
+    """`fn(x, residual, weight, eps) -> (normed, new residual)` against nanoref's, then inside the engine."""
+    generator = torch.Generator().manual_seed(seed)
+    for dtype, scale in ((torch.float32, 1.0), (torch.bfloat16, 3.0), (torch.float16, 200.0)):
+        case = f"{str(dtype).removeprefix('torch.')} inputs"
+        x, weight = _inputs(generator, 6, 96, scale, dtype)
+        residual = (scale * torch.randn(6, 96, generator=generator)).to(dtype)
+        x_before, residual_before = x.clone(), residual.clone()
+        result = fn(x, residual, weight, _EPS)
+        if not (isinstance(result, tuple) and len(result) == 2):
+            raise ExerciseFailure(
+                f"add_rms_norm should return a tuple (normed, new_residual), got {type(result).__name__}"
+            )
+        if not (torch.equal(x, x_before) and torch.equal(residual, residual_before)):
+            raise ExerciseFailure(f"{case}: your function changed x or residual in place; return new tensors instead")
+        normed = expect_tensor(result[0], f"{case}: the first result (normed)", x.shape, dtype)
+        new_residual = expect_tensor(result[1], f"{case}: the second result (new residual)", x.shape, dtype)
+        want_normed, want_residual = add_rms_norm(x, residual, weight, _EPS)
+        if torch.allclose(normed.double(), want_residual.double()) and not torch.allclose(
+            new_residual.double(), want_residual.double()
+        ):
+            raise ExerciseFailure(f"{case}: the results come in the wrong order: return (normed, new_residual)")
+        hint = "The new residual is x + residual (add in float32, hand it back in the input dtype)."
+        _compare(new_residual, want_residual, "the new residual", case, hint)
+        hint = "normed is rms_norm(x + residual) of the float32 sum; " + _upcast_hint(normed)
+        _compare(normed, want_normed, "normed", case, hint)
+    if engine:
+        check_generation({"add_rms_norm": fn})

@@ -1,0 +1,105 @@
+"""Checks for notebook 01's exercise: `prefill_metadata`, a prefill step's flat inputs."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+import torch
+
+from nanoref.engine.model_runner import prefill_metadata
+from nanoref.exercises.common import ExerciseFailure, check_generation, random_prompts
+
+_FIELDS = ("input_ids", "positions", "cu_seqlens_q", "cu_seqlens_k", "slot_mapping")
+
+
+def _as_list(value: object, name: str) -> list[int]:
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 1:
+            raise ExerciseFailure(f"{name} should be 1-D, got shape {tuple(value.shape)}")
+        return value.tolist()
+    if not isinstance(value, (list, tuple)):
+        raise ExerciseFailure(f"{name} should be a list of ints, got {type(value).__name__}")
+    return list(value)
+
+
+def _case(rng: random.Random, block_size: int, num_blocks: int):
+    """A step of 4 sequences: fresh prompts, prefix-cache hits (whole blocks) and mid-prompt chunks."""
+    free = list(range(num_blocks))
+    rng.shuffle(free)  # scattered blocks, as after a while of serving
+    token_ids, num_cached, num_new, block_tables = [], [], [], []
+    for kind in ("fresh", "prefix hit", "later chunk", "fresh"):
+        length = rng.randint(block_size + 3, 4 * block_size - 1)
+        cached = 0
+        if kind == "prefix hit":
+            cached = block_size * rng.randint(1, (length - 1) // block_size)
+        elif kind == "later chunk":
+            cached = rng.randint(3, length - 2)
+        new = length - cached if kind != "later chunk" else rng.randint(1, length - cached)
+        token_ids.append([rng.randrange(1, 256) for _ in range(length)])
+        num_cached.append(cached)
+        num_new.append(new)
+        blocks = (length + block_size - 1) // block_size
+        block_tables.append([free.pop() for _ in range(blocks)])
+    return token_ids, num_cached, num_new, block_tables
+
+
+def _hint(field: str, index: int, got: int, want: int, case: tuple, block_size: int) -> str:
+    token_ids, num_cached, num_new, block_tables = case
+    if field in ("cu_seqlens_q", "cu_seqlens_k"):
+        seq = index - 1
+        where = f"row {index} of {field} is {got}, expected {want}"
+        if index == 0:
+            return f"{where}: cu_seqlens starts with a 0"
+        if field == "cu_seqlens_q":
+            return (
+                f"{where}: sequence {seq} contributes num_new[{seq}] = {num_new[seq]} queries (its cached "
+                f"{num_cached[seq]} tokens are not recomputed); cu_seqlens_q adds up the new tokens"
+            )
+        return (
+            f"{where}: did you count the prefix-cached tokens? Sequence {seq}'s keys are its {num_cached[seq]} "
+            f"cached tokens plus its {num_new[seq]} new ones"
+        )
+    seq, offset = 0, index
+    while offset >= num_new[seq]:
+        offset, seq = offset - num_new[seq], seq + 1
+    position = num_cached[seq] + offset
+    where = f"{field}[{index}] (sequence {seq}'s new token {offset}, at position {position}) is {got}, expected {want}"
+    if field == "input_ids":
+        return f"{where}: take token_ids[{seq}][num_cached : num_cached + num_new], skipping the cached tokens"
+    if field == "positions":
+        return f"{where}: positions count inside each sequence and continue after its {num_cached[seq]} cached tokens"
+    return (
+        f"{where}: the slot is block_tables[{seq}][{position} // {block_size}] * {block_size} + "
+        f"{position} % {block_size} (its block tables are {block_tables[seq]})"
+    )
+
+
+def check_prefill_metadata(fn: Callable, *, seed: int = 0, engine: bool = True) -> None:
+    """`fn(token_ids, num_cached, num_new, block_tables, block_size)` against nanoref's, then in the engine."""
+    rng = random.Random(seed)
+    for block_size in (4, 16):
+        case = _case(rng, block_size, num_blocks=64)
+        result = fn(*case, block_size)
+        if not (isinstance(result, (tuple, list)) and len(result) == 5):
+            raise ExerciseFailure(f"return 5 values {_FIELDS}, got {type(result).__name__}")
+        expected = prefill_metadata(*case, block_size)
+        for field, got, want in zip(_FIELDS, result, expected):
+            got = _as_list(got, field)
+            if len(got) != len(want):
+                what = (
+                    "N, the sum of num_new" if field in ("input_ids", "positions", "slot_mapping") else "num_seqs + 1"
+                )
+                raise ExerciseFailure(
+                    f"block_size {block_size}: {field} has {len(got)} entries, expected {len(want)} ({what}); "
+                    f"num_cached = {case[1]}, num_new = {case[2]}"
+                )
+            for index, (a, b) in enumerate(zip(got, want)):
+                if a != b:
+                    raise ExerciseFailure(f"block_size {block_size}: " + _hint(field, index, a, b, case, block_size))
+    if engine:
+        # shared prefixes (prefix-cache hits) and a small token budget (chunked prefill): keys run ahead of queries
+        prefix = random_prompts(seed=99, lengths=[36], vocab=256)[0]
+        prompts = [prefix + tail for tail in random_prompts(seed=100, lengths=[5, 11, 2], vocab=256)]
+        prompts.append(random_prompts(seed=101, lengths=[7], vocab=256)[0])
+        check_generation({"prefill_metadata": fn}, prompts=prompts, max_num_batched_tokens=24, kvcache_block_size=16)

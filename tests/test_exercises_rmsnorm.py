@@ -1,0 +1,76 @@
+"""Notebook 02's exercise checks: nanoref's own functions pass; plausible wrong answers fail with a useful message."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nanoref.exercises import ExerciseFailure, check_add_rms_norm, check_rms_norm
+from nanoref.layers.layernorm import add_rms_norm, rms_norm
+
+
+def test_nanorefs_own_functions_pass_with_the_engine():
+    check_rms_norm(rms_norm)
+    check_add_rms_norm(add_rms_norm)
+
+
+def no_upcast(x, weight, eps):
+    return x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps) * weight
+
+
+def forgot_weight(x, weight, eps):
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def wrong_axis(x, weight, eps):
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(dim=0, keepdim=True) + eps)).to(x.dtype)
+
+
+@pytest.mark.parametrize(
+    "wrong, message",
+    [
+        (no_upcast, "float16, |x| ~ 300.*inf, NaN or only zeros.*float32"),
+        (forgot_weight, "RMS .*multiply by the weight"),
+        (wrong_axis, "RMS .*expected 1"),
+        (lambda x, weight, eps: rms_norm(x, weight, eps).float(), "dtype torch.float32, expected torch.float16"),
+    ],
+)
+def test_wrong_rms_norm_fails_with_a_message(wrong, message):
+    with pytest.raises(ExerciseFailure, match=message):
+        check_rms_norm(wrong, engine=False)
+
+
+def swapped(x, residual, weight, eps):
+    normed, new_residual = add_rms_norm(x, residual, weight, eps)
+    return new_residual, normed
+
+
+def residual_not_added(x, residual, weight, eps):
+    normed, _ = add_rms_norm(x, residual, weight, eps)
+    return normed, residual
+
+
+def norm_of_x_only(x, residual, weight, eps):
+    return rms_norm(x, weight, eps), x + residual
+
+
+def in_place(x, residual, weight, eps):
+    residual += x
+    return rms_norm(residual, weight, eps), residual
+
+
+@pytest.mark.parametrize(
+    "wrong, message",
+    [
+        (swapped, "wrong order"),
+        (residual_not_added, "row 0 of the new residual.*x \\+ residual"),
+        (norm_of_x_only, "row 0 of normed.*rms_norm\\(x \\+ residual\\)"),
+        (in_place, "in place"),
+        (lambda x, residual, weight, eps: rms_norm(x + residual, weight, eps), "tuple"),
+    ],
+)
+def test_wrong_add_rms_norm_fails_with_a_message(wrong, message):
+    with pytest.raises(ExerciseFailure, match=message):
+        check_add_rms_norm(wrong, engine=False)

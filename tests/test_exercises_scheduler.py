@@ -1,0 +1,81 @@
+"""Notebook 05's exercise check: nanoref's prefix lookup passes; plausible wrong lookups fail with a message."""
+
+from __future__ import annotations
+
+import pytest
+
+from nanoref.engine.block_manager import chain_hash, find_cached_prefix
+from nanoref.exercises import (
+    ExerciseFailure,
+    check_choose_preemption_victim,
+    check_find_cached_prefix,
+    check_generation,
+)
+
+
+def test_nanorefs_own_lookup_passes_with_the_engine():
+    check_find_cached_prefix(find_cached_prefix)
+
+
+def lookup_variant(*, keep_last=False, skip_misses=False, chained=True, check_tokens=True):
+    def lookup(token_ids, block_size, hash_to_block_id, blocks):
+        hits, prefix_hash = [], -1
+        count = len(token_ids) // block_size if keep_last else (len(token_ids) - 1) // block_size
+        for index in range(count):
+            tokens = token_ids[index * block_size : (index + 1) * block_size]
+            prefix_hash = chain_hash(tokens, prefix_hash if chained else -1)
+            block_id = hash_to_block_id.get(prefix_hash, -1)
+            if block_id == -1 or (check_tokens and blocks[block_id].token_ids != tokens):
+                if skip_misses:
+                    continue
+                break
+            hits.append(block_id)
+        return hits
+
+    return lookup
+
+
+@pytest.mark.parametrize(
+    "wrong, message",
+    [
+        (lookup_variant(keep_last=True), r"exactly 3 blocks .*expected \[\d+, \d+\]: the last token is always"),
+        (lookup_variant(skip_misses=True), "block 0 of the prompt is no longer cached.*stop at the first block"),
+        (lookup_variant(chained=False), "chain_hash\\(its tokens, the hash of block i - 1\\)"),
+        (lookup_variant(check_tokens=False), "hash collision.*compare the block's token_ids"),
+        (lambda *args: None, "return a list of block ids"),
+    ],
+)
+def test_wrong_lookups_fail_with_a_message(wrong, message):
+    with pytest.raises(ExerciseFailure, match=message):
+        check_find_cached_prefix(wrong, engine=False)
+
+
+def test_the_engine_check_catches_a_prompt_served_entirely_from_the_cache():
+    prompt = list(range(10, 42))  # exactly 2 blocks of 16: the second request finds both cached
+    with pytest.raises(ExerciseFailure, match="engine failed|generates token"):
+        check_generation(
+            {"find_cached_prefix": lookup_variant(keep_last=True)},
+            prompts=[prompt, prompt],
+            max_num_batched_tokens=32,
+            kvcache_block_size=16,
+        )
+
+
+def test_nanorefs_preemption_choice_passes_with_the_engine():
+    from nanoref.engine.scheduler import choose_preemption_victim
+
+    check_choose_preemption_victim(choose_preemption_victim)
+
+
+@pytest.mark.parametrize(
+    "wrong, message",
+    [
+        (lambda running, seq: running[0] if running else seq, "chose running\\[0\\], expected running\\[2\\]"),
+        (lambda running, seq: seq, "seq steps back only when no other sequence is running"),
+        (lambda running, seq: running.pop() if running else seq, "changed `running`"),
+        (lambda running, seq: None, "return one of the sequences you were given"),
+    ],
+)
+def test_wrong_preemption_choices_fail_with_a_message(wrong, message):
+    with pytest.raises(ExerciseFailure, match=message):
+        check_choose_preemption_victim(wrong, engine=False)

@@ -1,0 +1,57 @@
+"""Notebook 01's exercise check: nanoref's `prefill_metadata` passes; plausible wrong answers fail in words."""
+
+from __future__ import annotations
+
+import pytest
+
+from nanoref.engine.model_runner import prefill_metadata
+from nanoref.exercises import ExerciseFailure, check_generation, check_prefill_metadata
+
+
+def test_nanorefs_own_function_passes_with_the_engine():
+    check_prefill_metadata(prefill_metadata)
+
+
+def variant(*, ids_from_zero=False, positions_from_zero=False, keys_without_history=False, slot_without_size=False):
+    def wrong(token_ids, num_cached, num_new, block_tables, block_size):
+        ids, positions, slots, cu_q, cu_k = [], [], [], [0], [0]
+        for tokens, start, count, table in zip(token_ids, num_cached, num_new, block_tables):
+            end = start + count
+            ids.extend(tokens[:count] if ids_from_zero else tokens[start:end])
+            positions.extend(range(count) if positions_from_zero else range(start, end))
+            for t in range(start, end):
+                block = table[t // block_size]
+                slots.append(block + t % block_size if slot_without_size else block * block_size + t % block_size)
+            cu_q.append(cu_q[-1] + count)
+            cu_k.append(cu_k[-1] + (count if keys_without_history else end))
+        return ids, positions, cu_q, cu_k, slots
+
+    return wrong
+
+
+@pytest.mark.parametrize(
+    "wrong, message",
+    [
+        (variant(keys_without_history=True), r"row 2 of cu_seqlens_k is .*did you count the prefix-cached tokens"),
+        (variant(positions_from_zero=True), r"positions\[\d+\] \(sequence 1's new token 0.*continue after"),
+        (variant(ids_from_zero=True), r"input_ids\[\d+\] \(sequence 1.*skipping the cached tokens"),
+        (variant(slot_without_size=True), r"slot_mapping\[\d+\] .*block_tables\[0\]"),
+        (lambda *args: prefill_metadata(*args)[:4], "return 5 values"),
+        (lambda *args: prefill_metadata(*args)._replace(cu_seqlens_q=prefill_metadata(*args).cu_seqlens_q[1:]),
+         r"cu_seqlens_q has 4 entries, expected 5 \(num_seqs \+ 1\)"),
+    ],
+)  # fmt: skip
+def test_wrong_answers_fail_with_a_message(wrong, message):
+    with pytest.raises(ExerciseFailure, match=message):
+        check_prefill_metadata(wrong, engine=False)
+
+
+def test_the_engine_check_catches_what_the_unit_check_would():
+    # the engine run has prefix-cache hits and chunked prefill: ignoring the history breaks generation
+    with pytest.raises(ExerciseFailure, match="generates token|engine failed"):
+        check_generation(
+            {"prefill_metadata": variant(positions_from_zero=True)},
+            prompts=[list(range(3, 43)), list(range(3, 43)) + [7, 8]],
+            max_num_batched_tokens=24,
+            kvcache_block_size=16,
+        )
