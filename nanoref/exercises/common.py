@@ -61,6 +61,25 @@ def random_prompts(seed: int, lengths: list[int], vocab: int) -> list[list[int]]
     return [torch.randint(0, vocab, (n,), generator=generator).tolist() for n in lengths]
 
 
+def describe(functions: dict[str, Callable]) -> str:
+    return ", ".join(f"your `{name}`" for name in functions)
+
+
+def generate_with(llm: Any, functions: dict[str, Callable], prompts: list[list[int]], params: Any) -> list[list[int]]:
+    """The engine's output ids with the learner's `functions` in place; an engine error becomes an
+    ExerciseFailure that names them (the learner's code raised, or returned something the engine cannot use)."""
+    try:
+        with use(**functions):
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+    except ExerciseFailure:
+        raise
+    except Exception as error:
+        raise ExerciseFailure(
+            f"the engine failed while running {describe(functions)}: {type(error).__name__}: {error}"
+        ) from error
+    return [out["token_ids"] for out in outputs]
+
+
 def check_generation(
     functions: dict[str, Callable],
     *,
@@ -85,18 +104,11 @@ def check_generation(
     engine_kwargs.setdefault("num_kvcache_blocks", 64)
     # a CUDA graph replays the kernels recorded at capture, not the learner's function: run eagerly
     engine_kwargs.setdefault("enforce_eager", True)
-    names = ", ".join(f"your `{name}`" for name in functions)
+    names = describe(functions)
     llm = LLM(model, **engine_kwargs)
     if prepare is not None:
         prepare(llm)
-    try:
-        with use(**functions):
-            outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
-    except ExerciseFailure:
-        raise
-    except Exception as error:
-        raise ExerciseFailure(f"the engine failed while running {names}: {type(error).__name__}: {error}") from error
-    got = [out["token_ids"] for out in outputs]
+    got = generate_with(llm, functions, prompts, SamplingParams(temperature=0, max_tokens=max_tokens))
     for index, (mine, reference) in enumerate(zip(got, expected)):
         for position, (a, b) in enumerate(zip(mine, reference)):
             if a != b:

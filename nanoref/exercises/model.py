@@ -11,11 +11,17 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from nanoref.exercises.common import ExerciseFailure, check_generation, random_prompts, tiny_model
+from nanoref.exercises.common import (
+    ExerciseFailure,
+    check_generation,
+    describe,
+    generate_with,
+    random_prompts,
+    tiny_model,
+)
 from nanoref.layers.activation import silu_and_mul
 from nanoref.layers.rotary import RotaryEmbedding, apply_rotary
 from nanoref.layers.sampler import apply_top_k_top_p
-from nanoref.utils.seams import use
 
 
 def _fresh_generator() -> torch.Generator:
@@ -163,15 +169,8 @@ def check_seeded_sampling(functions: dict[str, Callable], *, max_tokens: int = 8
     ]
     llm = LLM(model, num_kvcache_blocks=64)
     expected = [out["token_ids"] for out in llm.generate(prompts, params, use_tqdm=False)]
-    names = ", ".join(f"your `{name}`" for name in functions)
-    try:
-        with use(**functions):
-            outputs = llm.generate(prompts, params, use_tqdm=False)
-    except ExerciseFailure:
-        raise
-    except Exception as error:
-        raise ExerciseFailure(f"the engine failed while running {names}: {type(error).__name__}: {error}") from error
-    got = [out["token_ids"] for out in outputs]
+    names = describe(functions)
+    got = generate_with(llm, functions, prompts, params)
     for index, (mine, reference) in enumerate(zip(got, expected)):
         if mine != reference:
             position = next((i for i, (a, b) in enumerate(zip(mine, reference)) if a != b), min(len(mine), 8))
