@@ -25,12 +25,31 @@ class InFlight:
 
     seqs: list[Sequence]  # the rows that still count, in batch order
     rows: list[int]  # each one's row in `sampled` (rows of sequences that finished meanwhile are skipped)
-    sampled: torch.Tensor  # (rows launched,) int64 token ids, on the device
+    sampled: torch.Tensor  # (rows launched,) int64 token ids, on the device: the next step's input ids
+    host: torch.Tensor  # the same ids on their way to the host (pinned memory on CUDA)
+    ready: torch.cuda.Event | None  # recorded right behind the copy to `host` (None on a CPU)
     record: StepRecord | None = None
 
+    @classmethod
+    def start(cls, seqs: list[Sequence], sampled: torch.Tensor, record: StepRecord | None = None) -> InFlight:
+        """Queue the copy of a step's sampled ids to the host right behind the step itself.
+
+        A plain `sampled.tolist()` later would queue its copy behind whatever was launched meanwhile, i.e.
+        behind step n+1: the host would wait for both steps and the overlap would be lost. The event marks the
+        end of this step's copy alone."""
+        if not sampled.is_cuda:
+            return cls(seqs, list(range(len(seqs))), sampled, sampled, None, record)
+        host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)
+        host.copy_(sampled, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return cls(seqs, list(range(len(seqs))), sampled, host, ready, record)
+
     def token_ids(self) -> list[int]:
-        """Wait for the step and read its tokens back: the host sync."""
-        sampled = self.sampled.tolist()
+        """Wait for the step (and only for it) and read its tokens: the step's one host sync."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        sampled = self.host.tolist()
         return [sampled[row] for row in self.rows]
 
 
@@ -154,8 +173,7 @@ class LLMEngine:
         if self.in_flight is None:  # nothing queued: schedule and launch step n the usual way
             seqs, is_prefill = self.scheduler.schedule()
             record = self.metrics.begin_step(self.scheduler, seqs, is_prefill)
-            sampled = self.model_runner.launch(seqs, is_prefill)
-            self.in_flight = InFlight(seqs, list(range(len(seqs))), sampled, record)
+            self.in_flight = InFlight.start(seqs, self.model_runner.launch(seqs, is_prefill), record)
         current = self.in_flight
         # 1. step n+1, scheduled and queued behind step n, its input ids gathered from step n's on the device
         ahead = self.scheduler.schedule_ahead(current.seqs)
@@ -165,7 +183,7 @@ class LLMEngine:
             next_ids = current.sampled
             if rows != list(range(len(current.sampled))):
                 next_ids = current.sampled[self.model_runner._tensor(rows, torch.int64)]  # (len(ahead),)
-            sampled = self.model_runner.launch(ahead, is_prefill=False, next_ids=next_ids)
+            next_step = InFlight.start(ahead, self.model_runner.launch(ahead, is_prefill=False, next_ids=next_ids))
         # 2. step n: wait for its tokens (the step's one host sync) and postprocess them
         finished = self.scheduler.postprocess(current.seqs, current.token_ids())
         record = self.metrics.end_step(current.record, current.seqs)
@@ -173,10 +191,12 @@ class LLMEngine:
         self.in_flight = None
         if ahead:
             live = self.scheduler.commit_ahead(ahead)
-            if live:
+            if live:  # (when every row finished at step n, step n+1's result is simply never read)
                 live_ids = {seq.seq_id for seq in live}
-                rows = [row for row, seq in enumerate(ahead) if seq.seq_id in live_ids]
-                self.in_flight = InFlight(live, rows, sampled, self.metrics.begin_step(self.scheduler, live, False))
+                next_step.rows = [row for row, seq in enumerate(ahead) if seq.seq_id in live_ids]
+                next_step.seqs = live
+                next_step.record = self.metrics.begin_step(self.scheduler, live, False)
+                self.in_flight = next_step
         return finished, record
 
     def abort_all(self) -> None:
