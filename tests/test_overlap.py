@@ -190,3 +190,24 @@ def test_overlapped_loop_through_the_graph_buckets(tiny_model):
     assert llm.num_ahead_steps > 0
     assert_matches_hf(tiny_model, prompts, outputs, GREEDY.max_tokens)
     assert_no_block_leaked(llm)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_cuda_overlapped_loop_matches_plain_loop_with_eos(tiny_model, enforce_eager):
+    """On a GPU the steps really overlap: the same tokens as the plain loop, with EOS ending rows mid-batch."""
+    prompts = random_prompts(seed=20, lengths=[3, 9, 17, 25, 33, 1, 40, 12])
+    kwargs = dict(device="cuda", dtype="float32", num_kvcache_blocks=128, enforce_eager=enforce_eager)
+    free_run = LLM(tiny_model, overlap_scheduling=False, **kwargs).generate(prompts, GREEDY, use_tqdm=False)
+    assert free_run == [{"text": None, "token_ids": hf_greedy(tiny_model, p, GREEDY.max_tokens)} for p in prompts]
+    eos = free_run[2]["token_ids"][5]
+    params = SamplingParams(temperature=0, max_tokens=GREEDY.max_tokens)
+    engines = [LLM(tiny_model, overlap_scheduling=overlap, **kwargs) for overlap in (False, True)]
+    for engine in engines:
+        engine.scheduler.eos_token_ids = {eos}
+    plain_out, overlapped_out = (engine.generate(prompts, params, use_tqdm=False) for engine in engines)
+    assert overlapped_out == plain_out
+    assert [o["token_ids"] for o in overlapped_out] == [
+        hf_until_eos(tiny_model, p, params.max_tokens, eos) for p in prompts
+    ]
+    assert_no_block_leaked(engines[1])
