@@ -24,6 +24,8 @@ class LLM(LLMEngine):
         when installed) or "auto" (flash-attn, else Triton on CUDA; torch on CPU).
     kvcache_block_size: tokens per KV block; default 16, or 256 when flash-attn serves.
     enforce_eager: on CUDA, skip capturing decode CUDA graphs.
+    overlap_scheduling: schedule and prepare each decode step while the device still runs the one before;
+        None (default): on CUDA only. True on a CPU runs the same loop, without anything to overlap.
     """
 
     def __init__(
@@ -41,6 +43,7 @@ class LLM(LLMEngine):
         gpu_memory_utilization: float = 0.9,
         attention_backend: str = "auto",
         tensor_parallel_size: int = 1,
+        overlap_scheduling: bool | None = None,
     ) -> None:
         config = EngineConfig(
             model=model,
@@ -55,5 +58,6 @@ class LLM(LLMEngine):
             gpu_memory_utilization=gpu_memory_utilization,
             attention_backend=attention_backend,
             tensor_parallel_size=tensor_parallel_size,
+            overlap_scheduling=overlap_scheduling,
         )
         super().__init__(config)

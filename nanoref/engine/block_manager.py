@@ -146,8 +146,10 @@ class BlockManager:
         """Room for the K/V of seq's last token (a new block when it starts one)."""
         return self.num_free_blocks >= seq.num_blocks - len(seq.block_table)
 
-    def may_append(self, seq: Sequence) -> None:
-        while len(seq.block_table) < seq.num_blocks:
+    def may_append(self, seq: Sequence, num_tokens: int | None = None) -> None:
+        """Grow seq's block table to hold num_tokens tokens (default: the tokens it has)."""
+        num_blocks = seq.num_blocks if num_tokens is None else self.blocks_needed(num_tokens)
+        while len(seq.block_table) < num_blocks:
             seq.block_table.append(self._take_free_block())
 
     # -- after a step -------------------------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numbers
 import operator
 import threading
+from dataclasses import dataclass
 
 import torch
 from tqdm.auto import tqdm
@@ -16,6 +17,40 @@ from nanoref.engine.scheduler import Scheduler
 from nanoref.engine.sequence import Sequence
 from nanoref.sampling_params import SamplingParams
 from nanoref.utils.loader import load_tokenizer
+
+
+@dataclass
+class InFlight:
+    """A step queued on the device whose sampled tokens the host has not read yet (the overlapped loop)."""
+
+    seqs: list[Sequence]  # the rows that still count, in batch order
+    rows: list[int]  # each one's row in `sampled` (rows of sequences that finished meanwhile are skipped)
+    sampled: torch.Tensor  # (rows launched,) int64 token ids, on the device: the next step's input ids
+    host: torch.Tensor  # the same ids on their way to the host (pinned memory on CUDA)
+    ready: torch.cuda.Event | None  # recorded right behind the copy to `host` (None on a CPU)
+    record: StepRecord | None = None
+
+    @classmethod
+    def start(cls, seqs: list[Sequence], sampled: torch.Tensor, record: StepRecord | None = None) -> InFlight:
+        """Queue the copy of a step's sampled ids to the host right behind the step itself.
+
+        A plain `sampled.tolist()` later would queue its copy behind whatever was launched meanwhile, i.e.
+        behind step n+1: the host would wait for both steps and the overlap would be lost. The event marks the
+        end of this step's copy alone."""
+        if not sampled.is_cuda:
+            return cls(seqs, list(range(len(seqs))), sampled, sampled, None, record)
+        host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)
+        host.copy_(sampled, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return cls(seqs, list(range(len(seqs))), sampled, host, ready, record)
+
+    def token_ids(self) -> list[int]:
+        """Wait for the step (and only for it) and read its tokens: the step's one host sync."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        sampled = self.host.tolist()
+        return [sampled[row] for row in self.rows]
 
 
 class LLMEngine:
@@ -39,6 +74,7 @@ class LLMEngine:
             eos_token_ids=eos,
         )
         self.metrics = EngineMetrics()  # step records and per-request metrics (see engine/metrics.py)
+        self.in_flight: InFlight | None = None  # the overlapped loop's step on the device, not yet postprocessed
 
     # -- requests -----------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -106,17 +142,69 @@ class LLMEngine:
         with self._lock:
             if self.scheduler.is_finished():
                 raise RuntimeError("step() found no request waiting or running: add one with add_request() first")
+            if self.config.overlap_scheduling:
+                return self._step_overlapped()
             seqs, is_prefill = self.scheduler.schedule()
             record = self.metrics.begin_step(self.scheduler, seqs, is_prefill)
             token_ids = self.model_runner.run(seqs, is_prefill)
             finished = self.scheduler.postprocess(seqs, token_ids)
             return finished, self.metrics.end_step(record, seqs)
 
+    def _step_overlapped(self) -> tuple[list[Sequence], StepRecord]:
+        """`step` with the host one step ahead of its bookkeeping: completes step n, leaves step n+1 running.
+
+        In the plain `step` the device idles while the host schedules and prepares a step, and the host idles
+        while the device runs it. Here, while the device runs step n, the host already schedules and launches
+        step n+1, and only then waits for step n's tokens and postprocesses them. Why each piece can run ahead:
+        - step n+1's input tokens are step n's sampled ids: they stay on the device (`launch(next_ids=...)`),
+          so nothing has to come back to the host before step n+1 can be queued behind step n;
+        - its positions, slots and context lengths only need token counts, and every row gains exactly one
+          token per decode step, so the host knows them without the values (`Scheduler.schedule_ahead`);
+        - the host's token bookkeeping (append, EOS and max_tokens checks, prefix-cache hashes) follows one
+          step behind: step n's postprocess runs while step n+1 is on the device;
+        - a sequence that samples EOS at step n has a row in step n+1 already; that row's token is dropped
+          (`Scheduler.commit_ahead`), and its K/V write lands in a block just freed, before any later step can
+          reuse it (device work runs in queue order).
+        When step n+1 cannot be decided without step n's tokens (prefills, preemption), the loop waits for step
+        n and schedules as usual: those steps run exactly as in the plain loop. On a CPU the "launch" computes
+        right away, so nothing overlaps, but every decision is the same: that is how the tests check it.
+        Expected gain on a GPU: the ~2 ms of host work per decode step leaves the critical path (not measured).
+        """
+        if self.in_flight is None:  # nothing queued: schedule and launch step n the usual way
+            seqs, is_prefill = self.scheduler.schedule()
+            record = self.metrics.begin_step(self.scheduler, seqs, is_prefill)
+            self.in_flight = InFlight.start(seqs, self.model_runner.launch(seqs, is_prefill), record)
+        current = self.in_flight
+        # 1. step n+1, scheduled and queued behind step n, its input ids gathered from step n's on the device
+        ahead = self.scheduler.schedule_ahead(current.seqs)
+        if ahead:
+            row_of = {seq.seq_id: row for seq, row in zip(current.seqs, current.rows)}
+            rows = [row_of[seq.seq_id] for seq in ahead]
+            next_ids = current.sampled
+            if rows != list(range(len(current.sampled))):
+                next_ids = current.sampled[self.model_runner._tensor(rows, torch.int64)]  # (len(ahead),)
+            next_step = InFlight.start(ahead, self.model_runner.launch(ahead, is_prefill=False, next_ids=next_ids))
+        # 2. step n: wait for its tokens (the step's one host sync) and postprocess them
+        finished = self.scheduler.postprocess(current.seqs, current.token_ids())
+        record = self.metrics.end_step(current.record, current.seqs)
+        # 3. step n+1 stays in flight with the rows that still count
+        self.in_flight = None
+        if ahead:
+            live = self.scheduler.commit_ahead(ahead)
+            if live:  # (when every row finished at step n, step n+1's result is simply never read)
+                live_ids = {seq.seq_id for seq in live}
+                next_step.rows = [row for row, seq in enumerate(ahead) if seq.seq_id in live_ids]
+                next_step.seqs = live
+                next_step.record = self.metrics.begin_step(self.scheduler, live, False)
+                self.in_flight = next_step
+        return finished, record
+
     def abort_all(self) -> None:
         """Drop every unfinished request and free its blocks (after an error or an interrupt)."""
         with self._lock:
             self.metrics.forget([*self.scheduler.running, *self.scheduler.waiting])
             self.scheduler.abort_all()
+            self.in_flight = None  # its sequences are aborted: its tokens are never read
 
     def is_finished(self) -> bool:
         return self.scheduler.is_finished()

@@ -227,15 +227,21 @@ class ModelRunner:
         set_context(context)
         return self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64)  # (N,), (N,)
 
-    def prepare_decode(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
-        # One pass over the batch and one host-to-device copy: this runs every decode step while the GPU
-        # waits, so every Python call and copy here shows up in the step time.
+    def prepare_decode(
+        self, seqs: list[Sequence], next_ids: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """next_ids: (num_seqs,) the input tokens, already on the device (the overlapped loop). They were sampled
+        by the step still in flight and are not in seq.token_ids yet, so each sequence is one token longer than
+        the host sees: its new token sits at position len(seq.token_ids), not len(seq.token_ids) - 1."""
+        # One pass over the batch and one host-to-device copy: in the plain loop this runs every decode step
+        # while the GPU waits, so every Python call and copy here shows up in the step time.
         bs = self.block_size
         num_seqs = len(seqs)
         width = max(len(seq.block_table) for seq in seqs)
+        ahead = int(next_ids is not None)
         input_ids, positions, slots, context_lens, tables = [], [], [], [], []
         for seq in seqs:
-            n = len(seq.token_ids)  # the new token sits at position n - 1
+            n = len(seq.token_ids) + ahead  # the new token sits at position n - 1
             table = seq.block_table
             input_ids.append(seq.token_ids[-1])
             positions.append(n - 1)
@@ -253,7 +259,8 @@ class ModelRunner:
                 block_tables=packed[4 * num_seqs :].view(num_seqs, width),  # (num_seqs, max_blocks)
             )
         )
-        return ids_positions_slots[0], ids_positions_slots[1]  # (num_seqs,), (num_seqs,)
+        input_ids = ids_positions_slots[0] if next_ids is None else next_ids  # (ahead: the host's is a stale id)
+        return input_ids, ids_positions_slots[1]  # (num_seqs,), (num_seqs,)
 
     def prepare_sample(self, seqs: list[Sequence]) -> SamplingBatch:
         """Each row's settings, plus the host facts (all greedy? any top-k/top-p? which rows seeded?)
@@ -279,15 +286,27 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
         """One forward over the scheduled sequences -> one sampled token id per sequence."""
+        return self.launch(seqs, is_prefill).tolist()  # the step's one host sync
+
+    @torch.inference_mode()
+    def launch(self, seqs: list[Sequence], is_prefill: bool, next_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Queue one forward and its sampling on the device -> the sampled ids (num_seqs,), still on the device.
+
+        Nothing here waits for the device, so the host may go on (the overlapped loop schedules the next step).
+        next_ids: a decode step's input tokens as the device already holds them (see prepare_decode).
+        """
         try:
-            input_ids, positions = self.prepare_prefill(seqs) if is_prefill else self.prepare_decode(seqs)
+            if is_prefill:
+                input_ids, positions = self.prepare_prefill(seqs)
+            else:
+                input_ids, positions = self.prepare_decode(seqs, next_ids)
             return self._run(seqs, input_ids, positions, is_prefill)
         finally:
             reset_context()  # also when the step raises: the next step must not see this one's metadata
 
     def _run(
         self, seqs: list[Sequence], input_ids: torch.Tensor, positions: torch.Tensor, is_prefill: bool
-    ) -> list[int]:
+    ) -> torch.Tensor:
         if tracing_enabled():
             c = get_context()
             trace_step(
@@ -303,7 +322,7 @@ class ModelRunner:
             )
         logits = self.run_model(input_ids, positions, is_prefill)  # (num_seqs, vocab)
         sampling = self.prepare_sample(seqs)  # host work while the GPU runs the forward just launched
-        return self.sampler(logits, batch=sampling).tolist()  # the step's one host sync
+        return self.sampler(logits, batch=sampling)  # (num_seqs,)
 
     # -- CUDA graphs (decode only) --------------------------------------------------------------
     def _graph_batch_sizes(self) -> list[int]:

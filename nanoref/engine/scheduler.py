@@ -109,6 +109,51 @@ class Scheduler:
         self.running.extendleft(reversed(scheduled))
         return scheduled
 
+    def schedule_ahead(self, in_flight: list[Sequence]) -> list[Sequence]:
+        """The decode step after the one in flight, chosen before that step's sampled tokens are known.
+
+        For the overlapped loop (llm_engine.py). Every sequence in flight gets one more token, but its value is
+        still on the device, so the host's view of each sequence is one token behind: a row's new token will sit
+        at position seq.num_tokens (not num_tokens - 1). Returns [] when the next step cannot be decided without
+        those tokens; the engine then waits for them and calls schedule() as usual. That is the case when:
+        - a sequence is waiting: the next step is a prefill (new, chunked or preempted requests);
+        - a running sequence is not in flight, or one in flight is mid-prompt;
+        - the blocks for every row do not fit: schedule() may have to preempt, which needs finished sequences
+          gone first (this keeps preemption decisions the same as the plain loop's).
+        A sequence whose token count alone ends it (max_tokens, max_model_len) gets no row. One that will sample
+        EOS cannot be known here: it gets a row, and the engine drops that row's token (`commit_ahead`).
+        """
+        if self.waiting or len(self.running) != len(in_flight):
+            return []
+        if any(seq.num_computed_tokens + seq.num_scheduled_tokens < seq.num_tokens for seq in in_flight):
+            return []  # a prompt chunk samples no token: there is nothing to feed forward
+        ahead = [seq for seq in in_flight if not self._ends_by_count(seq)]
+        manager = self.block_manager
+        needed = sum(manager.blocks_needed(seq.num_tokens + 1) - len(seq.block_table) for seq in ahead)
+        if not ahead or needed > manager.num_free_blocks:
+            return []
+        for seq in ahead:  # room for the K/V of the token in flight, at position seq.num_tokens
+            manager.may_append(seq, seq.num_tokens + 1)
+        self.preempted = []
+        return ahead
+
+    def _ends_by_count(self, seq: Sequence) -> bool:
+        """Whether the token in flight for seq will end it whatever its value (postprocess's count checks)."""
+        return (
+            seq.num_completion_tokens + 1 >= seq.sampling_params.max_tokens or seq.num_tokens + 1 >= self.max_model_len
+        )
+
+    def commit_ahead(self, ahead: list[Sequence]) -> list[Sequence]:
+        """After the step before it has been postprocessed: the rows of a step scheduled ahead that still count.
+
+        A sequence that finished in that step (EOS) already left `running` with its blocks; its row was computed
+        anyway and its token must never be emitted. The others now hold their one scheduled token.
+        """
+        live = [seq for seq in ahead if not seq.is_finished]
+        for seq in live:
+            seq.num_scheduled_tokens = 1
+        return live
+
     def preempt(self, seq: Sequence) -> None:
         """Recompute-style preemption: drop the K/V, requeue first; generated tokens are kept."""
         seq.status = SequenceStatus.WAITING
