@@ -60,8 +60,9 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     attention_backend: str = "auto"
     tensor_parallel_size: int = 1
-    # schedule and prepare step n+1 while the device runs step n (llm_engine.py); None: on CUDA only
-    overlap_scheduling: bool | None = None
+    # schedule and prepare step n+1 while the device runs step n (llm_engine.py); opt-in until it has been
+    # run and measured on a GPU
+    overlap_scheduling: bool = False
     # filled in by __post_init__: the folder and its parsed config.json (read once, here)
     model_folder: Path = field(init=False)
     architecture: str = field(init=False)  # the HF class name the model is built from
@@ -73,10 +74,8 @@ class EngineConfig:
         self.dtype = parse_dtype(self.dtype, self.device)
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be True or False, got {self.enforce_eager!r}")
-        if self.overlap_scheduling is None:  # on a CPU there is no device to overlap with: keep the plain loop
-            self.overlap_scheduling = self.device.type == "cuda"
         if not isinstance(self.overlap_scheduling, bool):
-            raise ValueError(f"overlap_scheduling must be True, False or None, got {self.overlap_scheduling!r}")
+            raise ValueError(f"overlap_scheduling must be True or False, got {self.overlap_scheduling!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             if not _is_int(value) or value <= 0:

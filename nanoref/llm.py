@@ -24,8 +24,9 @@ class LLM(LLMEngine):
         when installed) or "auto" (flash-attn, else Triton on CUDA; torch on CPU).
     kvcache_block_size: tokens per KV block; default 16, or 256 when flash-attn serves.
     enforce_eager: on CUDA, skip capturing decode CUDA graphs.
-    overlap_scheduling: schedule and prepare each decode step while the device still runs the one before;
-        None (default): on CUDA only. True on a CPU runs the same loop, without anything to overlap.
+    overlap_scheduling: schedule and prepare each decode step while the device still runs the one before.
+        Off by default: it is tested token-exact on a CPU (where it runs the same loop with nothing to overlap)
+        but has not yet run on a GPU.
     """
 
     def __init__(
@@ -43,7 +44,7 @@ class LLM(LLMEngine):
         gpu_memory_utilization: float = 0.9,
         attention_backend: str = "auto",
         tensor_parallel_size: int = 1,
-        overlap_scheduling: bool | None = None,
+        overlap_scheduling: bool = False,
     ) -> None:
         config = EngineConfig(
             model=model,
