@@ -34,16 +34,17 @@ def gather_paged(cache: torch.Tensor, block_table_row: torch.Tensor, length: int
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
     """One sequence. q: (Lq, H, D); k, v: (Lk, Hk, D); queries are the last Lq of the Lk positions."""
     len_q, len_k = q.shape[0], k.shape[0]
-    group = q.shape[1] // k.shape[1]
-    qh = q.transpose(0, 1)  # (H, Lq, D)
-    kh = k.transpose(0, 1).repeat_interleave(group, dim=0)  # (H, Lk, D)
-    vh = v.transpose(0, 1).repeat_interleave(group, dim=0)  # (H, Lk, D)
+    qh, kh, vh = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)  # (H, Lq, D), (Hk, Lk, D), (Hk, Lk, D)
     mask = None
-    if causal and len_q > 1:
+    is_causal = causal and len_q > 1 and len_q == len_k  # no history: SDPA's own (top-left) causal mask fits
+    if causal and len_q > 1 and len_q != len_k:
         # bottom-right aligned: query i sits at position len_k - len_q + i
         q_pos = torch.arange(len_k - len_q, len_k, device=q.device)[:, None]  # (Lq, 1)
         mask = torch.arange(len_k, device=q.device)[None, :] <= q_pos  # (Lq, Lk)
-    out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale)  # (H, Lq, D)
+    # enable_gqa: query head h reads KV head h // group, without copying each K/V head `group` times
+    out = F.scaled_dot_product_attention(
+        qh, kh, vh, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=True
+    )  # (H, Lq, D)
     return out.transpose(0, 1)  # (Lq, H, D)
 
 
@@ -95,36 +96,27 @@ def paged_decode_attention(
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     batch, max_blocks = block_table.shape
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
-    len_q, group = q.shape[1], q.shape[2] // num_kv_heads
-    blocks = block_table.long().clamp(min=0)  # (B, max_blocks); -1 padding -> block 0, masked below
-    # index_select copies whole blocks (one contiguous row each); advanced indexing k_cache[blocks] computes the
-    # same gather several times slower on a CPU (it was ~45% of a CPU decode step)
-    flat_blocks = blocks.flatten()  # (B * max_blocks,)
+    len_q, num_heads = q.shape[1], q.shape[2]
+    # -1 padding reads block 0, masked below. index_select copies whole blocks (one contiguous row each); advanced
+    # indexing k_cache[blocks] computes the same gather several times slower on a CPU.
+    flat_blocks = block_table.long().clamp(min=0).flatten()  # (B * max_blocks,)
     k = k_cache.index_select(0, flat_blocks).view(batch, max_blocks * block_size, num_kv_heads, head_dim)
     v = v_cache.index_select(0, flat_blocks).view(batch, max_blocks * block_size, num_kv_heads, head_dim)
+    k, v = k.transpose(1, 2), v.transpose(1, 2)  # (B, Hk, Lmax, D): strided views, SDPA reads them in place
     key_pos = torch.arange(max_blocks * block_size, device=q.device)  # (Lmax,)
-    lens = cache_seqlens.long()[:, None, None]  # (B, 1, 1)
-    visible = key_pos[None, None, :] < lens  # (B, 1, Lmax): inside the history
+    lens = cache_seqlens.long()[:, None, None, None]  # (B, 1, 1, 1)
     if len_q == 1:
-        # One query per sequence: a KV head's `group` query heads can stand in the query-length axis, so each
-        # K/V head is read once, not copied `group` times (repeat_interleave was ~a quarter of a CPU decode step).
-        # One KV head at a time: k[:, :, h] is a strided view that bmm reads in place (a 4-D matmul over
-        # (B, Hk) would first copy the gathered K/V), and for one query row per head two plain matmuls beat
-        # SDPA with a mask on a CPU.
-        q_grouped = q.view(batch, num_kv_heads, group, head_dim)  # (B, Hk, group, D): H = Hk * group, in order
-        hidden = ~visible  # (B, 1, Lmax): past each sequence's history
-        outs = []
-        for h in range(num_kv_heads):
-            scores = torch.bmm(q_grouped[:, h], k[:, :, h].transpose(1, 2)) * scale  # (B, group, Lmax)
-            probs = scores.masked_fill(hidden, float("-inf")).softmax(dim=-1)
-            outs.append(torch.bmm(probs, v[:, :, h]))  # (B, group, D)
-        return torch.stack(outs, dim=1).view(batch, 1, num_kv_heads * group, head_dim)  # (B, 1, H, D)
-    k = k.transpose(1, 2).repeat_interleave(group, dim=1)  # (B, H, Lmax, D)
-    v = v.transpose(1, 2).repeat_interleave(group, dim=1)  # (B, H, Lmax, D)
-    if causal and len_q > 1:
-        query_pos = lens - len_q + torch.arange(len_q, device=q.device)[None, :, None]  # (B, Lq, 1)
-        visible = visible & (key_pos[None, None, :] <= query_pos)  # (B, Lq, Lmax)
+        # One query per sequence: a KV head's `group` query heads can stand in SDPA's query-length axis, so each
+        # K/V head is read once, not copied `group` times (repeat_interleave was ~a quarter of a CPU decode step),
+        # and one fused SDPA call replaces a dozen small ops per layer (scores, scale, mask, softmax, weighted sum).
+        q_grouped = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)  # (B, Hk, group, D)
+        visible = key_pos < lens  # (B, 1, 1, Lmax): inside the history, the same for every query row
+        out = F.scaled_dot_product_attention(q_grouped, k, v, attn_mask=visible, scale=scale)  # (B, Hk, group, D)
+        return out.reshape(batch, 1, num_heads, head_dim)  # (B, 1, H, D): head h = kv_head * group + g, in order
+    # Lq > 1: the last Lq tokens of each history; query i sits at position len - Lq + i
+    query_pos = lens - len_q + torch.arange(len_q, device=q.device)[:, None]  # (B, 1, Lq, 1)
+    visible = key_pos <= query_pos if causal else key_pos < lens  # (B, 1, Lq, Lmax); causal implies < len
     out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k, v, attn_mask=visible[:, None], scale=scale
-    )  # (B, H, Lq, D)
+        q.transpose(1, 2), k, v, attn_mask=visible, scale=scale, enable_gqa=True
+    )  # (B, H, Lq, D): query head h reads KV head h // group
     return out.transpose(1, 2)  # (B, Lq, H, D)

@@ -54,6 +54,10 @@ def store_kvcache_torch(
         k_rows[slot_mapping[source]] = key_rows[source]
         v_rows[slot_mapping[source]] = value_rows[source]
     else:
-        k_rows[slot_mapping[keep]] = key_rows[keep]  # (n, D) -> rows `slots`
-        v_rows[slot_mapping[keep]] = value_rows[keep]
+        # one nonzero shared by K and V, then row copies: index_copy_ is about twice as fast on a CPU as boolean
+        # masks (each its own nonzero) feeding an advanced-index assignment
+        kept = keep.nonzero().squeeze(1)  # (n,): the tokens that are stored
+        slots = slot_mapping.index_select(0, kept)  # (n,)
+        k_rows.index_copy_(0, slots, key_rows.index_select(0, kept))  # (n, D) -> rows `slots`
+        v_rows.index_copy_(0, slots, value_rows.index_select(0, kept))
     trace("store_kvcache", key=key, slot_mapping=slot_mapping, k_cache=k_cache)
