@@ -195,11 +195,6 @@ class ModelRunner:
             return torch.tensor(values, dtype=dtype)
         return torch.tensor(values, dtype=dtype, pin_memory=True).to(self.device, non_blocking=True)
 
-    def _slots(self, seq: Sequence, start: int, end: int) -> list[int]:
-        """Cache slot of each token position in [start, end) of seq."""
-        size = self.block_size
-        return [seq.block_table[t // size] * size + t % size for t in range(start, end)]
-
     def _block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
         width = max(len(seq.block_table) for seq in seqs)
         rows = [seq.block_table + [-1] * (width - len(seq.block_table)) for seq in seqs]
@@ -235,7 +230,7 @@ class ModelRunner:
         the host sees: its new token sits at position len(seq.token_ids), not len(seq.token_ids) - 1."""
         # One pass over the batch and one host-to-device copy: in the plain loop this runs every decode step
         # while the GPU waits, so every Python call and copy here shows up in the step time.
-        bs = self.block_size
+        size = self.block_size
         num_seqs = len(seqs)
         width = max(len(seq.block_table) for seq in seqs)
         ahead = int(next_ids is not None)
@@ -245,7 +240,7 @@ class ModelRunner:
             table = seq.block_table
             input_ids.append(seq.token_ids[-1])
             positions.append(n - 1)
-            slots.append(table[(n - 1) // bs] * bs + (n - 1) % bs)
+            slots.append(table[(n - 1) // size] * size + (n - 1) % size)
             context_lens.append(n)
             tables += table
             tables += [-1] * (width - len(table))

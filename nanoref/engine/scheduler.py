@@ -137,10 +137,12 @@ class Scheduler:
         self.preempted = []
         return ahead
 
-    def _ends_by_count(self, seq: Sequence) -> bool:
-        """Whether the token in flight for seq will end it whatever its value (postprocess's count checks)."""
+    def _ends_by_count(self, seq: Sequence, new_tokens: int = 1) -> bool:
+        """Whether seq is at its length limit (max_tokens or max_model_len) once `new_tokens` more tokens are
+        appended: 0 for the tokens it holds (postprocess), 1 for a token still in flight (schedule_ahead)."""
         return (
-            seq.num_completion_tokens + 1 >= seq.sampling_params.max_tokens or seq.num_tokens + 1 >= self.max_model_len
+            seq.num_completion_tokens + new_tokens >= seq.sampling_params.max_tokens
+            or seq.num_tokens + new_tokens >= self.max_model_len
         )
 
     def commit_ahead(self, ahead: list[Sequence]) -> list[Sequence]:
@@ -185,12 +187,8 @@ class Scheduler:
             if seq.num_computed_tokens < seq.num_tokens:
                 continue  # mid-prompt chunk: its logits predict nothing anyone asked for
             seq.append_token(token_id)
-            params = seq.sampling_params
-            if (
-                (not params.ignore_eos and token_id in self.eos_token_ids)
-                or seq.num_completion_tokens >= params.max_tokens
-                or seq.num_tokens >= self.max_model_len
-            ):
+            eos = not seq.sampling_params.ignore_eos and token_id in self.eos_token_ids
+            if eos or self._ends_by_count(seq, new_tokens=0):
                 seq.status = SequenceStatus.FINISHED
                 self.block_manager.deallocate(seq)
                 self.running.remove(seq)
