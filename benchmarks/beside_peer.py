@@ -11,12 +11,14 @@ warmer GPU; the table reports medians over every timed run.
         --engine nanoref=. --engine nano-vllm=/tmp/nano-vllm --engine nanoref-main=/path/to/old/checkout
 
 `--engine NAME=PATH` puts PATH first on the worker's PYTHONPATH: `nanoref*` names run nanoref's
-`LLM` from there (`nanoref-eager-layers` runs it with the element-wise layers and the sampler left
-uncompiled), `nano-vllm` runs Nano-vLLM's. The two engines named by --rounds run alternately that many
-times; the others once. HF transformers `generate` runs a scaled-down subset (`--hf-seqs` prompts of
-the workload, `--hf-tokens` output tokens each, one padded batch), and nanoref the same subset, for
-the ratio. The script also measures the device-to-device copy bandwidth and prints the workload's
-bytes-moved floor: every decode step reads the weights once and each running sequence's K/V.
+`LLM` from there, with options named by dash-separated flags (`eager-layers`: the element-wise layers
+and the sampler left uncompiled; `overlap`: overlap_scheduling=True; `triton`: the Triton attention
+backend; e.g. `nanoref-overlap-triton`), `nano-vllm` runs Nano-vLLM's. The two engines named by
+--alternate run alternately, --rounds processes each; the others once. HF transformers `generate`
+runs a scaled-down subset (`--hf-seqs` prompts of the workload, `--hf-tokens` output tokens each,
+one padded batch), and nanoref the same subset, for the ratio. The script also measures the
+device-to-device copy bandwidth and prints the workload's bytes-moved floor: every decode step reads
+the weights once and each running sequence's K/V.
 
     python benchmarks/beside_peer.py --plot results/beside_peer.json figures/beside_peer_h200.png
 """
@@ -62,13 +64,18 @@ def run_nanoref(folder: str, variant: str, runs: int, subset: tuple[int, int]) -
     from nanoref import LLM, SamplingParams
 
     guard = contextlib.nullcontext()
-    if variant == "eager-layers":
+    if "eager-layers" in variant:
         from nanoref.utils.compile import eager_only
 
         guard = eager_only()
+    options = {}
+    if "overlap" in variant.split("-"):
+        options["overlap_scheduling"] = True
+    if "triton" in variant.split("-"):
+        options["attention_backend"] = "triton"
     with guard:
         start = time.perf_counter()
-        llm = LLM(folder, max_num_seqs=512, max_num_batched_tokens=16384, max_model_len=4096)
+        llm = LLM(folder, max_num_seqs=512, max_num_batched_tokens=16384, max_model_len=4096, **options)
         load_s = time.perf_counter() - start
         llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8, temperature=0.6), use_tqdm=False)  # warm-up
 

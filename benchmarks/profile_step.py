@@ -1,0 +1,177 @@
+"""Where a decode step goes: nanoref beside Nano-vLLM on one GPU, kernel by kernel.
+
+Each engine runs in its own process on the same random Qwen3-0.6B bf16 folder and Nano-vLLM's workload
+(see beside_peer.py): all 256 requests are admitted and prefilled, then, in the steady decode state at
+batch 256, the script times `--steps` decode steps and profiles `--profile-steps` more with the torch
+profiler. Per engine it prints:
+- wall time per decode step, and the GPU's busy time per step (the union of its kernels' intervals): the
+  difference is time the GPU sat idle, waiting for the host;
+- the host's time per step spent waiting for the device (the sync that reads the sampled tokens back);
+- the kernels that take the GPU's time, grouped by name, per step.
+
+    python benchmarks/profile_step.py --engine nanoref=. --engine nano-vllm=/tmp/nano-vllm \\
+        --engine nanoref-overlap=. --out results/profile_step.json
+
+`nanoref-FLAG-FLAG` names pick nanoref's options: `overlap` (overlap_scheduling=True), `triton`
+(attention_backend="triton"), `eager` (enforce_eager=True).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from beside_peer import make_model, workload  # noqa: E402
+
+
+def nanoref_engine(folder: str, flags: list[str]):
+    from nanoref import LLM, SamplingParams
+
+    kwargs = dict(max_num_seqs=512, max_num_batched_tokens=16384, max_model_len=4096)
+    if "overlap" in flags:
+        kwargs["overlap_scheduling"] = True
+    if "triton" in flags:
+        kwargs["attention_backend"] = "triton"
+    if "eager" in flags:
+        kwargs["enforce_eager"] = True
+    llm = LLM(folder, **kwargs)
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8, temperature=0.6), use_tqdm=False)
+
+    def add(prompt, n):
+        llm.add_request(prompt, SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n))
+
+    def step() -> bool:  # True for a decode step
+        _, record = llm.step()
+        return record.kind == "decode"
+
+    return add, step
+
+
+def nano_vllm_engine(folder: str):
+    from nanovllm import LLM, SamplingParams
+
+    llm = LLM(folder, enforce_eager=False, max_model_len=4096)
+    llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)
+
+    def add(prompt, n):
+        llm.add_request(prompt, SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n))
+
+    def step() -> bool:
+        _, num_tokens = llm.step()
+        return num_tokens < 0
+
+    return add, step
+
+
+SYNC_NAMES = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsync")
+
+
+def measure(name: str, folder: str, steps: int, profile_steps: int) -> dict:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    if name.startswith("nanoref"):
+        add, step = nanoref_engine(folder, name.split("-")[1:])
+    else:
+        add, step = nano_vllm_engine(folder)
+    prompts, _ = workload()
+    for prompt in prompts:  # every request long enough to stay in the batch throughout
+        add(prompt, 1024)
+    while not step():  # the prefills
+        pass
+    for _ in range(5):
+        step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        assert step()
+    torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - start) / steps * 1e3
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(profile_steps):
+            step()
+        torch.cuda.synchronize()
+    kernels: dict[str, float] = defaultdict(float)
+    intervals = []
+    sync_us = 0.0
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[event.name] += event.time_range.elapsed_us()
+            intervals.append((event.time_range.start, event.time_range.end))
+        elif event.name in SYNC_NAMES:
+            sync_us += event.time_range.elapsed_us()
+    host_calls: dict[str, float] = defaultdict(float)  # the host's own time, by op or CUDA runtime call
+    for average in prof.key_averages():
+        if average.device_type != torch.autograd.DeviceType.CUDA:
+            host_calls[average.key] += average.self_cpu_time_total
+    intervals.sort()
+    busy, reach = 0.0, float("-inf")
+    for begin, end in intervals:  # the union of the kernels' intervals
+        if end > reach:
+            busy += end - max(begin, reach)
+            reach = end
+    per_step = profile_steps
+    top = sorted(kernels.items(), key=lambda item: -item[1])[:18]
+    return dict(
+        wall_ms=round(wall_ms, 3),
+        gpu_busy_ms=round(busy / per_step / 1e3, 3),
+        kernel_sum_ms=round(sum(kernels.values()) / per_step / 1e3, 3),
+        host_wait_ms=round(sync_us / per_step / 1e3, 3),
+        kernels_per_step=round(len(intervals) / per_step, 1),
+        top_kernels=[(k[:90], round(v / per_step, 1)) for k, v in top],  # (name, microseconds per step)
+        top_host=[(k[:90], round(v / per_step, 1)) for k, v in sorted(host_calls.items(), key=lambda i: -i[1])[:14]],
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--engine", action="append", default=[], help="NAME=PYTHONPATH entry (repeatable)")
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--profile-steps", type=int, default=10)
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--model", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        result = measure(args.worker, args.model, args.steps, args.profile_steps)
+        print("RESULT " + json.dumps(result), flush=True)
+        return
+    folder = make_model(Path(tempfile.mkdtemp()) / "qwen3-0.6b-random")
+    results = {}
+    for spec in args.engine:
+        name, path = spec.split("=", 1)
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [path, os.environ.get("PYTHONPATH")])))
+        command = [sys.executable, __file__, "--worker", name, "--model", str(folder)]
+        command += ["--steps", str(args.steps), "--profile-steps", str(args.profile_steps)]
+        proc = subprocess.run(command, env=env, capture_output=True, text=True)
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+        if proc.returncode or not lines:
+            print(f"-- {name} failed\n{proc.stderr[-4000:]}", flush=True)
+            continue
+        results[name] = json.loads(lines[-1].removeprefix("RESULT "))
+        r = results[name]
+        print(
+            f"-- {name}: wall {r['wall_ms']} ms/step, GPU busy {r['gpu_busy_ms']} ms, kernels "
+            f"{r['kernels_per_step']}/step, host waits {r['host_wait_ms']} ms",
+            flush=True,
+        )
+        for kernel, us in r["top_kernels"]:
+            print(f"   {us:9.1f} us  {kernel}")
+        print("   host, self time per step (under the profiler):")
+        for call, us in r["top_host"]:
+            print(f"   {us:9.1f} us  {call}")
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
