@@ -13,7 +13,7 @@ profiler. Per engine it prints:
         --engine nanoref-overlap=. --out results/profile_step.json
 
 `nanoref-FLAG-FLAG` names pick nanoref's options: `overlap` (overlap_scheduling=True), `triton`
-(attention_backend="triton"), `eager` (enforce_eager=True).
+(attention_backend="triton"), `eager` (enforce_eager=True), `blockN` (KV blocks of N tokens).
 """
 
 from __future__ import annotations
@@ -42,6 +42,9 @@ def nanoref_engine(folder: str, flags: list[str]):
         kwargs["attention_backend"] = "triton"
     if "eager" in flags:
         kwargs["enforce_eager"] = True
+    for flag in flags:
+        if flag.startswith("block") and flag[5:].isdigit():
+            kwargs["kvcache_block_size"] = int(flag[5:])
     llm = LLM(folder, **kwargs)
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8, temperature=0.6), use_tqdm=False)
 
@@ -90,11 +93,16 @@ def measure(name: str, folder: str, steps: int, profile_steps: int) -> dict:
     for _ in range(5):
         step()
     torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(steps):
-        assert step()
-    torch.cuda.synchronize()
-    wall_ms = (time.perf_counter() - start) / steps * 1e3
+    windows = []  # wall ms per step in each of 4 windows: shows drift or a stall
+    start, cpu_start = time.perf_counter(), time.process_time()
+    for _ in range(4):
+        window_start = time.perf_counter()
+        for _step in range(steps // 4):
+            assert step()
+        torch.cuda.synchronize()
+        windows.append(round((time.perf_counter() - window_start) / (steps // 4) * 1e3, 2))
+    wall_ms = (time.perf_counter() - start) / (4 * (steps // 4)) * 1e3
+    cpu_ms = (time.process_time() - cpu_start) / (4 * (steps // 4)) * 1e3  # every thread of this process
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(profile_steps):
@@ -123,6 +131,9 @@ def measure(name: str, folder: str, steps: int, profile_steps: int) -> dict:
     top = sorted(kernels.items(), key=lambda item: -item[1])[:18]
     return dict(
         wall_ms=round(wall_ms, 3),
+        windows_ms=windows,
+        process_cpu_ms=round(cpu_ms, 3),
+        load_average=os.getloadavg(),
         gpu_busy_ms=round(busy / per_step / 1e3, 3),
         kernel_sum_ms=round(sum(kernels.values()) / per_step / 1e3, 3),
         host_wait_ms=round(sync_us / per_step / 1e3, 3),
@@ -161,7 +172,8 @@ def main() -> None:
         r = results[name]
         print(
             f"-- {name}: wall {r['wall_ms']} ms/step, GPU busy {r['gpu_busy_ms']} ms, kernels "
-            f"{r['kernels_per_step']}/step, host waits {r['host_wait_ms']} ms",
+            f"{r['kernels_per_step']}/step, host waits {r['host_wait_ms']} ms; windows {r['windows_ms']}, "
+            f"process CPU {r['process_cpu_ms']} ms/step, load {r['load_average']}",
             flush=True,
         )
         for kernel, us in r["top_kernels"]:

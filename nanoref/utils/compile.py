@@ -11,7 +11,11 @@ functions, which stay the readable reference that tests compare the compiled one
     rms_norm_cuda = on_cuda(rms_norm)   # rms_norm itself stays eager and importable
 
 Compilation is lazy (on the first CUDA call, which the model runner's warm-up or graph capture
-makes) and `dynamic=True`, so every batch size and prefill length shares one compiled kernel.
+makes). Shapes are left to dynamo's automatic dynamic mode: the first batch size compiles a static
+kernel, the second marks the token dimension dynamic, and every later batch size and prefill length
+shares that kernel. The hidden and head dimensions stay static: `dynamic=True` would make them
+runtime values too, and the kernels would pay for index arithmetic with unknown divisors and lose
+persistent reductions.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import torch
 F = TypeVar("F", bound=Callable)
 
 _enabled = True
-OPTIONS: dict = dict(dynamic=True, fullgraph=True)  # torch.compile's arguments for every on_cuda function
+OPTIONS: dict = dict(dynamic=None, fullgraph=True)  # torch.compile's arguments for every on_cuda function
 
 
 def on_cuda(fn: F) -> F:
