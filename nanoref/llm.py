@@ -21,12 +21,12 @@ class LLM(LLMEngine):
     device: "cuda" when available, else "cpu". dtype: bfloat16 on CUDA, float32 on CPU.
     num_kvcache_blocks: an explicit count overrides the one derived from memory.
     attention_backend: "torch" (reference), "triton" (GPU; CPU through the interpreter), "flash_attn" (CUDA,
-        when installed) or "auto" (flash-attn, else Triton on CUDA; torch on CPU).
+        when installed), "flash_attn+triton" (flash-attn's prefill, nanoref's Triton decode) or "auto"
+        (flash_attn+triton where flash-attn serves, else Triton on CUDA; torch on CPU).
     kvcache_block_size: tokens per KV block; default 16, or 256 when flash-attn serves.
     enforce_eager: on CUDA, skip capturing decode CUDA graphs.
-    overlap_scheduling: schedule and prepare each decode step while the device still runs the one before.
-        Off by default: it is tested token-exact on a CPU (where it runs the same loop with nothing to overlap)
-        but has not yet run on a GPU.
+    overlap_scheduling: schedule and launch each decode step while the device still runs the one before.
+        None (default): on for CUDA, off on a CPU (where nothing can overlap and the plain loop is simpler).
     """
 
     def __init__(
@@ -44,7 +44,7 @@ class LLM(LLMEngine):
         gpu_memory_utilization: float = 0.9,
         attention_backend: str = "auto",
         tensor_parallel_size: int = 1,
-        overlap_scheduling: bool = False,
+        overlap_scheduling: bool | None = None,
     ) -> None:
         config = EngineConfig(
             model=model,

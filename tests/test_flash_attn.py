@@ -89,8 +89,9 @@ def assert_greedy_up_to_rounding(folder, prompts, outputs, tolerance=0.1):
         assert gap.max().item() <= tolerance, f"prompt {index}: token {gap.argmax().item()} is {gap.max():.3f} below HF"
 
 
+@pytest.mark.parametrize("backend", ["flash_attn", "flash_attn+triton"])
 @pytest.mark.parametrize("chunked", [False, True])
-def test_flash_backend_end_to_end_agrees_with_torch_backend(qwen3_head128, chunked):
+def test_flash_backend_end_to_end_agrees_with_torch_backend(qwen3_head128, chunked, backend):
     """Plain prefill; or chunked prefill (token budget 200) with prompts sharing a 512-token prefix,
     so that flash-attn's varlen reads cached history through block tables."""
     if chunked:
@@ -100,8 +101,8 @@ def test_flash_backend_end_to_end_agrees_with_torch_backend(qwen3_head128, chunk
         prompts, extra = random_prompts(seed=14, lengths=[5, 300, 40, 700]), {}
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     kwargs = {"device": "cuda", "dtype": "bfloat16", "kvcache_block_size": BLOCK, "num_kvcache_blocks": 64, **extra}
-    flash = LLM(qwen3_head128, attention_backend="flash_attn", **kwargs)
-    assert flash.model_runner.backend.name == "flash_attn"
+    flash = LLM(qwen3_head128, attention_backend=backend, **kwargs)
+    assert flash.model_runner.backend.name == backend
     reference = LLM(qwen3_head128, attention_backend="torch", **kwargs)
     for _ in range(2 if chunked else 1):  # the second round is served from the prefix cache
         out_flash, out_ref = (llm.generate(prompts, params, use_tqdm=False) for llm in (flash, reference))

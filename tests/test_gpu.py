@@ -53,7 +53,8 @@ def test_cuda_bfloat16_default_and_memory_derived_cache(tiny_model):
 def test_auto_backend_on_cuda_is_compiled(tiny_model):
     """auto on a GPU: flash-attn where it serves, else the compiled Triton kernels, never the torch loop."""
     llm = LLM(tiny_model, num_kvcache_blocks=64)
-    assert llm.model_runner.backend.name in ("flash_attn", "triton")
+    assert llm.model_runner.backend.name in ("flash_attn+triton", "flash_attn", "triton")
+    assert llm.config.overlap_scheduling is True  # the overlapped loop is CUDA's default
 
 
 @pytest.mark.parametrize("block_size", [16, 256])

@@ -56,8 +56,8 @@ def assert_no_block_leaked(llm: LLM):
 
 
 def test_config_defaults_and_validation(tiny_model):
-    assert LLM(tiny_model, device="cpu", num_kvcache_blocks=8).config.overlap_scheduling is False  # opt-in
-    with pytest.raises(ValueError, match="overlap_scheduling must be True or False"):
+    assert LLM(tiny_model, device="cpu", num_kvcache_blocks=8).config.overlap_scheduling is False  # CPU: plain loop
+    with pytest.raises(ValueError, match="overlap_scheduling must be True, False or None"):
         LLM(tiny_model, device="cpu", overlap_scheduling="yes")
 
 

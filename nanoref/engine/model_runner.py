@@ -17,7 +17,7 @@ from nanoref.engine.sequence import Sequence
 from nanoref.layers.attention import Attention
 from nanoref.layers.sampler import Sampler, SamplingBatch
 from nanoref.models import build_model
-from nanoref.ops.backends import choose_backend, resolve_backend
+from nanoref.ops.backends import FLASH_ATTN_BACKENDS, choose_backend, resolve_backend
 from nanoref.utils.context import Context, get_context, reset_context, set_context
 from nanoref.utils.loader import load_weights
 from nanoref.utils.seams import seam
@@ -115,7 +115,7 @@ class ModelRunner:
             config.attention_backend, self.device, config.dtype, config.kvcache_block_size, self.hf_config.head_dim
         )
         if config.kvcache_block_size is None:  # flash-attn's paged kernels want multiples of 256
-            config.kvcache_block_size = 256 if config.attention_backend == "flash_attn" else 16
+            config.kvcache_block_size = 256 if config.attention_backend in FLASH_ATTN_BACKENDS else 16
         self.block_size = config.kvcache_block_size
         self.model = build_model(config.architecture, self.hf_config, self.device, config.dtype, config.max_model_len)
         load_weights(self.model, config.model_folder)

@@ -9,6 +9,10 @@ whichever the engine picked; nothing else in the model knows which one runs.
 - torch: `attention_torch` + `store_kvcache_torch`, plain PyTorch, the CPU default.
 - triton: `attention_triton` + `store_kvcache_triton`, compiled on a GPU, interpreted on a CPU.
 - flash_attn: flash-attn's kernels (CUDA, half precision), with the Triton KV store where Triton is installed.
+- flash_attn+triton: flash-attn's varlen kernel for prefill, nanoref's Triton kernel for decode. Each is
+  the faster of the two in its phase on an H200 (benchmarks/results/): flash-attn's prefill is ahead of
+  nanoref's Triton prefill, while at a decode step of 256 sequences nanoref's paged decode kernel took
+  4.62 ms against flash-attn's 5.00 ms. Both read the same paged cache layout, so they can share it.
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ from nanoref.ops import attention_torch  # a submodule: nanoref.ops itself does 
 from nanoref.ops.store_kvcache import store_kvcache_torch
 from nanoref.ops.triton_setup import triton_available
 
-BACKEND_NAMES = ("auto", "torch", "triton", "flash_attn")
+BACKEND_NAMES = ("auto", "torch", "triton", "flash_attn", "flash_attn+triton")
+FLASH_ATTN_BACKENDS = ("flash_attn", "flash_attn+triton")  # the ones that need flash-attn and 256-token blocks
 
 
 @dataclass(frozen=True)
@@ -87,6 +92,13 @@ def _flash_attn_backend() -> AttentionBackend:
     )
 
 
+def _flash_attn_triton_backend() -> AttentionBackend:
+    flash, triton = _flash_attn_backend(), _triton_backend()
+    return AttentionBackend(
+        name="flash_attn+triton", store_kvcache=triton.store_kvcache, varlen=flash.varlen, decode=triton.decode
+    )
+
+
 @functools.cache
 def flash_attn_serves(head_dim: int, dtype: torch.dtype) -> bool:
     """Whether the installed flash-attn runs this head_dim and dtype: builds can be cut down to a few."""
@@ -104,10 +116,11 @@ def flash_attn_serves(head_dim: int, dtype: torch.dtype) -> bool:
 def choose_backend(name: str, device: torch.device, dtype: torch.dtype, block_size: int | None, head_dim: int) -> str:
     """The concrete backend for a request; "auto" takes the fastest one that can serve the setup.
 
-    auto: flash-attn on CUDA when it imports, the dtype is half precision, the block size (if one was
-    asked for) is a multiple of 256 and the build runs this head_dim; else Triton on CUDA when it is
-    installed; else torch (the CPU default: the Triton interpreter is for reading kernels, not speed).
-    An explicit choice that cannot work raises.
+    auto: on CUDA, flash-attn for prefill when it imports, the dtype is half precision, the block size (if
+    one was asked for) is a multiple of 256 and the build runs this head_dim, with nanoref's Triton decode
+    kernel beside it where Triton is installed ("flash_attn+triton"); else Triton alone; else torch, which is
+    also the CPU default (the Triton interpreter is for reading kernels, not speed). An explicit choice that
+    cannot work raises.
     """
     if name not in BACKEND_NAMES:
         raise ValueError(f"attention_backend must be one of {BACKEND_NAMES}, got {name!r}")
@@ -117,32 +130,32 @@ def choose_backend(name: str, device: torch.device, dtype: torch.dtype, block_si
             return "torch"
         fits = block_size is None or block_size % 256 == 0
         if half and fits and flash_attn_available() and flash_attn_serves(head_dim, dtype):
-            return "flash_attn"
+            return "flash_attn+triton" if triton_available() else "flash_attn"
         return "triton" if triton_available() else "torch"
     if name == "triton" and not triton_available():
         raise ValueError(
             "attention_backend='triton' but Triton is not installed (it ships Linux wheels only); use 'torch'"
         )
-    if name == "flash_attn":
+    if name == "flash_attn+triton" and not triton_available():
+        raise ValueError("attention_backend='flash_attn+triton' but Triton is not installed; use 'flash_attn'")
+    if name in FLASH_ATTN_BACKENDS:
         if device.type != "cuda":
-            raise ValueError("attention_backend='flash_attn' needs a CUDA device; use 'torch' or 'triton' on CPU")
+            raise ValueError(f"attention_backend={name!r} needs a CUDA device; use 'torch' or 'triton' on CPU")
         if not flash_attn_available():
-            raise ValueError(
-                "attention_backend='flash_attn' but flash-attn is not installed (pip install 'nanoref[flash]')"
-            )
+            raise ValueError(f"attention_backend={name!r} needs flash-attn, which is not installed: 'nanoref[flash]'")
         if dtype not in (torch.float16, torch.bfloat16):
-            raise ValueError(f"attention_backend='flash_attn' needs float16 or bfloat16, got {dtype}")
+            raise ValueError(f"attention_backend={name!r} needs float16 or bfloat16, got {dtype}")
         if block_size is not None and block_size % 256:
-            raise ValueError(
-                f"attention_backend='flash_attn' needs kvcache_block_size a multiple of 256, got {block_size}"
-            )
+            raise ValueError(f"attention_backend={name!r} needs kvcache_block_size a multiple of 256, got {block_size}")
     return name
 
 
 def resolve_backend(name: str, device: torch.device) -> AttentionBackend:
-    """The backend's functions by concrete name ("torch", "triton" or "flash_attn")."""
+    """The backend's functions by concrete name ("torch", "triton", "flash_attn" or "flash_attn+triton")."""
     if name == "flash_attn":
         return _flash_attn_backend()
+    if name == "flash_attn+triton":
+        return _flash_attn_triton_backend()
     if name == "triton":
         return _triton_backend()
     if name == "torch":
