@@ -11,14 +11,15 @@ warmer GPU; the table reports medians over every timed run.
         --engine nanoref=. --engine nano-vllm=/tmp/nano-vllm --engine nanoref-main=/path/to/old/checkout
 
 `--engine NAME=PATH` puts PATH first on the worker's PYTHONPATH: `nanoref*` names run nanoref's
-`LLM` from there, with options named by dash-separated flags (`eager-layers`: the element-wise layers
-and the sampler left uncompiled; `overlap`: overlap_scheduling=True; `triton`: the Triton attention
-backend; `blockN`: KV blocks of N tokens; e.g. `nanoref-overlap-triton-block16`), `nano-vllm` runs
-Nano-vLLM's. The two engines named by --alternate run alternately, --rounds processes each; the
-others once. HF transformers `generate` runs a scaled-down subset (`--hf-seqs` prompts of the
-workload, `--hf-tokens` output tokens each, one padded batch), and nanoref the same subset, for the
-ratio. The script also measures the device-to-device copy bandwidth and prints the workload's
-bytes-moved floor: every decode step reads the weights once and each running sequence's K/V.
+`LLM` from there, with its defaults or with options named by dash-separated flags (`eager-layers`
+first: the element-wise layers and the sampler left uncompiled; then any of `overlap`/`plain`
+(overlap_scheduling True/False), `triton`/`flash`/`hybrid` (attention_backend "triton",
+"flash_attn", "flash_attn+triton"), `blockN` (KV blocks of N tokens); e.g. `nanoref-plain-flash`),
+`nano-vllm` runs Nano-vLLM's. The two engines named by --alternate run alternately, --rounds
+processes each; the others once. HF transformers `generate` runs a scaled-down subset (`--hf-seqs`
+prompts of the workload, `--hf-tokens` output tokens each, one padded batch), and nanoref the same
+subset, for the ratio. The script also measures the device-to-device copy bandwidth and prints the
+workload's bytes-moved floor: every decode step reads the weights once and each running sequence's K/V.
 
     python benchmarks/beside_peer.py --plot results/beside_peer.json figures/beside_peer_h200.png
 """
@@ -56,6 +57,15 @@ def hf_subset(num_seqs: int, tokens: int) -> tuple[list, list]:
 
 
 # -- workers: one engine, one process ------------------------------------------------------------------
+FLAGS = {  # nanoref engine names' flags -> LLM options (nanoref-FLAG-FLAG...)
+    "overlap": dict(overlap_scheduling=True),
+    "plain": dict(overlap_scheduling=False),  # the plain loop: the host waits for each step's tokens
+    "triton": dict(attention_backend="triton"),
+    "flash": dict(attention_backend="flash_attn"),
+    "hybrid": dict(attention_backend="flash_attn+triton"),
+}
+
+
 def run_nanoref(folder: str, variant: str, runs: int, subset: tuple[int, int]) -> dict:
     import contextlib
 
@@ -69,13 +79,11 @@ def run_nanoref(folder: str, variant: str, runs: int, subset: tuple[int, int]) -
 
         guard = eager_only()
     options = {}
-    if "overlap" in variant.split("-"):
-        options["overlap_scheduling"] = True
-    if "triton" in variant.split("-"):
-        options["attention_backend"] = "triton"
-    for flag in variant.split("-"):
+    for flag in variant.removeprefix("eager-layers").split("-"):
         if flag.startswith("block") and flag[5:].isdigit():  # e.g. block16: KV blocks of 16 tokens
             options["kvcache_block_size"] = int(flag[5:])
+        elif flag:
+            options.update(FLAGS[flag])
     with guard:
         start = time.perf_counter()
         llm = LLM(folder, max_num_seqs=512, max_num_batched_tokens=16384, max_model_len=4096, **options)
