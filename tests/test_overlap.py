@@ -211,3 +211,18 @@ def test_cuda_overlapped_loop_matches_plain_loop_with_eos(tiny_model, enforce_ea
         hf_until_eos(tiny_model, p, params.max_tokens, eos) for p in prompts
     ]
     assert_no_block_leaked(engines[1])
+
+
+@pytest.mark.gpu
+def test_cuda_overlapped_loop_under_preemption_and_prefix_hits(tiny_model):
+    """CUDA's default loop is the overlapped one: with few blocks it must fall back to waiting whenever the next
+    step may preempt, and reuse cached prefixes, token-exact with HF."""
+    prompts = shared_prefix_prompts(seed=21, prefix_len=32, suffix_lens=[5, 12, 20, 3, 9, 27])
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    llm = LLM(tiny_model, device="cuda", dtype="float32", num_kvcache_blocks=12, kvcache_block_size=16, max_num_seqs=8)
+    assert llm.config.overlap_scheduling is True
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.scheduler.num_preemptions > 0, "the KV budget was meant to force preemption"
+    assert llm.scheduler.block_manager.num_hit_blocks > 0, "shared prefixes were meant to hit the cache"
+    assert_matches_hf(tiny_model, prompts, outputs, params.max_tokens)
+    assert_no_block_leaked(llm)
