@@ -225,6 +225,8 @@ class BlockManager:
         """
         num_full = seq.num_computed_tokens // self.block_size
         start = seq.num_hashed_blocks
+        if num_full <= start:
+            return  # no block filled up since the last commit (most decode steps)
         prefix_hash = self.blocks[seq.block_table[start - 1]].hash if start else -1
         for index in range(start, num_full):
             block = self.blocks[seq.block_table[index]]
@@ -233,7 +235,7 @@ class BlockManager:
             block.token_ids = token_ids
             self.hash_to_block_id[block.hash] = block.block_id
             prefix_hash = block.hash
-        seq.num_hashed_blocks = max(start, num_full)
+        seq.num_hashed_blocks = num_full
 
     # -- invariants (tests and notebooks) -----------------------------------------------------
     def check_invariants(self, live: list[Sequence] = ()) -> None:
