@@ -10,6 +10,10 @@ prompt starts with the same tokens finds the same chain of hashes and shares tho
 counts) instead of recomputing them. Token ids are compared too, so a hash collision cannot serve
 wrong K/V. Freed blocks keep their hash and content until they are reused for something else (lazy
 eviction), so a finished request's prefix can still be hit.
+
+Every block table is also mirrored in one persistent array (`BlockTables`), a row per sequence holding blocks:
+the model runner reads a decode step's padded tables from it with one numpy index, instead of re-padding every
+sequence's Python list every step.
 """
 
 from __future__ import annotations
@@ -68,6 +72,58 @@ def find_cached_prefix(
     return hits
 
 
+class BlockTables:
+    """Every sequence's block table as a row of one persistent int32 array, padded with -1.
+
+    The block manager writes a row only when its sequence gains blocks (`write`, from allocate and may_append)
+    and clears it when the sequence gives them back (`release`, on finish, preemption or abort); the row is then
+    free for the next sequence. `seq.block_table` stays the list everything else reads; this is its mirror for
+    the per-step metadata: a decode step's tables are `array[rows, :width]`, one numpy index for the whole batch.
+    The array grows (doubling) when it runs out of rows or columns.
+    """
+
+    def __init__(self, num_rows: int = 8, num_cols: int = 8) -> None:
+        self.array = np.full((num_rows, num_cols), -1, dtype=np.int32)  # (rows, max blocks per sequence)
+        self.num_blocks = np.zeros(num_rows, dtype=np.int64)  # (rows,): how many entries of each row are set
+        self.free_rows = list(range(num_rows - 1, -1, -1))  # popped from the end: lowest row first
+
+    def _grow(self, num_rows: int, num_cols: int) -> None:
+        old_rows, old_cols = self.array.shape
+        array = np.full((num_rows, num_cols), -1, dtype=np.int32)
+        array[:old_rows, :old_cols] = self.array
+        self.array = array
+        self.num_blocks = np.concatenate([self.num_blocks, np.zeros(num_rows - old_rows, dtype=np.int64)])
+        self.free_rows = list(range(num_rows - 1, old_rows - 1, -1)) + self.free_rows
+
+    def write(self, seq: Sequence, start: int = 0) -> None:
+        """Copy seq.block_table[start:] into seq's row (taking a free row first if seq has none)."""
+        if seq.table_row < 0:
+            if not self.free_rows:
+                self._grow(2 * self.array.shape[0], self.array.shape[1])
+            seq.table_row = self.free_rows.pop()
+            start = 0
+        end = len(seq.block_table)
+        if end > self.array.shape[1]:
+            self._grow(self.array.shape[0], max(end, 2 * self.array.shape[1]))
+        self.array[seq.table_row, start:end] = seq.block_table[start:end]
+        self.num_blocks[seq.table_row] = end
+
+    def release(self, seq: Sequence) -> None:
+        """seq gave its blocks back: clear its row and free it."""
+        if seq.table_row < 0:
+            return
+        self.array[seq.table_row, : self.num_blocks[seq.table_row]] = -1
+        self.num_blocks[seq.table_row] = 0
+        self.free_rows.append(seq.table_row)
+        seq.table_row = -1
+
+    def padded(self, seqs: list[Sequence]) -> np.ndarray:
+        """(len(seqs), width) int32: each sequence's row, width = the longest table among them, -1 padded."""
+        rows = np.fromiter((seq.table_row for seq in seqs), dtype=np.int64, count=len(seqs))
+        width = int(self.num_blocks[rows].max())
+        return self.array[rows, :width]
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self.block_size = block_size
@@ -77,6 +133,7 @@ class BlockManager:
         self.used_block_ids: set[int] = set()
         # counters for metrics and notebooks
         self.num_hit_blocks = 0
+        self.tables = BlockTables()  # every block table, mirrored as one array's rows (for the model runner)
 
     @property
     def num_blocks(self) -> int:
@@ -125,6 +182,7 @@ class BlockManager:
             seq.block_table.append(block_id)
         for _ in range(len(hits), seq.num_blocks):
             seq.block_table.append(self._take_free_block())
+        self.tables.write(seq)
         seq.num_prefix_hit_tokens = len(hits) * self.block_size
         seq.num_computed_tokens = seq.num_prefix_hit_tokens
         seq.num_hashed_blocks = len(hits)
@@ -138,6 +196,7 @@ class BlockManager:
                 self.used_block_ids.remove(block_id)
                 self.free_block_ids.append(block_id)
         seq.block_table.clear()
+        self.tables.release(seq)
         seq.num_computed_tokens = 0
         seq.num_hashed_blocks = 0
 
@@ -149,8 +208,12 @@ class BlockManager:
     def may_append(self, seq: Sequence, num_tokens: int | None = None) -> None:
         """Grow seq's block table to hold num_tokens tokens (default: the tokens it has)."""
         num_blocks = seq.num_blocks if num_tokens is None else self.blocks_needed(num_tokens)
+        start = len(seq.block_table)
+        if start >= num_blocks:
+            return
         while len(seq.block_table) < num_blocks:
             seq.block_table.append(self._take_free_block())
+        self.tables.write(seq, start)
 
     # -- after a step -------------------------------------------------------------------------
     def commit(self, seq: Sequence) -> None:
@@ -162,6 +225,8 @@ class BlockManager:
         """
         num_full = seq.num_computed_tokens // self.block_size
         start = seq.num_hashed_blocks
+        if num_full <= start:
+            return  # no block filled up since the last commit (most decode steps)
         prefix_hash = self.blocks[seq.block_table[start - 1]].hash if start else -1
         for index in range(start, num_full):
             block = self.blocks[seq.block_table[index]]
@@ -170,7 +235,7 @@ class BlockManager:
             block.token_ids = token_ids
             self.hash_to_block_id[block.hash] = block.block_id
             prefix_hash = block.hash
-        seq.num_hashed_blocks = max(start, num_full)
+        seq.num_hashed_blocks = num_full
 
     # -- invariants (tests and notebooks) -----------------------------------------------------
     def check_invariants(self, live: list[Sequence] = ()) -> None:
@@ -186,3 +251,11 @@ class BlockManager:
         assert len(self.used_block_ids) + len(self.free_block_ids) == self.num_blocks, "a block leaked"
         for h, block_id in self.hash_to_block_id.items():
             assert self.blocks[block_id].hash == h, f"stale hash entry for block {block_id}"
+        for seq in live:  # the array mirrors every live table exactly
+            row, count = seq.table_row, len(seq.block_table)
+            assert row >= 0 and self.tables.num_blocks[row] == count, f"{seq}: table row {row} out of date"
+            assert self.tables.array[row, :count].tolist() == seq.block_table, f"{seq}: table row {row} differs"
+        rows = {seq.table_row for seq in live}
+        assert len(rows) == len(live) and rows.isdisjoint(self.tables.free_rows), "a table row is shared or free"
+        held = np.flatnonzero(self.tables.num_blocks)
+        assert set(held.tolist()) <= rows, "a table row is held by no live sequence"

@@ -73,6 +73,8 @@ class LLMEngine:
             kvcache_block_size=config.kvcache_block_size,
             eos_token_ids=eos,
         )
+        # the block manager writes each sequence's table into this array's rows; the model runner reads them
+        self.model_runner.block_tables = self.scheduler.block_manager.tables
         self.metrics = EngineMetrics()  # step records and per-request metrics (see engine/metrics.py)
         self.in_flight: InFlight | None = None  # the overlapped loop's step on the device, not yet postprocessed
 

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from nanoref.config import EngineConfig
+from nanoref.engine.block_manager import BlockTables
 from nanoref.engine.sequence import Sequence
 from nanoref.layers.attention import Attention
 from nanoref.layers.sampler import Sampler, SamplingBatch
@@ -129,6 +131,8 @@ class ModelRunner:
         self.generator.seed()
         # at most this many blocks per sequence: the width of the decode block tables
         self.max_blocks_per_seq = (config.max_model_len + self.block_size - 1) // self.block_size
+        # every sequence's block table as a row of one array: the block manager's, attached by the engine
+        self.block_tables = BlockTables()
         self.num_kvcache_blocks = config.num_kvcache_blocks or self._blocks_from_memory()
         self._allocate_kv_cache()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -189,16 +193,21 @@ class ModelRunner:
         reset_context()
 
     # -- flat inputs ----------------------------------------------------------------------------
-    def _tensor(self, values: list, dtype: torch.dtype) -> torch.Tensor:
-        """A Python list as a device tensor; on CUDA through pinned memory, so the copy does not block."""
+    def _tensor(self, values: list | np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        """A Python list or numpy array as a device tensor; on CUDA through pinned memory, so the copy does not
+        block (the pinned staging copy is fresh each time: the caching host allocator reuses it only once the
+        copy out of it has run)."""
+        if isinstance(values, np.ndarray):
+            host = torch.from_numpy(values).to(dtype)
+            if self.device.type != "cuda":
+                return host
+            return host.pin_memory().to(self.device, non_blocking=True)
         if self.device.type != "cuda":
             return torch.tensor(values, dtype=dtype)
         return torch.tensor(values, dtype=dtype, pin_memory=True).to(self.device, non_blocking=True)
 
     def _block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
-        width = max(len(seq.block_table) for seq in seqs)
-        rows = [seq.block_table + [-1] * (width - len(seq.block_table)) for seq in seqs]
-        return self._tensor(rows, torch.int32)  # (num_seqs, width)
+        return self._tensor(self.block_tables.padded(seqs), torch.int32)  # (num_seqs, width)
 
     def prepare_prefill(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
         flat = seam("prefill_metadata", prefill_metadata)(
@@ -228,30 +237,26 @@ class ModelRunner:
         """next_ids: (num_seqs,) the input tokens, already on the device (the overlapped loop). They were sampled
         by the step still in flight and are not in seq.token_ids yet, so each sequence is one token longer than
         the host sees: its new token sits at position len(seq.token_ids), not len(seq.token_ids) - 1."""
-        # One pass over the batch and one host-to-device copy: in the plain loop this runs every decode step
-        # while the GPU waits, so every Python call and copy here shows up in the step time.
+        # Vectorised over the batch, one host-to-device copy: in the plain loop this runs every decode step while the
+        # GPU waits, so every Python call and copy here shows up in the step time. The padded block tables are rows
+        # of the block manager's persistent array (written only when a sequence gains blocks), not rebuilt from lists.
         size = self.block_size
         num_seqs = len(seqs)
-        width = max(len(seq.block_table) for seq in seqs)
         ahead = int(next_ids is not None)
-        input_ids, positions, slots, context_lens, tables = [], [], [], [], []
-        for seq in seqs:
-            n = len(seq.token_ids) + ahead  # the new token sits at position n - 1
-            table = seq.block_table
-            input_ids.append(seq.token_ids[-1])
-            positions.append(n - 1)
-            slots.append(table[(n - 1) // size] * size + (n - 1) % size)
-            context_lens.append(n)
-            tables += table
-            tables += [-1] * (width - len(table))
-        packed = self._tensor(input_ids + positions + slots + context_lens + tables, torch.int32)
+        context_lens = np.fromiter((len(seq.token_ids) for seq in seqs), dtype=np.int64, count=num_seqs) + ahead
+        positions = context_lens - 1  # the new token's position
+        tables = self.block_tables.padded(seqs)  # (num_seqs, width), -1 padded
+        slots = tables[np.arange(num_seqs), positions // size] * size + positions % size  # (num_seqs,)
+        input_ids = np.fromiter((seq.token_ids[-1] for seq in seqs), dtype=np.int64, count=num_seqs)
+        packed = np.concatenate([input_ids, positions, slots, context_lens, tables.ravel()])
+        packed = self._tensor(packed, torch.int32)
         ids_positions_slots = packed[: 3 * num_seqs].view(3, num_seqs).long()  # (3, num_seqs)
         set_context(
             Context(
                 is_prefill=False,
                 slot_mapping=ids_positions_slots[2],  # (num_seqs,)
                 context_lens=packed[3 * num_seqs : 4 * num_seqs],  # (num_seqs,)
-                block_tables=packed[4 * num_seqs :].view(num_seqs, width),  # (num_seqs, max_blocks)
+                block_tables=packed[4 * num_seqs :].view(num_seqs, -1),  # (num_seqs, max_blocks)
             )
         )
         input_ids = ids_positions_slots[0] if next_ids is None else next_ids  # (ahead: the host's is a stale id)

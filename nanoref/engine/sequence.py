@@ -27,6 +27,7 @@ class Sequence:
         self.sampling_params = sampling_params
         self.block_size = block_size
         self.block_table: list[int] = []
+        self.table_row = -1  # this sequence's row of the block manager's BlockTables while it holds blocks
         # tokens whose K/V is in the cache; the rest still need a forward pass
         self.num_computed_tokens = 0
         # tokens that a step is about to compute (set by the scheduler, consumed by postprocess)

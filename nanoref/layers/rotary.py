@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from nanoref.layers.layernorm import rms_norm
 from nanoref.utils.compile import on_cuda
 from nanoref.utils.seams import seam
 
@@ -29,9 +30,27 @@ def rotary_qk(
     return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
 
+def norm_rotary(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    positions: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+) -> torch.Tensor:
+    """Qwen3's per-head RMSNorm, then RoPE, over query and key heads side by side: x: (N, heads, D); weight:
+    (heads, D), each head's norm weight; positions: (N,); caches: (P, D/2) -> (N, heads, D).
+
+    The same arithmetic as rms_norm and apply_rotary on q and k apart, in one pass: half the small ops and one
+    cos/sin lookup per layer instead of two norms, two rotations and two lookups.
+    """
+    return apply_rotary(rms_norm(x, weight, eps), cos_cache[positions], sin_cache[positions])
+
+
 # eager: two table lookups and ~10 kernels per tensor (casts, halves, four products, cat); compiled: one
 # kernel for q and k together, reading each table row once (utils/compile.py)
 rotary_qk_cuda = on_cuda(rotary_qk)
+norm_rotary_cuda = on_cuda(norm_rotary)
 
 
 class RotaryEmbedding(nn.Module):
