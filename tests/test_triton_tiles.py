@@ -80,6 +80,19 @@ def test_varlen_group_wider_than_the_tile():
     torch.testing.assert_close(out, oracle, atol=TOL[torch.float32], rtol=TOL[torch.float32])
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_varlen_head_dim_not_a_power_of_two(causal):
+    """head_dim 24 in tiles of 32 columns, with GQA 3 (30 of 32 rows used): every mask at once."""
+    g = torch.Generator().manual_seed(24)
+    lens = [7, 40]
+    q = torch.randn(sum(lens), 6, 24, generator=g).to(torch.float16)
+    k, v = (torch.randn(sum(lens), 2, 24, generator=g).to(torch.float16) for _ in "kv")
+    q, k, v, cu_lens = on_device(q, k, v, cu(lens))
+    out = varlen_attention(q, k, v, cu_lens, cu_lens, max(lens), max(lens), causal=causal, launch=SMALL)
+    oracle = naive_padded_attention(q, k, v, cu_lens, cu_lens, causal=causal)
+    torch.testing.assert_close(out.float(), oracle.float(), atol=TOL[torch.float16], rtol=TOL[torch.float16])
+
+
 def test_varlen_rejects_a_scale_that_is_not_positive():
     q = torch.randn(4, 2, 16)
     lens = cu([4])
