@@ -126,7 +126,7 @@ def test_varlen_triton_reads_history_through_block_tables(dtype, block_size):
 def test_split_count_fills_the_gpu_in_one_wave(num_sms):
     """What choose_num_splits promises, over a grid of shapes: at most 64 splits, each of >= 128 tokens; no
     split when the batch alone fills the GPU; otherwise as many splits as fit in one wave of programs
-    (two per SM), and never more."""
+    (DECODE_PROGRAMS_PER_SM per SM), and never more."""
     from nanoref.ops.attention_triton import DECODE_PROGRAMS_PER_SM
 
     slots = DECODE_PROGRAMS_PER_SM * num_sms

@@ -327,7 +327,10 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-DECODE_PROGRAMS_PER_SM = 2  # decode programs an SM runs at once (shared memory holds num_stages K/V tiles each)
+# Decode programs one SM runs at once: compiled for sm_90 with DECODE_LAUNCH, a program takes 116 registers x 128
+# threads and ~40 KB of shared memory, so four fit in an H100/H200 SM's 64K registers (benchmarks/kernels.py
+# --compare prints what the GPU's own compile takes).
+DECODE_PROGRAMS_PER_SM = 4
 
 
 def choose_num_splits(
