@@ -286,11 +286,7 @@ def time_prefill() -> list[dict]:
 
 def sweep_prefill_launch() -> None:
     """Try prefill tile settings (each checked against SDPA first); keep the fastest correct one."""
-    candidates = [
-        tri.Launch(block_m=m, block_n=n, num_warps=w, num_stages=st)
-        for m, n, w in ((64, 64, 4), (128, 64, 4), (128, 64, 8), (128, 32, 4), (64, 32, 4), (128, 128, 8))
-        for st in (2, 3)
-    ]
+    candidates = PREFILL_CANDIDATES
     problems = [prefill_problem(b, L) for b, L in PREFILL_SHAPES]
     expected = sdpa_prefill(problems[1])
     best, best_score = None, -1.0
@@ -333,11 +329,12 @@ def load_baseline():
 PREFILL_CANDIDATES = [  # (tile rows = tokens x GQA heads, keys per tile, warps, stages); the default first
     tri.PREFILL_LAUNCH,
     tri.Launch(block_m=128, block_n=64, num_warps=8, num_stages=2),
+    tri.Launch(block_m=128, block_n=64, num_warps=8, num_stages=4),
     tri.Launch(block_m=128, block_n=128, num_warps=8, num_stages=2),
-    tri.Launch(block_m=128, block_n=32, num_warps=4, num_stages=3),
+    # 64 rows in 4 warps: half the registers and shared memory, so two programs share an SM and overlap
     tri.Launch(block_m=64, block_n=64, num_warps=4, num_stages=3),
-    tri.Launch(block_m=256, block_n=64, num_warps=8, num_stages=2),
-]
+    tri.Launch(block_m=64, block_n=64, num_warps=4, num_stages=2),
+]  # 128 rows in 4 warps, or 256 rows, spill registers (sm_90 compile)
 
 
 def check_prefill_gqa() -> None:
