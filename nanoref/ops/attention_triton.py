@@ -222,7 +222,7 @@ def _load_kv_tile(
     if MASKED:
         kv_mask = (pos < len_k)[:, None] & dim_ok[None, :]
     else:
-        kv_mask = dim_ok[None, :]  # all true when HEAD_DIM is a power of two: the compiler drops it
+        kv_mask = dim_ok[None, :]  # only the columns past HEAD_DIM (none when it is a power of two)
     k = tl.load(k_ptr + k_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
     v = tl.load(v_ptr + v_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
     return k, v
