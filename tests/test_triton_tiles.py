@@ -121,3 +121,23 @@ def test_small_batch_decode_splits_match_oracle(batch, heads, kv_heads, min_spli
     out = paged_decode_attention(q, k_cache, v_cache, seqlens, block_table, num_splits=splits)
     oracle = naive_padded_attention(q.squeeze(1), k_flat, v_flat, cu([1] * batch).to(DEVICE), cu(lens).to(DEVICE))
     torch.testing.assert_close(out.squeeze(1).float(), oracle.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads,kv_heads", [(16, 16), (16, 8), (16, 4)])
+def test_varlen_default_tiles_on_the_gpu(heads, kv_heads):
+    """The compiled kernel with the launch settings a GPU uses (PREFILL_LAUNCH), at head_dim 128 in bf16: ragged
+    lengths around the tile sizes, flat and with history read through block tables."""
+    g = torch.Generator().manual_seed(heads + kv_heads)
+    k_lens, q_lens = [1, 63, 64, 65, 300, 1000], [1, 63, 20, 65, 129, 1000]
+    k_cache, v_cache, block_table, k_flat, v_flat = random_paged_cache(k_lens, 16, kv_heads, 128, torch.bfloat16, g)
+    q = torch.randn(sum(q_lens), heads, 128, generator=g).to(torch.bfloat16)
+    q, k_cache, v_cache, block_table, k_flat, v_flat, cu_q, cu_k = (
+        t.cuda() for t in (q, k_cache, v_cache, block_table, k_flat, v_flat, cu(q_lens), cu(k_lens))
+    )
+    args = (cu_q, cu_k, max(q_lens), max(k_lens))
+    paged = varlen_attention(q, k_cache, v_cache, *args, causal=True, block_table=block_table)
+    torch.testing.assert_close(paged, naive_padded_attention(q, k_flat, v_flat, cu_q, cu_k), atol=2e-2, rtol=2e-2)
+    q_flat = torch.randn(sum(k_lens), heads, 128, generator=g).to(torch.bfloat16).cuda()  # no history: Lq == Lk
+    flat = varlen_attention(q_flat, k_flat, v_flat, cu_k, cu_k, max(k_lens), max(k_lens), causal=True)
+    torch.testing.assert_close(flat, naive_padded_attention(q_flat, k_flat, v_flat, cu_k, cu_k), atol=2e-2, rtol=2e-2)
