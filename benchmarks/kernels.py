@@ -3,6 +3,7 @@
     python benchmarks/kernels.py                       # on a CUDA GPU: check, then time, table + figure
     python benchmarks/kernels.py --sweep               # first sweep the kernels' tile settings (--sweep-prefill)
     python benchmarks/kernels.py --redraw              # anywhere: redraw the figure from the results table
+    python benchmarks/kernels.py --compare --out F.md  # old kernels (benchmarks/baseline_attention_triton.py) vs new
 
 1. Checks correctness on the GPU (Triton against the torch reference and the naive padded oracle).
 2. Measures the device-to-device copy bandwidth (bytes read + written per second): the ceiling.
@@ -21,6 +22,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import math
 import platform
@@ -284,11 +286,7 @@ def time_prefill() -> list[dict]:
 
 def sweep_prefill_launch() -> None:
     """Try prefill tile settings (each checked against SDPA first); keep the fastest correct one."""
-    candidates = [
-        tri.Launch(block_m=m, block_n=n, num_warps=w, num_stages=st)
-        for m, n, w in ((64, 64, 4), (128, 64, 4), (128, 64, 8), (128, 32, 4), (64, 32, 4), (128, 128, 8))
-        for st in (2, 3)
-    ]
+    candidates = PREFILL_CANDIDATES
     problems = [prefill_problem(b, L) for b, L in PREFILL_SHAPES]
     expected = sdpa_prefill(problems[1])
     best, best_score = None, -1.0
@@ -310,6 +308,220 @@ def sweep_prefill_launch() -> None:
             best, best_score = launch, score
     tri.PREFILL_LAUNCH = best
     print(f"  best: {best}")
+
+
+# -- old kernels against new (--compare) --------------------------------------------------------------
+
+
+def load_baseline():
+    """benchmarks/baseline_attention_triton.py: the attention kernels before the GQA-stacked prefill."""
+    import importlib.util
+
+    name = "baseline_attention_triton"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # before exec: its dataclass looks its module up
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+PREFILL_CANDIDATES = [  # (tile rows = tokens x GQA heads, keys per tile, warps, stages); the default first
+    tri.PREFILL_LAUNCH,
+    tri.Launch(block_m=128, block_n=64, num_warps=8, num_stages=2),
+    tri.Launch(block_m=128, block_n=64, num_warps=8, num_stages=4),
+    tri.Launch(block_m=128, block_n=128, num_warps=8, num_stages=2),
+    # 64 rows in 4 warps: half the registers and shared memory, so two programs share an SM and overlap
+    tri.Launch(block_m=64, block_n=64, num_warps=4, num_stages=3),
+    tri.Launch(block_m=64, block_n=64, num_warps=4, num_stages=2),
+]  # 128 rows in 4 warps, or 256 rows, spill registers (sm_90 compile)
+
+
+def check_prefill_gqa() -> None:
+    """The new prefill at GQA 1, 2 and 4 on ragged lengths (GQA 2 in every candidate tiling) against the oracle."""
+    g = torch.Generator(device="cuda").manual_seed(2)
+    lens = [1, 63, 64, 65, 200, 1000]
+    cu = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device="cuda")
+    for heads, kv_heads in ((8, 8), (16, 8), (16, 4)):
+        q = torch.randn(sum(lens), heads, HEAD_DIM, device="cuda", dtype=DTYPE, generator=g)
+        k, v = (torch.randn(sum(lens), kv_heads, HEAD_DIM, device="cuda", dtype=DTYPE, generator=g) for _ in "kv")
+        oracle = naive_padded_attention(q, k, v, cu, cu)
+        for launch in PREFILL_CANDIDATES if heads == 2 * kv_heads else PREFILL_CANDIDATES[:1]:  # few compiles
+            out = tri.varlen_attention(q, k, v, cu, cu, max(lens), max(lens), launch=launch)
+            torch.testing.assert_close(out.float(), oracle.float(), atol=2e-2, rtol=2e-2)
+    print("correctness on the GPU: GQA-stacked prefill, GQA 1/2/4 (GQA 2 in every candidate tiling): OK")
+
+
+def percent(part: float, whole: float) -> str:
+    return f"{100 * whole / part:.0f}%"  # part and whole are times: the share of SDPA's speed
+
+
+def new_prefill(problem, launch: tri.Launch | None, module=tri):
+    """The prefill problem through `module`'s varlen_attention (the old one takes no launch settings)."""
+    q, k, v, cu, seqlen = problem
+    extra = {} if launch is None else dict(launch=launch)
+    return module.varlen_attention(q, k, v, cu, cu, seqlen, seqlen, causal=True, **extra)
+
+
+def compare_prefill() -> tuple[str, str]:
+    """Old prefill vs new (default tiles, and the sweep's best) vs SDPA; the tile sweep's lines."""
+    old = load_baseline()
+    problems = [prefill_problem(b, L) for b, L in PREFILL_SHAPES]
+    sdpa = [bench(lambda p=p: sdpa_prefill(p)) for p in problems]
+    old_ms = [bench(lambda p=p: new_prefill(p, None, old)) for p in problems]
+    sweep_lines, timings = [], {}
+    for i, launch in enumerate(PREFILL_CANDIDATES):  # timings by index: a Launch is not hashable
+        try:
+            timings[i] = [bench(lambda p=p, launch=launch: new_prefill(p, launch)) for p in problems]
+        except Exception as failure:  # e.g. out of shared memory for the biggest tiles
+            sweep_lines.append(f"  {launch}: failed ({type(failure).__name__}: {str(failure)[:80]})")
+            continue
+        shares = [s / t for s, t in zip(sdpa, timings[i])]
+        mean = math.exp(sum(map(math.log, shares)) / len(shares))
+        sweep_lines.append(
+            f"  rows {launch.block_m:>3} keys {launch.block_n:>3} warps {launch.num_warps} stages "
+            f"{launch.num_stages}: {mean:.0%} of SDPA (geomean), " + " ".join(f"{x:.0%}" for x in shares)
+        )
+    best = min(timings, key=lambda i: sum(map(math.log, timings[i])))  # the lowest geometric mean time
+    sweep_lines.append(f"  best: {PREFILL_CANDIDATES[best]}")
+    sweep_lines += kernel_resources(tri.varlen_attention_kernel, "varlen_attention_kernel (bf16 variants)")
+    new = timings.get(0)  # the default tiles come first
+    rows = []
+    for i, (batch, seqlen) in enumerate(PREFILL_SHAPES):
+        flops = causal_flops(batch, seqlen)
+        row = dict(sequences=batch, tokens_each=seqlen, old_us=old_ms[i] * 1e3)
+        row["new_us"] = new[i] * 1e3 if new else float("nan")
+        row["best_tiles_us"] = timings[best][i] * 1e3
+        row["sdpa_us"] = sdpa[i] * 1e3
+        row["new_TFLOPs"] = flops / (new[i] if new else float("nan")) / 1e9
+        row["old_of_sdpa"] = percent(old_ms[i], sdpa[i])
+        row["new_of_sdpa"] = percent(new[i], sdpa[i]) if new else ""
+        row["best_of_sdpa"] = percent(timings[best][i], sdpa[i])
+        rows.append(row)
+    fmt = dict(old_us="{:.1f}", new_us="{:.1f}", best_tiles_us="{:.1f}", sdpa_us="{:.1f}", new_TFLOPs="{:.0f}")
+    return markdown_table(rows, fmt), "\n".join(sweep_lines)
+
+
+SMALL_BATCHES, SMALL_CONTEXTS = (1, 2, 4, 8, 16), (1024, 4096, 8192)
+
+
+def time_small_decode(batch: int, ctx: int, old, num_sms: int) -> tuple[dict, str]:
+    """One small-batch shape: old splits vs new vs dense SDPA, and the new kernel at each split count."""
+    q, k_cache, v_cache, block_table, seqlens = paged_problem(batch, ctx, 16)
+    qd = q.transpose(1, 2).contiguous()  # (B, H, 1, D)
+    k, v = dense_from_paged(k_cache, block_table, ctx), dense_from_paged(v_cache, block_table, ctx)
+    sdpa = bench(lambda: F.scaled_dot_product_attention(qd, k, v, enable_gqa=True))
+    old_ms = bench(lambda: old.paged_decode_attention(q, k_cache, v_cache, seqlens, block_table))
+    new_ms = bench(lambda: tri.paged_decode_attention(q, k_cache, v_cache, seqlens, block_table))
+    old_splits = old.choose_num_splits(batch, KV_HEADS, ctx, num_sms, old.DECODE_LAUNCH.block_n)
+    new_splits = tri.choose_num_splits(batch, KV_HEADS, ctx, num_sms, tri.DECODE_LAUNCH.block_n)
+    row = dict(batch=batch, ctx=ctx, old_splits=old_splits, new_splits=new_splits, old_us=old_ms * 1e3,
+               new_us=new_ms * 1e3, sdpa_dense_us=sdpa * 1e3, old_of_sdpa=percent(old_ms, sdpa),
+               new_of_sdpa=percent(new_ms, sdpa))  # fmt: skip
+    times = {}
+    for splits in (s for s in (1, 2, 4, 8, 16, 32, 64) if s * 64 <= ctx):
+        decode = functools.partial(tri.paged_decode_attention, q, k_cache, v_cache, seqlens, block_table)
+        times[splits] = bench(functools.partial(decode, num_splits=splits))
+    fastest = min(times, key=times.get)
+    line = f"  B {batch:>2} ctx {ctx:>4}: " + " ".join(f"{s}:{t * 1e3:.1f}" for s, t in times.items())
+    return row, line + f"  fastest {fastest} ({percent(times[fastest], sdpa)} of SDPA)"
+
+
+def compare_small_decode() -> tuple[str, str]:
+    """Paged decode at small batches (block 16): old splits vs new vs dense SDPA; time at each split count."""
+    old = load_baseline()
+    num_sms = tri._num_sms(torch.device("cuda"))
+    rows, sweep = [], []
+    for batch in SMALL_BATCHES:
+        for ctx in SMALL_CONTEXTS:
+            row, line = time_small_decode(batch, ctx, old, num_sms)
+            rows.append(row)
+            sweep.append(line)
+            torch.cuda.empty_cache()
+    fmt = dict(old_us="{:.1f}", new_us="{:.1f}", sdpa_dense_us="{:.1f}")
+    return markdown_table(rows, fmt), "\n".join(sweep)
+
+
+def kernel_resources(kernel, name: str) -> list[str]:
+    """Registers, spills and shared memory of each compiled variant of a kernel, and programs one SM holds."""
+    props = torch.cuda.get_device_properties(0)
+    lines = []
+    try:  # Triton internals: the per-device cache of compiled kernels (first item of each device's entry)
+        for compiled in kernel.device_caches[torch.cuda.current_device()][0].values():
+            regs, shared, warps = compiled.n_regs, compiled.metadata.shared, compiled.metadata.num_warps
+            by_regs = props.regs_per_multiprocessor // max(1, regs * 32 * warps)
+            by_shared = props.shared_memory_per_multiprocessor // max(1, shared + 1024)
+            fits = min(by_regs, by_shared)
+            line = (f"  {name}: {warps} warps, {compiled.metadata.num_stages} stages, {regs} registers/thread, "
+                    f"{compiled.n_spills} spills, {shared} B shared -> {fits} programs/SM")  # fmt: skip
+            if line not in lines:
+                lines.append(line)
+    except Exception as failure:
+        lines.append(f"  {name}: resources unknown ({type(failure).__name__}: {failure})")
+    return lines
+
+
+def decode_occupancy() -> str:
+    """How many decode programs one SM holds at once, against what choose_num_splits assumes."""
+    q, k_cache, v_cache, block_table, seqlens = paged_problem(4, 1024, 16)
+    tri.paged_decode_attention(q, k_cache, v_cache, seqlens, block_table)  # compiles it
+    lines = kernel_resources(tri.paged_decode_kernel, "paged_decode_kernel")
+    lines.append(f"  choose_num_splits assumes {tri.DECODE_PROGRAMS_PER_SM} programs/SM (DECODE_PROGRAMS_PER_SM)")
+    return "\n".join(lines)
+
+
+def compare(out: Path) -> None:
+    """Old kernels against new, in one run: prefill (with a tile sweep) and small-batch paged decode."""
+    import triton
+
+    gpu = torch.cuda.get_device_name()
+    started = time.time()
+    check_correctness()
+    check_prefill_gqa()
+    prefill_table, prefill_sweep = compare_prefill()
+    print("\nprefill tile sweep (share of SDPA's speed per shape)\n" + prefill_sweep)
+    print("\nvarlen causal prefill: old kernel vs new vs SDPA\n" + prefill_table)
+    occupancy = decode_occupancy()
+    print("\n" + occupancy)
+    decode_table, split_sweep = compare_small_decode()
+    print("\npaged decode, split count sweep (splits:us)\n" + split_sweep)
+    print("\npaged decode, small batches (block 16): old vs new vs dense SDPA\n" + decode_table)
+    text = f"""# Attention kernels, old against new: one {gpu}
+
+`python benchmarks/kernels.py --compare`, measured {time.strftime("%Y-%m-%d")} on one {gpu} (torch
+{torch.__version__}, triton {triton.__version__}). Medians of `do_bench` over CUDA-graph replays, L2 flushed.
+Qwen3-0.6B attention shapes (16 query heads, 8 KV heads, head_dim 128), bf16. "old" is
+benchmarks/baseline_attention_triton.py; "of_sdpa" is SDPA's time over the kernel's (100% = as fast as SDPA).
+
+## Varlen causal prefill
+
+New default tiles: {tri.PREFILL_LAUNCH}. best_tiles: the sweep's best by geometric mean.
+
+{prefill_table}
+
+Tile sweep:
+
+```
+{prefill_sweep}
+```
+
+## Paged decode, small batches
+
+```
+{occupancy}
+```
+
+{decode_table}
+
+Time (us) at each split count:
+
+```
+{split_sweep}
+```
+"""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    print(f"\nwrote {out} in {time.time() - started:.0f} s")
 
 
 # -- 4. report ------------------------------------------------------------------------------------
@@ -388,6 +600,8 @@ def main() -> None:
     parser.add_argument("--markdown", type=Path, default=ROOT / "benchmarks/results/kernels_h200.md")
     parser.add_argument("--figure", type=Path, default=ROOT / "figures/kernels_h200.png")
     parser.add_argument("--redraw", action="store_true", help="only redraw the figure from --markdown (no GPU needed)")
+    parser.add_argument("--compare", action="store_true", help="old kernels against new only (prefill, small decode)")
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/kernels_compare_h200.md")
     args = parser.parse_args()
     if args.redraw:
         rows, copy_tbps, gpu = read_results(args.markdown)
@@ -396,6 +610,9 @@ def main() -> None:
         return
     if not torch.cuda.is_available():
         sys.exit("benchmarks/kernels.py needs a CUDA GPU (on a CPU, the tests check the kernels under the interpreter)")
+    if args.compare:
+        compare(args.out)
+        return
     import triton
 
     gpu = torch.cuda.get_device_name()

@@ -7,7 +7,9 @@
   second kernel merges their partial results through their log-sum-exps.
 - `varlen_attention` ~ `flash_attn_varlen_func`: causal prefill over flat queries. With
   `block_table`, keys and values are read from the paged cache, so a prefix-cache hit or an earlier
-  chunk of a chunked prefill needs no copy.
+  chunk of a chunked prefill needs no copy. One program per (query tile, KV head): as in decode, the
+  group's query heads are rows of one tile, so each K/V tile is loaded once per group. Key tiles wholly
+  below the causal diagonal skip the mask; only the diagonal's (and the sequence end's) pay for it.
 
 References: `nanoref.ops.attention_torch` (same arguments) and `naive_padded_attention` (the oracle).
 On a CPU these kernels run under the Triton interpreter (see triton_setup.py); there `tl.dot` on
@@ -35,14 +37,15 @@ LOG2E = 1.4426950408889634  # softmax in base 2: exp(x) == exp2(x * log2(e)), an
 class Launch:
     """Tile sizes and launch settings: on a GPU, speed depends on these; benchmarks/kernels.py sweeps them."""
 
-    block_m: int = 64  # query rows per tile (prefill; decode's rows are fixed by GQA)
+    block_m: int = 64  # query rows per tile (prefill: tokens x the GQA group's heads; decode's are fixed by GQA)
     block_n: int = 64  # keys per tile
     num_warps: int = 4
     num_stages: int = 2
 
 
 DECODE_LAUNCH = Launch(block_n=64, num_warps=4, num_stages=3)  # best of benchmarks/kernels.py --sweep on an H200
-PREFILL_LAUNCH = Launch(block_m=64, block_n=64, num_warps=4, num_stages=3)  # likewise, --sweep-prefill
+# 128 rows (64 tokens x GQA 2's heads): two warpgroups of 64 rows, so 8 warps; benchmarks/kernels.py --sweep-prefill
+PREFILL_LAUNCH = Launch(block_m=128, block_n=64, num_warps=8, num_stages=3)
 INTERPRETER_LAUNCH = Launch(block_m=64, block_n=64)  # few big tiles: the interpreter pays per iteration
 
 
@@ -173,69 +176,138 @@ def merge_splits_kernel(
 
 
 @triton.jit
+def _attend_full_tile(q, k, v, qk_scale, m_i, l_i, acc, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """`_attend_tile` for a tile that every row sees whole (causal prefill below the diagonal): no mask.
+
+    With no masked score, a row's max is finite from its first tile on, so the guard for all-masked rows goes
+    too, and the scale folds into the exponent's one multiply-add. qk_scale must be positive (the launcher
+    checks): then max(s) * scale == max(s * scale).
+    """
+    if UPCAST:  # the interpreter's tl.dot is wrong on bf16 operands
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # (M, N), not yet scaled
+    m_new = tl.maximum(m_i, tl.max(scores, 1) * qk_scale)  # (M,)
+    alpha = tl.exp2(m_i - m_new)  # (M,): 0 on the first tile (m_i = -inf)
+    p = tl.exp2(scores * qk_scale - m_new[:, None])  # (M, N)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)  # (M, D): the MMA accumulates in place
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _load_kv_tile(
+    k_ptr, v_ptr, block_table_ptr, seq, k_start, kv_head, n0, len_k, dims, dim_ok,
+    stride_kblock, stride_kn, stride_kh, stride_vblock, stride_vn, stride_vh, stride_bt,
+    BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, MASKED: tl.constexpr,
+):  # fmt: skip
+    """Keys and values at positions n0 .. n0 + BLOCK_N of one sequence: (BLOCK_N, BLOCK_D) each.
+
+    Paged: position -> block (through the block table) -> slot, as in decode. MASKED: positions past len_k
+    read as zeros (the sequence's last tile); unmasked tiles lie wholly inside the sequence.
+    """
+    pos = n0 + tl.arange(0, BLOCK_N)  # (BLOCK_N,) logical positions
+    if PAGED:
+        if MASKED:
+            block = tl.load(block_table_ptr + seq * stride_bt + pos // PAGE, mask=pos < len_k, other=0)
+        else:
+            block = tl.load(block_table_ptr + seq * stride_bt + pos // PAGE)
+        block = block.to(tl.int64)
+        k_off = block * stride_kblock + (pos % PAGE) * stride_kn + kv_head * stride_kh  # (BLOCK_N,)
+        v_off = block * stride_vblock + (pos % PAGE) * stride_vn + kv_head * stride_vh
+    else:
+        k_off = (k_start + pos).to(tl.int64) * stride_kn + kv_head * stride_kh
+        v_off = (k_start + pos).to(tl.int64) * stride_vn + kv_head * stride_vh
+    if MASKED:
+        kv_mask = (pos < len_k)[:, None] & dim_ok[None, :]
+    else:
+        kv_mask = dim_ok[None, :]  # only the columns past HEAD_DIM (none when it is a power of two)
+    k = tl.load(k_ptr + k_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
+    v = tl.load(v_ptr + v_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+    return k, v
+
+
+@triton.jit
 def varlen_attention_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr, block_table_ptr,
-    qk_scale,
+    qk_scale,  # softmax_scale * log2(e), > 0
     stride_qn, stride_qh,  # q (Nq, H, D)
     stride_kblock, stride_kn, stride_kh,  # flat k (Nk, Hk, D): stride_kblock unused; paged: as in decode
     stride_vblock, stride_vn, stride_vh,  # v likewise (a view of a fused qkv output strides apart from k)
     stride_on, stride_oh,  # out (Nq, H, D)
     stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr,
     CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    m_block = tl.program_id(0)
-    seq = tl.program_id(1)
-    head = tl.program_id(2)
+    """One program: BLOCK_T query tokens of one sequence, for all GROUP query heads that share one KV head.
+
+    The group's heads are stacked into the tile's rows (row = token * GROUP + head in group, as in decode), so
+    each K/V tile is loaded once for the whole group and every tl.dot has GROUP times more rows.
+    """
+    # The GPU starts programs in grid order, axis 0 fastest: the tiles of one (sequence, KV head) run side by side
+    # and share its K/V through the L2 cache; the longest (latest query tokens, causal) start first.
+    m_block = tl.num_programs(0) - 1 - tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq = tl.program_id(2)
     q_start = tl.load(cu_seqlens_q_ptr + seq)
     len_q = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
-    if m_block * BLOCK_M >= len_q:  # the grid is sized for the longest sequence
+    if m_block * BLOCK_T >= len_q:  # the grid is sized for the longest sequence
         return
     k_start = tl.load(cu_seqlens_k_ptr + seq)
     len_k = tl.load(cu_seqlens_k_ptr + seq + 1) - k_start
-    kv_head = head // GROUP
 
-    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
-    m_ok = offs_m < len_q
+    rows = tl.arange(0, BLOCK_M)
+    token = m_block * BLOCK_T + rows // GROUP  # (BLOCK_M,) query index within the sequence
+    head = kv_head * GROUP + rows % GROUP  # (BLOCK_M,) query head
+    row_ok = (rows < BLOCK_T * GROUP) & (token < len_q)  # BLOCK_M > BLOCK_T * GROUP when GROUP is not a power of 2
     dims = tl.arange(0, BLOCK_D)
     dim_ok = dims < HEAD_DIM
-    q_rows = (q_start + offs_m).to(tl.int64) * stride_qn + head * stride_qh
-    q = tl.load(q_ptr + q_rows[:, None] + dims[None, :], mask=m_ok[:, None] & dim_ok[None, :], other=0.0)
+    q_rows = (q_start + token).to(tl.int64) * stride_qn + head * stride_qh  # (BLOCK_M,)
+    q = tl.load(q_ptr + q_rows[:, None] + dims[None, :], mask=row_ok[:, None] & dim_ok[None, :], other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
-    q_pos = len_k - len_q + offs_m  # bottom-right aligned: the queries are the last len_q keys' positions
+    q_pos = len_k - len_q + token  # bottom-right aligned: the queries are the last len_q keys' positions
+
+    # Keys [0, full) are visible to every row of the tile: no mask. Keys [full, hi) need one: the diagonal
+    # (causal) and the sequence's ragged end. Keys from hi on are never visible.
+    first_pos = len_k - len_q + m_block * BLOCK_T  # the tile's first query sees keys 0 .. first_pos
+    if CAUSAL:
+        hi = tl.minimum(len_k, first_pos + BLOCK_T)
+        full = (first_pos + 1) // BLOCK_N * BLOCK_N
+    else:
+        hi = len_k
+        full = len_k // BLOCK_N * BLOCK_N
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    hi = len_k
-    if CAUSAL:  # keys after this tile's last query are never visible
-        hi = tl.minimum(len_k, len_k - len_q + (m_block + 1) * BLOCK_M)
-    for n0 in range(0, hi, BLOCK_N):
+    for n0 in range(0, full, BLOCK_N):
+        k, v = _load_kv_tile(
+            k_ptr, v_ptr, block_table_ptr, seq, k_start, kv_head, n0, len_k, dims, dim_ok,
+            stride_kblock, stride_kn, stride_kh, stride_vblock, stride_vn, stride_vh, stride_bt,
+            BLOCK_N, PAGED, PAGE, False,
+        )  # fmt: skip
+        m_i, l_i, acc = _attend_full_tile(q, k, v, qk_scale, m_i, l_i, acc, UPCAST, PRECISION)
+    for n0 in range(full, hi, BLOCK_N):
+        k, v = _load_kv_tile(
+            k_ptr, v_ptr, block_table_ptr, seq, k_start, kv_head, n0, len_k, dims, dim_ok,
+            stride_kblock, stride_kn, stride_kh, stride_vblock, stride_vn, stride_vh, stride_bt,
+            BLOCK_N, PAGED, PAGE, True,
+        )  # fmt: skip
         pos = n0 + tl.arange(0, BLOCK_N)
-        pos_ok = pos < len_k
-        if PAGED:
-            block = tl.load(block_table_ptr + seq * stride_bt + pos // PAGE, mask=pos_ok, other=0).to(tl.int64)
-            k_off = block * stride_kblock + (pos % PAGE) * stride_kn + kv_head * stride_kh  # (BLOCK_N,)
-            v_off = block * stride_vblock + (pos % PAGE) * stride_vn + kv_head * stride_vh
-        else:
-            k_off = (k_start + pos).to(tl.int64) * stride_kn + kv_head * stride_kh
-            v_off = (k_start + pos).to(tl.int64) * stride_vn + kv_head * stride_vh
-        kv_mask = pos_ok[:, None] & dim_ok[None, :]
-        k = tl.load(k_ptr + k_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
-        v = tl.load(v_ptr + v_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        visible = pos_ok[None, :]
-        if CAUSAL:  # bottom-right aligned: query i sees keys up to position len_k - len_q + i
-            visible = visible & (pos[None, :] <= q_pos[:, None])
+        visible = (pos < len_k)[None, :]  # (1, BLOCK_N)
+        if CAUSAL:  # query i sees keys up to position len_k - len_q + i
+            visible = visible & (pos[None, :] <= q_pos[:, None])  # (BLOCK_M, BLOCK_N)
         m_i, l_i, acc = _attend_tile(q, k, v, visible, qk_scale, m_i, l_i, acc, UPCAST, PRECISION)
 
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-    out_rows = (q_start + offs_m).to(tl.int64) * stride_on + head * stride_oh
+    out_rows = (q_start + token).to(tl.int64) * stride_on + head * stride_oh
     tl.store(
         out_ptr + out_rows[:, None] + dims[None, :],
         out.to(out_ptr.dtype.element_ty),
-        mask=m_ok[:, None] & dim_ok[None, :],
+        mask=row_ok[:, None] & dim_ok[None, :],
     )
 
 
@@ -255,15 +327,29 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: int, block_n: int) -> int:
-    """Splits per sequence so that (batch * kv_heads * splits) programs fill the GPU about twice.
+# Decode programs one SM runs at once: compiled for sm_90 with DECODE_LAUNCH, a program takes 116 registers x 128
+# threads and ~40 KB of shared memory, so four fit in an H100/H200 SM's 64K registers (benchmarks/kernels.py
+# --compare prints what the GPU's own compile takes).
+DECODE_PROGRAMS_PER_SM = 4
 
+
+def choose_num_splits(
+    batch: int, num_kv_heads: int, max_context: int, num_sms: int, block_n: int, min_split_len: int = 128
+) -> int:
+    """Splits per sequence so that the (batch * kv_heads * splits) programs fill the GPU in one wave.
+
+    A small batch makes few programs (one per sequence and KV head): most SMs idle, and each program walks
+    its whole context one tile after another, a chain of memory round trips. Splits run side by side
+    shorten the chain and fill the SMs, for the fixed price of one merge launch. The count is rounded
+    down to what the GPU runs at once (DECODE_PROGRAMS_PER_SM per SM): one program more would start a
+    second wave that the whole step waits for. Each split keeps at least min_split_len tokens (two tiles of
+    64: the pipelined loop has about two tiles in flight, so shorter splits shorten the chain no further),
+    and there are at most 64 (the merge loads them all in one tile).
     Depends only on shapes (not on the lengths in cache_seqlens), so a CUDA graph can capture it.
-    Each split keeps at least 256 tokens: shorter ones would cost more in merging than they gain.
     """
     programs = batch * num_kv_heads
-    wanted = -(-2 * num_sms // programs)  # ceil
-    return max(1, min(wanted, max_context // max(256, block_n), 64))
+    fit = max(1, DECODE_PROGRAMS_PER_SM * num_sms // programs)
+    return max(1, min(fit, max_context // max(min_split_len, block_n), 64))
 
 
 def merge_splits(partial: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) -> None:
@@ -351,8 +437,14 @@ def varlen_attention(
     softmax_scale: float | None = None,
     causal: bool = True,
     block_table: torch.Tensor | None = None,
+    *,
+    launch: Launch | None = None,
 ) -> torch.Tensor:
-    """q: (Nq, H, D). Without block_table k, v: (Nk, Hk, D) flat; with it, paged caches. -> (Nq, H, D)."""
+    """q: (Nq, H, D). Without block_table k, v: (Nk, Hk, D) flat; with it, paged caches. -> (Nq, H, D).
+
+    launch: tile settings (default PREFILL_LAUNCH, or INTERPRETER_LAUNCH on a CPU); its block_m counts tile
+    rows, which hold block_m // group query tokens times the group's query heads.
+    """
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k.shape[-2]
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
@@ -362,8 +454,10 @@ def varlen_attention(
     if num_heads % num_kv_heads:
         raise ValueError(f"{num_heads} query heads cannot share {num_kv_heads} KV heads evenly")
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+    if scale <= 0:
+        raise ValueError(f"softmax_scale must be positive, got {scale}")
     upcast, precision = _dot_settings(q.dtype)
-    launch = INTERPRETER_LAUNCH if interpreting() else PREFILL_LAUNCH
+    launch = launch or (INTERPRETER_LAUNCH if interpreting() else PREFILL_LAUNCH)
     paged = block_table is not None
     if paged:  # (num_blocks, block_size, Hk, D)
         page, k_strides, v_strides = k.shape[1], k.stride()[:3], v.stride()[:3]
@@ -371,9 +465,12 @@ def varlen_attention(
     else:  # (Nk, Hk, D): no block axis
         page, k_strides, v_strides = 1, (0, *k.stride()[:2]), (0, *v.stride()[:2])
         stride_bt, block_table = 0, cu_seqlens_k  # never read; any int tensor fills the pointer slot
+    group = num_heads // num_kv_heads
+    block_t = max(1, launch.block_m // group)  # query tokens per tile
+    block_m = max(16, triton.next_power_of_2(block_t * group))  # tile rows; tl.dot wants at least 16
     out = torch.empty_like(q)
     batch = cu_seqlens_q.numel() - 1
-    grid = (triton.cdiv(max_seqlen_q, launch.block_m), batch, num_heads)
+    grid = (triton.cdiv(max_seqlen_q, block_t), num_kv_heads, batch)
     varlen_attention_kernel[grid](
         q, k, v, out, cu_seqlens_q, cu_seqlens_k, block_table,
         scale * LOG2E,
@@ -382,8 +479,8 @@ def varlen_attention(
         *v_strides,
         out.stride(0), out.stride(1),
         stride_bt,
-        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
-        BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, PAGED=paged, PAGE=page,
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_M=block_m, BLOCK_T=block_t, BLOCK_N=launch.block_n, PAGED=paged, PAGE=page,
         CAUSAL=causal, UPCAST=upcast, PRECISION=precision,
         num_warps=launch.num_warps, num_stages=launch.num_stages,
     )  # fmt: skip

@@ -1,0 +1,380 @@
+"""Baseline for benchmarks/kernels.py only: nanoref/ops/attention_triton.py as of commit 177e2ae, unchanged.
+
+The benchmark times it beside the current kernels (old vs new in one run). Nothing in nanoref imports it;
+read the real kernels in nanoref/ops/attention_triton.py.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+
+from nanoref.ops.triton_setup import import_triton, interpreting
+from nanoref.utils.seams import seam
+
+triton = import_triton()
+import triton.language as tl  # noqa: E402  (after import_triton: the interpreter switch comes first)
+
+LOG2E = 1.4426950408889634  # softmax in base 2: exp(x) == exp2(x * log2(e)), and exp2 is one instruction
+
+
+@dataclass
+class Launch:
+    """Tile sizes and launch settings: on a GPU, speed depends on these; benchmarks/kernels.py sweeps them."""
+
+    block_m: int = 64  # query rows per tile (prefill; decode's rows are fixed by GQA)
+    block_n: int = 64  # keys per tile
+    num_warps: int = 4
+    num_stages: int = 2
+
+
+DECODE_LAUNCH = Launch(block_n=64, num_warps=4, num_stages=3)  # best of benchmarks/kernels.py --sweep on an H200
+PREFILL_LAUNCH = Launch(block_m=64, block_n=64, num_warps=4, num_stages=3)  # likewise, --sweep-prefill
+INTERPRETER_LAUNCH = Launch(block_m=64, block_n=64)  # few big tiles: the interpreter pays per iteration
+
+
+@triton.jit
+def _attend_tile(
+    q, k, v, visible, qk_scale, m_i, l_i, acc, UPCAST: tl.constexpr, PRECISION: tl.constexpr
+):  # fmt: skip
+    """Fold one tile of keys and values into the online softmax: running max m_i, sum l_i, output acc.
+
+    q: (M, D) query rows; k, v: (N, D); visible: (M, N), False where a key must not count. Base 2 throughout:
+    qk_scale carries log2(e), so exp2 gives the softmax's exp. Returns the new (m_i, l_i, acc).
+    """
+    if UPCAST:  # the interpreter's tl.dot is wrong on bf16 operands
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (M, N)
+    scores = tl.where(visible, scores, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(scores, 1))  # (M,)
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen no key yet stays at zero
+    alpha = tl.exp2(m_i - m_safe)  # (M,): rescales what was summed under the old max
+    p = tl.exp2(scores - m_safe[:, None])  # (M, N)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)  # (M, D)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def paged_decode_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seqlens_ptr, out_ptr, lse_ptr,
+    qk_scale,  # softmax_scale * log2(e)
+    stride_qb, stride_qm, stride_qh,  # q (B, Lq, H, D)
+    stride_kblock, stride_kslot, stride_kh,  # caches (num_blocks, block_size, Hk, D)
+    stride_bt,  # block_table (B, max_blocks)
+    stride_ob, stride_os, stride_om, stride_oh,  # out (B, S, Lq, H, D): S = 1 is the final output
+    stride_lb, stride_ls, stride_lm,  # lse (B, S, Lq, H) float32, base 2
+    split_len,  # context tokens per split (a multiple of BLOCK_N)
+    LEN_Q: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seqlen = tl.load(seqlens_ptr + seq)
+
+    # Tile rows are (query token, query head of this KV head's group): GROUP * LEN_Q of BLOCK_M used.
+    rows = tl.arange(0, BLOCK_M)
+    q_idx = rows // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    row_ok = rows < LEN_Q * GROUP
+    dims = tl.arange(0, BLOCK_D)
+    dim_ok = dims < HEAD_DIM
+    q = tl.load(
+        q_ptr + seq * stride_qb + q_idx[:, None] * stride_qm + head[:, None] * stride_qh + dims[None, :],
+        mask=row_ok[:, None] & dim_ok[None, :],
+        other=0.0,
+    )  # (BLOCK_M, BLOCK_D)
+    if UPCAST:
+        q = q.to(tl.float32)
+    q_pos = seqlen - LEN_Q + q_idx  # the queries are the newest LEN_Q tokens of the history
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    start = split * split_len
+    end = tl.minimum(seqlen, start + split_len)
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)  # logical token positions of this tile
+        pos_ok = pos < end
+        # logical position -> physical block (through the block table) -> slot in that block
+        block = tl.load(block_table_ptr + seq * stride_bt + pos // PAGE, mask=pos_ok, other=0).to(tl.int64)
+        row_off = block * stride_kblock + (pos % PAGE) * stride_kslot + kv_head * stride_kh  # (BLOCK_N,)
+        kv_mask = pos_ok[:, None] & dim_ok[None, :]
+        k = tl.load(k_cache_ptr + row_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
+        v = tl.load(v_cache_ptr + row_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        visible = pos_ok[None, :]  # (1, BLOCK_N), broadcast over the rows
+        if CAUSAL:
+            visible = visible & (pos[None, :] <= q_pos[:, None])  # (BLOCK_M, BLOCK_N)
+        m_i, l_i, acc = _attend_tile(q, k, v, visible, qk_scale, m_i, l_i, acc, UPCAST, PRECISION)
+
+    seen = l_i > 0.0  # False for a split past the sequence's end
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    out_rows = seq * stride_ob + split * stride_os + q_idx * stride_om + head * stride_oh  # (BLOCK_M,)
+    tl.store(
+        out_ptr + out_rows[:, None] + dims[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & dim_ok[None, :],
+    )
+    lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))  # (BLOCK_M,)
+    tl.store(lse_ptr + seq * stride_lb + split * stride_ls + q_idx * stride_lm + head, lse, mask=row_ok)
+
+
+@triton.jit
+def merge_splits_kernel(
+    partial_ptr, lse_ptr, out_ptr,
+    num_splits,
+    stride_pb, stride_ps, stride_pm, stride_ph,  # partial (B, S, Lq, H, D) float32
+    stride_lb, stride_ls, stride_lm,  # lse (B, S, Lq, H)
+    stride_ob, stride_om, stride_oh,  # out (B, Lq, H, D)
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+):  # fmt: skip
+    """out = sum_s w_s * partial_s with w_s = 2**lse_s / sum 2**lse: each split's share of the softmax."""
+    seq = tl.program_id(0)
+    q_idx = tl.program_id(1) // NUM_HEADS
+    head = tl.program_id(1) % NUM_HEADS
+    splits = tl.arange(0, BLOCK_S)
+    split_ok = splits < num_splits
+    lse = tl.load(
+        lse_ptr + seq * stride_lb + splits * stride_ls + q_idx * stride_lm + head, mask=split_ok, other=float("-inf")
+    )  # (BLOCK_S,)
+    top = tl.max(lse, 0)
+    weight = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top))  # (BLOCK_S,): 0 for empty splits
+    dims = tl.arange(0, BLOCK_D)
+    dim_ok = dims < HEAD_DIM
+    row = seq * stride_pb + q_idx * stride_pm + head * stride_ph
+    partial = tl.load(
+        partial_ptr + row + splits[:, None] * stride_ps + dims[None, :],
+        mask=split_ok[:, None] & dim_ok[None, :],
+        other=0.0,
+    )  # (BLOCK_S, BLOCK_D)
+    total = tl.sum(weight, 0)
+    out = tl.sum(partial * weight[:, None], 0) / tl.where(total > 0.0, total, 1.0)  # (BLOCK_D,)
+    tl.store(
+        out_ptr + seq * stride_ob + q_idx * stride_om + head * stride_oh + dims,
+        out.to(out_ptr.dtype.element_ty),
+        mask=dim_ok,
+    )
+
+
+@triton.jit
+def varlen_attention_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr, block_table_ptr,
+    qk_scale,
+    stride_qn, stride_qh,  # q (Nq, H, D)
+    stride_kblock, stride_kn, stride_kh,  # flat k (Nk, Hk, D): stride_kblock unused; paged: as in decode
+    stride_vblock, stride_vn, stride_vh,  # v likewise (a view of a fused qkv output strides apart from k)
+    stride_on, stride_oh,  # out (Nq, H, D)
+    stride_bt,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr,
+    CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    m_block = tl.program_id(0)
+    seq = tl.program_id(1)
+    head = tl.program_id(2)
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    len_q = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    if m_block * BLOCK_M >= len_q:  # the grid is sized for the longest sequence
+        return
+    k_start = tl.load(cu_seqlens_k_ptr + seq)
+    len_k = tl.load(cu_seqlens_k_ptr + seq + 1) - k_start
+    kv_head = head // GROUP
+
+    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    m_ok = offs_m < len_q
+    dims = tl.arange(0, BLOCK_D)
+    dim_ok = dims < HEAD_DIM
+    q_rows = (q_start + offs_m).to(tl.int64) * stride_qn + head * stride_qh
+    q = tl.load(q_ptr + q_rows[:, None] + dims[None, :], mask=m_ok[:, None] & dim_ok[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    q_pos = len_k - len_q + offs_m  # bottom-right aligned: the queries are the last len_q keys' positions
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    hi = len_k
+    if CAUSAL:  # keys after this tile's last query are never visible
+        hi = tl.minimum(len_k, len_k - len_q + (m_block + 1) * BLOCK_M)
+    for n0 in range(0, hi, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        pos_ok = pos < len_k
+        if PAGED:
+            block = tl.load(block_table_ptr + seq * stride_bt + pos // PAGE, mask=pos_ok, other=0).to(tl.int64)
+            k_off = block * stride_kblock + (pos % PAGE) * stride_kn + kv_head * stride_kh  # (BLOCK_N,)
+            v_off = block * stride_vblock + (pos % PAGE) * stride_vn + kv_head * stride_vh
+        else:
+            k_off = (k_start + pos).to(tl.int64) * stride_kn + kv_head * stride_kh
+            v_off = (k_start + pos).to(tl.int64) * stride_vn + kv_head * stride_vh
+        kv_mask = pos_ok[:, None] & dim_ok[None, :]
+        k = tl.load(k_ptr + k_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
+        v = tl.load(v_ptr + v_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        visible = pos_ok[None, :]
+        if CAUSAL:  # bottom-right aligned: query i sees keys up to position len_k - len_q + i
+            visible = visible & (pos[None, :] <= q_pos[:, None])
+        m_i, l_i, acc = _attend_tile(q, k, v, visible, qk_scale, m_i, l_i, acc, UPCAST, PRECISION)
+
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    out_rows = (q_start + offs_m).to(tl.int64) * stride_on + head * stride_oh
+    tl.store(
+        out_ptr + out_rows[:, None] + dims[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=m_ok[:, None] & dim_ok[None, :],
+    )
+
+
+# -- launchers ------------------------------------------------------------------------------------
+
+
+def _dot_settings(dtype: torch.dtype) -> tuple[bool, str]:
+    """(upcast to float32 before tl.dot, tl.dot input precision)."""
+    # float32 on a GPU: "ieee", not the default TF32, so float32 results match the torch reference
+    return interpreting(), "ieee" if dtype == torch.float32 else "tf32"
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, num_sms: int, block_n: int) -> int:
+    """Splits per sequence so that (batch * kv_heads * splits) programs fill the GPU about twice.
+
+    Depends only on shapes (not on the lengths in cache_seqlens), so a CUDA graph can capture it.
+    Each split keeps at least 256 tokens: shorter ones would cost more in merging than they gain.
+    """
+    programs = batch * num_kv_heads
+    wanted = -(-2 * num_sms // programs)  # ceil
+    return max(1, min(wanted, max_context // max(256, block_n), 64))
+
+
+def merge_splits(partial: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) -> None:
+    """Merge split-KV partial outputs into out, weighting each split by its share of the softmax.
+
+    partial: (B, S, Lq, H, D) float32, each split's output normalised over its own keys; lse: (B, S, Lq, H)
+    float32, each split's log-sum-exp in base 2 (-inf for a split that saw no key); out: (B, Lq, H, D), written.
+    """
+    batch, num_splits, len_q, num_heads, head_dim = partial.shape
+    merge_splits_kernel[(batch, len_q * num_heads)](
+        partial, lse, out,
+        num_splits,
+        partial.stride(0), partial.stride(1), partial.stride(2), partial.stride(3),
+        lse.stride(0), lse.stride(1), lse.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_S=triton.next_power_of_2(num_splits),
+    )  # fmt: skip
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    block_table: torch.Tensor,
+    softmax_scale: float | None = None,
+    causal: bool = True,
+    num_splits: int = 0,
+) -> torch.Tensor:
+    """q: (B, Lq, H, D); caches: (num_blocks, block_size, Hk, D); cache_seqlens: (B,). -> (B, Lq, H, D).
+
+    num_splits: as in flash-attn, 0 picks a split count from the shapes; 1 turns splitting off.
+    """
+    batch, len_q, num_heads, head_dim = q.shape
+    page, num_kv_heads = k_cache.shape[1], k_cache.shape[2]  # (num_blocks, block_size, Hk, D)
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride() != k_cache.stride():
+        raise ValueError("q, k_cache and v_cache need a contiguous last axis, and the caches equal strides")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads cannot share {num_kv_heads} KV heads evenly")
+    group = num_heads // num_kv_heads
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+    upcast, precision = _dot_settings(q.dtype)
+    launch = INTERPRETER_LAUNCH if interpreting() else DECODE_LAUNCH
+    block_n = launch.block_n
+    max_context = block_table.shape[1] * page
+    if num_splits <= 0:
+        num_splits = choose_num_splits(batch, num_kv_heads, max_context, _num_sms(q.device), block_n)
+    split_len = triton.cdiv(triton.cdiv(max_context, num_splits), block_n) * block_n
+    num_splits = triton.cdiv(max_context, split_len)
+
+    out = torch.empty_like(q)  # (B, Lq, H, D)
+    if num_splits == 1:
+        partial = out.unsqueeze(1)  # (B, 1, Lq, H, D): the one split writes the answer directly
+    else:
+        partial = torch.empty(batch, num_splits, len_q, num_heads, head_dim, device=q.device, dtype=torch.float32)
+    lse = torch.empty(batch, num_splits, len_q, num_heads, device=q.device, dtype=torch.float32)
+    paged_decode_kernel[(batch, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_table, cache_seqlens, partial, lse,
+        scale * LOG2E,
+        q.stride(0), q.stride(1), q.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        block_table.stride(0),
+        partial.stride(0), partial.stride(1), partial.stride(2), partial.stride(3),
+        lse.stride(0), lse.stride(1), lse.stride(2),
+        split_len,
+        LEN_Q=len_q, GROUP=group, BLOCK_M=max(16, triton.next_power_of_2(len_q * group)),
+        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), PAGE=page, BLOCK_N=block_n,
+        CAUSAL=causal, UPCAST=upcast, PRECISION=precision,
+        num_warps=launch.num_warps, num_stages=launch.num_stages,
+    )  # fmt: skip
+    if num_splits > 1:
+        seam("merge_splits", merge_splits)(partial, lse, out)
+    return out
+
+
+def varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float | None = None,
+    causal: bool = True,
+    block_table: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """q: (Nq, H, D). Without block_table k, v: (Nk, Hk, D) flat; with it, paged caches. -> (Nq, H, D)."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k.shape[-2]
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise ValueError("q, k and v need a contiguous last axis (head_dim)")
+    if k.shape != v.shape:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads cannot share {num_kv_heads} KV heads evenly")
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+    upcast, precision = _dot_settings(q.dtype)
+    launch = INTERPRETER_LAUNCH if interpreting() else PREFILL_LAUNCH
+    paged = block_table is not None
+    if paged:  # (num_blocks, block_size, Hk, D)
+        page, k_strides, v_strides = k.shape[1], k.stride()[:3], v.stride()[:3]
+        stride_bt = block_table.stride(0)
+    else:  # (Nk, Hk, D): no block axis
+        page, k_strides, v_strides = 1, (0, *k.stride()[:2]), (0, *v.stride()[:2])
+        stride_bt, block_table = 0, cu_seqlens_k  # never read; any int tensor fills the pointer slot
+    out = torch.empty_like(q)
+    batch = cu_seqlens_q.numel() - 1
+    grid = (triton.cdiv(max_seqlen_q, launch.block_m), batch, num_heads)
+    varlen_attention_kernel[grid](
+        q, k, v, out, cu_seqlens_q, cu_seqlens_k, block_table,
+        scale * LOG2E,
+        q.stride(0), q.stride(1),
+        *k_strides,
+        *v_strides,
+        out.stride(0), out.stride(1),
+        stride_bt,
+        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, PAGED=paged, PAGE=page,
+        CAUSAL=causal, UPCAST=upcast, PRECISION=precision,
+        num_warps=launch.num_warps, num_stages=launch.num_stages,
+    )  # fmt: skip
+    return out
