@@ -124,7 +124,7 @@ def test_varlen_triton_reads_history_through_block_tables(dtype, block_size):
 
 @pytest.mark.parametrize("num_sms", [8, 132])
 def test_split_count_fills_the_gpu_in_one_wave(num_sms):
-    """What choose_num_splits promises, over a grid of shapes: at most 64 splits, each of >= 128 tokens; no
+    """What choose_num_splits promises, over a grid of shapes: at most 64 splits, each of >= 64 tokens; no
     split when the batch alone fills the GPU; otherwise as many splits as fit in one wave of programs
     (DECODE_PROGRAMS_PER_SM per SM), and never more."""
     from nanoref.ops.attention_triton import DECODE_PROGRAMS_PER_SM
@@ -136,12 +136,12 @@ def test_split_count_fills_the_gpu_in_one_wave(num_sms):
                 splits = choose_num_splits(batch, kv_heads, max_context, num_sms=num_sms, block_n=64)
                 shape = f"batch {batch}, kv_heads {kv_heads}, context {max_context}: {splits} splits"
                 assert 1 <= splits <= 64, shape
-                assert splits == 1 or max_context // splits >= 128, shape + " shorter than 128 tokens each"
+                assert splits == 1 or max_context // splits >= 64, shape + " shorter than 64 tokens each"
                 programs = batch * kv_heads
                 if 2 * programs > slots:  # two splits would not fit in one wave
                     assert splits == 1, shape + " although the batch fills the GPU"
                 assert splits == 1 or programs * splits <= slots, shape + " start a second wave"
-                if splits < min(64, max_context // 128):
+                if splits < min(64, max_context // 64):
                     assert programs * (splits + 1) > slots, shape + " leave SMs idle"
 
 
