@@ -14,9 +14,8 @@ warmer GPU; the table reports medians over every timed run.
 `LLM` from there, with its defaults or with options named by dash-separated flags (`eager-layers`
 first: the element-wise layers and the sampler left uncompiled; then any of `overlap`/`plain`
 (overlap_scheduling True/False), `triton`/`flash`/`hybrid` (attention_backend "triton",
-"flash_attn", "flash_attn+triton"), `blockN` (KV blocks of N tokens), `oldprefill` (the Triton prefill
-kernel of benchmarks/baseline_attention_triton.py); other words only label the run; e.g.
-`nanoref-plain-flash`),
+"flash_attn", "flash_attn+triton"), `blockN` (KV blocks of N tokens); other words only label the
+run; e.g. `nanoref-plain-flash`),
 `nano-vllm` runs Nano-vLLM's. The two engines named by --alternate run alternately, --rounds
 processes each; the others once. HF transformers `generate` runs a scaled-down subset (`--hf-seqs`
 prompts of the workload, `--hf-tokens` output tokens each, one padded batch), and nanoref the same
@@ -29,7 +28,6 @@ workload's bytes-moved floor: every decode step reads the weights once and each 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import shutil
@@ -92,8 +90,6 @@ def run_nanoref(folder: str, variant: str, runs: int, subset: tuple[int, int]) -
     with guard:
         start = time.perf_counter()
         llm = LLM(folder, max_num_seqs=512, max_num_batched_tokens=16384, max_model_len=4096, **options)
-        if "oldprefill" in words:  # the Triton prefill kernel as of 177e2ae, to time the new one against
-            swap_in_baseline_prefill(llm)
         load_s = time.perf_counter() - start
         llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8, temperature=0.6), use_tqdm=False)  # warm-up
 
@@ -121,18 +117,6 @@ def run_nanoref(folder: str, variant: str, runs: int, subset: tuple[int, int]) -
         block_size=llm.config.kvcache_block_size,
         options={key: str(value) for key, value in options.items()},
     )
-
-
-def swap_in_baseline_prefill(llm) -> None:
-    import importlib.util
-
-    path = Path(__file__).parent / "baseline_attention_triton.py"
-    spec = importlib.util.spec_from_file_location("baseline_attention_triton", path)
-    baseline = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = baseline  # (dataclasses look their module up while the file executes)
-    spec.loader.exec_module(baseline)
-    for layer in llm.model_runner.attention_layers:
-        layer.backend = dataclasses.replace(layer.backend, varlen=baseline.varlen_attention)
 
 
 def run_nano_vllm(folder: str, runs: int) -> dict:

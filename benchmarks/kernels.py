@@ -3,7 +3,10 @@
     python benchmarks/kernels.py                       # on a CUDA GPU: check, then time, table + figure
     python benchmarks/kernels.py --sweep               # first sweep the kernels' tile settings (--sweep-prefill)
     python benchmarks/kernels.py --redraw              # anywhere: redraw the figure from the results table
-    python benchmarks/kernels.py --compare --out F.md  # old kernels (benchmarks/baseline_attention_triton.py) vs new
+    python benchmarks/kernels.py --compare OLD.py      # the kernels of an older attention_triton.py vs the current
+
+OLD.py is nanoref/ops/attention_triton.py as an older commit had it, e.g.
+`git show 177e2ae:nanoref/ops/attention_triton.py > /tmp/old_attention_triton.py`.
 
 1. Checks correctness on the GPU (Triton against the torch reference and the naive padded oracle).
 2. Measures the device-to-device copy bandwidth (bytes read + written per second): the ceiling.
@@ -313,13 +316,13 @@ def sweep_prefill_launch() -> None:
 # -- old kernels against new (--compare) --------------------------------------------------------------
 
 
-def load_baseline():
-    """benchmarks/baseline_attention_triton.py: the attention kernels before the GQA-stacked prefill."""
+def load_baseline(path: Path):
+    """An older nanoref/ops/attention_triton.py (from git history), imported under its own name."""
     import importlib.util
 
     name = "baseline_attention_triton"
     if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+        spec = importlib.util.spec_from_file_location(name, path)
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module  # before exec: its dataclass looks its module up
         spec.loader.exec_module(module)
@@ -363,9 +366,9 @@ def new_prefill(problem, launch: tri.Launch | None, module=tri):
     return module.varlen_attention(q, k, v, cu, cu, seqlen, seqlen, causal=True, **extra)
 
 
-def compare_prefill() -> tuple[str, str]:
+def compare_prefill(old_path: Path) -> tuple[str, str]:
     """Old prefill vs new (default tiles, and the sweep's best) vs SDPA; the tile sweep's lines."""
-    old = load_baseline()
+    old = load_baseline(old_path)
     problems = [prefill_problem(b, L) for b, L in PREFILL_SHAPES]
     sdpa = [bench(lambda p=p: sdpa_prefill(p)) for p in problems]
     old_ms = [bench(lambda p=p: new_prefill(p, None, old)) for p in problems]
@@ -427,9 +430,9 @@ def time_small_decode(batch: int, ctx: int, old, num_sms: int) -> tuple[dict, st
     return row, line + f"  fastest {fastest} ({percent(times[fastest], sdpa)} of SDPA)"
 
 
-def compare_small_decode() -> tuple[str, str]:
+def compare_small_decode(old_path: Path) -> tuple[str, str]:
     """Paged decode at small batches (block 16): old splits vs new vs dense SDPA; time at each split count."""
-    old = load_baseline()
+    old = load_baseline(old_path)
     num_sms = tri._num_sms(torch.device("cuda"))
     rows, sweep = [], []
     for batch in SMALL_BATCHES:
@@ -470,7 +473,7 @@ def decode_occupancy() -> str:
     return "\n".join(lines)
 
 
-def compare(out: Path) -> None:
+def compare(old_path: Path, out: Path) -> None:
     """Old kernels against new, in one run: prefill (with a tile sweep) and small-batch paged decode."""
     import triton
 
@@ -478,12 +481,12 @@ def compare(out: Path) -> None:
     started = time.time()
     check_correctness()
     check_prefill_gqa()
-    prefill_table, prefill_sweep = compare_prefill()
+    prefill_table, prefill_sweep = compare_prefill(old_path)
     print("\nprefill tile sweep (share of SDPA's speed per shape)\n" + prefill_sweep)
     print("\nvarlen causal prefill: old kernel vs new vs SDPA\n" + prefill_table)
     occupancy = decode_occupancy()
     print("\n" + occupancy)
-    decode_table, split_sweep = compare_small_decode()
+    decode_table, split_sweep = compare_small_decode(old_path)
     print("\npaged decode, split count sweep (splits:us)\n" + split_sweep)
     print("\npaged decode, small batches (block 16): old vs new vs dense SDPA\n" + decode_table)
     text = f"""# Attention kernels, old against new: one {gpu}
@@ -491,7 +494,8 @@ def compare(out: Path) -> None:
 `python benchmarks/kernels.py --compare`, measured {time.strftime("%Y-%m-%d")} on one {gpu} (torch
 {torch.__version__}, triton {triton.__version__}). Medians of `do_bench` over CUDA-graph replays, L2 flushed.
 Qwen3-0.6B attention shapes (16 query heads, 8 KV heads, head_dim 128), bf16. "old" is
-benchmarks/baseline_attention_triton.py; "of_sdpa" is SDPA's time over the kernel's (100% = as fast as SDPA).
+{old_path.name} (an older nanoref/ops/attention_triton.py); "of_sdpa" is SDPA's time over the kernel's (100% =
+as fast as SDPA).
 
 ## Varlen causal prefill
 
@@ -600,7 +604,9 @@ def main() -> None:
     parser.add_argument("--markdown", type=Path, default=ROOT / "benchmarks/results/kernels_h200.md")
     parser.add_argument("--figure", type=Path, default=ROOT / "figures/kernels_h200.png")
     parser.add_argument("--redraw", action="store_true", help="only redraw the figure from --markdown (no GPU needed)")
-    parser.add_argument("--compare", action="store_true", help="old kernels against new only (prefill, small decode)")
+    parser.add_argument(
+        "--compare", type=Path, metavar="OLD.py", help="an older attention_triton.py's kernels against the current ones"
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/kernels_compare_h200.md")
     args = parser.parse_args()
     if args.redraw:
@@ -611,7 +617,7 @@ def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("benchmarks/kernels.py needs a CUDA GPU (on a CPU, the tests check the kernels under the interpreter)")
     if args.compare:
-        compare(args.out)
+        compare(args.compare, args.out)
         return
     import triton
 
