@@ -14,8 +14,8 @@ warmer GPU; the table reports medians over every timed run.
 `LLM` from there, with its defaults or with options named by dash-separated flags (`eager-layers`
 first: the element-wise layers and the sampler left uncompiled; then any of `overlap`/`plain`
 (overlap_scheduling True/False), `triton`/`flash`/`hybrid` (attention_backend "triton",
-"flash_attn", "flash_attn+triton"), `blockN` (KV blocks of N tokens); other words only label the
-run; e.g. `nanoref-plain-flash`),
+"flash_attn", "flash_attn+triton"), `eager` (no CUDA graphs), `blockN` (KV blocks of N tokens);
+other words only label the run; e.g. `nanoref-plain-flash`),
 `nano-vllm` runs Nano-vLLM's. The two engines named by --alternate run alternately, --rounds
 processes each; the others once. HF transformers `generate` runs a scaled-down subset (`--hf-seqs`
 prompts of the workload, `--hf-tokens` output tokens each, one padded batch), and nanoref the same
@@ -64,7 +64,19 @@ FLAGS = {  # nanoref engine names' flags -> LLM options (nanoref-FLAG-FLAG...)
     "triton": dict(attention_backend="triton"),
     "flash": dict(attention_backend="flash_attn"),
     "hybrid": dict(attention_backend="flash_attn+triton"),
+    "eager": dict(enforce_eager=True),  # no decode CUDA graphs
 }
+
+
+def engine_options(words: list[str]) -> dict:
+    """LLM options from an engine name's words: FLAGS, blockN (KV blocks of N tokens); other words only label it."""
+    options: dict = {}
+    for word in words:
+        if word.startswith("block") and word[5:].isdigit():
+            options["kvcache_block_size"] = int(word[5:])
+        elif word in FLAGS:
+            options.update(FLAGS[word])
+    return options
 
 
 def run_nanoref(folder: str, variant: str, runs: int, subset: tuple[int, int]) -> dict:
@@ -79,14 +91,7 @@ def run_nanoref(folder: str, variant: str, runs: int, subset: tuple[int, int]) -
         from nanoref.utils.compile import eager_only
 
         guard = eager_only()
-    options = {}
-    words = variant.removeprefix("eager-layers").split("-")
-    for flag in words:
-        if flag.startswith("block") and flag[5:].isdigit():  # e.g. block16: KV blocks of 16 tokens
-            options["kvcache_block_size"] = int(flag[5:])
-        elif flag in FLAGS:
-            options.update(FLAGS[flag])
-        # any other word only labels the run (nanoref-before=/path/to/an/older/checkout)
+    options = engine_options(variant.removeprefix("eager-layers").split("-"))
     with guard:
         start = time.perf_counter()
         llm = LLM(folder, max_num_seqs=512, max_num_batched_tokens=16384, max_model_len=4096, **options)

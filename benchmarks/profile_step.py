@@ -10,10 +10,10 @@ profiler. Per engine it prints:
 - the kernels that take the GPU's time, grouped by name, per step.
 
     python benchmarks/profile_step.py --engine nanoref=. --engine nano-vllm=/tmp/nano-vllm \\
-        --engine nanoref-overlap=. --out results/profile_step.json
+        --engine nanoref-plain=. --out results/profile_step.json
 
-`nanoref-FLAG-FLAG` names pick nanoref's options: `overlap` (overlap_scheduling=True), `triton`
-(attention_backend="triton"), `eager` (enforce_eager=True), `blockN` (KV blocks of N tokens).
+`nanoref-FLAG-FLAG` names pick nanoref's options with beside_peer.py's flags (`plain`, `triton`, `flash`,
+`hybrid`, `eager`, `blockN`, ...).
 """
 
 from __future__ import annotations
@@ -29,23 +29,13 @@ from collections import defaultdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from beside_peer import make_model, workload  # noqa: E402
+from beside_peer import engine_options, make_model, workload  # noqa: E402
 
 
 def nanoref_engine(folder: str, flags: list[str]):
     from nanoref import LLM, SamplingParams
 
-    kwargs = dict(max_num_seqs=512, max_num_batched_tokens=16384, max_model_len=4096)
-    if "overlap" in flags:
-        kwargs["overlap_scheduling"] = True
-    if "triton" in flags:
-        kwargs["attention_backend"] = "triton"
-    if "eager" in flags:
-        kwargs["enforce_eager"] = True
-    for flag in flags:
-        if flag.startswith("block") and flag[5:].isdigit():
-            kwargs["kvcache_block_size"] = int(flag[5:])
-    llm = LLM(folder, **kwargs)
+    llm = LLM(folder, max_num_seqs=512, max_num_batched_tokens=16384, max_model_len=4096, **engine_options(flags))
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8, temperature=0.6), use_tqdm=False)
 
     def add(prompt, n):
