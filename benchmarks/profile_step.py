@@ -19,6 +19,7 @@ profiler. Per engine it prints:
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import subprocess
@@ -26,6 +27,7 @@ import sys
 import tempfile
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -64,6 +66,22 @@ def nano_vllm_engine(folder: str):
     return add, step
 
 
+def watch_garbage_collection() -> tuple[list[float], Callable]:
+    """Record the duration (ms) of every garbage collection from now on: (the list it fills, the callback to remove
+    from gc.callbacks when done)."""
+    pauses: list[float] = []
+    started = [0.0]
+
+    def callback(phase: str, info: dict) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            pauses.append((time.perf_counter() - started[0]) * 1e3)
+
+    gc.callbacks.append(callback)
+    return pauses, callback
+
+
 SYNC_NAMES = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsync")
 
 
@@ -83,6 +101,7 @@ def measure(name: str, folder: str, steps: int, profile_steps: int) -> dict:
     for _ in range(5):
         step()
     torch.cuda.synchronize()
+    gc_pauses, gc_callback = watch_garbage_collection()  # is a stall in the windows below a full collection?
     windows = []  # wall ms per step in each of 4 windows: shows drift or a stall
     start, cpu_start = time.perf_counter(), time.process_time()
     for _ in range(4):
@@ -93,6 +112,7 @@ def measure(name: str, folder: str, steps: int, profile_steps: int) -> dict:
         windows.append(round((time.perf_counter() - window_start) / (steps // 4) * 1e3, 2))
     wall_ms = (time.perf_counter() - start) / (4 * (steps // 4)) * 1e3
     cpu_ms = (time.process_time() - cpu_start) / (4 * (steps // 4)) * 1e3  # every thread of this process
+    gc.callbacks.remove(gc_callback)
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(profile_steps):
@@ -124,6 +144,7 @@ def measure(name: str, folder: str, steps: int, profile_steps: int) -> dict:
         windows_ms=windows,
         process_cpu_ms=round(cpu_ms, 3),
         load_average=os.getloadavg(),
+        gc_pauses_ms=[round(p, 1) for p in gc_pauses if p >= 1.0],  # collections of 1 ms or more while timing
         gpu_busy_ms=round(busy / per_step / 1e3, 3),
         kernel_sum_ms=round(sum(kernels.values()) / per_step / 1e3, 3),
         host_wait_ms=round(sync_us / per_step / 1e3, 3),
@@ -163,7 +184,7 @@ def main() -> None:
         print(
             f"-- {name}: wall {r['wall_ms']} ms/step, GPU busy {r['gpu_busy_ms']} ms, kernels "
             f"{r['kernels_per_step']}/step, host waits {r['host_wait_ms']} ms; windows {r['windows_ms']}, "
-            f"process CPU {r['process_cpu_ms']} ms/step, load {r['load_average']}",
+            f"process CPU {r['process_cpu_ms']} ms/step, load {r['load_average']}, GC pauses {r['gc_pauses_ms']} ms",
             flush=True,
         )
         for kernel, us in r["top_kernels"]:
