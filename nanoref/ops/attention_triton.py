@@ -44,7 +44,8 @@ class Launch:
 
 
 DECODE_LAUNCH = Launch(block_n=64, num_warps=4, num_stages=3)  # best of benchmarks/kernels.py --sweep on an H200
-# 128 rows (64 tokens x GQA 2's heads): two warpgroups of 64 rows, so 8 warps; benchmarks/kernels.py --sweep-prefill
+# 128 rows (64 tokens x GQA 2's heads): two warpgroups of 64 rows, so 8 warps. On an H200 it tied 64 rows / 4 warps
+# (69% of SDPA, geometric mean) and led on long sequences (benchmarks/results/kernels_compare_h200.md)
 PREFILL_LAUNCH = Launch(block_m=128, block_n=64, num_warps=8, num_stages=3)
 INTERPRETER_LAUNCH = Launch(block_m=64, block_n=64)  # few big tiles: the interpreter pays per iteration
 
@@ -327,9 +328,9 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-# Decode programs one SM runs at once: compiled for sm_90 with DECODE_LAUNCH, a program takes 116 registers x 128
-# threads and ~40 KB of shared memory, so four fit in an H100/H200 SM's 64K registers (benchmarks/kernels.py
-# --compare prints what the GPU's own compile takes).
+# Decode programs one SM runs at once: compiled on an H200 (triton 3.6) with DECODE_LAUNCH, a program takes 128
+# registers x 128 threads and 39 KB of shared memory, so four fit in an SM's 64K registers (benchmarks/kernels.py
+# --compare prints what the GPU's own compile takes; benchmarks/results/kernels_compare_h200.md).
 DECODE_PROGRAMS_PER_SM = 4
 
 
