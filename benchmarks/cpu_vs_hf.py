@@ -2,10 +2,13 @@
 
 The model is the built-in tiny Qwen3 (nanoref/default_model) in float32; every request is greedy and produces
 `--tokens` tokens (ignore_eos for nanoref, min_new_tokens for HF). HF runs the batch as one left-padded
-`generate` call with its dynamic KV cache; nanoref runs `LLM.generate` on the same prompts. Each engine runs
-`--runs` times, alternating, after one warm-up each; the script prints every run, the medians and the ratio.
+`generate` call with its dynamic KV cache; nanoref runs `LLM.generate` on the same prompts, once per attention
+backend named by `--backends` (default: torch, the CPU default, and cpp, the C++ decode kernel, where this
+machine can build it). Each engine runs `--runs` times after one warm-up, the engines in turn and the order
+reversed every other round; the script prints every run, the medians, each nanoref's ratio to HF, and whether
+the backends produced the same tokens.
 
-    python benchmarks/cpu_vs_hf.py [--seqs 32] [--tokens 64] [--runs 3] [--threads 2]
+    python benchmarks/cpu_vs_hf.py [--seqs 32] [--tokens 64] [--runs 3] [--threads 1] [--backends torch cpp]
 """
 
 from __future__ import annotations
@@ -24,11 +27,15 @@ def prompts_for(num_seqs: int, vocab: int) -> list[list[int]]:
 
 
 def main() -> None:
+    from nanoref.ops import attention_cpp
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seqs", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (1: stable on a shared machine)")
+    default_backends = ["torch"] if attention_cpp.missing_build_tools() else ["torch", "cpp"]
+    parser.add_argument("--backends", nargs="+", default=default_backends, help="nanoref attention backends")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -38,20 +45,31 @@ def main() -> None:
     from nanoref import DEFAULT_MODEL, LLM, SamplingParams
 
     hf_logging.disable_progress_bar()
-    llm = LLM(DEFAULT_MODEL, device="cpu", dtype="float32")
+    # an explicit KV budget: enough for the batch, and the same for every backend
+    engines = {
+        f"nanoref-{name}": LLM(
+            DEFAULT_MODEL, device="cpu", dtype="float32", attention_backend=name, num_kvcache_blocks=1024
+        )
+        for name in args.backends
+    }
     hf = AutoModelForCausalLM.from_pretrained(str(DEFAULT_MODEL), dtype=torch.float32).eval()
-    prompts = prompts_for(args.seqs, llm.vocab_size)
+    prompts = prompts_for(args.seqs, hf.config.vocab_size)
     width = max(map(len, prompts))
     ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])  # left padding
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
     params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
+    tokens_of: dict[str, list[list[int]]] = {}
 
-    def run_nanoref() -> float:
-        start = time.perf_counter()
-        outputs = llm.generate(prompts, params, use_tqdm=False)
-        elapsed = time.perf_counter() - start
-        assert all(len(o["token_ids"]) == args.tokens for o in outputs)
-        return elapsed
+    def nanoref_run(name: str, llm: LLM):
+        def run() -> float:
+            start = time.perf_counter()
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            elapsed = time.perf_counter() - start
+            tokens_of[name] = [o["token_ids"] for o in outputs]
+            assert all(len(ids) == args.tokens for ids in tokens_of[name])
+            return elapsed
+
+        return run
 
     def run_hf() -> float:
         start = time.perf_counter()
@@ -68,20 +86,27 @@ def main() -> None:
         assert out.shape[1] == width + args.tokens
         return elapsed
 
-    run_nanoref(), run_hf()  # warm-up
-    times: dict[str, list[float]] = {"nanoref": [], "hf": []}
+    runs = {name: nanoref_run(name, llm) for name, llm in engines.items()} | {"hf": run_hf}
+    for run in runs.values():  # warm-up
+        run()
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    order = list(runs)
     for index in range(args.runs):
-        order = [("nanoref", run_nanoref), ("hf", run_hf)]
-        for name, run in order if index % 2 == 0 else order[::-1]:
-            times[name].append(run())
+        for name in order if index % 2 == 0 else order[::-1]:
+            times[name].append(runs[name]())
     tokens = args.seqs * args.tokens
     for name, values in times.items():
         each = ", ".join(f"{tokens / t:,.0f}" for t in values)
-        print(f"{name:8s} output tok/s per run: {each}; median {tokens / statistics.median(values):,.0f}")
-    ratio = statistics.median(times["hf"]) / statistics.median(times["nanoref"])
+        print(f"{name:14s} output tok/s per run: {each}; median {tokens / statistics.median(values):,.0f}")
+    for name in engines:
+        ratio = statistics.median(times["hf"]) / statistics.median(times[name])
+        print(f"{name} / HF: {ratio:.2f}x")
+    if len(engines) > 1:
+        same = len({str(t) for t in tokens_of.values()}) == 1
+        print(f"nanoref backends produced {'the same' if same else 'DIFFERENT'} greedy tokens")
     print(
-        f"nanoref / HF: {ratio:.2f}x ({args.seqs} prompts of 8-128 tokens, {args.tokens} tokens each, "
-        f"{torch.get_num_threads()} threads, torch {torch.__version__})"
+        f"({args.seqs} prompts of 8-128 tokens, {args.tokens} tokens each, {torch.get_num_threads()} threads, "
+        f"torch {torch.__version__})"
     )
 
 

@@ -27,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     engine.add_argument("--dtype", default=None, help="float32, float16 or bfloat16 (default: per device)")
     engine.add_argument(
-        "--attention-backend", default="auto", help="auto, torch, triton, flash_attn or flash_attn+triton"
+        "--attention-backend", default="auto", help="auto, torch, triton, cpp, flash_attn or flash_attn+triton"
     )
     engine.add_argument("--trace", action="store_true", help="print the shapes of the first two engine steps")
     return parser

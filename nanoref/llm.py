@@ -20,7 +20,8 @@ class LLM(LLMEngine):
 
     device: "cuda" when available, else "cpu". dtype: bfloat16 on CUDA, float32 on CPU.
     num_kvcache_blocks: an explicit count overrides the one derived from memory.
-    attention_backend: "torch" (reference), "triton" (GPU; CPU through the interpreter), "flash_attn" (CUDA,
+    attention_backend: "torch" (reference), "triton" (GPU; CPU through the interpreter), "cpp" (CPU: nanoref's
+        C++ decode kernel, built on first use; needs a C++ compiler and ninja), "flash_attn" (CUDA,
         when installed), "flash_attn+triton" (flash-attn's prefill, nanoref's Triton decode) or "auto"
         (flash_attn+triton where flash-attn serves, else Triton on CUDA; torch on CPU).
     kvcache_block_size: tokens per KV block; default 16, or 256 when flash-attn serves.

@@ -9,6 +9,9 @@ whichever the engine picked; nothing else in the model knows which one runs.
 - torch: `attention_torch` + `store_kvcache_torch`, plain PyTorch, the CPU default.
 - triton: `attention_triton` + `store_kvcache_triton`, compiled on a GPU, interpreted on a CPU.
 - flash_attn: flash-attn's kernels (CUDA, half precision), with the Triton KV store where Triton is installed.
+- cpp: nanoref's C++ paged decode kernel (`attention_cpp`, built on first use) beside the torch reference's
+  prefill and KV store; CPU only, opt-in. Decode attention is most of what a CPU step spends beyond the
+  linear layers, and the torch reference pays per (sequence, head) pair there (benchmarks/results/cpu_vs_hf.md).
 - flash_attn+triton: flash-attn's varlen kernel for prefill, nanoref's Triton kernel for decode. Each is
   the faster of the two in its phase on an H200 (benchmarks/results/): flash-attn's prefill is ahead of
   nanoref's Triton prefill, while at a decode step of 256 sequences nanoref's paged decode kernel took
@@ -28,7 +31,7 @@ from nanoref.ops import attention_torch  # a submodule: nanoref.ops itself does 
 from nanoref.ops.store_kvcache import store_kvcache_torch
 from nanoref.ops.triton_setup import triton_available
 
-BACKEND_NAMES = ("auto", "torch", "triton", "flash_attn", "flash_attn+triton")
+BACKEND_NAMES = ("auto", "torch", "triton", "cpp", "flash_attn", "flash_attn+triton")
 FLASH_ATTN_BACKENDS = ("flash_attn", "flash_attn+triton")  # the ones that need flash-attn and 256-token blocks
 
 
@@ -63,6 +66,18 @@ def _torch_backend() -> AttentionBackend:
         store_kvcache=store_kvcache_torch,
         varlen=attention_torch.varlen_attention,
         decode=attention_torch.paged_decode_attention,
+    )
+
+
+def _cpp_backend() -> AttentionBackend:
+    from nanoref.ops import attention_cpp
+
+    attention_cpp.load()  # build now, so that a missing compiler is reported when the engine starts
+    return AttentionBackend(
+        name="cpp",
+        store_kvcache=store_kvcache_torch,
+        varlen=attention_torch.varlen_attention,
+        decode=attention_cpp.paged_decode_attention,
     )
 
 
@@ -136,6 +151,16 @@ def choose_backend(name: str, device: torch.device, dtype: torch.dtype, block_si
         raise ValueError(
             "attention_backend='triton' but Triton is not installed (it ships Linux wheels only); use 'torch'"
         )
+    if name == "cpp":
+        from nanoref.ops import attention_cpp
+
+        if device.type != "cpu":
+            raise ValueError(f"attention_backend='cpp' runs on the CPU only, not {device.type}")
+        if head_dim not in attention_cpp.HEAD_DIMS:
+            raise ValueError(f"attention_backend='cpp' is built for head_dim {attention_cpp.HEAD_DIMS}, not {head_dim}")
+        missing = attention_cpp.missing_build_tools()
+        if missing:
+            raise ValueError("attention_backend='cpp' is built on first use and needs " + " and ".join(missing))
     if name == "flash_attn+triton" and not triton_available():
         raise ValueError("attention_backend='flash_attn+triton' but Triton is not installed; use 'flash_attn'")
     if name in FLASH_ATTN_BACKENDS:
@@ -151,7 +176,7 @@ def choose_backend(name: str, device: torch.device, dtype: torch.dtype, block_si
 
 
 def resolve_backend(name: str, device: torch.device) -> AttentionBackend:
-    """The backend's functions by concrete name ("torch", "triton", "flash_attn" or "flash_attn+triton")."""
+    """The backend's functions by concrete name ("torch", "triton", "cpp", "flash_attn" or "flash_attn+triton")."""
     if name == "flash_attn":
         return _flash_attn_backend()
     if name == "flash_attn+triton":
@@ -160,4 +185,6 @@ def resolve_backend(name: str, device: torch.device) -> AttentionBackend:
         return _triton_backend()
     if name == "torch":
         return _torch_backend()
+    if name == "cpp":
+        return _cpp_backend()
     raise ValueError(f"unknown attention backend {name!r}")
