@@ -6,20 +6,22 @@ piece, not per byte: SDPA costs about 4 us per (sequence, KV head) pair however 
 gather copies the K/V once more before SDPA reads it. In a decode step of 32 short sequences that was
 about a third of the step (benchmarks/results/cpu_vs_hf.md). This kernel does what the Triton and
 flash-attn decode kernels do on a GPU, on the CPU's cores: one task per (sequence, KV head) walks the
-sequence's pages through its block table, reads each key and value row in place (no gather, no padding),
-and scores it against the GQA group's query heads at once.
+sequence's pages through its block table and reads each key and value row in place (no gather, no
+padding), for each query head of the KV head's GQA group in turn (the group's second pass finds the rows in
+the CPU's cache).
 
     scores[r, t] = scale * q[r] . k[t]               r: the group's query rows, t: the history's tokens
     p[r, t]      = exp(scores[r, t] - max_t scores[r, :]) / sum_t exp(...)
     out[r]       = sum_t p[r, t] * v[t]
 
-Two passes over the pages (scores, then the weighted sum of values) with the scores in a small buffer:
-on a CPU a history's scores fit in L1/L2, so the online softmax of the GPU kernels buys nothing here.
+Per query row, two passes over the pages (scores, then the weighted sum of values) with the scores in a
+buffer of one history's length: on a CPU that buffer sits in L1, so the online softmax of the GPU kernels
+would buy nothing here.
 Arithmetic is float32 whatever the cache dtype. Tasks run on torch's intra-op thread pool
 (`torch.set_num_threads`).
 
 The C++ source is below, compiled with `torch.utils.cpp_extension.load_inline` the first time it is
-needed (a C++ compiler and ninja must be installed; ~20-40 s once, then cached under
+needed (a C++ compiler and ninja must be installed; about 30 s once, then cached under
 `~/.cache/torch_extensions`) and registered as `torch.ops.nanoref_cpp.paged_decode_attention`.
 The torch reference stays the CPU default; this backend is opt-in: `LLM(..., attention_backend="cpp")`.
 """
@@ -125,7 +127,7 @@ struct Problem {  // the shapes and strides every task reads
 };
 
 // One task: sequence b, KV head kv_head, for its group's query rows (row r: query token r / group, query
-// head kv_head * group + r % group). scores: a buffer of rows * len floats.
+// head kv_head * group + r % group), one row after another. scores: a buffer of at least len floats.
 template <typename T, int NV>
 void attend(const Problem& p, const T* q, const T* k_cache, const T* v_cache, const int32_t* blocks, int64_t len,
             int64_t b, int64_t kv_head, T* out, float* scores) {
@@ -135,7 +137,7 @@ void attend(const Problem& p, const T* q, const T* k_cache, const T* v_cache, co
     const int64_t qi = r / p.group, head = kv_head * p.group + r % p.group;
     // causal: query qi is the history's token len - len_q + qi and sees the keys up to it
     const int64_t seen = p.causal ? std::clamp<int64_t>(len - p.len_q + qi + 1, 0, len) : len;
-    float* row = scores + r * len;
+    float* row = scores;  // this query row's scores, then its softmax weights
     vec16 qv[NV];  // this query row, pre-scaled, in registers
     const float* q_row = as_float(q + b * p.sq0 + qi * p.sq1 + head * p.sq2, buffer, D);
     for (int j = 0; j < NV; ++j) qv[j] = load16(q_row + 16 * j) * p.scale;
@@ -185,7 +187,7 @@ void decode_kernel(const Problem& p, const at::Tensor& q, const at::Tensor& k_ca
   const int64_t max_len = block_table.size(1) * p.page;
   // one task per (sequence, KV head), spread over torch's intra-op threads
   at::parallel_for(0, p.batch * p.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(p.len_q * p.group * std::max<int64_t>(max_len, 1));
+    std::vector<float> scores(std::max<int64_t>(max_len, 1));  // one query row's scores at a time
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / p.num_kv_heads, kv_head = task % p.num_kv_heads;
       attend<T, NV>(p, q.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(), table + b * p.stride_bt,
