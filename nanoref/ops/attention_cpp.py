@@ -91,8 +91,8 @@ inline float exp_nonpositive(float x) {
   return p * std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
 }
 
-// Softmax of one row's scores in place over its first `seen` keys; the keys past them get weight 0.
-inline void softmax_row(float* row, int64_t seen, int64_t len) {
+// Softmax of one row's scores in place over its first `seen` keys (the only ones pass 2 reads).
+inline void softmax_row(float* row, int64_t seen) {
   float top = -std::numeric_limits<float>::max();
 #pragma omp simd reduction(max : top)
   for (int64_t t = 0; t < seen; ++t) top = std::max(top, row[t]);
@@ -105,7 +105,6 @@ inline void softmax_row(float* row, int64_t seen, int64_t len) {
   const float inv = seen > 0 ? 1.f / total : 0.f;  // a row that sees no key outputs zeros
 #pragma omp simd
   for (int64_t t = 0; t < seen; ++t) row[t] *= inv;
-  for (int64_t t = seen; t < len; ++t) row[t] = 0.f;
 }
 
 // One cache row as float32: the row itself when the cache is float32, else converted into `buffer`.
@@ -151,7 +150,7 @@ void attend(const Problem& p, const T* q, const T* k_cache, const T* v_cache, co
         row[t0 + s] = lanes_sum(acc);
       }
     }
-    softmax_row(row, seen, len);
+    softmax_row(row, seen);
     // pass 2: out = sum_t p[t] * v[t], in registers. Two accumulators, for even and odd keys: one alone would
     // make every key's multiply-add wait for the previous key's (a chain of FMA latencies).
     vec16 even[NV] = {}, odd[NV] = {};
