@@ -191,6 +191,11 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
         return route(hidden, self.gate.weight, self.top_k, self.norm_topk_prob)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if hidden.is_cuda and torch.cuda.is_current_stream_capturing():  # else a cryptic capture error below
+            raise RuntimeError(
+                "Qwen3-MoE's expert loop picks tokens with data-dependent shapes, which a CUDA graph cannot "
+                "record; run it with enforce_eager=True"
+            )
         router_logits, topk_weights, topk_ids = self.route(hidden)
         trace("moe.router", hidden=hidden, router_logits=router_logits, topk_weights=topk_weights, topk_ids=topk_ids)
         out = moe_experts(hidden, topk_weights, topk_ids, self.experts.gate_up_proj, self.experts.down_proj)
