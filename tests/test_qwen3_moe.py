@@ -368,6 +368,11 @@ def test_trace_records_router_shapes(moe_models):
         "topk_weights": (7, 3),
         "topk_ids": (7, 3),
     }
+    # one stage per expert that got tokens: its gathered rows, and together every token K times
+    experts = [shapes for stage, shapes in prefill.stages if stage.startswith("layers.1.moe.expert.")]
+    assert 1 <= len(experts) <= 8
+    assert sum(shapes["x"][0] for shapes in experts) == 7 * 3
+    assert all(shapes["gate_up"] == (shapes["x"][0], 64) and shapes["y"] == shapes["x"] for shapes in experts)
     assert decode.stage("layers.3.moe.router")["topk_ids"] == (2, 3)
     assert decode.stage("layers.3.moe.experts") == {"w_gate_up": (8, 64, 64), "w_down": (8, 64, 32), "out": (2, 64)}
     assert decode.stage("layers.0.mlp")["out"] == (2, 64)  # layer 0 is dense

@@ -32,7 +32,7 @@ from torch import nn
 from nanoref.layers.activation import silu_and_mul
 from nanoref.layers.linear import Linear
 from nanoref.models.qwen3 import Qwen3Config, Qwen3ForCausalLM, Qwen3MLP, _boolean, _integer
-from nanoref.utils.tracing import trace
+from nanoref.utils.tracing import trace, tracing_enabled
 
 
 @dataclass(kw_only=True)
@@ -143,6 +143,8 @@ def moe_experts(
         y = F.linear(silu_and_mul(gate_up), w_down[expert])  # (M, I) -> (M, hidden)
         y = y * topk_weights[rows, slots].unsqueeze(-1)  # (M, hidden): scaled by the router's weight
         out.index_add_(0, rows, y)  # back to each token's own row; a token's K experts accumulate there
+        if tracing_enabled():  # each expert's real share of the step (M differs per expert and per step)
+            trace(f"moe.expert.{expert}", rows=rows, x=x, gate_up=gate_up, y=y)
     return out
 
 
