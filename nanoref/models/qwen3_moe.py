@@ -110,8 +110,8 @@ def route(
     (N, K) int64, each row's experts in descending probability.
     """
     router_logits = F.linear(hidden, router_weight)  # (N, E)
-    # softmax in float32 whatever the model's dtype: in bf16 close probabilities would tie, and the top-k pick
-    # (which experts a token runs at all) would then depend on rounding
+    # softmax in float32 whatever the model's dtype (as HF does): in bf16, close experts' probabilities would
+    # round to equal values, and both the top-k pick among them and the weights would depend on rounding
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)  # (N, E)
     topk_weights, topk_ids = torch.topk(probs, top_k, dim=-1)  # (N, K), (N, K)
     if norm_topk_prob:  # weights of the kept experts sum to 1; off, they keep their share of all E
@@ -162,7 +162,9 @@ class Qwen3MoeExperts(nn.Module):
         self.gate_up_proj.weight_loader = self.weight_loader
         self.down_proj.weight_loader = self.weight_loader
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, int] | None = None) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, int | None] | None = None
+    ) -> None:
         """shard_id None: the whole stack (E, ...). Else (expert, part): part 0/1 = gate/up rows of gate_up_proj,
         part None = that expert's down_proj."""
         if shard_id is None:
