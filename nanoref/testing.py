@@ -1,4 +1,4 @@
-"""Random Qwen3 checkpoints for tests, notebooks and benchmarks, built with HF transformers."""
+"""Random Qwen3 (and Qwen3-MoE) checkpoints for tests, notebooks and benchmarks, built with HF transformers."""
 
 from __future__ import annotations
 
@@ -20,6 +20,18 @@ TINY_QWEN3: dict[str, Any] = {
     "rms_norm_eps": 1e-6,
     "rope_theta": 10_000.0,
     "tie_word_embeddings": False,
+}
+
+# a tiny Qwen3-MoE: TINY_QWEN3's attention, 4 layers, each a sparse block of 8 experts (top-2) by default
+TINY_QWEN3_MOE: dict[str, Any] = {
+    **TINY_QWEN3,
+    "num_hidden_layers": 4,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "norm_topk_prob": True,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
 }
 
 # Qwen3-0.6B's architecture (its config.json), for benchmarks with random weights
@@ -45,14 +57,18 @@ def make_random_qwen3(
     initializer_range: float = 0.02,
     dtype: torch.dtype = torch.float32,
     device: str = "cpu",
+    moe: bool = False,
+    save_original_format: bool = True,
 ) -> Path:
-    """Save a randomly initialised HF `Qwen3ForCausalLM` with these config settings to `folder`."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    """Save a randomly initialised HF `Qwen3ForCausalLM` (`Qwen3MoeForCausalLM` with moe=True) with these config
+    settings to `folder`. save_original_format=False: transformers' own stacked expert tensors (moe only)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
     from transformers.utils import logging as hf_logging
 
+    config_class, model_class = (Qwen3MoeConfig, Qwen3MoeForCausalLM) if moe else (Qwen3Config, Qwen3ForCausalLM)
     settings = dict(settings)
     theta = settings.pop("rope_theta", 10_000.0)
-    config = Qwen3Config(
+    config = config_class(
         **settings,
         initializer_range=initializer_range,
         rope_parameters={"rope_type": "default", "rope_theta": theta},
@@ -64,12 +80,12 @@ def make_random_qwen3(
     with torch.random.fork_rng(devices=devices):  # seeded init without touching the caller's RNG
         torch.manual_seed(seed)
         with torch.device(device):  # a GPU initialises a large model in a fraction of the CPU's time
-            model = Qwen3ForCausalLM(config).to(dtype).eval()
+            model = model_class(config).to(dtype).eval()
     folder = Path(folder)
     bar_was_on = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # no "Writing model shards" bar in test and notebook output
     try:
-        model.save_pretrained(folder)
+        model.save_pretrained(folder, save_original_format=save_original_format)
     finally:
         if bar_was_on:
             hf_logging.enable_progress_bar()
@@ -83,3 +99,26 @@ def make_tiny_qwen3(folder: str | Path, seed: int = 0, initializer_range: float 
     random model's logits are well separated and greedy decoding is not decided by float rounding.
     """
     return make_random_qwen3(folder, {**TINY_QWEN3, **overrides}, seed=seed, initializer_range=initializer_range)
+
+
+def make_tiny_qwen3_moe(
+    folder: str | Path,
+    seed: int = 0,
+    initializer_range: float = 0.1,
+    save_original_format: bool = True,
+    **overrides: Any,
+) -> Path:
+    """Save a random tiny `Qwen3MoeForCausalLM` (HF format, safetensors, float32) to `folder`; return the path.
+
+    overrides replace entries of TINY_QWEN3_MOE (num_experts, num_experts_per_tok, norm_topk_prob,
+    decoder_sparse_step, mlp_only_layers, ...). The experts are saved one tensor each, as on the hub;
+    save_original_format=False keeps transformers' stacked `experts.gate_up_proj` / `experts.down_proj`.
+    """
+    return make_random_qwen3(
+        folder,
+        {**TINY_QWEN3_MOE, **overrides},
+        seed=seed,
+        initializer_range=initializer_range,
+        moe=True,
+        save_original_format=save_original_format,
+    )

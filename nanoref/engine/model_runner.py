@@ -137,7 +137,12 @@ class ModelRunner:
         self._allocate_kv_cache()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.graph_vars: dict[str, torch.Tensor] = {}  # the static inputs replay reads (see capture_cudagraphs)
-        if self.device.type == "cuda" and not config.enforce_eager:
+        # a model whose forward has data-dependent shapes (Qwen3-MoE's expert loop) runs decode eagerly
+        if (
+            self.device.type == "cuda"
+            and not config.enforce_eager
+            and getattr(self.model, "supports_cuda_graphs", True)
+        ):
             self.capture_cudagraphs()
 
     # -- the KV cache ---------------------------------------------------------------------------

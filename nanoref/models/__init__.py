@@ -8,10 +8,11 @@ import torch
 from torch import nn
 
 from nanoref.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
+from nanoref.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
 from nanoref.utils.loader import ModelFolderError, read_config, resolve_model_folder, weight_files
 
-# HF `architectures` names this package can serve
-MODEL_REGISTRY = {"Qwen3ForCausalLM": Qwen3ForCausalLM}
+# HF `architectures` names this package can serve; each class's `config_class` parses its config.json
+MODEL_REGISTRY = {"Qwen3ForCausalLM": Qwen3ForCausalLM, "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM}
 
 
 def load_model_config(model: str | Path) -> tuple[Path, str, Qwen3Config]:
@@ -31,7 +32,7 @@ def load_model_config(model: str | Path) -> tuple[Path, str, Qwen3Config]:
     if not weight_files(folder):
         raise ModelFolderError(f"{folder} holds no *.safetensors weights")
     try:
-        config = Qwen3Config.from_dict(raw)
+        config = MODEL_REGISTRY[supported[0]].config_class.from_dict(raw)
     except (ValueError, TypeError) as error:
         raise ModelFolderError(f"{config_path}: {error}") from None
     return folder, supported[0], config
@@ -49,4 +50,12 @@ def build_model(
     return model.eval()
 
 
-__all__ = ["MODEL_REGISTRY", "Qwen3Config", "Qwen3ForCausalLM", "build_model", "load_model_config"]
+__all__ = [
+    "MODEL_REGISTRY",
+    "Qwen3Config",
+    "Qwen3ForCausalLM",
+    "Qwen3MoeConfig",
+    "Qwen3MoeForCausalLM",
+    "build_model",
+    "load_model_config",
+]

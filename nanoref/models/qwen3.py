@@ -8,6 +8,7 @@ q_norm and k_norm (an RMSNorm over each head's vector, before RoPE), and no bias
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -178,10 +179,11 @@ class Qwen3MLP(nn.Module):
 
 
 class Qwen3DecoderLayer(nn.Module):
-    def __init__(self, config: Qwen3Config, rotary_emb: RotaryEmbedding) -> None:
+    def __init__(self, config: Qwen3Config, rotary_emb: RotaryEmbedding, mlp: nn.Module | None = None) -> None:
+        """mlp: the feed-forward block, any (N, hidden) -> (N, hidden) module; default the dense Qwen3MLP."""
         super().__init__()
         self.self_attn = Qwen3Attention(config, rotary_emb)
-        self.mlp = Qwen3MLP(config)
+        self.mlp = mlp if mlp is not None else Qwen3MLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -200,12 +202,18 @@ class Qwen3DecoderLayer(nn.Module):
 
 
 class Qwen3Model(nn.Module):
-    def __init__(self, config: Qwen3Config, max_positions: int) -> None:
+    def __init__(
+        self, config: Qwen3Config, max_positions: int, make_mlp: Callable[[int], nn.Module] | None = None
+    ) -> None:
+        """make_mlp(layer_index): each layer's feed-forward block (Qwen3-MoE makes some sparse); default dense."""
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         # cos/sin for the positions the engine can reach (max_model_len), not the model's whole range
         rotary_emb = RotaryEmbedding(config.head_dim, max_positions, config.rope_theta)
-        self.layers = nn.ModuleList(Qwen3DecoderLayer(config, rotary_emb) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            Qwen3DecoderLayer(config, rotary_emb, make_mlp(index) if make_mlp else None)
+            for index in range(config.num_hidden_layers)
+        )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -221,6 +229,7 @@ class Qwen3Model(nn.Module):
 
 
 class Qwen3ForCausalLM(nn.Module):
+    config_class = Qwen3Config  # what parses this architecture's config.json
     # checkpoint name -> (nanoref parameter, shard) for the weights packed into fused matmuls
     packed_modules_mapping = {
         "q_proj": ("qkv_proj", "q"),
@@ -234,10 +243,14 @@ class Qwen3ForCausalLM(nn.Module):
         """max_positions: size of the RoPE tables (the engine passes max_model_len); default: the model's limit."""
         super().__init__()
         self.config = config
-        self.model = Qwen3Model(config, max_positions or config.max_position_embeddings)
+        self.model = Qwen3Model(config, max_positions or config.max_position_embeddings, self.make_mlp)
         self.lm_head = LMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight  # one tensor, two uses
+
+    def make_mlp(self, layer_index: int) -> nn.Module:
+        """The feed-forward block of decoder layer `layer_index`: dense everywhere in Qwen3 (Qwen3-MoE overrides)."""
+        return Qwen3MLP(self.config)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: (N,) -> hidden (N, hidden_size)."""

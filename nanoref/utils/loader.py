@@ -61,22 +61,37 @@ def weight_files(folder: Path) -> list[Path]:
     return sorted(folder.glob("*.safetensors"))
 
 
+# which part of a parameter a checkpoint tensor fills: None = all of it, else what its weight_loader understands
+Shard = int | str | tuple[int, int | None] | None
+
+
+def checkpoint_names(model: nn.Module) -> dict[str, tuple[str, Shard]]:
+    """Every tensor name a checkpoint may hold for `model` -> (the parameter it fills, which shard of it).
+
+    A parameter's own name always counts (the checkpoint holds it whole); a fused parameter also counts under
+    the names of its pieces (`packed_modules_mapping`: q_proj, k_proj, v_proj are shards "q", "k", "v" of
+    qkv_proj). A model whose pieces that mapping cannot name (Qwen3-MoE's per-expert weights, stacked into one
+    3-D parameter) lists them itself in `checkpoint_shards()`.
+    """
+    packed = getattr(model, "packed_modules_mapping", {})
+    names: dict[str, tuple[str, Shard]] = {}
+    for param_name, _ in model.named_parameters(remove_duplicate=False):
+        names[param_name] = (param_name, None)
+        for part, (fused, shard) in packed.items():
+            if f".{fused}." in param_name:
+                names[param_name.replace(fused, part)] = (param_name, shard)
+    if hasattr(model, "checkpoint_shards"):
+        names.update(model.checkpoint_shards())
+    return names
+
+
 def load_weights(model: nn.Module, folder: Path) -> None:
     """Copy every checkpoint tensor into its (possibly fused) parameter; fail on anything unmatched."""
-    packed = getattr(model, "packed_modules_mapping", {})
     params = dict(model.named_parameters(remove_duplicate=False))
     tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
-    # what a complete checkpoint provides: every parameter, and every shard of the fused ones
-    expected: set[str] = set()
-    for param_name in params:
-        parts = [part for part, (fused, _) in packed.items() if f".{fused}." in param_name]  # e.g. q/k/v_proj
-        if parts:
-            expected |= {param_name.replace(packed[part][0], part) for part in parts}
-        else:
-            expected.add(param_name)
-    if tied:
-        expected.discard("lm_head.weight")
+    names = checkpoint_names(model)
     loaded: dict[str, str] = {}  # checkpoint tensor -> the file it came from
+    filled: dict[str, dict[Shard, str]] = {}  # parameter -> {shard it got: from which checkpoint tensor}
     tied_head: tuple[str, torch.Tensor] | None = None  # a tied checkpoint's own lm_head.weight, checked below
     for file in weight_files(folder):
         try:
@@ -91,7 +106,18 @@ def load_weights(model: nn.Module, folder: Path) -> None:
                     if tied and name == "lm_head.weight":
                         tied_head = (file.name, tensor)  # tied: the embedding is the head, so it must agree
                         continue
-                    _load_tensor(params, packed, file.name, name, tensor)
+                    if name not in names:
+                        raise ModelFolderError(f"{file.name}: tensor {name!r} matches no parameter of the model")
+                    param_name, shard = names[name]
+                    got = filled.setdefault(param_name, {})
+                    if got and (shard is None or None in got):  # e.g. fused experts.gate_up_proj beside experts.0.*
+                        other = next(iter(got.values()))
+                        raise ModelFolderError(
+                            f"{file.name}: tensor {name!r} and tensor {other!r} both fill {param_name!r}: "
+                            "a checkpoint holds a parameter either whole or in pieces, not both"
+                        )
+                    got[shard] = name
+                    _load_tensor(params[param_name], file.name, name, tensor, shard)
         except SafetensorError as error:  # truncated, empty or not a safetensors file at all
             raise ModelFolderError(f"{file}: not a readable safetensors file: {error}") from None
     if tied_head is not None:
@@ -102,22 +128,26 @@ def load_weights(model: nn.Module, folder: Path) -> None:
                 f"{folder / 'config.json'} sets tie_word_embeddings: true, but {file_name} holds an lm_head.weight "
                 "that differs from model.embed_tokens.weight; set tie_word_embeddings to false to use it"
             )
-    missing = sorted(expected - set(loaded))
+    # what a complete checkpoint provides: every parameter, whole or in all of its pieces
+    pieces: dict[str, dict[Shard, str]] = {}  # parameter -> {shard: the checkpoint name that fills it}
+    for name, (param_name, shard) in names.items():
+        if shard is not None:
+            pieces.setdefault(param_name, {})[shard] = name
+    missing = []
+    for param_name in params:
+        got = filled.get(param_name, {})
+        if None in got or (tied and param_name == "lm_head.weight"):
+            continue
+        expected = pieces.get(param_name, {None: param_name})
+        missing += [name for shard, name in expected.items() if shard not in got]
     if missing:
+        missing.sort()
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
         raise ModelFolderError(f"{folder}: the checkpoint lacks {len(missing)} tensors: {shown}")
 
 
-def _load_tensor(params: dict[str, nn.Parameter], packed: dict, file_name: str, name: str, tensor) -> None:
+def _load_tensor(param: nn.Parameter, file_name: str, name: str, tensor: torch.Tensor, shard: Shard) -> None:
     """Copy one checkpoint tensor into its parameter (or its shard of a fused one)."""
-    target, shard_id = name, None
-    for checkpoint_part, (fused_part, shard) in packed.items():
-        if f".{checkpoint_part}." in name:
-            target, shard_id = name.replace(checkpoint_part, fused_part), shard
-            break
-    param = params.get(target)
-    if param is None:
-        raise ModelFolderError(f"{file_name}: tensor {name!r} matches no parameter of the model")
     tensor = tensor.to(param.dtype)
     loader = getattr(param, "weight_loader", None)
     try:
@@ -125,10 +155,10 @@ def _load_tensor(params: dict[str, nn.Parameter], packed: dict, file_name: str, 
             if param.shape != tensor.shape:
                 raise ValueError(f"shape {tuple(tensor.shape)}, expected {tuple(param.shape)}")
             param.data.copy_(tensor)
-        elif shard_id is None:
+        elif shard is None:
             loader(param, tensor)
         else:
-            loader(param, tensor, shard_id)
+            loader(param, tensor, shard)
     except ValueError as error:
         raise ModelFolderError(f"{file_name}: tensor {name!r}: {error}") from None
 
