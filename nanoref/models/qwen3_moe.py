@@ -32,6 +32,7 @@ from torch import nn
 from nanoref.layers.activation import silu_and_mul
 from nanoref.layers.linear import Linear
 from nanoref.models.qwen3 import Qwen3Config, Qwen3ForCausalLM, Qwen3MLP, _boolean, _integer
+from nanoref.utils.parallel import all_reduce, get_parallel_state
 from nanoref.utils.tracing import trace, tracing_enabled
 
 
@@ -152,13 +153,26 @@ def moe_experts(
 
 
 class Qwen3MoeExperts(nn.Module):
-    """E SwiGLU MLPs stacked into two 3-D weights (no forward of its own: `moe_experts` runs them)."""
+    """E SwiGLU MLPs stacked into two 3-D weights (no forward of its own: `moe_experts` runs them).
+
+    Under tensor parallelism every rank holds all E experts, each with 1/N of its intermediate: rank r keeps
+    gate and up rows [r I/N, (r+1) I/N) and the matching down_proj columns, so each expert's output on a rank
+    is a partial sum, added up by the block's one all-reduce (as in a dense row-parallel MLP)."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
-        self.intermediate_size = intermediate_size
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        parallel = get_parallel_state()
+        self.tp_rank, self.tp_size = parallel.rank, parallel.world_size
+        if intermediate_size % self.tp_size:
+            raise ValueError(
+                f"moe_intermediate_size ({intermediate_size}) must divide evenly over "
+                f"tensor_parallel_size={self.tp_size}"
+            )
+        self.full_intermediate_size = intermediate_size
+        self.intermediate_size = intermediate_size // self.tp_size  # this rank's share
+        rows = self.intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * rows, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, rows))
         self.gate_up_proj.weight_loader = self.weight_loader
         self.down_proj.weight_loader = self.weight_loader
 
@@ -166,18 +180,32 @@ class Qwen3MoeExperts(nn.Module):
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, int | None] | None = None
     ) -> None:
         """shard_id None: the whole stack (E, ...). Else (expert, part): part 0/1 = gate/up rows of gate_up_proj,
-        part None = that expert's down_proj."""
+        part None = that expert's down_proj. The checkpoint tensor is whole; this rank keeps its slice."""
+        full, mine, start = self.full_intermediate_size, self.intermediate_size, self.tp_rank * self.intermediate_size
+        num_experts, hidden = param.shape[0], self.down_proj.shape[1]
+        is_gate_up = param is self.gate_up_proj
         if shard_id is None:
-            target = param.data  # (E, 2 I, hidden) or (E, hidden, I)
+            expected = (num_experts, 2 * full, hidden) if is_gate_up else (num_experts, hidden, full)
         else:
-            expert, part = shard_id
-            target = param.data[expert]  # (2 I, hidden) or (hidden, I)
-            if part is not None:  # gate rows first, then up: silu_and_mul's [gate | up]
-                rows = self.intermediate_size
-                target = target[part * rows : (part + 1) * rows]  # (I, hidden)
-        if target.shape != loaded.shape:
-            raise ValueError(f"checkpoint tensor has shape {tuple(loaded.shape)}, expected {tuple(target.shape)}")
-        target.copy_(loaded)
+            expected = ((full if shard_id[1] is not None else 2 * full), hidden) if is_gate_up else (hidden, full)
+        if tuple(loaded.shape) != expected:
+            raise ValueError(f"checkpoint tensor has shape {tuple(loaded.shape)}, expected {expected}")
+        if not is_gate_up:  # down_proj (.., hidden, I): this rank's columns
+            target = param.data if shard_id is None else param.data[shard_id[0]]
+            target.copy_(loaded.narrow(-1, start, mine))
+            return
+        # gate_up_proj: gate rows first, then up (silu_and_mul's [gate | up]), each cut to this rank's rows
+        target = param.data if shard_id is None else param.data[shard_id[0]]  # (E, 2 I/N, hidden) or (2 I/N, hidden)
+        if shard_id is None:
+            parts = loaded.split(full, dim=1)  # (E, I, hidden) twice
+            for part, piece in enumerate(parts):
+                target[:, part * mine : (part + 1) * mine].copy_(piece.narrow(1, start, mine))
+        elif shard_id[1] is None:  # an expert's fused [gate | up] (2 I, hidden)
+            for part, piece in enumerate(loaded.split(full, dim=0)):
+                target[part * mine : (part + 1) * mine].copy_(piece.narrow(0, start, mine))
+        else:
+            part = shard_id[1]
+            target[part * mine : (part + 1) * mine].copy_(loaded.narrow(0, start, mine))
 
 
 class Qwen3MoeSparseMoeBlock(nn.Module):
@@ -189,6 +217,7 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
         self.norm_topk_prob = config.norm_topk_prob
         self.gate = Linear(config.hidden_size, config.num_experts)  # the router (HF's name: mlp.gate)
         self.experts = Qwen3MoeExperts(config.num_experts, config.hidden_size, config.moe_intermediate_size)
+        self.parallel = get_parallel_state()  # the group of the all-reduce after the experts
 
     def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(N, hidden) -> router_logits (N, E), topk_weights (N, K), topk_ids (N, K)."""
@@ -203,6 +232,9 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
         router_logits, topk_weights, topk_ids = self.route(hidden)
         trace("moe.router", hidden=hidden, router_logits=router_logits, topk_weights=topk_weights, topk_ids=topk_ids)
         out = moe_experts(hidden, topk_weights, topk_ids, self.experts.gate_up_proj, self.experts.down_proj)
+        out = all_reduce(
+            out, self.parallel
+        )  # tensor parallel: each rank's experts hold 1/N of the intermediate (partial sums)
         trace("moe.experts", w_gate_up=self.experts.gate_up_proj, w_down=self.experts.down_proj, out=out)
         return out
 
