@@ -43,7 +43,6 @@ def test_bad_engine_arguments(tiny_model, kwargs, match):
         LLM(tiny_model, **kwargs)
 
 
-
 @pytest.mark.parametrize(
     "kwargs,match",
     [
