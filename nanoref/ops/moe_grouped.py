@@ -96,25 +96,26 @@ def grouped_mm_triton(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -
     return grouped_mm(x, w, offsets)
 
 
-def _cutlass_grouped_mm(device: torch.device, dtype: torch.dtype) -> bool:
+def torch_grouped_mm_is_one_kernel(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether torch._grouped_mm runs as one CUTLASS kernel here (no host sync): bf16 on Hopper or Blackwell."""
     if not hasattr(torch, "_grouped_mm") or dtype != torch.bfloat16:
         return False
     return torch.cuda.get_device_capability(device)[0] in (9, 10)
 
 
-def _aligned(dtype: torch.dtype, *dims: int) -> bool:
+def torch_grouped_mm_aligned(dtype: torch.dtype, *dims: int) -> bool:
     """torch._grouped_mm wants every row stride a multiple of 16 bytes (its kernels load rows with TMA)."""
     return all(dim * dtype.itemsize % 16 == 0 for dim in dims)
 
 
 @functools.cache
 def _pick(device: torch.device, dtype: torch.dtype, hidden_size: int, intermediate_size: int) -> GroupedMM | None:
+    aligned = torch_grouped_mm_aligned(dtype, hidden_size, intermediate_size)
     if device.type == "cuda":
-        if _cutlass_grouped_mm(device, dtype) and _aligned(dtype, hidden_size, intermediate_size):
+        if aligned and torch_grouped_mm_is_one_kernel(device, dtype):
             return grouped_mm_torch
         return grouped_mm_triton if triton_available() else None  # else no grouped matmul that a graph can record
-    if hasattr(torch, "_grouped_mm") and _aligned(dtype, hidden_size, intermediate_size):
+    if aligned and hasattr(torch, "_grouped_mm"):
         return grouped_mm_torch  # a CPU: its loop over groups is right and fast enough
     return grouped_mm_per_row
 
