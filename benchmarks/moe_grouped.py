@@ -1,7 +1,8 @@
 """Qwen3-MoE's experts: the per-expert loop against the grouped path, at one Qwen3-30B-A3B sparse layer's shapes.
 
     python benchmarks/moe_grouped.py                                  # a CUDA GPU: check, time, table, JSON, figure
-    python benchmarks/moe_grouped.py --out-dir DIR --figure-dir DIR   # write the results somewhere else
+    python benchmarks/moe_grouped.py --out-dir DIR --figure-dir DIR   # write the results somewhere else (the
+                                                                      # markdown links the figure in figures/)
     python benchmarks/moe_grouped.py --device cpu --quick             # anywhere: tiny shapes, to exercise the script
 
 Shapes: hidden 2048, 128 experts, top-8, moe_intermediate_size 768, bf16, random weights; N tokens of random
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import re
 import statistics
@@ -270,7 +270,7 @@ it. speedup: the loop's time over the method's. TFLOP/s: 6 N K hidden I. weight_
 hit (experts_hit), each counted once. rel_error: against the loop in float32 on the same inputs.
 
 {table}
-""" + (f"\n![time and speedup]({os.path.relpath(figure, args.out_dir)})\n" if drew else "")
+""" + (f"\n![time and speedup](../../figures/{figure.name})\n" if drew else "")
     (args.out_dir / f"{stem}.md").write_text(text)
     print(
         f"\nwrote {args.out_dir / stem}.json and .md"
