@@ -6,6 +6,9 @@ against `num_experts` small SwiGLU MLPs (the experts), each token keeps its `num
 and its output is the router-weighted sum of those experts' outputs. The flat `(N, hidden)` layout suits
 this well: routing is per token, so a token's row is simply gathered for each expert it picked and the
 expert's answer added back to that same row (`index_add_`); no sequence or batch structure is involved.
+`moe_experts` below does this one expert at a time (the readable reference, and the CPU's path); on a GPU the
+same sum runs as two grouped matmuls over all experts at once (`nanoref/ops/moe_grouped.py`), whose shapes do
+not depend on the routing, so the decode CUDA graphs can record them.
 
 Which layers are sparse follows HF's `Qwen3MoeDecoderLayer`: layer i is sparse when i is not in
 `mlp_only_layers` and `(i + 1) % decoder_sparse_step == 0`; the other layers keep a dense MLP of
@@ -32,6 +35,7 @@ from torch import nn
 from nanoref.layers.activation import silu_and_mul
 from nanoref.layers.linear import Linear
 from nanoref.models.qwen3 import Qwen3Config, Qwen3ForCausalLM, Qwen3MLP, _boolean, _integer
+from nanoref.ops.moe_grouped import grouped_path_serves, moe_experts_grouped
 from nanoref.utils.parallel import all_reduce, get_parallel_state
 from nanoref.utils.tracing import trace, tracing_enabled
 
@@ -224,17 +228,19 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
         return route(hidden, self.gate.weight, self.top_k, self.norm_topk_prob)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        if hidden.is_cuda and torch.cuda.is_current_stream_capturing():  # else a cryptic capture error below
+        # On a GPU the grouped path (fixed shapes, no host sync: a CUDA graph can record it); elsewhere the loop
+        grouped = grouped_path_serves(self.experts.gate_up_proj)
+        if not grouped and hidden.is_cuda and torch.cuda.is_current_stream_capturing():  # else a cryptic error
             raise RuntimeError(
                 "Qwen3-MoE's expert loop picks tokens with data-dependent shapes, which a CUDA graph cannot "
                 "record; run it with enforce_eager=True"
             )
         router_logits, topk_weights, topk_ids = self.route(hidden)
         trace("moe.router", hidden=hidden, router_logits=router_logits, topk_weights=topk_weights, topk_ids=topk_ids)
-        out = moe_experts(hidden, topk_weights, topk_ids, self.experts.gate_up_proj, self.experts.down_proj)
-        out = all_reduce(
-            out, self.parallel
-        )  # tensor parallel: each rank's experts hold 1/N of the intermediate (partial sums)
+        experts = moe_experts_grouped if grouped else moe_experts
+        out = experts(hidden, topk_weights, topk_ids, self.experts.gate_up_proj, self.experts.down_proj)
+        # tensor parallel: each rank's experts hold 1/N of the intermediate, so `out` is a partial sum
+        out = all_reduce(out, self.parallel)
         trace("moe.experts", w_gate_up=self.experts.gate_up_proj, w_down=self.experts.down_proj, out=out)
         return out
 
@@ -242,10 +248,14 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     """The dense Qwen3 model, whose sparse layers get a `Qwen3MoeSparseMoeBlock` as their MLP."""
 
-    # The expert loop picks its tokens with data-dependent shapes (torch.where), which a CUDA graph cannot
-    # record; decode on CUDA must run eagerly until a grouped, fixed-shape expert path exists.
-    supports_cuda_graphs = False
     config_class = Qwen3MoeConfig
+
+    @property
+    def supports_cuda_graphs(self) -> bool:
+        """Whether decode may be recorded in CUDA graphs: where every sparse layer runs the grouped path (a GPU
+        with a grouped matmul for the weights' dtype). The expert loop picks its tokens with data-dependent
+        shapes (torch.where), which a graph cannot record."""
+        return all(grouped_path_serves(block.experts.gate_up_proj) for block in self.sparse_blocks().values())
 
     def make_mlp(self, layer_index: int) -> nn.Module:
         if self.config.is_sparse(layer_index):
