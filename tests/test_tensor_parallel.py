@@ -235,3 +235,34 @@ def test_torchrun_one_host_two_processes(tp_models, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     tokens = json.loads(out.read_text())
     assert tokens == [hf_greedy(folder, p, 12) for p in prompts]
+
+
+def test_exercise_functions_run_on_every_rank(tp_models):
+    """A learner's function (here a local one, which no worker could import) replaces the seam on every rank:
+    two ranks with it give what one rank gives with it, not what the engine gives without it."""
+    import torch.nn.functional as F
+
+    from nanoref.utils.seams import use
+
+    def swapped(x):  # gate and up the wrong way round: the output changes if, and only if, every rank uses it
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(up) * gate
+
+    folder = tp_models["gqa2"]
+    # separate prompts for each phase: K/V cached by a run without the function must not serve a run with it
+    prompts = random_prompts(seed=12, lengths=[5, 19])
+    other = random_prompts(seed=13, lengths=[6, 21])
+    one = LLM(folder, device="cpu")
+    with LLM(folder, device="cpu", tensor_parallel_size=2) as llm:
+        plain = llm.generate(prompts, GREEDY, use_tqdm=False)
+        with use(silu_and_mul=swapped):
+            changed = llm.generate(other, GREEDY, use_tqdm=False)
+            expected = one.generate(other, GREEDY, use_tqdm=False)
+        after = llm.generate(prompts, GREEDY, use_tqdm=False)  # leaving the block restores every rank
+    assert changed == expected
+    assert changed != llm_without_function(folder, other)
+    assert after == plain
+
+
+def llm_without_function(folder, prompts):
+    return LLM(folder, device="cpu").generate(prompts, GREEDY, use_tqdm=False)

@@ -8,6 +8,7 @@ Decode: every sequence contributes its last token, so N == num_seqs, and `contex
 
 from __future__ import annotations
 
+import pickle
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -28,7 +29,7 @@ from nanoref.ops.backends import FLASH_ATTN_BACKENDS, choose_backend, resolve_ba
 from nanoref.utils.context import Context, get_context, reset_context, set_context
 from nanoref.utils.loader import load_weights
 from nanoref.utils.parallel import ParallelState, tensor_parallel
-from nanoref.utils.seams import seam
+from nanoref.utils.seams import replace_active, seam
 from nanoref.utils.tracing import trace_step, tracing_enabled
 
 
@@ -406,6 +407,8 @@ class ModelRunner:
             elif kind == "call":
                 _, fn, args = message
                 self._call_here(fn, args)
+            elif kind == "seams":  # rank 0 entered or left a `use(...)` block of exercise functions
+                replace_active(pickle.loads(message[1]))
 
     def run_on_all_ranks(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
         """fn(runner, *args) on every rank's model runner -> the results, by rank. fn must be importable by

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from nanoref.utils import seams
 from nanoref.utils.parallel import ParallelState
 
 if TYPE_CHECKING:
@@ -90,6 +91,7 @@ class Followers:
         self._lock = threading.Lock()
         self._failure: str | None = None
         self._failure_seen = threading.Event()
+        self._sent_seams: dict[str, Callable] = {}  # the exercise functions the followers run (see send_seams)
         if self.procs:
             threading.Thread(target=self._monitor, name="nanoref-tp-monitor", daemon=True).start()
 
@@ -101,12 +103,26 @@ class Followers:
 
     def send_step(self, step: Any, next_ids: torch.Tensor | None) -> None:
         """One step's host inputs, then (overlapped decode) its input ids still on rank 0's device."""
+        self.send_seams()
         self.send(("step", step, None if next_ids is None else int(next_ids.shape[0])))
         if next_ids is not None:
             dist.broadcast(next_ids, src=0)
 
     def call(self, fn: Callable, args: tuple) -> None:
+        self.send_seams()
         self.send(("call", fn, args))
+
+    def send_seams(self) -> None:
+        """Mirror rank 0's exercise seams on every rank (a learner's function runs in each rank's layers). The
+        functions usually live in a notebook, which the workers cannot import: cloudpickle sends them by value.
+        Sent only when they change, so an engine without exercises pays one dict comparison per step."""
+        functions = seams.active()
+        if functions == self._sent_seams:
+            return
+        import cloudpickle
+
+        self.send(("seams", cloudpickle.dumps(functions)))
+        self._sent_seams = functions
 
     def check(self) -> None:
         if self.broken is not None:

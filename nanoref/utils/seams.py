@@ -76,3 +76,9 @@ def use(**functions: Callable) -> Iterator[None]:
 def active() -> dict[str, Callable]:
     """The seams replaced right now (a copy), e.g. for a notebook to show what runs."""
     return dict(_ACTIVE)
+
+
+def replace_active(functions: dict[str, Callable]) -> None:
+    """Make exactly `functions` the replaced seams: a tensor-parallel worker mirrors rank 0's `use` blocks."""
+    _ACTIVE.clear()
+    _ACTIVE.update(functions)
