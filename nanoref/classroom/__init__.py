@@ -24,6 +24,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import cloudpickle
+
 from nanoref.utils.seams import SEAMS
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -83,6 +85,9 @@ def _import_cell(exercise: Exercise, folder: Path) -> Callable:
             f"{exercise.notebook.name}, exercise `{exercise.seam}`: its cell fails on its own with "
             f"{type(error).__name__}: {error} (a solution cell must import what it needs at its top)"
         ) from None
+    # a tensor-parallel engine sends the learner's functions to its worker processes, which cannot import this
+    # module file: cloudpickle sends them by value instead
+    cloudpickle.register_pickle_by_value(module)
     function = getattr(module, exercise.seam, None)
     if not callable(function):
         raise ClassroomError(

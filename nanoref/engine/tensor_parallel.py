@@ -29,6 +29,7 @@ import atexit
 import multiprocessing
 import os
 import signal
+import sys
 import threading
 import traceback
 import weakref
@@ -316,6 +317,11 @@ def worker_main(config: EngineConfig, rank: int, port: int, conn: Connection) ->
         os._exit(1)  # do not run the group's teardown: rank 0 may be waiting in a collective with us
     conn.close()
     dist.destroy_process_group()
+    # skip the interpreter's teardown: a c10d thread still joinable there aborts the process now and then
+    # ("terminate called without an active exception", exit code -6) after a clean shutdown
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def receive() -> tuple:
@@ -337,3 +343,23 @@ def receive_next_ids(count: int, device: torch.device) -> torch.Tensor:
 def weight_shapes(runner: Any) -> dict[str, tuple[int, ...]]:
     """This rank's parameter shapes, by name."""
     return {name: tuple(param.shape) for name, param in runner.model.named_parameters()}
+
+
+def rank_weights(runner: Any, names: list[str] | None = None) -> dict[str, torch.Tensor]:
+    """Copies of this rank's parameters, by name: all of them, or those in `names` (their halves rebuild tp=1's)."""
+    params = dict(runner.model.named_parameters())
+    return {name: params[name].detach().clone() for name in (names if names is not None else params)}
+
+
+def rank_layout(runner: Any) -> dict[str, Any]:
+    """What this rank holds: its query and KV heads (per layer), its rows of the vocabulary, its KV cache's shape."""
+    attention = runner.model.model.layers[0].self_attn
+    embed = runner.model.model.embed_tokens
+    return {
+        "rank": runner.rank,
+        "heads": attention.num_heads,
+        "kv_heads": attention.num_kv_heads,
+        "vocab_rows": (embed.vocab_start, embed.vocab_end),
+        "table_rows": embed.weight.shape[0],
+        "kv_cache": tuple(runner.kv_cache.shape),
+    }

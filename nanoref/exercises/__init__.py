@@ -18,6 +18,7 @@ from nanoref.exercises.model import (
 from nanoref.exercises.paged_decode import check_merge_splits, check_paged_decode_attention
 from nanoref.exercises.rmsnorm import check_add_rms_norm, check_rms_norm
 from nanoref.exercises.scheduler import check_choose_preemption_victim, check_find_cached_prefix
+from nanoref.exercises.tensor_parallel import check_vocab_parallel_embed
 from nanoref.exercises.varlen import check_prefill_metadata
 from nanoref.utils.seams import SEAMS, use
 
@@ -38,6 +39,7 @@ __all__ = [
     "check_seeded_sampling",
     "check_silu_and_mul",
     "check_store_kvcache_kernel",
+    "check_vocab_parallel_embed",
     "tiny_model",
     "use",
 ]

@@ -105,10 +105,10 @@ def check_generation(
     # a CUDA graph replays the kernels recorded at capture, not the learner's function: run eagerly
     engine_kwargs.setdefault("enforce_eager", True)
     names = describe(functions)
-    llm = LLM(model, **engine_kwargs)
-    if prepare is not None:
-        prepare(llm)
-    got = generate_with(llm, functions, prompts, SamplingParams(temperature=0, max_tokens=max_tokens))
+    with LLM(model, **engine_kwargs) as llm:  # leaving the block stops tensor-parallel workers, if any
+        if prepare is not None:
+            prepare(llm)
+        got = generate_with(llm, functions, prompts, SamplingParams(temperature=0, max_tokens=max_tokens))
     for index, (mine, reference) in enumerate(zip(got, expected)):
         for position, (a, b) in enumerate(zip(mine, reference)):
             if a != b:

@@ -18,7 +18,22 @@ from torch import nn
 
 from nanoref.utils.context import get_context
 from nanoref.utils.parallel import all_reduce, gather_last_dim, get_parallel_state, shard_range
+from nanoref.utils.seams import seam
 from nanoref.utils.tracing import trace
+
+
+def vocab_parallel_embed(
+    input_ids: torch.Tensor, weight: torch.Tensor, vocab_start: int, vocab_end: int
+) -> torch.Tensor:
+    """One rank's share of the embedding lookup: the rows of the ids in [vocab_start, vocab_end), zeros elsewhere.
+
+    input_ids: (N,) int64, any id of the whole vocabulary. weight: (rows, hidden), this rank's rows of the table:
+    row j holds id vocab_start + j; rows from vocab_end - vocab_start on are padding. Returns (N, hidden) in
+    weight's dtype. Every id lies in exactly one rank's range, so the ranks' outputs add up to the full lookup.
+    """
+    mine = (input_ids >= vocab_start) & (input_ids < vocab_end)  # (N,): ids in this rank's rows
+    local_ids = (input_ids - vocab_start) * mine  # others look up row 0, zeroed just below
+    return F.embedding(local_ids, weight) * mine.unsqueeze(-1).to(weight.dtype)  # (N, hidden)
 
 
 class VocabEmbedding(nn.Module):
@@ -49,10 +64,11 @@ class VocabEmbedding(nn.Module):
         if self.tp_size == 1:
             hidden = F.embedding(input_ids, self.weight)  # (N,) -> (N, hidden)
         else:
-            mine = (input_ids >= self.vocab_start) & (input_ids < self.vocab_end)  # (N,): ids in this rank's rows
-            local_ids = (input_ids - self.vocab_start) * mine  # others look up row 0, zeroed just below
-            hidden = F.embedding(local_ids, self.weight) * mine.unsqueeze(-1).to(self.weight.dtype)  # (N, hidden)
-            hidden = all_reduce(hidden, self.parallel)  # each token's row came from exactly one rank
+            hidden = seam("vocab_parallel_embed", vocab_parallel_embed)(
+                input_ids, self.weight, self.vocab_start, self.vocab_end
+            )  # (N, hidden): this rank's rows, zeros for the other ranks' ids
+            # each token's row came from exactly one rank
+            hidden = all_reduce(hidden, self.parallel, "embed_tokens.all_reduce")
         trace("embed_tokens", input_ids=input_ids, hidden=hidden)
         return hidden
 
@@ -67,9 +83,8 @@ class LMHead(VocabEmbedding):
             hidden = hidden[last_rows]  # (N, hidden) -> (num_seqs, hidden)
         logits = F.linear(hidden, self.weight)  # (num_seqs, vocab / N)
         if self.tp_size > 1:
-            logits = gather_last_dim(
-                logits, self.parallel
-            )  # rank 0: (num_seqs, N * ceil(vocab / N)); other ranks: None
+            # rank 0: (num_seqs, N * ceil(vocab / N)); other ranks: None
+            logits = gather_last_dim(logits, self.parallel, "lm_head.gather")
             if logits is None:
                 return None
             logits = logits[:, : self.vocab_size]  # drop the padding rows' columns

@@ -62,8 +62,10 @@ class RowParallelLinear(Linear):
     slice of x (what the column-parallel layer before it produced); its x_r W_r^T is a partial sum of y, and
     one all-reduce adds the ranks' partial sums. x: (N, in/N) -> (N, out), the same on every rank."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, *, name: str = "row_parallel") -> None:
+        """name: what a shape trace calls this layer's all-reduce (`<name>.all_reduce`), e.g. "o_proj"."""
         self.parallel = get_parallel_state()  # the group this layer's all-reduce runs in
+        self.name = name
         self.tp_rank, self.tp_size = tp_rank(), tp_size()
         self.full_input_size = input_size
         super().__init__(_divide(input_size, self.tp_size, "the input size of a row-parallel layer"), output_size, bias)
@@ -80,7 +82,8 @@ class RowParallelLinear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
             return F.linear(x, self.weight, self.bias)
-        y = all_reduce(F.linear(x, self.weight), self.parallel)  # (N, out): the sum of every rank's partial product
+        # (N, out): the sum of every rank's partial product
+        y = all_reduce(F.linear(x, self.weight), self.parallel, f"{self.name}.all_reduce")
         return y if self.bias is None else y + self.bias
 
 

@@ -135,7 +135,7 @@ class Qwen3Attention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.o_proj = RowParallelLinear(
-            config.num_attention_heads * self.head_dim, config.hidden_size, bias=config.attention_bias
+            config.num_attention_heads * self.head_dim, config.hidden_size, bias=config.attention_bias, name="o_proj"
         )
         self.rotary_emb = rotary_emb  # one table shared by every layer
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads)
@@ -174,7 +174,7 @@ class Qwen3MLP(nn.Module):
     def __init__(self, config: Qwen3Config) -> None:
         super().__init__()
         self.gate_up_proj = MergedLinear(config.hidden_size, [config.intermediate_size] * 2, bias=False)
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=False)
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=False, name="down_proj")
         self.act_fn = SiluAndMul()
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from nanoref.utils.tracing import trace
+
 
 @dataclass(frozen=True)
 class ParallelState:
@@ -63,18 +65,24 @@ def shard_range(size: int, rank: int, world_size: int) -> tuple[int, int]:
     return start, min(start + per_rank, size)
 
 
-def all_reduce(x: torch.Tensor, state: ParallelState) -> torch.Tensor:
-    """Sum x over the ranks, in place (row-parallel outputs, the vocab-parallel embedding)."""
+def all_reduce(x: torch.Tensor, state: ParallelState, stage: str = "all_reduce") -> torch.Tensor:
+    """Sum x over the ranks, in place (row-parallel outputs, the vocab-parallel embedding). `stage` names the
+    collective in a shape trace (`nanoref.trace_shapes`), so a trace shows where each all-reduce sits."""
     if state.world_size > 1:
         dist.all_reduce(x, group=state.group)
+        trace(stage, x=x)
     return x
 
 
-def gather_last_dim(x: torch.Tensor, state: ParallelState) -> torch.Tensor | None:
+def gather_last_dim(x: torch.Tensor, state: ParallelState, stage: str = "gather") -> torch.Tensor | None:
     """Rank 0: every rank's x side by side along the last dim (the logits of the whole vocabulary); others: None."""
     if state.world_size == 1:
         return x
     x = x.contiguous()
     parts = [torch.empty_like(x) for _ in range(state.world_size)] if state.rank == 0 else None
     dist.gather(x, parts, dst=0, group=state.group)  # the group is the whole world: its rank 0 is global rank 0
-    return torch.cat(parts, dim=-1) if parts is not None else None
+    if parts is None:
+        return None
+    gathered = torch.cat(parts, dim=-1)
+    trace(stage, x=x, gathered=gathered)
+    return gathered

@@ -43,6 +43,9 @@ SEAMS: dict[str, str] = {
     "apply_rotary": "layers/rotary.py: apply_rotary(x, cos, sin) -> x rotated by RoPE (neox halves)",
     "silu_and_mul": "layers/activation.py: silu_and_mul(x) -> silu(gate) * up of x = [gate | up]",
     "apply_top_k_top_p": "layers/sampler.py: apply_top_k_top_p(logits, top_k, top_p) -> -inf outside top-k and top-p",
+    # 08_tensor_parallel
+    "vocab_parallel_embed": "layers/embed_head.py: vocab_parallel_embed(input_ids, weight, vocab_start, vocab_end) -> "
+    "(N, hidden): this rank's embedding rows, zeros for ids outside [vocab_start, vocab_end)",
 }
 
 _ACTIVE: dict[str, Callable] = {}  # the learner's functions while a `use` block runs

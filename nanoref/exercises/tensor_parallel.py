@@ -1,0 +1,148 @@
+"""Checks for notebook 08's exercise: the vocab-parallel embedding lookup, one rank's share.
+
+The check runs the learner's function alone for the shards of small vocabularies split over 2 and 4 ranks (the
+first shard, a middle one, the last one with its padding rows, a rank none of whose ids come up), then inside a
+real two-process engine (tensor_parallel_size=2, gloo on the CPU), where every rank calls it, against HF.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from nanoref.exercises.common import ExerciseFailure, check_generation, random_prompts, tiny_model
+from nanoref.utils.parallel import shard_range
+
+# the engine check's model: a vocabulary that does not split evenly, so the last rank's table has a padding row
+ENGINE_VOCAB = 251
+
+
+def _fresh_generator() -> torch.Generator:
+    # new inputs on every call, so an answer cannot be fitted to one fixed draw
+    return torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, (1,)).item()))
+
+
+def _shard_table(full: torch.Tensor, rank: int, world_size: int, generator: torch.Generator) -> torch.Tensor:
+    """Rank's rows of `full` as the engine allocates them: ceil(V / N) rows, the tail past its shard padding.
+    The padding here holds noise, not zeros: no id maps to it, so a right answer never reads it."""
+    vocab, hidden = full.shape
+    start, end = shard_range(vocab, rank, world_size)
+    rows = -(-vocab // world_size)
+    table = torch.randn(rows, hidden, generator=generator).to(full.dtype)
+    table[: end - start] = full[start:end]
+    return table
+
+
+def _call(fn: Callable, ids: torch.Tensor, table: torch.Tensor, start: int, end: int, case: str) -> torch.Tensor:
+    try:
+        return fn(ids, table, start, end)
+    except (IndexError, RuntimeError) as error:
+        raise ExerciseFailure(
+            f"{case}: vocab_parallel_embed raised {type(error).__name__}: {error}. The table has {table.shape[0]} "
+            f"rows, for ids {start}..{end - 1}: subtract vocab_start before the lookup, and do not look up the ids "
+            "of other ranks with their own values (send them to a valid row, then zero their output)"
+        ) from error
+
+
+def _check_one(
+    fn: Callable, full: torch.Tensor, ids: torch.Tensor, rank: int, world_size: int, generator: torch.Generator
+) -> torch.Tensor:
+    """The learner's output for one rank, checked against the rows that rank must produce; returns it."""
+    vocab, hidden = full.shape
+    start, end = shard_range(vocab, rank, world_size)
+    table = _shard_table(full, rank, world_size, generator)
+    padding = table.shape[0] - (end - start)
+    case = (
+        f"rank {rank} of {world_size} (vocabulary {vocab}, ids {start}..{end - 1}, a table of {table.shape[0]} rows"
+        + (f", the last {padding} of them padding" if padding else "")
+        + f", {table.dtype})"
+    )
+    ids_before, table_before = ids.clone(), table.clone()
+    got = _call(fn, ids, table, start, end, case)
+    if not torch.equal(ids, ids_before) or not torch.equal(table, table_before):
+        raised = "input_ids" if not torch.equal(ids, ids_before) else "weight"
+        raise ExerciseFailure(f"{case}: vocab_parallel_embed changed its {raised} in place; compute new tensors")
+    if not isinstance(got, torch.Tensor):
+        raise ExerciseFailure(f"{case}: vocab_parallel_embed must return a torch.Tensor, got {type(got).__name__}")
+    if tuple(got.shape) != (len(ids), hidden):
+        raise ExerciseFailure(
+            f"{case}: vocab_parallel_embed returned shape {tuple(got.shape)} for {len(ids)} ids, expected "
+            f"{(len(ids), hidden)}: one row of the hidden size per id"
+        )
+    if got.dtype != table.dtype:
+        raise ExerciseFailure(
+            f"{case}: vocab_parallel_embed returned dtype {got.dtype}, expected {table.dtype} (the weight's dtype: "
+            "did a mask in another dtype promote the result?)"
+        )
+    mine = (ids >= start) & (ids < end)  # (N,)
+    want = torch.zeros(len(ids), hidden, dtype=table.dtype)
+    want[mine] = full[ids[mine]]
+    for row in range(len(ids)):
+        if torch.equal(got[row], want[row]):
+            continue
+        token = int(ids[row])
+        if not mine[row]:
+            owner = max(r for r in range(world_size) if shard_range(vocab, r, world_size)[0] <= token)
+            looked_up = next((j for j in range(table.shape[0]) if torch.equal(got[row], table[j])), None)
+            if looked_up is None:
+                hint = "zero the rows of ids outside [vocab_start, vocab_end)"
+            else:
+                what = "a padding row" if looked_up >= end - start else f"the row of id {start + looked_up}"
+                hint = f"it holds table row {looked_up}, {what}" + (
+                    ": sending other ranks' ids to the last row is harmless only where that row is zero padding, "
+                    "and most ranks have none"
+                    if looked_up == table.shape[0] - 1
+                    else ""
+                )
+                hint += "; zero the rows of ids outside [vocab_start, vocab_end) explicitly"
+            raise ExerciseFailure(
+                f"{case}: row {row} (id {token}, which belongs to rank {owner}) is not zero. Rank {owner} "
+                f"contributes that row and the all-reduce adds every rank's output, so this rank must add zeros: {hint}"
+            )
+        looked_up = next((j for j in range(table.shape[0]) if torch.equal(got[row], table[j])), None)
+        if looked_up is not None:
+            raise ExerciseFailure(
+                f"{case}: row {row} (id {token}) holds table row {looked_up}"
+                + (" (a padding row)" if looked_up >= end - start else "")
+                + f", but this rank's row j holds id vocab_start + j, so id {token} is row {token - start}: "
+                "subtract vocab_start from the ids before the lookup"
+            )
+        raise ExerciseFailure(
+            f"{case}: row {row} (id {token}) differs from row {token - start} of this rank's table, which holds id "
+            f"{token}: look up weight[id - vocab_start] for the ids in [vocab_start, vocab_end)"
+        )
+    return got
+
+
+def check_vocab_parallel_embed(fn: Callable, *, engine: bool = True) -> None:
+    """`fn(input_ids, weight, vocab_start, vocab_end)` for each shard of small vocabularies split over 2 and 4 ranks
+    (the ranks' outputs must add up to the whole table's lookup), then greedy generation with it in a two-process
+    engine (every rank calls it) against HF transformers."""
+    generator = _fresh_generator()
+    hidden = 8
+    for vocab, world_size, dtype in ((11, 2, torch.float32), (11, 4, torch.bfloat16), (10, 4, torch.float32)):
+        full = torch.randn(vocab, hidden, generator=generator).to(dtype)  # (V, hidden): the whole table
+        # every id once (both ends of every shard), then some random ones
+        ids = torch.cat(
+            [torch.randperm(vocab, generator=generator), torch.randint(0, vocab, (5,), generator=generator)]
+        )
+        total = torch.zeros(len(ids), hidden, dtype=torch.float32)
+        for rank in range(world_size):
+            total += _check_one(fn, full, ids, rank, world_size, generator).float()
+            # a rank none of whose ids come up: the ids of one other rank only
+            other_start, other_end = shard_range(vocab, (rank + 1) % world_size, world_size)
+            if other_end > other_start:
+                others = torch.randint(other_start, other_end, (4,), generator=generator)
+                _check_one(fn, full, others, rank, world_size, generator)
+        if not torch.equal(total.to(dtype), F.embedding(ids, full)):
+            raise ExerciseFailure(
+                f"the {world_size} ranks' outputs for a vocabulary of {vocab} do not add up to the whole table's rows"
+            )
+    if engine:
+        model = tiny_model(vocab_size=ENGINE_VOCAB)
+        prompts = random_prompts(seed=808, lengths=[5, 23, 17, 40], vocab=ENGINE_VOCAB)  # ids of both ranks
+        check_generation(
+            {"vocab_parallel_embed": fn}, model=model, prompts=prompts, device="cpu", tensor_parallel_size=2
+        )

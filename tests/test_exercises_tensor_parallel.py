@@ -1,0 +1,159 @@
+"""Notebook 08's exercise seam and check: every tensor-parallel rank calls the seam, the check accepts nanoref's own
+lookup and rejects typical wrong answers with a message that names the mistake."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nanoref import LLM, SamplingParams
+from nanoref.engine.tensor_parallel import rank_layout
+from nanoref.exercises import ExerciseFailure, check_vocab_parallel_embed
+from nanoref.layers.embed_head import vocab_parallel_embed
+from nanoref.testing import make_tiny_qwen3
+from nanoref.utils import seams
+from nanoref.utils.parallel import shard_range
+
+from .helpers import random_prompts
+
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+# -- wrong answers, importable by name (a tensor-parallel worker unpickles them from this module) ------------
+def no_shift(input_ids, weight, vocab_start, vocab_end):  # looks up the id itself, not id - vocab_start
+    mine = (input_ids >= vocab_start) & (input_ids < vocab_end)
+    return F.embedding((input_ids * mine).clamp(max=weight.shape[0] - 1), weight) * mine[:, None].to(weight.dtype)
+
+
+def no_shift_raw(input_ids, weight, vocab_start, vocab_end):  # the same, without the clamp: an index error
+    mine = (input_ids >= vocab_start) & (input_ids < vocab_end)
+    return F.embedding(input_ids * mine, weight) * mine[:, None].to(weight.dtype)
+
+
+def no_mask(input_ids, weight, vocab_start, vocab_end):  # every id looked up, the other ranks' clamped into range
+    return F.embedding((input_ids - vocab_start).clamp(0, weight.shape[0] - 1), weight)
+
+
+def padding_row(input_ids, weight, vocab_start, vocab_end):  # other ranks' ids sent to the last row, not zeroed
+    mine = (input_ids >= vocab_start) & (input_ids < vocab_end)
+    return F.embedding(torch.where(mine, input_ids - vocab_start, weight.shape[0] - 1), weight)
+
+
+def float_mask(input_ids, weight, vocab_start, vocab_end):  # right values, but promoted to float32
+    mine = (input_ids >= vocab_start) & (input_ids < vocab_end)
+    return F.embedding((input_ids - vocab_start) * mine, weight) * mine[:, None].float()
+
+
+def extra_axis(input_ids, weight, vocab_start, vocab_end):
+    return vocab_parallel_embed(input_ids, weight, vocab_start, vocab_end)[:, None]
+
+
+def in_place(input_ids, weight, vocab_start, vocab_end):
+    mine = (input_ids >= vocab_start) & (input_ids < vocab_end)
+    input_ids -= vocab_start
+    return F.embedding(input_ids * mine, weight) * mine[:, None].to(weight.dtype)
+
+
+def wrong_on_rank_1(input_ids, weight, vocab_start, vocab_end):  # rank 0 right, rank 1 forgets its zeros
+    if vocab_start == 0:
+        return vocab_parallel_embed(input_ids, weight, vocab_start, vocab_end)
+    return no_mask(input_ids, weight, vocab_start, vocab_end)
+
+
+def counting(calls):
+    def wrapper(input_ids, weight, vocab_start, vocab_end):
+        calls.append((vocab_start, vocab_end))
+        return vocab_parallel_embed(input_ids, weight, vocab_start, vocab_end)
+
+    return wrapper
+
+
+def test_nanorefs_lookup_sums_to_the_whole_table():
+    """The ranks' partial lookups add up to the whole table's rows; each rank leaves the other's ids at zero."""
+    generator = torch.Generator().manual_seed(0)
+    full = torch.randn(11, 6, generator=generator)  # 11 ids over 2 ranks: 6 rows each, the second ends in padding
+    ids = torch.randint(0, 11, (20,), generator=generator)
+    tables = [full[:6], torch.cat([full[6:], torch.zeros(1, 6)])]
+    parts = [vocab_parallel_embed(ids, table, *shard_range(11, rank, 2)) for rank, table in enumerate(tables)]
+    assert torch.equal(parts[0] + parts[1], F.embedding(ids, full))
+    assert not parts[0][ids >= 6].any() and not parts[1][ids < 6].any()
+
+
+def test_checks_accept_nanorefs_own_function():
+    check_vocab_parallel_embed(vocab_parallel_embed)
+
+
+@pytest.mark.parametrize(
+    "wrong, message",
+    [
+        (no_shift, "subtract vocab_start"),
+        (no_shift_raw, "raised IndexError.*subtract vocab_start"),
+        (no_mask, "is not zero.*zero the rows of ids outside"),
+        (padding_row, "sending other ranks. ids to the last row"),
+        (float_mask, "dtype torch.float32, expected torch.bfloat16"),
+        (extra_axis, "returned shape"),
+        (in_place, "changed its input_ids in place"),
+    ],
+)
+def test_checks_name_the_mistake(wrong, message):
+    with pytest.raises(ExerciseFailure, match=message):
+        check_vocab_parallel_embed(wrong, engine=False)
+
+
+@pytest.fixture(scope="module")
+def odd_vocab_model(tmp_path_factory):
+    return make_tiny_qwen3(tmp_path_factory.mktemp("tp_exercise") / "m", seed=31, vocab_size=251)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(odd_vocab_model):
+    with LLM(odd_vocab_model, device="cpu", tensor_parallel_size=2) as llm:
+        yield llm
+
+
+def test_every_rank_calls_the_seam_and_a_wrong_lookup_changes_the_tokens(odd_vocab_model, two_ranks):
+    """Rank 0 calls the seam with its own vocabulary range; rank 1 too (a wrong lookup on rank 1 alone changes the
+    tokens); one rank (tp=1) never calls it."""
+    prompts = random_prompts(seed=14, lengths=[6, 19], vocab=251)
+    other = random_prompts(seed=15, lengths=[7, 22], vocab=251)
+    calls = []
+    one = LLM(odd_vocab_model, device="cpu")
+    with seams.use(vocab_parallel_embed=counting(calls)):
+        reference = one.generate(prompts, GREEDY, use_tqdm=False)
+    assert not calls, "one rank has no vocab-parallel lookup"
+    expected_other = one.generate(other, GREEDY, use_tqdm=False)
+    layouts = two_ranks.model_runner.run_on_all_ranks(rank_layout)
+    with seams.use(vocab_parallel_embed=counting(calls)):
+        assert two_ranks.generate(prompts, GREEDY, use_tqdm=False) == reference
+    assert calls and set(calls) == {layouts[0]["vocab_rows"]} == {(0, 126)}
+    assert layouts[1]["vocab_rows"] == (126, 251) and layouts[1]["table_rows"] == 126
+    with seams.use(vocab_parallel_embed=wrong_on_rank_1):  # fresh prompts: the prefix cache knows nothing of seams
+        broken = two_ranks.generate(other, GREEDY, use_tqdm=False)
+    assert broken != expected_other
+
+
+def test_a_function_collected_from_a_notebook_reaches_the_worker(odd_vocab_model, two_ranks, tmp_path):
+    """The capstone imports each exercise cell as a module file the worker cannot import: it must travel by value."""
+    import nbformat
+
+    from nanoref.classroom import collect_solutions
+
+    nb = nbformat.v4.new_notebook()
+    cell = nbformat.v4.new_code_cell(
+        "import torch\nimport torch.nn.functional as F\n\n\n"
+        "def vocab_parallel_embed(input_ids, weight, vocab_start, vocab_end):\n"
+        "    mine = (input_ids >= vocab_start) & (input_ids < vocab_end)\n"
+        "    local = torch.where(mine, input_ids - vocab_start, 0)\n"
+        "    return F.embedding(local, weight) * mine[:, None].to(weight.dtype)\n"
+    )
+    cell.metadata["nbgrader"] = dict(
+        solution=True, grade=False, locked=False, grade_id="ex_vocab_parallel_embed", schema_version=3, task=False
+    )
+    nb.cells = [cell]
+    nbformat.write(nb, tmp_path / "08.ipynb")
+    collected = collect_solutions(tmp_path)["vocab_parallel_embed"]
+    prompts = random_prompts(seed=16, lengths=[9, 30], vocab=251)
+    expected = LLM(odd_vocab_model, device="cpu").generate(prompts, GREEDY, use_tqdm=False)
+    with seams.use(vocab_parallel_embed=collected):
+        assert two_ranks.generate(prompts, GREEDY, use_tqdm=False) == expected
