@@ -101,6 +101,14 @@ def test_checks_name_the_mistake(wrong, message):
         check_vocab_parallel_embed(wrong, engine=False)
 
 
+def test_an_unwritten_exercise_raises_not_implemented():
+    def unwritten(input_ids, weight, vocab_start, vocab_end):
+        raise NotImplementedError()
+
+    with pytest.raises(NotImplementedError):
+        check_vocab_parallel_embed(unwritten, engine=False)
+
+
 @pytest.fixture(scope="module")
 def odd_vocab_model(tmp_path_factory):
     return make_tiny_qwen3(tmp_path_factory.mktemp("tp_exercise") / "m", seed=31, vocab_size=251)
