@@ -69,7 +69,7 @@ def _backend(device: torch.device) -> str:
 def rank_device(config: EngineConfig, rank: int) -> torch.device:
     """The device of `rank`: the config's CPU, or one GPU per rank (LOCAL_RANK under torchrun)."""
     device = config.device
-    if device.type != "cuda":
+    if device.type != "cuda" or config.tensor_parallel_size == 1:
         return device
     if launched_by_torchrun():
         return torch.device("cuda", int(os.environ["LOCAL_RANK"]))
