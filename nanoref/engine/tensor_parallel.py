@@ -137,6 +137,8 @@ class Followers:
         self.check()
         try:
             yield
+            if self._failure is not None:  # NCCL: an aborted group may let the step "finish" on garbage
+                raise TensorParallelError("a tensor-parallel worker died during the step")
         except BaseException as error:
             failure = self.failure(wait_s=5.0 if isinstance(error, Exception) else 0.0)
             reason = failure or f"{type(error).__name__}: {error}"
