@@ -25,13 +25,11 @@ half a forward cannot be resumed, so the engine refuses further steps and says w
 
 from __future__ import annotations
 
-import atexit
 import multiprocessing
 import os
 import signal
 import threading
 import traceback
-import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -265,8 +263,6 @@ def _spawn_workers(config: EngineConfig) -> Followers:
     except BaseException:
         followers.shutdown("the tensor-parallel workers did not start")
         raise
-    finalizer = weakref.finalize(followers, Followers.close, followers)
-    atexit.register(finalizer)  # a script that ends without close(): stop the workers before the interpreter
     return followers
 
 
