@@ -32,6 +32,7 @@ from torch import nn
 from nanoref.layers.activation import silu_and_mul
 from nanoref.layers.linear import Linear
 from nanoref.models.qwen3 import Qwen3Config, Qwen3ForCausalLM, Qwen3MLP, _boolean, _integer
+from nanoref.utils.seams import seam
 from nanoref.utils.tracing import trace, tracing_enabled
 
 
@@ -192,7 +193,7 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
 
     def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(N, hidden) -> router_logits (N, E), topk_weights (N, K), topk_ids (N, K)."""
-        return route(hidden, self.gate.weight, self.top_k, self.norm_topk_prob)
+        return seam("moe_route", route)(hidden, self.gate.weight, self.top_k, self.norm_topk_prob)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if hidden.is_cuda and torch.cuda.is_current_stream_capturing():  # else a cryptic capture error below
@@ -202,7 +203,9 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
             )
         router_logits, topk_weights, topk_ids = self.route(hidden)
         trace("moe.router", hidden=hidden, router_logits=router_logits, topk_weights=topk_weights, topk_ids=topk_ids)
-        out = moe_experts(hidden, topk_weights, topk_ids, self.experts.gate_up_proj, self.experts.down_proj)
+        out = seam("moe_experts", moe_experts)(
+            hidden, topk_weights, topk_ids, self.experts.gate_up_proj, self.experts.down_proj
+        )
         trace("moe.experts", w_gate_up=self.experts.gate_up_proj, w_down=self.experts.down_proj, out=out)
         return out
 
