@@ -70,6 +70,15 @@ def flat_plus_equals(hidden, topk_weights, topk_ids, w_gate_up, w_down):
     return out
 
 
+def token_by_token(hidden, topk_weights, topk_ids, w_gate_up, w_down):
+    # right, but one small product per (token, expert) pair instead of one per expert
+    out = torch.zeros_like(hidden)
+    for n in range(hidden.shape[0]):
+        for k, e in enumerate(topk_ids[n].tolist()):
+            out[n] += topk_weights[n, k] * (w_down[e] @ silu_and_mul(w_gate_up[e] @ hidden[n]))
+    return out
+
+
 def first_slot_weight(hidden, topk_weights, topk_ids, w_gate_up, w_down):
     return moe_experts(hidden, topk_weights[:, :1].expand_as(topk_weights), topk_ids, w_gate_up, w_down)
 
@@ -87,6 +96,7 @@ def in_place(hidden, topk_weights, topk_ids, w_gate_up, w_down):
         (lambda *a: loop(*a, gate_first=False), "gate and up are swapped"),
         (lambda *a: loop(*a, write="assign"), "only one of its token's 2 weighted expert outputs.*index_add_"),
         (flat_plus_equals, "only one of its token's 2.*out\\[rows\\] \\+= y keeps only one write"),
+        (token_by_token, "right, but your moe_experts ran 52 matrix products for 26 \\(token, expert\\) pairs"),
         (first_slot_weight, "row 0 is .* experts \\[.*\\] with weights"),
         (in_place, "changed one of its inputs in place"),
         (lambda *a: moe_experts(*a).float(), "dtype torch.float32, expected torch.bfloat16"),
@@ -170,3 +180,14 @@ def test_wrong_moe_route_fails_with_a_message(wrong, message):
 def test_a_wrong_router_changes_generation():
     with pytest.raises(ExerciseFailure, match="generates token"):
         check_generation({"moe_route": never_renormalised}, model=tiny_moe_model())
+
+
+def test_an_unwritten_exercise_raises_not_implemented_error():
+    """A student copy's stub stops the notebook with NotImplementedError (what the classroom tests look for)."""
+
+    def stub(*args):
+        raise NotImplementedError()
+
+    for check in (check_moe_route, check_moe_experts):
+        with pytest.raises(NotImplementedError):
+            check(stub, engine=False)
