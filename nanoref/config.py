@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -105,5 +106,24 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if not _is_int(self.tensor_parallel_size) or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
-        if self.tensor_parallel_size != 1:
-            raise NotImplementedError("tensor_parallel_size > 1 is not implemented yet; nanoref runs on one device")
+        if self.tensor_parallel_size > 1:
+            self._check_tensor_parallel()
+
+    def _check_tensor_parallel(self) -> None:
+        """Every split tensor parallelism makes must come out even, and each rank needs its own GPU."""
+        from nanoref.layers.linear import local_heads  # (not at the top: layers import this package's parts)
+
+        size, c = self.tensor_parallel_size, self.hf_config
+        local_heads(c.num_attention_heads, c.num_key_value_heads, size)  # raises ValueError naming the heads
+        sizes = {"intermediate_size": c.intermediate_size}
+        if hasattr(c, "moe_intermediate_size"):
+            sizes["moe_intermediate_size"] = c.moe_intermediate_size
+        for name, value in sizes.items():
+            if value % size:
+                raise ValueError(f"{name} ({value}) must be a multiple of tensor_parallel_size ({size})")
+        if self.device.type == "cuda":
+            if "LOCAL_RANK" not in os.environ and (self.device.index or 0) + size > torch.cuda.device_count():
+                raise ValueError(
+                    f"tensor_parallel_size={size} needs {size} GPUs from {self.device}, but this machine has "
+                    f"{torch.cuda.device_count()}"
+                )

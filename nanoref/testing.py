@@ -49,6 +49,21 @@ QWEN3_0_6B: dict[str, Any] = {
     "tie_word_embeddings": True,
 }
 
+# Qwen3-8B's architecture (its config.json), for tensor-parallel benchmarks with random weights
+QWEN3_8B: dict[str, Any] = {
+    "vocab_size": 151936,
+    "hidden_size": 4096,
+    "intermediate_size": 12288,
+    "num_hidden_layers": 36,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "max_position_embeddings": 40960,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 1_000_000.0,
+    "tie_word_embeddings": False,
+}
+
 
 def make_random_qwen3(
     folder: str | Path,

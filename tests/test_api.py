@@ -43,11 +43,6 @@ def test_bad_engine_arguments(tiny_model, kwargs, match):
         LLM(tiny_model, **kwargs)
 
 
-def test_tensor_parallel_not_available(tiny_model):
-    with pytest.raises(NotImplementedError, match="tensor_parallel_size"):
-        LLM(tiny_model, tensor_parallel_size=2)
-
-
 @pytest.mark.parametrize(
     "kwargs,match",
     [

@@ -60,6 +60,9 @@ class LLMEngine:
         self.config = config
         self._lock = threading.RLock()  # held by generate, step, add_request and abort_all
         self.model_runner = ModelRunner(config)
+        if self.model_runner.rank > 0:  # torchrun: every rank but 0 follows rank 0's steps, then its process ends
+            self.model_runner.serve()
+            raise SystemExit(0)
         self.tokenizer = load_tokenizer(config.model_folder)
         self.vocab_size = config.hf_config.vocab_size
         eos = set(config.hf_config.eos_token_id)
@@ -207,6 +210,19 @@ class LLMEngine:
             self.metrics.forget([*self.scheduler.running, *self.scheduler.waiting])
             self.scheduler.abort_all()
             self.in_flight = None  # its sequences are aborted: its tokens are never read
+
+    def close(self) -> None:
+        """Stop the tensor-parallel worker processes (if any). The engine cannot run after this; with one device
+        there is nothing to stop. Also runs at interpreter exit and when the engine is garbage-collected."""
+        with self._lock:
+            self.abort_all()
+            self.model_runner.close()
+
+    def __enter__(self) -> LLMEngine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     def is_finished(self) -> bool:
         return self.scheduler.is_finished()

@@ -8,20 +8,26 @@ Decode: every sequence contributes its last token, so N == num_seqs, and `contex
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from nanoref.config import EngineConfig
 from nanoref.engine.block_manager import BlockTables
 from nanoref.engine.sequence import Sequence
+from nanoref.engine.tensor_parallel import Followers, rank_device, receive, receive_next_ids, start_tensor_parallel
 from nanoref.layers.attention import Attention
 from nanoref.layers.sampler import Sampler, SamplingBatch
 from nanoref.models import build_model
 from nanoref.ops.backends import FLASH_ATTN_BACKENDS, choose_backend, resolve_backend
 from nanoref.utils.context import Context, get_context, reset_context, set_context
 from nanoref.utils.loader import load_weights
+from nanoref.utils.parallel import ParallelState, tensor_parallel
 from nanoref.utils.seams import seam
 from nanoref.utils.tracing import trace_step, tracing_enabled
 
@@ -107,19 +113,55 @@ def prefill_metadata(
     return PrefillMetadata(input_ids, positions, cu_seqlens_q, cu_seqlens_k, slot_mapping)
 
 
+@dataclass
+class StepInputs:
+    """One step's flat inputs on the host: everything a rank needs to run the forward. Rank 0 builds it from
+    its sequences; under tensor parallelism the other ranks receive a copy (they hold no sequences)."""
+
+    is_prefill: bool
+    num_seqs: int
+    # decode: one int32 array [input_ids | positions | slots | context_lens | block_tables], a single copy
+    packed: np.ndarray | None = None
+    # prefill: the flat lists, their longest query and key, and the block tables when some history is cached
+    prefill: PrefillMetadata | None = None
+    max_seqlen_q: int = 0
+    max_seqlen_k: int = 0
+    block_tables: np.ndarray | None = None
+
+
 class ModelRunner:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, parallel: ParallelState | None = None) -> None:
+        """parallel: this process's rank, for a tensor-parallel worker; None on rank 0 (it starts the others)."""
         self.config = config
-        self.device: torch.device = config.device
         self.hf_config = config.hf_config
         # the backend is chosen here, not in the config: "auto" may run a tiny flash-attn kernel to probe the build
         config.attention_backend = choose_backend(
-            config.attention_backend, self.device, config.dtype, config.kvcache_block_size, self.hf_config.head_dim
+            config.attention_backend, config.device, config.dtype, config.kvcache_block_size, self.hf_config.head_dim
         )
         if config.kvcache_block_size is None:  # flash-attn's paged kernels want multiples of 256
             config.kvcache_block_size = 256 if config.attention_backend in FLASH_ATTN_BACKENDS else 16
         self.block_size = config.kvcache_block_size
-        self.model = build_model(config.architecture, self.hf_config, self.device, config.dtype, config.max_model_len)
+        # tensor parallelism: rank 0 starts (or, under torchrun, joins) the other ranks before building its shard
+        self.followers: Followers | None = None
+        if parallel is None and config.tensor_parallel_size > 1:
+            parallel, self.followers = start_tensor_parallel(config)
+        self.parallel = parallel or ParallelState()
+        self.rank, self.world_size = self.parallel.rank, self.parallel.world_size
+        self.device: torch.device = rank_device(config, self.rank)
+        if self.rank > 0 and self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # a follower's process: its collectives run on its own GPU
+        try:
+            self._build(config)
+        except BaseException:
+            if self.followers is not None:  # they wait in a collective this rank will never join
+                self.followers.shutdown("rank 0 failed while building the engine")
+            raise
+
+    def _build(self, config: EngineConfig) -> None:
+        with tensor_parallel(self.parallel):
+            self.model = build_model(
+                config.architecture, self.hf_config, self.device, config.dtype, config.max_model_len
+            )
         load_weights(self.model, config.model_folder)
         self.backend = resolve_backend(config.attention_backend, self.device)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
@@ -134,6 +176,10 @@ class ModelRunner:
         # every sequence's block table as a row of one array: the block manager's, attached by the engine
         self.block_tables = BlockTables()
         self.num_kvcache_blocks = config.num_kvcache_blocks or self._blocks_from_memory()
+        if self.world_size > 1:  # one block table serves every rank: each must hold the same count
+            count = torch.tensor([self.num_kvcache_blocks])
+            dist.all_reduce(count, op=dist.ReduceOp.MIN)
+            self.num_kvcache_blocks = int(count)
         self._allocate_kv_cache()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.graph_vars: dict[str, torch.Tensor] = {}  # the static inputs replay reads (see capture_cudagraphs)
@@ -147,9 +193,14 @@ class ModelRunner:
 
     # -- the KV cache ---------------------------------------------------------------------------
     @property
+    def num_kv_heads(self) -> int:
+        """KV heads in this rank's cache: all of them on one device, a 1/N share (or one replica) under TP."""
+        return self.attention_layers[0].num_kv_heads
+
+    @property
     def kv_bytes_per_token(self) -> int:
         c = self.hf_config
-        return 2 * c.num_hidden_layers * c.num_key_value_heads * c.head_dim * self.config.dtype.itemsize
+        return 2 * c.num_hidden_layers * self.num_kv_heads * c.head_dim * self.config.dtype.itemsize
 
     def _blocks_from_memory(self) -> int:
         per_block = self.kv_bytes_per_token * self.block_size
@@ -177,7 +228,7 @@ class ModelRunner:
 
     def _allocate_kv_cache(self) -> None:
         c = self.hf_config
-        shape = (2, c.num_hidden_layers, self.num_kvcache_blocks, self.block_size, c.num_key_value_heads, c.head_dim)
+        shape = (2, c.num_hidden_layers, self.num_kvcache_blocks, self.block_size, self.num_kv_heads, c.head_dim)
         self.kv_cache = torch.zeros(shape, dtype=self.config.dtype, device=self.device)
         for index, layer in enumerate(self.attention_layers):
             layer.k_cache = self.kv_cache[0, index]  # (num_blocks, block_size, Hk, D), a view
@@ -211,10 +262,10 @@ class ModelRunner:
             return torch.tensor(values, dtype=dtype)
         return torch.tensor(values, dtype=dtype, pin_memory=True).to(self.device, non_blocking=True)
 
-    def _block_tables(self, seqs: list[Sequence]) -> torch.Tensor:
-        return self._tensor(self.block_tables.padded(seqs), torch.int32)  # (num_seqs, width)
-
     def prepare_prefill(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.start_step(self.prefill_inputs(seqs))
+
+    def prefill_inputs(self, seqs: list[Sequence]) -> StepInputs:
         flat = seam("prefill_metadata", prefill_metadata)(
             [seq.token_ids for seq in seqs],
             [seq.num_computed_tokens for seq in seqs],  # earlier chunks and prefix-cache hits are already cached
@@ -222,19 +273,15 @@ class ModelRunner:
             [seq.block_table for seq in seqs],
             self.block_size,
         )
-        input_ids, positions, cu_seqlens_q, cu_seqlens_k, slot_mapping = flat
-        context = Context(
+        return StepInputs(
             is_prefill=True,
-            cu_seqlens_q=self._tensor(cu_seqlens_q, torch.int32),  # (num_seqs + 1,)
-            cu_seqlens_k=self._tensor(cu_seqlens_k, torch.int32),  # (num_seqs + 1,)
+            num_seqs=len(seqs),
+            prefill=PrefillMetadata(*flat),
             max_seqlen_q=max(seq.num_scheduled_tokens for seq in seqs),
             max_seqlen_k=max(seq.num_computed_tokens + seq.num_scheduled_tokens for seq in seqs),
-            slot_mapping=self._tensor(slot_mapping, torch.int64),  # (N,)
             # with history, attention must read keys from the paged cache, through the block tables
-            block_tables=self._block_tables(seqs) if any(seq.num_computed_tokens for seq in seqs) else None,
+            block_tables=self.block_tables.padded(seqs) if any(seq.num_computed_tokens for seq in seqs) else None,
         )
-        set_context(context)
-        return self._tensor(input_ids, torch.int64), self._tensor(positions, torch.int64)  # (N,), (N,)
 
     def prepare_decode(
         self, seqs: list[Sequence], next_ids: torch.Tensor | None = None
@@ -242,19 +289,45 @@ class ModelRunner:
         """next_ids: (num_seqs,) the input tokens, already on the device (the overlapped loop). They were sampled
         by the step still in flight and are not in seq.token_ids yet, so each sequence is one token longer than
         the host sees: its new token sits at position len(seq.token_ids), not len(seq.token_ids) - 1."""
+        return self.start_step(self.decode_inputs(seqs, ahead=next_ids is not None), next_ids)
+
+    def decode_inputs(self, seqs: list[Sequence], ahead: bool = False) -> StepInputs:
         # Vectorised over the batch, one host-to-device copy: in the plain loop this runs every decode step while the
         # GPU waits, so every Python call and copy here shows up in the step time. The padded block tables are rows
         # of the block manager's persistent array (written only when a sequence gains blocks), not rebuilt from lists.
         size = self.block_size
         num_seqs = len(seqs)
-        ahead = int(next_ids is not None)
         context_lens = np.fromiter((len(seq.token_ids) for seq in seqs), dtype=np.int64, count=num_seqs) + ahead
         positions = context_lens - 1  # the new token's position
         tables = self.block_tables.padded(seqs)  # (num_seqs, width), -1 padded
         slots = tables[np.arange(num_seqs), positions // size] * size + positions % size  # (num_seqs,)
         input_ids = np.fromiter((seq.token_ids[-1] for seq in seqs), dtype=np.int64, count=num_seqs)
-        packed = np.concatenate([input_ids, positions, slots, context_lens, tables.ravel()])
-        packed = self._tensor(packed, torch.int32)
+        packed = np.concatenate([input_ids, positions, slots, context_lens, tables.ravel()]).astype(np.int32)
+        return StepInputs(is_prefill=False, num_seqs=num_seqs, packed=packed)
+
+    def start_step(self, step: StepInputs, next_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Send the step to the other tensor-parallel ranks (if any), then upload it here."""
+        if self.followers is not None:
+            self.followers.send_step(step, next_ids)
+        return self.upload(step, next_ids)
+
+    def upload(self, step: StepInputs, next_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copy a step's host inputs to the device and publish its Context -> (input_ids (N,), positions (N,))."""
+        if step.is_prefill:
+            flat = step.prefill
+            context = Context(
+                is_prefill=True,
+                cu_seqlens_q=self._tensor(flat.cu_seqlens_q, torch.int32),  # (num_seqs + 1,)
+                cu_seqlens_k=self._tensor(flat.cu_seqlens_k, torch.int32),  # (num_seqs + 1,)
+                max_seqlen_q=step.max_seqlen_q,
+                max_seqlen_k=step.max_seqlen_k,
+                slot_mapping=self._tensor(flat.slot_mapping, torch.int64),  # (N,)
+                block_tables=None if step.block_tables is None else self._tensor(step.block_tables, torch.int32),
+            )
+            set_context(context)
+            return self._tensor(flat.input_ids, torch.int64), self._tensor(flat.positions, torch.int64)  # (N,), (N,)
+        num_seqs = step.num_seqs
+        packed = self._tensor(step.packed, torch.int32)
         ids_positions_slots = packed[: 3 * num_seqs].view(3, num_seqs).long()  # (3, num_seqs)
         set_context(
             Context(
@@ -300,14 +373,60 @@ class ModelRunner:
         Nothing here waits for the device, so the host may go on (the overlapped loop schedules the next step).
         next_ids: a decode step's input tokens as the device already holds them (see prepare_decode).
         """
-        try:
-            if is_prefill:
-                input_ids, positions = self.prepare_prefill(seqs)
-            else:
-                input_ids, positions = self.prepare_decode(seqs, next_ids)
-            return self._run(seqs, input_ids, positions, is_prefill)
-        finally:
-            reset_context()  # also when the step raises: the next step must not see this one's metadata
+        with self._collective():
+            try:
+                if is_prefill:
+                    input_ids, positions = self.prepare_prefill(seqs)
+                else:
+                    input_ids, positions = self.prepare_decode(seqs, next_ids)
+                return self._run(seqs, input_ids, positions, is_prefill)
+            finally:
+                reset_context()  # also when the step raises: the next step must not see this one's metadata
+
+    # -- tensor parallelism: rank 0's side and the followers' loop ------------------------------
+    def _collective(self) -> AbstractContextManager:
+        """Around rank 0's part of anything every rank runs together (see Followers.guard)."""
+        return self.followers.guard() if self.followers is not None else nullcontext()
+
+    def serve(self) -> None:
+        """A follower's life (ranks 1..N-1): run each step rank 0 sends, until it says exit."""
+        while True:
+            message = receive()
+            kind = message[0]
+            if kind == "exit":
+                return
+            if kind == "step":
+                _, step, num_next_ids = message
+                next_ids = None if num_next_ids is None else receive_next_ids(num_next_ids, self.device)
+                try:
+                    input_ids, positions = self.upload(step, next_ids)
+                    self.run_model(input_ids, positions, step.is_prefill)  # rank 0 alone gets the logits
+                finally:
+                    reset_context()
+            elif kind == "call":
+                _, fn, args = message
+                self._call_here(fn, args)
+
+    def run_on_all_ranks(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
+        """fn(runner, *args) on every rank's model runner -> the results, by rank. fn must be importable by
+        name (a module-level function), since the followers are other processes."""
+        if self.world_size == 1:
+            return [fn(self, *args)]
+        with self._collective():
+            if self.followers is not None:
+                self.followers.call(fn, args)
+            return self._call_here(fn, args)
+
+    def _call_here(self, fn: Callable[..., Any], args: tuple) -> list[Any] | None:
+        result = fn(self, *args)
+        gathered = [None] * self.world_size if self.rank == 0 else None
+        dist.gather_object(result, gathered, dst=0)
+        return gathered
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing to do on one device)."""
+        if self.followers is not None:
+            self.followers.close()
 
     def _run(
         self, seqs: list[Sequence], input_ids: torch.Tensor, positions: torch.Tensor, is_prefill: bool

@@ -19,7 +19,7 @@ from nanoref.layers.activation import SiluAndMul
 from nanoref.layers.attention import Attention
 from nanoref.layers.embed_head import LMHead, VocabEmbedding
 from nanoref.layers.layernorm import RMSNorm, rms_norm_cuda
-from nanoref.layers.linear import Linear, MergedLinear, QKVLinear
+from nanoref.layers.linear import MergedLinear, QKVLinear, RowParallelLinear
 from nanoref.layers.rotary import RotaryEmbedding, apply_rotary, norm_rotary_cuda
 from nanoref.utils.seams import seam
 from nanoref.utils.tracing import trace, trace_layer
@@ -122,15 +122,21 @@ def _boolean(raw: dict[str, Any], key: str, default: bool) -> bool:
 class Qwen3Attention(nn.Module):
     def __init__(self, config: Qwen3Config, rotary_emb: RotaryEmbedding) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
+        self.qkv_proj = QKVLinear(
+            config.hidden_size,
+            self.head_dim,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            bias=config.attention_bias,
+        )
+        # this rank's heads: all of them on one device; under tensor parallelism a 1/N share (layers/linear.py)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = QKVLinear(
-            config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, bias=config.attention_bias
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * self.head_dim, config.hidden_size, bias=config.attention_bias
         )
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.attention_bias)
         self.rotary_emb = rotary_emb  # one table shared by every layer
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads)
         self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
@@ -168,7 +174,7 @@ class Qwen3MLP(nn.Module):
     def __init__(self, config: Qwen3Config) -> None:
         super().__init__()
         self.gate_up_proj = MergedLinear(config.hidden_size, [config.intermediate_size] * 2, bias=False)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=False)
         self.act_fn = SiluAndMul()
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,9 @@ against `num_experts` small SwiGLU MLPs (the experts), each token keeps its `num
 and its output is the router-weighted sum of those experts' outputs. The flat `(N, hidden)` layout suits
 this well: routing is per token, so a token's row is simply gathered for each expert it picked and the
 expert's answer added back to that same row (`index_add_`); no sequence or batch structure is involved.
+`moe_experts` below does this one expert at a time (the readable reference, and the CPU's path); on a GPU the
+same sum runs as two grouped matmuls over all experts at once (`nanoref/ops/moe_grouped.py`), whose shapes do
+not depend on the routing, so the decode CUDA graphs can record them.
 
 Which layers are sparse follows HF's `Qwen3MoeDecoderLayer`: layer i is sparse when i is not in
 `mlp_only_layers` and `(i + 1) % decoder_sparse_step == 0`; the other layers keep a dense MLP of
@@ -32,6 +35,8 @@ from torch import nn
 from nanoref.layers.activation import silu_and_mul
 from nanoref.layers.linear import Linear
 from nanoref.models.qwen3 import Qwen3Config, Qwen3ForCausalLM, Qwen3MLP, _boolean, _integer
+from nanoref.ops.moe_grouped import grouped_path_serves, moe_experts_grouped
+from nanoref.utils.parallel import all_reduce, get_parallel_state
 from nanoref.utils.seams import seam
 from nanoref.utils.tracing import trace, tracing_enabled
 
@@ -153,13 +158,26 @@ def moe_experts(
 
 
 class Qwen3MoeExperts(nn.Module):
-    """E SwiGLU MLPs stacked into two 3-D weights (no forward of its own: `moe_experts` runs them)."""
+    """E SwiGLU MLPs stacked into two 3-D weights (no forward of its own: `moe_experts` runs them).
+
+    Under tensor parallelism every rank holds all E experts, each with 1/N of its intermediate: rank r keeps
+    gate and up rows [r I/N, (r+1) I/N) and the matching down_proj columns, so each expert's output on a rank
+    is a partial sum, added up by the block's one all-reduce (as in a dense row-parallel MLP)."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
-        self.intermediate_size = intermediate_size
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        parallel = get_parallel_state()
+        self.tp_rank, self.tp_size = parallel.rank, parallel.world_size
+        if intermediate_size % self.tp_size:
+            raise ValueError(
+                f"moe_intermediate_size ({intermediate_size}) must divide evenly over "
+                f"tensor_parallel_size={self.tp_size}"
+            )
+        self.full_intermediate_size = intermediate_size
+        self.intermediate_size = intermediate_size // self.tp_size  # this rank's share
+        rows = self.intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * rows, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, rows))
         self.gate_up_proj.weight_loader = self.weight_loader
         self.down_proj.weight_loader = self.weight_loader
 
@@ -167,18 +185,32 @@ class Qwen3MoeExperts(nn.Module):
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, int | None] | None = None
     ) -> None:
         """shard_id None: the whole stack (E, ...). Else (expert, part): part 0/1 = gate/up rows of gate_up_proj,
-        part None = that expert's down_proj."""
+        part None = that expert's down_proj. The checkpoint tensor is whole; this rank keeps its slice."""
+        full, mine, start = self.full_intermediate_size, self.intermediate_size, self.tp_rank * self.intermediate_size
+        num_experts, hidden = param.shape[0], self.down_proj.shape[1]
+        is_gate_up = param is self.gate_up_proj
         if shard_id is None:
-            target = param.data  # (E, 2 I, hidden) or (E, hidden, I)
+            expected = (num_experts, 2 * full, hidden) if is_gate_up else (num_experts, hidden, full)
         else:
-            expert, part = shard_id
-            target = param.data[expert]  # (2 I, hidden) or (hidden, I)
-            if part is not None:  # gate rows first, then up: silu_and_mul's [gate | up]
-                rows = self.intermediate_size
-                target = target[part * rows : (part + 1) * rows]  # (I, hidden)
-        if target.shape != loaded.shape:
-            raise ValueError(f"checkpoint tensor has shape {tuple(loaded.shape)}, expected {tuple(target.shape)}")
-        target.copy_(loaded)
+            expected = ((full if shard_id[1] is not None else 2 * full), hidden) if is_gate_up else (hidden, full)
+        if tuple(loaded.shape) != expected:
+            raise ValueError(f"checkpoint tensor has shape {tuple(loaded.shape)}, expected {expected}")
+        if not is_gate_up:  # down_proj (.., hidden, I): this rank's columns
+            target = param.data if shard_id is None else param.data[shard_id[0]]
+            target.copy_(loaded.narrow(-1, start, mine))
+            return
+        # gate_up_proj: gate rows first, then up (silu_and_mul's [gate | up]), each cut to this rank's rows
+        target = param.data if shard_id is None else param.data[shard_id[0]]  # (E, 2 I/N, hidden) or (2 I/N, hidden)
+        if shard_id is None:
+            parts = loaded.split(full, dim=1)  # (E, I, hidden) twice
+            for part, piece in enumerate(parts):
+                target[:, part * mine : (part + 1) * mine].copy_(piece.narrow(1, start, mine))
+        elif shard_id[1] is None:  # an expert's fused [gate | up] (2 I, hidden)
+            for part, piece in enumerate(loaded.split(full, dim=0)):
+                target[part * mine : (part + 1) * mine].copy_(piece.narrow(0, start, mine))
+        else:
+            part = shard_id[1]
+            target[part * mine : (part + 1) * mine].copy_(loaded.narrow(0, start, mine))
 
 
 class Qwen3MoeSparseMoeBlock(nn.Module):
@@ -190,22 +222,28 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
         self.norm_topk_prob = config.norm_topk_prob
         self.gate = Linear(config.hidden_size, config.num_experts)  # the router (HF's name: mlp.gate)
         self.experts = Qwen3MoeExperts(config.num_experts, config.hidden_size, config.moe_intermediate_size)
+        self.parallel = get_parallel_state()  # the group of the all-reduce after the experts
 
     def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(N, hidden) -> router_logits (N, E), topk_weights (N, K), topk_ids (N, K)."""
         return seam("moe_route", route)(hidden, self.gate.weight, self.top_k, self.norm_topk_prob)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        if hidden.is_cuda and torch.cuda.is_current_stream_capturing():  # else a cryptic capture error below
+        # On a GPU the grouped path (fixed shapes, no host sync: a CUDA graph can record it); elsewhere the loop
+        grouped = grouped_path_serves(self.experts.gate_up_proj)
+        if not grouped and hidden.is_cuda and torch.cuda.is_current_stream_capturing():  # else a cryptic error
             raise RuntimeError(
                 "Qwen3-MoE's expert loop picks tokens with data-dependent shapes, which a CUDA graph cannot "
                 "record; run it with enforce_eager=True"
             )
         router_logits, topk_weights, topk_ids = self.route(hidden)
         trace("moe.router", hidden=hidden, router_logits=router_logits, topk_weights=topk_weights, topk_ids=topk_ids)
-        out = seam("moe_experts", moe_experts)(
+        experts = moe_experts_grouped if grouped else moe_experts
+        out = seam("moe_experts", experts)(
             hidden, topk_weights, topk_ids, self.experts.gate_up_proj, self.experts.down_proj
         )
+        # tensor parallel: each rank's experts hold 1/N of the intermediate, so `out` is a partial sum
+        out = all_reduce(out, self.parallel)
         trace("moe.experts", w_gate_up=self.experts.gate_up_proj, w_down=self.experts.down_proj, out=out)
         return out
 
@@ -213,10 +251,14 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     """The dense Qwen3 model, whose sparse layers get a `Qwen3MoeSparseMoeBlock` as their MLP."""
 
-    # The expert loop picks its tokens with data-dependent shapes (torch.where), which a CUDA graph cannot
-    # record; decode on CUDA must run eagerly until a grouped, fixed-shape expert path exists.
-    supports_cuda_graphs = False
     config_class = Qwen3MoeConfig
+
+    @property
+    def supports_cuda_graphs(self) -> bool:
+        """Whether decode may be recorded in CUDA graphs: where every sparse layer runs the grouped path (a GPU
+        with a grouped matmul for the weights' dtype). The expert loop picks its tokens with data-dependent
+        shapes (torch.where), which a graph cannot record."""
+        return all(grouped_path_serves(block.experts.gate_up_proj) for block in self.sparse_blocks().values())
 
     def make_mlp(self, layer_index: int) -> nn.Module:
         if self.config.is_sparse(layer_index):

@@ -123,7 +123,11 @@ def load_weights(model: nn.Module, folder: Path) -> None:
     if tied_head is not None:
         file_name, head = tied_head
         embedding = params["model.embed_tokens.weight"]
-        if head.shape != embedding.shape or not torch.equal(head.to(embedding.dtype), embedding.data):
+        full_shape = getattr(embedding, "full_shape", tuple(embedding.shape))
+        mine = getattr(embedding, "shard_of", lambda t: t)(head)  # tensor parallel: this rank's rows only
+        if tuple(head.shape) != tuple(full_shape) or not torch.equal(
+            mine.to(embedding.dtype), embedding.data[: mine.shape[0]]
+        ):
             raise ModelFolderError(
                 f"{folder / 'config.json'} sets tie_word_embeddings: true, but {file_name} holds an lm_head.weight "
                 "that differs from model.embed_tokens.weight; set tie_word_embeddings to false to use it"

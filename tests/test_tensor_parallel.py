@@ -1,0 +1,237 @@
+"""Tensor parallelism on the CPU: two gloo ranks give the same tokens as one rank and as HF transformers.
+
+Each test starts real worker processes (spawned, rendezvous on a free port), so the engines here are few and
+small. The torchrun test starts the same engine the way many hosts would, with `torchrun` on this one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from nanoref import LLM, SamplingParams
+from nanoref.engine.tensor_parallel import TensorParallelError
+from nanoref.testing import make_tiny_qwen3, make_tiny_qwen3_moe
+
+from .helpers import hf_greedy, random_prompts, shared_prefix_prompts
+from .tp_faults import break_forward_on_rank, full_weights, kv_cache_shape, rank_and_shapes
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+REPO = Path(__file__).resolve().parents[1]
+
+# name -> (builder, overrides): KV heads split (2 over 2 ranks), replicated (1 KV head on 2 ranks), biases,
+# a vocabulary that does not split evenly (the last rank's rows are padding), Qwen3-MoE dense and sparse layers
+MODELS = {
+    "gqa2": (make_tiny_qwen3, dict()),
+    "mqa-tied-odd-vocab": (
+        make_tiny_qwen3,
+        dict(num_key_value_heads=1, tie_word_embeddings=True, vocab_size=251),
+    ),
+    "gqa4-bias": (
+        make_tiny_qwen3,
+        dict(num_attention_heads=8, num_key_value_heads=2, num_hidden_layers=3, attention_bias=True),
+    ),
+    "moe-mixed": (
+        make_tiny_qwen3_moe,
+        dict(mlp_only_layers=[0], decoder_sparse_step=1, num_experts=6, num_experts_per_tok=2, norm_topk_prob=False),
+    ),
+    "moe-stacked": (make_tiny_qwen3_moe, dict(save_original_format=False)),
+}
+
+
+@pytest.fixture(scope="module")
+def tp_models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tp_models")
+    return {name: build(root / name, seed=20 + i, **kw) for i, (name, (build, kw)) in enumerate(MODELS.items())}
+
+
+def assert_matches_hf(folder, prompts, outputs, max_tokens):
+    for i, (prompt, output) in enumerate(zip(prompts, outputs)):
+        assert output["token_ids"] == hf_greedy(folder, prompt, max_tokens), f"prompt {i} differs from HF"
+
+
+def assert_no_block_leaked(llm: LLM) -> None:
+    manager = llm.scheduler.block_manager
+    manager.check_invariants([])
+    assert manager.num_free_blocks == manager.num_blocks
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_two_ranks_match_one_rank_and_hf(tp_models, name):
+    folder = tp_models[name]
+    vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+    prompts = random_prompts(seed=5, lengths=[1, 7, 23, 40], vocab=vocab)
+    one = LLM(folder, device="cpu").generate(prompts, GREEDY, use_tqdm=False)
+    with LLM(folder, device="cpu", tensor_parallel_size=2) as llm:
+        two = llm.generate(prompts, GREEDY, use_tqdm=False)
+        assert llm.model_runner.world_size == 2
+    assert [o["token_ids"] for o in two] == [o["token_ids"] for o in one]
+    assert_matches_hf(folder, prompts, two, GREEDY.max_tokens)
+
+
+def test_weights_and_kv_cache_are_split(tp_models):
+    """Each rank holds its half of every split weight (the halves rebuild tp=1's tensors) and half the KV heads."""
+    folder = tp_models["gqa2"]
+    whole = dict(LLM(folder, device="cpu").model_runner.model.named_parameters())
+    with LLM(folder, device="cpu", tensor_parallel_size=2, num_kvcache_blocks=20) as llm:
+        ranks, shapes = zip(*llm.model_runner.run_on_all_ranks(rank_and_shapes))
+        weights = llm.model_runner.run_on_all_ranks(full_weights)
+        caches = llm.model_runner.run_on_all_ranks(kv_cache_shape)
+    assert ranks == (0, 1)
+    q = "model.layers.0.self_attn.qkv_proj.weight"  # [q (4 heads x 16) | k (2 x 16) | v (2 x 16)] rows
+    halves = [w[q].split([32, 16, 16]) for w in weights]  # each rank: 2 query heads, 1 KV head
+    rebuilt = torch.cat([torch.cat([halves[0][i], halves[1][i]]) for i in range(3)])
+    assert torch.equal(rebuilt, whole[q])
+    o = "model.layers.1.self_attn.o_proj.weight"  # row-parallel: split along its input columns
+    assert torch.equal(torch.cat([weights[0][o], weights[1][o]], dim=1), whole[o])
+    down = "model.layers.1.mlp.down_proj.weight"
+    assert torch.equal(torch.cat([weights[0][down], weights[1][down]], dim=1), whole[down])
+    embed = "model.embed_tokens.weight"  # vocab-parallel: rows
+    assert torch.equal(torch.cat([weights[0][embed], weights[1][embed]]), whole[embed])
+    norm = "model.layers.0.input_layernorm.weight"  # replicated
+    assert torch.equal(weights[0][norm], whole[norm]) and torch.equal(weights[1][norm], whole[norm])
+    assert caches[0] == caches[1] == (2, 2, 20, 16, 1, 16)  # (k/v, layers, blocks, block size, 1 KV head, D)
+
+
+def test_replicated_kv_heads_and_padded_vocab_shapes(tp_models):
+    with LLM(tp_models["mqa-tied-odd-vocab"], device="cpu", tensor_parallel_size=2) as llm:
+        weights = llm.model_runner.run_on_all_ranks(full_weights)
+    whole = dict(LLM(tp_models["mqa-tied-odd-vocab"], device="cpu").model_runner.model.named_parameters())
+    q = "model.layers.0.self_attn.qkv_proj.weight"  # 1 KV head: both ranks keep the same k and v rows
+    assert torch.equal(weights[0][q][32:], whole[q][64:]) and torch.equal(weights[1][q][32:], whole[q][64:])
+    embed = weights[1]["model.embed_tokens.weight"]  # rows 126..250 and one zero row of padding
+    assert embed.shape[0] == 126 and torch.equal(embed[:125], whole["model.embed_tokens.weight"][126:])
+    assert not embed[125].any()
+
+
+def test_chunked_prefill_prefix_hits_preemption_and_overlap(tp_models):
+    """Everything the scheduler decides happens on rank 0; the other rank must follow each kind of step."""
+    folder = tp_models["gqa4-bias"]
+    prompts = shared_prefix_prompts(seed=3, prefix_len=32, suffix_lens=[5, 12, 20, 3])
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    settings = dict(num_kvcache_blocks=9, kvcache_block_size=16, max_num_seqs=4, max_num_batched_tokens=24)
+    with LLM(folder, device="cpu", tensor_parallel_size=2, overlap_scheduling=True, **settings) as llm:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        assert llm.scheduler.num_preemptions > 0, "the KV budget was meant to force preemption"
+        assert llm.scheduler.block_manager.num_hit_blocks > 0, "shared prefixes were meant to hit the cache"
+        assert max(step.num_tokens for step in llm.metrics.steps if step.kind == "prefill") <= 24  # chunked
+        assert_no_block_leaked(llm)
+        again = llm.generate(prompts, params, use_tqdm=False)  # the second call's prompts hit the cache
+    assert_matches_hf(folder, prompts, outputs, params.max_tokens)
+    assert again == outputs
+
+
+def test_seeded_sampling_matches_one_rank(tp_models):
+    folder = tp_models["gqa2"]
+    prompts = random_prompts(seed=8, lengths=[6, 15])
+    params = [SamplingParams(temperature=0.8, top_k=20, max_tokens=10, seed=s, ignore_eos=True) for s in (1, 2)]
+    one = LLM(folder, device="cpu").generate(prompts, params, use_tqdm=False)
+    with LLM(folder, device="cpu", tensor_parallel_size=2) as llm:
+        assert llm.generate(prompts, params, use_tqdm=False) == one
+
+
+def test_bad_request_leaves_the_engine_serving(tp_models):
+    folder = tp_models["gqa2"]
+    with LLM(folder, device="cpu", tensor_parallel_size=2) as llm:
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            llm.generate([[1, 2, 3], [999]], GREEDY, use_tqdm=False)
+        assert llm.scheduler.is_finished()
+        outputs = llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
+    assert_matches_hf(folder, [[1, 2, 3]], outputs, GREEDY.max_tokens)
+
+
+def test_a_failing_worker_makes_the_caller_raise_within_seconds(tp_models):
+    llm = LLM(tp_models["gqa2"], device="cpu", tensor_parallel_size=2)
+    workers = list(llm.model_runner.followers.procs)
+    llm.model_runner.run_on_all_ranks(break_forward_on_rank, 1)
+    start = time.monotonic()
+    with pytest.raises(TensorParallelError, match="injected fault on rank 1"):
+        llm.generate([[1, 2, 3, 4]], GREEDY, use_tqdm=False)
+    assert time.monotonic() - start < 10
+    assert all(not proc.is_alive() for proc in workers)
+    assert llm.scheduler.is_finished()  # the failed call's request is not left queued
+    with pytest.raises(TensorParallelError, match="create a new LLM"):
+        llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
+    llm.close()  # a second stop is harmless
+    # torch.distributed is left as it was found: a new engine can start in this process
+    with LLM(tp_models["gqa2"], device="cpu", tensor_parallel_size=2) as again:
+        assert again.generate([[1, 2, 3]], GREEDY, use_tqdm=False)[0]["token_ids"]
+
+
+def test_interrupt_in_a_step_stops_the_workers(tp_models):
+    """Ctrl-C while rank 0 is inside a step: KeyboardInterrupt reaches the caller and the workers stop."""
+    llm = LLM(tp_models["gqa2"], device="cpu", tensor_parallel_size=2)
+    workers = list(llm.model_runner.followers.procs)
+    sampler = llm.model_runner.sampler
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    llm.model_runner.sampler = interrupted
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([[1, 2, 3, 4]], GREEDY, use_tqdm=False)
+    llm.model_runner.sampler = sampler
+    assert all(not proc.is_alive() for proc in workers)
+    with pytest.raises(TensorParallelError, match="KeyboardInterrupt"):
+        llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
+
+
+def test_close_stops_the_workers(tp_models):
+    llm = LLM(tp_models["gqa2"], device="cpu", tensor_parallel_size=2)
+    workers = list(llm.model_runner.followers.procs)
+    llm.close()
+    assert all(not proc.is_alive() for proc in workers)
+    assert all(proc.exitcode == 0 for proc in workers)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "size", "match"),
+    [
+        (dict(), 3, "num_attention_heads"),  # 4 query heads over 3 ranks
+        (dict(num_attention_heads=6, num_key_value_heads=3, head_dim=16), 2, "num_key_value_heads"),
+        (dict(intermediate_size=102), 4, "intermediate_size"),
+        (dict(moe_intermediate_size=30), 4, "moe_intermediate_size"),
+    ],
+)
+def test_splits_that_do_not_come_out_even_are_refused(tmp_path, overrides, size, match):
+    build = make_tiny_qwen3_moe if "moe_intermediate_size" in overrides else make_tiny_qwen3
+    folder = build(tmp_path / "m", **overrides)
+    with pytest.raises(ValueError, match=match):
+        LLM(folder, device="cpu", tensor_parallel_size=size)
+
+
+def test_torchrun_one_host_two_processes(tp_models, tmp_path):
+    """The many-hosts path (env rendezvous, rank 0 serves generate) on one host, as the README starts it."""
+    folder = tp_models["gqa4-bias"]
+    prompts = random_prompts(seed=9, lengths=[3, 17, 30])
+    out = tmp_path / "tokens.json"
+    script = tmp_path / "serve.py"
+    script.write_text(
+        "import json, sys\n"
+        "from nanoref import LLM, SamplingParams\n"
+        "llm = LLM(sys.argv[1], device='cpu', tensor_parallel_size=2)\n"
+        "params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)\n"
+        "outputs = llm.generate(json.loads(sys.argv[2]), params, use_tqdm=False)\n"
+        "json.dump([o['token_ids'] for o in outputs], open(sys.argv[3], 'w'))\n"
+        "llm.close()\n"
+    )
+    torchrun = [sys.executable, "-m", "torch.distributed.run"]  # the `torchrun` command of this environment
+    launch = ["--nnodes=1", "--nproc-per-node=2", "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0"]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(
+        [*torchrun, *launch, str(script), str(folder), json.dumps(prompts), str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    tokens = json.loads(out.read_text())
+    assert tokens == [hf_greedy(folder, p, 12) for p in prompts]

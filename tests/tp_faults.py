@@ -1,0 +1,28 @@
+"""Functions the tensor-parallel tests send to every rank (importable by name: the workers are other processes)."""
+
+from __future__ import annotations
+
+import torch
+
+
+def rank_and_shapes(runner) -> tuple[int, dict[str, tuple[int, ...]]]:
+    return runner.rank, {name: tuple(p.shape) for name, p in runner.model.named_parameters()}
+
+
+def kv_cache_shape(runner) -> tuple[int, ...]:
+    return tuple(runner.kv_cache.shape)
+
+
+def break_forward_on_rank(runner, rank: int) -> None:
+    """On `rank` only: the next forward raises inside the first decoder layer (rank 0 waits at its all-reduce)."""
+    if runner.rank != rank:
+        return
+
+    def broken(*args, **kwargs):
+        raise RuntimeError(f"injected fault on rank {rank}")
+
+    runner.model.model.layers[0].mlp.forward = broken
+
+
+def full_weights(runner) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in runner.model.named_parameters()}
