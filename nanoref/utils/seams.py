@@ -43,6 +43,11 @@ SEAMS: dict[str, str] = {
     "apply_rotary": "layers/rotary.py: apply_rotary(x, cos, sin) -> x rotated by RoPE (neox halves)",
     "silu_and_mul": "layers/activation.py: silu_and_mul(x) -> silu(gate) * up of x = [gate | up]",
     "apply_top_k_top_p": "layers/sampler.py: apply_top_k_top_p(logits, top_k, top_p) -> -inf outside top-k and top-p",
+    # 09_moe
+    "moe_route": "models/qwen3_moe.py: route(hidden, router_weight, top_k, norm_topk_prob) -> (router_logits, "
+    "topk_weights, topk_ids): each token's top-k experts and their weights",
+    "moe_experts": "models/qwen3_moe.py: moe_experts(hidden, topk_weights, topk_ids, w_gate_up, w_down) -> "
+    "(N, hidden): each token's router-weighted sum of its experts' outputs",
 }
 
 _ACTIVE: dict[str, Callable] = {}  # the learner's functions while a `use` block runs
