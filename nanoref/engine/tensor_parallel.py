@@ -181,12 +181,14 @@ class Followers:
         with self._lock:
             if self.closed:
                 return
-            if self.broken is None and dist.is_initialized():
+            clean = self.broken is None and dist.is_initialized()
+            if clean:
                 try:
                     dist.broadcast_object_list([("exit",)], src=0)
                 except Exception:
-                    pass
+                    clean = False
             self.closed = True
+            release_group(clean)  # the followers meet rank 0 at the group's last barrier, then exit
             self._stop_processes()
 
     def shutdown(self, reason: str) -> None:
@@ -195,6 +197,7 @@ class Followers:
             self.broken = self.broken or f"{reason}; the engine cannot run more steps: create a new LLM"
             self.closed = True
             self._stop_processes()
+            release_group(clean=False)
 
     def _stop_processes(self) -> None:
         for proc in self.procs:
@@ -205,11 +208,31 @@ class Followers:
                 proc.join(5.0)
         for conn in self.conns:
             conn.close()
-        if self.procs and dist.is_initialized():  # a group this engine created: torchrun's is the launcher's
-            try:
-                dist.destroy_process_group()
-            except Exception:
-                pass
+
+
+_created_group = False  # whether nanoref initialized torch.distributed's default group in this process
+
+
+def init_group(config: EngineConfig, **kwargs: Any) -> None:
+    global _created_group
+    dist.init_process_group(_backend(config.device), timeout=_GROUP_TIMEOUT, **kwargs)
+    _created_group = True
+
+
+def release_group(clean: bool = True) -> None:
+    """Destroy the default group if nanoref made it (one a launcher or the caller made stays). A process that
+    exits with a live gloo group can abort in its C++ teardown, so every rank calls this before it ends.
+    clean: every rank is here (a normal close): meet at a barrier first, so no rank tears its connections
+    down while another still uses them."""
+    global _created_group
+    if _created_group and dist.is_initialized():
+        try:
+            if clean:
+                dist.barrier()
+            dist.destroy_process_group()
+        except Exception:
+            pass
+    _created_group = False
 
 
 def start_tensor_parallel(config: EngineConfig) -> tuple[ParallelState, Followers | None]:
@@ -224,7 +247,7 @@ def start_tensor_parallel(config: EngineConfig) -> tuple[ParallelState, Follower
             )
         rank = int(os.environ["RANK"])
         if not dist.is_initialized():
-            dist.init_process_group(_backend(config.device), init_method="env://", timeout=_GROUP_TIMEOUT)
+            init_group(config, init_method="env://")
         state = ParallelState(rank=rank, world_size=world_size, group=dist.group.WORLD)
         return state, Followers(world_size) if rank == 0 else None
     if dist.is_initialized():
@@ -257,9 +280,7 @@ def _spawn_workers(config: EngineConfig) -> Followers:
     followers = Followers(world_size, procs, conns)
     try:
         _wait_started(followers)
-        dist.init_process_group(
-            _backend(config.device), store=store, rank=0, world_size=world_size, timeout=_GROUP_TIMEOUT
-        )
+        init_group(config, store=store, rank=0, world_size=world_size)
     except BaseException:
         followers.shutdown("the tensor-parallel workers did not start")
         raise
@@ -295,13 +316,7 @@ def worker_main(config: EngineConfig, rank: int, port: int, conn: Connection) ->
             torch.cuda.set_device(rank_device(config, rank))
         store = dist.TCPStore("127.0.0.1", port, config.tensor_parallel_size, is_master=False, timeout=_GROUP_TIMEOUT)
         conn.send(("started", None))
-        dist.init_process_group(
-            _backend(config.device),
-            store=store,
-            rank=rank,
-            world_size=config.tensor_parallel_size,
-            timeout=_GROUP_TIMEOUT,
-        )
+        init_group(config, store=store, rank=rank, world_size=config.tensor_parallel_size)
         from nanoref.engine.model_runner import ModelRunner
 
         state = ParallelState(rank=rank, world_size=config.tensor_parallel_size, group=dist.group.WORLD)
@@ -313,7 +328,7 @@ def worker_main(config: EngineConfig, rank: int, port: int, conn: Connection) ->
             pass
         os._exit(1)  # do not run the group's teardown: rank 0 may be waiting in a collective with us
     conn.close()
-    dist.destroy_process_group()
+    release_group()
 
 
 def receive() -> tuple:
