@@ -124,15 +124,24 @@ def profile_decode(llm) -> dict:
         llm.generate(prompts, params, use_tqdm=False)
         torch.cuda.synchronize()
     total = nccl = 0.0
+    top: list[tuple[float, str]] = []
     for event in prof.key_averages():
-        device_us = getattr(event, "device_time_total", 0.0) or getattr(event, "cuda_time_total", 0.0)
-        if event.device_type.name != "CUDA" and not device_us:
+        if event.device_type.name != "CUDA":  # kernels only (a CPU op's device time repeats its kernels')
             continue
+        device_us = event.self_device_time_total
         total += device_us
+        top.append((device_us, event.key[:80]))
         if "nccl" in event.key.lower():
             nccl += device_us
     decode_steps = sum(1 for s in llm.metrics.steps if s.kind == "decode")
-    return dict(gpu_us=total, nccl_us=nccl, nccl_share=nccl / total if total else None, decode_steps=decode_steps)
+    top.sort(reverse=True)
+    return dict(
+        gpu_us=total,
+        nccl_us=nccl,
+        nccl_share=nccl / total if total else None,
+        decode_steps=decode_steps,
+        top_kernels=top[:12],
+    )
 
 
 def check_exact(root: Path) -> dict:

@@ -29,6 +29,13 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument(
         "--attention-backend", default="auto", help="auto, torch, triton, cpp, flash_attn or flash_attn+triton"
     )
+    engine.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="split the model over this many ranks (one per GPU, or gloo processes on a CPU); under torchrun, "
+        "the number of processes it starts",
+    )
     engine.add_argument("--trace", action="store_true", help="print the shapes of the first two engine steps")
     return parser
 
@@ -47,12 +54,19 @@ def main(argv: list[str] | None = None) -> int:
             seed=args.seed,
             ignore_eos=args.ignore_eos,
         )
-        llm = LLM(args.model, device=args.device, dtype=args.dtype, attention_backend=args.attention_backend)
+        llm = LLM(
+            args.model,
+            device=args.device,
+            dtype=args.dtype,
+            attention_backend=args.attention_backend,
+            tensor_parallel_size=args.tensor_parallel_size,
+        )
         if args.trace:
             with trace_shapes(max_steps=2):
                 outputs = llm.generate(args.prompts, params, use_tqdm=False)
         else:
             outputs = llm.generate(args.prompts, params, use_tqdm=False)
+        llm.close()  # tensor parallel: stop the other ranks now (nothing to do on one device)
     except (ModelFolderError, ValueError, TypeError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import numbers
 import operator
+import os
+import sys
 import threading
 from dataclasses import dataclass
 
@@ -15,6 +17,7 @@ from nanoref.engine.metrics import EngineMetrics, StepRecord
 from nanoref.engine.model_runner import ModelRunner
 from nanoref.engine.scheduler import Scheduler
 from nanoref.engine.sequence import Sequence
+from nanoref.engine.tensor_parallel import release_group
 from nanoref.sampling_params import SamplingParams
 from nanoref.utils.loader import load_tokenizer
 
@@ -62,7 +65,13 @@ class LLMEngine:
         self.model_runner = ModelRunner(config)
         if self.model_runner.rank > 0:  # torchrun: every rank but 0 follows rank 0's steps, then its process ends
             self.model_runner.serve()
-            raise SystemExit(0)
+            release_group()
+            # End here, without the interpreter's teardown: after a model has run, a torchrun follower that
+            # exits normally aborts in C++ static destructors about one time in five (seen on this project's
+            # CPU machine, torch 2.13), which torchrun reports as a failed rank.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
         self.tokenizer = load_tokenizer(config.model_folder)
         self.vocab_size = config.hf_config.vocab_size
         eos = set(config.hf_config.eos_token_id)

@@ -9,6 +9,7 @@ Decode: every sequence contributes its last token, so N == num_seqs, and `contex
 from __future__ import annotations
 
 import pickle
+import weakref
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -146,6 +147,8 @@ class ModelRunner:
         self.followers: Followers | None = None
         if parallel is None and config.tensor_parallel_size > 1:
             parallel, self.followers = start_tensor_parallel(config)
+            if self.followers is not None:  # an engine dropped without close(), or the end of the script
+                weakref.finalize(self, self.followers.close)
         self.parallel = parallel or ParallelState()
         self.rank, self.world_size = self.parallel.rank, self.parallel.world_size
         self.device: torch.device = rank_device(config, self.rank)

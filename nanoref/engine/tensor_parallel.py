@@ -25,14 +25,12 @@ half a forward cannot be resumed, so the engine refuses further steps and says w
 
 from __future__ import annotations
 
-import atexit
 import multiprocessing
 import os
 import signal
 import sys
 import threading
 import traceback
-import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
@@ -70,7 +68,7 @@ def _backend(device: torch.device) -> str:
 def rank_device(config: EngineConfig, rank: int) -> torch.device:
     """The device of `rank`: the config's CPU, or one GPU per rank (LOCAL_RANK under torchrun)."""
     device = config.device
-    if device.type != "cuda":
+    if device.type != "cuda" or config.tensor_parallel_size == 1:
         return device
     if launched_by_torchrun():
         return torch.device("cuda", int(os.environ["LOCAL_RANK"]))
@@ -138,6 +136,8 @@ class Followers:
         self.check()
         try:
             yield
+            if self._failure is not None:  # NCCL: an aborted group may let the step "finish" on garbage
+                raise TensorParallelError("a tensor-parallel worker died during the step")
         except BaseException as error:
             failure = self.failure(wait_s=5.0 if isinstance(error, Exception) else 0.0)
             reason = failure or f"{type(error).__name__}: {error}"
@@ -182,12 +182,14 @@ class Followers:
         with self._lock:
             if self.closed:
                 return
-            if self.broken is None and dist.is_initialized():
+            clean = self.broken is None and dist.is_initialized()
+            if clean:
                 try:
                     dist.broadcast_object_list([("exit",)], src=0)
                 except Exception:
-                    pass
+                    clean = False
             self.closed = True
+            release_group(clean)  # the followers meet rank 0 at the group's last barrier, then exit
             self._stop_processes()
 
     def shutdown(self, reason: str) -> None:
@@ -196,6 +198,7 @@ class Followers:
             self.broken = self.broken or f"{reason}; the engine cannot run more steps: create a new LLM"
             self.closed = True
             self._stop_processes()
+            release_group(clean=False)
 
     def _stop_processes(self) -> None:
         for proc in self.procs:
@@ -206,11 +209,31 @@ class Followers:
                 proc.join(5.0)
         for conn in self.conns:
             conn.close()
-        if self.procs and dist.is_initialized():  # a group this engine created: torchrun's is the launcher's
-            try:
-                dist.destroy_process_group()
-            except Exception:
-                pass
+
+
+_created_group = False  # whether nanoref initialized torch.distributed's default group in this process
+
+
+def init_group(config: EngineConfig, **kwargs: Any) -> None:
+    global _created_group
+    dist.init_process_group(_backend(config.device), timeout=_GROUP_TIMEOUT, **kwargs)
+    _created_group = True
+
+
+def release_group(clean: bool = True) -> None:
+    """Destroy the default group if nanoref made it (one a launcher or the caller made stays). A process that
+    exits with a live gloo group can abort in its C++ teardown, so every rank calls this before it ends.
+    clean: every rank is here (a normal close): meet at a barrier first, so no rank tears its connections
+    down while another still uses them."""
+    global _created_group
+    if _created_group and dist.is_initialized():
+        try:
+            if clean:
+                dist.barrier()
+            dist.destroy_process_group()
+        except Exception:
+            pass
+    _created_group = False
 
 
 def start_tensor_parallel(config: EngineConfig) -> tuple[ParallelState, Followers | None]:
@@ -225,7 +248,7 @@ def start_tensor_parallel(config: EngineConfig) -> tuple[ParallelState, Follower
             )
         rank = int(os.environ["RANK"])
         if not dist.is_initialized():
-            dist.init_process_group(_backend(config.device), init_method="env://", timeout=_GROUP_TIMEOUT)
+            init_group(config, init_method="env://")
         state = ParallelState(rank=rank, world_size=world_size, group=dist.group.WORLD)
         return state, Followers(world_size) if rank == 0 else None
     if dist.is_initialized():
@@ -258,14 +281,10 @@ def _spawn_workers(config: EngineConfig) -> Followers:
     followers = Followers(world_size, procs, conns)
     try:
         _wait_started(followers)
-        dist.init_process_group(
-            _backend(config.device), store=store, rank=0, world_size=world_size, timeout=_GROUP_TIMEOUT
-        )
+        init_group(config, store=store, rank=0, world_size=world_size)
     except BaseException:
         followers.shutdown("the tensor-parallel workers did not start")
         raise
-    finalizer = weakref.finalize(followers, Followers.close, followers)
-    atexit.register(finalizer)  # a script that ends without close(): stop the workers before the interpreter
     return followers
 
 
@@ -298,13 +317,7 @@ def worker_main(config: EngineConfig, rank: int, port: int, conn: Connection) ->
             torch.cuda.set_device(rank_device(config, rank))
         store = dist.TCPStore("127.0.0.1", port, config.tensor_parallel_size, is_master=False, timeout=_GROUP_TIMEOUT)
         conn.send(("started", None))
-        dist.init_process_group(
-            _backend(config.device),
-            store=store,
-            rank=rank,
-            world_size=config.tensor_parallel_size,
-            timeout=_GROUP_TIMEOUT,
-        )
+        init_group(config, store=store, rank=rank, world_size=config.tensor_parallel_size)
         from nanoref.engine.model_runner import ModelRunner
 
         state = ParallelState(rank=rank, world_size=config.tensor_parallel_size, group=dist.group.WORLD)
@@ -316,9 +329,10 @@ def worker_main(config: EngineConfig, rank: int, port: int, conn: Connection) ->
             pass
         os._exit(1)  # do not run the group's teardown: rank 0 may be waiting in a collective with us
     conn.close()
-    dist.destroy_process_group()
-    # skip the interpreter's teardown: a c10d thread still joinable there aborts the process now and then
-    # ("terminate called without an active exception", exit code -6) after a clean shutdown
+    release_group()
+    # End without the interpreter's teardown, like a torchrun follower (llm_engine.py): after the group's last
+    # barrier, a worker that exits normally still aborts in C++ teardown now and then ("terminate called without an
+    # active exception", exit code -6: seen about one time in twelve on this project's CPU machine, torch 2.13)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -15,6 +15,7 @@ from nanoref.exercises.model import (
     check_seeded_sampling,
     check_silu_and_mul,
 )
+from nanoref.exercises.moe import check_moe_experts, check_moe_route, tiny_moe_model
 from nanoref.exercises.paged_decode import check_merge_splits, check_paged_decode_attention
 from nanoref.exercises.rmsnorm import check_add_rms_norm, check_rms_norm
 from nanoref.exercises.scheduler import check_choose_preemption_victim, check_find_cached_prefix
@@ -32,6 +33,8 @@ __all__ = [
     "check_find_cached_prefix",
     "check_generation",
     "check_merge_splits",
+    "check_moe_experts",
+    "check_moe_route",
     "check_pad_decode_batch",
     "check_paged_decode_attention",
     "check_prefill_metadata",
@@ -41,5 +44,6 @@ __all__ = [
     "check_store_kvcache_kernel",
     "check_vocab_parallel_embed",
     "tiny_model",
+    "tiny_moe_model",
     "use",
 ]

@@ -37,6 +37,7 @@ from nanoref.layers.linear import Linear
 from nanoref.models.qwen3 import Qwen3Config, Qwen3ForCausalLM, Qwen3MLP, _boolean, _integer
 from nanoref.ops.moe_grouped import grouped_path_serves, moe_experts_grouped
 from nanoref.utils.parallel import all_reduce, get_parallel_state
+from nanoref.utils.seams import seam
 from nanoref.utils.tracing import trace, tracing_enabled
 
 
@@ -225,7 +226,7 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
 
     def route(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(N, hidden) -> router_logits (N, E), topk_weights (N, K), topk_ids (N, K)."""
-        return route(hidden, self.gate.weight, self.top_k, self.norm_topk_prob)
+        return seam("moe_route", route)(hidden, self.gate.weight, self.top_k, self.norm_topk_prob)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         # On a GPU the grouped path (fixed shapes, no host sync: a CUDA graph can record it); elsewhere the loop
@@ -238,7 +239,9 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
         router_logits, topk_weights, topk_ids = self.route(hidden)
         trace("moe.router", hidden=hidden, router_logits=router_logits, topk_weights=topk_weights, topk_ids=topk_ids)
         experts = moe_experts_grouped if grouped else moe_experts
-        out = experts(hidden, topk_weights, topk_ids, self.experts.gate_up_proj, self.experts.down_proj)
+        out = seam("moe_experts", experts)(
+            hidden, topk_weights, topk_ids, self.experts.gate_up_proj, self.experts.down_proj
+        )
         # tensor parallel: each rank's experts hold 1/N of the intermediate, so `out` is a partial sum
         out = all_reduce(out, self.parallel)
         trace("moe.experts", w_gate_up=self.experts.gate_up_proj, w_down=self.experts.down_proj, out=out)

@@ -46,6 +46,11 @@ SEAMS: dict[str, str] = {
     # 08_tensor_parallel
     "vocab_parallel_embed": "layers/embed_head.py: vocab_parallel_embed(input_ids, weight, vocab_start, vocab_end) -> "
     "(N, hidden): this rank's embedding rows, zeros for ids outside [vocab_start, vocab_end)",
+    # 09_moe
+    "moe_route": "models/qwen3_moe.py: route(hidden, router_weight, top_k, norm_topk_prob) -> (router_logits, "
+    "topk_weights, topk_ids): each token's top-k experts and their weights",
+    "moe_experts": "models/qwen3_moe.py: moe_experts(hidden, topk_weights, topk_ids, w_gate_up, w_down) -> "
+    "(N, hidden): each token's router-weighted sum of its experts' outputs",
 }
 
 _ACTIVE: dict[str, Callable] = {}  # the learner's functions while a `use` block runs

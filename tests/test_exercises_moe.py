@@ -1,0 +1,193 @@
+"""Notebook 09's exercise seams and checks: the engine calls the MoE seams, the checks accept nanoref's own router
+and expert loop and name typical mistakes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nanoref import LLM, SamplingParams
+from nanoref.exercises import ExerciseFailure, check_generation, check_moe_experts, check_moe_route, tiny_moe_model
+from nanoref.layers.activation import silu_and_mul
+from nanoref.models.qwen3_moe import moe_experts, route
+from nanoref.utils import seams
+
+
+@pytest.mark.parametrize("name, default", [("moe_route", route), ("moe_experts", moe_experts)])
+def test_the_engine_calls_each_moe_seam_only_inside_use(name, default):
+    llm = LLM(tiny_moe_model(), num_kvcache_blocks=16)
+    params = SamplingParams(temperature=0, max_tokens=3)
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6]]
+    reference = llm.generate(prompts, params, use_tqdm=False)
+    calls = []
+
+    def counting(*args):
+        calls.append(args[0].shape)
+        return default(*args)
+
+    with seams.use(**{name: counting}):
+        replaced = llm.generate(prompts, params, use_tqdm=False)
+    assert replaced == reference
+    assert len(calls) == 4 * 3  # 4 sparse layers, 3 steps (a prefill of 8 tokens, 2 decode steps)
+    assert calls[0] == (8, 64) and calls[-1] == (2, 64)
+    llm.generate(prompts, params, use_tqdm=False)
+    assert len(calls) == 12 and not seams.active()
+
+
+def test_checks_accept_nanorefs_own_functions():
+    check_moe_route(route)
+    check_moe_experts(moe_experts)
+
+
+# -- wrong expert loops -------------------------------------------------------------------------------------
+def loop(hidden, topk_weights, topk_ids, w_gate_up, w_down, *, weighted=True, write="index_add", gate_first=True):
+    """The per-expert loop with one thing changed (the mistakes the check should name)."""
+    out = torch.zeros_like(hidden)
+    for expert in range(w_gate_up.shape[0]):
+        rows, slots = torch.where(topk_ids == expert)
+        gate, up = F.linear(hidden[rows], w_gate_up[expert]).chunk(2, dim=-1)
+        if not gate_first:
+            gate, up = up, gate
+        y = F.linear(F.silu(gate) * up, w_down[expert])
+        if weighted:
+            y = y * topk_weights[rows, slots].unsqueeze(-1)
+        if write == "index_add":
+            out.index_add_(0, rows, y)
+        else:
+            out[rows] = y
+    return out
+
+
+def flat_plus_equals(hidden, topk_weights, topk_ids, w_gate_up, w_down):
+    # every (token, slot) pair at once, written back with `+=` through a repeated index: duplicates do not add up
+    rows = torch.arange(hidden.shape[0]).repeat_interleave(topk_ids.shape[1])  # (N K,)
+    experts = topk_ids.flatten()  # (N K,)
+    gate_up = torch.einsum("mh,mih->mi", hidden[rows], w_gate_up[experts])  # (N K, 2 I)
+    y = torch.einsum("mi,mhi->mh", silu_and_mul(gate_up), w_down[experts]) * topk_weights.flatten()[:, None]
+    out = torch.zeros_like(hidden)
+    out[rows] += y
+    return out
+
+
+def token_by_token(hidden, topk_weights, topk_ids, w_gate_up, w_down):
+    # right, but one small product per (token, expert) pair instead of one per expert
+    out = torch.zeros_like(hidden)
+    for n in range(hidden.shape[0]):
+        for k, e in enumerate(topk_ids[n].tolist()):
+            out[n] += topk_weights[n, k] * (w_down[e] @ silu_and_mul(w_gate_up[e] @ hidden[n]))
+    return out
+
+
+def first_slot_weight(hidden, topk_weights, topk_ids, w_gate_up, w_down):
+    return moe_experts(hidden, topk_weights[:, :1].expand_as(topk_weights), topk_ids, w_gate_up, w_down)
+
+
+def in_place(hidden, topk_weights, topk_ids, w_gate_up, w_down):
+    out = moe_experts(hidden, topk_weights, topk_ids, w_gate_up, w_down)
+    hidden.copy_(out)
+    return hidden
+
+
+@pytest.mark.parametrize(
+    "wrong, message",
+    [
+        (lambda *a: loop(*a, weighted=False), "plain sum.*topk_weights\\[n, k\\]"),
+        (lambda *a: loop(*a, gate_first=False), "gate and up are swapped"),
+        (lambda *a: loop(*a, write="assign"), "only one of its token's 2 weighted expert outputs.*index_add_"),
+        (flat_plus_equals, "only one of its token's 2.*out\\[rows\\] \\+= y keeps only one write"),
+        (token_by_token, "right, but your moe_experts ran 52 matrix products for 26 \\(token, expert\\) pairs"),
+        (first_slot_weight, "row 0 is .* experts \\[.*\\] with weights"),
+        (in_place, "changed one of its inputs in place"),
+        (lambda *a: moe_experts(*a).float(), "dtype torch.float32, expected torch.bfloat16"),
+        (lambda *a: moe_experts(*a)[:-1], "shape \\(12, 24\\), expected \\(13, 24\\)"),
+        (lambda h, w, i, gu, d: moe_experts(h, w, i, gu.transpose(1, 2), d), "your moe_experts raised RuntimeError"),
+    ],
+)
+def test_wrong_moe_experts_fails_with_a_message(wrong, message):
+    with pytest.raises(ExerciseFailure, match=message):
+        check_moe_experts(wrong, engine=False)
+
+
+def test_a_wrong_expert_loop_changes_generation():
+    """The engine half of the check bites: a wrong loop in every sparse layer changes HF's tokens."""
+    with pytest.raises(ExerciseFailure, match="generates token"):
+        check_generation({"moe_experts": lambda *a: loop(*a, write="assign")}, model=tiny_moe_model())
+
+
+def test_a_loop_right_only_on_the_checks_inputs_is_caught_by_the_engine():
+    def only_small_hidden(hidden, *rest):
+        out = moe_experts(hidden, *rest)
+        return out if hidden.shape[1] < 64 else 1.5 * out  # right at the check's size, wrong at the model's
+
+    with pytest.raises(ExerciseFailure, match="with your `moe_experts` in the engine"):
+        check_moe_experts(only_small_hidden)
+
+
+# -- wrong routers ------------------------------------------------------------------------------------------
+def softmax_of_kept_logits(hidden, router_weight, top_k, norm_topk_prob):
+    logits = F.linear(hidden, router_weight)
+    kept, ids = logits.topk(top_k, dim=-1)
+    return logits, kept.float().softmax(dim=-1).to(hidden.dtype), ids
+
+
+def never_renormalised(hidden, router_weight, top_k, norm_topk_prob):
+    return route(hidden, router_weight, top_k, False)
+
+
+def logits_as_weights(hidden, router_weight, top_k, norm_topk_prob):
+    logits = F.linear(hidden, router_weight)
+    weights, ids = logits.topk(top_k, dim=-1)
+    return logits, weights, ids
+
+
+def probabilities_as_logits(hidden, router_weight, top_k, norm_topk_prob):
+    logits, weights, ids = route(hidden, router_weight, top_k, norm_topk_prob)
+    return logits.float().softmax(dim=-1).to(hidden.dtype), weights, ids
+
+
+def reversed_order(hidden, router_weight, top_k, norm_topk_prob):
+    logits, weights, ids = route(hidden, router_weight, top_k, norm_topk_prob)
+    return logits, weights.flip(-1), ids.flip(-1)
+
+
+def least_probable(hidden, router_weight, top_k, norm_topk_prob):
+    logits = F.linear(hidden, router_weight)
+    probs = logits.float().softmax(dim=-1)
+    weights, ids = probs.topk(top_k, dim=-1, largest=False)
+    return logits, weights.to(hidden.dtype), ids
+
+
+@pytest.mark.parametrize(
+    "wrong, message",
+    [
+        (softmax_of_kept_logits, "sum to 1 per token; with norm_topk_prob=False"),
+        (never_renormalised, "with norm_topk_prob=True, divide the k kept probabilities by their sum"),
+        (logits_as_weights, "topk_weights are router logits"),
+        (probabilities_as_logits, "router_logits hold probabilities"),
+        (reversed_order, "not in descending probability order"),
+        (least_probable, "token 0 picks experts .* but the 3 most probable are"),
+        (lambda *a: route(*a)[:2], "tuple \\(router_logits, topk_weights, topk_ids\\), got tuple of length 2"),
+        (lambda *a: (route(*a)[0], route(*a)[1].float(), route(*a)[2]), "topk_weights has dtype torch.float32"),
+        (lambda *a: (route(*a)[0], route(*a)[1], route(*a)[2].int()), "topk_ids has dtype torch.int32"),
+    ],
+)
+def test_wrong_moe_route_fails_with_a_message(wrong, message):
+    with pytest.raises(ExerciseFailure, match=message):
+        check_moe_route(wrong, engine=False)
+
+
+def test_a_wrong_router_changes_generation():
+    with pytest.raises(ExerciseFailure, match="generates token"):
+        check_generation({"moe_route": never_renormalised}, model=tiny_moe_model())
+
+
+def test_an_unwritten_exercise_raises_not_implemented_error():
+    """A student copy's stub stops the notebook with NotImplementedError (what the classroom tests look for)."""
+
+    def stub(*args):
+        raise NotImplementedError()
+
+    for check in (check_moe_route, check_moe_experts):
+        with pytest.raises(NotImplementedError):
+            check(stub, engine=False)
