@@ -40,6 +40,20 @@ def hf_greedy(folder, prompt: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
+def assert_matches_hf(folder, prompts, outputs, max_tokens):
+    """Each output's tokens equal HF's greedy `generate` for its prompt."""
+    for i, (prompt, output) in enumerate(zip(prompts, outputs)):
+        expected = hf_greedy(folder, prompt, max_tokens)
+        assert output["token_ids"] == expected, f"prompt {i} (len {len(prompt)}) differs from HF"
+
+
+def assert_no_block_leaked(llm) -> None:
+    """Every KV block is back in the free list and the block manager's invariants hold."""
+    manager = llm.scheduler.block_manager
+    manager.check_invariants([])
+    assert manager.num_free_blocks == manager.num_blocks
+
+
 def random_prompts(seed: int, lengths: list[int], vocab: int = 256) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]

@@ -8,21 +8,16 @@ import torch
 from nanoref import LLM, SamplingParams
 from nanoref.utils.context import Context, reset_context, set_context
 
-from .helpers import TINY_CONFIGS, hf_greedy, hf_model, random_prompts, shared_prefix_prompts
+from .helpers import (
+    TINY_CONFIGS,
+    assert_matches_hf,
+    assert_no_block_leaked,
+    hf_model,
+    random_prompts,
+    shared_prefix_prompts,
+)
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-
-
-def assert_matches_hf(folder, prompts, outputs, max_tokens):
-    for i, (prompt, output) in enumerate(zip(prompts, outputs)):
-        expected = hf_greedy(folder, prompt, max_tokens)
-        assert output["token_ids"] == expected, f"prompt {i} (len {len(prompt)}) differs from HF"
-
-
-def assert_no_block_leaked(llm: LLM):
-    manager = llm.scheduler.block_manager
-    manager.check_invariants([])
-    assert manager.num_free_blocks == manager.num_blocks
 
 
 @pytest.mark.parametrize("name", list(TINY_CONFIGS))

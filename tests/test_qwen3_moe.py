@@ -17,7 +17,14 @@ from nanoref.testing import make_tiny_qwen3_moe
 from nanoref.utils.context import Context, reset_context, set_context
 from nanoref.utils.loader import ModelFolderError
 
-from .helpers import copy_with_config, hf_greedy, hf_model, random_prompts, shared_prefix_prompts
+from .helpers import (
+    assert_matches_hf,
+    assert_no_block_leaked,
+    copy_with_config,
+    hf_model,
+    random_prompts,
+    shared_prefix_prompts,
+)
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
@@ -39,18 +46,6 @@ def moe_models(tmp_path_factory) -> dict:
         name: make_tiny_qwen3_moe(root / name, seed=10 + i, **overrides)
         for i, (name, overrides) in enumerate(MOE_CONFIGS.items())
     }
-
-
-def assert_matches_hf(folder, prompts, outputs, max_tokens):
-    for i, (prompt, output) in enumerate(zip(prompts, outputs)):
-        expected = hf_greedy(folder, prompt, max_tokens)
-        assert output["token_ids"] == expected, f"prompt {i} (len {len(prompt)}) differs from HF"
-
-
-def assert_no_block_leaked(llm: LLM):
-    manager = llm.scheduler.block_manager
-    manager.check_invariants([])
-    assert manager.num_free_blocks == manager.num_blocks
 
 
 def prefill_logits(llm: LLM, prompts: list[list[int]]) -> torch.Tensor:

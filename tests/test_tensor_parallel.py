@@ -20,7 +20,7 @@ from nanoref import LLM, SamplingParams
 from nanoref.engine.tensor_parallel import TensorParallelError
 from nanoref.testing import make_tiny_qwen3, make_tiny_qwen3_moe
 
-from .helpers import hf_greedy, random_prompts, shared_prefix_prompts
+from .helpers import assert_matches_hf, assert_no_block_leaked, hf_greedy, random_prompts, shared_prefix_prompts
 from .tp_faults import break_forward_on_rank, full_weights, kv_cache_shape, rank_and_shapes
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -50,17 +50,6 @@ MODELS = {
 def tp_models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tp_models")
     return {name: build(root / name, seed=20 + i, **kw) for i, (name, (build, kw)) in enumerate(MODELS.items())}
-
-
-def assert_matches_hf(folder, prompts, outputs, max_tokens):
-    for i, (prompt, output) in enumerate(zip(prompts, outputs)):
-        assert output["token_ids"] == hf_greedy(folder, prompt, max_tokens), f"prompt {i} differs from HF"
-
-
-def assert_no_block_leaked(llm: LLM) -> None:
-    manager = llm.scheduler.block_manager
-    manager.check_invariants([])
-    assert manager.num_free_blocks == manager.num_blocks
 
 
 @pytest.mark.parametrize("name", list(MODELS))
