@@ -8,7 +8,7 @@ import pytest
 
 from nanoref import LLM, SamplingParams
 
-from .helpers import hf_greedy, random_prompts, shared_prefix_prompts
+from .helpers import assert_matches_hf, assert_no_block_leaked, hf_greedy, random_prompts, shared_prefix_prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
@@ -41,18 +41,6 @@ def plain(folder, **kwargs) -> LLM:
 def hf_until_eos(folder, prompt, max_tokens, eos) -> list[int]:
     tokens = hf_greedy(folder, prompt, max_tokens)
     return tokens[: tokens.index(eos) + 1] if eos in tokens else tokens
-
-
-def assert_matches_hf(folder, prompts, outputs, max_tokens):
-    for i, (prompt, output) in enumerate(zip(prompts, outputs)):
-        assert output["token_ids"] == hf_greedy(folder, prompt, max_tokens), f"prompt {i} differs from HF"
-
-
-def assert_no_block_leaked(llm: LLM):
-    manager = llm.scheduler.block_manager
-    manager.check_invariants([])
-    assert manager.num_free_blocks == manager.num_blocks
-    assert llm.in_flight is None
 
 
 def test_config_defaults_and_validation(tiny_model):
