@@ -255,3 +255,21 @@ def test_exercise_functions_run_on_every_rank(tp_models):
 
 def llm_without_function(folder, prompts):
     return LLM(folder, device="cpu").generate(prompts, GREEDY, use_tqdm=False)
+
+
+def test_an_error_before_the_step_is_sent_keeps_the_engine(tp_models):
+    """A learner's prefill_metadata that raises on rank 0 fails the call, but nothing reached rank 1: the engine
+    goes on serving, with the same workers."""
+    from nanoref.utils.seams import use
+
+    def broken_metadata(*args):
+        raise ValueError("not written yet")
+
+    folder = tp_models["gqa2"]
+    with LLM(folder, device="cpu", tensor_parallel_size=2) as llm:
+        workers = list(llm.model_runner.followers.procs)
+        with use(prefill_metadata=broken_metadata), pytest.raises(ValueError, match="not written yet"):
+            llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
+        assert all(proc.is_alive() for proc in workers)
+        outputs = llm.generate([[4, 5, 6]], GREEDY, use_tqdm=False)
+    assert_matches_hf(folder, [[4, 5, 6]], outputs, GREEDY.max_tokens)

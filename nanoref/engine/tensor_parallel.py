@@ -90,6 +90,7 @@ class Followers:
         self._lock = threading.Lock()
         self._failure: str | None = None
         self._failure_seen = threading.Event()
+        self._sent = False  # whether the step in `guard` has sent anything to the followers yet
         self._sent_seams: dict[str, Callable] = {}  # the exercise functions the followers run (see send_seams)
         if self.procs:
             threading.Thread(target=self._monitor, name="nanoref-tp-monitor", daemon=True).start()
@@ -98,6 +99,7 @@ class Followers:
     def send(self, message: tuple) -> None:
         """Broadcast one message to every follower (a pickled object over gloo)."""
         self.check()
+        self._sent = True
         dist.broadcast_object_list([message], src=0)
 
     def send_step(self, step: Any, next_ids: torch.Tensor | None) -> None:
@@ -130,15 +132,19 @@ class Followers:
     # -- failures -------------------------------------------------------------------------------
     @contextmanager
     def guard(self) -> Iterator[None]:
-        """Run rank 0's part of a collective step. On any error in it the ranks are out of step (some may wait
-        in a collective rank 0 will never join): stop the followers, and raise a worker's own error if one
-        failed first."""
+        """Run rank 0's part of a collective step. On an error after the step went out to the followers the ranks
+        are out of step (some may wait in a collective rank 0 will never join): stop the followers, and raise a
+        worker's own error if one failed first. An error before anything was sent (a bad input, a learner's
+        function raising while rank 0 prepares the step) leaves the followers waiting as usual: no harm done."""
         self.check()
+        self._sent = False
         try:
             yield
             if self._failure is not None:  # NCCL: an aborted group may let the step "finish" on garbage
                 raise TensorParallelError("a tensor-parallel worker died during the step")
         except BaseException as error:
+            if not self._sent and self._failure is None:
+                raise
             failure = self.failure(wait_s=5.0 if isinstance(error, Exception) else 0.0)
             reason = failure or f"{type(error).__name__}: {error}"
             self.shutdown(f"a tensor-parallel step failed ({reason.strip().splitlines()[-1]})")
