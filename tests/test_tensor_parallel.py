@@ -100,9 +100,10 @@ def test_replicated_kv_heads_and_padded_vocab_shapes(tp_models):
     assert not embed[125].any()
 
 
-def test_chunked_prefill_prefix_hits_preemption_and_overlap(tp_models):
+@pytest.mark.parametrize("name", ["gqa4-bias", "moe-mixed"])
+def test_chunked_prefill_prefix_hits_preemption_and_overlap(tp_models, name):
     """Everything the scheduler decides happens on rank 0; the other rank must follow each kind of step."""
-    folder = tp_models["gqa4-bias"]
+    folder = tp_models[name]
     prompts = shared_prefix_prompts(seed=3, prefix_len=32, suffix_lens=[5, 12, 20, 3])
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     settings = dict(num_kvcache_blocks=9, kvcache_block_size=16, max_num_seqs=4, max_num_batched_tokens=24)
