@@ -130,6 +130,22 @@ def test_freed_blocks_stay_hittable_until_reused():
     manager.check_invariants([])
 
 
+def test_forget_cached_prefixes_needs_an_idle_manager_and_drops_every_hit():
+    manager = BlockManager(num_blocks=6, block_size=BS)
+    a = seq_of(list(range(40)))
+    manager.allocate(a)
+    compute_all(manager, a)
+    with pytest.raises(RuntimeError, match="idle"):
+        manager.forget_cached_prefixes()  # a's blocks are held: its K/V is still being read
+    manager.deallocate(a)
+    manager.forget_cached_prefixes()
+    assert manager.hash_to_block_id == {} and manager.num_free_blocks == 6
+    b = seq_of(list(range(40)))
+    manager.allocate(b)
+    assert b.num_prefix_hit_tokens == 0  # the same prompt no longer hits
+    manager.check_invariants([b])
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_scheduler_random_workload_keeps_invariants(seed):
     """Drive the scheduler with a fake model: every request finishes once, with its token count."""

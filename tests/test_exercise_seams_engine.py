@@ -85,3 +85,23 @@ def test_the_engine_calls_a_seam_only_inside_use(tiny_model, name):
 def test_every_seam_has_a_checker():
     for name in seams.SEAMS:
         assert callable(getattr(exercises, f"check_{name}", None)), f"nanoref.exercises has no check_{name}"
+
+
+def test_prefix_cache_is_not_shared_across_a_change_of_forward(tiny_model):
+    """K/V cached by nanoref's forward must not serve a learner's forward (or the other way round): an idle engine
+    forgets its cached prefixes when a `use(...)` block begins or ends."""
+
+    def swapped_silu_and_mul(x):  # a plausible learner bug: gate and up swapped
+        up, gate = x.chunk(2, dim=-1)
+        return up * gate.sigmoid() * gate
+
+    prompt = list(range(5, 75))  # 70 tokens: four full 16-token blocks the second call could hit
+    params = SamplingParams(temperature=0, max_tokens=6)
+    llm = LLM(tiny_model, num_kvcache_blocks=32)
+    plain = llm.generate([prompt], params, use_tqdm=False)
+    with seams.use(silu_and_mul=swapped_silu_and_mul):
+        fresh = LLM(tiny_model, num_kvcache_blocks=32).generate([prompt], params, use_tqdm=False)
+        assert fresh != plain, "the swapped activation should change the tokens, or this test proves nothing"
+        assert llm.generate([prompt], params, use_tqdm=False) == fresh, "K/V cached by the plain forward was reused"
+    assert llm.generate([prompt], params, use_tqdm=False) == plain, "K/V cached inside use(...) was reused after it"
+    llm.scheduler.block_manager.check_invariants()

@@ -242,6 +242,17 @@ class BlockManager:
             prefix_hash = block.hash
         seq.num_hashed_blocks = num_full
 
+    def forget_cached_prefixes(self) -> None:
+        """Make every cached block unreachable (its K/V stays until the block is reused). For an idle engine
+        whose forward changed (an exercise function in place of nanoref's own): K/V computed by the old one
+        must not serve the new one."""
+        if self.used_block_ids:
+            raise RuntimeError("forget_cached_prefixes needs an idle engine: some blocks are still held")
+        for block in self.blocks:
+            block.hash = -1
+            block.token_ids = []
+        self.hash_to_block_id.clear()
+
     # -- invariants (tests and notebooks) -----------------------------------------------------
     def check_invariants(self, live: list[Sequence] = ()) -> None:
         refs = [0] * self.num_blocks

@@ -19,6 +19,7 @@ from nanoref.engine.scheduler import Scheduler
 from nanoref.engine.sequence import Sequence
 from nanoref.engine.tensor_parallel import release_group
 from nanoref.sampling_params import SamplingParams
+from nanoref.utils import seams
 from nanoref.utils.loader import load_tokenizer
 
 
@@ -89,6 +90,7 @@ class LLMEngine:
         self.model_runner.block_tables = self.scheduler.block_manager.tables
         self.metrics = EngineMetrics()  # step records and per-request metrics (see engine/metrics.py)
         self.in_flight: InFlight | None = None  # the overlapped loop's step on the device, not yet postprocessed
+        self._cache_seams: dict = {}  # the exercise functions the prefix cache's K/V was computed with
 
     # -- requests -----------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -271,6 +273,11 @@ class LLMEngine:
 
     def _run_to_completion(self, seqs: list[Sequence], use_tqdm: bool, return_metrics: bool) -> list[dict]:
         self.metrics.clear()
+        functions = seams.active()
+        if functions != self._cache_seams and self.scheduler.is_finished():
+            # the forward changed (a `use(...)` block began or ended): K/V cached by the other one must not be hit
+            self.scheduler.block_manager.forget_cached_prefixes()
+            self._cache_seams = functions
         for seq in seqs:
             self.enqueue(seq)
         bar = tqdm(total=len(seqs), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
