@@ -54,6 +54,21 @@ def assert_no_block_leaked(llm) -> None:
     assert manager.num_free_blocks == manager.num_blocks
 
 
+def assert_exact_through_preemption(folder, suffix_lens: list[int], max_tokens: int, **engine) -> None:
+    """Greedy output equals HF's with so few KV blocks (`engine`) that decode must preempt; the prompts share a
+    32-token prefix, so a preempted sequence's recompute hits the prefix cache."""
+    from nanoref import LLM, SamplingParams
+
+    prompts = shared_prefix_prompts(seed=3, prefix_len=32, suffix_lens=suffix_lens)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    llm = LLM(folder, device="cpu", kvcache_block_size=16, **engine)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.scheduler.num_preemptions > 0, "the KV budget was meant to force preemption"
+    assert llm.scheduler.block_manager.num_hit_blocks > 0, "shared prefixes were meant to hit the cache"
+    assert_matches_hf(folder, prompts, outputs, max_tokens)
+    assert_no_block_leaked(llm)
+
+
 def random_prompts(seed: int, lengths: list[int], vocab: int = 256) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]

@@ -10,6 +10,7 @@ from nanoref.utils.context import Context, reset_context, set_context
 
 from .helpers import (
     TINY_CONFIGS,
+    assert_exact_through_preemption,
     assert_matches_hf,
     assert_no_block_leaked,
     hf_model,
@@ -57,15 +58,9 @@ def test_greedy_matches_hf_chunked_prefill(tiny_model, block_size):
 @pytest.mark.parametrize("name", ["gqa2-untied", "gqa1-tied"])
 def test_greedy_matches_hf_under_preemption(tiny_models, name):
     """So few KV blocks that decode must preempt; prompts share prefixes, so recompute hits the cache."""
-    folder = tiny_models[name]
-    prompts = shared_prefix_prompts(seed=3, prefix_len=32, suffix_lens=[5, 12, 20, 3, 9, 27])
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    llm = LLM(folder, device="cpu", num_kvcache_blocks=12, kvcache_block_size=16, max_num_seqs=8)
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    assert llm.scheduler.num_preemptions > 0, "the KV budget was meant to force preemption"
-    assert llm.scheduler.block_manager.num_hit_blocks > 0, "shared prefixes were meant to hit the cache"
-    assert_matches_hf(folder, prompts, outputs, params.max_tokens)
-    assert_no_block_leaked(llm)
+    assert_exact_through_preemption(
+        tiny_models[name], suffix_lens=[5, 12, 20, 3, 9, 27], max_tokens=40, num_kvcache_blocks=12, max_num_seqs=8
+    )
 
 
 def test_prefix_cache_hits_across_calls_keep_output_exact(tiny_model):

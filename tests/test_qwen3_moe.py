@@ -18,6 +18,7 @@ from nanoref.utils.context import Context, reset_context, set_context
 from nanoref.utils.loader import ModelFolderError
 
 from .helpers import (
+    assert_exact_through_preemption,
     assert_matches_hf,
     assert_no_block_leaked,
     copy_with_config,
@@ -198,15 +199,9 @@ def test_greedy_matches_hf_chunked_prefill(moe_models):
 
 def test_greedy_matches_hf_under_preemption_and_prefix_hits(moe_models):
     """So few KV blocks that decode must preempt; prompts share prefixes, so recompute hits the cache."""
-    folder = moe_models["mlp-only"]
-    prompts = shared_prefix_prompts(seed=3, prefix_len=32, suffix_lens=[5, 12, 20, 3])
-    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
-    llm = LLM(folder, device="cpu", num_kvcache_blocks=9, kvcache_block_size=16, max_num_seqs=4)
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    assert llm.scheduler.num_preemptions > 0, "the KV budget was meant to force preemption"
-    assert llm.scheduler.block_manager.num_hit_blocks > 0, "shared prefixes were meant to hit the cache"
-    assert_matches_hf(folder, prompts, outputs, params.max_tokens)
-    assert_no_block_leaked(llm)
+    assert_exact_through_preemption(
+        moe_models["mlp-only"], suffix_lens=[5, 12, 20, 3], max_tokens=30, num_kvcache_blocks=9, max_num_seqs=4
+    )
 
 
 def test_prefix_cache_hits_across_calls_keep_output_exact(moe_models):
