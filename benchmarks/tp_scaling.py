@@ -4,7 +4,8 @@
    the same greedy tokens with tensor_parallel_size=2 as with 1, CUDA graphs on.
 2. Throughput: nanoref's benchmark workload (Nano-vLLM's bench.py: 256 requests, 100-1024 prompt and
    100-1024 output tokens, temperature 0.6) on Qwen3-8B's architecture with random bf16 weights, tp=1 and
-   tp=2 in separate processes, alternating (A B B A ...), medians of every timed run.
+   tp=2 in separate processes, alternating (A B B A ...), medians of every timed run; each timed run starts
+   with an empty prefix cache (the same prompts would otherwise skip most of their prefill after the first run).
 3. Where the all-reduces cost time: in the tp=2 engine, each rank times one all-reduce of a (B, hidden)
    bf16 activation for the batch sizes decode and prefill use, and a profile of some decode steps splits
    the GPU's time between NCCL kernels and the rest.
@@ -74,11 +75,15 @@ def run_engine(folder: str, tp: int, runs: int, profile: bool, smoke: bool = Fal
     options = dict(device="cpu", max_model_len=512) if smoke else dict(max_model_len=4096)
     llm = LLM(folder, tensor_parallel_size=tp, max_num_seqs=512, max_num_batched_tokens=16384, **options)
     load_s = time.perf_counter() - start
-    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8, temperature=0.6), use_tqdm=False)  # warm-up
     prompts, max_tokens = workload(4, 120, 110) if smoke else workload()
+    # warm-up on a quarter of the prompts: long prefills and large decode batches compile their kernels here, not
+    # in the first timed run (a 3-token warm-up left ~7 s of compilation in it on an H200)
+    llm.generate(prompts[: len(prompts) // 4], SamplingParams(max_tokens=8, temperature=0.6), use_tqdm=False)
     params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in max_tokens]
-    times, decode_ms, prefill_ms = [], [], []
+    times, decode_ms, prefill_ms, hit_blocks = [], [], [], []
     for _ in range(runs):
+        # every timed run prefills its whole prompts: without this, the runs after the first hit the prefix cache
+        llm.scheduler.block_manager.forget_cached_prefixes()
         sync()
         t0 = time.perf_counter()
         outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -88,12 +93,14 @@ def run_engine(folder: str, tp: int, runs: int, profile: bool, smoke: bool = Fal
         steps = llm.metrics.steps
         decode_ms.append(statistics.mean(s.elapsed for s in steps if s.kind == "decode") * 1e3)
         prefill_ms.append(sum(s.elapsed for s in steps if s.kind == "prefill") * 1e3)
+        hit_blocks.append(sum(s.num_hit_blocks for s in steps))
     result = dict(
         tp=tp,
         times=times,
         output_tokens=sum(max_tokens),
         decode_step_ms=decode_ms,
         prefill_total_ms=prefill_ms,
+        prefix_hit_blocks=hit_blocks,
         load_s=load_s,
         kv_blocks=llm.model_runner.num_kvcache_blocks,
         graphs=bool(llm.model_runner.graphs),
