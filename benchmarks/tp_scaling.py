@@ -112,24 +112,36 @@ def run_engine(folder: str, tp: int, runs: int, profile: bool, smoke: bool = Fal
         result["allreduce_us"] = {str(n): per_rank[0][n] for n in rows}
         layers = llm.model_runner.hf_config.num_hidden_layers
         result["allreduces_per_step"] = 2 * layers + 1  # o_proj and down_proj per layer, and the embedding
-    if profile and not smoke:
-        result["profile"] = profile_decode(llm)
+    if profile:
+        result["profile"] = profile_decode(llm, batch=8, prompt_len=64) if smoke else profile_decode(llm)
     llm.close()
     return result
 
 
-def profile_decode(llm) -> dict:
-    """GPU time of some decode steps at batch 256, split into NCCL kernels and the rest (rank 0's view)."""
+def profile_decode(llm, batch: int = 256, prompt_len: int = 512, steps: int = 16) -> dict:
+    """GPU time of `steps` decode steps at `batch` (contexts ~prompt_len), split into NCCL kernels and the rest
+    (rank 0's view). The requests are admitted and prefilled before the profiler starts: no prefill is counted."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     from nanoref import SamplingParams
 
-    prompts = [[7] * 512 for _ in range(256)]
-    params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=24)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        llm.generate(prompts, params, use_tqdm=False)
+    params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=steps + 16)
+    for i in range(batch):
+        llm.add_request([7 + i % 100] * prompt_len, params)
+    while llm.step()[1].kind != "decode":  # the prefills
+        pass
+    for _ in range(4):  # settle into the steady state
+        llm.step()
+    on_gpu = torch.cuda.is_available()
+    if on_gpu:
         torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA if on_gpu else ProfilerActivity.CPU]) as prof:  # CPU: --smoke
+        for _ in range(steps):
+            assert llm.step()[1].kind == "decode"
+        if on_gpu:
+            torch.cuda.synchronize()
+    llm.abort_all()
     total = nccl = 0.0
     top: list[tuple[float, str]] = []
     for event in prof.key_averages():
@@ -140,13 +152,13 @@ def profile_decode(llm) -> dict:
         top.append((device_us, event.key[:80]))
         if "nccl" in event.key.lower():
             nccl += device_us
-    decode_steps = sum(1 for s in llm.metrics.steps if s.kind == "decode")
     top.sort(reverse=True)
     return dict(
-        gpu_us=total,
-        nccl_us=nccl,
+        gpu_us_per_step=total / steps,
+        nccl_us_per_step=nccl / steps,
         nccl_share=nccl / total if total else None,
-        decode_steps=decode_steps,
+        decode_steps=steps,
+        batch=batch,
         top_kernels=top[:12],
     )
 
