@@ -219,25 +219,32 @@ def main() -> None:
         print(json.dumps(check_exact(Path(args.exact_worker))))
         return
     summary: dict = {}
+    runs: list[dict] = []
+
+    def save() -> None:  # after every process: a run cut short by a time limit keeps what it measured
+        if args.out:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(json.dumps({**summary, "runs": runs}, indent=1))
+
     with tempfile.TemporaryDirectory() as tmp:
         if not args.skip_exact and not args.smoke:
             summary["token_exact"] = launch(["--exact-worker", tmp])
             print("token-exact:", summary["token_exact"], flush=True)
+            save()
         t0 = time.perf_counter()
         folder = make_model(Path(tmp) / "qwen3-8b", args.smoke)
         print(f"model written in {time.perf_counter() - t0:.0f} s", flush=True)
         order = []
         for round_index in range(args.rounds):
             order += [1, 2] if round_index % 2 == 0 else [2, 1]
-        runs = []
         for i, tp in enumerate(order):
             profile_this = tp == 2 and i == order.index(2)
             flags = ["--runs", str(args.runs)] + (["--smoke"] if args.smoke else [])
             result = launch(["--worker", str(folder), str(tp), "1" if profile_this else "0", *flags])
             print(json.dumps(result)[:600], flush=True)
             runs.append(result)
+            save()
     ok = [r for r in runs if "error" not in r]
-    summary["runs"] = runs
     for tp in (1, 2):
         times = [t for r in ok if r["tp"] == tp for t in r["times"]]
         if times:
@@ -258,9 +265,7 @@ def main() -> None:
             print(f"| {tp} | {s['n']} | {s['median_s']:.1f} | {s['tok_per_s']:,.0f} | {s['decode_step_ms']:.2f} |")
     if "scaling" in summary:
         print(f"scaling tp2/tp1: {summary['scaling']:.2f}x")
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(summary, indent=1))
+    save()
 
 
 if __name__ == "__main__":
