@@ -12,7 +12,7 @@
 
     python benchmarks/tp_scaling.py --out benchmarks/results/tp_scaling_h200x2.json --rounds 1 --runs 2
 
-Needs two GPUs (the device tool's nvidia-h200-x2). Writes JSON and prints a markdown table.
+Needs two CUDA GPUs on one host (--smoke: a CPU). Writes JSON and prints a markdown table.
 """
 
 from __future__ import annotations
