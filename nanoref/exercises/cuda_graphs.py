@@ -15,12 +15,7 @@ from collections.abc import Callable
 import torch
 
 from nanoref.engine.model_runner import STATIC_INPUTS, pad_decode_batch
-from nanoref.exercises.common import ExerciseFailure, check_generation, random_prompts, tiny_model
-
-
-def _fresh_generator() -> torch.Generator:
-    # new inputs on every call, so an answer cannot be fitted to one fixed draw
-    return torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, (1,)).item()))
+from nanoref.exercises.common import ExerciseFailure, check_generation, input_generator, random_prompts, tiny_model
 
 
 def _stale_buffers(max_rows: int, max_blocks: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
@@ -36,7 +31,7 @@ def _stale_buffers(max_rows: int, max_blocks: int, generator: torch.Generator) -
 
 def check_pad_decode_batch(fn: Callable, *, engine: bool = True) -> None:
     """`fn(buffers, input_ids, positions, slot_mapping, context_lens, block_tables)` fills a bucket in place."""
-    generator = _fresh_generator()
+    generator = input_generator()
     max_rows, max_blocks = 16, 6
     for batch, bucket, width in [(5, 8, 3), (8, 8, 6), (1, 1, 1), (9, 16, 2)]:
         full = _stale_buffers(max_rows, max_blocks, generator)

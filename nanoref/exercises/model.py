@@ -16,17 +16,13 @@ from nanoref.exercises.common import (
     check_generation,
     describe,
     generate_with,
+    input_generator,
     random_prompts,
     tiny_model,
 )
 from nanoref.layers.activation import silu_and_mul
 from nanoref.layers.rotary import RotaryEmbedding, apply_rotary
 from nanoref.layers.sampler import apply_top_k_top_p
-
-
-def _fresh_generator() -> torch.Generator:
-    # new inputs on every call, so an answer cannot be fitted to one fixed draw
-    return torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, (1,)).item()))
 
 
 def _check_tensor(name: str, got: object, want: torch.Tensor) -> None:
@@ -48,7 +44,7 @@ def _rotary_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -
 
 def check_apply_rotary(fn: Callable, *, engine: bool = True) -> None:
     """`fn(x, cos, sin)` against nanoref's `apply_rotary`, then greedy generation with it against HF."""
-    generator = _fresh_generator()
+    generator = input_generator()
     num_tokens, num_heads, head_dim = 11, 3, 16
     rope = RotaryEmbedding(head_dim, max_position=64, base=10_000.0)
     positions = torch.randint(0, 64, (num_tokens,), generator=generator)  # (N,): not 0..N-1 on purpose
@@ -85,7 +81,7 @@ def check_apply_rotary(fn: Callable, *, engine: bool = True) -> None:
 # -- SwiGLU -------------------------------------------------------------------------------------
 def check_silu_and_mul(fn: Callable, *, engine: bool = True) -> None:
     """`fn(x)` with x = [gate | up] against nanoref's `silu_and_mul`, then generation with it against HF."""
-    generator = _fresh_generator()
+    generator = input_generator()
     intermediate = 24
     for dtype in (torch.float32, torch.bfloat16):
         x = (3 * torch.randn(7, 2 * intermediate, generator=generator)).to(dtype)  # (N, 2 I)
@@ -115,7 +111,7 @@ def check_apply_top_k_top_p(fn: Callable, *, engine: bool = True) -> None:
     """`fn(logits, top_k, top_p)` against nanoref's masking on random logits, then the engine: greedy generation
     still equals HF's, and seeded sampling with top-k / top-p gives exactly the tokens nanoref's own masking gives.
     """
-    generator = _fresh_generator()
+    generator = input_generator()
     vocab = 50
     # one row per case: off, top-k only, top-p only, both, k = 1, k >= vocab, a tiny and a near-full nucleus
     top_k = torch.tensor([0, 5, 0, 10, 1, 80, 0, 3], dtype=torch.int64)

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from nanoref.exercises.common import ExerciseFailure, check_generation
+from nanoref.exercises.common import ExerciseFailure, check_generation, input_generator
 from nanoref.exercises.tensors import describe_row, expect_tensor, first_bad_row
 from nanoref.layers.activation import silu_and_mul
 from nanoref.models.qwen3_moe import moe_experts, route
@@ -36,12 +36,6 @@ def tiny_moe_model(seed: int = 0, **overrides: Any) -> Path:
         folder = Path(tempfile.mkdtemp(prefix="nanoref-exercise-")) / "tiny-qwen3-moe"
         _MOE_MODELS[key] = make_tiny_qwen3_moe(folder, seed=seed, **overrides)
     return _MOE_MODELS[key]
-
-
-def _generator(seed: int | None) -> torch.Generator:
-    if seed is None:  # new inputs on every call, so an answer cannot be fitted to one fixed draw
-        seed = int(torch.randint(0, 2**31 - 1, (1,)).item())
-    return torch.Generator().manual_seed(seed)
 
 
 def _call(fn: Callable, name: str, case: str, *args: Any) -> Any:
@@ -67,7 +61,7 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
 def check_moe_route(fn: Callable, *, seed: int | None = None, engine: bool = True) -> None:
     """`fn(hidden, router_weight, top_k, norm_topk_prob) -> (router_logits, topk_weights, topk_ids)` against
     nanoref's `route`, then greedy generation with it in every sparse layer against HF."""
-    generator = _generator(seed)
+    generator = input_generator(seed)
     cases = [  # (tokens, experts, top_k, norm_topk_prob, dtype)
         (11, 10, 3, False, torch.float32),
         (11, 10, 3, True, torch.float32),
@@ -246,7 +240,7 @@ class _CountProducts(TorchFunctionMode):
 def check_moe_experts(fn: Callable, *, seed: int | None = None, engine: bool = True) -> None:
     """`fn(hidden, topk_weights, topk_ids, w_gate_up, w_down) -> (N, hidden)` against nanoref's `moe_experts`,
     then greedy generation with it in every sparse layer against HF."""
-    generator = _generator(seed)
+    generator = input_generator(seed)
     cases = [  # (tokens, experts, top_k, dtype)
         (13, 6, 2, torch.float32),
         (7, 9, 3, torch.float32),

@@ -12,16 +12,11 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from nanoref.exercises.common import ExerciseFailure, check_generation, random_prompts, tiny_model
+from nanoref.exercises.common import ExerciseFailure, check_generation, input_generator, random_prompts, tiny_model
 from nanoref.utils.parallel import shard_range
 
 # the engine check's model: a vocabulary that does not split evenly, so the last rank's table has a padding row
 ENGINE_VOCAB = 251
-
-
-def _fresh_generator() -> torch.Generator:
-    # new inputs on every call, so an answer cannot be fitted to one fixed draw
-    return torch.Generator().manual_seed(int(torch.randint(0, 2**31 - 1, (1,)).item()))
 
 
 def _shard_table(full: torch.Tensor, rank: int, world_size: int, generator: torch.Generator) -> torch.Tensor:
@@ -118,11 +113,11 @@ def _check_one(
     return got
 
 
-def check_vocab_parallel_embed(fn: Callable, *, engine: bool = True) -> None:
+def check_vocab_parallel_embed(fn: Callable, *, seed: int | None = None, engine: bool = True) -> None:
     """`fn(input_ids, weight, vocab_start, vocab_end)` for each shard of small vocabularies split over 2 and 4 ranks
     (the ranks' outputs must add up to the whole table's lookup), then greedy generation with it in a two-process
     engine (every rank calls it) against HF transformers."""
-    generator = _fresh_generator()
+    generator = input_generator(seed)
     hidden = 8
     for vocab, world_size, dtype in ((11, 2, torch.float32), (11, 4, torch.bfloat16), (10, 4, torch.float32)):
         full = torch.randn(vocab, hidden, generator=generator).to(dtype)  # (V, hidden): the whole table

@@ -42,7 +42,7 @@ class VocabEmbedding(nn.Module):
         self.parallel = get_parallel_state()
         self.vocab_size, self.tp_rank, self.tp_size = vocab_size, self.parallel.rank, self.parallel.world_size
         self.vocab_start, self.vocab_end = shard_range(vocab_size, self.tp_rank, self.tp_size)
-        rows = -(-vocab_size // self.tp_size)  # every rank the same shape: the last one's tail is zero padding
+        rows = -(-vocab_size // self.tp_size)  # every rank the same shape: the last ranks' tails are zero padding
         self.weight = nn.Parameter(torch.empty(rows, hidden_size))
         self.weight.weight_loader = self.weight_loader
         self.weight.shard_of = self.shard  # the loader's tied-head check compares this rank's rows
