@@ -16,7 +16,7 @@ from nanoref.utils import seams
 
 @pytest.mark.parametrize("name, default", [("moe_route", route), ("moe_experts", moe_experts)])
 def test_the_engine_calls_each_moe_seam_only_inside_use(name, default):
-    llm = LLM(tiny_moe_model(), num_kvcache_blocks=16)
+    llm = LLM(tiny_moe_model(), device="cpu", num_kvcache_blocks=16)  # eager everywhere: every step calls the seam
     params = SamplingParams(temperature=0, max_tokens=3)
     prompts = [[3, 1, 4, 1, 5], [9, 2, 6]]
     reference = llm.generate(prompts, params, use_tqdm=False)

@@ -136,7 +136,7 @@ def test_every_rank_calls_the_seam_and_a_wrong_lookup_changes_the_tokens(odd_voc
         assert two_ranks.generate(prompts, GREEDY, use_tqdm=False) == reference
     assert calls and set(calls) == {layouts[0]["vocab_rows"]} == {(0, 126)}
     assert layouts[1]["vocab_rows"] == (126, 251) and layouts[1]["table_rows"] == 126
-    with seams.use(vocab_parallel_embed=wrong_on_rank_1):  # fresh prompts: the prefix cache knows nothing of seams
+    with seams.use(vocab_parallel_embed=wrong_on_rank_1):  # other prompts, so no step reuses the last ones' K/V
         broken = two_ranks.generate(other, GREEDY, use_tqdm=False)
     assert broken != expected_other
 

@@ -20,7 +20,14 @@ from nanoref import LLM, SamplingParams
 from nanoref.engine.tensor_parallel import TensorParallelError
 from nanoref.testing import make_tiny_qwen3, make_tiny_qwen3_moe
 
-from .helpers import assert_matches_hf, assert_no_block_leaked, hf_greedy, random_prompts, shared_prefix_prompts
+from .helpers import (
+    assert_matches_hf,
+    assert_no_block_leaked,
+    assert_preempted_and_recomputed_from_the_cache,
+    hf_greedy,
+    random_prompts,
+    shared_prefix_prompts,
+)
 from .tp_faults import break_forward_on_rank, full_weights, kv_cache_shape, rank_and_shapes
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -89,6 +96,23 @@ def test_weights_and_kv_cache_are_split(tp_models):
     assert caches[0] == caches[1] == (2, 2, 20, 16, 1, 16)  # (k/v, layers, blocks, block size, 1 KV head, D)
 
 
+def test_moe_experts_are_split_by_intermediate(tp_models):
+    """Each rank holds every expert, with its half of each expert's intermediate: gate rows and up rows of gate_up_proj,
+    the matching columns of down_proj (the halves rebuild tp=1's stacks); the router and the dense layer stay whole."""
+    folder = tp_models["moe-mixed"]
+    whole = dict(LLM(folder, device="cpu").model_runner.model.named_parameters())
+    with LLM(folder, device="cpu", tensor_parallel_size=2) as llm:
+        weights = llm.model_runner.run_on_all_ranks(full_weights)
+    gate_up, down = "model.layers.1.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj"
+    experts, two_i, hidden = whole[gate_up].shape  # (E, 2 I, hidden)
+    assert [w[gate_up].shape for w in weights] == [(experts, two_i // 2, hidden)] * 2
+    gates, ups = zip(*(w[gate_up].chunk(2, dim=1) for w in weights))  # each rank: [its gate rows | its up rows]
+    assert torch.equal(torch.cat([*gates, *ups], dim=1), whole[gate_up])
+    assert torch.equal(torch.cat([w[down] for w in weights], dim=2), whole[down])  # (E, hidden, I): columns
+    router = "model.layers.1.mlp.gate.weight"
+    assert all(torch.equal(w[router], whole[router]) for w in weights)
+
+
 def test_replicated_kv_heads_and_padded_vocab_shapes(tp_models):
     with LLM(tp_models["mqa-tied-odd-vocab"], device="cpu", tensor_parallel_size=2) as llm:
         weights = llm.model_runner.run_on_all_ranks(full_weights)
@@ -109,11 +133,11 @@ def test_chunked_prefill_prefix_hits_preemption_and_overlap(tp_models, name):
     settings = dict(num_kvcache_blocks=9, kvcache_block_size=16, max_num_seqs=4, max_num_batched_tokens=24)
     with LLM(folder, device="cpu", tensor_parallel_size=2, overlap_scheduling=True, **settings) as llm:
         outputs = llm.generate(prompts, params, use_tqdm=False)
-        assert llm.scheduler.num_preemptions > 0, "the KV budget was meant to force preemption"
-        assert llm.scheduler.block_manager.num_hit_blocks > 0, "shared prefixes were meant to hit the cache"
+        assert_preempted_and_recomputed_from_the_cache(llm)
         assert max(step.num_tokens for step in llm.metrics.steps if step.kind == "prefill") <= 24  # chunked
         assert_no_block_leaked(llm)
-        again = llm.generate(prompts, params, use_tqdm=False)  # the second call's prompts hit the cache
+        again = llm.generate(prompts, params, use_tqdm=False)
+        assert sum(step.num_hit_blocks for step in llm.metrics.steps) > 0, "the second call was meant to hit the cache"
     assert_matches_hf(folder, prompts, outputs, params.max_tokens)
     assert again == outputs
 
@@ -165,8 +189,10 @@ def test_interrupt_in_a_step_stops_the_workers(tp_models):
         raise KeyboardInterrupt
 
     llm.model_runner.sampler = interrupted
+    start = time.monotonic()
     with pytest.raises(KeyboardInterrupt):
         llm.generate([[1, 2, 3, 4]], GREEDY, use_tqdm=False)
+    assert time.monotonic() - start < 5, "Ctrl-C should hand control back at once, not wait for the workers"
     llm.model_runner.sampler = sampler
     assert all(not proc.is_alive() for proc in workers)
     with pytest.raises(TensorParallelError, match="KeyboardInterrupt"):
@@ -204,9 +230,11 @@ def test_torchrun_one_host_two_processes(tp_models, tmp_path):
     out = tmp_path / "tokens.json"
     script = tmp_path / "serve.py"
     script.write_text(
-        "import json, sys\n"
+        "import json, os, sys\n"
         "from nanoref import LLM, SamplingParams\n"
         "llm = LLM(sys.argv[1], device='cpu', tensor_parallel_size=2)\n"
+        "# only rank 0 gets here; it spawned no worker of its own (torchrun started rank 1)\n"
+        "json.dump(len(llm.model_runner.followers.procs), open(sys.argv[3] + '.rank' + os.environ['RANK'], 'w'))\n"
         "params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)\n"
         "outputs = llm.generate(json.loads(sys.argv[2]), params, use_tqdm=False)\n"
         "json.dump([o['token_ids'] for o in outputs], open(sys.argv[3], 'w'))\n"
@@ -225,6 +253,9 @@ def test_torchrun_one_host_two_processes(tp_models, tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     tokens = json.loads(out.read_text())
     assert tokens == [hf_greedy(folder, p, 12) for p in prompts]
+    returned = sorted(path.name for path in tmp_path.glob("tokens.json.rank*"))
+    assert returned == ["tokens.json.rank0"], f"LLM(...) returned on {returned}: a follower must serve, not return"
+    assert json.loads((tmp_path / "tokens.json.rank0").read_text()) == 0, "rank 0 spawned workers under torchrun"
 
 
 def test_exercise_functions_run_on_every_rank(tp_models):

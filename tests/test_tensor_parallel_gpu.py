@@ -5,6 +5,7 @@ cover the same engine with gloo)."""
 
 from __future__ import annotations
 
+import gc
 import time
 
 import pytest
@@ -14,8 +15,14 @@ from nanoref import LLM, SamplingParams
 from nanoref.engine.tensor_parallel import TensorParallelError
 from nanoref.testing import make_tiny_qwen3, make_tiny_qwen3_moe
 
-from .helpers import hf_greedy, random_prompts, shared_prefix_prompts
-from .tp_faults import break_forward_on_rank
+from .helpers import (
+    assert_no_block_leaked,
+    assert_preempted_and_recomputed_from_the_cache,
+    hf_greedy,
+    random_prompts,
+    shared_prefix_prompts,
+)
+from .tp_faults import break_forward_on_rank, gpu_index, graph_batch_sizes
 
 pytestmark = [
     pytest.mark.gpu,
@@ -23,6 +30,16 @@ pytestmark = [
 ]
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+# a fixed KV budget: left to the engine, each engine would take most of its GPU's free memory, and an engine
+# started after another in this process finds that memory still held by the caching allocator
+BLOCKS = dict(num_kvcache_blocks=64)
+
+
+@pytest.fixture(autouse=True)
+def free_gpu_memory():
+    yield
+    gc.collect()
+    torch.cuda.empty_cache()
 
 
 @pytest.mark.parametrize(
@@ -36,9 +53,11 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 def test_two_gpus_match_one_gpu_and_hf_with_graphs(tmp_path, name, build, overrides):
     folder = build(tmp_path / name, seed=7, **overrides)
     prompts = random_prompts(seed=3, lengths=[1, 9, 33, 70], vocab=overrides.get("vocab_size", 256))
-    one = LLM(folder, dtype="float32").generate(prompts, GREEDY, use_tqdm=False)
-    with LLM(folder, dtype="float32", tensor_parallel_size=2) as llm:
-        assert llm.model_runner.graphs, "decode CUDA graphs were meant to be captured on every rank"
+    one = LLM(folder, dtype="float32", **BLOCKS).generate(prompts, GREEDY, use_tqdm=False)
+    with LLM(folder, dtype="float32", tensor_parallel_size=2, **BLOCKS) as llm:
+        assert llm.model_runner.run_on_all_ranks(gpu_index) == [0, 1]
+        graphs = llm.model_runner.run_on_all_ranks(graph_batch_sizes)
+        assert graphs[0] and graphs[0] == graphs[1], f"decode CUDA graphs per rank: {graphs}"
         two = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o["token_ids"] for o in two] == [o["token_ids"] for o in one]
     for prompt, output in zip(prompts, two):
@@ -52,7 +71,9 @@ def test_two_gpus_chunked_prefill_prefix_hits_preemption(tmp_path):
     settings = dict(num_kvcache_blocks=9, kvcache_block_size=16, max_num_seqs=4, max_num_batched_tokens=24)
     with LLM(folder, dtype="float32", tensor_parallel_size=2, **settings) as llm:
         outputs = llm.generate(prompts, params, use_tqdm=False)
-        assert llm.scheduler.num_preemptions > 0 and llm.scheduler.block_manager.num_hit_blocks > 0
+        assert_preempted_and_recomputed_from_the_cache(llm)
+        assert max(step.num_tokens for step in llm.metrics.steps if step.kind == "prefill") <= 24  # chunked
+        assert_no_block_leaked(llm)
     for prompt, output in zip(prompts, outputs):
         assert output["token_ids"] == hf_greedy(folder, prompt, params.max_tokens)
 
@@ -60,9 +81,20 @@ def test_two_gpus_chunked_prefill_prefix_hits_preemption(tmp_path):
 def test_a_failing_gpu_worker_makes_the_caller_raise(tmp_path):
     """NCCL does not notice a dead peer by itself: the monitor thread aborts the group."""
     folder = make_tiny_qwen3(tmp_path / "m", seed=9)
-    llm = LLM(folder, dtype="float32", tensor_parallel_size=2, enforce_eager=True)
+    llm = LLM(folder, dtype="float32", tensor_parallel_size=2, enforce_eager=True, **BLOCKS)
+    workers = list(llm.model_runner.followers.procs)
     llm.model_runner.run_on_all_ranks(break_forward_on_rank, 1)
     start = time.monotonic()
     with pytest.raises(TensorParallelError, match="injected fault on rank 1"):
         llm.generate([[1, 2, 3, 4]], GREEDY, use_tqdm=False)
     assert time.monotonic() - start < 30
+    assert all(not proc.is_alive() for proc in workers)
+    assert llm.scheduler.is_finished()  # the failed call's request is not left queued
+    with pytest.raises(TensorParallelError, match="create a new LLM"):
+        llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
+    llm.close()
+    # after NCCL's abort torch.distributed is left as it was found: a new two-GPU engine starts in this process
+    with LLM(folder, dtype="float32", tensor_parallel_size=2, **BLOCKS) as again:
+        assert again.generate([[1, 2, 3]], GREEDY, use_tqdm=False)[0]["token_ids"] == hf_greedy(
+            folder, [1, 2, 3], GREEDY.max_tokens
+        )

@@ -26,3 +26,12 @@ def break_forward_on_rank(runner, rank: int) -> None:
 
 def full_weights(runner) -> dict[str, torch.Tensor]:
     return {name: p.detach().clone() for name, p in runner.model.named_parameters()}
+
+
+def graph_batch_sizes(runner) -> list[int]:
+    """The decode batch sizes this rank captured CUDA graphs for (empty: eager)."""
+    return sorted(runner.graphs)
+
+
+def gpu_index(runner) -> int:
+    return runner.device.index

@@ -203,12 +203,14 @@ class Followers:
         with self._lock:
             self.broken = self.broken or f"{reason}; the engine cannot run more steps: create a new LLM"
             self.closed = True
-            self._stop_processes()
+            # the followers wait in a collective rank 0 will not join (or for a message it will not send): nothing
+            # would end them but a signal, so a short grace for any that are exiting already, then SIGTERM
+            self._stop_processes(grace_s=0.5)
             release_group(clean=False)
 
-    def _stop_processes(self) -> None:
+    def _stop_processes(self, grace_s: float = 10.0) -> None:
         for proc in self.procs:
-            proc.join(10.0)
+            proc.join(grace_s)
         for proc in self.procs:
             if proc.is_alive():
                 proc.terminate()
