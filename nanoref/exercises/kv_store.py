@@ -68,6 +68,7 @@ def check_store_kvcache_kernel(kernel, *, seed: int = 0, engine: bool = True) ->
     """The learner's `@triton.jit` kernel, launched by `store_kvcache_triton` (grid (N,)), against the torch store;
     then the engine on the Triton backend with it."""
     from nanoref.ops.store_kvcache_triton import store_kvcache_triton  # defines kernels: the interpreter switch
+    from nanoref.ops.triton_setup import kernel_device
 
     if not hasattr(kernel, "__getitem__"):
         raise ExerciseFailure(
@@ -80,7 +81,8 @@ def check_store_kvcache_kernel(kernel, *, seed: int = 0, engine: bool = True) ->
         (torch.float32, (3, 8)),
         (torch.bfloat16, (2, 8)),
     ]:
-        key, value, stale, slots = _case(generator, num_kv_heads, head_dim, dtype)
+        case_tensors = _case(generator, num_kv_heads, head_dim, dtype)
+        key, value, stale, slots = (t.to(kernel_device()) for t in case_tensors)  # a GPU's kernels read GPU memory
         got, want = stale.clone(), stale.clone()
         try:
             with use(store_kvcache_kernel=kernel):

@@ -12,6 +12,7 @@ from nanoref.exercises.common import ExerciseFailure, check_generation, random_p
 from nanoref.exercises.tensors import expect_tensor
 from nanoref.ops.attention_torch import gather_paged
 from nanoref.ops.naive import naive_padded_attention
+from nanoref.ops.triton_setup import import_triton, kernel_device, triton_available
 from nanoref.utils.seams import use
 
 _TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
@@ -128,6 +129,9 @@ def check_merge_splits(fn: Callable, *, seed: int = 0, engine: bool = True) -> N
     partial[0, 2:], lse[0, 2:] = 0.0, -math.inf  # sequence 0's last two splits lie past its end: empty
     untouched = -12345.0
     out = torch.full((batch, len_q, heads, dim), untouched)
+    if triton_available():  # the merge may be a Triton kernel: on a GPU it reads GPU memory
+        import_triton()
+        partial, lse, out = partial.to(kernel_device()), lse.to(kernel_device()), out.to(kernel_device())
     fn(partial.clone(), lse.clone(), out)
     want = _merge_reference(partial, lse)
     if (out == untouched).all():

@@ -38,6 +38,12 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
+def kernel_device() -> torch.device:
+    """Where tensors handed to a nanoref Triton kernel must live: the GPU it compiles for, or the CPU under the
+    interpreter. Call after `import_triton()`."""
+    return torch.device("cpu") if interpreting() or not torch.cuda.is_available() else torch.device("cuda")
+
+
 def import_triton() -> ModuleType:
     """`triton`, with the interpreter switched on when there is no GPU to compile for."""
     if not triton_available():
