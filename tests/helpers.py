@@ -79,6 +79,36 @@ def assert_preempted_and_recomputed_from_the_cache(llm) -> None:
     )
 
 
+def assert_a_failing_worker_is_reported(folder, within_s: float, **engine) -> None:
+    """A two-rank engine whose rank 1 raises in its forward: the caller gets the worker's error within `within_s`,
+    the workers stop, no request stays queued, later calls are refused, and a new engine starts in this process
+    (torch.distributed was left as found) and generates HF's tokens."""
+    import time
+
+    import pytest
+
+    from nanoref import LLM, SamplingParams
+    from nanoref.engine.tensor_parallel import TensorParallelError
+
+    from .tp_faults import break_forward_on_rank
+
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    llm = LLM(folder, tensor_parallel_size=2, **engine)
+    workers = list(llm.model_runner.followers.procs)
+    llm.model_runner.run_on_all_ranks(break_forward_on_rank, 1)
+    start = time.monotonic()
+    with pytest.raises(TensorParallelError, match="injected fault on rank 1"):
+        llm.generate([[1, 2, 3, 4]], greedy, use_tqdm=False)
+    assert time.monotonic() - start < within_s
+    assert all(not proc.is_alive() for proc in workers)
+    assert llm.scheduler.is_finished()  # the failed call's request is not left queued
+    with pytest.raises(TensorParallelError, match="create a new LLM"):
+        llm.generate([[1, 2, 3]], greedy, use_tqdm=False)
+    llm.close()  # a second stop is harmless
+    with LLM(folder, tensor_parallel_size=2, **{k: v for k, v in engine.items() if k != "enforce_eager"}) as again:
+        assert again.generate([[1, 2, 3]], greedy, use_tqdm=False)[0]["token_ids"] == hf_greedy(folder, [1, 2, 3], 8)
+
+
 def random_prompts(seed: int, lengths: list[int], vocab: int = 256) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
