@@ -109,6 +109,44 @@ def assert_a_failing_worker_is_reported(folder, within_s: float, **engine) -> No
         assert again.generate([[1, 2, 3]], greedy, use_tqdm=False)[0]["token_ids"] == hf_greedy(folder, [1, 2, 3], 8)
 
 
+def own_answers() -> dict:
+    """Exercise seam -> nanoref's own function for it (what every check must accept); the Triton seams only where
+    Triton is installed."""
+    from nanoref.engine.block_manager import find_cached_prefix
+    from nanoref.engine.model_runner import pad_decode_batch, prefill_metadata
+    from nanoref.engine.scheduler import choose_preemption_victim
+    from nanoref.layers.activation import silu_and_mul
+    from nanoref.layers.embed_head import vocab_parallel_embed
+    from nanoref.layers.layernorm import add_rms_norm, rms_norm
+    from nanoref.layers.rotary import apply_rotary
+    from nanoref.layers.sampler import apply_top_k_top_p
+    from nanoref.models.qwen3_moe import moe_experts, route
+    from nanoref.ops import attention_torch
+    from nanoref.ops.triton_setup import triton_available
+
+    answers = dict(
+        prefill_metadata=prefill_metadata,
+        rms_norm=rms_norm,
+        add_rms_norm=add_rms_norm,
+        paged_decode_attention=attention_torch.paged_decode_attention,
+        find_cached_prefix=find_cached_prefix,
+        choose_preemption_victim=choose_preemption_victim,
+        pad_decode_batch=pad_decode_batch,
+        apply_rotary=apply_rotary,
+        silu_and_mul=silu_and_mul,
+        apply_top_k_top_p=apply_top_k_top_p,
+        vocab_parallel_embed=vocab_parallel_embed,
+        moe_route=route,
+        moe_experts=moe_experts,
+    )
+    if triton_available():  # the two Triton seams (Linux only)
+        from nanoref.ops import attention_triton
+        from nanoref.ops.store_kvcache_triton import store_kvcache_kernel
+
+        answers.update(store_kvcache_kernel=store_kvcache_kernel, merge_splits=attention_triton.merge_splits)
+    return answers
+
+
 def random_prompts(seed: int, lengths: list[int], vocab: int = 256) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
