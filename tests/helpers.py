@@ -68,6 +68,22 @@ def assert_exact_through_preemption(folder, suffix_lens: list[int], max_tokens: 
     assert_no_block_leaked(llm)
 
 
+def assert_exact_across_cached_calls(folder, max_tokens: int) -> None:
+    """Two calls with the same prompts (a shared 48-token prefix): the second is served from the prefix cache,
+    and both equal HF's greedy tokens."""
+    from nanoref import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    prompts = shared_prefix_prompts(seed=4, prefix_len=48, suffix_lens=[4, 19])
+    llm = LLM(folder, device="cpu", num_kvcache_blocks=64)
+    first = llm.generate(prompts, params, use_tqdm=False)
+    hits_before = llm.scheduler.block_manager.num_hit_blocks
+    second = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.scheduler.block_manager.num_hit_blocks >= hits_before + 2 * 3  # 48 shared tokens = 3 blocks each
+    assert first == second
+    assert_matches_hf(folder, prompts, second, max_tokens)
+
+
 def assert_preempted_and_recomputed_from_the_cache(llm) -> None:
     """The last generate preempted a sequence, and a later admission (a preempted one's recompute among them) took
     blocks from the prefix cache: hits in the first admissions alone would not show that recompute can hit."""

@@ -10,12 +10,12 @@ from nanoref.utils.context import Context, reset_context, set_context
 
 from .helpers import (
     TINY_CONFIGS,
+    assert_exact_across_cached_calls,
     assert_exact_through_preemption,
     assert_matches_hf,
     assert_no_block_leaked,
     hf_model,
     random_prompts,
-    shared_prefix_prompts,
 )
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -64,14 +64,7 @@ def test_greedy_matches_hf_under_preemption(tiny_models, name):
 
 
 def test_prefix_cache_hits_across_calls_keep_output_exact(tiny_model):
-    prompts = shared_prefix_prompts(seed=4, prefix_len=48, suffix_lens=[4, 19])
-    llm = LLM(tiny_model, device="cpu", num_kvcache_blocks=64)
-    first = llm.generate(prompts, GREEDY, use_tqdm=False)
-    hits_before = llm.scheduler.block_manager.num_hit_blocks
-    second = llm.generate(prompts, GREEDY, use_tqdm=False)
-    assert llm.scheduler.block_manager.num_hit_blocks >= hits_before + 2 * 3  # 48 shared tokens = 3 blocks each
-    assert first == second
-    assert_matches_hf(tiny_model, prompts, second, GREEDY.max_tokens)
+    assert_exact_across_cached_calls(tiny_model, GREEDY.max_tokens)
 
 
 @pytest.mark.parametrize("name", list(TINY_CONFIGS))

@@ -18,13 +18,13 @@ from nanoref.utils.context import Context, reset_context, set_context
 from nanoref.utils.loader import ModelFolderError
 
 from .helpers import (
+    assert_exact_across_cached_calls,
     assert_exact_through_preemption,
     assert_matches_hf,
     assert_no_block_leaked,
     copy_with_config,
     hf_model,
     random_prompts,
-    shared_prefix_prompts,
 )
 
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
@@ -205,15 +205,7 @@ def test_greedy_matches_hf_under_preemption_and_prefix_hits(moe_models):
 
 
 def test_prefix_cache_hits_across_calls_keep_output_exact(moe_models):
-    folder = moe_models["top1-nonorm"]
-    prompts = shared_prefix_prompts(seed=4, prefix_len=48, suffix_lens=[4, 19])
-    llm = LLM(folder, device="cpu", num_kvcache_blocks=64)
-    first = llm.generate(prompts, GREEDY, use_tqdm=False)
-    hits_before = llm.scheduler.block_manager.num_hit_blocks
-    second = llm.generate(prompts, GREEDY, use_tqdm=False)
-    assert llm.scheduler.block_manager.num_hit_blocks >= hits_before + 2 * 3  # 48 shared tokens = 3 blocks each
-    assert first == second
-    assert_matches_hf(folder, prompts, second, GREEDY.max_tokens)
+    assert_exact_across_cached_calls(moe_models["top1-nonorm"], GREEDY.max_tokens)
 
 
 # -- checkpoint layouts --------------------------------------------------------------------------
