@@ -18,7 +18,10 @@ class LLM(LLMEngine):
         llm = LLM("path/to/Qwen3-0.6B")
         llm.generate(["Hello"], SamplingParams(temperature=0.6, max_tokens=32))
 
-    device: "cuda" when available, else "cpu". dtype: bfloat16 on CUDA, float32 on CPU.
+    device: "cuda" when available, else "cpu" (the environment variable NANOREF_DEVICE, e.g. "cpu", overrides
+        that default). dtype: bfloat16 on CUDA, float32 on CPU.
+    max_num_seqs, max_num_batched_tokens: sequences per step, and tokens per prefill step (longer prompts are
+        prefilled in chunks); default 512 and 16,384 on CUDA (what a GPU needs to be busy), 64 and 4,096 on a CPU.
     num_kvcache_blocks: an explicit count overrides the one derived from memory.
     attention_backend: "torch" (reference), "triton" (GPU; CPU through the interpreter), "cpp" (CPU: nanoref's
         C++ decode kernel, built on first use; needs a C++ compiler and ninja), "flash_attn" (CUDA,
@@ -37,8 +40,8 @@ class LLM(LLMEngine):
         device: str | torch.device | None = None,
         dtype: str | torch.dtype | None = None,
         enforce_eager: bool = False,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 4096,
+        max_num_seqs: int | None = None,
+        max_num_batched_tokens: int | None = None,
         max_model_len: int | None = None,
         kvcache_block_size: int | None = None,
         num_kvcache_blocks: int | None = None,

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from nanoref import LLM, ModelFolderError, SamplingParams
+from nanoref.config import EngineConfig
 from nanoref.layers.sampler import Sampler
 
 from .helpers import copy_with_config, random_prompts
@@ -24,6 +25,24 @@ def test_defaults_on_cpu(tiny_model):
     assert llm.config.device.type == "cpu" and llm.config.dtype == torch.float32
     assert llm.model_runner.backend.name == "torch"
     assert llm.model_runner.kv_cache.shape == (2, 2, 8, 16, 2, 16)  # (2, layers, blocks, block, Hk, D)
+
+
+def test_batch_defaults_on_a_cpu_are_a_laptops_and_explicit_values_win(tiny_model):
+    laptop = EngineConfig(tiny_model, device="cpu")
+    assert (laptop.max_num_seqs, laptop.max_num_batched_tokens) == (64, 4096)
+    chosen = EngineConfig(tiny_model, device="cpu", max_num_seqs=3, max_num_batched_tokens=100)
+    assert (chosen.max_num_seqs, chosen.max_num_batched_tokens) == (3, 100)
+
+
+def test_nanoref_device_sets_the_default_device_and_a_bad_one_is_named(tiny_model, monkeypatch):
+    monkeypatch.setenv("NANOREF_DEVICE", "cpu")
+    assert EngineConfig(tiny_model).device == torch.device("cpu")
+    monkeypatch.setenv("NANOREF_DEVICE", "tpu")
+    with pytest.raises(ValueError, match="NANOREF_DEVICE='tpu' in the environment: device must be 'cpu' or 'cuda'"):
+        EngineConfig(tiny_model)
+    assert EngineConfig(tiny_model, device="cpu").device == torch.device("cpu")  # an explicit device wins
+    monkeypatch.delenv("NANOREF_DEVICE")
+    assert EngineConfig(tiny_model).device.type == ("cuda" if torch.cuda.is_available() else "cpu")
 
 
 @pytest.mark.parametrize(

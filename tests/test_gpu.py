@@ -44,6 +44,9 @@ def test_cuda_bfloat16_default_and_memory_derived_cache(tiny_model):
     llm = LLM(tiny_model, gpu_memory_utilization=0.05)
     assert llm.config.device.type == "cuda" and llm.config.dtype == torch.bfloat16
     assert llm.model_runner.num_kvcache_blocks > 1000
+    # a GPU's batch sizes, not a laptop's: Nano-vLLM's and vLLM's defaults
+    assert (llm.config.max_num_seqs, llm.config.max_num_batched_tokens) == (512, 16384)
+    assert max(llm.model_runner.graphs) == 512  # decode graphs captured up to the full batch
     out = llm.generate(
         random_prompts(seed=13, lengths=[4, 50]), SamplingParams(temperature=0.7, max_tokens=16), use_tqdm=False
     )
