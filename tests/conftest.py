@@ -15,6 +15,15 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(min(2, os.cpu_count() or 1))
 
 
+@pytest.fixture(autouse=True)
+def cpu_unless_marked_gpu(request, monkeypatch):
+    """Tests not marked `gpu` are CPU tests: an engine made without `device=` runs on the CPU there too, as on CI
+    (on a GPU machine the default would be CUDA in bfloat16 with graphs, which those tests do not expect). GPU tests
+    keep the default (and name the device themselves)."""
+    if "gpu" not in request.keywords:
+        monkeypatch.setenv("NANOREF_DEVICE", "cpu")
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("tiny_qwen3")
