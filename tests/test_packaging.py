@@ -46,3 +46,13 @@ def test_the_setup_script_installs_the_dev_extra_and_says_what_it_does():
     script = (ROOT / ".ci" / "with-venv").read_text()
     assert '-e ".[dev]"' in script
     assert [f"{i}/4" in script for i in range(1, 5)] == [True] * 4, "one progress line per setup stage"
+
+
+def test_the_setup_script_pins_one_torch_release_on_every_machine():
+    """A GPU machine gets PyPI's CUDA build of the same release a CPU machine gets, never whatever pip serves."""
+    script = (ROOT / ".ci" / "with-venv").read_text()
+    assert re.search(r"^TORCH_VERSION=\d+\.\d+\.\d+ ", script, re.M), "one pinned torch release"
+    installs = [line.strip() for line in script.splitlines() if line.strip().startswith('"${pip[@]}" ')]
+    torch_installs = [line for line in installs if "torch" in line]
+    assert len(torch_installs) == 3, torch_installs  # CUDA, an explicit index, the default CPU build
+    assert all(line.startswith('"${pip[@]}" "$torch_pin"') for line in torch_installs), torch_installs
