@@ -1,26 +1,34 @@
 """nanoref beside Nano-vLLM and HF transformers on Nano-vLLM's own benchmark, in one lease.
 
-The workload is Nano-vLLM's bench.py (see throughput.py): 256 requests, prompts of 100-1024 random
-ids, 100-1024 output tokens each, temperature 0.6, ignore_eos, on Qwen3-0.6B's architecture with
-random bf16 weights. Every engine runs in its own process (Nano-vLLM sets process-wide torch
-defaults), on the same model folder; each process warms up, then times `--runs-per-process`
-`generate` calls. Processes alternate (A B B A ...), so neither engine always runs on a cooler or
-warmer GPU; the table reports medians over every timed run.
+The workload is Nano-vLLM's bench.py: 256 requests, prompts of 100-1024 random ids, 100-1024 output
+tokens each, temperature 0.6, ignore_eos, on Qwen3-0.6B's architecture with random bf16 weights.
+Every engine runs in its own process (Nano-vLLM sets process-wide torch defaults), on the same model
+folder; each process warms up on a short prompt, then times `--runs-per-process` `generate` calls.
+
+No timed run replays a prompt its engine has already served: both engines keep a prefix cache, so a
+second call with bench.py's prompts would be answered partly from it. Timed run r of a process draws
+its own prompts and lengths from bench.py's distribution with seed r (run 0 is bench.py's own stream),
+in a process that has served nothing but the warm-up; each run's tok/s is its own output tokens over
+its wall time, and nanoref's runs record their prefix-cache hits (0 is what makes them honest).
+Processes alternate (A B B A ...), so neither engine always runs on a cooler or warmer GPU; the table
+reports medians over every timed run.
 
     python benchmarks/beside_peer.py --out-dir results/ \\
-        --engine nanoref=. --engine nano-vllm=/tmp/nano-vllm --engine nanoref-main=/path/to/old/checkout
+        --engine nanoref=. --engine nano-vllm=/tmp/nano-vllm --engine nanoref-peer=.
 
 `--engine NAME=PATH` puts PATH first on the worker's PYTHONPATH: `nanoref*` names run nanoref's
 `LLM` from there, with its defaults or with options named by dash-separated flags (`eager-layers`
-first: the element-wise layers and the sampler left uncompiled; then any of `overlap`/`plain`
+first: the element-wise layers and the sampler left uncompiled; then any of `peer` (Nano-vLLM's
+settings: 512 sequences, 16,384 batched tokens, max_model_len 4096), `overlap`/`plain`
 (overlap_scheduling True/False), `triton`/`flash`/`hybrid` (attention_backend "triton",
 "flash_attn", "flash_attn+triton"), `eager` (no CUDA graphs), `blockN` (KV blocks of N tokens);
 other words only label the run; e.g. `nanoref-plain-flash`),
-`nano-vllm` runs Nano-vLLM's. The two engines named by --alternate run alternately, --rounds
-processes each; the others once. HF transformers `generate` runs a scaled-down subset (`--hf-seqs`
-prompts of the workload, `--hf-tokens` output tokens each, one padded batch), and nanoref the same
-subset, for the ratio. The script also measures the device-to-device copy bandwidth and prints the
-workload's bytes-moved floor: every decode step reads the weights once and each running sequence's K/V.
+`nano-vllm` runs Nano-vLLM's, at its defaults. The engines named by --alternate run alternately,
+--rounds processes each; the others once. HF transformers `generate` runs a scaled-down subset
+(`--hf-seqs` prompts of the same distribution, seed 1000, `--hf-tokens` output tokens each, one padded
+batch), and nanoref the same subset after its timed runs (prompts it has not seen), for the ratio. The
+script also measures the device-to-device copy bandwidth and prints the workload's bytes-moved floor
+(for run 0's stream): every decode step reads the weights once and each running sequence's K/V.
 
     python benchmarks/beside_peer.py --plot results/beside_peer.json figures/beside_peer_h200.png
 """
@@ -44,21 +52,28 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 
 # -- the workload, as plain host data (each engine builds its own SamplingParams) ---------------------
-def workload(num_seqs: int = 256, max_input_len: int = 1024, max_output_len: int = 1024) -> tuple[list, list]:
-    """Nano-vLLM bench.py's random stream: (prompts as id lists, max_tokens per request)."""
-    seed(0)
+HF_SUBSET_SEED = 1000  # the HF subset's stream: prompts no timed run has served
+
+
+def workload(
+    run: int = 0, num_seqs: int = 256, max_input_len: int = 1024, max_output_len: int = 1024
+) -> tuple[list, list]:
+    """Nano-vLLM bench.py's random stream, seeded with `run` (0: bench.py's own): (prompts as id lists, max_tokens
+    per request). Each timed run of a process takes the next seed, so it serves prompts its engine never saw."""
+    seed(run)
     prompts = [[randint(0, 10000) for _ in range(randint(100, max_input_len))] for _ in range(num_seqs)]
     max_tokens = [randint(100, max_output_len) for _ in range(num_seqs)]
     return prompts, max_tokens
 
 
 def hf_subset(num_seqs: int, tokens: int) -> tuple[list, list]:
-    prompts, _ = workload()
+    prompts, _ = workload(HF_SUBSET_SEED)
     return prompts[:num_seqs], [tokens] * num_seqs
 
 
 # -- workers: one engine, one process ------------------------------------------------------------------
 FLAGS = {  # nanoref engine names' flags -> LLM options (nanoref-FLAG-FLAG...)
+    "peer": dict(max_num_seqs=512, max_num_batched_tokens=16384, max_model_len=4096),  # Nano-vLLM's settings
     "overlap": dict(overlap_scheduling=True),
     "plain": dict(overlap_scheduling=False),  # the plain loop: the host waits for each step's tokens
     "triton": dict(attention_backend="triton"),
@@ -94,12 +109,13 @@ def run_nanoref(folder: str, variant: str, runs: int, subset: tuple[int, int]) -
     options = engine_options(variant.removeprefix("eager-layers").split("-"))
     with guard:
         start = time.perf_counter()
-        llm = LLM(folder, max_num_seqs=512, max_num_batched_tokens=16384, max_model_len=4096, **options)
+        llm = LLM(folder, **options)
         load_s = time.perf_counter() - start
         llm.generate([[1, 2, 3]], SamplingParams(max_tokens=8, temperature=0.6), use_tqdm=False)  # warm-up
 
-        def timed(prompts: list, max_tokens: list) -> tuple[float, float]:
+        def timed(prompts: list, max_tokens: list) -> dict:
             params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in max_tokens]
+            hits_before = llm.scheduler.block_manager.num_hit_blocks
             torch.cuda.synchronize()
             start = time.perf_counter()
             outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -107,19 +123,23 @@ def run_nanoref(folder: str, variant: str, runs: int, subset: tuple[int, int]) -
             elapsed = time.perf_counter() - start
             assert sum(len(o["token_ids"]) for o in outputs) == sum(max_tokens)
             decode = [s.elapsed for s in llm.metrics.steps if s.kind == "decode"] or [0.0]
-            return elapsed, statistics.mean(decode) * 1e3
+            hits = llm.scheduler.block_manager.num_hit_blocks - hits_before
+            return dict(time=elapsed, tokens=sum(max_tokens), decode_ms=statistics.mean(decode) * 1e3, hits=hits)
 
-        prompts, max_tokens = workload()
-        results = [timed(prompts, max_tokens) for _ in range(runs)]
-        sub = timed(*hf_subset(*subset)) if subset[0] else (None, None)
+        results = [timed(*workload(run)) for run in range(runs)]
+        sub = timed(*hf_subset(*subset)) if subset[0] else dict(time=None)
     return dict(
-        times=[t for t, _ in results],
-        decode_step_ms=[d for _, d in results],
-        subset_time=sub[0],
+        times=[r["time"] for r in results],
+        output_tokens=[r["tokens"] for r in results],
+        decode_step_ms=[r["decode_ms"] for r in results],
+        prefix_cache_hit_blocks=[r["hits"] for r in results],
+        subset_time=sub["time"],
         load_s=load_s,
         backend=llm.model_runner.backend.name,
         graphs=bool(llm.model_runner.graphs),
         block_size=llm.config.kvcache_block_size,
+        max_num_seqs=llm.config.max_num_seqs,
+        max_num_batched_tokens=llm.config.max_num_batched_tokens,
         options={key: str(value) for key, value in options.items()},
     )
 
@@ -131,14 +151,15 @@ def run_nano_vllm(folder: str, runs: int) -> dict:
     llm = LLM(folder, enforce_eager=False, max_model_len=4096)
     load_s = time.perf_counter() - start
     llm.generate(["Benchmark: "], SamplingParams(), use_tqdm=False)  # bench.py's warm-up
-    prompts, max_tokens = workload()
-    times = []
-    for _ in range(runs):
+    times, tokens = [], []
+    for run in range(runs):
+        prompts, max_tokens = workload(run)
         params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in max_tokens]
         start = time.perf_counter()
         llm.generate(prompts, params, use_tqdm=False)
         times.append(time.perf_counter() - start)  # its generate ends with a host sync (.tolist())
-    return dict(times=times, load_s=load_s)
+        tokens.append(sum(max_tokens))
+    return dict(times=times, output_tokens=tokens, load_s=load_s)
 
 
 def run_hf(folder: str, subset: tuple[int, int]) -> dict:
@@ -268,25 +289,26 @@ def parent(args: argparse.Namespace) -> None:
             floor=floor,
             subset=dict(seqs=args.hf_seqs, tokens=args.hf_tokens),
             runs=runs,
-            medians=medians(runs, floor["output_tokens"], args.hf_seqs * args.hf_tokens),
+            medians=medians(runs, args.hf_seqs * args.hf_tokens),
         )
         # written after every process, so a run cut short by a time limit still leaves what it measured
         (args.out_dir / "beside_peer.json").write_text(json.dumps(summary, indent=1) + "\n")
     print(table(summary))
 
 
-def medians(runs: list[dict], output_tokens: int, subset_tokens: int) -> dict:
+def medians(runs: list[dict], subset_tokens: int) -> dict:
+    """Per engine: every timed run's tok/s (its own output tokens over its time, in the order they ran) and
+    their median."""
     by_engine: dict[str, dict] = {}
     for run in runs:
-        entry = by_engine.setdefault(run["engine"], dict(times=[], subset_times=[], decode_step_ms=[]))
-        entry["times"] += run.get("times", [])
+        entry = by_engine.setdefault(run["engine"], dict(tok_per_s=[], subset_times=[], decode_step_ms=[]))
+        entry["tok_per_s"] += [round(n / t) for n, t in zip(run.get("output_tokens", []), run.get("times", []))]
         entry["decode_step_ms"] += run.get("decode_step_ms", [])
         if run.get("subset_time"):
             entry["subset_times"].append(run["subset_time"])
     for entry in by_engine.values():
-        if entry["times"]:
-            entry["tok_per_s"] = [round(output_tokens / t) for t in entry["times"]]
-            entry["median_tok_per_s"] = round(output_tokens / statistics.median(entry["times"]))
+        if entry["tok_per_s"]:
+            entry["median_tok_per_s"] = round(statistics.median(entry["tok_per_s"]))
         if entry["subset_times"]:
             entry["subset_tok_per_s"] = round(subset_tokens / statistics.median(entry["subset_times"]))
         if entry["decode_step_ms"]:
@@ -308,6 +330,13 @@ def table(summary: dict) -> str:
     return "\n".join(rows)
 
 
+LABELS = {  # engine names as a figure shows them
+    "nanoref": "nanoref, its defaults",
+    "nanoref-peer": "nanoref, Nano-vLLM's settings",
+    "nano-vllm": "Nano-vLLM, its defaults",
+}
+
+
 def plot(source: Path, target: Path) -> None:
     import matplotlib
 
@@ -318,7 +347,7 @@ def plot(source: Path, target: Path) -> None:
     entries = [(name, e) for name, e in summary["medians"].items() if e.get("median_tok_per_s")]
     entries.sort(key=lambda item: item[1]["median_tok_per_s"])
     fig, ax = plt.subplots(figsize=(7, 0.6 * len(entries) + 1.6))
-    names = [name for name, _ in entries]
+    names = [LABELS.get(name, name) for name, _ in entries]
     ax.barh(names, [e["median_tok_per_s"] for _, e in entries], color="#4c72b0")
     for row, (_, entry) in enumerate(entries):
         ax.scatter(entry["tok_per_s"], [row] * len(entry["tok_per_s"]), color="black", s=12, zorder=3)
@@ -334,7 +363,9 @@ def plot(source: Path, target: Path) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--engine", action="append", default=[], help="NAME=PYTHONPATH entry (repeatable)")
-    parser.add_argument("--alternate", nargs=2, default=["nanoref", "nano-vllm"], help="the two engines to alternate")
+    parser.add_argument(
+        "--alternate", nargs="+", default=["nanoref", "nano-vllm"], help="the engines to run alternately, in turn"
+    )
     parser.add_argument("--rounds", type=int, default=2, help="processes of each alternated engine")
     parser.add_argument("--runs-per-process", type=int, default=2)
     parser.add_argument("--hf-seqs", type=int, default=32, help="HF subset size (0: skip HF)")

@@ -75,7 +75,7 @@ def run_engine(folder: str, tp: int, runs: int, profile: bool, smoke: bool = Fal
     options = dict(device="cpu", max_model_len=512) if smoke else dict(max_model_len=4096)
     llm = LLM(folder, tensor_parallel_size=tp, max_num_seqs=512, max_num_batched_tokens=16384, **options)
     load_s = time.perf_counter() - start
-    prompts, max_tokens = workload(4, 120, 110) if smoke else workload()
+    prompts, max_tokens = workload(num_seqs=4, max_input_len=120, max_output_len=110) if smoke else workload()
     # warm-up on a quarter of the prompts: long prefills and large decode batches compile their kernels here, not
     # in the first timed run (after a 3-token warm-up the first run's prefill took 7.4 s on an H200, a cold one 3.4 s)
     llm.generate(prompts[: len(prompts) // 4], SamplingParams(max_tokens=8, temperature=0.6), use_tqdm=False)
