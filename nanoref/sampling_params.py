@@ -36,8 +36,13 @@ class SamplingParams:
             raise ValueError(f"top_k must be an integer in [0, 2**63) (0 = off), got {self.top_k!r}")
         if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < _SEED_LIMIT):
-            raise ValueError(f"seed must be None or an integer in [0, 2**64), got {self.seed!r}")
+        check_seed(self.seed)
+
+
+def check_seed(seed: object) -> None:
+    """Raise ValueError unless seed is None or a torch.Generator seed (a request's, or LLM(seed=...)'s)."""
+    if seed is not None and (not _is_int(seed) or not 0 <= seed < _SEED_LIMIT):
+        raise ValueError(f"seed must be None or an integer in [0, 2**64), got {seed!r}")
 
 
 def _is_int(value: object) -> bool:

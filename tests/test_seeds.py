@@ -1,7 +1,12 @@
-"""Seeds: a seeded request draws the same whatever its prompt's chunking."""
+"""Seeds: a seeded request draws the same whatever its prompt's chunking, LLM(seed=N) makes unseeded requests
+repeat from one engine to the next, and neither touches the caller's RNGs."""
 
 from __future__ import annotations
 
+import random
+
+import numpy as np
+import pytest
 import torch
 
 from nanoref import LLM, SamplingParams
@@ -38,3 +43,53 @@ def test_a_mid_prompt_chunk_draws_nothing_from_the_engines_generator(tiny_model)
     assert torch.equal(llm.model_runner.generator.get_state(), state), "a mid-prompt chunk drew sampling noise"
     llm.step()  # the last 8 tokens: its row samples the first token
     assert not torch.equal(llm.model_runner.generator.get_state(), state)
+
+
+# -- LLM(seed=...) --------------------------------------------------------------------------------
+def rng_states() -> tuple:
+    return torch.get_rng_state(), random.getstate(), np.random.get_state()
+
+
+def assert_same_rng_states(before: tuple) -> None:
+    torch_state, python_state, numpy_state = rng_states()
+    assert torch.equal(torch_state, before[0]), "the global torch RNG changed"
+    assert python_state == before[1], "the global `random` state changed"
+    assert all(np.array_equal(a, b) for a, b in zip(numpy_state, before[2])), "the global NumPy RNG changed"
+
+
+def test_engines_with_the_same_seed_sample_the_same_tokens(tiny_model):
+    prompts = random_prompts(seed=52, lengths=[5, 12, 3])
+    params = [SAMPLED, SamplingParams(temperature=0.8, top_p=0.9, max_tokens=10, ignore_eos=True), SAMPLED]
+    first = engine(tiny_model, seed=7).generate(prompts, params, use_tqdm=False)
+    second = engine(tiny_model, seed=7).generate(prompts, params, use_tqdm=False)
+    assert first == second
+    other = engine(tiny_model, seed=8).generate(prompts, params, use_tqdm=False)
+    assert other != first
+
+
+def test_without_a_seed_engines_sample_differently(tiny_model):
+    params = SamplingParams(temperature=1.0, max_tokens=24, ignore_eos=True)
+    first = engine(tiny_model, seed=None).generate([[1, 2, 3]], params, use_tqdm=False)
+    second = engine(tiny_model, seed=None).generate([[1, 2, 3]], params, use_tqdm=False)
+    assert first != second  # 24 draws from 256 tokens repeating by chance: never in practice
+
+
+@pytest.mark.parametrize("seed", [None, 7])
+def test_an_engines_seed_leaves_the_global_rngs_alone(tiny_model, seed):
+    torch.manual_seed(99)
+    random.seed(99)
+    np.random.seed(99)
+    before = rng_states()
+    llm = engine(tiny_model, seed=seed)
+    llm.generate([[1, 2, 3], [4, 5, 6, 7]], [SAMPLED, SamplingParams(temperature=0.7, top_k=5)], use_tqdm=False)
+    assert_same_rng_states(before)
+
+
+@pytest.mark.parametrize("seed", [-1, 2**64, 1.5, True, "7"])
+def test_a_bad_engine_seed_is_refused(tiny_model, seed):
+    with pytest.raises(ValueError, match=r"seed must be None or an integer in \[0, 2\*\*64\)"):
+        engine(tiny_model, seed=seed)
+
+
+def test_llm_documents_its_seed():
+    assert "seed:" in LLM.__doc__

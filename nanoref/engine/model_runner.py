@@ -172,9 +172,13 @@ class ModelRunner:
         for layer in self.attention_layers:
             layer.backend = self.backend
         self.sampler = Sampler()
-        # unseeded requests draw from this, seeded from fresh entropy: never from (or into) the global RNG
+        # unseeded requests draw from this (seeded requests from their own): never from (or into) the global RNG.
+        # LLM(seed=N) makes their draws repeat from one engine to the next; None: fresh entropy
         self.generator = torch.Generator(device=self.device)
-        self.generator.seed()
+        if config.seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(config.seed)
         # at most this many blocks per sequence: the width of the decode block tables
         self.max_blocks_per_seq = (config.max_model_len + self.block_size - 1) // self.block_size
         # every sequence's block table as a row of one array: the block manager's, attached by the engine
