@@ -123,7 +123,7 @@ class LLMEngine:
                 f"the prompt has {len(token_ids)} tokens but max_model_len is {limit}: "
                 f"at most {limit - 1} prompt tokens leave room for a generated one"
             )
-        longest = min(len(token_ids) + params.max_tokens, limit)
+        longest = min(len(token_ids) + int(params.max_tokens), limit)  # (a NumPy integer could overflow here)
         manager = self.scheduler.block_manager
         if manager.blocks_needed(longest) > manager.num_blocks:
             raise ValueError(
