@@ -131,6 +131,31 @@ def test_freed_blocks_stay_hittable_until_reused():
     manager.check_invariants([])
 
 
+def test_forget_cached_prefixes_needs_an_idle_manager_and_drops_every_forwards_hits():
+    manager = BlockManager(num_blocks=6, block_size=BS)
+    mine = ForwardKey({"rms_norm": lambda x, weight, eps: x})
+    for forward in (None, mine):
+        manager.use_forward(forward)
+        a = seq_of(list(range(40)))
+        manager.allocate(a)
+        compute_all(manager, a)
+        manager.deallocate(a)
+    b = seq_of(list(range(40)))
+    manager.allocate(b)
+    with pytest.raises(RuntimeError, match="idle"):
+        manager.forget_cached_prefixes()  # b's blocks are held: their K/V is still being read
+    manager.deallocate(b)
+    manager.forget_cached_prefixes()
+    assert manager.hash_to_block_id == {} and manager.forward_tables == {} and manager.num_free_blocks == 6
+    for forward in (None, mine):
+        manager.use_forward(forward)
+        c = seq_of(list(range(40)))
+        manager.allocate(c)
+        assert c.num_prefix_hit_tokens == 0  # the same prompt no longer hits, under either forward
+        manager.check_invariants([c])
+        manager.deallocate(c)
+
+
 def test_blocks_computed_by_one_forward_are_never_hit_by_another():
     """Each forward has its own prefix cache: a lookup under nanoref's forward never finds blocks an exercise
     function's forward computed, nor the reverse, and each still hits its own."""

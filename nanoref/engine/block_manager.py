@@ -287,6 +287,18 @@ class BlockManager:
             prefix_hash = block.hash
         seq.num_hashed_blocks = num_full
 
+    def forget_cached_prefixes(self) -> None:
+        """Make every cached block unreachable, whatever forward computed it (its K/V stays until the block is
+        reused): for a benchmark whose every run must prefill its whole prompts. Needs an idle engine."""
+        if self.used_block_ids:
+            raise RuntimeError("forget_cached_prefixes needs an idle engine: some blocks are still held")
+        for block in self.blocks:
+            block.hash = -1
+            block.token_ids = []
+            block.forward = None
+        self.hash_to_block_id.clear()
+        self.forward_tables.clear()
+
     # -- invariants (tests and notebooks) -----------------------------------------------------
     def check_invariants(self, live: list[Sequence] = ()) -> None:
         refs = [0] * self.num_blocks
