@@ -12,10 +12,12 @@ wrong K/V. Freed blocks keep their hash and content until they are reused for so
 eviction), so a finished request's prefix can still be hit.
 
 The K/V of given tokens depends on the forward that computed them: inside `seams.use(rms_norm=...)` a learner's
-function runs in every layer. So each forward has its own hash table (`forward_key`: nanoref's own forward is
-`hash_to_block_id`), a block is registered only in the table of the forward that computed all of its sequence's
-K/V, and a lookup searches the table of the forward about to run. The engine tells the manager which forward each
-step runs (`use_forward`); a sequence whose K/V was started by another forward publishes nothing more.
+function runs in every layer. So each forward (`seams.forward_key()`) has its own hash table, nanoref's own being
+`hash_to_block_id`: a block is registered only in the table of the forward that computed all of its sequence's
+K/V, and a lookup searches the table of the forward about to run (the chain hashes themselves are the same for every
+forward, so a learner's `find_cached_prefix` reads any forward's table as it is). The engine tells the manager
+which forward each step runs (`use_forward`); a sequence whose K/V was started by another forward publishes nothing
+more.
 
 Every block table is also mirrored in one persistent array (`BlockTables`), a row per sequence holding blocks:
 the model runner reads a decode step's padded tables from it with one numpy index, instead of re-padding every
