@@ -67,3 +67,16 @@ def test_each_forward_still_hits_its_own_cached_prefix(tiny_model):
     assert second[0]["metrics"].num_cached_tokens == 32
     again = llm.generate([prompt], GREEDY, use_tqdm=False, return_metrics=True)
     assert again[0]["metrics"].num_cached_tokens == 32 and again[0]["token_ids"] == plain[0]["token_ids"]
+
+
+def test_a_learners_prefix_lookup_hits_the_cache_of_a_learners_forward(tiny_model):
+    """The capstone runs every exercise at once: a learner's find_cached_prefix (which knows only chain_hash) must
+    still find the K/V the learner's forward cached."""
+    from nanoref.engine.block_manager import find_cached_prefix
+
+    prompt = random_prompts(seed=46, lengths=[40])[0]
+    llm = engine(tiny_model)
+    with seams.use(rms_norm=wrong_rms_norm, find_cached_prefix=lambda *args: find_cached_prefix(*args)):
+        llm.generate([prompt], GREEDY, use_tqdm=False)
+        again = llm.generate([prompt], GREEDY, use_tqdm=False, return_metrics=True)
+    assert again[0]["metrics"].num_cached_tokens == 32
