@@ -10,6 +10,7 @@ import torch
 
 from nanoref.models import Qwen3Config, load_model_config
 from nanoref.ops.backends import BACKEND_NAMES
+from nanoref.sampling_params import check_seed
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -82,6 +83,9 @@ class EngineConfig:
     # it takes the host's ~1-2 ms per step off the critical path (measured on an H200, benchmarks/results/); off
     # on a CPU, where the "device" is the host itself and nothing can overlap
     overlap_scheduling: bool | None = None
+    # the engine's generator for unseeded requests: the same seed and requests give the same tokens (as vLLM's
+    # LLM(seed=...)); None: fresh entropy per engine. Never the global RNG, either way
+    seed: int | None = None
     # filled in by __post_init__: the folder and its parsed config.json (read once, here)
     model_folder: Path = field(init=False)
     architecture: str = field(init=False)  # the HF class name the model is built from
@@ -124,6 +128,7 @@ class EngineConfig:
         utilization = self.gpu_memory_utilization
         if isinstance(utilization, bool) or not isinstance(utilization, (int, float)) or not 0.0 < utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        check_seed(self.seed)
         if not _is_int(self.tensor_parallel_size) or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
         if self.tensor_parallel_size > 1:

@@ -31,6 +31,9 @@ class LLM(LLMEngine):
     enforce_eager: on CUDA, skip capturing decode CUDA graphs.
     overlap_scheduling: schedule and launch each decode step while the device still runs the one before.
         None (default): on for CUDA, off on a CPU (where nothing can overlap and the plain loop is simpler).
+    seed: seeds the generator that requests without their own `SamplingParams.seed` draw from, so the same seed
+        and the same requests give the same tokens (a request's own seed still wins); None (default): fresh
+        entropy, so runs differ. Either way the global RNGs (torch, random, numpy) are left alone.
     """
 
     def __init__(
@@ -49,6 +52,7 @@ class LLM(LLMEngine):
         attention_backend: str = "auto",
         tensor_parallel_size: int = 1,
         overlap_scheduling: bool | None = None,
+        seed: int | None = None,
     ) -> None:
         config = EngineConfig(
             model=model,
@@ -64,5 +68,6 @@ class LLM(LLMEngine):
             attention_backend=attention_backend,
             tensor_parallel_size=tensor_parallel_size,
             overlap_scheduling=overlap_scheduling,
+            seed=seed,
         )
         super().__init__(config)

@@ -8,6 +8,9 @@ from dataclasses import dataclass
 
 _INT64_MAX = 2**63 - 1  # top_k travels to the sampler as an int64 tensor
 _SEED_LIMIT = 2**64  # torch.Generator.manual_seed takes an unsigned 64-bit seed
+# positions and sequence lengths travel to the device as int32: no sequence can ever be longer, so a larger
+# max_tokens is a mistake, not a wish (generation also stops at the engine's max_model_len, as in vLLM)
+MAX_TOKENS_LIMIT = 2**31 - 1
 
 
 @dataclass
@@ -26,8 +29,11 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field (the engine checks again: fields can be reassigned)."""
-        if not _is_int(self.max_tokens) or self.max_tokens <= 0:
-            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if not _is_int(self.max_tokens) or not 0 < self.max_tokens <= MAX_TOKENS_LIMIT:
+            raise ValueError(
+                f"max_tokens must be a positive integer of at most 2**31 - 1 = {MAX_TOKENS_LIMIT} (generation also "
+                f"stops at the engine's max_model_len), got {self.max_tokens!r}"
+            )
         if not _is_real(self.temperature) or not 0 <= self.temperature < math.inf:  # also rejects NaN
             raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
         if not isinstance(self.ignore_eos, bool):
@@ -36,8 +42,13 @@ class SamplingParams:
             raise ValueError(f"top_k must be an integer in [0, 2**63) (0 = off), got {self.top_k!r}")
         if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < _SEED_LIMIT):
-            raise ValueError(f"seed must be None or an integer in [0, 2**64), got {self.seed!r}")
+        check_seed(self.seed)
+
+
+def check_seed(seed: object) -> None:
+    """Raise ValueError unless seed is None or a torch.Generator seed (a request's, or LLM(seed=...)'s)."""
+    if seed is not None and (not _is_int(seed) or not 0 <= seed < _SEED_LIMIT):
+        raise ValueError(f"seed must be None or an integer in [0, 2**64), got {seed!r}")
 
 
 def _is_int(value: object) -> bool:

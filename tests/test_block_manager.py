@@ -10,6 +10,7 @@ from nanoref import SamplingParams
 from nanoref.engine.block_manager import BlockManager, chain_hash
 from nanoref.engine.scheduler import Scheduler
 from nanoref.engine.sequence import Sequence, SequenceStatus
+from nanoref.utils.seams import ForwardKey
 
 BS = 16
 
@@ -130,19 +131,90 @@ def test_freed_blocks_stay_hittable_until_reused():
     manager.check_invariants([])
 
 
-def test_forget_cached_prefixes_needs_an_idle_manager_and_drops_every_hit():
+def test_forget_cached_prefixes_needs_an_idle_manager_and_drops_every_forwards_hits():
     manager = BlockManager(num_blocks=6, block_size=BS)
-    a = seq_of(list(range(40)))
-    manager.allocate(a)
-    compute_all(manager, a)
-    with pytest.raises(RuntimeError, match="idle"):
-        manager.forget_cached_prefixes()  # a's blocks are held: its K/V is still being read
-    manager.deallocate(a)
-    manager.forget_cached_prefixes()
-    assert manager.hash_to_block_id == {} and manager.num_free_blocks == 6
+    mine = ForwardKey({"rms_norm": lambda x, weight, eps: x})
+    for forward in (None, mine):
+        manager.use_forward(forward)
+        a = seq_of(list(range(40)))
+        manager.allocate(a)
+        compute_all(manager, a)
+        manager.deallocate(a)
     b = seq_of(list(range(40)))
     manager.allocate(b)
-    assert b.num_prefix_hit_tokens == 0  # the same prompt no longer hits
+    with pytest.raises(RuntimeError, match="idle"):
+        manager.forget_cached_prefixes()  # b's blocks are held: their K/V is still being read
+    manager.deallocate(b)
+    manager.forget_cached_prefixes()
+    assert manager.hash_to_block_id == {} and manager.forward_tables == {} and manager.num_free_blocks == 6
+    for forward in (None, mine):
+        manager.use_forward(forward)
+        c = seq_of(list(range(40)))
+        manager.allocate(c)
+        assert c.num_prefix_hit_tokens == 0  # the same prompt no longer hits, under either forward
+        manager.check_invariants([c])
+        manager.deallocate(c)
+
+
+def test_blocks_computed_by_one_forward_are_never_hit_by_another():
+    """Each forward has its own prefix cache: a lookup under nanoref's forward never finds blocks an exercise
+    function's forward computed, nor the reverse, and each still hits its own."""
+    mine = ForwardKey({"rms_norm": lambda x, weight, eps: x})
+    manager = BlockManager(num_blocks=12, block_size=BS)
+    tokens = list(range(40))
+    manager.use_forward(mine)
+    a = seq_of(tokens)
+    manager.allocate(a)
+    compute_all(manager, a)
+    manager.deallocate(a)
+    manager.use_forward(None)  # nanoref's own forward again
+    b = seq_of(tokens)
+    manager.allocate(b)
+    assert b.num_prefix_hit_tokens == 0, "nanoref's forward was served K/V that an exercise function computed"
+    compute_all(manager, b)
+    manager.deallocate(b)
+    for forward in (mine, None):
+        manager.use_forward(forward)
+        c = seq_of(tokens)
+        manager.allocate(c)
+        assert c.num_prefix_hit_tokens == 32, f"{forward}'s own blocks are not hit"
+        manager.check_invariants([c])
+        manager.deallocate(c)
+
+
+def test_a_sequence_whose_forward_changed_mid_prompt_publishes_nothing():
+    """Chunked prefill: a block whose K/V two forwards computed belongs to neither cache, even when the forward
+    changes back before the block is committed."""
+    mine = ForwardKey({"rms_norm": lambda x, weight, eps: x})
+    manager = BlockManager(num_blocks=12, block_size=BS)
+    tokens = list(range(40))
+    a = seq_of(tokens)
+    manager.allocate(a)
+    a.num_computed_tokens = 8  # half of block 0, under nanoref's forward
+    manager.commit(a)
+    manager.use_forward(mine)
+    manager.use_forward(None)  # one step under `mine`, then nanoref's again
+    compute_all(manager, a)
+    assert manager.hash_to_block_id == {} and manager.forward_tables == {}
+    manager.deallocate(a)
+    b = seq_of(tokens)
+    manager.allocate(b)
+    assert b.num_prefix_hit_tokens == 0
+    manager.check_invariants([b])
+
+
+def test_an_evicted_forwards_table_is_dropped_with_its_functions():
+    manager = BlockManager(num_blocks=4, block_size=BS)
+    manager.use_forward(ForwardKey({"rms_norm": lambda x, weight, eps: x}))
+    a = seq_of(list(range(33)))
+    manager.allocate(a)
+    compute_all(manager, a)
+    manager.deallocate(a)
+    assert len(manager.forward_tables) == 1
+    manager.use_forward(None)
+    b = seq_of(list(range(500, 564)))  # 4 fresh blocks: evicts everything cached
+    manager.allocate(b)
+    assert manager.forward_tables == {}, "an empty table (and the functions of its key) stayed"
     manager.check_invariants([b])
 
 

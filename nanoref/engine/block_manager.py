@@ -11,6 +11,14 @@ counts) instead of recomputing them. Token ids are compared too, so a hash colli
 wrong K/V. Freed blocks keep their hash and content until they are reused for something else (lazy
 eviction), so a finished request's prefix can still be hit.
 
+The K/V of given tokens depends on the forward that computed them: inside `seams.use(rms_norm=...)` a learner's
+function runs in every layer. So each forward (`seams.forward_key()`) has its own hash table, nanoref's own being
+`hash_to_block_id`: a block is registered only in the table of the forward that computed all of its sequence's
+K/V, and a lookup searches the table of the forward about to run (the chain hashes themselves are the same for every
+forward, so a learner's `find_cached_prefix` reads any forward's table as it is). The engine tells the manager
+which forward each step runs (`use_forward`); a sequence whose K/V was started by another forward publishes nothing
+more.
+
 Every block table is also mirrored in one persistent array (`BlockTables`), a row per sequence holding blocks:
 the model runner reads a decode step's padded tables from it with one numpy index, instead of re-padding every
 sequence's Python list every step.
@@ -24,7 +32,7 @@ import numpy as np
 import xxhash
 
 from nanoref.engine.sequence import Sequence
-from nanoref.utils.seams import seam
+from nanoref.utils.seams import ForwardKey, seam
 
 
 def chain_hash(token_ids: list[int], prefix_hash: int = -1) -> int:
@@ -42,11 +50,13 @@ class Block:
         self.ref_count = 0
         self.hash = -1  # -1: not (yet) reusable through the prefix cache
         self.token_ids: list[int] = []
+        self.forward: ForwardKey | None = None  # the forward whose table the hash is registered in (None: nanoref's)
 
     def reset(self) -> None:
         self.ref_count = 1
         self.hash = -1
         self.token_ids = []
+        self.forward = None
 
     def __repr__(self) -> str:
         return f"Block({self.block_id}, ref={self.ref_count}, hash={'-' if self.hash == -1 else hex(self.hash)[:8]})"
@@ -128,7 +138,13 @@ class BlockManager:
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self.block_size = block_size
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self.hash_to_block_id: dict[int, int] = {}
+        self.hash_to_block_id: dict[int, int] = {}  # the prefix cache of nanoref's own forward
+        # the prefix caches of other forwards (exercise functions in place of nanoref's), dropped when they empty
+        self.forward_tables: dict[ForwardKey, dict[int, int]] = {}
+        # the forward the current step runs, and how many times it changed: a sequence publishes its blocks only if
+        # every step since its allocation ran the forward of the same epoch
+        self.forward: ForwardKey | None = None
+        self.forward_epoch = 0
         # Free blocks, oldest freed first (LRU eviction), as an ordered set: a prefix-cache hit takes its block back
         # out of the middle, where a deque's remove() scans the whole free list. With 16-token blocks a GPU holds
         # tens of thousands of blocks, and re-sent prompts hit thousands of them (on the CPU, a repeated generate of
@@ -150,12 +166,33 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return (num_tokens + self.block_size - 1) // self.block_size
 
+    # -- which forward ------------------------------------------------------------------------
+    def use_forward(self, forward: ForwardKey | None) -> None:
+        """The next step runs `forward` (`seams.forward_key()`): look up and publish blocks in its table from now.
+
+        Called before every step. When the forward changes, the sequences already holding K/V made by the old one
+        can never publish again (their later blocks would mix both forwards): the epoch moves on.
+        """
+        if forward != self.forward:
+            self.forward = forward
+            self.forward_epoch += 1
+
+    def _table(self, forward: ForwardKey | None) -> dict[int, int]:
+        """The hash table of `forward`'s prefix cache (an empty one, not kept, if it has none yet)."""
+        if forward is None:
+            return self.hash_to_block_id
+        return self.forward_tables.get(forward, {})
+
     # -- allocation ---------------------------------------------------------------------------
     def _take_free_block(self) -> int:
         block_id, _ = self.free_block_ids.popitem(last=False)  # the least recently freed
         block = self.blocks[block_id]
-        if block.hash != -1 and self.hash_to_block_id.get(block.hash) == block_id:
-            del self.hash_to_block_id[block.hash]  # evicted: its content is about to be overwritten
+        if block.hash != -1:
+            table = self._table(block.forward)
+            if table.get(block.hash) == block_id:
+                del table[block.hash]  # evicted: its content is about to be overwritten
+                if not table and block.forward is not None:
+                    del self.forward_tables[block.forward]  # (which lets the forward's functions go)
         block.reset()
         self.used_block_ids.add(block_id)
         return block_id
@@ -163,7 +200,7 @@ class BlockManager:
     def _find_cached_prefix(self, seq: Sequence) -> list[int]:
         """Block ids holding the longest cached prefix of seq (see find_cached_prefix)."""
         lookup = seam("find_cached_prefix", find_cached_prefix)
-        return lookup(seq.token_ids, self.block_size, self.hash_to_block_id, self.blocks)
+        return lookup(seq.token_ids, self.block_size, self._table(self.forward), self.blocks)
 
     def can_allocate(self, seq: Sequence) -> bool:
         hits = self._find_cached_prefix(seq)
@@ -190,6 +227,7 @@ class BlockManager:
         seq.num_prefix_hit_tokens = len(hits) * self.block_size
         seq.num_computed_tokens = seq.num_prefix_hit_tokens
         seq.num_hashed_blocks = len(hits)
+        seq.forward_epoch = self.forward_epoch  # its K/V (the hits included) is the current forward's
 
     def deallocate(self, seq: Sequence) -> None:
         for block_id in reversed(seq.block_table):
@@ -226,32 +264,42 @@ class BlockManager:
 
         Hashes are published only once the K/V is really in the cache: a block hashed at allocation
         could be hit by another sequence before (or, with chunked prefill, several steps before) its
-        K/V has been written.
+        K/V has been written. They go to the table of the forward that computed them, and only if no step of seq
+        ran another forward since its allocation (commit follows the step it is for: with the overlapped loop a
+        forward change in between also stops the publication, which costs a cache entry, never a wrong hit).
         """
         num_full = seq.num_computed_tokens // self.block_size
         start = seq.num_hashed_blocks
         if num_full <= start:
             return  # no block filled up since the last commit (most decode steps)
+        if seq.forward_epoch != self.forward_epoch:
+            return  # part of its K/V comes from another forward: it matches no forward's cache
+        if self.forward is None:
+            table = self.hash_to_block_id
+        else:
+            table = self.forward_tables.setdefault(self.forward, {})
         prefix_hash = self.blocks[seq.block_table[start - 1]].hash if start else -1
         for index in range(start, num_full):
             block = self.blocks[seq.block_table[index]]
             token_ids = seq.block(index)
             block.hash = chain_hash(token_ids, prefix_hash)
             block.token_ids = token_ids
-            self.hash_to_block_id[block.hash] = block.block_id
+            block.forward = self.forward
+            table[block.hash] = block.block_id
             prefix_hash = block.hash
         seq.num_hashed_blocks = num_full
 
     def forget_cached_prefixes(self) -> None:
-        """Make every cached block unreachable (its K/V stays until the block is reused). For an idle engine
-        whose forward changed (an exercise function in place of nanoref's own): K/V computed by the old one
-        must not serve the new one."""
+        """Make every cached block unreachable, whatever forward computed it (its K/V stays until the block is
+        reused): for a benchmark whose every run must prefill its whole prompts. Needs an idle engine."""
         if self.used_block_ids:
             raise RuntimeError("forget_cached_prefixes needs an idle engine: some blocks are still held")
         for block in self.blocks:
             block.hash = -1
             block.token_ids = []
+            block.forward = None
         self.hash_to_block_id.clear()
+        self.forward_tables.clear()
 
     # -- invariants (tests and notebooks) -----------------------------------------------------
     def check_invariants(self, live: list[Sequence] = ()) -> None:
@@ -264,8 +312,11 @@ class BlockManager:
             assert (block.ref_count > 0) == (block.block_id in self.used_block_ids), f"{block} used/free mismatch"
         assert self.used_block_ids.isdisjoint(self.free_block_ids), "a block is both used and free"
         assert len(self.used_block_ids) + len(self.free_block_ids) == self.num_blocks, "a block leaked"
-        for h, block_id in self.hash_to_block_id.items():
-            assert self.blocks[block_id].hash == h, f"stale hash entry for block {block_id}"
+        for forward, table in [(None, self.hash_to_block_id), *self.forward_tables.items()]:
+            assert forward is None or table, f"an empty table is kept for {forward}"
+            for h, block_id in table.items():
+                block = self.blocks[block_id]
+                assert block.hash == h and block.forward == forward, f"stale hash entry for block {block_id}"
         for seq in live:  # the array mirrors every live table exactly
             row, count = seq.table_row, len(seq.block_table)
             assert row >= 0 and self.tables.num_blocks[row] == count, f"{seq}: table row {row} out of date"

@@ -90,7 +90,6 @@ class LLMEngine:
         self.model_runner.block_tables = self.scheduler.block_manager.tables
         self.metrics = EngineMetrics()  # step records and per-request metrics (see engine/metrics.py)
         self.in_flight: InFlight | None = None  # the overlapped loop's step on the device, not yet postprocessed
-        self._cache_seams: dict = {}  # the exercise functions the prefix cache's K/V was computed with
 
     # -- requests -----------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -124,7 +123,7 @@ class LLMEngine:
                 f"the prompt has {len(token_ids)} tokens but max_model_len is {limit}: "
                 f"at most {limit - 1} prompt tokens leave room for a generated one"
             )
-        longest = min(len(token_ids) + params.max_tokens, limit)
+        longest = min(len(token_ids) + int(params.max_tokens), limit)  # (a NumPy integer could overflow here)
         manager = self.scheduler.block_manager
         if manager.blocks_needed(longest) > manager.num_blocks:
             raise ValueError(
@@ -158,6 +157,8 @@ class LLMEngine:
         with self._lock:
             if self.scheduler.is_finished():
                 raise RuntimeError("step() found no request waiting or running: add one with add_request() first")
+            # this step runs the forward of the caller's `seams.use` block (if any): the prefix cache keeps it apart
+            self.scheduler.block_manager.use_forward(seams.forward_key())
             if self.config.overlap_scheduling:
                 return self._step_overlapped()
             seqs, is_prefill = self.scheduler.schedule()
@@ -273,11 +274,6 @@ class LLMEngine:
 
     def _run_to_completion(self, seqs: list[Sequence], use_tqdm: bool, return_metrics: bool) -> list[dict]:
         self.metrics.clear()
-        functions = seams.active()
-        if functions != self._cache_seams and self.scheduler.is_finished():
-            # the forward changed (a `use(...)` block began or ended): K/V cached by the other one must not be hit
-            self.scheduler.block_manager.forget_cached_prefixes()
-            self._cache_seams = functions
         for seq in seqs:
             self.enqueue(seq)
         bar = tqdm(total=len(seqs), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)

@@ -172,9 +172,13 @@ class ModelRunner:
         for layer in self.attention_layers:
             layer.backend = self.backend
         self.sampler = Sampler()
-        # unseeded requests draw from this, seeded from fresh entropy: never from (or into) the global RNG
+        # unseeded requests draw from this (seeded requests from their own): never from (or into) the global RNG.
+        # LLM(seed=N) makes their draws repeat from one engine to the next; None: fresh entropy
         self.generator = torch.Generator(device=self.device)
-        self.generator.seed()
+        if config.seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(config.seed)
         # at most this many blocks per sequence: the width of the decode block tables
         self.max_blocks_per_seq = (config.max_model_len + self.block_size - 1) // self.block_size
         # every sequence's block table as a row of one array: the block manager's, attached by the engine
@@ -344,15 +348,26 @@ class ModelRunner:
         input_ids = ids_positions_slots[0] if next_ids is None else next_ids  # (ahead: the host's is a stale id)
         return input_ids, ids_positions_slots[1]  # (num_seqs,), (num_seqs,)
 
-    def prepare_sample(self, seqs: list[Sequence]) -> SamplingBatch:
+    def prepare_sample(self, seqs: list[Sequence], is_prefill: bool = False) -> SamplingBatch:
         """Each row's settings, plus the host facts (all greedy? any top-k/top-p? which rows seeded?)
-        that let the sampler choose its path without reading the device."""
+        that let the sampler choose its path without reading the device.
+
+        A prefill row that ends mid-prompt emits no token (Scheduler.postprocess drops it): it is sampled greedily,
+        so it draws nothing from its request's generator, and a seeded request's draws are the same however its
+        prompt was chunked (and when every row is greedy or mid-prompt, nothing is drawn from the engine's either).
+        """
         params = [seq.sampling_params for seq in seqs]
+        temperatures = [p.temperature for p in params]
+        generators = [seq.generator for seq in seqs]
+        if is_prefill:
+            for row, seq in enumerate(seqs):
+                if seq.num_computed_tokens + seq.num_scheduled_tokens < seq.num_tokens:
+                    temperatures[row], generators[row] = 0.0, None
         return SamplingBatch.from_host(
-            [p.temperature for p in params],
+            temperatures,
             [p.top_k for p in params],
             [p.top_p for p in params],
-            [seq.generator for seq in seqs],
+            generators,
             device=self.device,
             default_generator=self.generator,
         )
@@ -451,7 +466,7 @@ class ModelRunner:
                 block_tables=c.block_tables,
             )
         logits = self.run_model(input_ids, positions, is_prefill)  # (num_seqs, vocab)
-        sampling = self.prepare_sample(seqs)  # host work while the GPU runs the forward just launched
+        sampling = self.prepare_sample(seqs, is_prefill)  # host work while the GPU runs the forward just launched
         return self.sampler(logits, batch=sampling)  # (num_seqs,)
 
     # -- CUDA graphs (decode only) --------------------------------------------------------------

@@ -36,6 +36,8 @@ class Sequence:
         self.num_prefix_hit_tokens = 0
         # leading blocks whose hash the block manager has registered
         self.num_hashed_blocks = 0
+        # the block manager's forward epoch at allocation: its blocks are published only while it is current
+        self.forward_epoch = 0
         self.num_preemptions = 0
         # a seeded request draws its sampling noise from its own generator (set by the engine)
         self.generator: torch.Generator | None = None

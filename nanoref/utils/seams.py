@@ -1,12 +1,19 @@
 """Exercise seams: run the real engine with a learner's function in place of one of nanoref's own.
 
 A seam is a named place in the layers, ops or engine that asks `seam(name, default)` for the function
-to call. Outside a `use(...)` block that is always `default` (one truthiness check of an empty dict,
-so an unused seam costs nothing measurable); inside it, the learner's function:
+to call. Outside a `use(...)` block that is always `default` (one context-variable read and a truthiness
+check of an empty mapping, so an unused seam costs nothing measurable); inside it, the learner's function:
 
     from nanoref.utils.seams import use
     with use(add_rms_norm=my_add_rms_norm):
         llm.generate(...)          # every decoder layer now calls my_add_rms_norm
+
+A `use` block holds for the code that runs inside it, in its own thread (a `contextvars.ContextVar`, so an
+asyncio task's block stays in that task too): another thread's engine keeps nanoref's own functions, and
+blocks that overlap across threads each end exactly where they began. A new thread starts with none.
+
+The forward an engine runs depends on the replaced seams, so its prefix cache keeps K/V apart per forward
+(`forward_key`): K/V computed with a learner's function never serves a step without it, nor the reverse.
 
 This module sits at the bottom of the package beside `utils/context` and imports nothing from
 nanoref, so any layer may consult it. `nanoref.exercises` holds the checks the notebooks run.
@@ -15,7 +22,9 @@ nanoref, so any layer may consult it. `nanoref.exercises` holds the checks the n
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
+from contextvars import ContextVar
+from types import MappingProxyType
 from typing import TypeVar
 
 F = TypeVar("F", bound=Callable)
@@ -53,40 +62,85 @@ SEAMS: dict[str, str] = {
     "(N, hidden): each token's router-weighted sum of its experts' outputs",
 }
 
-_ACTIVE: dict[str, Callable] = {}  # the learner's functions while a `use` block runs
+# seams whose function runs on the host beside the forward, never inside it: replacing one changes which blocks are
+# shared, which sequence steps back or which token is drawn, but not the K/V a forward writes for given tokens
+HOST_SEAMS = frozenset({"find_cached_prefix", "choose_preemption_victim", "apply_top_k_top_p"})
+
+
+class ForwardKey:
+    """Which forward made some K/V: the replaced seams that run inside the model, compared by identity.
+
+    It holds the functions themselves, so none of them can be freed (and its id given to another function) while a
+    key names it: the prefix cache keeps one per forward whose K/V it holds.
+    """
+
+    __slots__ = ("functions", "_ids")
+
+    def __init__(self, functions: Mapping[str, Callable]) -> None:
+        self.functions = tuple(sorted(functions.items()))  # ((name, function), ...) sorted by name
+        self._ids = tuple((name, id(function)) for name, function in self.functions)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ForwardKey) and self._ids == other._ids
+
+    def __hash__(self) -> int:
+        return hash(self._ids)
+
+    def __repr__(self) -> str:
+        return f"ForwardKey({', '.join(name for name, _ in self.functions)})"
+
+
+_NONE: Mapping[str, Callable] = MappingProxyType({})
+# the learner's functions in this thread (or asyncio task) while a `use` block runs; immutable, replaced as a whole
+_ACTIVE: ContextVar[Mapping[str, Callable]] = ContextVar("nanoref_seams", default=_NONE)
+# the forward they make (None: nanoref's own), computed once per block rather than once per step
+_FORWARD: ContextVar[ForwardKey | None] = ContextVar("nanoref_forward", default=None)
 
 
 def seam(name: str, default: F) -> F:
     """The function to call at seam `name`: the learner's inside `use(...)`, else `default`."""
-    if _ACTIVE:
-        return _ACTIVE.get(name, default)
+    active = _ACTIVE.get()
+    if active:
+        return active.get(name, default)
     return default
+
+
+def _install(functions: Mapping[str, Callable]) -> tuple:
+    """Make exactly `functions` the replaced seams of this context -> the tokens that undo it."""
+    in_forward = {name: function for name, function in functions.items() if name not in HOST_SEAMS}
+    forward = ForwardKey(in_forward) if in_forward else None
+    return _ACTIVE.set(MappingProxyType(dict(functions))), _FORWARD.set(forward)
 
 
 @contextlib.contextmanager
 def use(**functions: Callable) -> Iterator[None]:
-    """Install learner functions by seam name for the duration of the block (blocks may nest)."""
+    """Install learner functions by seam name for the duration of the block, in this thread only (blocks may
+    nest: an inner block adds to, or replaces, the outer one's functions until it ends)."""
     unknown = sorted(set(functions) - set(SEAMS))
     if unknown:
         raise ValueError(f"no exercise seam named {', '.join(map(repr, unknown))}; the seams are: {', '.join(SEAMS)}")
     for name, function in functions.items():
         if not callable(function):
             raise TypeError(f"use({name}=...) needs a function, got {type(function).__name__}")
-    saved = dict(_ACTIVE)
-    _ACTIVE.update(functions)
+    active_token, forward_token = _install({**_ACTIVE.get(), **functions})
     try:
         yield
     finally:
-        _ACTIVE.clear()
-        _ACTIVE.update(saved)
+        _FORWARD.reset(forward_token)
+        _ACTIVE.reset(active_token)
 
 
 def active() -> dict[str, Callable]:
-    """The seams replaced right now (a copy), e.g. for a notebook to show what runs."""
-    return dict(_ACTIVE)
+    """The seams replaced right now in this thread (a copy), e.g. for a notebook to show what runs."""
+    return dict(_ACTIVE.get())
 
 
-def replace_active(functions: dict[str, Callable]) -> None:
-    """Make exactly `functions` the replaced seams: a tensor-parallel worker mirrors rank 0's `use` blocks."""
-    _ACTIVE.clear()
-    _ACTIVE.update(functions)
+def forward_key() -> ForwardKey | None:
+    """The forward a step started now runs: None for nanoref's own, else the replaced seams inside the model."""
+    return _FORWARD.get()
+
+
+def replace_active(functions: Mapping[str, Callable]) -> None:
+    """Make exactly `functions` the replaced seams of this context, for good: a tensor-parallel worker's serving
+    loop mirrors rank 0's `use` blocks (the worker runs nothing else)."""
+    _install(functions)
