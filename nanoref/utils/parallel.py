@@ -81,21 +81,28 @@ class RankGroup:
         if self._nccl is not None:
             self._nccl.abort()
 
-    # -- waiting ------------------------------------------------------------------------------------
-    def _backend(self, x: torch.Tensor) -> Any:
+    # -- running and waiting ------------------------------------------------------------------------
+    def _run(self, x: torch.Tensor, collective: str, *args: Any) -> None:
+        """Start `collective` on the group for x's device (the last of args is its options) and wait for it. No frame
+        here keeps the group or its work once this returns or raises: a kept traceback (a notebook's last error)
+        must not keep a closed group's sockets open."""
         if self.closed is not None:
             raise TensorParallelError(self.closed)
-        return self._nccl if x.is_cuda and self._nccl is not None else self._gloo
+        on_nccl = x.is_cuda and self._nccl is not None
+        bounded = self._timeout is not None and not on_nccl  # NCCL: wait() only orders the streams
+        if bounded:
+            args[-1].timeout = self._timeout
+        work = getattr(self._nccl if on_nccl else self._gloo, collective)(*args)
+        try:
+            if bounded:
+                self._wait(work)
+            else:
+                work.wait()
+        finally:
+            work = None
 
-    def _options(self, options: Any, backend: Any) -> Any:
-        if self._timeout is not None and backend is self._gloo:
-            options.timeout = self._timeout
-        return options
-
-    def _wait(self, work: Any, backend: Any) -> None:
-        if self._timeout is None or backend is not self._gloo:  # NCCL: wait() only orders the streams
-            work.wait()
-            return
+    def _wait(self, work: Any) -> None:
+        """Rank 0's wait: in short slices (Ctrl-C is delivered between two), for at most timeout_s."""
         deadline = time.monotonic() + self.timeout_s
         try:
             while True:
@@ -113,39 +120,34 @@ class RankGroup:
                         "slow)"
                     )
         finally:
-            work = None  # a raised error's traceback keeps this frame: it must not keep the group alive
+            work = None
 
     # -- collectives ----------------------------------------------------------------------------------
     def all_reduce(self, x: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> None:
-        backend = self._backend(x)
-        options = self._options(AllreduceOptions(), backend)
+        options = AllreduceOptions()
         options.reduceOp = op
-        self._wait(backend.allreduce([x], options), backend)
+        self._run(x, "allreduce", [x], options)
 
     def broadcast(self, x: torch.Tensor, src: int = 0) -> None:
-        backend = self._backend(x)
-        options = self._options(BroadcastOptions(), backend)
+        options = BroadcastOptions()
         options.rootRank, options.rootTensor = src, 0
-        self._wait(backend.broadcast([x], options), backend)
+        self._run(x, "broadcast", [x], options)
 
     def gather(self, x: torch.Tensor) -> list[torch.Tensor] | None:
         """Rank 0: every rank's x, by rank; the others: None."""
-        backend = self._backend(x)
         parts = [torch.empty_like(x) for _ in range(self.world_size)] if self.rank == 0 else None
-        options = self._options(GatherOptions(), backend)
+        options = GatherOptions()
         options.rootRank = 0
-        self._wait(backend.gather([parts] if parts is not None else [], [x], options), backend)
+        self._run(x, "gather", [parts] if parts is not None else [], [x], options)
         return parts
 
     def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
-        backend = self._backend(x)
         parts = [torch.empty_like(x) for _ in range(self.world_size)]
-        self._wait(backend.allgather([parts], [x], self._options(AllgatherOptions(), backend)), backend)
+        self._run(x, "allgather", [parts], [x], AllgatherOptions())
         return parts
 
     def barrier(self) -> None:
-        backend = self._backend(torch.empty(0))
-        self._wait(backend.barrier(self._options(BarrierOptions(), backend)), backend)
+        self._run(torch.empty(0), "barrier", BarrierOptions())
 
     def broadcast_bytes(self, payload: bytes | None = None) -> bytes:
         """Rank 0's payload on every rank (rank 0 passes it, the others None): its length, then its bytes."""
