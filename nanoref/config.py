@@ -79,6 +79,11 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     attention_backend: str = "auto"
     tensor_parallel_size: int = 1
+    # tensor parallel: the longest rank 0 waits (seconds) for the other ranks to join any one collective before it
+    # stops them and raises. A worker that dies is reported within seconds whatever this is; this bounds a
+    # worker that hangs. Generous, because the first step of a big model (loading its shard, compiling, capturing
+    # graphs) may keep one rank busy for minutes while another waits
+    tensor_parallel_timeout: float = 600.0
     # schedule and launch decode step n+1 while the device runs step n (llm_engine.py). None: on for CUDA, where
     # it takes the host's ~1-2 ms per step off the critical path (measured on an H200, benchmarks/results/); off
     # on a CPU, where the "device" is the host itself and nothing can overlap
@@ -131,6 +136,9 @@ class EngineConfig:
         check_seed(self.seed)
         if not _is_int(self.tensor_parallel_size) or self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be a positive integer, got {self.tensor_parallel_size!r}")
+        timeout = self.tensor_parallel_timeout
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not 0 < timeout < float("inf"):
+            raise ValueError(f"tensor_parallel_timeout must be a positive number of seconds, got {timeout!r}")
         if self.tensor_parallel_size > 1:
             self._check_tensor_parallel()
 

@@ -29,6 +29,8 @@ class LLM(LLMEngine):
         (flash_attn+triton where flash-attn serves, else Triton on CUDA; torch on CPU).
     kvcache_block_size: tokens per KV block; default 16, or 256 when flash-attn serves.
     enforce_eager: on CUDA, skip capturing decode CUDA graphs.
+    tensor_parallel_timeout: seconds rank 0 waits for the other ranks to join a collective before it stops them
+        and raises (a hung worker; one that dies is reported within seconds anyway).
     overlap_scheduling: schedule and launch each decode step while the device still runs the one before.
         None (default): on for CUDA, off on a CPU (where nothing can overlap and the plain loop is simpler).
     seed: seeds the generator that requests without their own `SamplingParams.seed` draw from, so the same seed
@@ -51,6 +53,7 @@ class LLM(LLMEngine):
         gpu_memory_utilization: float = 0.9,
         attention_backend: str = "auto",
         tensor_parallel_size: int = 1,
+        tensor_parallel_timeout: float = 600.0,
         overlap_scheduling: bool | None = None,
         seed: int | None = None,
     ) -> None:
@@ -67,6 +70,7 @@ class LLM(LLMEngine):
             gpu_memory_utilization=gpu_memory_utilization,
             attention_backend=attention_backend,
             tensor_parallel_size=tensor_parallel_size,
+            tensor_parallel_timeout=tensor_parallel_timeout,
             overlap_scheduling=overlap_scheduling,
             seed=seed,
         )

@@ -125,6 +125,30 @@ def assert_a_failing_worker_is_reported(folder, within_s: float, **engine) -> No
         assert again.generate([[1, 2, 3]], greedy, use_tqdm=False)[0]["token_ids"] == hf_greedy(folder, [1, 2, 3], 8)
 
 
+def listening_sockets() -> set[tuple[str, str]]:
+    """This process's listening TCP sockets, as (local address, port) in /proc/net's hex: the sockets among this
+    process's file descriptors (/proc/self/fd) whose inode /proc/net/tcp{,6} lists in state LISTEN (0A). Linux."""
+    import os
+
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # closed meanwhile (the listing's own descriptor, for one)
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:[") : -1])
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as lines:
+            for line in list(lines)[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and fields[9] in inodes:
+                    address, port = fields[1].split(":")
+                    found.add((address, port))
+    return found
+
+
 def own_answers() -> dict:
     """Exercise seam -> nanoref's own function for it (what every check must accept); the Triton seams only where
     Triton is installed."""

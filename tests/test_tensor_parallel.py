@@ -6,18 +6,24 @@ small. The torchrun test starts the same engine the way many hosts would, with `
 
 from __future__ import annotations
 
+import _thread
+import gc
 import json
+import multiprocessing
 import os
+import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from nanoref import LLM, SamplingParams
-from nanoref.engine.tensor_parallel import TensorParallelError
+from nanoref import LLM, ModelFolderError, SamplingParams
+from nanoref.engine import tensor_parallel
+from nanoref.engine.tensor_parallel import CollectiveTimeout, TensorParallelError
 from nanoref.testing import make_tiny_qwen3, make_tiny_qwen3_moe
 
 from .helpers import (
@@ -26,10 +32,11 @@ from .helpers import (
     assert_no_block_leaked,
     assert_preempted_and_recomputed_from_the_cache,
     hf_greedy,
+    listening_sockets,
     random_prompts,
     shared_prefix_prompts,
 )
-from .tp_faults import full_weights, kv_cache_shape, rank_and_shapes
+from .tp_faults import full_weights, hang_forward_on_rank, kv_cache_shape, raise_on_rank, rank_and_shapes
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 REPO = Path(__file__).resolve().parents[1]
@@ -292,3 +299,153 @@ def test_an_error_before_the_step_is_sent_keeps_the_engine(tp_models):
         assert all(proc.is_alive() for proc in workers)
         outputs = llm.generate([[4, 5, 6]], GREEDY, use_tqdm=False)
     assert_matches_hf(folder, [[4, 5, 6]], outputs, GREEDY.max_tokens)
+
+
+# -- the engine's life: close, two engines, failures while starting, calls, hung workers, scripts -----------------
+
+
+def alive_workers() -> list:
+    return [proc for proc in multiprocessing.active_children() if proc.name.startswith("nanoref-tp-rank")]
+
+
+def test_a_closed_engine_refuses_every_call_with_a_clear_error(tp_models):
+    llm = LLM(tp_models["gqa2"], device="cpu", tensor_parallel_size=2)
+    llm.close()
+    with pytest.raises(TensorParallelError, match="this LLM was closed; create a new LLM"):
+        llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
+    with pytest.raises(TensorParallelError, match="this LLM was closed; create a new LLM"):
+        llm.model_runner.run_on_all_ranks(rank_and_shapes)
+    assert llm.scheduler.is_finished()  # the refused call left nothing queued
+
+
+def test_two_engines_in_one_process_serve_independently(tp_models):
+    """Each engine has its own groups and workers: both serve at once, and closing one leaves the other serving."""
+    folder = tp_models["gqa2"]
+    first = LLM(folder, device="cpu", tensor_parallel_size=2)
+    with LLM(folder, device="cpu", tensor_parallel_size=2) as second:
+        both = [engine.generate([[1, 2, 3]], GREEDY, use_tqdm=False) for engine in (first, second)]
+        assert both[0] == both[1]
+        first.close()
+        with pytest.raises(TensorParallelError, match="this LLM was closed"):
+            first.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
+        assert all(proc.is_alive() for proc in second.model_runner.followers.procs)
+        outputs = second.generate([[4, 5, 6]], GREEDY, use_tqdm=False)
+    assert_matches_hf(folder, [[4, 5, 6]], outputs, GREEDY.max_tokens)
+
+
+def test_close_closes_every_socket_the_engine_listens_on(tp_models):
+    """The rendezvous store and gloo listen on 127.0.0.1 only, and close() closes them at once (no garbage
+    collection needed: it is off here)."""
+    gc.collect()
+    gc.disable()
+    try:
+        before = listening_sockets()
+        llm = LLM(tp_models["gqa2"], device="cpu", tensor_parallel_size=2)
+        opened = listening_sockets() - before
+        llm.close()
+        after = listening_sockets()
+    finally:
+        gc.enable()
+    assert opened, "a tensor-parallel engine was expected to listen (its rendezvous store, gloo)"
+    loopback = {"0100007F", "0000000000000000FFFF00000100007F"}  # 127.0.0.1 in /proc/net/tcp and as IPv6-mapped
+    assert {address for address, _ in opened} <= loopback, f"listening beyond 127.0.0.1: {opened}"
+    assert after == before, f"still listening after close(): {after - before}"
+
+
+def test_a_broken_tokenizer_is_refused_before_any_worker_starts(tp_models, tmp_path, monkeypatch):
+    folder = shutil.copytree(tp_models["gqa2"], tmp_path / "m")
+    (folder / "tokenizer.json").write_text("{not json")
+
+    def spawn(config):
+        raise AssertionError("the workers were spawned before the folder was checked")
+
+    monkeypatch.setattr(tensor_parallel, "_spawn_workers", spawn)
+    with pytest.raises(ModelFolderError, match="tokenizer"):
+        LLM(folder, device="cpu", tensor_parallel_size=2)
+
+
+def test_a_failure_after_the_workers_started_stops_them_before_llm_raises(tp_models, monkeypatch):
+    """Even while the exception (and so the half-built engine) is still referenced, as a notebook keeps it."""
+    from nanoref.engine import llm_engine
+
+    def broken_scheduler(**kwargs):
+        raise RuntimeError("injected scheduler failure")
+
+    monkeypatch.setattr(llm_engine, "Scheduler", broken_scheduler)
+    with pytest.raises(RuntimeError, match="injected scheduler failure") as caught:
+        LLM(tp_models["gqa2"], device="cpu", tensor_parallel_size=2)
+    assert caught.value is not None
+    assert alive_workers() == []
+
+
+def test_run_on_all_ranks_sends_lambdas_and_a_failed_call_leaves_the_engine_serving(tp_models):
+    """A lambda goes by value; a call that cannot be pickled is a TypeError naming it, before anything is sent; a
+    function raising on rank 1 raises here with rank 1's traceback once every rank is done. After each, the same
+    workers go on serving."""
+    folder = tp_models["gqa2"]
+    with LLM(folder, device="cpu", tensor_parallel_size=2) as llm:
+        runner = llm.model_runner
+        workers = list(runner.followers.procs)
+        assert runner.run_on_all_ranks(lambda r, k: r.rank * k, 10) == [0, 10]
+        lock = threading.Lock()
+
+        def holds_a_lock(r):
+            return lock.locked()
+
+        with pytest.raises(TypeError, match="holds_a_lock"):
+            runner.run_on_all_ranks(holds_a_lock)
+        with pytest.raises(TensorParallelError, match="(?s)rank 1.*raised on rank 1 on purpose"):
+            runner.run_on_all_ranks(raise_on_rank, 1)
+        with pytest.raises(ValueError, match="raised on rank 0 on purpose"):
+            runner.run_on_all_ranks(raise_on_rank, 0)
+        assert all(proc.is_alive() for proc in workers)
+        outputs = llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
+    assert_matches_hf(folder, [[1, 2, 3]], outputs, GREEDY.max_tokens)
+
+
+def test_a_hung_worker_makes_rank_0_raise_within_the_timeout(tp_models):
+    llm = LLM(tp_models["gqa2"], device="cpu", tensor_parallel_size=2, tensor_parallel_timeout=5)
+    workers = list(llm.model_runner.followers.procs)
+    llm.model_runner.run_on_all_ranks(hang_forward_on_rank, 1, 60)
+    start = time.monotonic()
+    with pytest.raises(CollectiveTimeout, match="did not join a collective within 5 s"):
+        llm.generate([[1, 2, 3, 4]], GREEDY, use_tqdm=False)
+    assert time.monotonic() - start < 20
+    assert all(not proc.is_alive() for proc in workers)
+    with pytest.raises(TensorParallelError, match="create a new LLM"):
+        llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
+
+
+def test_ctrl_c_reaches_rank_0_waiting_for_a_hung_worker(tp_models):
+    """Rank 0 sits in a collective that a silent rank 1 never joins: Ctrl-C (here from a timer thread) still
+    interrupts it at once; the workers stop and the engine refuses further steps."""
+    llm = LLM(tp_models["gqa2"], device="cpu", tensor_parallel_size=2)
+    workers = list(llm.model_runner.followers.procs)
+    llm.model_runner.run_on_all_ranks(hang_forward_on_rank, 1, 30)  # before the fix: rank 0 waits all 30 s
+    timer = threading.Timer(1.0, _thread.interrupt_main)
+    start = time.monotonic()
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate([[1, 2, 3, 4]], GREEDY, use_tqdm=False)
+    finally:
+        timer.cancel()
+    assert time.monotonic() - start < 10
+    assert all(not proc.is_alive() for proc in workers)
+    with pytest.raises(TensorParallelError, match="KeyboardInterrupt"):
+        llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
+
+
+@pytest.mark.slow
+def test_a_script_without_a_main_guard_is_told_to_add_one(tp_models, tmp_path):
+    """Spawned workers re-import the script; one that creates its LLM at the top level would start workers from a
+    worker. The caller's error says so and what to do."""
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        f"from nanoref import LLM\nllm = LLM({str(tp_models['gqa2'])!r}, device='cpu', tensor_parallel_size=2)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0
+    assert "TensorParallelError: tensor-parallel rank 1 re-imported the script" in result.stderr, result.stderr[-3000:]
+    assert "under `if __name__ == '__main__':`" in result.stderr

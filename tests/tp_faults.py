@@ -35,3 +35,24 @@ def graph_batch_sizes(runner) -> list[int]:
 
 def gpu_index(runner) -> int:
     return runner.device.index
+
+
+def hang_forward_on_rank(runner, rank: int, seconds: float) -> None:
+    """On `rank` only: the next forward sleeps for `seconds` inside the first decoder layer, alive but silent (rank 0
+    waits at its all-reduce); a stopped worker ends at once (SIGTERM)."""
+    if runner.rank != rank:
+        return
+
+    def hung(*args, **kwargs):
+        import time
+
+        time.sleep(seconds)
+        raise RuntimeError(f"rank {rank} woke up after {seconds} s")
+
+    runner.model.model.layers[0].mlp.forward = hung
+
+
+def raise_on_rank(runner, rank: int) -> int:
+    if runner.rank == rank:
+        raise ValueError(f"raised on rank {rank} on purpose")
+    return runner.rank

@@ -17,7 +17,6 @@ from nanoref.engine.metrics import EngineMetrics, StepRecord
 from nanoref.engine.model_runner import ModelRunner
 from nanoref.engine.scheduler import Scheduler
 from nanoref.engine.sequence import Sequence
-from nanoref.engine.tensor_parallel import release_group
 from nanoref.sampling_params import SamplingParams
 from nanoref.utils import seams
 from nanoref.utils.loader import load_tokenizer
@@ -63,17 +62,24 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self._lock = threading.RLock()  # held by generate, step, add_request and abort_all
+        # before the model runner, which may start tensor-parallel workers: a folder that fails fails before them
+        self.tokenizer = load_tokenizer(config.model_folder)
         self.model_runner = ModelRunner(config)
         if self.model_runner.rank > 0:  # torchrun: every rank but 0 follows rank 0's steps, then its process ends
             self.model_runner.serve()
-            release_group()
             # End here, without the interpreter's teardown: after a model has run, a torchrun follower that
             # exits normally aborts in C++ static destructors about one time in five (seen on this project's
             # CPU machine, torch 2.13), which torchrun reports as a failed rank.
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(0)
-        self.tokenizer = load_tokenizer(config.model_folder)
+        try:
+            self._build(config)
+        except BaseException:
+            self.model_runner.close()  # tensor parallel: stop the workers now, not when the exception is dropped
+            raise
+
+    def _build(self, config: EngineConfig) -> None:
         self.vocab_size = config.hf_config.vocab_size
         eos = set(config.hf_config.eos_token_id)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:

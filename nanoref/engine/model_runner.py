@@ -9,10 +9,12 @@ Decode: every sequence contributes its last token, so N == num_seqs, and `contex
 from __future__ import annotations
 
 import pickle
+import traceback
 import weakref
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -22,7 +24,15 @@ import torch.distributed as dist
 from nanoref.config import EngineConfig
 from nanoref.engine.block_manager import BlockTables
 from nanoref.engine.sequence import Sequence
-from nanoref.engine.tensor_parallel import Followers, rank_device, receive, receive_next_ids, start_tensor_parallel
+from nanoref.engine.tensor_parallel import (
+    CLOSED,
+    Followers,
+    TensorParallelError,
+    rank_device,
+    receive,
+    receive_next_ids,
+    start_tensor_parallel,
+)
 from nanoref.layers.attention import Attention
 from nanoref.layers.sampler import Sampler, SamplingBatch
 from nanoref.models import build_model
@@ -186,7 +196,7 @@ class ModelRunner:
         self.num_kvcache_blocks = config.num_kvcache_blocks or self._blocks_from_memory()
         if self.world_size > 1:  # one block table serves every rank: each must hold the same count
             count = torch.tensor([self.num_kvcache_blocks])
-            dist.all_reduce(count, op=dist.ReduceOp.MIN)
+            self.parallel.group.all_reduce(count, dist.ReduceOp.MIN)
             self.num_kvcache_blocks = int(count)
         self._allocate_kv_cache()
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -408,44 +418,68 @@ class ModelRunner:
         return self.followers.guard() if self.followers is not None else nullcontext()
 
     def serve(self) -> None:
-        """A follower's life (ranks 1..N-1): run each step rank 0 sends, until it says exit."""
+        """A follower's life (ranks 1..N-1): run each step rank 0 sends, until it says exit; then meet rank 0 at
+        the group's last barrier (no rank tears its connections down while another still uses them) and close
+        this rank's groups."""
+        group = self.parallel.group
         while True:
-            message = receive()
+            message = receive(group)
             kind = message[0]
             if kind == "exit":
+                group.barrier()
+                group.close(CLOSED)
                 return
             if kind == "step":
                 _, step, num_next_ids = message
-                next_ids = None if num_next_ids is None else receive_next_ids(num_next_ids, self.device)
+                next_ids = None if num_next_ids is None else receive_next_ids(group, num_next_ids, self.device)
                 try:
                     input_ids, positions = self.upload(step, next_ids)
                     self.run_model(input_ids, positions, step.is_prefill)  # rank 0 alone gets the logits
                 finally:
                     reset_context()
             elif kind == "call":
-                _, fn, args = message
-                self._call_here(fn, args)
+                self._call_here(partial(_run_call, self, message[1]))
             elif kind == "seams":  # rank 0 entered or left a `use(...)` block of exercise functions
                 replace_active(pickle.loads(message[1]))
 
     def run_on_all_ranks(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
-        """fn(runner, *args) on every rank's model runner -> the results, by rank. fn must be importable by
-        name (a module-level function), since the followers are other processes."""
+        """fn(runner, *args) on every rank's model runner -> the results, by rank. fn and args travel by value
+        (cloudpickle: a lambda or a notebook's function works); the results must pickle. One that cannot be sent is
+        a TypeError before anything is sent; fn raising on any rank raises here (a follower's error as a
+        TensorParallelError with its traceback), after every rank has finished: the engine keeps serving."""
         if self.world_size == 1:
             return [fn(self, *args)]
         with self._collective():
             if self.followers is not None:
                 self.followers.call(fn, args)
-            return self._call_here(fn, args)
+            error, gathered = self._call_here(lambda: fn(self, *args))
+        if error is not None:
+            raise error
+        for rank, (kind, value) in enumerate(gathered):
+            if kind == "error":
+                name = getattr(fn, "__qualname__", repr(fn))
+                raise TensorParallelError(f"run_on_all_ranks({name}) raised on rank {rank}:\n{value}")
+        return [value for _, value in gathered]
 
-    def _call_here(self, fn: Callable[..., Any], args: tuple) -> list[Any] | None:
-        result = fn(self, *args)
-        gathered = [None] * self.world_size if self.rank == 0 else None
-        dist.gather_object(result, gathered, dst=0)
-        return gathered
+    def _call_here(self, run: Callable[[], Any]) -> tuple[Exception | None, list[tuple[str, Any]] | None]:
+        """Run one call on this rank and gather every rank's outcome to rank 0: ("ok", result) or ("error", its
+        traceback). An error is gathered like a result, so every rank still meets rank 0 and the ranks stay in
+        step. Rank 0 keeps its own error (the exception itself) -> (it, the outcomes by rank); the others None."""
+        error = None
+        try:
+            outcome: tuple[str, Any] = ("ok", run())
+            payload = pickle.dumps(outcome) if self.rank > 0 else b""  # (rank 0's result stays here)
+        except Exception as raised:
+            error = raised if self.rank == 0 else None
+            payload = pickle.dumps(("error", f"{type(raised).__name__}: {raised}\n{traceback.format_exc()}"))
+            outcome = ("error", None)
+        parts = self.parallel.group.gather_bytes(payload)
+        if parts is None:
+            return None, None
+        return error, [outcome] + [pickle.loads(part) for part in parts[1:]]
 
     def close(self) -> None:
-        """Stop the other tensor-parallel ranks (nothing to do on one device)."""
+        """Stop the other tensor-parallel ranks and close the engine's groups (nothing to do on one device)."""
         if self.followers is not None:
             self.followers.close()
 
@@ -542,3 +576,9 @@ class ModelRunner:
             set_context(bucket_context)
             v["hidden"][:bucket] = self.model(static["input_ids"], static["positions"])
         return self.model.compute_logits(v["hidden"][:batch])
+
+
+def _run_call(runner: ModelRunner, payload: bytes) -> Any:
+    """A follower's part of run_on_all_ranks: the function and its arguments as rank 0 pickled them."""
+    fn, args = pickle.loads(payload)
+    return fn(runner, *args)

@@ -6,34 +6,42 @@ to upload: ids, positions, slots, cu_seqlens, block tables), every rank uploads 
 with its share of the weights, the layers' all-reduces meet in the middle, and the logits are gathered to
 rank 0 alone, which samples. The followers never see a `Sequence`.
 
-Transport: torch.distributed only, one process group with two backends: gloo for CPU tensors (the step
-messages, pickled) and, on GPUs, NCCL for CUDA tensors (the layers' collectives).
+Transport: torch.distributed's process groups, made by each engine on its own rendezvous store and called
+directly (`RankGroup`, nanoref/utils/parallel.py): gloo for CPU tensors (the step messages, pickled) and, on GPUs,
+NCCL for CUDA tensors (the layers' collectives). torch.distributed's default group is never created or used, so
+two tensor-parallel engines live side by side in one process, and closing one leaves the other alone.
 
 Two ways to start:
 - `LLM(..., tensor_parallel_size=N)` in a plain process: this process is rank 0 and spawns N-1 workers on
-  this host (`cuda:0` .. `cuda:N-1`). A `TCPStore` on port 0 lets the OS pick a free port; the workers
-  learn it from their arguments, so two engines (or a stale one) never fight over a fixed port.
+  this host (`cuda:0` .. `cuda:N-1`). The rendezvous store and gloo listen on 127.0.0.1 only, on ports the OS
+  picks; the workers learn the store's port from their arguments, so two engines never fight over a port.
 - `torchrun` (one host or many): every process runs the same script; the environment (`MASTER_ADDR`,
   `MASTER_PORT`, `RANK`, `WORLD_SIZE`, `LOCAL_RANK`) is the rendezvous. Rank 0's `LLM(...)` returns and
   serves `generate`; on the other ranks `LLM(...)` follows rank 0 until it closes, then exits the process.
 
 Failures: a worker that raises sends its traceback to rank 0 through a pipe and exits; rank 0's pending
 collective fails (gloo notices the closed connection at once; for NCCL a monitor thread aborts the group)
-and rank 0 raises the worker's error. Any error or Ctrl-C in the middle of a step stops the workers:
-half a forward cannot be resumed, so the engine refuses further steps and says why.
+and rank 0 raises the worker's error. A worker that hangs makes rank 0's collective time out
+(`tensor_parallel_timeout`); rank 0 waits in short slices, so Ctrl-C reaches it meanwhile. Any error or Ctrl-C
+in the middle of a step stops the workers: half a forward cannot be resumed, so the engine refuses further steps
+and says why. `close()` stops the workers and closes every socket the engine opened; the engine then refuses
+every call.
 """
 
 from __future__ import annotations
 
 import multiprocessing
 import os
+import pickle
 import signal
+import socket
 import sys
 import threading
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
+from itertools import count
 from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING, Any
 
@@ -41,28 +49,30 @@ import torch
 import torch.distributed as dist
 
 from nanoref.utils import seams
-from nanoref.utils.parallel import ParallelState
+from nanoref.utils.parallel import CollectiveTimeout, ParallelState, RankGroup, TensorParallelError
 
 if TYPE_CHECKING:
     from nanoref.config import EngineConfig
 
-# a follower waits for the next step for as long as the user leaves the engine idle: no short timeout on that
+__all__ = ["TensorParallelError", "CollectiveTimeout", "Followers", "start_tensor_parallel"]
+
+# the groups' own timeout: a follower waits for the next step for as long as the user leaves the engine idle (rank 0
+# bounds each of its own collectives by tensor_parallel_timeout instead)
 _GROUP_TIMEOUT = timedelta(days=7)
 _STARTUP_TIMEOUT_S = 300.0  # spawning a worker imports torch and nanoref: seconds, not minutes
 _TORCHRUN_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
-
-
-class TensorParallelError(RuntimeError):
-    """A tensor-parallel rank failed, or the engine's ranks can no longer run a step together."""
+CLOSED = "this LLM was closed; create a new LLM"
+# a spawned worker that re-imported a script without a main guard exits with this code (see refuse_reimported_main)
+_REIMPORTED_MAIN_EXIT = 87
+MAIN_GUARD = (
+    "put the code that creates the LLM under `if __name__ == '__main__':` (tensor parallelism starts worker "
+    "processes with the spawn method, which re-imports your script)"
+)
+_torchrun_engines = count()  # under torchrun, each engine's keys in the shared store get their own prefix
 
 
 def launched_by_torchrun() -> bool:
     return all(name in os.environ for name in _TORCHRUN_VARS)
-
-
-def _backend(device: torch.device) -> str:
-    # CPU tensors (step messages, scalars) always go through gloo; CUDA tensors through NCCL
-    return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
 
 
 def rank_device(config: EngineConfig, rank: int) -> torch.device:
@@ -75,16 +85,50 @@ def rank_device(config: EngineConfig, rank: int) -> torch.device:
     return torch.device("cuda", (device.index or 0) + rank)
 
 
+def make_group(
+    config: EngineConfig, store: dist.Store, rank: int, loopback: bool, timeout_s: float | None
+) -> RankGroup:
+    """This rank's groups on `store`: gloo always, NCCL too on GPUs. loopback: every rank is on this host, so gloo
+    listens on 127.0.0.1 alone (under torchrun it listens where torch.distributed would: GLOO_SOCKET_IFNAME, or
+    the address of the host's name, which other hosts can reach)."""
+    world_size = config.tensor_parallel_size
+    gloo_store = dist.PrefixStore("gloo", store)
+    if loopback:
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = _GROUP_TIMEOUT
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+        gloo = dist.ProcessGroupGloo(gloo_store, rank, world_size, options)
+    else:
+        gloo = dist.ProcessGroupGloo(gloo_store, rank, world_size, _GROUP_TIMEOUT)
+    nccl = None
+    if config.device.type == "cuda":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = _GROUP_TIMEOUT
+        options.is_high_priority_stream = False
+        nccl = dist.ProcessGroupNCCL(dist.PrefixStore("nccl", store), rank, world_size, options)
+    return RankGroup(rank, world_size, gloo, nccl, timeout_s=timeout_s)
+
+
 # -- rank 0 ---------------------------------------------------------------------------------------
 
 
 class Followers:
-    """Rank 0's handle on ranks 1..N-1: sends them steps and calls, notices when one fails, stops them."""
+    """Rank 0's handle on ranks 1..N-1, and the owner of the engine's tensor-parallel life: it sends them steps and
+    calls, notices when one fails, stops them, and closes the engine's groups and rendezvous store."""
 
-    def __init__(self, world_size: int, procs: list | None = None, conns: list[Connection] | None = None) -> None:
+    def __init__(
+        self,
+        world_size: int,
+        procs: list | None = None,
+        conns: list[Connection] | None = None,
+        store: dist.Store | None = None,
+        group: RankGroup | None = None,
+    ) -> None:
         self.world_size = world_size
-        self.procs = procs or []  # spawned workers (empty under torchrun: their processes are not ours)
-        self.conns = conns or []  # one pipe per spawned worker: its traceback when it fails
+        self.procs = procs if procs is not None else []  # spawned workers (none under torchrun: not our processes)
+        self.conns = conns if conns is not None else []  # one pipe per spawned worker: its traceback when it fails
+        self.group = group  # the engine's process groups (set once every rank has joined)
+        self._store = store  # the rendezvous store this process serves (spawned workers), closed with the group
         self.closed = False
         self.broken: str | None = None  # why steps can no longer run, once they cannot
         self._lock = threading.Lock()
@@ -92,26 +136,42 @@ class Followers:
         self._failure_seen = threading.Event()
         self._sent = False  # whether the step in `guard` has sent anything to the followers yet
         self._sent_seams: dict[str, Callable] = {}  # the exercise functions the followers run (see send_seams)
-        if self.procs:
-            threading.Thread(target=self._monitor, name="nanoref-tp-monitor", daemon=True).start()
+
+    def start_monitor(self) -> None:
+        """Watch the spawned workers from a thread: one that dies unblocks rank 0 (see `_monitor`)."""
+        threading.Thread(target=self._monitor, name="nanoref-tp-monitor", daemon=True).start()
 
     # -- sending --------------------------------------------------------------------------------
     def send(self, message: tuple) -> None:
-        """Broadcast one message to every follower (a pickled object over gloo)."""
+        """Broadcast one message to every follower (pickled here first: a message that cannot be pickled raises
+        before anything is sent, and the followers wait on as before)."""
         self.check()
+        payload = pickle.dumps(message)
         self._sent = True
-        dist.broadcast_object_list([message], src=0)
+        self.group.broadcast_bytes(payload)
 
     def send_step(self, step: Any, next_ids: torch.Tensor | None) -> None:
         """One step's host inputs, then (overlapped decode) its input ids still on rank 0's device."""
         self.send_seams()
         self.send(("step", step, None if next_ids is None else int(next_ids.shape[0])))
         if next_ids is not None:
-            dist.broadcast(next_ids, src=0)
+            self.group.broadcast(next_ids)
 
     def call(self, fn: Callable, args: tuple) -> None:
+        """Send fn(runner, *args) to every follower. fn and args go by value (cloudpickle), so a lambda or a
+        notebook's function works too; one that cannot be pickled is a TypeError before anything is sent."""
+        import cloudpickle
+
+        try:
+            payload = cloudpickle.dumps((fn, args))
+        except Exception as error:
+            raise TypeError(
+                f"run_on_all_ranks cannot send {getattr(fn, '__qualname__', repr(fn))} (or its arguments) to the other "
+                f"ranks, which are other processes: {type(error).__name__}: {error}"
+            ) from None
+        self.check()
         self.send_seams()
-        self.send(("call", fn, args))
+        self.send(("call", payload))
 
     def send_seams(self) -> None:
         """Mirror rank 0's exercise seams on every rank (a learner's function runs in each rank's layers). The
@@ -145,7 +205,10 @@ class Followers:
         except BaseException as error:
             if not self._sent and self._failure is None:
                 raise
-            failure = self.failure(wait_s=5.0 if isinstance(error, Exception) else 0.0)
+            # a worker's report may trail the collective that failed on its closed connection; none follows a
+            # timeout (the worker is alive) or Ctrl-C
+            waits = isinstance(error, Exception) and not isinstance(error, CollectiveTimeout)
+            failure = self.failure(wait_s=5.0 if waits else 0.0)
             reason = failure or f"{type(error).__name__}: {error}"
             self.shutdown(f"a tensor-parallel step failed ({reason.strip().splitlines()[-1]})")
             if failure is not None:
@@ -175,28 +238,35 @@ class Followers:
         proc.join(1.0)
         self._failure = message or f"rank {rank} exited with code {proc.exitcode} without a report"
         self._failure_seen.set()
-        if not self.closed and torch.cuda.is_available() and dist.is_initialized():
+        group = self.group
+        if not self.closed and group is not None:
             # NCCL kernels waiting for the dead rank would spin forever: aborting the group makes them fail
             try:
-                dist.distributed_c10d._abort_process_group()
+                group.abort()
             except Exception:
                 pass
 
     # -- stopping -------------------------------------------------------------------------------
     def close(self) -> None:
-        """Tell every follower to exit, wait for them, and leave torch.distributed as it was found."""
+        """Tell every follower to exit, wait for them, then close the engine's groups and rendezvous store (their
+        sockets close now, not at some later garbage collection). Every later call raises `CLOSED`."""
         with self._lock:
             if self.closed:
                 return
-            clean = self.broken is None and dist.is_initialized()
-            if clean:
-                try:
-                    dist.broadcast_object_list([("exit",)], src=0)
-                except Exception:
-                    clean = False
-            self.closed = True
-            release_group(clean)  # the followers meet rank 0 at the group's last barrier, then exit
-            self._stop_processes()
+            met = False
+            try:
+                if self.broken is None and self.group is not None:
+                    try:
+                        self.group.broadcast_bytes(pickle.dumps(("exit",)))
+                        self.group.barrier()  # the followers leave once every rank is here (see ModelRunner.serve)
+                        met = True
+                    except Exception:
+                        pass
+            finally:  # (also after Ctrl-C in the barrier)
+                self.closed = True
+                self.broken = self.broken or CLOSED
+                self._stop_processes(grace_s=10.0 if met else 0.5)
+                self._release()
 
     def shutdown(self, reason: str) -> None:
         """Stop the followers after a failure; every later step raises `reason`."""
@@ -206,9 +276,9 @@ class Followers:
             # the followers wait in a collective rank 0 will not join (or for a message it will not send): nothing
             # would end them but a signal, so a short grace for any that are exiting already, then SIGTERM
             self._stop_processes(grace_s=0.5)
-            release_group(clean=False)
+            self._release()
 
-    def _stop_processes(self, grace_s: float = 10.0) -> None:
+    def _stop_processes(self, grace_s: float) -> None:
         for proc in self.procs:
             proc.join(grace_s)
         for proc in self.procs:
@@ -218,30 +288,12 @@ class Followers:
         for conn in self.conns:
             conn.close()
 
-
-_created_group = False  # whether nanoref initialized torch.distributed's default group in this process
-
-
-def init_group(config: EngineConfig, **kwargs: Any) -> None:
-    global _created_group
-    dist.init_process_group(_backend(config.device), timeout=_GROUP_TIMEOUT, **kwargs)
-    _created_group = True
-
-
-def release_group(clean: bool = True) -> None:
-    """Destroy the default group if nanoref made it (one a launcher or the caller made stays). A process that
-    exits with a live gloo group can abort in its C++ teardown, so every rank calls this before it ends.
-    clean: every rank is here (a normal close): meet at a barrier first, so no rank tears its connections
-    down while another still uses them."""
-    global _created_group
-    if _created_group and dist.is_initialized():
-        try:
-            if clean:
-                dist.barrier()
-            dist.destroy_process_group()
-        except Exception:
-            pass
-    _created_group = False
+    def _release(self) -> None:
+        """Drop this process's groups and store, once no follower is left to use them: their listening sockets
+        close with them."""
+        if self.group is not None:
+            self.group.close(self.broken or CLOSED)
+        self._store = None
 
 
 def start_tensor_parallel(config: EngineConfig) -> tuple[ParallelState, Followers | None]:
@@ -255,52 +307,91 @@ def start_tensor_parallel(config: EngineConfig) -> tuple[ParallelState, Follower
                 "start exactly one process per rank"
             )
         rank = int(os.environ["RANK"])
-        if not dist.is_initialized():
-            init_group(config, init_method="env://")
-        state = ParallelState(rank=rank, world_size=world_size, group=dist.group.WORLD)
-        return state, Followers(world_size) if rank == 0 else None
-    if dist.is_initialized():
-        raise TensorParallelError(
-            "torch.distributed is already initialized in this process (another tensor-parallel LLM?): close() it "
-            "first, or start the script with torchrun"
-        )
+        # the launcher's store (MASTER_ADDR:MASTER_PORT); this engine's keys under a prefix of their own
+        store, _, _ = next(dist.rendezvous("env://", timeout=timedelta(seconds=config.tensor_parallel_timeout)))
+        store = dist.PrefixStore(f"nanoref/engine{next(_torchrun_engines)}", store)
+        group = make_group(config, store, rank, loopback=False, timeout_s=_rank_timeout(config, rank))
+        state = ParallelState(rank=rank, world_size=world_size, group=group)
+        return state, Followers(world_size, group=group) if rank == 0 else None
+    refuse_reimported_main()
     followers = _spawn_workers(config)
-    return ParallelState(rank=0, world_size=world_size, group=dist.group.WORLD), followers
+    return ParallelState(rank=0, world_size=world_size, group=followers.group), followers
+
+
+def _rank_timeout(config: EngineConfig, rank: int) -> float | None:
+    return config.tensor_parallel_timeout if rank == 0 else None
+
+
+def refuse_reimported_main() -> None:
+    """Inside a process that the spawn method is starting, while it re-imports the parent's script: a script that
+    creates its LLM without a main guard. Starting workers from here would fail (and the parent would only see this
+    worker exit): say what to do, and end with the exit code the parent recognises."""
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        sys.stderr.write(f"nanoref: a tensor-parallel worker re-imported the script that started it: {MAIN_GUARD}\n")
+        sys.stderr.flush()
+        os._exit(_REIMPORTED_MAIN_EXIT)
+
+
+def _serve_store(config: EngineConfig) -> tuple[dist.TCPStore, int]:
+    """The rendezvous store, listening on 127.0.0.1 alone (every rank is on this host), on a port the OS picks."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+    except BaseException:
+        listener.close()
+        raise
+    fd = listener.detach()  # the store owns the socket from here on, and closes it when it is destroyed
+    try:
+        store = dist.TCPStore(
+            "127.0.0.1",
+            port,
+            config.tensor_parallel_size,
+            is_master=True,
+            wait_for_workers=False,
+            timeout=timedelta(seconds=config.tensor_parallel_timeout),
+            master_listen_fd=fd,
+        )
+    except BaseException:
+        os.close(fd)
+        raise
+    return store, port
 
 
 def _spawn_workers(config: EngineConfig) -> Followers:
     world_size = config.tensor_parallel_size
-    # port 0: the OS picks a free port for the rendezvous store; the workers are told which one
-    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False, timeout=_GROUP_TIMEOUT)
+    store, port = _serve_store(config)
     context = multiprocessing.get_context("spawn")  # never fork a process that may hold CUDA or threads
     procs, conns = [], []
-    for rank in range(1, world_size):
-        parent_end, child_end = context.Pipe(duplex=False)
-        proc = context.Process(
-            target=worker_main,
-            args=(config, rank, store.port, child_end),
-            name=f"nanoref-tp-rank{rank}",
-            daemon=True,
-        )
-        proc.start()
-        child_end.close()
-        procs.append(proc)
-        conns.append(parent_end)
-    followers = Followers(world_size, procs, conns)
+    followers = Followers(world_size, procs, conns, store=store)
     try:
-        _wait_started(followers)
-        init_group(config, store=store, rank=0, world_size=world_size)
+        for rank in range(1, world_size):
+            parent_end, child_end = context.Pipe(duplex=False)
+            proc = context.Process(
+                target=worker_main,
+                args=(config, rank, port, child_end),
+                name=f"nanoref-tp-rank{rank}",
+                daemon=True,
+            )
+            conns.append(parent_end)
+            proc.start()
+            child_end.close()
+            procs.append(proc)
+        followers.start_monitor()
+        _wait_started(followers, _STARTUP_TIMEOUT_S)
+        followers.group = make_group(config, store, 0, loopback=True, timeout_s=config.tensor_parallel_timeout)
     except BaseException:
         followers.shutdown("the tensor-parallel workers did not start")
         raise
     return followers
 
 
-def _wait_started(followers: Followers) -> None:
+def _wait_started(followers: Followers, timeout_s: float) -> None:
     """Wait until every worker reports it is joining the group (or fails: import errors, a bad config)."""
     pending = dict(zip(followers.conns, range(1, followers.world_size)))
     while pending:
-        ready = wait(list(pending), timeout=_STARTUP_TIMEOUT_S)
+        ready = wait(list(pending), timeout=timeout_s)
         if not ready:
             raise TensorParallelError(f"tensor-parallel ranks {sorted(pending.values())} did not start in time")
         for conn in ready:
@@ -308,7 +399,15 @@ def _wait_started(followers: Followers) -> None:
             try:
                 kind, message = conn.recv()
             except EOFError:
-                raise TensorParallelError(f"tensor-parallel rank {rank} exited while starting") from None
+                proc = followers.procs[rank - 1]
+                proc.join(5.0)
+                if proc.exitcode == _REIMPORTED_MAIN_EXIT:
+                    raise TensorParallelError(
+                        f"tensor-parallel rank {rank} re-imported the script that creates the LLM: {MAIN_GUARD}"
+                    ) from None
+                raise TensorParallelError(
+                    f"tensor-parallel rank {rank} exited while starting (exit code {proc.exitcode})"
+                ) from None
             if kind == "error":
                 raise TensorParallelError(f"tensor-parallel rank {rank} failed while starting:\n{message}")
 
@@ -323,12 +422,14 @@ def worker_main(config: EngineConfig, rank: int, port: int, conn: Connection) ->
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tensor_parallel_size))
         if config.device.type == "cuda":
             torch.cuda.set_device(rank_device(config, rank))
-        store = dist.TCPStore("127.0.0.1", port, config.tensor_parallel_size, is_master=False, timeout=_GROUP_TIMEOUT)
-        conn.send(("started", None))
-        init_group(config, store=store, rank=rank, world_size=config.tensor_parallel_size)
-        from nanoref.engine.model_runner import ModelRunner
+        from nanoref.engine.model_runner import ModelRunner  # (before joining: rank 0 waits for us from then on)
 
-        state = ParallelState(rank=rank, world_size=config.tensor_parallel_size, group=dist.group.WORLD)
+        timeout = timedelta(seconds=config.tensor_parallel_timeout)
+        store = dist.TCPStore("127.0.0.1", port, config.tensor_parallel_size, is_master=False, timeout=timeout)
+        conn.send(("started", None))
+        group = make_group(config, store, rank, loopback=True, timeout_s=None)
+
+        state = ParallelState(rank=rank, world_size=config.tensor_parallel_size, group=group)
         ModelRunner(config, parallel=state).serve()
     except BaseException:
         try:
@@ -337,7 +438,6 @@ def worker_main(config: EngineConfig, rank: int, port: int, conn: Connection) ->
             pass
         os._exit(1)  # do not run the group's teardown: rank 0 may be waiting in a collective with us
     conn.close()
-    release_group()
     # End without the interpreter's teardown, like a torchrun follower (llm_engine.py): after the group's last
     # barrier, a worker that exits normally still aborts in C++ teardown now and then ("terminate called without an
     # active exception", exit code -6: seen about one time in twelve on this project's CPU machine, torch 2.13)
@@ -346,16 +446,14 @@ def worker_main(config: EngineConfig, rank: int, port: int, conn: Connection) ->
     os._exit(0)
 
 
-def receive() -> tuple:
+def receive(group: RankGroup) -> tuple:
     """A follower's next message from rank 0."""
-    box: list[Any] = [None]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+    return pickle.loads(group.broadcast_bytes())
 
 
-def receive_next_ids(count: int, device: torch.device) -> torch.Tensor:
+def receive_next_ids(group: RankGroup, count: int, device: torch.device) -> torch.Tensor:
     next_ids = torch.empty(count, dtype=torch.int64, device=device)
-    dist.broadcast(next_ids, src=0)
+    group.broadcast(next_ids)
     return next_ids
 
 

@@ -10,26 +10,173 @@ Each of the N ranks holds 1/N of every big weight and runs the same forward on t
 
 With one rank (the default) every helper here is the identity and no process group exists. The model runner
 builds its model inside `tensor_parallel(state)`; each layer keeps the state it was built with and passes it
-to the collectives, so two engines in one process (one of them tensor-parallel) never mix their groups.
+to the collectives, so two engines in one process never mix their groups.
+
+Each tensor-parallel engine owns its ranks' communication: a `RankGroup` of process groups built on the engine's
+own rendezvous store, never torch.distributed's default group (which a process has only one of). Two engines in
+one process each have theirs, and closing one closes its group alone; a closed group refuses every collective.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import (
+    AllgatherOptions,
+    AllreduceOptions,
+    BarrierOptions,
+    BroadcastOptions,
+    GatherOptions,
+)
 
 from nanoref.utils.tracing import trace
+
+
+class TensorParallelError(RuntimeError):
+    """A tensor-parallel rank failed, or the engine's ranks can no longer run a step together."""
+
+
+class CollectiveTimeout(TensorParallelError):
+    """Rank 0 waited longer than the engine's timeout for the other ranks to join a collective."""
+
+
+# how often rank 0, waiting for the other ranks, comes back to Python: Ctrl-C is delivered only between two waits
+_POLL = timedelta(milliseconds=100)
+_GLOO_SLACK_S = 5.0
+
+
+class RankGroup:
+    """One engine's ranks: its own process groups (gloo for CPU tensors, NCCL for CUDA ones on GPUs), made on its own
+    rendezvous store. The collectives here call the groups directly, so nothing depends on (or touches)
+    torch.distributed's default group.
+
+    timeout_s: rank 0's bound on any one collective (the other ranks must join within it); gloo gets it too, a few
+    seconds later, as the operation's own timeout. None on the other ranks: they wait for rank 0's next step as
+    long as the user leaves the engine idle, and notice when rank 0 goes away (its connections close).
+    Rank 0 waits in short slices, so Ctrl-C reaches it in the middle of a collective."""
+
+    def __init__(self, rank: int, world_size: int, gloo: Any, nccl: Any = None, timeout_s: float | None = None):
+        self.rank, self.world_size = rank, world_size
+        self._gloo, self._nccl = gloo, nccl
+        self.timeout_s = timeout_s
+        # gloo's own bound, a little later than rank 0's: it only frees gloo's thread; the error is rank 0's
+        self._timeout = None if timeout_s is None else timedelta(seconds=timeout_s + _GLOO_SLACK_S)
+        self.closed: str | None = None  # why collectives are refused, once the group is closed
+
+    def close(self, reason: str) -> None:
+        """Drop this process's groups (their connections and listening socket close with them): every later
+        collective raises `reason`."""
+        self.closed = self.closed or reason
+        self._gloo = self._nccl = None
+
+    def abort(self) -> None:
+        """Fail the pending NCCL work at once (kernels waiting for a dead rank would spin forever)."""
+        if self._nccl is not None:
+            self._nccl.abort()
+
+    # -- running and waiting ------------------------------------------------------------------------
+    def _run(self, x: torch.Tensor, collective: str, *args: Any) -> None:
+        """Start `collective` on the group for x's device (the last of args is its options) and wait for it. No frame
+        here keeps the group or its work once this returns or raises: a kept traceback (a notebook's last error)
+        must not keep a closed group's sockets open."""
+        if self.closed is not None:
+            raise TensorParallelError(self.closed)
+        on_nccl = x.is_cuda and self._nccl is not None
+        bounded = self._timeout is not None and not on_nccl  # NCCL: wait() only orders the streams
+        if bounded:
+            args[-1].timeout = self._timeout
+        work = getattr(self._nccl if on_nccl else self._gloo, collective)(*args)
+        try:
+            if bounded:
+                self._wait(work)
+            else:
+                work.wait()
+        finally:
+            work = None
+
+    def _wait(self, work: Any) -> None:
+        """Rank 0's wait: in short slices (Ctrl-C is delivered between two), for at most timeout_s."""
+        deadline = time.monotonic() + self.timeout_s
+        try:
+            while True:
+                try:
+                    work.wait(_POLL)
+                    return
+                except RuntimeError:  # this slice timed out, or the collective itself failed
+                    if work.is_completed():
+                        work.wait()  # raises the collective's own error (or returns: it completed just now)
+                        return
+                if time.monotonic() > deadline:
+                    raise CollectiveTimeout(
+                        f"the other tensor-parallel ranks did not join a collective within {self.timeout_s:g} s "
+                        "(a rank hangs, or is much slower than rank 0: raise tensor_parallel_timeout if it is only "
+                        "slow)"
+                    )
+        finally:
+            work = None
+
+    # -- collectives ----------------------------------------------------------------------------------
+    def all_reduce(self, x: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> None:
+        options = AllreduceOptions()
+        options.reduceOp = op
+        self._run(x, "allreduce", [x], options)
+
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> None:
+        options = BroadcastOptions()
+        options.rootRank, options.rootTensor = src, 0
+        self._run(x, "broadcast", [x], options)
+
+    def gather(self, x: torch.Tensor) -> list[torch.Tensor] | None:
+        """Rank 0: every rank's x, by rank; the others: None."""
+        parts = [torch.empty_like(x) for _ in range(self.world_size)] if self.rank == 0 else None
+        options = GatherOptions()
+        options.rootRank = 0
+        self._run(x, "gather", [parts] if parts is not None else [], [x], options)
+        return parts
+
+    def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
+        parts = [torch.empty_like(x) for _ in range(self.world_size)]
+        self._run(x, "allgather", [parts], [x], AllgatherOptions())
+        return parts
+
+    def barrier(self) -> None:
+        self._run(torch.empty(0), "barrier", BarrierOptions())
+
+    def broadcast_bytes(self, payload: bytes | None = None) -> bytes:
+        """Rank 0's payload on every rank (rank 0 passes it, the others None): its length, then its bytes."""
+        size = torch.tensor([0 if payload is None else len(payload)], dtype=torch.int64)
+        self.broadcast(size)
+        data = torch.empty(int(size), dtype=torch.uint8)
+        if payload is not None:
+            data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        self.broadcast(data)
+        return payload if payload is not None else data.numpy().tobytes()
+
+    def gather_bytes(self, payload: bytes) -> list[bytes] | None:
+        """Rank 0: every rank's payload, by rank; the others: None. (gloo gathers equal sizes: all are padded to
+        the longest, whose length every rank learns first.)"""
+        sizes = [int(size) for size in self.all_gather(torch.tensor([len(payload)], dtype=torch.int64))]
+        padded = torch.zeros(max(*sizes, 1), dtype=torch.uint8)
+        if payload:
+            padded[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        parts = self.gather(padded)
+        if parts is None:
+            return None
+        return [part[:size].numpy().tobytes() for part, size in zip(parts, sizes)]
 
 
 @dataclass(frozen=True)
 class ParallelState:
     rank: int = 0
     world_size: int = 1
-    group: dist.ProcessGroup | None = None  # the device's collectives: NCCL on CUDA, gloo on a CPU
+    group: RankGroup | None = None  # the engine's own groups (None with one rank)
 
 
 _state = ParallelState()
@@ -69,7 +216,7 @@ def all_reduce(x: torch.Tensor, state: ParallelState, stage: str = "all_reduce")
     """Sum x over the ranks, in place (row-parallel outputs, the vocab-parallel embedding). `stage` names the
     collective in a shape trace (`nanoref.trace_shapes`), so a trace shows where each all-reduce sits."""
     if state.world_size > 1:
-        dist.all_reduce(x, group=state.group)
+        state.group.all_reduce(x)
         trace(stage, x=x)
     return x
 
@@ -78,9 +225,7 @@ def gather_last_dim(x: torch.Tensor, state: ParallelState, stage: str = "gather"
     """Rank 0: every rank's x side by side along the last dim (the logits of the whole vocabulary); others: None."""
     if state.world_size == 1:
         return x
-    x = x.contiguous()
-    parts = [torch.empty_like(x) for _ in range(state.world_size)] if state.rank == 0 else None
-    dist.gather(x, parts, dst=0, group=state.group)  # the group is the whole world: its rank 0 is global rank 0
+    parts = state.group.gather(x.contiguous())
     if parts is None:
         return None
     gathered = torch.cat(parts, dim=-1)
