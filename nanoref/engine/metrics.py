@@ -111,6 +111,13 @@ class EngineMetrics:
         self._step_start = time.perf_counter()
         return record
 
+    def drop_step(self, record: StepRecord) -> None:
+        """Forget the latest begin_step: its step failed and was undone (the scheduler gave its admissions'
+        prefix hits back, so they are not counted here either)."""
+        assert self.steps and self.steps[-1] is record, "only the latest step can be dropped"
+        self.steps.pop()
+        self._hits_seen -= record.num_hit_blocks
+
     def end_step(self, record: StepRecord, seqs: list[Sequence]) -> StepRecord:
         """Called after postprocess: time the step, stamp first tokens, close finished requests."""
         now = time.perf_counter()
