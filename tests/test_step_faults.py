@@ -161,14 +161,17 @@ def learner_bug(*args):
     raise RuntimeError("a learner's bug")
 
 
-def steps_until_it_raises(llm, error: type[BaseException]) -> dict:
-    """Step until a step raises `error`; -> the engine's state before that step (which must still be its state)."""
-    while True:
+def steps_until_it_raises(llm, error: type[Exception], match: str) -> dict:
+    """Step until a step raises `error` with `match` in its message; -> the engine's state before that step (which
+    must still be its state)."""
+    while not llm.is_finished():
         before = engine_state(llm)
         try:
             llm.step()
-        except error:
+        except error as raised:
+            assert match in str(raised)
             return before
+    raise AssertionError("no step raised: the fault was never reached")
 
 
 @pytest.mark.parametrize("overlap", [False, True])
@@ -176,7 +179,7 @@ def test_a_raising_victim_choice_leaves_the_engine_as_it_was(tiny_model, expecte
     llm = LLM(tiny_model, overlap_scheduling=overlap, **TIGHT)
     seqs = [llm.add_request(prompt, PARAMS) for prompt in PROMPTS]
     with use(choose_preemption_victim=learner_bug):
-        before = steps_until_it_raises(llm, RuntimeError)
+        before = steps_until_it_raises(llm, RuntimeError, "a learner's bug")
     assert engine_state(llm) == before
     assert_consistent(llm, seqs)
     run_steps(llm)  # nanoref's own policy again
@@ -203,7 +206,7 @@ def test_a_victim_that_is_not_running_is_refused_with_nothing_changed(tiny_model
     llm = LLM(tiny_model, **TIGHT)
     seqs = [llm.add_request(prompt, PARAMS) for prompt in PROMPTS]
     with use(choose_preemption_victim=wrong_victim):
-        before = steps_until_it_raises(llm, ValueError)
+        before = steps_until_it_raises(llm, ValueError, "is neither running nor")
     assert engine_state(llm) == before
     assert_consistent(llm, seqs)
     run_steps(llm)
@@ -213,8 +216,9 @@ def test_a_victim_that_is_not_running_is_refused_with_nothing_changed(tiny_model
 
 @pytest.mark.parametrize("failing_call", range(1, 9))
 def test_a_raising_find_cached_prefix_gives_back_what_its_batch_took(tiny_model, expected, failing_call):
-    """The lookup fails at its k-th call: in can_allocate or allocate, before or after other admissions of the same
-    batch (calls 3 and 4 come after the first prompt's admission; later ones in a preempted prompt's recompute)."""
+    """The lookup fails at its k-th call, in can_allocate or allocate: with nothing else in the batch yet (1, 2),
+    after the first prompt's admission (3, 4), after a chunked prompt's continuation (5, 6), in a preempted
+    prompt's recompute (7, 8)."""
     llm = LLM(tiny_model, **TIGHT)
     seqs = [llm.add_request(prompt, PARAMS) for prompt in PROMPTS]
     calls = []
@@ -226,7 +230,7 @@ def test_a_raising_find_cached_prefix_gives_back_what_its_batch_took(tiny_model,
         return find_cached_prefix(*args)
 
     with use(find_cached_prefix=flaky):
-        before = steps_until_it_raises(llm, RuntimeError)
+        before = steps_until_it_raises(llm, RuntimeError, "a learner's bug")
     assert engine_state(llm) == before
     assert_consistent(llm, seqs)
     run_steps(llm)
