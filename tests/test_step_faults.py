@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import signal
 import sys
+import threading
 from collections import defaultdict
 
 import pytest
@@ -24,6 +25,7 @@ from nanoref.engine.block_manager import find_cached_prefix
 from nanoref.engine.sequence import Sequence, SequenceStatus
 from nanoref.exercises import use
 from nanoref.models import qwen3
+from nanoref.utils.interrupts import held_interrupts, interruptibly
 
 from .helpers import (
     assert_matches_hf,
@@ -358,3 +360,43 @@ def test_a_callers_own_sigint_handler_is_left_to_act(tiny_model, expected):
         assert calls == [signal.SIGINT] and signal.getsignal(signal.SIGINT) is handler
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+# -- the holding itself -------------------------------------------------------------------------------------------
+def test_a_held_ctrl_c_is_raised_when_the_outermost_block_ends():
+    reached = []
+    with pytest.raises(KeyboardInterrupt), held_interrupts():
+        with held_interrupts():
+            signal.raise_signal(signal.SIGINT)
+            reached.append("the inner block's end")
+        reached.append("the outer block's end")
+    assert reached == ["the inner block's end", "the outer block's end"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_interruptibly_raises_at_once_and_first_raises_one_held_before():
+    def wait_for_ctrl_c():
+        signal.raise_signal(signal.SIGINT)
+        sum(range(1000))  # Python checks for signals here at the latest
+        raise AssertionError("the interrupt was held")
+
+    with held_interrupts():
+        with pytest.raises(KeyboardInterrupt):
+            interruptibly(wait_for_ctrl_c)
+        signal.raise_signal(signal.SIGINT)
+        with pytest.raises(KeyboardInterrupt):
+            interruptibly(pytest.fail, "it ran though an interrupt was held")
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # (and the block ended without one)
+
+
+def test_only_the_main_thread_holds():
+    seen = []
+
+    def worker():
+        with held_interrupts():
+            seen.append(signal.getsignal(signal.SIGINT))
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    thread.join()
+    assert seen == [signal.default_int_handler]
