@@ -76,7 +76,9 @@ class held_interrupts:
         _depth -= 1
         _interruptible = self._was_interruptible
         if _depth == 0:
-            signal.signal(signal.SIGINT, signal.default_int_handler)
+            replaced = signal.signal(signal.SIGINT, signal.default_int_handler)
+            if replaced is not _on_sigint:  # code in the block installed a handler of its own: it stays
+                signal.signal(signal.SIGINT, replaced)
         elif not _interruptible:
             return  # still held by an outer block: it raises the interrupt when it ends
         if _pending:
