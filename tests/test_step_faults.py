@@ -254,13 +254,23 @@ def recorded(folder, overlap: bool, files: set[str], drive: str) -> CtrlC:
     return trace
 
 
-def expected_steps(folder) -> list:
-    """The workload's steps, driven by add_request / step on the plain loop."""
+def step_records(llm, seqs: list[Sequence]) -> list[tuple]:
+    """The engine's step records and request metrics, sequences named by their request's index."""
+    index = {seq.seq_id: i for i, seq in enumerate(seqs)}
+    steps = [
+        (step.kind, [(index[seq_id], n) for seq_id, n in step.seqs], step.num_hit_blocks, step.num_blocks_used)
+        for step in llm.metrics.steps
+    ]
+    requests = [llm.metrics.requests[seq.seq_id].num_cached_tokens for seq in seqs]
+    return [*steps, requests]
+
+
+def expected_steps(folder) -> list[tuple]:
+    """The workload's step_records, driven by add_request / step on the plain loop."""
     llm = LLM(folder, **TIGHT)
-    for prompt in PROMPTS:
-        llm.add_request(prompt, PARAMS)
+    seqs = [llm.add_request(prompt, PARAMS) for prompt in PROMPTS]
     run_steps(llm)
-    return llm.metrics.steps
+    return step_records(llm, seqs)
 
 
 def interrupt_generate(folder, overlap: bool, files: set[str], at: int) -> LLM:
@@ -313,8 +323,10 @@ def test_ctrl_c_at_any_line_of_the_bookkeeping(tiny_model, expected, overlap, dr
 @pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlapped"])
 def test_ctrl_c_in_the_forward_is_raised_there_and_the_step_undone(tiny_model, expected, overlap):
     """A Ctrl-C in each step's forward (the model's first line in it) raises at once, from inside the forward, not
-    once the step is done; the step is undone and retried."""
-    trace, kinds = recorded(tiny_model, overlap, FORWARD, "steps"), [step.kind for step in expected_steps(tiny_model)]
+    once the step is done; the step is undone and retried. An undone prefill leaves no trace: the state is as
+    before it, and the steps and metrics recorded in the end are those of a run never interrupted."""
+    trace, records = recorded(tiny_model, overlap, FORWARD, "steps"), expected_steps(tiny_model)
+    kinds = [record[0] for record in records[:-1]]
     launches, forwards = trace.calls["launch"], trace.calls["forward"]
     points = [next(count for count in forwards if count >= launch) + 1 for launch in launches]
     assert len(points) >= len(kinds)
@@ -332,6 +344,8 @@ def test_ctrl_c_in_the_forward_is_raised_there_and_the_step_undone(tiny_model, e
         run_steps(llm)
         assert [seq.completion_token_ids for seq in seqs] == [output["token_ids"] for output in expected]
         assert_no_block_leaked(llm)
+        if not overlap and kinds[index] == "prefill":
+            assert step_records(llm, seqs) == records
 
 
 def test_ctrl_c_while_generate_queues_its_requests_leaves_none_queued(tiny_model, expected):
