@@ -12,8 +12,9 @@ A step is either a prefill step or a decode step (never both), as in Nano-vLLM:
 A schedule is all or nothing. The decision is made first, reading the queues and counting blocks, and applied
 after, so a learner's exercise function that raises (or returns a wrong victim) leaves the scheduler as it was;
 the prefill admissions allocated while deciding are given back. `unschedule` takes back an applied schedule whose
-step failed. The engine runs all of this with Ctrl-C held (utils/interrupts.py): an interrupt can land only in
-the exercise functions, which are run through `interruptibly`, and there it is undone like an error.
+step failed. The engine runs all of this with Ctrl-C held (utils/interrupts.py): an interrupt can land only
+while a cached-prefix lookup or a victim choice runs (through `interruptibly`: a learner's may never return),
+and there it is undone like an error.
 """
 
 from __future__ import annotations
@@ -84,9 +85,9 @@ class Scheduler:
                 if budget <= 0:
                     break
                 if not seq.block_table:  # not started yet: needs a slot in the batch and its blocks
-                    if len(self.running) + len(scheduled) >= self.max_num_seqs:
+                    if len(self.running) + len(scheduled) >= self.max_num_seqs:  # (all scheduled so far join it)
                         break
-                    if not interruptibly(self.block_manager.can_allocate, seq):  # may run find_cached_prefix
+                    if not interruptibly(self.block_manager.can_allocate, seq):  # (a learner's lookup, maybe)
                         break
                     self.block_manager.allocate(seq)
                     self.admitted.append(seq)
@@ -96,7 +97,7 @@ class Scheduler:
                 scheduled.append(seq)
                 if seq.num_computed_tokens + chunk < seq.num_tokens:
                     break  # a chunk of a longer prompt: it stays first in line for the next step
-        except BaseException:  # a learner's find_cached_prefix raised: give back what this batch took
+        except BaseException:  # a learner's find_cached_prefix raised, or Ctrl-C in it: give back what was taken
             self.unschedule(scheduled, is_prefill=True)
             raise
         for seq in scheduled:  # the whole prompts leave the queue; a partial chunk stays first
