@@ -203,14 +203,23 @@ class BlockManager:
         return lookup(seq.token_ids, self.block_size, self._table(self.forward), self.blocks)
 
     def can_allocate(self, seq: Sequence) -> bool:
-        hits = self._find_cached_prefix(seq)
+        return self._fits(seq, self._find_cached_prefix(seq))
+
+    def _fits(self, seq: Sequence, hits: list[int]) -> bool:
         revived = sum(1 for block_id in hits if block_id not in self.used_block_ids)  # hits sitting in the free list
         return self.num_free_blocks - revived >= seq.num_blocks - len(hits)
 
     def allocate(self, seq: Sequence) -> None:
-        """Give seq a block table covering all its tokens, sharing cached prefix blocks."""
+        """Give seq a block table covering all its tokens, sharing cached prefix blocks.
+
+        Looks everything up first and changes nothing when that fails (a learner's find_cached_prefix raising,
+        or returning blocks that do not fit or do not exist)."""
         assert not seq.block_table, f"sequence {seq.seq_id} already has blocks"
         hits = self._find_cached_prefix(seq)
+        if not all(0 <= block_id < self.num_blocks for block_id in hits):
+            raise RuntimeError(f"the cached prefix {hits} names blocks outside [0, {self.num_blocks})")
+        if not self._fits(seq, hits):
+            raise RuntimeError(f"sequence {seq.seq_id} does not fit in the free KV blocks: check can_allocate first")
         self.num_hit_blocks += len(hits)
         for block_id in hits:
             block = self.blocks[block_id]
@@ -230,23 +239,37 @@ class BlockManager:
         seq.forward_epoch = self.forward_epoch  # its K/V (the hits included) is the current forward's
 
     def deallocate(self, seq: Sequence) -> None:
-        for block_id in reversed(seq.block_table):
-            block = self.blocks[block_id]
+        """Give back seq's blocks: each one goes to the free list when its last holder lets go.
+
+        Checked before anything changes: a table that names a block no one holds raises with every count intact,
+        instead of freeing half the table."""
+        blocks = [self.blocks[block_id] for block_id in reversed(seq.block_table)]
+        for block in blocks:
+            assert block.ref_count > 0 and block.block_id in self.used_block_ids, f"block {block.block_id} freed twice"
+        for block in blocks:
             block.ref_count -= 1
-            assert block.ref_count >= 0, f"block {block_id} freed twice"
             if block.ref_count == 0:
-                self.used_block_ids.remove(block_id)
-                assert block_id not in self.free_block_ids, f"block {block_id} is free already"
-                self.free_block_ids[block_id] = None  # the most recently freed: evicted last
+                self.used_block_ids.remove(block.block_id)
+                self.free_block_ids[block.block_id] = None  # the most recently freed: evicted last
         seq.block_table.clear()
         self.tables.release(seq)
         seq.num_computed_tokens = 0
         seq.num_hashed_blocks = 0
 
+    def unallocate(self, seq: Sequence) -> None:
+        """Take back `allocate(seq)` whose step never completed: its blocks go back as in deallocate, and its
+        prefix-cache hits no longer count as hits."""
+        self.num_hit_blocks -= seq.num_prefix_hit_tokens // self.block_size
+        self.deallocate(seq)
+
     # -- decode -------------------------------------------------------------------------------
     def can_append(self, seq: Sequence) -> bool:
         """Room for the K/V of seq's last token (a new block when it starts one)."""
-        return self.num_free_blocks >= seq.num_blocks - len(seq.block_table)
+        return self.num_free_blocks >= self.blocks_to_append(seq)
+
+    def blocks_to_append(self, seq: Sequence) -> int:
+        """The free blocks may_append(seq) takes: 1 when seq's last token starts a block, else 0."""
+        return max(seq.num_blocks - len(seq.block_table), 0)
 
     def may_append(self, seq: Sequence, num_tokens: int | None = None) -> None:
         """Grow seq's block table to hold num_tokens tokens (default: the tokens it has)."""

@@ -19,6 +19,7 @@ from nanoref.engine.scheduler import Scheduler
 from nanoref.engine.sequence import Sequence
 from nanoref.sampling_params import SamplingParams
 from nanoref.utils import seams
+from nanoref.utils.interrupts import held_interrupts, interruptibly
 from nanoref.utils.loader import load_tokenizer
 
 
@@ -57,7 +58,14 @@ class InFlight:
 
 
 class LLMEngine:
-    """The engine. One `generate` (or `step`) runs at a time: calls from several threads are serialized."""
+    """The engine. One `generate` (or `step`) runs at a time: calls from several threads are serialized.
+
+    A step is all or nothing. When it raises, an error or Ctrl-C, the engine is left as if it had not run
+    (`Scheduler.unschedule` says exactly what that means for a decode step that preempted), and the next step or
+    generate serves on. Ctrl-C is held back while the engine's bookkeeping runs (scheduling, postprocessing,
+    metrics, queuing requests) and raised when it is done (utils/interrupts.py); it acts at once in the forward
+    pass and in a learner's exercise function, whose step is then undone.
+    """
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -147,7 +155,7 @@ class LLMEngine:
         return seq
 
     def enqueue(self, seq: Sequence) -> None:
-        with self._lock:
+        with self._lock, held_interrupts():  # both or neither: a request the metrics know of is queued
             self.metrics.add_request(seq)
             self.scheduler.add(seq)
 
@@ -159,8 +167,9 @@ class LLMEngine:
 
     # -- the loop -----------------------------------------------------------------------------
     def step(self) -> tuple[list[Sequence], StepRecord]:
-        """One forward pass. Returns (sequences finished in it, the step's record)."""
-        with self._lock:
+        """One forward pass. Returns (sequences finished in it, the step's record). When it raises, the step did
+        not happen (see the class docstring): call step() again to retry it, or abort_all()."""
+        with self._lock, held_interrupts():
             if self.scheduler.is_finished():
                 raise RuntimeError("step() found no request waiting or running: add one with add_request() first")
             # this step runs the forward of the caller's `seams.use` block (if any): the prefix cache keeps it apart
@@ -169,9 +178,18 @@ class LLMEngine:
                 return self._step_overlapped()
             seqs, is_prefill = self.scheduler.schedule()
             record = self.metrics.begin_step(self.scheduler, seqs, is_prefill)
-            token_ids = self.model_runner.run(seqs, is_prefill)
+            try:
+                token_ids = interruptibly(self.model_runner.run, seqs, is_prefill)
+            except BaseException:
+                self._undo_step(seqs, is_prefill, record)
+                raise
             finished = self.scheduler.postprocess(seqs, token_ids)
             return finished, self.metrics.end_step(record, seqs)
+
+    def _undo_step(self, seqs: list[Sequence], is_prefill: bool, record: StepRecord) -> None:
+        """The step just scheduled failed before its postprocess: take back its schedule and its record."""
+        self.scheduler.unschedule(seqs, is_prefill)
+        self.metrics.drop_step(record)
 
     def _step_overlapped(self) -> tuple[list[Sequence], StepRecord]:
         """`step` with the host one step ahead of its bookkeeping: completes step n, leaves step n+1 running.
@@ -192,11 +210,19 @@ class LLMEngine:
         n and schedules as usual: those steps run exactly as in the plain loop. On a CPU the "launch" computes
         right away, so nothing overlaps, but every decision is the same: that is how the tests check it.
         Expected gain on a GPU: the ~2 ms of host work per decode step leaves the critical path (not measured).
+
+        When this raises (see the class docstring): a step n launched here is undone like a plain step; once step
+        n is in flight it stays so, and step n+1 is dropped (the blocks schedule_ahead reserved for it stay with
+        their sequences, which need them next time), so the next call picks step n up again.
         """
         if self.in_flight is None:  # nothing queued: schedule and launch step n the usual way
             seqs, is_prefill = self.scheduler.schedule()
             record = self.metrics.begin_step(self.scheduler, seqs, is_prefill)
-            self.in_flight = InFlight.start(seqs, self.model_runner.launch(seqs, is_prefill), record)
+            try:
+                self.in_flight = InFlight.start(seqs, interruptibly(self.model_runner.launch, seqs, is_prefill), record)
+            except BaseException:
+                self._undo_step(seqs, is_prefill, record)
+                raise
         current = self.in_flight
         # 1. step n+1, scheduled and queued behind step n, its input ids gathered from step n's on the device
         ahead = self.scheduler.schedule_ahead(current.seqs)
@@ -206,9 +232,10 @@ class LLMEngine:
             next_ids = current.sampled
             if rows != list(range(len(current.sampled))):
                 next_ids = current.sampled[self.model_runner._tensor(rows, torch.int64)]  # (len(ahead),)
-            next_step = InFlight.start(ahead, self.model_runner.launch(ahead, is_prefill=False, next_ids=next_ids))
+            launched = interruptibly(self.model_runner.launch, ahead, is_prefill=False, next_ids=next_ids)
+            next_step = InFlight.start(ahead, launched)
         # 2. step n: wait for its tokens (the step's one host sync) and postprocess them
-        finished = self.scheduler.postprocess(current.seqs, current.token_ids())
+        finished = self.scheduler.postprocess(current.seqs, interruptibly(current.token_ids))
         record = self.metrics.end_step(current.record, current.seqs)
         # 3. step n+1 stays in flight with the rows that still count
         self.in_flight = None
@@ -224,7 +251,7 @@ class LLMEngine:
 
     def abort_all(self) -> None:
         """Drop every unfinished request and free its blocks (after an error or an interrupt)."""
-        with self._lock:
+        with self._lock, held_interrupts():
             self.metrics.forget([*self.scheduler.running, *self.scheduler.waiting])
             self.scheduler.abort_all()
             self.in_flight = None  # its sequences are aborted: its tokens are never read
@@ -275,7 +302,11 @@ class LLMEngine:
                 seqs.append(self.make_sequence(prompt, params))
             except (ValueError, TypeError) as error:
                 raise type(error)(f"prompt {index}: {error}") from None
-        with self._lock:  # one generate at a time: concurrent callers wait for the engine
+        # One generate at a time: concurrent callers wait for the engine. Ctrl-C is held for the whole call (one
+        # handler swap, not one per step): it is raised in the next forward or learner function, where that
+        # step is undone and every request aborted, or when the call ends; never half-way through queuing the
+        # requests or through a step's bookkeeping.
+        with self._lock, held_interrupts():
             return self._run_to_completion(seqs, use_tqdm, return_metrics)
 
     def _run_to_completion(self, seqs: list[Sequence], use_tqdm: bool, return_metrics: bool) -> list[dict]:

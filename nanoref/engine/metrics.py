@@ -79,6 +79,7 @@ class EngineMetrics:
     _pending: dict[int, _Pending] = field(default_factory=dict, repr=False)
     _hits_seen: int = field(default=0, repr=False)  # the block manager's hit counter at the last step
     _step_start: float = field(default=0.0, repr=False)
+    _first_steps: list[_Pending] = field(default_factory=list, repr=False)  # requests the latest step admitted
 
     def clear(self) -> None:
         """Forget the records; requests still in flight keep being tracked."""
@@ -92,10 +93,12 @@ class EngineMetrics:
         """Called right after scheduling: the batch, the blocks and the cache as the forward sees them."""
         manager = scheduler.block_manager
         hits, self._hits_seen = manager.num_hit_blocks - self._hits_seen, manager.num_hit_blocks
+        self._first_steps = []
         for seq in seqs:
             pending = self._pending.get(seq.seq_id)
             if pending is not None and pending.num_cached_tokens is None:  # its first step: just admitted
                 pending.num_cached_tokens = seq.num_prefix_hit_tokens
+                self._first_steps.append(pending)
         record = StepRecord(
             index=len(self.steps),
             kind="prefill" if is_prefill else "decode",
@@ -110,6 +113,16 @@ class EngineMetrics:
         self.steps.append(record)
         self._step_start = time.perf_counter()
         return record
+
+    def drop_step(self, record: StepRecord) -> None:
+        """Forget the latest begin_step: its step failed and was undone (the scheduler gave its admissions'
+        prefix hits back, so they are not counted here either)."""
+        assert self.steps and self.steps[-1] is record, "only the latest step can be dropped"
+        self.steps.pop()
+        self._hits_seen -= record.num_hit_blocks
+        for pending in self._first_steps:  # admitted again later, maybe with other prefix hits
+            pending.num_cached_tokens = None
+        self._first_steps = []
 
     def end_step(self, record: StepRecord, seqs: list[Sequence]) -> StepRecord:
         """Called after postprocess: time the step, stamp first tokens, close finished requests."""

@@ -8,6 +8,13 @@ A step is either a prefill step or a decode step (never both), as in Nano-vLLM:
 - decode: every running sequence gets one token. When the KV blocks run out, the newest running
   sequence is preempted: its blocks are freed and it goes back to the head of the queue, to be
   recomputed later (often largely from the prefix cache).
+
+A schedule is all or nothing. The decision is made first, reading the queues and counting blocks, and applied
+after, so a learner's exercise function that raises (or returns a wrong victim) leaves the scheduler as it was;
+the prefill admissions allocated while deciding are given back. `unschedule` takes back an applied schedule whose
+step failed. The engine runs all of this with Ctrl-C held (utils/interrupts.py): an interrupt can land only
+while a cached-prefix lookup or a victim choice runs (through `interruptibly`: a learner's may never return),
+and there it is undone like an error.
 """
 
 from __future__ import annotations
@@ -16,6 +23,7 @@ from collections import deque
 
 from nanoref.engine.block_manager import BlockManager
 from nanoref.engine.sequence import Sequence, SequenceStatus
+from nanoref.utils.interrupts import interruptibly
 from nanoref.utils.seams import seam
 
 
@@ -49,6 +57,7 @@ class Scheduler:
         self.running: deque[Sequence] = deque()
         self.num_preemptions = 0
         self.preempted: list[int] = []  # seq_ids preempted by the latest schedule() (for step records)
+        self.admitted: list[Sequence] = []  # sequences the latest schedule() allocated blocks to (see unschedule)
 
     def is_finished(self) -> bool:
         return not self.waiting and not self.running
@@ -58,8 +67,9 @@ class Scheduler:
 
     # -- scheduling ---------------------------------------------------------------------------
     def schedule(self) -> tuple[list[Sequence], bool]:
-        """-> (sequences to run, is_prefill). Each gets `num_scheduled_tokens` set."""
+        """-> (sequences to run, is_prefill). Each gets `num_scheduled_tokens` set. Raises changing nothing."""
         self.preempted = []
+        self.admitted = []
         scheduled = self._schedule_prefill()
         if scheduled:
             return scheduled, True
@@ -70,44 +80,89 @@ class Scheduler:
     def _schedule_prefill(self) -> list[Sequence]:
         scheduled: list[Sequence] = []
         budget = self.max_num_batched_tokens
-        while self.waiting and budget > 0:
-            seq = self.waiting[0]
-            if not seq.block_table:  # not started yet: needs a slot in the batch and its blocks
-                if len(self.running) >= self.max_num_seqs:  # (what this step scheduled is in running already)
+        try:
+            for seq in self.waiting:  # only read here: the queue changes once the batch is decided
+                if budget <= 0:
                     break
-                if not self.block_manager.can_allocate(seq):
-                    break
-                self.block_manager.allocate(seq)
-            chunk = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            seq.num_scheduled_tokens = chunk
-            budget -= chunk
-            scheduled.append(seq)
-            if seq.num_computed_tokens + chunk < seq.num_tokens:
-                break  # a chunk of a longer prompt: it stays first in line for the next step
+                if not seq.block_table:  # not started yet: needs a slot in the batch and its blocks
+                    if len(self.running) + len(scheduled) >= self.max_num_seqs:  # (all scheduled so far join it)
+                        break
+                    if not interruptibly(self.block_manager.can_allocate, seq):  # (a learner's lookup, maybe)
+                        break
+                    self.block_manager.allocate(seq)
+                    self.admitted.append(seq)
+                chunk = min(seq.num_tokens - seq.num_computed_tokens, budget)
+                seq.num_scheduled_tokens = chunk
+                budget -= chunk
+                scheduled.append(seq)
+                if seq.num_computed_tokens + chunk < seq.num_tokens:
+                    break  # a chunk of a longer prompt: it stays first in line for the next step
+        except BaseException:  # a learner's find_cached_prefix raised, or Ctrl-C in it: give back what was taken
+            self.unschedule(scheduled, is_prefill=True)
+            raise
+        for seq in scheduled:  # the whole prompts leave the queue; a partial chunk stays first
+            if seq.num_computed_tokens + seq.num_scheduled_tokens < seq.num_tokens:
+                break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
         return scheduled
 
     def _schedule_decode(self) -> list[Sequence]:
+        """One token for every running sequence (up to max_num_seqs), preempting where the blocks run out.
+
+        Decided by `_plan_decode`, which changes nothing, then applied in the order it was decided (so the blocks
+        each sequence gets are the ones a loop that preempts as it goes would give)."""
+        steps, rest = self._plan_decode()
         scheduled: list[Sequence] = []
-        while self.running and len(scheduled) < self.max_num_seqs:
-            seq = self.running.popleft()
-            while not self.block_manager.can_append(seq):
-                victim = seam("choose_preemption_victim", choose_preemption_victim)(list(self.running), seq)
-                if victim is seq:
-                    self.preempt(seq)
-                    break
-                if victim not in self.running:
-                    raise ValueError(f"the preemption victim {victim!r} is neither running nor {seq!r}")
-                self.running.remove(victim)
-                self.preempt(victim)
-            else:
+        for seq, new_blocks in steps:
+            if new_blocks is None:
+                self.preempt(seq)
+                continue
+            if new_blocks:
                 self.block_manager.may_append(seq)
-                seq.num_scheduled_tokens = 1
-                scheduled.append(seq)
-        self.running.extendleft(reversed(scheduled))
+            seq.num_scheduled_tokens = 1
+            scheduled.append(seq)
+        self.running.clear()
+        self.running.extend(scheduled)
+        self.running.extend(rest)
         return scheduled
+
+    def _plan_decode(self) -> tuple[list[tuple[Sequence, int | None]], list[Sequence]]:
+        """The decode step's decisions, without acting on them: ([(seq, the new blocks it gets, or None to preempt
+        it) in order], the running sequences left for a later step). Blocks are counted instead of freed: a
+        preempted sequence frees the blocks no other sequence holds (`released` counts the references the
+        planned preemptions drop).
+
+        The victim function (a learner's, in the exercises) is checked: it must return seq or one of the running
+        sequences it was given; anything else raises ValueError with nothing changed."""
+        manager = self.block_manager
+        queue = deque(self.running)
+        free = manager.num_free_blocks
+        released: dict[int, int] = {}
+        steps: list[tuple[Sequence, int | None]] = []
+        num_scheduled = 0
+        while queue and num_scheduled < self.max_num_seqs:
+            seq = queue.popleft()
+            needed = manager.blocks_to_append(seq)
+            while free < needed:  # can_append, counting the blocks planned so far
+                victim = interruptibly(seam("choose_preemption_victim", choose_preemption_victim), list(queue), seq)
+                if victim is seq:
+                    steps.append((seq, None))
+                    break
+                if victim not in queue:
+                    raise ValueError(f"the preemption victim {victim!r} is neither running nor {seq!r}")
+                queue.remove(victim)
+                for block_id in victim.block_table:
+                    released[block_id] = released.get(block_id, 0) + 1
+                    if released[block_id] == manager.blocks[block_id].ref_count:  # its last holder lets go
+                        free += 1
+                steps.append((victim, None))
+            else:
+                free -= needed
+                steps.append((seq, needed))
+                num_scheduled += 1
+        return steps, list(queue)
 
     def schedule_ahead(self, in_flight: list[Sequence]) -> list[Sequence]:
         """The decode step after the one in flight, chosen before that step's sampled tokens are known.
@@ -164,6 +219,33 @@ class Scheduler:
         self.preempted.append(seq.seq_id)
         self.block_manager.deallocate(seq)
         self.waiting.appendleft(seq)
+
+    def unschedule(self, seqs: list[Sequence], is_prefill: bool) -> None:
+        """Take back the latest schedule() = (seqs, is_prefill): its step failed (an error, or Ctrl-C in the forward)
+        before postprocess. Afterwards the next schedule() decides the step again.
+
+        No token stays scheduled. A prefill's admissions are undone: the sequences it moved to `running` go back
+        to the head of `waiting` in their order, and the blocks it allocated go back to the free list. A forward
+        that ran part way only wrote into blocks taken fresh, which carry no prefix-cache hash (nothing can hit
+        what it wrote); the cached blocks it shared were only read. A sequence whose earlier chunks ran keeps
+        its blocks and its place at the head of `waiting`. A decode step's decisions stand: its preempted
+        sequences wait to be recomputed, as after any preemption (the blocks they gave up may hold this step's
+        writes already), and the blocks it appended stay with their sequences, which need them for the same
+        token next time.
+        """
+        for seq in seqs:
+            seq.num_scheduled_tokens = 0
+        if not is_prefill:
+            return
+        for seq in reversed(seqs):
+            if seq.status is SequenceStatus.RUNNING:  # moved by this step: it is at the end of `running`
+                assert self.running[-1] is seq, f"{seq} is not where this step put it"
+                self.running.pop()
+                seq.status = SequenceStatus.WAITING
+                self.waiting.appendleft(seq)
+        for seq in reversed(self.admitted):
+            self.block_manager.unallocate(seq)
+        self.admitted = []
 
     def abort_all(self) -> None:
         for seq in [*self.running, *self.waiting]:
