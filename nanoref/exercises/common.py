@@ -35,11 +35,24 @@ def input_generator(seed: int | None = None) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
+_SCRATCH: tempfile.TemporaryDirectory | None = None  # this process's model folders, removed when it exits
+
+
+def scratch_folder(name: str) -> Path:
+    """A path `name` in a folder of its own, not yet created, under this process's temporary directory (made on
+    first use). TemporaryDirectory's finalizer removes that directory when the process exits, so checks leave no
+    model folders behind in the temp dir."""
+    global _SCRATCH
+    if _SCRATCH is None:
+        _SCRATCH = tempfile.TemporaryDirectory(prefix="nanoref-exercise-")
+    return Path(tempfile.mkdtemp(dir=_SCRATCH.name)) / name
+
+
 def tiny_model(seed: int = 0, **overrides: Any) -> Path:
     """A random tiny Qwen3 folder (HF format), built once per process and settings."""
     key = (seed, tuple(sorted(overrides.items())))
     if key not in _MODELS:
-        folder = Path(tempfile.mkdtemp(prefix="nanoref-exercise-")) / "tiny-qwen3"
+        folder = scratch_folder("tiny-qwen3")
         _MODELS[key] = make_tiny_qwen3(folder, seed=seed, **overrides)
     return _MODELS[key]
 
