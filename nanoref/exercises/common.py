@@ -35,17 +35,18 @@ def input_generator(seed: int | None = None) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-_SCRATCH: tempfile.TemporaryDirectory | None = None  # this process's model folders, removed when it exits
+# this process's model folders (none, or one directory), removed when it exits; a list, so that no module name is
+# ever rebound after import (nanoref.exercises.integrity verifies that)
+_SCRATCH: list[tempfile.TemporaryDirectory] = []
 
 
 def scratch_folder(name: str) -> Path:
     """A path `name` in a folder of its own, not yet created, under this process's temporary directory (made on
     first use). TemporaryDirectory's finalizer removes that directory when the process exits, so checks leave no
     model folders behind in the temp dir."""
-    global _SCRATCH
-    if _SCRATCH is None:
-        _SCRATCH = tempfile.TemporaryDirectory(prefix="nanoref-exercise-")
-    return Path(tempfile.mkdtemp(dir=_SCRATCH.name)) / name
+    if not _SCRATCH:
+        _SCRATCH.append(tempfile.TemporaryDirectory(prefix="nanoref-exercise-"))
+    return Path(tempfile.mkdtemp(dir=_SCRATCH[0].name)) / name
 
 
 def tiny_model(seed: int = 0, **overrides: Any) -> Path:
