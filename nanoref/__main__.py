@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from nanoref.llm import DEFAULT_MODEL
+
+EXIT_INTERRUPTED = 130  # 128 + SIGINT: what a shell reports for a tool stopped by Ctrl-C
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what a shell reports for a tool whose reader went away
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,10 +45,33 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Exit status: 0 done, 2 bad input (arguments, model folder), 1 a runtime failure, 130 Ctrl-C, 141 the reader
+    of stdout went away (`| head -1`). A failure is one `error: ...` line on stderr, never a traceback."""
     args = build_parser().parse_args(argv)
-    from nanoref import LLM, SamplingParams, trace_shapes
-    from nanoref.utils.loader import ModelFolderError
+    try:
+        _run(args)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # what Python's docs advise for `| head`: stop quietly, and point stdout at devnull so that the interpreter's
+        # own flush at exit does not fail again
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
+    except BadInput as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    except (RuntimeError, OSError, ImportError) as error:  # TensorParallelError, a backend that cannot run here...
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    return 0
 
+
+def _run(args: argparse.Namespace) -> None:
+    from nanoref import LLM, SamplingParams, trace_shapes
+
+    for index, prompt in enumerate(args.prompts):
+        _require_utf8(index, prompt)
     try:
         params = SamplingParams(
             temperature=args.temperature,
@@ -61,18 +88,41 @@ def main(argv: list[str] | None = None) -> int:
             attention_backend=args.attention_backend,
             tensor_parallel_size=args.tensor_parallel_size,
         )
-        if args.trace:
-            with trace_shapes(max_steps=2):
+    except (ValueError, TypeError) as error:  # ModelFolderError is a ValueError
+        raise BadInput(error) from None
+    with llm:  # leaving it (also on Ctrl-C or a closed stdout) stops tensor-parallel workers, if any
+        if llm.tokenizer is None:
+            raise BadInput(
+                f"{args.model} has no tokenizer (no tokenizer.json, tokenizer_config.json or vocab.json): the command "
+                "line takes text prompts, so copy the tokenizer files of the model's family into that folder"
+            )
+        try:
+            if args.trace:
+                with trace_shapes(max_steps=2):
+                    outputs = llm.generate(args.prompts, params, use_tqdm=False)
+            else:
                 outputs = llm.generate(args.prompts, params, use_tqdm=False)
-        else:
-            outputs = llm.generate(args.prompts, params, use_tqdm=False)
-        llm.close()  # tensor parallel: stop the other ranks now (nothing to do on one device)
-    except (ModelFolderError, ValueError, TypeError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+        except (ValueError, TypeError) as error:  # a prompt longer than the model allows, ...
+            raise BadInput(error) from None
     for prompt, output in zip(args.prompts, outputs):
         print(f"{prompt}{output['text']}")
-    return 0
+    sys.stdout.flush()  # a closed pipe shows here, inside main's handling, not in the interpreter's exit
+
+
+class BadInput(Exception):
+    """What the user passed cannot work (exit status 2); the message says what to change."""
+
+
+def _require_utf8(index: int, prompt: str) -> None:
+    # Python decodes argv with surrogateescape: bytes that are not UTF-8 arrive as lone surrogates
+    raw = prompt.encode("utf-8", "surrogateescape")
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        raise BadInput(
+            f"prompt {index} is not valid UTF-8 (byte {raw[error.start]:#04x} at byte {error.start}): "
+            "pass prompts as UTF-8 text"
+        ) from None
 
 
 if __name__ == "__main__":

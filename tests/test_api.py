@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
 
 import pytest
 import torch
@@ -221,6 +223,30 @@ def test_folder_without_weights(tmp_path, tiny_model):
     shutil.copy(tiny_model / "config.json", tmp_path / "m")
     with pytest.raises(ModelFolderError, match="no \\*.safetensors"):
         LLM(tmp_path / "m")
+
+
+def test_a_folder_named_safetensors_is_a_model_folder_error(tmp_path, tiny_model):
+    shutil.copytree(tiny_model, tmp_path / "m")
+    (tmp_path / "m" / "extra.safetensors").mkdir()
+    with pytest.raises(ModelFolderError, match="extra.safetensors is a folder"):
+        LLM(tmp_path / "m", device="cpu")
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="FIFOs are a POSIX thing")
+def test_a_fifo_named_safetensors_is_refused_without_opening_it(tmp_path, tiny_model):
+    shutil.copytree(tiny_model, tmp_path / "m")
+    fifo = tmp_path / "m" / "extra.safetensors"
+    os.mkfifo(fifo)
+
+    # a loader that opens the FIFO waits for a writer forever (holding the GIL, inside safetensors): a writer
+    # process that opens and closes it in a loop turns that hang into a failure of this test
+    writer = subprocess.Popen(["sh", "-c", 'while :; do : > "$0"; done', str(fifo)])
+    try:
+        with pytest.raises(ModelFolderError, match="extra.safetensors is not a regular file"):
+            LLM(tmp_path / "m", device="cpu")
+    finally:
+        writer.kill()
+        writer.wait()
 
 
 def test_unsupported_architecture(tmp_path, tiny_model):

@@ -6,6 +6,9 @@ cannot build it (no C++ compiler or no ninja), and say so.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -119,3 +122,18 @@ def test_greedy_matches_hf_under_preemption_and_prefix_hits(tiny_model):
     assert llm.scheduler.num_preemptions > 0 and llm.scheduler.block_manager.num_hit_blocks > 0
     for prompt, output in zip(prompts, outputs):
         assert output["token_ids"] == hf_greedy(tiny_model, prompt, params.max_tokens)
+
+
+@needs_build
+def test_loading_the_kernel_leaves_sys_path_alone():
+    # a fresh interpreter: this one may have imported setuptools already (whose first import changes sys.path)
+    script = (
+        "import sys\n"
+        "from nanoref.ops import attention_cpp\n"
+        "before = list(sys.path)\n"
+        "attention_cpp.load()\n"
+        "added = [p for p in sys.path if p not in before]\n"
+        "assert sys.path == before, f'sys.path gained {added}'\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr

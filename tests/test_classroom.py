@@ -183,3 +183,143 @@ def test_collect_solutions_names_a_broken_cell_and_an_unknown_seam(tmp_path):
     nbformat.write(nb, unknown / "b.ipynb")
     with pytest.raises(ClassroomError, match="no matching seam.*silu_and_multiply \\(b.ipynb\\)"):
         collect_solutions(unknown)
+
+
+# -- build: every path and name checked before anything is deleted -----------------------------------------------
+def classroom(*args: str) -> tuple[int, str]:
+    """`python -m nanoref.classroom ...` in this process: (exit status, stderr)."""
+    import contextlib
+    import io
+
+    from nanoref.classroom.__main__ import main
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        status = main(list(args))
+    return status, err.getvalue()
+
+
+def assert_one_error_line(status: int, err: str, *fragments: str) -> None:
+    assert status == 2, err
+    assert err.startswith("error: ") and err.count("\n") == 1 and "Traceback" not in err, err
+    for fragment in fragments:
+        assert fragment in err, err
+
+
+def test_an_assignment_name_that_leaves_source_deletes_nothing(tmp_path):
+    (tmp_path / "grades.csv").write_text("alice,10\n")
+    status, err = classroom("build", "--out", str(tmp_path), "--assignment", "..", "--only", "00")
+    assert_one_error_line(status, err, "assignment name '..'")
+    assert (tmp_path / "grades.csv").read_text() == "alice,10\n"
+
+
+def test_a_rebuild_from_the_source_folder_it_replaces_is_refused(tmp_path):
+    build(tmp_path, select=["00"])
+    edited = tmp_path / "source" / "nanoref" / "00_tour.ipynb"
+    status, err = classroom("build", "--out", str(tmp_path), "--notebooks", str(edited.parent))
+    assert_one_error_line(status, err, "lies inside", "nbgrader generate_assignment nanoref --force")
+    assert edited.is_file()
+
+
+def test_a_source_folder_the_build_did_not_make_is_not_replaced(tmp_path):
+    mine = tmp_path / "source" / "nanoref" / "my_notes.md"
+    mine.parent.mkdir(parents=True)
+    mine.write_text("keep me")
+    status, err = classroom("build", "--out", str(tmp_path), "--only", "00")
+    assert_one_error_line(status, err, "was not made by", ".nanoref-build")
+    assert mine.read_text() == "keep me"
+
+
+def test_a_rebuild_replaces_what_the_build_made(tmp_path):
+    build(tmp_path, select=["00"])
+    (tmp_path / "grades.csv").write_text("alice,10\n")  # the course's other files stay
+    assert [p.name for p in build(tmp_path, select=["01"])] == ["01_varlen_flattening.ipynb"]
+    assert sorted(p.name for p in (tmp_path / "source" / "nanoref").glob("*.ipynb")) == ["01_varlen_flattening.ipynb"]
+    assert (tmp_path / "grades.csv").read_text() == "alice,10\n"
+    released = tmp_path / "release" / "nanoref"
+    assert not (released / ".nanoref-build").exists(), "the build's marker is not for students"
+
+
+def test_build_errors_are_one_line(tmp_path):
+    (tmp_path / "a_file").write_text("")
+    assert_one_error_line(*classroom("build", "--out", str(tmp_path / "a_file" / "course")), "a_file is a file")
+    if sys.platform == "linux":  # a folder nobody may create, even root
+        assert_one_error_line(*classroom("build", "--out", "/sys/nanoref-course", "--only", "00"), "cannot write")
+    notebooks = tmp_path / "notebooks"
+    notebooks.mkdir()
+    (notebooks / "01_broken.ipynb").write_text("{not json")
+    status, err = classroom("build", "--out", str(tmp_path / "course"), "--notebooks", str(notebooks))
+    assert_one_error_line(status, err, "01_broken.ipynb is not a notebook: not valid JSON")
+
+
+# -- check: what it cannot run is named, what is missing fails --------------------------------------------------
+@pytest.mark.parametrize(
+    "content,message",
+    [
+        (b"{not json", "is not a notebook: not valid JSON"),
+        (b"\xff\xfe{}", "is not UTF-8 text"),
+        (b'{"cells": [{"cell_type": "code"}], "nbformat": 4, "nbformat_minor": 5, "metadata": {}}', "not a valid"),
+    ],
+    ids=["not-json", "not-utf8", "not-nbformat"],
+)
+def test_check_names_a_file_that_is_not_a_notebook(tmp_path, content, message):
+    path = tmp_path / "mine.ipynb"
+    path.write_bytes(content)
+    assert_one_error_line(*classroom("check", str(path)), message)
+
+
+def test_a_cell_past_the_timeout_fails_and_the_rest_is_reported_not_run(tmp_path):
+    path = exercise_notebook(tmp_path / "slow.ipynb", "return x")
+    nb = nbformat.read(path, as_version=4)
+    nb.cells.insert(1, nbformat.v4.new_code_cell("import time\n\ntime.sleep(60)"))
+    nb.cells[1].metadata["nbgrader"] = dict(nb.cells[2].metadata["nbgrader"], grade_id="slow_test")
+    nbformat.write(nb, path)
+    slow, after = check(path, timeout=2)
+    assert (slow.grade_id, slow.passed) == (
+        "slow_test",
+        False,
+    ) and "did not finish within --timeout 2 s" in slow.message
+    assert (after.grade_id, after.passed) == ("ex_silu_and_mul_test", False) and after.message.startswith("not run")
+
+
+def test_a_course_notebook_without_its_graded_cells_fails_naming_them(tmp_path):
+    nb = nbformat.read(NOTEBOOKS_DIR / "02_rmsnorm.ipynb", as_version=4)
+    nb.cells = [cell for cell in nb.cells if cell.cell_type == "markdown"]  # the graded cells deleted (and the rest)
+    nbformat.write(nb, tmp_path / "02_rmsnorm.ipynb")
+    results = check(tmp_path / "02_rmsnorm.ipynb")
+    assert {r.grade_id for r in results} == {"ex_rms_norm_test", "ex_add_rms_norm_test"}
+    assert not any(r.passed for r in results) and all(r.message.startswith("missing") for r in results)
+    cli = subprocess.run(
+        [sys.executable, "-m", "nanoref.classroom", "check", str(tmp_path / "02_rmsnorm.ipynb")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert cli.returncode == 1 and "FAIL  ex_rms_norm_test (2 points)" in cli.stdout
+
+
+# -- a solution cell cannot fake its grade ----------------------------------------------------------------------
+FAKE_CHECK = "lambda *args, **kwargs: None"
+
+
+@pytest.mark.parametrize(
+    "replace",
+    [
+        f"nanoref.exercises.check_silu_and_mul = nanoref.exercises.model.check_silu_and_mul = {FAKE_CHECK}",
+        f'vars(nanoref.exercises)["check_silu_and_mul"] = vars(nanoref.exercises.model)["check_silu_and_mul"] = '
+        f"{FAKE_CHECK}",
+        # the reference the check compares with becomes the identity, which the answer below is
+        'vars(nanoref.exercises.model)["silu_and_mul"] = lambda x: x',
+    ],
+    ids=["setattr", "module-dict", "the-reference"],
+)
+def test_a_solution_cell_that_replaces_the_check_gets_no_points(tmp_path, replace):
+    path = exercise_notebook(tmp_path / "cheat.ipynb", "return x")
+    nb = nbformat.read(path, as_version=4)
+    cheat = f"import nanoref.exercises\nimport nanoref.exercises.model\n\n{replace}\n\n\n"
+    nb.cells[0].source = cheat + nb.cells[0].source
+    nbformat.write(nb, path)
+    [result] = check(path)
+    assert not result.passed, "a cell that replaced the check got the points"
+    # the replacing line raised (so silu_and_mul was never defined), or the check found what was replaced
+    assert result.message.startswith("NameError") or "the check function was replaced" in result.message

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -9,6 +10,8 @@ import pytest
 import torch
 
 from nanoref import DEFAULT_MODEL, LLM, SamplingParams
+from nanoref.__main__ import EXIT_BROKEN_PIPE, main
+from nanoref.engine.tensor_parallel import TensorParallelError
 
 from .helpers import hf_greedy
 
@@ -67,3 +70,63 @@ def test_cli_errors_are_one_clear_line(args, message):
     assert result.returncode == 2
     assert result.stderr.startswith("error:") and message in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_a_closed_stdout_ends_the_cli_quietly():
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # like `| head -1` that has already exited: every write to stdout is EPIPE
+    try:
+        result = subprocess.run(
+            [sys.executable, "-m", "nanoref", "Beautiful is", "Simple is", "--max-tokens", "4", "--device", "cpu"],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=300,
+        )
+    finally:
+        os.close(write_end)
+    assert result.stderr == ""
+    assert result.returncode == EXIT_BROKEN_PIPE
+
+
+def fail_generate_with(monkeypatch, error: BaseException) -> None:
+    def generate(self, *args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(LLM, "generate", generate)
+
+
+def test_ctrl_c_is_one_line_and_exit_130(monkeypatch, capsys):
+    fail_generate_with(monkeypatch, KeyboardInterrupt())
+    try:
+        status = main(["hi", "--device", "cpu"])
+    except KeyboardInterrupt:  # escaping, it would stop this test run too
+        pytest.fail("Ctrl-C escaped main: Python prints its traceback")
+    assert status == 130
+    assert capsys.readouterr().err == "interrupted\n"
+
+
+def test_a_runtime_failure_is_one_error_line_and_exit_1(monkeypatch, capsys):
+    fail_generate_with(monkeypatch, TensorParallelError("rank 1 exited with status 9"))
+    assert main(["hi", "--device", "cpu"]) == 1
+    assert capsys.readouterr().err == "error: rank 1 exited with status 9\n"
+
+
+def test_a_folder_without_a_tokenizer_says_so_on_the_command_line(tiny_model, capsys):
+    assert main(["hi", "--model", str(tiny_model), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1
+    assert "has no tokenizer" in err and "tokenizer.json" in err
+    assert "token ids" not in err  # the command line cannot pass them
+
+
+def test_a_prompt_that_is_not_utf8_is_named():
+    # bytes, as a shell passes them: Python decodes argv with surrogateescape
+    result = subprocess.run(
+        [sys.executable, "-m", "nanoref", "fine", b"caf\xe9", "--device", "cpu"], capture_output=True, timeout=300
+    )
+    assert result.returncode == 2
+    assert (
+        result.stderr.decode()
+        == "error: prompt 1 is not valid UTF-8 (byte 0xe9 at byte 3): pass prompts as UTF-8 text\n"
+    )

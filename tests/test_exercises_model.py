@@ -3,6 +3,10 @@ functions and reject typical wrong answers with a message that names the mistake
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -104,3 +108,17 @@ def test_seeded_check_catches_a_masking_that_only_differs_inside_the_engine():
         from nanoref.exercises import check_seeded_sampling
 
         check_seeded_sampling({"apply_top_k_top_p": k_doubled})
+
+
+def test_checks_leave_no_model_folder_in_the_temp_dir(tmp_path):
+    script = (
+        "from nanoref.exercises import check_silu_and_mul, tiny_model, tiny_moe_model\n"
+        "from nanoref.layers.activation import silu_and_mul\n"
+        "check_silu_and_mul(silu_and_mul)\n"  # builds the tiny model, runs the engine and HF on it
+        "assert tiny_model().is_dir() and tiny_moe_model().is_dir()\n"
+    )
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    # (torch may leave caches of its own there, e.g. torchinductor_<user>: not ours to remove)
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("nanoref")] == []

@@ -11,6 +11,7 @@ capstone can run the engine with all of them at once.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -130,6 +131,7 @@ c.CourseDirectory.course_id = {course_id!r}  # the course folder is the one nbgr
 # a learner's solution region becomes exactly this (nbgrader's default, stated so the tests can rely on it)
 c.ClearSolutions.code_stub = {{"python": "# YOUR CODE HERE\\nraise NotImplementedError()"}}
 c.Execute.timeout = 600
+c.CourseDirectory.ignore = [".ipynb_checkpoints", "*.pyc", "__pycache__", "feedback", {marker!r}]  # not for students
 """
 
 # files the notebooks read, relative to the repository root; copied next to the notebooks in the course
@@ -159,6 +161,51 @@ def run_nbgrader(args: list[str], course: Path) -> subprocess.CompletedProcess:
     return result
 
 
+ASSIGNMENT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")  # a folder name of its own: no '.', '..' or '/'
+BUILT_MARKER = ".nanoref-build"  # written into every source folder build makes: the only folders it replaces
+
+
+def _read_notebook(path: Path) -> dict:
+    """A notebook file's JSON, or a ClassroomError that says what is wrong with it."""
+    try:
+        content = json.loads(path.read_bytes().decode("utf-8"))
+    except OSError as error:
+        raise ClassroomError(f"{path}: cannot be read: {error.strerror}") from None
+    except UnicodeDecodeError as error:
+        raise ClassroomError(f"{path} is not UTF-8 text (byte {error.start}): is it a notebook?") from None
+    except (json.JSONDecodeError, RecursionError) as error:
+        raise ClassroomError(f"{path} is not a notebook: not valid JSON ({error})") from None
+    if not isinstance(content, dict) or not isinstance(content.get("cells"), list):
+        raise ClassroomError(f"{path} is not a notebook: it has no list of cells")
+    return content
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    return path == folder or folder in path.parents
+
+
+def _check_course_folder(out: Path, source: Path, release: Path, notebooks_dir: Path) -> None:
+    """Refuse, before anything is written or deleted, a course folder the build cannot or must not write."""
+    for replaced in (source, release):
+        if _inside(notebooks_dir.resolve(), replaced):
+            raise ClassroomError(
+                f"--notebooks {notebooks_dir} lies inside {replaced}, which the build replaces; to regenerate the "
+                f"student copies from notebooks edited there, run `nbgrader generate_assignment {source.name} "
+                f"--force` in {out}"
+            )
+    for folder in (out, *out.parents):
+        if folder.exists() and not folder.is_dir():
+            raise ClassroomError(f"--out {out}: {folder} is a file, not a folder")
+    if source.exists() and not (source / BUILT_MARKER).is_file():
+        raise ClassroomError(
+            f"{source} exists and was not made by `python -m nanoref.classroom build` (it has no {BUILT_MARKER}), "
+            "so the build will not replace it: move it away, or pass another --out or --assignment"
+        )
+    config = out / "nbgrader_config.py"
+    if config.exists() and not config.read_text(errors="replace").startswith(NBGRADER_CONFIG.splitlines()[0]):
+        raise ClassroomError(f"{config} is not the one the build writes; move it away or pass another --out")
+
+
 def build(
     out: str | Path,
     *,
@@ -170,8 +217,14 @@ def build(
     and run nbgrader's generate_assignment. Returns the student notebooks (out/release/<assignment>/*.ipynb).
 
     select: notebook names or prefixes ("07", "07_model_and_sampling.ipynb"); default every notebook.
+    Everything is checked (names, paths, every notebook read) before anything is written; a rebuild replaces only
+    source/<assignment> (when an earlier build made it) and nbgrader's release/<assignment>.
     """
     notebooks_dir, out = Path(notebooks_dir), Path(out).resolve()
+    if not ASSIGNMENT_NAME.fullmatch(assignment):
+        raise ClassroomError(
+            f"assignment name {assignment!r}: use letters, digits, '_' and '-', starting with a letter or digit"
+        )
     if not notebooks_dir.is_dir():
         raise ClassroomError(f"no notebooks folder at {notebooks_dir} (build runs from a nanoref source checkout)")
     notebooks = sorted(notebooks_dir.glob("[0-9]*.ipynb"))
@@ -181,22 +234,26 @@ def build(
         if missing:
             raise ClassroomError(f"no notebook matches {', '.join(missing)} in {notebooks_dir}")
         notebooks = chosen
-    if not re.fullmatch(r"[A-Za-z0-9_.-]+", assignment):
-        raise ClassroomError(f"assignment name {assignment!r}: use letters, digits, '_', '-' and '.' only")
-    source = out / "source" / assignment
-    if source.exists():
-        shutil.rmtree(source)
-    source.mkdir(parents=True)
-    (out / "nbgrader_config.py").write_text(NBGRADER_CONFIG.format(course_id=COURSE_ID))
-    for notebook in notebooks:
-        content = _self_contained(json.loads(notebook.read_text()))
-        (source / notebook.name).write_text(json.dumps(content, indent=1, ensure_ascii=False) + "\n")
+    source, release = out / "source" / assignment, out / "release" / assignment
+    _check_course_folder(out, source, release, notebooks_dir)
+    contents = {notebook.name: _self_contained(_read_notebook(notebook)) for notebook in notebooks}
     root = notebooks_dir.resolve().parent
-    for folder in SUPPORT_FOLDERS:
-        if (root / folder).is_dir():
-            shutil.copytree(root / folder, source / folder)
+    try:
+        if source.exists():
+            shutil.rmtree(source)
+        source.mkdir(parents=True)
+        (source / BUILT_MARKER).write_text("made by `python -m nanoref.classroom build`; a rebuild replaces it\n")
+        (out / "nbgrader_config.py").write_text(NBGRADER_CONFIG.format(course_id=COURSE_ID, marker=BUILT_MARKER))
+        for name, content in contents.items():
+            (source / name).write_text(json.dumps(content, indent=1, ensure_ascii=False) + "\n")
+        for folder in SUPPORT_FOLDERS:
+            if (root / folder).is_dir():
+                shutil.copytree(root / folder, source / folder)
+    except OSError as error:
+        where = f": {error.filename}" if error.filename else ""
+        raise ClassroomError(f"cannot write the course in {out}: {error.strerror or error}{where}") from None
     run_nbgrader(["generate_assignment", assignment, "--force", "--log-level=WARN"], out)
-    return sorted((out / "release" / assignment).glob("*.ipynb"))
+    return sorted(release.glob("*.ipynb"))
 
 
 # -- a learner's check -----------------------------------------------------------------------------------------
@@ -208,25 +265,80 @@ class CellResult:
     message: str  # the error's last line when it failed
 
 
+def _graded_cells(cells: list) -> list[tuple[int, dict]]:
+    return [(i, c) for i, c in enumerate(cells) if c.get("cell_type") == "code" and _nbgrader(c).get("grade")]
+
+
+def expected_grade_ids(notebook: Path) -> dict[str, float]:
+    """{grade_id: points} of the course notebook of this name (its reference in notebooks/), else {} (not one of
+    the course's, or no source checkout here)."""
+    reference = NOTEBOOKS_DIR / notebook.name
+    if not reference.is_file():
+        return {}
+    cells = _read_notebook(reference)["cells"]
+    return {str(_nbgrader(c).get("grade_id")): float(_nbgrader(c).get("points", 0)) for _, c in _graded_cells(cells)}
+
+
+@contextlib.contextmanager
+def _quiet_nbformat() -> Iterator[None]:
+    import logging
+
+    logger = logging.getLogger("traitlets")  # nbformat's get_logger() outside an application
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 def check(notebook: str | Path, *, timeout: int = 600) -> list[CellResult]:
-    """Run `notebook` top to bottom in its own folder (its file is left untouched) and report each graded cell."""
+    """Run `notebook` top to bottom in its own folder (its file is left untouched) and report each graded cell.
+
+    A graded cell that fails, times out, or never ran (an earlier cell timed out or killed the kernel) fails; so
+    does every graded cell of the course's notebook of this name that is missing from this one. A file that is not
+    a valid notebook, or a notebook with nothing to grade, is a ClassroomError.
+    """
     import nbformat
     from nbclient import NotebookClient
+    from nbclient.exceptions import CellTimeoutError, DeadKernelError
 
     notebook = Path(notebook)
-    nb = nbformat.read(notebook, as_version=4)
+    content = _read_notebook(notebook)
+    try:
+        with _quiet_nbformat():  # reads logs a schema error and carries on: validate below raises it
+            nb = nbformat.reads(json.dumps(content), as_version=4)
+        nbformat.validate(nb)
+    except (nbformat.ValidationError, ValueError, KeyError, TypeError) as error:
+        message = getattr(error, "message", None) or str(error)
+        raise ClassroomError(f"{notebook} is not a valid notebook: {message.splitlines()[0]}") from None
+    expected = expected_grade_ids(notebook)
+    graded = _graded_cells(nb.cells)
+    if not graded and not expected:
+        raise ClassroomError(f"{notebook} has no graded cells: nothing to check")
+    running: list[int] = []  # the index of the cell being run (nbclient's hook), to name one that never finished
     client = NotebookClient(
         nb,
         timeout=timeout,
         kernel_name="python3",
         allow_errors=True,
         resources={"metadata": {"path": str(notebook.resolve().parent)}},
+        on_cell_start=lambda cell, cell_index: running.append(cell_index),
     )
-    client.execute()
+    stopped, why = len(nb.cells), ""
+    try:
+        client.execute()
+    except CellTimeoutError:
+        stopped, why = running[-1], f"did not finish within --timeout {timeout} s"
+    except DeadKernelError:
+        stopped, why = running[-1], "the kernel died while it ran (a crash, or the process exited)"
     results = []
-    for cell in nb.cells:
+    for index, cell in graded:
         meta = _nbgrader(cell)
-        if cell.cell_type != "code" or not meta.get("grade"):
+        grade_id, points = str(meta.get("grade_id")), float(meta.get("points", 0))
+        if index >= stopped:
+            message = why if index == stopped else f"not run: cell {stopped + 1} before it {why}"
+            results.append(CellResult(grade_id, points, False, message))
             continue
         errors = [out for out in cell.get("outputs", []) if out.get("output_type") == "error"]
         message = ""
@@ -235,14 +347,16 @@ def check(notebook: str | Path, *, timeout: int = 600) -> list[CellResult]:
             message = f"{error['ename']}: {error['evalue']}".strip()
             if error["ename"] == "NotImplementedError":
                 message = "not written yet (NotImplementedError): fill in the solution cell above it"
-        results.append(CellResult(str(meta.get("grade_id")), float(meta.get("points", 0)), not errors, message))
+        results.append(CellResult(grade_id, points, not errors, message))
+    present = {result.grade_id for result in results}
+    for grade_id, points in expected.items():
+        if grade_id not in present:
+            message = f"missing: the course's {notebook.name} has this graded cell; restore it from the student copy"
+            results.append(CellResult(grade_id, points, False, message))
     return results
 
 
 def _report(notebook: Path, results: list[CellResult]) -> int:
-    if not results:
-        print(f"{notebook.name}: no graded cells")
-        return 0
     for result in results:
         verdict = "pass" if result.passed else "FAIL"
         print(f"{verdict}  {result.grade_id} ({result.points:g} points)" + ("" if result.passed else ":"))
@@ -251,4 +365,4 @@ def _report(notebook: Path, results: list[CellResult]) -> int:
     score = sum(r.points for r in results if r.passed)
     total = sum(r.points for r in results)
     print(f"{notebook.name}: {score:g} / {total:g} points")
-    return 0 if score == total else 1
+    return 0 if all(r.passed for r in results) else 1

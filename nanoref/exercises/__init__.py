@@ -3,11 +3,15 @@
 Each exercise is a function named after an exercise seam (`nanoref.utils.seams.SEAMS`). Its `check_<seam>`
 first tests it on fresh random inputs against nanoref's own version or the naive oracle, with messages that say
 what to fix, then runs the real engine with it in place (`seams.use`) and compares greedy generation token by
-token with HF transformers (`check_generation`).
+token with HF transformers (`check_generation`). The checks cannot be replaced from a notebook cell: see
+`nanoref.exercises.integrity`.
 """
+
+import sys
 
 from nanoref.exercises.common import ExerciseFailure, check_generation, tiny_model
 from nanoref.exercises.cuda_graphs import check_pad_decode_batch
+from nanoref.exercises.integrity import seal
 from nanoref.exercises.kv_store import check_store_kvcache_kernel
 from nanoref.exercises.model import (
     check_apply_rotary,
@@ -47,3 +51,6 @@ __all__ = [
     "tiny_moe_model",
     "use",
 ]
+
+# last, with every check imported: a learner's cell can no longer replace a check or a helper it calls
+seal(sys.modules[__name__], ExerciseFailure)

@@ -35,11 +35,25 @@ def input_generator(seed: int | None = None) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
+# this process's model folders (none, or one directory), removed when it exits; a list, so that no module name is
+# ever rebound after import (nanoref.exercises.integrity verifies that)
+_SCRATCH: list[tempfile.TemporaryDirectory] = []
+
+
+def scratch_folder(name: str) -> Path:
+    """A path `name` in a folder of its own, not yet created, under this process's temporary directory (made on
+    first use). TemporaryDirectory's finalizer removes that directory when the process exits, so checks leave no
+    model folders behind in the temp dir."""
+    if not _SCRATCH:
+        _SCRATCH.append(tempfile.TemporaryDirectory(prefix="nanoref-exercise-"))
+    return Path(tempfile.mkdtemp(dir=_SCRATCH[0].name)) / name
+
+
 def tiny_model(seed: int = 0, **overrides: Any) -> Path:
     """A random tiny Qwen3 folder (HF format), built once per process and settings."""
     key = (seed, tuple(sorted(overrides.items())))
     if key not in _MODELS:
-        folder = Path(tempfile.mkdtemp(prefix="nanoref-exercise-")) / "tiny-qwen3"
+        folder = scratch_folder("tiny-qwen3")
         _MODELS[key] = make_tiny_qwen3(folder, seed=seed, **overrides)
     return _MODELS[key]
 

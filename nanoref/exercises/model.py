@@ -20,18 +20,10 @@ from nanoref.exercises.common import (
     random_prompts,
     tiny_model,
 )
+from nanoref.exercises.tensors import expect_tensor, worst_element
 from nanoref.layers.activation import silu_and_mul
 from nanoref.layers.rotary import RotaryEmbedding, apply_rotary
 from nanoref.layers.sampler import apply_top_k_top_p
-
-
-def _check_tensor(name: str, got: object, want: torch.Tensor) -> None:
-    if not isinstance(got, torch.Tensor):
-        raise ExerciseFailure(f"{name} must return a torch.Tensor, got {type(got).__name__}")
-    if tuple(got.shape) != tuple(want.shape):
-        raise ExerciseFailure(f"{name} returned shape {tuple(got.shape)}, expected {tuple(want.shape)}")
-    if got.dtype != want.dtype:
-        raise ExerciseFailure(f"{name} returned dtype {got.dtype}, expected {want.dtype} (the input's dtype)")
 
 
 # -- RoPE -----------------------------------------------------------------------------------------
@@ -54,7 +46,7 @@ def check_apply_rotary(fn: Callable, *, engine: bool = True) -> None:
         x_before = x.clone()
         want = apply_rotary(x, cos, sin)
         got = fn(x, cos, sin)
-        _check_tensor(f"apply_rotary on a {dtype} input", got, want)
+        expect_tensor(got, f"apply_rotary on a {dtype} input", want.shape, want.dtype)
         if not torch.equal(x, x_before):
             raise ExerciseFailure("apply_rotary changed its input x in place; return a new tensor instead")
         tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
@@ -67,11 +59,11 @@ def check_apply_rotary(fn: Callable, *, engine: bool = True) -> None:
             )
         if torch.allclose(got.float(), apply_rotary(x, cos, -sin).float(), **tolerance):
             raise ExerciseFailure("apply_rotary rotates by -angle: check the signs (x1*cos - x2*sin, x2*cos + x1*sin)")
-        bad = (got.float() - want.float()).abs().amax(dim=-1)  # (N, H)
-        token, head = (int(i) for i in (bad == bad.max()).nonzero()[0])
+        token, head, _ = worst_element(got, want)
+        error = (got[token, head].double() - want[token, head].double()).abs().max().item()
         raise ExerciseFailure(
             f"apply_rotary({dtype}) differs from nanoref's at token {token}, head {head} (position "
-            f"{int(positions[token])}): max error {bad.max().item():.3g}. Each head of a token gets the same "
+            f"{int(positions[token])}): max error {error:.3g}. Each head of a token gets the same "
             "rotation: cos and sin are (N, D/2) and need a head axis, cos[:, None, :]"
         )
     if engine:
@@ -87,7 +79,7 @@ def check_silu_and_mul(fn: Callable, *, engine: bool = True) -> None:
         x = (3 * torch.randn(7, 2 * intermediate, generator=generator)).to(dtype)  # (N, 2 I)
         want = silu_and_mul(x)
         got = fn(x)
-        _check_tensor(f"silu_and_mul on a {dtype} input of shape {tuple(x.shape)}", got, want)
+        expect_tensor(got, f"silu_and_mul on a {dtype} input of shape {tuple(x.shape)}", want.shape, want.dtype)
         tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
         if torch.allclose(got.float(), want.float(), **tolerance):
             continue
@@ -96,8 +88,7 @@ def check_silu_and_mul(fn: Callable, *, engine: bool = True) -> None:
             raise ExerciseFailure("silu_and_mul applies silu to the second half; the first half of x is the gate")
         if torch.allclose(got.float(), (torch.sigmoid(gate) * up).float(), **tolerance):
             raise ExerciseFailure("silu_and_mul uses sigmoid(gate); silu(gate) is gate * sigmoid(gate)")
-        bad = (got.float() - want.float()).abs()  # (N, I)
-        row, col = (int(i) for i in (bad == bad.max()).nonzero()[0])
+        row, col = worst_element(got, want)
         raise ExerciseFailure(
             f"silu_and_mul({dtype}) differs from silu(gate) * up at row {row}, column {col}: got "
             f"{got[row, col].item():.4g}, expected {want[row, col].item():.4g}"
@@ -121,7 +112,7 @@ def check_apply_top_k_top_p(fn: Callable, *, engine: bool = True) -> None:
     # nanoref's own masking as the reference; top_p 1.0 means off, so those rows are masked by top-k alone
     want = apply_top_k_top_p(logits, top_k, torch.where(top_p < 1.0, top_p, 2.0))
     got = fn(logits, top_k, top_p)
-    _check_tensor(f"apply_top_k_top_p on logits of shape {tuple(logits.shape)}", got, want)
+    expect_tensor(got, f"apply_top_k_top_p on logits of shape {tuple(logits.shape)}", want.shape, want.dtype)
     if not torch.equal(logits, inputs):
         raise ExerciseFailure("apply_top_k_top_p changed the logits in place; return a new tensor instead")
     for row in range(len(top_k)):

@@ -7,7 +7,6 @@ with it in place on a tiny random Qwen3-MoE and compares greedy generation token
 
 from __future__ import annotations
 
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from nanoref.exercises.common import ExerciseFailure, check_generation, input_generator
+from nanoref.exercises.common import ExerciseFailure, check_generation, input_generator, scratch_folder
 from nanoref.exercises.tensors import describe_row, expect_tensor, first_bad_row
 from nanoref.layers.activation import silu_and_mul
 from nanoref.models.qwen3_moe import moe_experts, route
@@ -33,7 +32,7 @@ def tiny_moe_model(seed: int = 0, **overrides: Any) -> Path:
     """A random tiny Qwen3-MoE folder (HF format; 4 sparse layers of 8 experts, top-2), built once per process."""
     key = (seed, tuple(sorted((name, repr(value)) for name, value in overrides.items())))
     if key not in _MOE_MODELS:
-        folder = Path(tempfile.mkdtemp(prefix="nanoref-exercise-")) / "tiny-qwen3-moe"
+        folder = scratch_folder("tiny-qwen3-moe")
         _MOE_MODELS[key] = make_tiny_qwen3_moe(folder, seed=seed, **overrides)
     return _MOE_MODELS[key]
 

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from nanoref.exercises.common import ExerciseFailure, check_generation, input_generator, random_prompts, tiny_model
+from nanoref.exercises.tensors import refuse_nan
 from nanoref.utils.parallel import shard_range
 
 # the engine check's model: a vocabulary that does not split evenly, so the last rank's table has a padding row
@@ -73,6 +74,7 @@ def _check_one(
             f"{case}: vocab_parallel_embed returned dtype {got.dtype}, expected {table.dtype} (the weight's dtype: "
             "did a mask in another dtype promote the result?)"
         )
+    refuse_nan(got, f"{case}: vocab_parallel_embed's result")
     mine = (ids >= start) & (ids < end)  # (N,)
     want = torch.zeros(len(ids), hidden, dtype=table.dtype)
     want[mine] = full[ids[mine]]

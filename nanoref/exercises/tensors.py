@@ -15,7 +15,29 @@ def expect_tensor(got: object, what: str, shape: tuple[int, ...], dtype: torch.d
         raise ExerciseFailure(f"{what} has shape {tuple(got.shape)}, expected {tuple(shape)}")
     if got.dtype != dtype:
         raise ExerciseFailure(f"{what} has dtype {got.dtype}, expected {dtype} (the input's dtype)")
+    refuse_nan(got, what)
     return got
+
+
+def refuse_nan(got: torch.Tensor, what: str) -> None:
+    """No answer of these exercises holds NaN: name how many and the first, before any comparison (which would only
+    see values that differ, and NaN compares unequal to everything)."""
+    if not got.is_floating_point():
+        return
+    nan = got.isnan()
+    if nan.any():
+        first = tuple(int(i) for i in nan.nonzero()[0])
+        raise ExerciseFailure(
+            f"{what} holds NaN in {int(nan.sum())} of {nan.numel()} entries (the first at index {first}): NaN comes "
+            "from 0/0, inf - inf, inf * 0 or the square root of a negative number, or from an uninitialised tensor "
+            "(torch.empty)"
+        )
+
+
+def worst_element(got: torch.Tensor, want: torch.Tensor) -> tuple[int, ...]:
+    """Index of the largest |got - want|; a NaN or inf difference counts as the largest."""
+    error = (got.double() - want.double()).abs().nan_to_num(nan=torch.inf)
+    return tuple(int(i) for i in torch.unravel_index(error.argmax(), error.shape))
 
 
 def first_bad_row(got: torch.Tensor, want: torch.Tensor, atol: float, rtol: float) -> int | None:

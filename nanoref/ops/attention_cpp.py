@@ -273,12 +273,23 @@ def load() -> None:
     missing = missing_build_tools()
     if missing:
         raise CppKernelUnavailableError("the cpp attention backend needs " + " and ".join(missing))
+    path_before = list(sys.path)
+    try:
+        _build_and_register()
+    finally:
+        # torch's cpp_extension imports setuptools, whose first import appends its _vendor folder to sys.path: the
+        # caller's import path is theirs, so take back what the build added (the modules it imported stay loaded)
+        sys.path[:] = [entry for entry in sys.path if entry in path_before]
+
+
+def _build_and_register() -> None:
     from torch.utils.cpp_extension import get_default_build_root, load_inline
 
     root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
     if not any(root.glob(f"*/{EXTENSION}/{EXTENSION}.so")):  # nothing cached: say why the wait
         print(f"nanoref: building the cpp attention kernel under {root} (once, about 30 s)...", file=sys.stderr)
     try:
+        # is_python_module=False: torch.ops.load_library registers torch.ops.nanoref_cpp; nothing is imported by name
         load_inline(name=EXTENSION, cpp_sources=[CPP_SOURCE], extra_cflags=CFLAGS, is_python_module=False)
     except Exception as error:  # compiler errors, a broken toolchain: say which backend failed and why
         raise CppKernelUnavailableError(f"building the cpp attention kernel failed: {error}") from error

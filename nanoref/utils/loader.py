@@ -58,7 +58,16 @@ def read_config(folder: Path) -> dict[str, Any]:
 
 
 def weight_files(folder: Path) -> list[Path]:
-    return sorted(folder.glob("*.safetensors"))
+    """The folder's *.safetensors weights. Only regular files (or links to one) are weights: opening a FIFO of that
+    name would block forever and a folder would fail with a bare OSError, so either is named here instead."""
+    files = sorted(folder.glob("*.safetensors"))
+    for path in files:
+        if not path.is_file():
+            kind = "a folder" if path.is_dir() else "a broken link" if not path.exists() else "not a regular file"
+            raise ModelFolderError(
+                f"{path} is {kind}: every *.safetensors entry of a model folder must be a weights file"
+            )
+    return files
 
 
 # which part of a parameter a checkpoint tensor fills: None = all of it, else what its weight_loader understands
