@@ -9,16 +9,28 @@ import subprocess
 import sys
 from pathlib import Path
 
-import nbformat
 import pytest
 import torch
-from nbclient import NotebookClient
-from nbclient.exceptions import CellExecutionError
 
-from nanoref.classroom import NOTEBOOKS_DIR, ClassroomError, build, check, collect_solutions, exercises, run_nbgrader
-from nanoref.layers.activation import silu_and_mul
+# the classroom's optional packages (the `classroom` extra): without one, the file skips and says which
+for package in ("nbformat", "nbclient", "nbgrader"):
+    pytest.importorskip(package, reason=f"{package} is not installed (pip install 'nanoref[classroom]')")
 
-pytest.importorskip("nbgrader")
+import nbformat  # noqa: E402
+from nbclient import NotebookClient  # noqa: E402
+from nbclient.exceptions import CellExecutionError  # noqa: E402
+
+from nanoref.classroom import (  # noqa: E402
+    NOTEBOOKS_DIR,
+    ClassroomError,
+    build,
+    check,
+    collect_solutions,
+    exercises,
+    run_nbgrader,
+)
+from nanoref.layers.activation import silu_and_mul  # noqa: E402
+
 pytestmark = pytest.mark.slow
 
 AUTOGRADED = "07_model_and_sampling.ipynb"  # the autograde test's notebook (nbgrader executes it: ~20 s)
