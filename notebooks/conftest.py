@@ -2,9 +2,11 @@
 shown, where Triton is not installed (it publishes wheels for Linux only).
 
 The stored outputs come from a CPU run (float32, token-exact with HF transformers). On a machine with a GPU the
-kernels that nbval starts get NANOREF_DEVICE=cpu, so an `LLM(...)` made without `device=` runs there as it did
-when the outputs were stored; the cells that use the GPU on purpose (Triton kernels, CUDA graphs) name it
-themselves and mark or sanitize what differs."""
+kernels that nbval starts run the notebooks as a CPU machine does: NANOREF_DEVICE=cpu, so an `LLM(...)` made
+without `device=` runs on the CPU, and TRITON_INTERPRET=1, so nanoref's Triton kernels run under the interpreter
+(which reads CPU tensors) as they did when the outputs were stored. The cells that use the GPU on purpose (CUDA
+graphs) name it themselves and mark what differs. PYDEVD_DISABLE_FILE_VALIDATION=1 keeps the kernel's debugger from
+printing its frozen-modules notice into the first cell's output on some Python builds."""
 
 from __future__ import annotations
 
@@ -25,16 +27,20 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+KERNEL_ENV = {"NANOREF_DEVICE": "cpu", "TRITON_INTERPRET": "1", "PYDEVD_DISABLE_FILE_VALIDATION": "1"}
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_setup(item):
-    """nbval starts a notebook's kernel while setting up its first cell: give that kernel NANOREF_DEVICE=cpu, and
-    leave this process's environment as it was (the GPU tests in tests/ keep their default device)."""
-    before = os.environ.get("NANOREF_DEVICE")
-    os.environ["NANOREF_DEVICE"] = "cpu"
+    """nbval starts a notebook's kernel while setting up its first cell: give that kernel KERNEL_ENV, and leave this
+    process's environment as it was (the GPU tests in tests/ keep their default device and compiled kernels)."""
+    before = {name: os.environ.get(name) for name in KERNEL_ENV}
+    os.environ.update(KERNEL_ENV)
     try:
         yield
     finally:
-        if before is None:
-            del os.environ["NANOREF_DEVICE"]
-        else:
-            os.environ["NANOREF_DEVICE"] = before
+        for name, value in before.items():
+            if value is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = value

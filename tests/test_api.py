@@ -279,3 +279,16 @@ def test_checkpoint_missing_one_shard_of_a_fused_weight(tmp_path, tiny_model):
     save_file(tensors, str(tmp_path / "m" / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ModelFolderError, match="lacks 1 tensors: model.layers.1.self_attn.k_proj.weight"):
         LLM(tmp_path / "m")
+
+
+def test_triton_on_the_cpu_of_a_gpu_machine_is_refused_with_the_reason(monkeypatch):
+    """There Triton compiles for the GPU and cannot read CPU tensors: a clear error, not Triton's 'cpu tensor?'."""
+    from nanoref.ops import backends
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(backends, "triton_available", lambda: True)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="device='cpu' on a machine with a GPU.*use device='cuda'"):
+        backends.choose_backend("triton", torch.device("cpu"), torch.float32, 16, 16)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the interpreter reads CPU tensors: allowed
+    assert backends.choose_backend("triton", torch.device("cpu"), torch.float32, 16, 16) == "triton"

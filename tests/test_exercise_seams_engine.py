@@ -35,8 +35,13 @@ def defaults() -> dict:
         from nanoref.ops.store_kvcache_triton import store_kvcache_kernel
     except ImportError:
         return table
-    table["store_kvcache_kernel"] = (store_kvcache_kernel, {"attention_backend": "triton"})
-    table["merge_splits"] = (attention_triton.merge_splits, {"attention_backend": "triton"})
+    from nanoref.ops.triton_setup import kernel_device
+
+    # the engine runs where the kernels do: the GPU they compile for, or the CPU under the interpreter (float32: the
+    # comparison with nanoref's own output is token-exact)
+    triton = {"attention_backend": "triton", "device": str(kernel_device()), "dtype": "float32", "enforce_eager": True}
+    table["store_kvcache_kernel"] = (store_kvcache_kernel, triton)
+    table["merge_splits"] = (attention_triton.merge_splits, triton)
     return table
 
 

@@ -130,6 +130,11 @@ def check_generation(
         prompts = random_prompts(seed=1234, lengths=[5, 23, 17, 40], vocab=256)
     expected = hf_greedy(model, prompts, max_tokens)
     engine_kwargs.setdefault("num_kvcache_blocks", 64)
+    if engine_kwargs.get("attention_backend") == "triton":
+        from nanoref.ops.triton_setup import kernel_device
+
+        # where nanoref's Triton kernels run: the GPU they compile for, or the CPU under the interpreter
+        engine_kwargs.setdefault("device", str(kernel_device()))
     # HF's reference runs in float32: so does the engine, also on a GPU (whose default, bfloat16, can flip a token)
     engine_kwargs.setdefault("dtype", "float32")
     # a CUDA graph replays the kernels recorded at capture, not the learner's function: run eagerly

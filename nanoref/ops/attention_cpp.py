@@ -44,7 +44,6 @@ CPP_SOURCE = r"""
 #include <torch/library.h>
 
 #include <algorithm>
-#include <bit>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -88,7 +87,10 @@ inline float exp_nonpositive(float x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.f;
-  return p * std::bit_cast<float>((static_cast<int32_t>(n) + 127) << 23);
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;  // 2^n as a float's exponent field
+  float scale;
+  std::memcpy(&scale, &bits, sizeof scale);  // a bit cast that C++17 allows (std::bit_cast is C++20)
+  return p * scale;
 }
 
 // Softmax of one row's scores in place over its first `seen` keys (the only ones pass 2 reads).

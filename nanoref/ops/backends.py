@@ -29,7 +29,7 @@ import torch
 
 from nanoref.ops import attention_torch  # a submodule: nanoref.ops itself does not import this file
 from nanoref.ops.store_kvcache import store_kvcache_torch
-from nanoref.ops.triton_setup import triton_available
+from nanoref.ops.triton_setup import interpreting, triton_available
 
 BACKEND_NAMES = ("auto", "torch", "triton", "cpp", "flash_attn", "flash_attn+triton")
 FLASH_ATTN_BACKENDS = ("flash_attn", "flash_attn+triton")  # the ones that need flash-attn and 256-token blocks
@@ -150,6 +150,12 @@ def choose_backend(name: str, device: torch.device, dtype: torch.dtype, block_si
     if name == "triton" and not triton_available():
         raise ValueError(
             "attention_backend='triton' but Triton is not installed (it ships Linux wheels only); use 'torch'"
+        )
+    if name == "triton" and device.type == "cpu" and torch.cuda.is_available() and not interpreting():
+        raise ValueError(
+            "attention_backend='triton' with device='cpu' on a machine with a GPU: Triton compiles its kernels for "
+            "the GPU here and cannot read CPU tensors (its interpreter, which can, is switched on only where no GPU "
+            "is present); use device='cuda', or set TRITON_INTERPRET=1 before nanoref loads its kernels"
         )
     if name == "cpp":
         from nanoref.ops import attention_cpp
