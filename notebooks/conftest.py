@@ -2,11 +2,11 @@
 shown, where Triton is not installed (it publishes wheels for Linux only).
 
 The stored outputs come from a CPU run (float32, token-exact with HF transformers). On a machine with a GPU the
-kernels that nbval starts run the notebooks as a CPU machine does: NANOREF_DEVICE=cpu, so an `LLM(...)` made
-without `device=` runs on the CPU, and TRITON_INTERPRET=1, so nanoref's Triton kernels run under the interpreter
-(which reads CPU tensors) as they did when the outputs were stored. The cells that use the GPU on purpose (CUDA
-graphs) name it themselves and mark what differs. PYDEVD_DISABLE_FILE_VALIDATION=1 keeps the kernel's debugger from
-printing its frozen-modules notice into the first cell's output on some Python builds."""
+kernels that nbval starts get NANOREF_DEVICE=cpu, so an `LLM(...)` made without `device=` runs on the CPU in
+float32, as when the outputs were stored. nanoref's Triton kernels compile for the GPU there, so the cells that run
+them put their tensors and engines where the kernels run (`kernel_device()`); the cells that use the GPU on purpose
+(CUDA graphs) name it themselves and mark what differs. PYDEVD_DISABLE_FILE_VALIDATION=1 keeps the kernel's debugger
+from printing its frozen-modules notice into the first cell's output on some Python builds."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-KERNEL_ENV = {"NANOREF_DEVICE": "cpu", "TRITON_INTERPRET": "1", "PYDEVD_DISABLE_FILE_VALIDATION": "1"}
+KERNEL_ENV = {"NANOREF_DEVICE": "cpu", "PYDEVD_DISABLE_FILE_VALIDATION": "1"}
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -252,6 +252,31 @@ def test_torchrun_one_host_two_processes(tp_models, tmp_path):
     assert json.loads((tmp_path / "tokens.json.rank0").read_text()) == 0, "rank 0 spawned workers under torchrun"
 
 
+def test_a_triton_kernel_seam_that_cannot_travel_stays_on_rank_0_under_the_torch_backend(tp_models):
+    """On a GPU machine a learner's @triton.jit kernel holds locks once compiled, and cannot be pickled: an engine
+    whose backend never calls the Triton seams does not send them, and serves (the capstone runs every exercise at
+    once, on two ranks)."""
+    import threading
+
+    from nanoref.utils.seams import use
+
+    class CompiledKernel:  # what cloudpickle meets in a compiled Triton kernel: a lock
+        def __init__(self):
+            self.lock = threading.RLock()
+
+        def __getitem__(self, grid):
+            raise AssertionError("the torch backend never launches the KV-store kernel")
+
+        __call__ = __getitem__
+
+    folder = tp_models["gqa2"]
+    prompts = random_prompts(seed=14, lengths=[5, 19])
+    with LLM(folder, device="cpu", tensor_parallel_size=2, attention_backend="torch") as llm:
+        with use(store_kvcache_kernel=CompiledKernel()):
+            got = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert got == llm_without_function(folder, prompts)
+
+
 def test_exercise_functions_run_on_every_rank(tp_models):
     """A learner's function (here a local one, which no worker could import) replaces the seam on every rank:
     two ranks with it give what one rank gives with it, not what the engine gives without it."""

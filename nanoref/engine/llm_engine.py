@@ -10,7 +10,6 @@ import threading
 from dataclasses import dataclass
 
 import torch
-from tqdm.auto import tqdm
 
 from nanoref.config import EngineConfig
 from nanoref.engine.metrics import EngineMetrics, StepRecord
@@ -21,6 +20,7 @@ from nanoref.sampling_params import SamplingParams
 from nanoref.utils import seams
 from nanoref.utils.interrupts import held_interrupts, interruptibly
 from nanoref.utils.loader import load_tokenizer
+from nanoref.utils.progress import tqdm
 
 
 @dataclass

@@ -40,7 +40,7 @@ from nanoref.ops.backends import FLASH_ATTN_BACKENDS, choose_backend, resolve_ba
 from nanoref.utils.context import Context, get_context, reset_context, set_context
 from nanoref.utils.loader import load_weights
 from nanoref.utils.parallel import ParallelState, tensor_parallel
-from nanoref.utils.seams import replace_active, seam
+from nanoref.utils.seams import TRITON_SEAMS, replace_active, seam
 from nanoref.utils.tracing import trace_step, tracing_enabled
 
 
@@ -178,6 +178,8 @@ class ModelRunner:
             )
         load_weights(self.model, config.model_folder)
         self.backend = resolve_backend(config.attention_backend, self.device)
+        if self.followers is not None and "triton" not in self.backend.name:
+            self.followers.unused_seams = TRITON_SEAMS  # (their functions need not, or cannot, travel)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         for layer in self.attention_layers:
             layer.backend = self.backend

@@ -136,6 +136,9 @@ class Followers:
         self._failure_seen = threading.Event()
         self._sent = False  # whether the step in `guard` has sent anything to the followers yet
         self._sent_seams: dict[str, Callable] = {}  # the exercise functions the followers run (see send_seams)
+        # seams the followers' backend never calls (set by the model runner): not sent. A learner's Triton kernel
+        # compiled for a GPU holds locks and cannot be pickled, and a torch-backend engine has no use for it
+        self.unused_seams: frozenset[str] = frozenset()
 
     def start_monitor(self) -> None:
         """Watch the spawned workers from a thread: one that dies unblocks rank 0 (see `_monitor`)."""
@@ -177,7 +180,7 @@ class Followers:
         """Mirror rank 0's exercise seams on every rank (a learner's function runs in each rank's layers). The
         functions usually live in a notebook, which the workers cannot import: cloudpickle sends them by value.
         Sent only when they change, so an engine without exercises pays one dict comparison per step."""
-        functions = seams.active()
+        functions = {name: fn for name, fn in seams.active().items() if name not in self.unused_seams}
         if functions == self._sent_seams:
             return
         import cloudpickle

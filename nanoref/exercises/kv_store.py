@@ -9,18 +9,19 @@ from nanoref.ops.store_kvcache import store_kvcache_torch
 from nanoref.utils.seams import use
 
 
-def _case(generator: torch.Generator, num_kv_heads: int, head_dim: int, dtype: torch.dtype):
+def _case(generator: torch.Generator, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
     """23 tokens, 6 of them with slot -1, scattered over a stale cache; key and value are views of a fused qkv
-    output (rows further apart than D), and the cache sits between two guard blocks that must stay untouched."""
+    output (rows further apart than D), and the cache sits between two guard blocks that must stay untouched. Made on
+    `device`, where the kernel runs (moving the views there would copy them into rows exactly D apart)."""
     blocks, page, n = 6, 8, 23
-    qkv = torch.randn(n, 3 * num_kv_heads * head_dim + 8, generator=generator).to(dtype)  # (n, wider than 2D)
+    qkv = torch.randn(n, 3 * num_kv_heads * head_dim + 8, generator=generator).to(device, dtype)  # (n, wider than 2D)
     row = num_kv_heads * head_dim
     key = qkv[:, 8 : 8 + row].view(n, num_kv_heads, head_dim)  # (n, Hk, head_dim), row stride > D
     value = qkv[:, 8 + row : 8 + 2 * row].view(n, num_kv_heads, head_dim)
-    stale = torch.randn(2, blocks + 2, page, num_kv_heads, head_dim, generator=generator).to(dtype)
+    stale = torch.randn(2, blocks + 2, page, num_kv_heads, head_dim, generator=generator).to(device, dtype)
     slots = torch.randperm(blocks * page, generator=generator)[:n]  # distinct slots, in no order
     slots[torch.randperm(n, generator=generator)[:6]] = -1  # padding tokens: store nothing
-    return key, value, stale, slots
+    return key, value, stale, slots.to(device)
 
 
 def _describe(got: torch.Tensor, want: torch.Tensor, key: torch.Tensor, slots: torch.Tensor, name: str) -> str:
@@ -81,8 +82,7 @@ def check_store_kvcache_kernel(kernel, *, seed: int = 0, engine: bool = True) ->
         (torch.float32, (3, 8)),
         (torch.bfloat16, (2, 8)),
     ]:
-        case_tensors = _case(generator, num_kv_heads, head_dim, dtype)
-        key, value, stale, slots = (t.to(kernel_device()) for t in case_tensors)  # a GPU's kernels read GPU memory
+        key, value, stale, slots = _case(generator, num_kv_heads, head_dim, dtype, kernel_device())
         got, want = stale.clone(), stale.clone()
         try:
             with use(store_kvcache_kernel=kernel):

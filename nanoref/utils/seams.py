@@ -65,6 +65,8 @@ SEAMS: dict[str, str] = {
 # seams whose function runs on the host beside the forward, never inside it: replacing one changes which blocks are
 # shared, which sequence steps back or which token is drawn, but not the K/V a forward writes for given tokens
 HOST_SEAMS = frozenset({"find_cached_prefix", "choose_preemption_victim", "apply_top_k_top_p"})
+# seams inside nanoref's Triton kernels: only an engine whose attention backend runs them ever calls these
+TRITON_SEAMS = frozenset({"store_kvcache_kernel", "merge_splits"})
 
 
 class ForwardKey:
