@@ -4,6 +4,7 @@ autograde gives the reference notebooks full marks; the learner's check and the 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -125,6 +126,22 @@ def test_collect_solutions_from_the_reference_notebooks():
     x = torch.randn(5, 12)
     assert torch.equal(functions["silu_and_mul"](x), silu_and_mul(x))
     assert functions["silu_and_mul"].__module__ != "nanoref.layers.activation"  # the cell's own function
+
+
+def test_collecting_solutions_leaves_nothing_in_the_temp_dir(tmp_path):
+    """The module files of the learner's cells live as long as the process (tracebacks and Triton read them), then
+    go: collecting every notebook's exercises leaves no nanoref-solutions-* folder behind."""
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    script = (
+        "from nanoref.classroom import NOTEBOOKS_DIR, collect_solutions\n"
+        "functions = collect_solutions(NOTEBOOKS_DIR)\n"
+        "import inspect; assert 'def silu_and_mul' in inspect.getsource(functions['silu_and_mul'])\n"
+    )
+    env = {**os.environ, "TMPDIR": str(temp)}
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert [p.name for p in temp.iterdir() if p.name.startswith("nanoref")] == []
 
 
 def test_collect_solutions_names_unstarted_exercises(course):

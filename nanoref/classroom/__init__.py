@@ -119,8 +119,19 @@ def collect_solutions(folder: str | Path = ".", *, allow_unstarted: bool = False
             f"{len(unstarted)} exercise(s) not written yet (still `raise NotImplementedError()`): "
             + ", ".join(unstarted)
         )
-    modules = Path(tempfile.mkdtemp(prefix="nanoref-solutions-"))
-    return {e.seam: _import_cell(e, modules) for e in found if e.started}
+    return {e.seam: _import_cell(e, _modules_folder()) for e in found if e.started}
+
+
+_MODULES: list[tempfile.TemporaryDirectory] = []  # (a list, made once: no module name is rebound after import)
+
+
+def _modules_folder() -> Path:
+    """A fresh folder for one collection's module files, inside one temporary directory per process. The files
+    stay while the process runs (tracebacks and Triton read a function's source from them); TemporaryDirectory's
+    finalizer removes the directory when the process exits, so collecting leaves nothing in the temp dir."""
+    if not _MODULES:
+        _MODULES.append(tempfile.TemporaryDirectory(prefix="nanoref-solutions-"))
+    return Path(tempfile.mkdtemp(dir=_MODULES[0].name))
 
 
 # -- building the course ---------------------------------------------------------------------------------------
