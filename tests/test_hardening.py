@@ -360,3 +360,68 @@ def test_layers_of_the_package_import_downwards():
         upward = {name for name in _nanoref_imports(path) if not name.startswith("nanoref.utils")}
         assert not upward, f"{path.name} imports {sorted(upward)}"
     assert not {n for n in _nanoref_imports(package / "ops" / "__init__.py") if "backends" in n}
+
+
+# each file's layer, bottom up: a file imports from its own layer or below, never above
+LAYERS = [
+    ("utils", "sampling_params", "testing"),  # no engine knowledge: imported by everything
+    ("ops",),  # kernels and their references
+    ("layers",),  # nn.Modules on flat (N, hidden) tokens
+    ("models",),
+    ("config",),
+    ("engine",),  # sequence, block manager, scheduler, model runner, the loop, tensor parallelism
+    ("llm",),
+    ("__init__", "__main__"),  # the package's face and its command line
+    ("exercises",),  # checks that run the whole engine
+    ("classroom", "train_default_model"),
+]
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """nanoref module -> the nanoref modules it imports, at the top or inside a function alike."""
+    from pathlib import Path
+
+    import nanoref
+
+    package = Path(nanoref.__file__).parent
+
+    def name_of(path: Path) -> str:
+        parts = ["nanoref", *path.relative_to(package).with_suffix("").parts]
+        return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+    files = {name_of(path): path for path in package.rglob("*.py")}
+    return {
+        name: {target for target in _nanoref_imports(path) if target in files and target != name}
+        for name, path in files.items()
+    }
+
+
+def _layer(module: str) -> int:
+    part = module.split(".")[1] if "." in module else "__init__"
+    return next(index for index, names in enumerate(LAYERS) if part in names)
+
+
+def test_no_file_imports_a_layer_above_its_own():
+    upward = [
+        f"{module} (layer {_layer(module)}) imports {target} (layer {_layer(target)})"
+        for module, targets in _import_graph().items()
+        for target in sorted(targets)
+        if _layer(target) > _layer(module)
+    ]
+    assert upward == [], "\n".join(upward)
+
+
+def test_no_two_files_import_each_other_even_indirectly():
+    graph = _import_graph()
+    cycles = []
+    for start in sorted(graph):  # a path from start back to itself (every file is small: a plain search will do)
+        stack, seen = [(start, [start])], set()
+        while stack:
+            module, path = stack.pop()
+            for target in graph[module]:
+                if target == start:
+                    cycles.append(" -> ".join([*path, start]))
+                elif target not in seen:
+                    seen.add(target)
+                    stack.append((target, [*path, target]))
+    assert cycles == [], "\n".join(sorted(set(cycles))[:10])

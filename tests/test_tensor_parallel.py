@@ -381,7 +381,7 @@ def test_a_broken_tokenizer_is_refused_before_any_worker_starts(tp_models, tmp_p
     folder = shutil.copytree(tp_models["gqa2"], tmp_path / "m")
     (folder / "tokenizer.json").write_text("{not json")
 
-    def spawn(config):
+    def spawn(config, runner):
         raise AssertionError("the workers were spawned before the folder was checked")
 
     monkeypatch.setattr(tensor_parallel, "_spawn_workers", spawn)

@@ -156,7 +156,7 @@ class ModelRunner:
         # tensor parallelism: rank 0 starts (or, under torchrun, joins) the other ranks before building its shard
         self.followers: Followers | None = None
         if parallel is None and config.tensor_parallel_size > 1:
-            parallel, self.followers = start_tensor_parallel(config)
+            parallel, self.followers = start_tensor_parallel(config, ModelRunner)
             if self.followers is not None:  # an engine dropped without close(), or the end of the script
                 weakref.finalize(self, self.followers.close)
         self.parallel = parallel or ParallelState()

@@ -299,9 +299,10 @@ class Followers:
         self._store = None
 
 
-def start_tensor_parallel(config: EngineConfig) -> tuple[ParallelState, Followers | None]:
+def start_tensor_parallel(config: EngineConfig, runner: type) -> tuple[ParallelState, Followers | None]:
     """Join or create the ranks of a tensor-parallel engine. Returns this process's state and, on rank 0, its
-    handle on the followers (None on the other ranks of a torchrun launch)."""
+    handle on the followers (None on the other ranks of a torchrun launch). `runner` is the model runner class each
+    spawned follower builds and serves (passed in: this module sits below the model runner and never imports it)."""
     world_size = config.tensor_parallel_size
     if launched_by_torchrun():
         if int(os.environ["WORLD_SIZE"]) != world_size:
@@ -317,7 +318,7 @@ def start_tensor_parallel(config: EngineConfig) -> tuple[ParallelState, Follower
         state = ParallelState(rank=rank, world_size=world_size, group=group)
         return state, Followers(world_size, group=group) if rank == 0 else None
     refuse_reimported_main()
-    followers = _spawn_workers(config)
+    followers = _spawn_workers(config, runner)
     return ParallelState(rank=0, world_size=world_size, group=followers.group), followers
 
 
@@ -362,7 +363,7 @@ def _serve_store(config: EngineConfig) -> tuple[dist.TCPStore, int]:
     return store, port
 
 
-def _spawn_workers(config: EngineConfig) -> Followers:
+def _spawn_workers(config: EngineConfig, runner: type) -> Followers:
     world_size = config.tensor_parallel_size
     store, port = _serve_store(config)
     context = multiprocessing.get_context("spawn")  # never fork a process that may hold CUDA or threads
@@ -373,7 +374,7 @@ def _spawn_workers(config: EngineConfig) -> Followers:
             parent_end, child_end = context.Pipe(duplex=False)
             proc = context.Process(
                 target=worker_main,
-                args=(config, rank, port, child_end),
+                args=(config, rank, port, child_end, runner),
                 name=f"nanoref-tp-rank{rank}",
                 daemon=True,
             )
@@ -418,22 +419,22 @@ def _wait_started(followers: Followers, timeout_s: float) -> None:
 # -- ranks 1..N-1 ---------------------------------------------------------------------------------
 
 
-def worker_main(config: EngineConfig, rank: int, port: int, conn: Connection) -> None:
-    """A spawned follower: join the group, build this rank's model runner, serve rank 0 until it says exit."""
+def worker_main(config: EngineConfig, rank: int, port: int, conn: Connection, runner: type) -> None:
+    """A spawned follower: join the group, build this rank's model runner (`runner`, the ModelRunner class: its
+    module is imported here, before joining, since rank 0 waits for us from then on), serve rank 0 until it says
+    exit."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: rank 0 decides
     try:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tensor_parallel_size))
         if config.device.type == "cuda":
             torch.cuda.set_device(rank_device(config, rank))
-        from nanoref.engine.model_runner import ModelRunner  # (before joining: rank 0 waits for us from then on)
-
         timeout = timedelta(seconds=config.tensor_parallel_timeout)
         store = dist.TCPStore("127.0.0.1", port, config.tensor_parallel_size, is_master=False, timeout=timeout)
         conn.send(("started", None))
         group = make_group(config, store, rank, loopback=True, timeout_s=None)
 
         state = ParallelState(rank=rank, world_size=config.tensor_parallel_size, group=group)
-        ModelRunner(config, parallel=state).serve()
+        runner(config, parallel=state).serve()
     except BaseException:
         try:
             conn.send(("error", f"rank {rank}: {traceback.format_exc()}"))

@@ -3,17 +3,13 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from nanoref.ops.activation import silu_and_mul  # the plain function (ops below need it too)
 from nanoref.utils.compile import on_cuda
 from nanoref.utils.seams import seam
 
-
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """x: (N, 2 * I) = [gate | up] -> (N, I)."""
-    gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
+__all__ = ["SiluAndMul", "silu_and_mul", "silu_and_mul_cuda"]
 
 
 # eager: chunk, silu, multiply = two kernels and an (N, I) temporary; compiled: one kernel (utils/compile.py)

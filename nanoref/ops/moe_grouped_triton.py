@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from nanoref.ops.moe_grouped import row_experts
+from nanoref.ops.moe_runs import row_experts
 from nanoref.ops.triton_setup import import_triton, interpreting
 
 triton = import_triton()
