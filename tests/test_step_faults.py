@@ -163,6 +163,15 @@ def learner_bug(*args):
     raise RuntimeError("a learner's bug")
 
 
+def assert_unchanged_and_serving(llm, seqs, before: dict, expected: list[dict]) -> None:
+    """The step that raised changed nothing, and the engine then finishes every request as if it never had."""
+    assert engine_state(llm) == before
+    assert_consistent(llm, seqs)
+    run_steps(llm)
+    assert [seq.completion_token_ids for seq in seqs] == [output["token_ids"] for output in expected]
+    assert_no_block_leaked(llm)
+
+
 def steps_until_it_raises(llm, error: type[Exception], match: str) -> dict:
     """Step until a step raises `error` with `match` in its message; -> the engine's state before that step (which
     must still be its state)."""
@@ -182,11 +191,7 @@ def test_a_raising_victim_choice_leaves_the_engine_as_it_was(tiny_model, expecte
     seqs = [llm.add_request(prompt, PARAMS) for prompt in PROMPTS]
     with use(choose_preemption_victim=learner_bug):
         before = steps_until_it_raises(llm, RuntimeError, "a learner's bug")
-    assert engine_state(llm) == before
-    assert_consistent(llm, seqs)
-    run_steps(llm)  # nanoref's own policy again
-    assert [seq.completion_token_ids for seq in seqs] == [output["token_ids"] for output in expected]
-    assert_no_block_leaked(llm)
+    assert_unchanged_and_serving(llm, seqs, before, expected)  # nanoref's own functions again
 
 
 @pytest.mark.parametrize("overlap", [False, True])
@@ -209,11 +214,7 @@ def test_a_victim_that_is_not_running_is_refused_with_nothing_changed(tiny_model
     seqs = [llm.add_request(prompt, PARAMS) for prompt in PROMPTS]
     with use(choose_preemption_victim=wrong_victim):
         before = steps_until_it_raises(llm, ValueError, "is neither running nor")
-    assert engine_state(llm) == before
-    assert_consistent(llm, seqs)
-    run_steps(llm)
-    assert [seq.completion_token_ids for seq in seqs] == [output["token_ids"] for output in expected]
-    assert_no_block_leaked(llm)
+    assert_unchanged_and_serving(llm, seqs, before, expected)  # nanoref's own functions again
 
 
 @pytest.mark.parametrize("failing_call", range(1, 9))
@@ -233,11 +234,7 @@ def test_a_raising_find_cached_prefix_gives_back_what_its_batch_took(tiny_model,
 
     with use(find_cached_prefix=flaky):
         before = steps_until_it_raises(llm, RuntimeError, "a learner's bug")
-    assert engine_state(llm) == before
-    assert_consistent(llm, seqs)
-    run_steps(llm)
-    assert [seq.completion_token_ids for seq in seqs] == [output["token_ids"] for output in expected]
-    assert_no_block_leaked(llm)
+    assert_unchanged_and_serving(llm, seqs, before, expected)  # nanoref's own functions again
 
 
 # -- Ctrl-C ----------------------------------------------------------------------------------------------------------
