@@ -259,3 +259,25 @@ def test_scheduler_random_workload_keeps_invariants(seed):
         assert seq.num_completion_tokens == seq.sampling_params.max_tokens
     scheduler.block_manager.check_invariants([])
     assert scheduler.block_manager.num_free_blocks == num_blocks
+
+
+def test_a_sequence_that_steps_back_itself_frees_its_blocks_for_those_after_it():
+    """A victim policy that always preempts `seq` itself, even with others still waiting for their token: the blocks
+    it gives back serve the next sequence in the same step, as in a loop that preempts as it goes."""
+    from nanoref.utils.seams import use
+
+    scheduler = Scheduler(
+        max_num_seqs=4, max_num_batched_tokens=64, max_model_len=512, num_kvcache_blocks=4, kvcache_block_size=BS,
+        eos_token_ids=set(),
+    )  # fmt: skip
+    a, b, c = (seq_of(list(range(start, start + BS))) for start in (0, 100, 200))  # one full block each
+    for seq in (a, b, c):
+        scheduler.add(seq)
+    batch, is_prefill = scheduler.schedule()
+    assert is_prefill and batch == [a, b, c]
+    scheduler.postprocess(batch, [1, 2, 3])  # each now needs a second block; one block is free
+    with use(choose_preemption_victim=lambda running, seq: seq):
+        batch, is_prefill = scheduler.schedule()
+    assert not is_prefill
+    assert batch == [a, c] and scheduler.preempted == [b.seq_id]  # c took the block b gave back
+    scheduler.block_manager.check_invariants([a, c])

@@ -142,21 +142,28 @@ class Scheduler:
         released: dict[int, int] = {}
         steps: list[tuple[Sequence, int | None]] = []
         num_scheduled = 0
+
+        def release(preempted: Sequence) -> int:
+            """The blocks that become free when `preempted` gives its table back (after the planned ones)."""
+            freed = 0
+            for block_id in preempted.block_table:
+                released[block_id] = released.get(block_id, 0) + 1
+                freed += released[block_id] == manager.blocks[block_id].ref_count  # its last holder lets go
+            return freed
+
         while queue and num_scheduled < self.max_num_seqs:
             seq = queue.popleft()
             needed = manager.blocks_to_append(seq)
             while free < needed:  # can_append, counting the blocks planned so far
                 victim = interruptibly(seam("choose_preemption_victim", choose_preemption_victim), list(queue), seq)
-                if victim is seq:
+                if victim is seq:  # seq steps back itself: the sequences after it may use its blocks
+                    free += release(seq)
                     steps.append((seq, None))
                     break
                 if victim not in queue:
                     raise ValueError(f"the preemption victim {victim!r} is neither running nor {seq!r}")
                 queue.remove(victim)
-                for block_id in victim.block_table:
-                    released[block_id] = released.get(block_id, 0) + 1
-                    if released[block_id] == manager.blocks[block_id].ref_count:  # its last holder lets go
-                        free += 1
+                free += release(victim)
                 steps.append((victim, None))
             else:
                 free -= needed
