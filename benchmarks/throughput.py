@@ -104,7 +104,7 @@ def main() -> None:
         "model": "Qwen3-0.6B (random bf16)" if args.random_qwen3_0_6b else str(folder),
         "dtype": str(llm.config.dtype).removeprefix("torch."),
         "backend": llm.model_runner.backend.name,
-        "cuda_graphs": bool(llm.model_runner.graphs),
+        "cuda_graphs": llm.model_runner.decode_graphs is not None,
         "block_size": llm.config.kvcache_block_size,
         "kv_blocks": llm.model_runner.num_kvcache_blocks,
         "num_seqs": args.num_seqs,

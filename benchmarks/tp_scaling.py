@@ -103,7 +103,7 @@ def run_engine(folder: str, tp: int, runs: int, profile: bool, smoke: bool = Fal
         prefix_hit_blocks=hit_blocks,
         load_s=load_s,
         kv_blocks=llm.model_runner.num_kvcache_blocks,
-        graphs=bool(llm.model_runner.graphs),
+        graphs=llm.model_runner.decode_graphs is not None,
         backend=llm.model_runner.backend.name,
     )
     if tp > 1:
@@ -176,7 +176,7 @@ def check_exact(root: Path) -> dict:
         one = LLM(folder, dtype="float32").generate(prompts, params, use_tqdm=False)
         with LLM(folder, dtype="float32", tensor_parallel_size=2) as llm:
             two = llm.generate(prompts, params, use_tqdm=False)
-            graphs = bool(llm.model_runner.graphs)
+            graphs = llm.model_runner.decode_graphs is not None
         same = [a["token_ids"] == b["token_ids"] for a, b in zip(one, two)]
         results[name] = dict(token_exact=all(same), per_prompt=same, graphs=graphs)
     return results

@@ -1,7 +1,14 @@
-"""Engine settings: one dataclass, validated once, with defaults derived from the model and device."""
+"""Engine settings: one frozen dataclass, validated once, with defaults derived from the model and device.
+
+`EngineConfig(model, **settings)` checks every setting and fills the device's defaults; `resolved()` then picks
+what needs a look at the installed kernels (the concrete attention backend, and the KV block size that follows
+from it), before anything is built. The KV block count, when not given, depends on the memory the loaded model
+leaves: the model runner measures it and records it with `with_kv_blocks`. Every later part reads this one object.
+"""
 
 from __future__ import annotations
 
+import copy
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -9,7 +16,7 @@ from pathlib import Path
 import torch
 
 from nanoref.models import Qwen3Config, load_model_config
-from nanoref.ops.backends import BACKEND_NAMES
+from nanoref.ops.backends import BACKEND_NAMES, FLASH_ATTN_BACKENDS, choose_backend
 from nanoref.sampling_params import check_seed
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -65,7 +72,7 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-@dataclass
+@dataclass(frozen=True)
 class EngineConfig:
     model: str | Path
     device: str | torch.device | None = None
@@ -97,32 +104,33 @@ class EngineConfig:
     hf_config: Qwen3Config = field(init=False)
 
     def __post_init__(self) -> None:
-        self.model_folder, self.architecture, self.hf_config = load_model_config(self.model)
-        self.device = parse_device(self.device)
-        self.dtype = parse_dtype(self.dtype, self.device)
+        folder, architecture, hf_config = load_model_config(self.model)
+        _set(self, model_folder=folder, architecture=architecture, hf_config=hf_config)
+        _set(self, device=parse_device(self.device))
+        _set(self, dtype=parse_dtype(self.dtype, self.device))
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be True or False, got {self.enforce_eager!r}")
         if self.overlap_scheduling is None:
-            self.overlap_scheduling = self.device.type == "cuda"
+            _set(self, overlap_scheduling=self.device.type == "cuda")
         if not isinstance(self.overlap_scheduling, bool):
             raise ValueError(f"overlap_scheduling must be True, False or None, got {self.overlap_scheduling!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             if value is None:
                 value = DEVICE_DEFAULTS[self.device.type][name]
-                setattr(self, name, value)
+                _set(self, **{name: value})
             if not _is_int(value) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         block = self.kvcache_block_size
         if block is not None and (not _is_int(block) or block < 16 or block > 256 or block & (block - 1)):
             raise ValueError(f"kvcache_block_size must be a power of two from 16 to 256, got {block!r}")
-        # the concrete backend (and the block size that follows from it) is chosen by the model runner,
-        # which may have to run a flash-attn kernel to learn whether the installed build serves the model
+        # the concrete backend (and the block size that follows from it) is chosen by resolved(), which may have
+        # to run a flash-attn kernel to learn whether the installed build serves the model
         if self.attention_backend not in BACKEND_NAMES:
             raise ValueError(f"attention_backend must be one of {BACKEND_NAMES}, got {self.attention_backend!r}")
         limit = self.hf_config.max_position_embeddings
         if self.max_model_len is None:
-            self.max_model_len = min(limit, 4096)
+            _set(self, max_model_len=min(limit, 4096))
         if not _is_int(self.max_model_len) or not 1 < self.max_model_len <= limit:
             raise ValueError(
                 f"max_model_len must be an integer in [2, {limit}] (the model's limit), got {self.max_model_len!r}"
@@ -142,6 +150,29 @@ class EngineConfig:
         if self.tensor_parallel_size > 1:
             self._check_tensor_parallel()
 
+    def resolved(self) -> EngineConfig:
+        """This config with the concrete attention backend and KV block size. "auto" may run a tiny flash-attn
+        kernel to learn whether the installed build serves this model, so it is a step of its own, taken once
+        before the engine builds anything (an EngineConfig itself runs no kernel)."""
+        backend = choose_backend(
+            self.attention_backend, self.device, self.dtype, self.kvcache_block_size, self.hf_config.head_dim
+        )
+        block_size = self.kvcache_block_size
+        if block_size is None:  # flash-attn's paged kernels want multiples of 256
+            block_size = 256 if backend in FLASH_ATTN_BACKENDS else 16
+        return self._replace(attention_backend=backend, kvcache_block_size=block_size)
+
+    def with_kv_blocks(self, num_kvcache_blocks: int) -> EngineConfig:
+        """This config with the KV block count the model runner measured (see `kv_budget.py`)."""
+        return self._replace(num_kvcache_blocks=num_kvcache_blocks)
+
+    def _replace(self, **changes: object) -> EngineConfig:
+        """A copy with resolved values in place of these fields (not dataclasses.replace: that would read and
+        check the model folder again)."""
+        new = copy.copy(self)
+        _set(new, **changes)
+        return new
+
     def _check_tensor_parallel(self) -> None:
         """Every split tensor parallelism makes must come out even, and each rank needs its own GPU."""
         from nanoref.layers.linear import local_heads  # (not at the top: layers import this package's parts)
@@ -160,3 +191,9 @@ class EngineConfig:
                     f"tensor_parallel_size={size} needs {size} GPUs from {self.device}, but this machine has "
                     f"{torch.cuda.device_count()}"
                 )
+
+
+def _set(config: EngineConfig, **values: object) -> None:
+    """Fill in fields of a frozen config while it is being made (the only writes it ever sees)."""
+    for name, value in values.items():
+        object.__setattr__(config, name, value)

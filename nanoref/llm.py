@@ -1,13 +1,27 @@
-"""`LLM`: the user-facing entry point, with vLLM's argument names."""
+"""`LLM`: the user-facing entry point, with vLLM's argument names, and the one place features attach.
+
+The core (`nanoref/engine/`) runs the plain offline path eagerly on one device. What makes it fast or wide is
+attached here, from outside, once the config is resolved: decode CUDA graphs (`nanoref/fast/cuda_graphs.py`) on
+the model runner, tensor parallelism (`nanoref/parallel/`) as the runner's subclass, and the overlapped loop
+(`nanoref/fast/overlap.py`) in place of the engine's plain step. `torch.compile` applies itself: the element-wise
+layers compile on their first CUDA call (`nanoref/utils/compile.py`).
+"""
 
 from __future__ import annotations
 
+import inspect
+import os
+import sys
+from dataclasses import fields
 from pathlib import Path
-
-import torch
 
 from nanoref.config import EngineConfig
 from nanoref.engine.llm_engine import LLMEngine
+from nanoref.engine.model_runner import ModelRunner
+from nanoref.fast.cuda_graphs import DecodeGraphs
+from nanoref.fast.overlap import attach_overlapped_loop
+from nanoref.parallel.runner import TensorParallelRunner
+from nanoref.utils.parallel import ParallelState
 
 DEFAULT_MODEL = Path(__file__).parent / "default_model"
 
@@ -38,40 +52,56 @@ class LLM(LLMEngine):
         entropy, so runs differ. Either way the global RNGs (torch, random, numpy) are left alone.
     """
 
-    def __init__(
-        self,
-        model: str | Path = DEFAULT_MODEL,
-        *,
-        device: str | torch.device | None = None,
-        dtype: str | torch.dtype | None = None,
-        enforce_eager: bool = False,
-        max_num_seqs: int | None = None,
-        max_num_batched_tokens: int | None = None,
-        max_model_len: int | None = None,
-        kvcache_block_size: int | None = None,
-        num_kvcache_blocks: int | None = None,
-        gpu_memory_utilization: float = 0.9,
-        attention_backend: str = "auto",
-        tensor_parallel_size: int = 1,
-        tensor_parallel_timeout: float = 600.0,
-        overlap_scheduling: bool | None = None,
-        seed: int | None = None,
-    ) -> None:
-        config = EngineConfig(
-            model=model,
-            device=device,
-            dtype=dtype,
-            enforce_eager=enforce_eager,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len,
-            kvcache_block_size=kvcache_block_size,
-            num_kvcache_blocks=num_kvcache_blocks,
-            gpu_memory_utilization=gpu_memory_utilization,
-            attention_backend=attention_backend,
-            tensor_parallel_size=tensor_parallel_size,
-            tensor_parallel_timeout=tensor_parallel_timeout,
-            overlap_scheduling=overlap_scheduling,
-            seed=seed,
-        )
-        super().__init__(config)
+    def __init__(self, model: str | Path = DEFAULT_MODEL, **settings) -> None:
+        unknown = sorted(set(settings) - SETTINGS)
+        if unknown:
+            raise TypeError(
+                f"LLM() got an unexpected keyword argument {unknown[0]!r}; its settings: {sorted(SETTINGS)}"
+            )
+        super().__init__(EngineConfig(model, **settings).resolved(), make_runner=build_runner)
+        self.overlapped_loop = attach_overlapped_loop(self) if self.config.overlap_scheduling else None
+
+
+SETTINGS = {f.name for f in fields(EngineConfig) if f.init and f.name != "model"}
+# help(LLM) and inspect.signature(LLM) list every setting, with EngineConfig's defaults
+LLM.__init__.__signature__ = inspect.Signature(
+    [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    + [inspect.Parameter("model", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=DEFAULT_MODEL)]
+    + [
+        inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
+        for f in fields(EngineConfig)
+        if f.name in SETTINGS
+    ]
+)
+
+
+def build_runner(config: EngineConfig, parallel: ParallelState | None = None) -> ModelRunner:
+    """The model runner with its features attached; each tensor-parallel rank makes its own with this.
+
+    On the followers of a torchrun launch (ranks 1..N-1) this never returns: they follow rank 0's steps until it
+    closes, then their process ends."""
+    if config.tensor_parallel_size == 1:
+        runner = ModelRunner(config)
+    else:
+        runner = TensorParallelRunner(config, parallel, build=build_runner)
+    try:
+        # a model whose forward has data-dependent shapes (Qwen3-MoE's expert loop) runs decode eagerly
+        if (
+            config.device.type == "cuda"
+            and not config.enforce_eager
+            and getattr(runner.model, "supports_cuda_graphs", True)
+        ):
+            runner.decode_graphs = DecodeGraphs(runner)
+    except BaseException:
+        if isinstance(runner, TensorParallelRunner):  # the other ranks wait in a capture this one left
+            runner.close_after_failure("a rank failed while capturing CUDA graphs")
+        raise
+    if parallel is None and runner.rank > 0:  # torchrun: every rank but 0 follows rank 0, then its process ends
+        runner.serve()
+        # End here, without the interpreter's teardown: after a model has run, a torchrun follower that exits
+        # normally aborts in C++ static destructors about one time in five (seen on this project's CPU machine,
+        # torch 2.13), which torchrun reports as a failed rank.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    return runner

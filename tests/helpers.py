@@ -104,7 +104,7 @@ def assert_a_failing_worker_is_reported(folder, within_s: float, **engine) -> No
     import pytest
 
     from nanoref import LLM, SamplingParams
-    from nanoref.engine.tensor_parallel import TensorParallelError
+    from nanoref.parallel.tensor_parallel import TensorParallelError
 
     from .tp_faults import break_forward_on_rank
 
@@ -153,8 +153,9 @@ def own_answers() -> dict:
     """Exercise seam -> nanoref's own function for it (what every check must accept); the Triton seams only where
     Triton is installed."""
     from nanoref.engine.block_manager import find_cached_prefix
-    from nanoref.engine.model_runner import pad_decode_batch, prefill_metadata
+    from nanoref.engine.model_runner import prefill_metadata
     from nanoref.engine.scheduler import choose_preemption_victim
+    from nanoref.fast.cuda_graphs import pad_decode_batch
     from nanoref.layers.activation import silu_and_mul
     from nanoref.layers.embed_head import vocab_parallel_embed
     from nanoref.layers.layernorm import add_rms_norm, rms_norm

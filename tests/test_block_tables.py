@@ -97,18 +97,26 @@ def test_decode_metadata_equals_the_lists_under_preemption(tiny_model, monkeypat
         overlap_scheduling=overlap,
     )
     runner = llm.model_runner
-    prepare_decode = runner.prepare_decode
-    checked = []
+    prepare_decode, upload = runner.prepare_decode, runner.upload
+    checked, decoding = [], []
 
-    def checking_prepare_decode(seqs, next_ids=None):
-        input_ids, positions = prepare_decode(seqs, next_ids)
-        context, ahead = get_context(), int(next_ids is not None)
+    def recording_prepare_decode(seqs, ahead=False):
+        decoding.append((seqs, ahead))
+        return prepare_decode(seqs, ahead)
+
+    def checking_upload(step, next_ids=None):
+        input_ids, positions = upload(step, next_ids)
+        if step.is_prefill:
+            return input_ids, positions
+        seqs, ahead = decoding.pop()
+        assert ahead == (next_ids is not None)
+        context = get_context()
         got = dict(
             context_lens=context.context_lens.tolist(),
             slot_mapping=context.slot_mapping.tolist(),
             block_tables=context.block_tables.tolist(),
         )
-        assert got == decode_metadata_by_hand(seqs, runner.block_size, ahead)
+        assert got == decode_metadata_by_hand(seqs, runner.block_size, int(ahead))
         assert positions.tolist() == [n - 1 for n in got["context_lens"]]
         if next_ids is None:
             assert input_ids.tolist() == [seq.last_token for seq in seqs]
@@ -116,7 +124,8 @@ def test_decode_metadata_equals_the_lists_under_preemption(tiny_model, monkeypat
         checked.append(len(seqs))
         return input_ids, positions
 
-    monkeypatch.setattr(runner, "prepare_decode", checking_prepare_decode)
+    monkeypatch.setattr(runner, "prepare_decode", recording_prepare_decode)
+    monkeypatch.setattr(runner, "upload", checking_upload)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 100, size=int(n)).tolist() for n in rng.integers(3, 60, size=9)]
     prompts[3] = prompts[1][:40] + prompts[3]  # a shared prefix: prefix-cache hits

@@ -11,7 +11,7 @@ import torch
 
 from nanoref import DEFAULT_MODEL, LLM, SamplingParams
 from nanoref.__main__ import EXIT_BROKEN_PIPE, main
-from nanoref.engine.tensor_parallel import TensorParallelError
+from nanoref.parallel.tensor_parallel import TensorParallelError
 
 from .helpers import hf_greedy
 

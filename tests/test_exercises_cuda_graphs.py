@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from nanoref import LLM, SamplingParams
-from nanoref.engine.model_runner import pad_decode_batch
 from nanoref.exercises import ExerciseFailure, check_pad_decode_batch
+from nanoref.fast.cuda_graphs import enable_bucketed_decode, pad_decode_batch
 
 from .helpers import hf_greedy, random_prompts
 
@@ -67,7 +67,7 @@ def test_bucketed_decode_on_cpu_matches_hf_with_preemption(tiny_model):
     prompts = random_prompts(seed=66, lengths=[12, 30, 7, 21, 16])
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     llm = LLM(tiny_model, num_kvcache_blocks=12, kvcache_block_size=16, max_num_seqs=8)
-    llm.model_runner.enable_bucketed_decode()
+    enable_bucketed_decode(llm.model_runner)
     outputs = llm.generate(prompts, params, use_tqdm=False)
     assert llm.scheduler.num_preemptions > 0, "the budget should force preemptions"
     for prompt, output in zip(prompts, outputs):

@@ -21,8 +21,8 @@ def test_cuda_graphs_match_eager_and_hf(tiny_model, max_num_seqs):
     kwargs = dict(device="cuda", dtype="float32", num_kvcache_blocks=256, max_num_seqs=max_num_seqs)
     eager = LLM(tiny_model, enforce_eager=True, **kwargs)
     graphed = LLM(tiny_model, **kwargs)
-    assert not eager.model_runner.graphs
-    assert max(graphed.model_runner.graphs) == max_num_seqs
+    assert eager.model_runner.decode_graphs is None
+    assert max(graphed.model_runner.decode_graphs.graphs) == max_num_seqs
     out_eager = eager.generate(prompts, params, use_tqdm=False)
     out_graph = graphed.generate(prompts, params, use_tqdm=False)
     assert out_graph == out_eager
@@ -48,7 +48,7 @@ def test_cuda_bfloat16_default_and_memory_derived_cache(tiny_model):
     assert llm.model_runner.num_kvcache_blocks > 1000
     # a GPU's batch sizes, not a laptop's: Nano-vLLM's and vLLM's defaults
     assert (llm.config.max_num_seqs, llm.config.max_num_batched_tokens) == (512, 16384)
-    assert max(llm.model_runner.graphs) == 512  # decode graphs captured up to the full batch
+    assert max(llm.model_runner.decode_graphs.graphs) == 512  # decode graphs captured up to the full batch
     out = llm.generate(
         random_prompts(seed=13, lengths=[4, 50]), SamplingParams(temperature=0.7, max_tokens=16), use_tqdm=False
     )
@@ -72,7 +72,7 @@ def test_triton_backend_with_cuda_graphs_matches_hf(tiny_model, block_size):
         tiny_model, device="cuda", dtype="float32", attention_backend="triton", kvcache_block_size=block_size,
         num_kvcache_blocks=64, max_num_seqs=12, max_num_batched_tokens=48,
     )  # fmt: skip
-    assert llm.model_runner.graphs and llm.model_runner.backend.name == "triton"
+    assert llm.model_runner.decode_graphs.graphs and llm.model_runner.backend.name == "triton"
     llm.generate(prompts[:1], params, use_tqdm=False)  # its prefix then serves the others from the cache
     outputs = llm.generate(prompts, params, use_tqdm=False)
     assert llm.scheduler.block_manager.num_hit_blocks > 0

@@ -369,8 +369,9 @@ LAYERS = [
     ("layers",),  # nn.Modules on flat (N, hidden) tokens
     ("models",),
     ("config",),
-    ("engine",),  # sequence, block manager, scheduler, model runner, the loop, tensor parallelism
-    ("llm",),
+    ("engine",),  # the core: sequence, block manager, scheduler, model runner, the plain loop
+    ("fast", "parallel"),  # features attached to the core from outside: graphs and overlap; tensor parallelism
+    ("llm",),  # the one wiring point
     ("__init__", "__main__"),  # the package's face and its command line
     ("exercises",),  # checks that run the whole engine
     ("classroom", "train_default_model"),
@@ -409,6 +410,25 @@ def test_no_file_imports_a_layer_above_its_own():
         if _layer(target) > _layer(module)
     ]
     assert upward == [], "\n".join(upward)
+
+
+FEATURES = ("fast", "parallel")
+
+
+def test_features_are_attached_only_at_the_wiring_point():
+    """The core never reaches a feature module, and each feature stands alone: only nanoref.llm (which attaches
+    them) and what teaches them (exercises) import them."""
+
+    def part(module: str) -> str:
+        return module.split(".")[1] if "." in module else "__init__"
+
+    reaching = [
+        f"{module} imports {target}"
+        for module, targets in _import_graph().items()
+        for target in sorted(targets)
+        if part(target) in FEATURES and part(module) not in ("llm", "exercises", part(target))
+    ]
+    assert reaching == [], "\n".join(reaching)
 
 
 def test_no_two_files_import_each_other_even_indirectly():

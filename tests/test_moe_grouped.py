@@ -367,8 +367,8 @@ def test_gpu_cuda_graphs_match_eager_and_hf(moe_model):
     kwargs = dict(device="cuda", dtype="float32", num_kvcache_blocks=256, max_num_seqs=20)
     graphed = LLM(moe_model, **kwargs)
     eager = LLM(moe_model, enforce_eager=True, **kwargs)
-    assert graphed.model_runner.model.supports_cuda_graphs and max(graphed.model_runner.graphs) == 20
-    assert not eager.model_runner.graphs
+    assert graphed.model_runner.model.supports_cuda_graphs and max(graphed.model_runner.decode_graphs.graphs) == 20
+    assert eager.model_runner.decode_graphs is None
     out_graph = graphed.generate(prompts, params, use_tqdm=False)
     assert out_graph == eager.generate(prompts, params, use_tqdm=False)
     for prompt, output in zip(prompts, out_graph):
@@ -378,7 +378,7 @@ def test_gpu_cuda_graphs_match_eager_and_hf(moe_model):
 @pytest.mark.gpu
 def test_gpu_bf16_model_records_graphs_with_torch_grouped_mm(moe_model):
     llm = LLM(moe_model, device="cuda", dtype="bfloat16", num_kvcache_blocks=64, max_num_seqs=8)
-    assert llm.model_runner.graphs, "the grouped path should let the bf16 model record its decode graphs"
+    assert llm.model_runner.decode_graphs.graphs, "the grouped path should let the bf16 model record its decode graphs"
     outputs = llm.generate(random_prompts(seed=23, lengths=[4, 11, 30]), SamplingParams(temperature=0, max_tokens=12,
                            ignore_eos=True), use_tqdm=False)  # fmt: skip
     assert all(len(o["token_ids"]) == 12 and all(0 <= t < 256 for t in o["token_ids"]) for o in outputs)

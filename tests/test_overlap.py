@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from nanoref import LLM, SamplingParams
+from nanoref.fast.cuda_graphs import enable_bucketed_decode
 
 from .helpers import assert_matches_hf, assert_no_block_leaked, hf_greedy, random_prompts, shared_prefix_prompts
 
@@ -163,7 +164,7 @@ def test_step_by_step_and_abort_with_a_step_in_flight(tiny_model):
         llm.add_request(p, GREEDY)
     llm.step()  # prefill
     llm.step()  # the first decode, with the second one launched ahead
-    assert llm.in_flight is not None
+    assert llm.overlapped_loop.in_flight is not None
     llm.abort_all()
     assert llm.is_finished()
     assert_no_block_leaked(llm)
@@ -173,7 +174,7 @@ def test_overlapped_loop_through_the_graph_buckets(tiny_model):
     """Decode the way CUDA graphs do (static buffers, padded buckets), the input ids copied device to device."""
     prompts = random_prompts(seed=19, lengths=[3, 11, 26])
     llm = overlapped(tiny_model, num_kvcache_blocks=64, max_num_seqs=4)
-    llm.model_runner.enable_bucketed_decode()
+    enable_bucketed_decode(llm.model_runner)
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert llm.num_ahead_steps > 0
     assert_matches_hf(tiny_model, prompts, outputs, GREEDY.max_tokens)

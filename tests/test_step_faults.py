@@ -24,6 +24,7 @@ from nanoref.engine import block_manager, llm_engine, metrics, model_runner, sch
 from nanoref.engine.block_manager import find_cached_prefix
 from nanoref.engine.sequence import Sequence, SequenceStatus
 from nanoref.exercises import use
+from nanoref.fast import overlap
 from nanoref.models import qwen3
 from nanoref.utils.interrupts import held_interrupts, interruptibly
 
@@ -39,10 +40,10 @@ PARAMS = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
 # sequence's recompute hit the cache), 32-token batches cut a prompt into chunks.
 PROMPTS = shared_prefix_prompts(seed=3, prefix_len=16, suffix_lens=[14, 13, 15])
 TIGHT = dict(device="cpu", kvcache_block_size=16, num_kvcache_blocks=5, max_num_batched_tokens=32)
-BOOKKEEPING = {module.__file__ for module in (scheduler, block_manager, sequence, metrics, llm_engine)}
+BOOKKEEPING = {module.__file__ for module in (scheduler, block_manager, sequence, metrics, llm_engine, overlap)}
 FORWARD = {model_runner.__file__, qwen3.__file__}
 # what checks a request before anything is queued (pure: nothing to leave half done), left out of the sweeps
-REQUEST_CHECKS = {"tokenize", "_token_id", "check_request", "make_sequence", "_prompt_list", "__init__"}
+REQUEST_CHECKS = {"tokenize", "make_sequence", "__init__"}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -130,7 +131,9 @@ def assert_consistent(llm, requests: list[Sequence]) -> None:
     assert len({id(seq) for seq in queued}) == len(queued), "a sequence is queued twice"
     for seq in requests:
         assert seq.is_finished != any(seq is other for other in queued), f"{seq} is lost, or queued but finished"
-    in_flight = llm.in_flight.seqs if llm.in_flight is not None else []  # (the overlapped loop's step n)
+    loop = llm.overlapped_loop
+    step_n = loop.in_flight if loop is not None else None  # (the overlapped loop's step in flight)
+    in_flight = step_n.seqs if step_n is not None else []
     for seq in in_flight:  # a decode's rows, or a prefill's prompts (its last maybe a chunk, still first in line)
         assert any(seq is other for other in queued) and seq.num_scheduled_tokens > 0, f"{seq} left its step"
         assert seq.num_computed_tokens + seq.num_scheduled_tokens <= seq.num_tokens, seq

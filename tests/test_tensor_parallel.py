@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from nanoref import LLM, ModelFolderError, SamplingParams
-from nanoref.engine import tensor_parallel
-from nanoref.engine.tensor_parallel import CollectiveTimeout, TensorParallelError
+from nanoref.parallel import tensor_parallel
+from nanoref.parallel.tensor_parallel import CollectiveTimeout, TensorParallelError
 from nanoref.testing import make_tiny_qwen3, make_tiny_qwen3_moe
 
 from .helpers import (

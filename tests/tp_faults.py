@@ -30,7 +30,7 @@ def full_weights(runner) -> dict[str, torch.Tensor]:
 
 def graph_batch_sizes(runner) -> list[int]:
     """The decode batch sizes this rank captured CUDA graphs for (empty: eager)."""
-    return sorted(runner.graphs)
+    return sorted(runner.decode_graphs.graphs) if runner.decode_graphs is not None else []
 
 
 def gpu_index(runner) -> int:

@@ -4,8 +4,8 @@ The check fills the buffers with what an earlier, larger step left there (live-l
 and block ids), runs the learner's function on a bucket's views of them, and says what is wrong: a row not
 copied, a padding row that would write into the cache or attend to something, a buffer replaced instead of
 written (a graph replays on the recorded addresses), rows written past the bucket. Then the real engine runs
-greedy generation with it, decode padded to buckets (`ModelRunner.enable_bucketed_decode`, the graphs' path
-without the graphs, so it runs on a CPU too), against HF transformers.
+greedy generation with it, decode padded to buckets (`enable_bucketed_decode` in `nanoref/fast/cuda_graphs.py`,
+the graphs' path without the graphs, so it runs on a CPU too), against HF transformers.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from collections.abc import Callable
 
 import torch
 
-from nanoref.engine.model_runner import STATIC_INPUTS, pad_decode_batch
 from nanoref.exercises.common import ExerciseFailure, check_generation, input_generator, random_prompts, tiny_model
+from nanoref.fast.cuda_graphs import STATIC_INPUTS, enable_bucketed_decode, pad_decode_batch
 
 
 def _stale_buffers(max_rows: int, max_blocks: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
@@ -101,7 +101,7 @@ def check_pad_decode_batch(fn: Callable, *, engine: bool = True) -> None:
             {"pad_decode_batch": fn},
             prompts=prompts,
             model=tiny_model(),
-            prepare=lambda llm: llm.model_runner.enable_bucketed_decode(),
+            prepare=lambda llm: enable_bucketed_decode(llm.model_runner),
             max_num_seqs=8,
         )
 

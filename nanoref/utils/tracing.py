@@ -18,6 +18,8 @@ from typing import Any, TextIO
 
 import torch
 
+from nanoref.utils.context import get_context
+
 
 @dataclass
 class StepTrace:
@@ -103,6 +105,24 @@ def trace_step(kind: str, **metadata: Any) -> None:
     if tracer.show_metadata:
         for name, value in values.items():
             tracer.print(f"  {name:<28} {_shape_text(value) if isinstance(value, tuple) else value}")
+
+
+def trace_inputs(is_prefill: bool, seqs: Sequence[Any], input_ids: torch.Tensor, positions: torch.Tensor) -> None:
+    """The model runner's one call per step, once the step's Context is published: its flat inputs."""
+    if _TRACER is None:
+        return
+    c = get_context()
+    trace_step(
+        "prefill" if is_prefill else "decode",
+        seq_ids=[seq.seq_id for seq in seqs],
+        input_ids=input_ids,
+        positions=positions,
+        cu_seqlens_q=c.cu_seqlens_q,
+        cu_seqlens_k=c.cu_seqlens_k,
+        slot_mapping=c.slot_mapping,
+        context_lens=c.context_lens,
+        block_tables=c.block_tables,
+    )
 
 
 def trace_layer(index: int | None) -> None:

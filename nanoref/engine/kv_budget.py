@@ -1,0 +1,61 @@
+"""How many KV blocks fit: what memory is left once the model is loaded (and, on a GPU, has run its largest step)."""
+
+from __future__ import annotations
+
+import torch
+
+from nanoref.utils.context import Context, reset_context, set_context
+
+
+def cpu_memory_available() -> int:
+    """Bytes of memory available to new allocations (Linux), else a conservative 4 GiB."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 4 << 30
+
+
+def kv_blocks_from_memory(runner) -> int:
+    """The KV block count for a model runner whose model is loaded and whose cache is not allocated yet.
+
+    CUDA: run the largest prefill once to learn the activations' peak, then give the cache what remains of
+    gpu_memory_utilization. CPU: enough for max_num_seqs full-length sequences, never more than a quarter of the
+    free RAM."""
+    config = runner.config
+    per_block = runner.kv_bytes_per_token * config.kvcache_block_size
+    if runner.device.type != "cuda":
+        wanted = config.max_num_seqs * runner.max_blocks_per_seq
+        return max(1, min(wanted, cpu_memory_available() // 4 // per_block))
+    device = runner.device
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    run_largest_prefill(runner.model, config, device)
+    free, total = torch.cuda.mem_get_info(device)
+    stats = torch.cuda.memory_stats(device)
+    peak, current = stats["allocated_bytes.all.peak"], stats["allocated_bytes.all.current"]
+    budget = int(total * config.gpu_memory_utilization) - (total - free) - (peak - current)
+    if budget < per_block:
+        raise RuntimeError(
+            f"no GPU memory left for the KV cache at gpu_memory_utilization={config.gpu_memory_utilization}"
+        )
+    return budget // per_block
+
+
+@torch.inference_mode()
+def run_largest_prefill(model: torch.nn.Module, config, device: torch.device) -> None:
+    """One prefill of max_num_batched_tokens tokens (the biggest step the scheduler can make), without a cache."""
+    num_tokens = min(config.max_num_batched_tokens, config.max_num_seqs * config.max_model_len)
+    seq_len = min(config.max_model_len, num_tokens)
+    num_seqs = max(1, num_tokens // seq_len)
+    cu = torch.arange(0, seq_len * (num_seqs + 1), seq_len, dtype=torch.int32, device=device)  # (num_seqs + 1,)
+    set_context(Context(is_prefill=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=seq_len, max_seqlen_k=seq_len))
+    try:
+        ids = torch.zeros(seq_len * num_seqs, dtype=torch.int64, device=device)  # (N,)
+        positions = torch.arange(seq_len, device=device).repeat(num_seqs)  # (N,)
+        model.compute_logits(model(ids, positions))
+    finally:
+        reset_context()

@@ -1,0 +1,82 @@
+"""A request's checks: prompts as token ids, and everything about a request the engine could never serve."""
+
+from __future__ import annotations
+
+import numbers
+import operator
+from typing import Any
+
+from nanoref.config import EngineConfig
+from nanoref.engine.block_manager import BlockManager
+from nanoref.sampling_params import SamplingParams
+
+
+def tokenize(prompt: str | list[int], tokenizer: Any | None, config: EngineConfig) -> list[int]:
+    """A prompt as token ids: a string (through the tokenizer), or a sequence of integer ids."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError(f"{config.model_folder} has no tokenizer: pass prompts as lists of token ids")
+        return tokenizer.encode(prompt)
+    if isinstance(prompt, (bytes, bytearray, dict, set, frozenset)) or not hasattr(prompt, "__iter__"):
+        raise TypeError(f"a prompt must be a string or a list of integer token ids, got {type(prompt).__name__}")
+    if hasattr(prompt, "tolist"):  # a torch tensor or numpy array of ids
+        prompt = prompt.tolist()
+    try:  # ints of any integer type; 3.0, "3", True or a nested list are errors
+        return [_token_id(t) for t in prompt]
+    except TypeError:
+        raise TypeError("a prompt must be a string or a list of integer token ids") from None
+
+
+def check_request(token_ids: list[int], params: SamplingParams, config: EngineConfig, manager: BlockManager) -> None:
+    """Raise ValueError, naming the problem, for a request the engine could never serve."""
+    if not isinstance(params, SamplingParams):
+        raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
+    params.validate()
+    if not token_ids:
+        raise ValueError("the prompt is empty")
+    vocab_size = config.hf_config.vocab_size
+    bad = [t for t in token_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+    limit = config.max_model_len
+    if len(token_ids) >= limit:
+        raise ValueError(
+            f"the prompt has {len(token_ids)} tokens but max_model_len is {limit}: "
+            f"at most {limit - 1} prompt tokens leave room for a generated one"
+        )
+    longest = min(len(token_ids) + int(params.max_tokens), limit)  # (a NumPy integer could overflow here)
+    if manager.blocks_needed(longest) > manager.num_blocks:
+        raise ValueError(
+            f"the request needs up to {manager.blocks_needed(longest)} KV blocks ({longest} tokens) but the "
+            f"cache has only {manager.num_blocks}: raise num_kvcache_blocks or lower max_tokens"
+        )
+
+
+def prompt_list(prompts: object) -> list:
+    """`generate`'s prompts as a list: a list, tuple, generator, or a 2-D tensor/array of ids."""
+    if isinstance(prompts, (str, bytes)):
+        raise TypeError("prompts must be a list: list[str] or list[list[int]] (wrap a single prompt in [])")
+    if isinstance(prompts, (dict, set, frozenset)) or not hasattr(prompts, "__iter__"):
+        raise TypeError(f"prompts must be a list of prompts, got {type(prompts).__name__}")
+    prompts = prompts.tolist() if hasattr(prompts, "tolist") else list(prompts)
+    if prompts and isinstance(prompts[0], numbers.Integral):
+        raise TypeError("prompts must be a list: list[str] or list[list[int]] (wrap a single prompt in [])")
+    return prompts
+
+
+def params_list(sampling_params: SamplingParams | list[SamplingParams] | None, count: int) -> list[SamplingParams]:
+    """`generate`'s sampling params, one per prompt: None (the defaults) or one for all, or a list of `count`."""
+    if sampling_params is None:
+        sampling_params = SamplingParams()
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * count
+    sampling_params = list(sampling_params)
+    if len(sampling_params) != count:
+        raise ValueError(f"got {len(sampling_params)} SamplingParams for {count} prompts")
+    return sampling_params
+
+
+def _token_id(value: object) -> int:
+    if isinstance(value, bool):
+        raise TypeError("a bool is not a token id")
+    return operator.index(value)

@@ -1,0 +1,134 @@
+"""Decode CUDA graphs: one recorded decode forward per batch-size bucket, replayed with the step's inputs.
+
+A decode step of a small model is bound by kernel launches, not by math (notebook 06). A CUDA graph records the
+step's kernels once, on fixed addresses, and replays them with one launch. So the inputs live in static buffers
+that each step fills in place, and a batch of B sequences runs in the smallest recorded bucket S >= B: rows
+B..S-1 are padding that the kernels process harmlessly (slot -1 stores nothing, context length 0 reads nothing).
+
+Attached by `nanoref/llm.py` as the model runner's `decode_graphs`; the runner asks `covers(batch)` and then
+`run(...)`. `DecodeGraphs(runner, record=False)` (`enable_bucketed_decode`) runs the same padded buckets eagerly,
+on a machine without graphs (a CPU): for teaching and tests.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nanoref.utils.context import Context, get_context, reset_context, set_context
+from nanoref.utils.seams import seam
+from nanoref.utils.tracing import tracing_enabled
+
+STATIC_INPUTS = ("input_ids", "positions", "slot_mapping", "context_lens", "block_tables")
+
+
+def pad_decode_batch(
+    buffers: dict[str, torch.Tensor],
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    context_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+) -> None:
+    """Copy a decode batch of B sequences into the first B rows of a graph bucket's static input buffers and
+    make the other rows harmless padding, in place.
+
+    buffers: the bucket's S >= B rows of each static input: "input_ids" (S,) int64, "positions" (S,) int64,
+        "slot_mapping" (S,) int64, "context_lens" (S,) int32, "block_tables" (S, max_blocks) int32.
+    input_ids, positions, slot_mapping: (B,) int64; context_lens: (B,) int32;
+    block_tables: (B, W) int32 with W <= max_blocks.
+    A padding row still runs through every kernel of the recorded graph: slot -1 makes the KV store skip it
+    and context length 0 makes attention read nothing for it. Its token id and position only need to be
+    valid (what an earlier step left there is).
+    """
+    batch, width = block_tables.shape
+    buffers["input_ids"][:batch] = input_ids
+    buffers["positions"][:batch] = positions
+    buffers["slot_mapping"][:batch] = slot_mapping
+    buffers["slot_mapping"][batch:] = -1
+    buffers["context_lens"][:batch] = context_lens
+    buffers["context_lens"][batch:] = 0
+    buffers["block_tables"][:batch, :width] = block_tables
+
+
+def batch_buckets(max_num_seqs: int) -> list[int]:
+    """The batch sizes graphs are recorded for: 1, 2, 4, 8, then every 16, and max_num_seqs itself."""
+    sizes = [b for b in (1, 2, 4, 8) if b < max_num_seqs] + list(range(16, max_num_seqs, 16))
+    return sizes + [max_num_seqs]
+
+
+class DecodeGraphs:
+    def __init__(self, runner, record: bool = True) -> None:
+        """runner: a model runner with its model and KV cache. record: capture the graphs (CUDA); False runs
+        the padded buckets eagerly instead."""
+        self.model, device, config = runner.model, runner.device, runner.config
+        self.buckets = batch_buckets(config.max_num_seqs)
+        rows, width = config.max_num_seqs, runner.max_blocks_per_seq
+        # the buffers every replay reads: max_num_seqs rows each; a bucket of size S uses the first S
+        self.buffers = dict(
+            input_ids=torch.zeros(rows, dtype=torch.int64, device=device),
+            positions=torch.zeros(rows, dtype=torch.int64, device=device),
+            slot_mapping=torch.full((rows,), -1, dtype=torch.int64, device=device),
+            context_lens=torch.zeros(rows, dtype=torch.int32, device=device),
+            block_tables=torch.zeros(rows, width, dtype=torch.int32, device=device),
+            hidden=torch.zeros(rows, config.hf_config.hidden_size, dtype=config.dtype, device=device),
+        )
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        if record:
+            self.capture(device)
+
+    @torch.inference_mode()
+    def capture(self, device: torch.device) -> None:
+        """Record one decode forward per bucket, the largest first (the others share its memory pool)."""
+        b, pool = self.buffers, None
+        for size in reversed(self.buckets):
+            graph = torch.cuda.CUDAGraph()
+            set_context(
+                Context(
+                    slot_mapping=b["slot_mapping"][:size],
+                    context_lens=b["context_lens"][:size],
+                    block_tables=b["block_tables"][:size],
+                )
+            )
+            ids, positions = b["input_ids"][:size], b["positions"][:size]
+            b["hidden"][:size] = self.model(ids, positions)  # warm up outside capture
+            with torch.cuda.graph(graph, pool):
+                b["hidden"][:size] = self.model(ids, positions)
+            pool = pool or graph.pool()
+            self.graphs[size] = graph
+            torch.cuda.synchronize(device)
+            reset_context()
+
+    def covers(self, batch: int) -> bool:
+        """Whether a decode batch of this size runs here (a shape trace wants every layer run eagerly)."""
+        return batch <= self.buckets[-1] and not tracing_enabled()
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """A decode step's (B,) inputs (its Context already published) -> logits (B, vocab)."""
+        batch = input_ids.shape[0]
+        bucket = next(size for size in self.buckets if size >= batch)
+        context = get_context()
+        static = {name: self.buffers[name][:bucket] for name in STATIC_INPUTS}
+        seam("pad_decode_batch", pad_decode_batch)(
+            static, input_ids, positions, context.slot_mapping, context.context_lens, context.block_tables
+        )
+        hidden = self.buffers["hidden"]
+        if self.graphs:
+            self.graphs[bucket].replay()
+        else:  # bucketed decode without graphs: the same padded batch, run eagerly
+            width = context.block_tables.shape[1]
+            set_context(
+                Context(
+                    slot_mapping=static["slot_mapping"],
+                    context_lens=static["context_lens"],
+                    block_tables=static["block_tables"][:, :width],
+                )
+            )
+            hidden[:bucket] = self.model(static["input_ids"], static["positions"])
+        return self.model.compute_logits(hidden[:batch])
+
+
+def enable_bucketed_decode(runner) -> None:
+    """Run decode the way graphs do, on a machine without them (a CPU; notebook 06): pad each batch to its
+    bucket in the static buffers and run the model eagerly on them. Slower; for teaching and tests."""
+    if runner.decode_graphs is None:
+        runner.decode_graphs = DecodeGraphs(runner, record=False)

@@ -1,0 +1,136 @@
+"""The overlapped loop: the engine's `step` with the host one step ahead of its bookkeeping.
+
+In the plain `step` the device idles while the host schedules and prepares a step, and the host idles while the
+device runs it. Here, while the device runs step n, the host already schedules and launches step n+1, and only then
+waits for step n's tokens and postprocesses them. Why each piece can run ahead:
+- step n+1's input tokens are step n's sampled ids: they stay on the device (`launch(input_ids=...)`), so nothing
+  has to come back to the host before step n+1 can be queued behind step n;
+- its positions, slots and context lengths only need token counts, and every row gains exactly one token per
+  decode step, so the host knows them without the values (`Scheduler.schedule_ahead`);
+- the host's token bookkeeping (append, EOS and max_tokens checks, prefix-cache hashes) follows one step behind:
+  step n's postprocess runs while step n+1 is on the device;
+- a sequence that samples EOS at step n has a row in step n+1 already; that row's token is dropped
+  (`Scheduler.commit_ahead`), and its K/V write lands in a block just freed, before any later step can reuse it
+  (device work runs in queue order).
+When step n+1 cannot be decided without step n's tokens (prefills, preemption), the loop waits for step n and
+schedules as usual: those steps run exactly as in the plain loop. On a CPU the "launch" computes right away, so
+nothing overlaps, but every decision is the same: that is how the tests check it. Measured on one H200: the host's
+~1-2 ms per decode step leaves the critical path (benchmarks/results/).
+
+When a step raises (see `LLMEngine`): a step n launched here is undone like a plain step; once step n is in flight
+it stays so, and step n+1 is dropped (the blocks schedule_ahead reserved for it stay with their sequences, which
+need them next time), so the next call picks step n up again.
+
+Attached by `nanoref/llm.py`: `OverlappedLoop(engine)` takes the place of the engine's `run_step`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from nanoref.engine.metrics import StepRecord
+from nanoref.engine.sequence import Sequence
+from nanoref.utils.interrupts import interruptibly
+
+
+@dataclass
+class InFlight:
+    """A step queued on the device whose sampled tokens the host has not read yet."""
+
+    seqs: list[Sequence]  # the rows that still count, in batch order
+    rows: list[int]  # each one's row in `sampled` (rows of sequences that finished meanwhile are skipped)
+    sampled: torch.Tensor  # (rows launched,) int64 token ids, on the device: the next step's input ids
+    host: torch.Tensor  # the same ids on their way to the host (pinned memory on CUDA)
+    ready: torch.cuda.Event | None  # recorded right behind the copy to `host` (None on a CPU)
+    record: StepRecord | None = None
+
+    @classmethod
+    def start(cls, seqs: list[Sequence], sampled: torch.Tensor, record: StepRecord | None = None) -> InFlight:
+        """Queue the copy of a step's sampled ids to the host right behind the step itself.
+
+        A plain `sampled.tolist()` later would queue its copy behind whatever was launched meanwhile, i.e.
+        behind step n+1: the host would wait for both steps and the overlap would be lost. The event marks the
+        end of this step's copy alone."""
+        rows = list(range(len(seqs)))
+        if not sampled.is_cuda:
+            return cls(seqs, rows, sampled, sampled, None, record)
+        host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)
+        host.copy_(sampled, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        return cls(seqs, rows, sampled, host, ready, record)
+
+    def token_ids(self) -> list[int]:
+        """Wait for the step (and only for it) and read its tokens: the step's one host sync."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        sampled = self.host.tolist()
+        return [sampled[row] for row in self.rows]
+
+    def input_ids_for(self, ahead: list[Sequence]) -> torch.Tensor:
+        """The next step's input ids, (len(ahead),) on the device: this step's sampled ids of those rows."""
+        row_of = {seq.seq_id: row for seq, row in zip(self.seqs, self.rows)}
+        rows = [row_of[seq.seq_id] for seq in ahead]
+        if rows == list(range(len(self.sampled))):
+            return self.sampled
+        return self.sampled[torch.tensor(rows, device=self.sampled.device)]
+
+
+class OverlappedLoop:
+    """`step` for an engine whose overlap_scheduling is on: completes step n, leaves step n+1 running."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self._in_flight: InFlight | None = None
+
+    @property
+    def in_flight(self) -> InFlight | None:
+        """The step on the device, not yet postprocessed. Its sequences finish only in its own postprocess, or all
+        at once in the engine's abort_all: then its tokens are never read, and it is dropped."""
+        if self._in_flight is not None and self._in_flight.seqs[0].is_finished:
+            self._in_flight = None
+        return self._in_flight
+
+    @in_flight.setter
+    def in_flight(self, step: InFlight | None) -> None:
+        self._in_flight = step
+
+    def step(self) -> tuple[list[Sequence], StepRecord]:
+        engine = self.engine
+        scheduler, metrics, runner = engine.scheduler, engine.metrics, engine.model_runner
+        if self.in_flight is None:  # nothing queued: schedule and launch step n the usual way
+            seqs, is_prefill = scheduler.schedule()
+            record = metrics.begin_step(scheduler, seqs, is_prefill)
+            try:
+                self.in_flight = InFlight.start(seqs, interruptibly(runner.launch, seqs, is_prefill), record)
+            except BaseException:
+                engine.undo_step(seqs, is_prefill, record)
+                raise
+        current = self.in_flight
+        # 1. step n+1, scheduled and queued behind step n, its input ids gathered from step n's on the device
+        ahead = scheduler.schedule_ahead(current.seqs)
+        if ahead:
+            next_ids = current.input_ids_for(ahead)
+            next_step = InFlight.start(ahead, interruptibly(runner.launch, ahead, False, next_ids))
+        # 2. step n: wait for its tokens (the step's one host sync) and postprocess them
+        finished = scheduler.postprocess(current.seqs, interruptibly(current.token_ids))
+        record = metrics.end_step(current.record, current.seqs)
+        # 3. step n+1 stays in flight with the rows that still count
+        self.in_flight = None
+        live = scheduler.commit_ahead(ahead) if ahead else []
+        if live:  # (when every row finished at step n, step n+1's result is simply never read)
+            live_ids = {seq.seq_id for seq in live}
+            next_step.rows = [row for row, seq in enumerate(ahead) if seq.seq_id in live_ids]
+            next_step.seqs = live
+            next_step.record = metrics.begin_step(scheduler, live, False)
+            self.in_flight = next_step
+        return finished, record
+
+
+def attach_overlapped_loop(engine) -> OverlappedLoop:
+    """Make `engine.step()` run the overlapped loop; returns the loop (its `in_flight` is the step on the device)."""
+    loop = OverlappedLoop(engine)
+    engine.run_step = loop.step
+    return loop
