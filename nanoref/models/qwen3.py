@@ -49,22 +49,37 @@ class Qwen3Attention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)  # (N, (H + 2 Hk) * D)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)  # (N, H * D), (N, Hk * D) twice
+        q, k = self.norm_rotary(positions, q, k, qkv)  # (N, H, D), (N, Hk, D)
         v = v.view(-1, self.num_kv_heads, self.head_dim)  # (N, Hk, D)
-        if seam("rms_norm", rms_norm_cuda) is rms_norm_cuda and seam("apply_rotary", apply_rotary) is apply_rotary:
-            q, k = self._norm_rotary_qk(positions, qkv)
-        else:  # a learner's rms_norm or apply_rotary: the modules call it, on q and k apart
-            q = q.view(-1, self.num_heads, self.head_dim)  # (N, H, D)
-            k = k.view(-1, self.num_kv_heads, self.head_dim)  # (N, Hk, D)
-            q, k = self.q_norm(q), self.k_norm(k)  # Qwen3: per-head RMSNorm before RoPE
-            q, k = self.rotary_emb(positions, q, k)
         trace("qkv_proj", hidden=hidden, qkv=qkv, q=q, k=k, v=v)
         out = self.attn(q, k, v)  # (N, H, D)
         return self.o_proj(out.flatten(1, 2))  # (N, H * D) -> (N, hidden)
 
+    def norm_rotary(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, qkv: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Qwen3's per-head RMSNorm of q and k, then RoPE. q (N, H * D), k (N, Hk * D) -> (N, H, D), (N, Hk, D).
+
+        Readable version (below): q_norm and k_norm, each an RMSNorm over one head's D channels, then
+        `rotary_emb` rotates both by each token's position. Fused version (`_norm_rotary_qk`): the same math
+        on the query and key heads side by side in one pass, read from `qkv`; it is the one that runs, unless an
+        exercise seam replaced rms_norm or apply_rotary (a learner's function then runs in the modules).
+        """
+        if (
+            seam("rms_norm", rms_norm_cuda) is not rms_norm_cuda
+            or seam("apply_rotary", apply_rotary) is not apply_rotary
+        ):
+            q = q.view(-1, self.num_heads, self.head_dim)  # (N, H, D)
+            k = k.view(-1, self.num_kv_heads, self.head_dim)  # (N, Hk, D)
+            q, k = self.q_norm(q), self.k_norm(k)  # (N, H, D), (N, Hk, D): each head's vector normalised
+            return self.rotary_emb(positions, q, k)  # (N, H, D), (N, Hk, D): rotated by each token's position
+        return self._norm_rotary_qk(positions, qkv)  # the fast path: same numbers, fewer kernels
+
     def _norm_rotary_qk(self, positions: torch.Tensor, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q_norm, k_norm and RoPE with nanoref's own functions, the query and key heads side by side in one pass
-        (on a CPU each small op costs microseconds whatever its size; on CUDA one compiled kernel)."""
+        """The fused version of `norm_rotary`: q_norm, k_norm and RoPE with nanoref's own functions, the query and
+        key heads side by side in one pass (on a CPU each small op costs microseconds whatever its size; on CUDA
+        one compiled kernel)."""
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
         qk = qkv[:, : self.q_size + self.kv_size].view(-1, heads + kv_heads, dim)  # (N, H + Hk, D), a view
         weight = torch.cat([self.q_norm.weight.expand(heads, dim), self.k_norm.weight.expand(kv_heads, dim)])
