@@ -365,6 +365,7 @@ def test_layers_of_the_package_import_downwards():
 # each file's layer, bottom up: a file imports from its own layer or below, never above
 LAYERS = [
     ("utils", "sampling_params", "testing"),  # no engine knowledge: imported by everything
+    ("models.configs",),  # config.json's fields as dataclasses: parsing only, no tensors or modules
     ("ops",),  # kernels and their references
     ("layers",),  # nn.Modules on flat (N, hidden) tokens
     ("models",),
@@ -398,8 +399,13 @@ def _import_graph() -> dict[str, set[str]]:
 
 
 def _layer(module: str) -> int:
-    part = module.split(".")[1] if "." in module else "__init__"
-    return next(index for index, names in enumerate(LAYERS) if part in names)
+    """A module's index in LAYERS: by its own entry there ("models.configs") if it has one, else by its folder."""
+    parts = module.split(".")[1:] or ["__init__"]
+    for name in (".".join(parts[:2]), parts[0]):
+        for index, names in enumerate(LAYERS):
+            if name in names:
+                return index
+    raise AssertionError(f"{module} has no layer in LAYERS")
 
 
 def test_no_file_imports_a_layer_above_its_own():
@@ -445,3 +451,12 @@ def test_no_two_files_import_each_other_even_indirectly():
                     seen.add(target)
                     stack.append((target, [*path, target]))
     assert cycles == [], "\n".join(sorted(set(cycles))[:10])
+
+
+def test_the_config_classes_live_in_models_configs_and_the_models_name_them():
+    from nanoref import models
+    from nanoref.models import configs, qwen3, qwen3_moe
+
+    assert (models.Qwen3Config, models.Qwen3MoeConfig) == (configs.Qwen3Config, configs.Qwen3MoeConfig)
+    assert qwen3.Qwen3ForCausalLM.config_class is configs.Qwen3Config
+    assert qwen3_moe.Qwen3MoeForCausalLM.config_class is configs.Qwen3MoeConfig

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from nanoref import LLM, SamplingParams, trace_shapes
-from nanoref.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM, moe_experts, route
+from nanoref.models.configs import Qwen3MoeConfig
+from nanoref.models.qwen3_moe import Qwen3MoeForCausalLM, moe_experts, route
 from nanoref.ops.moe_grouped import (
     grouped_mm_per_row,
     grouped_mm_torch,

@@ -47,3 +47,50 @@ def test_a_learner_apply_rotary_replaces_the_joint_path(tiny_model):
     heads, kv_heads = llm.config.hf_config.num_attention_heads, llm.config.hf_config.num_key_value_heads
     assert len(calls) == 2 * layers * 4  # q and k apart, every layer of every step (one prefill, three decodes)
     assert {shape[1] for shape in calls} == {heads, kv_heads}
+
+
+def test_the_fused_norm_rotary_runs_unless_a_seam_replaced_rms_norm_or_apply_rotary(tiny_model, monkeypatch):
+    from nanoref.models import qwen3
+
+    fused_calls = []
+
+    def counting_norm_rotary(*args):
+        fused_calls.append(args[0].shape)
+        return norm_rotary(*args)
+
+    monkeypatch.setattr(qwen3, "norm_rotary_cuda", counting_norm_rotary)
+    llm = LLM(tiny_model, device="cpu", num_kvcache_blocks=16)
+    prompts, params = [[5, 6, 7, 8]], SamplingParams(temperature=0, max_tokens=3)
+    reference = llm.generate(prompts, params, use_tqdm=False)
+    layers = llm.config.hf_config.num_hidden_layers
+    assert len(fused_calls) == layers * 3  # by default: the one-pass path, every layer of every step
+    learner_calls = []
+
+    def my_rms_norm(x, weight, eps):
+        learner_calls.append(tuple(x.shape))
+        return rms_norm(x, weight, eps)
+
+    fused_calls.clear()
+    with seams.use(rms_norm=my_rms_norm):
+        assert llm.generate(prompts, params, use_tqdm=False) == reference
+    assert fused_calls == []  # a learner's rms_norm: the readable path, whose q_norm and k_norm call it
+    assert len(learner_calls) >= 2 * layers * 3
+
+
+def test_the_readable_and_the_fused_norm_rotary_of_a_layer_give_the_same_numbers(tiny_model):
+    llm = LLM(tiny_model, device="cpu", num_kvcache_blocks=16)
+    attn = llm.model_runner.model.model.layers[0].self_attn
+    g = torch.Generator().manual_seed(0)
+    num_tokens = 9
+    qkv = torch.randn(num_tokens, attn.q_size + 2 * attn.kv_size, generator=g)  # (N, (H + 2 Hk) * D)
+    q, k, _ = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+    positions = torch.randint(0, 64, (num_tokens,), generator=g)
+    with torch.no_grad():
+        fused = attn.norm_rotary(positions, q, k, qkv)
+        with seams.use(apply_rotary=lambda x, cos, sin: apply_rotary(x, cos, sin)):  # not nanoref's own object
+            readable = attn.norm_rotary(positions, q, k, qkv)
+    assert [tuple(t.shape) for t in fused] == [
+        (num_tokens, attn.num_heads, attn.head_dim),
+        (num_tokens, attn.num_kv_heads, attn.head_dim),
+    ]
+    assert all(torch.equal(a, b) for a, b in zip(fused, readable))

@@ -7,8 +7,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from nanoref.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
-from nanoref.models.qwen3_moe import Qwen3MoeConfig, Qwen3MoeForCausalLM
+from nanoref.models.configs import Qwen3Config, Qwen3MoeConfig
+from nanoref.models.qwen3 import Qwen3ForCausalLM
+from nanoref.models.qwen3_moe import Qwen3MoeForCausalLM
 from nanoref.utils.loader import ModelFolderError, read_config, resolve_model_folder, weight_files
 
 # HF `architectures` names this package can serve; each class's `config_class` parses its config.json

@@ -3,14 +3,12 @@
 Nothing here knows about sequences or batches: norms, projections and the MLP act per token, and
 attention finds sequence boundaries in the step's `Context`. Differences from Llama worth noticing:
 q_norm and k_norm (an RMSNorm over each head's vector, before RoPE), and no bias in q/k/v by default.
+config.json's fields are parsed in `configs.py` (`Qwen3Config`).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import nn
@@ -21,102 +19,9 @@ from nanoref.layers.embed_head import LMHead, VocabEmbedding
 from nanoref.layers.layernorm import RMSNorm, rms_norm_cuda
 from nanoref.layers.linear import MergedLinear, QKVLinear, RowParallelLinear
 from nanoref.layers.rotary import RotaryEmbedding, apply_rotary, norm_rotary_cuda
+from nanoref.models.configs import Qwen3Config
 from nanoref.utils.seams import seam
 from nanoref.utils.tracing import trace, trace_layer
-
-
-@dataclass
-class Qwen3Config:
-    """The fields of an HF `config.json` that a Qwen3 forward needs."""
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    max_position_embeddings: int
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 1_000_000.0
-    tie_word_embeddings: bool = False
-    attention_bias: bool = False
-    eos_token_id: list[int] = field(default_factory=list)
-
-    REQUIRED = (
-        "vocab_size",
-        "hidden_size",
-        "intermediate_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-        "max_position_embeddings",
-    )
-
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> Qwen3Config:
-        """Parse and check an HF config.json dict; ValueError names the first bad field."""
-        missing = [key for key in cls.REQUIRED if key not in raw]
-        if missing:
-            raise ValueError(f"config.json lacks required Qwen3 fields: {', '.join(missing)}")
-        # transformers 5 keeps rope_theta inside rope_parameters; transformers 4 at the top level
-        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-        if not isinstance(rope, dict):
-            raise ValueError(f"rope_parameters must be a JSON object, got {rope!r}")
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            raise ValueError(f"rope type {rope_type!r} is not supported (only 'default' RoPE)")
-        heads = _integer(raw, "num_attention_heads")
-        hidden = _integer(raw, "hidden_size")
-        eos = raw.get("eos_token_id")
-        eos_ids = [] if eos is None else (eos if isinstance(eos, list) else [eos])
-        if not all(isinstance(e, int) and not isinstance(e, bool) and e >= 0 for e in eos_ids):
-            raise ValueError(f"eos_token_id must be a token id or a list of them, got {eos!r}")
-        config = cls(
-            vocab_size=_integer(raw, "vocab_size"),
-            hidden_size=hidden,
-            intermediate_size=_integer(raw, "intermediate_size"),
-            num_hidden_layers=_integer(raw, "num_hidden_layers"),
-            num_attention_heads=heads,
-            num_key_value_heads=_integer(raw, "num_key_value_heads", default=heads),
-            head_dim=_integer(raw, "head_dim", default=hidden // heads),
-            max_position_embeddings=_integer(raw, "max_position_embeddings", minimum=2),
-            rms_norm_eps=_positive_number(raw, "rms_norm_eps", 1e-6),
-            rope_theta=_positive_number(rope, "rope_theta", _positive_number(raw, "rope_theta", 1_000_000.0)),
-            tie_word_embeddings=_boolean(raw, "tie_word_embeddings", False),
-            attention_bias=_boolean(raw, "attention_bias", False),
-            eos_token_id=list(eos_ids),
-        )
-        if config.num_attention_heads % config.num_key_value_heads:
-            raise ValueError(
-                f"num_attention_heads ({heads}) must be a multiple of "
-                f"num_key_value_heads ({config.num_key_value_heads})"
-            )
-        if config.head_dim % 2:
-            raise ValueError(f"head_dim must be even for RoPE, got {config.head_dim}")
-        return config
-
-
-def _integer(raw: dict[str, Any], key: str, default: int | None = None, minimum: int = 1) -> int:
-    value = raw.get(key)
-    if value is None and default is not None:
-        value = default
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{key} must be an integer >= {minimum}, got {value!r}")
-    return value
-
-
-def _positive_number(raw: dict[str, Any], key: str, default: float) -> float:
-    value = raw.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
-        raise ValueError(f"{key} must be a positive finite number, got {value!r}")
-    return float(value)
-
-
-def _boolean(raw: dict[str, Any], key: str, default: bool) -> bool:
-    value = raw.get(key, default)
-    if not isinstance(value, bool):
-        raise ValueError(f"{key} must be true or false, got {value!r}")
-    return value
 
 
 class Qwen3Attention(nn.Module):
@@ -144,22 +49,37 @@ class Qwen3Attention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)  # (N, (H + 2 Hk) * D)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)  # (N, H * D), (N, Hk * D) twice
+        q, k = self.norm_rotary(positions, q, k, qkv)  # (N, H, D), (N, Hk, D)
         v = v.view(-1, self.num_kv_heads, self.head_dim)  # (N, Hk, D)
-        if seam("rms_norm", rms_norm_cuda) is rms_norm_cuda and seam("apply_rotary", apply_rotary) is apply_rotary:
-            q, k = self._norm_rotary_qk(positions, qkv)
-        else:  # a learner's rms_norm or apply_rotary: the modules call it, on q and k apart
-            q = q.view(-1, self.num_heads, self.head_dim)  # (N, H, D)
-            k = k.view(-1, self.num_kv_heads, self.head_dim)  # (N, Hk, D)
-            q, k = self.q_norm(q), self.k_norm(k)  # Qwen3: per-head RMSNorm before RoPE
-            q, k = self.rotary_emb(positions, q, k)
         trace("qkv_proj", hidden=hidden, qkv=qkv, q=q, k=k, v=v)
         out = self.attn(q, k, v)  # (N, H, D)
         return self.o_proj(out.flatten(1, 2))  # (N, H * D) -> (N, hidden)
 
+    def norm_rotary(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, qkv: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Qwen3's per-head RMSNorm of q and k, then RoPE. q (N, H * D), k (N, Hk * D) -> (N, H, D), (N, Hk, D).
+
+        Readable version (below): q_norm and k_norm, each an RMSNorm over one head's D channels, then
+        `rotary_emb` rotates both by each token's position. Fused version (`_norm_rotary_qk`): the same math
+        on the query and key heads side by side in one pass, read from `qkv`; it is the one that runs, unless an
+        exercise seam replaced rms_norm or apply_rotary (a learner's function then runs in the modules).
+        """
+        if (
+            seam("rms_norm", rms_norm_cuda) is not rms_norm_cuda
+            or seam("apply_rotary", apply_rotary) is not apply_rotary
+        ):
+            q = q.view(-1, self.num_heads, self.head_dim)  # (N, H, D)
+            k = k.view(-1, self.num_kv_heads, self.head_dim)  # (N, Hk, D)
+            q, k = self.q_norm(q), self.k_norm(k)  # (N, H, D), (N, Hk, D): each head's vector normalised
+            return self.rotary_emb(positions, q, k)  # (N, H, D), (N, Hk, D): rotated by each token's position
+        return self._norm_rotary_qk(positions, qkv)  # the fast path: same numbers, fewer kernels
+
     def _norm_rotary_qk(self, positions: torch.Tensor, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q_norm, k_norm and RoPE with nanoref's own functions, the query and key heads side by side in one pass
-        (on a CPU each small op costs microseconds whatever its size; on CUDA one compiled kernel)."""
+        """The fused version of `norm_rotary`: q_norm, k_norm and RoPE with nanoref's own functions, the query and
+        key heads side by side in one pass (on a CPU each small op costs microseconds whatever its size; on CUDA
+        one compiled kernel)."""
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
         qk = qkv[:, : self.q_size + self.kv_size].view(-1, heads + kv_heads, dim)  # (N, H + Hk, D), a view
         weight = torch.cat([self.q_norm.weight.expand(heads, dim), self.k_norm.weight.expand(kv_heads, dim)])

@@ -11,8 +11,8 @@ same sum runs as two grouped matmuls over all experts at once (`nanoref/ops/moe_
 not depend on the routing, so the decode CUDA graphs can record them.
 
 Which layers are sparse follows HF's `Qwen3MoeDecoderLayer`: layer i is sparse when i is not in
-`mlp_only_layers` and `(i + 1) % decoder_sparse_step == 0`; the other layers keep a dense MLP of
-`intermediate_size`. Each expert's MLP has `moe_intermediate_size`.
+`mlp_only_layers` and `(i + 1) % decoder_sparse_step == 0` (`Qwen3MoeConfig.is_sparse`, in configs.py); the
+other layers keep a dense MLP of `intermediate_size`. Each expert's MLP has `moe_intermediate_size`.
 
 The expert weights are stacked into two 3-D parameters per layer, `experts.gate_up_proj` (E, 2 I, hidden)
 and `experts.down_proj` (E, hidden, I), the layout a grouped matmul wants and the one transformers 5 uses
@@ -25,8 +25,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -34,75 +32,12 @@ from torch import nn
 
 from nanoref.layers.activation import silu_and_mul
 from nanoref.layers.linear import Linear
-from nanoref.models.qwen3 import Qwen3Config, Qwen3ForCausalLM, Qwen3MLP, _boolean, _integer
+from nanoref.models.configs import Qwen3MoeConfig
+from nanoref.models.qwen3 import Qwen3ForCausalLM, Qwen3MLP
 from nanoref.ops.moe_grouped import grouped_path_serves, moe_experts_grouped
 from nanoref.utils.parallel import all_reduce, get_parallel_state
 from nanoref.utils.seams import seam
 from nanoref.utils.tracing import trace, tracing_enabled
-
-
-@dataclass(kw_only=True)
-class Qwen3MoeConfig(Qwen3Config):
-    """The fields of an HF Qwen3-MoE `config.json` that a forward needs: the dense Qwen3 ones, plus routing."""
-
-    num_experts: int  # E: experts per sparse layer (config.json: num_experts, or num_local_experts)
-    num_experts_per_tok: int  # K: experts each token is routed to (top-k)
-    moe_intermediate_size: int  # I of each expert's SwiGLU MLP
-    norm_topk_prob: bool = False  # renormalise the K kept probabilities to sum to 1
-    decoder_sparse_step: int = 1  # every decoder_sparse_step-th layer is sparse
-    mlp_only_layers: list[int] = field(default_factory=list)  # layers that stay dense whatever the step
-
-    @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> Qwen3MoeConfig:
-        """Parse and check an HF Qwen3-MoE config.json dict; ValueError names the first bad field."""
-        dense = Qwen3Config.from_dict(raw)  # the dense fields, checked the dense way
-        # transformers 5 writes num_experts as num_local_experts (an attribute_map alias); the hub's files say
-        # num_experts. Either will do, but not two different values.
-        if "num_experts" in raw and "num_local_experts" in raw and raw["num_experts"] != raw["num_local_experts"]:
-            raise ValueError(
-                f"num_experts ({raw['num_experts']!r}) and num_local_experts ({raw['num_local_experts']!r}) disagree"
-            )
-        key = "num_local_experts" if "num_local_experts" in raw and "num_experts" not in raw else "num_experts"
-        missing = [name for name in (key, "num_experts_per_tok", "moe_intermediate_size") if name not in raw]
-        if missing:
-            raise ValueError(f"config.json lacks required Qwen3-MoE fields: {', '.join(missing)}")
-        num_experts = _integer(raw, key)
-        top_k = _integer(raw, "num_experts_per_tok")
-        if top_k > num_experts:
-            raise ValueError(
-                f"num_experts_per_tok ({top_k}) must be at most {key} ({num_experts}): "
-                "a token cannot be routed to more experts than there are"
-            )
-        layers = dense.num_hidden_layers
-        mlp_only = raw.get("mlp_only_layers")
-        mlp_only = [] if mlp_only is None else mlp_only  # HF treats null as []
-        if not isinstance(mlp_only, list) or not all(
-            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < layers for i in mlp_only
-        ):
-            raise ValueError(f"mlp_only_layers must be a list of layer indices in [0, {layers}), got {mlp_only!r}")
-        act = raw.get("hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"hidden_act {act!r} is not supported (Qwen3-MoE's experts use 'silu')")
-        if raw.get("use_sliding_window", False) is not False:
-            raise ValueError("use_sliding_window must be false: nanoref attends over the whole context")
-        return cls(
-            **asdict(dense),
-            num_experts=num_experts,
-            num_experts_per_tok=top_k,
-            moe_intermediate_size=_integer(raw, "moe_intermediate_size"),
-            norm_topk_prob=_boolean(raw, "norm_topk_prob", False),
-            decoder_sparse_step=_integer(raw, "decoder_sparse_step", default=1),
-            mlp_only_layers=list(mlp_only),
-        )
-
-    def is_sparse(self, layer_index: int) -> bool:
-        """Whether decoder layer `layer_index` has the MoE block (HF's rule), not a dense MLP."""
-        return (
-            layer_index not in self.mlp_only_layers
-            and self.num_experts > 0
-            and (layer_index + 1) % self.decoder_sparse_step == 0
-        )
-
 
 # -- routing and the experts: small pure functions -------------------------------------------------
 

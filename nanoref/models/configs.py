@@ -1,0 +1,169 @@
+"""config.json, parsed and checked: the fields a Qwen3 or Qwen3-MoE forward reads, as plain dataclasses.
+
+Each model class names its parser (`config_class`); `nanoref.models.load_model_config` calls its `from_dict` on
+the folder's config.json once. Nothing here builds a tensor: a bad field fails here, with its name, before any
+weight is read.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class Qwen3Config:
+    """The fields of an HF `config.json` that a Qwen3 forward needs."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    eos_token_id: list[int] = field(default_factory=list)
+
+    REQUIRED = (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "max_position_embeddings",
+    )
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> Qwen3Config:
+        """Parse and check an HF config.json dict; ValueError names the first bad field."""
+        missing = [key for key in cls.REQUIRED if key not in raw]
+        if missing:
+            raise ValueError(f"config.json lacks required Qwen3 fields: {', '.join(missing)}")
+        # transformers 5 keeps rope_theta inside rope_parameters; transformers 4 at the top level
+        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+        if not isinstance(rope, dict):
+            raise ValueError(f"rope_parameters must be a JSON object, got {rope!r}")
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise ValueError(f"rope type {rope_type!r} is not supported (only 'default' RoPE)")
+        heads = _integer(raw, "num_attention_heads")
+        hidden = _integer(raw, "hidden_size")
+        eos = raw.get("eos_token_id")
+        eos_ids = [] if eos is None else (eos if isinstance(eos, list) else [eos])
+        if not all(isinstance(e, int) and not isinstance(e, bool) and e >= 0 for e in eos_ids):
+            raise ValueError(f"eos_token_id must be a token id or a list of them, got {eos!r}")
+        config = cls(
+            vocab_size=_integer(raw, "vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=_integer(raw, "intermediate_size"),
+            num_hidden_layers=_integer(raw, "num_hidden_layers"),
+            num_attention_heads=heads,
+            num_key_value_heads=_integer(raw, "num_key_value_heads", default=heads),
+            head_dim=_integer(raw, "head_dim", default=hidden // heads),
+            max_position_embeddings=_integer(raw, "max_position_embeddings", minimum=2),
+            rms_norm_eps=_positive_number(raw, "rms_norm_eps", 1e-6),
+            rope_theta=_positive_number(rope, "rope_theta", _positive_number(raw, "rope_theta", 1_000_000.0)),
+            tie_word_embeddings=_boolean(raw, "tie_word_embeddings", False),
+            attention_bias=_boolean(raw, "attention_bias", False),
+            eos_token_id=list(eos_ids),
+        )
+        if config.num_attention_heads % config.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({heads}) must be a multiple of "
+                f"num_key_value_heads ({config.num_key_value_heads})"
+            )
+        if config.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {config.head_dim}")
+        return config
+
+
+def _integer(raw: dict[str, Any], key: str, default: int | None = None, minimum: int = 1) -> int:
+    value = raw.get(key)
+    if value is None and default is not None:
+        value = default
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{key} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+def _positive_number(raw: dict[str, Any], key: str, default: float) -> float:
+    value = raw.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ValueError(f"{key} must be a positive finite number, got {value!r}")
+    return float(value)
+
+
+def _boolean(raw: dict[str, Any], key: str, default: bool) -> bool:
+    value = raw.get(key, default)
+    if not isinstance(value, bool):
+        raise ValueError(f"{key} must be true or false, got {value!r}")
+    return value
+
+
+@dataclass(kw_only=True)
+class Qwen3MoeConfig(Qwen3Config):
+    """The fields of an HF Qwen3-MoE `config.json` that a forward needs: the dense Qwen3 ones, plus routing."""
+
+    num_experts: int  # E: experts per sparse layer (config.json: num_experts, or num_local_experts)
+    num_experts_per_tok: int  # K: experts each token is routed to (top-k)
+    moe_intermediate_size: int  # I of each expert's SwiGLU MLP
+    norm_topk_prob: bool = False  # renormalise the K kept probabilities to sum to 1
+    decoder_sparse_step: int = 1  # every decoder_sparse_step-th layer is sparse
+    mlp_only_layers: list[int] = field(default_factory=list)  # layers that stay dense whatever the step
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> Qwen3MoeConfig:
+        """Parse and check an HF Qwen3-MoE config.json dict; ValueError names the first bad field."""
+        dense = Qwen3Config.from_dict(raw)  # the dense fields, checked the dense way
+        # transformers 5 writes num_experts as num_local_experts (an attribute_map alias); the hub's files say
+        # num_experts. Either will do, but not two different values.
+        if "num_experts" in raw and "num_local_experts" in raw and raw["num_experts"] != raw["num_local_experts"]:
+            raise ValueError(
+                f"num_experts ({raw['num_experts']!r}) and num_local_experts ({raw['num_local_experts']!r}) disagree"
+            )
+        key = "num_local_experts" if "num_local_experts" in raw and "num_experts" not in raw else "num_experts"
+        missing = [name for name in (key, "num_experts_per_tok", "moe_intermediate_size") if name not in raw]
+        if missing:
+            raise ValueError(f"config.json lacks required Qwen3-MoE fields: {', '.join(missing)}")
+        num_experts = _integer(raw, key)
+        top_k = _integer(raw, "num_experts_per_tok")
+        if top_k > num_experts:
+            raise ValueError(
+                f"num_experts_per_tok ({top_k}) must be at most {key} ({num_experts}): "
+                "a token cannot be routed to more experts than there are"
+            )
+        layers = dense.num_hidden_layers
+        mlp_only = raw.get("mlp_only_layers")
+        mlp_only = [] if mlp_only is None else mlp_only  # HF treats null as []
+        if not isinstance(mlp_only, list) or not all(
+            isinstance(i, int) and not isinstance(i, bool) and 0 <= i < layers for i in mlp_only
+        ):
+            raise ValueError(f"mlp_only_layers must be a list of layer indices in [0, {layers}), got {mlp_only!r}")
+        act = raw.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"hidden_act {act!r} is not supported (Qwen3-MoE's experts use 'silu')")
+        if raw.get("use_sliding_window", False) is not False:
+            raise ValueError("use_sliding_window must be false: nanoref attends over the whole context")
+        return cls(
+            **asdict(dense),
+            num_experts=num_experts,
+            num_experts_per_tok=top_k,
+            moe_intermediate_size=_integer(raw, "moe_intermediate_size"),
+            norm_topk_prob=_boolean(raw, "norm_topk_prob", False),
+            decoder_sparse_step=_integer(raw, "decoder_sparse_step", default=1),
+            mlp_only_layers=list(mlp_only),
+        )
+
+    def is_sparse(self, layer_index: int) -> bool:
+        """Whether decoder layer `layer_index` has the MoE block (HF's rule), not a dense MLP."""
+        return (
+            layer_index not in self.mlp_only_layers
+            and self.num_experts > 0
+            and (layer_index + 1) % self.decoder_sparse_step == 0
+        )
