@@ -136,7 +136,8 @@ def run_nanoref(folder: str, variant: str, runs: int, subset: tuple[int, int]) -
         subset_time=sub["time"],
         load_s=load_s,
         backend=llm.model_runner.backend.name,
-        graphs=llm.model_runner.decode_graphs is not None,
+        # (a checkout from before decode graphs moved out of the model runner kept them in `graphs`)
+        graphs=bool(getattr(llm.model_runner, "decode_graphs", None) or getattr(llm.model_runner, "graphs", None)),
         block_size=llm.config.kvcache_block_size,
         max_num_seqs=llm.config.max_num_seqs,
         max_num_batched_tokens=llm.config.max_num_batched_tokens,

@@ -88,7 +88,7 @@ def main() -> None:
         kvcache_block_size=args.kvcache_block_size,
     )
     load_s = time.perf_counter() - start
-    prompts, params = workload(args.num_seqs, args.max_input_len, args.max_output_len, llm.vocab_size)
+    prompts, params = workload(args.num_seqs, args.max_input_len, args.max_output_len, llm.config.hf_config.vocab_size)
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
     if torch.cuda.is_available():
         torch.cuda.synchronize()

@@ -91,7 +91,7 @@ class EngineConfig:
     # worker that hangs. Generous, because the first step of a big model (loading its shard, compiling, capturing
     # graphs) may keep one rank busy for minutes while another waits
     tensor_parallel_timeout: float = 600.0
-    # schedule and launch decode step n+1 while the device runs step n (llm_engine.py). None: on for CUDA, where
+    # schedule and launch decode step n+1 while the device runs step n (fast/overlap.py). None: on for CUDA, where
     # it takes the host's ~1-2 ms per step off the critical path (measured on an H200, benchmarks/results/); off
     # on a CPU, where the "device" is the host itself and nothing can overlap
     overlap_scheduling: bool | None = None

@@ -7,13 +7,12 @@ that fit only thanks to max_model_len, and the decode CUDA-graph batch buckets.
 
 from __future__ import annotations
 
-from types import SimpleNamespace
 
 import pytest
 
 from nanoref import LLM, SamplingParams
 from nanoref.engine.block_manager import chain_hash
-from nanoref.engine.model_runner import ModelRunner
+from nanoref.fast.cuda_graphs import batch_buckets
 
 from .helpers import hf_greedy, random_prompts
 
@@ -143,8 +142,7 @@ def test_request_that_fits_only_because_of_max_model_len(tiny_model):
 @pytest.mark.parametrize("max_num_seqs", [1, 2, 3, 8, 9, 16, 17, 31, 64, 100, 512])
 def test_cuda_graph_buckets_cover_every_decode_batch(max_num_seqs):
     """Every decode batch size from 1 to max_num_seqs has a bucket that holds it (pure: no GPU needed)."""
-    runner = SimpleNamespace(config=SimpleNamespace(max_num_seqs=max_num_seqs))
-    buckets = ModelRunner._graph_batch_sizes(runner)
+    buckets = batch_buckets(max_num_seqs)
     assert buckets == sorted(set(buckets)) and buckets[-1] == max_num_seqs and buckets[0] == 1
     for batch in range(1, max_num_seqs + 1):
         bucket = min(b for b in buckets if b >= batch)

@@ -38,17 +38,21 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(config.model_folder)
         self.model_runner = make_runner(config)
         self.config = config = self.model_runner.config  # (with the KV block count the runner measured)
-        eos = set(config.hf_config.eos_token_id)
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            eos.add(int(self.tokenizer.eos_token_id))
-        self.scheduler = Scheduler(
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=config.max_model_len,
-            num_kvcache_blocks=config.num_kvcache_blocks,
-            kvcache_block_size=config.kvcache_block_size,
-            eos_token_ids=eos,
-        )  # (nothing here can fail once the runner stands: a tensor-parallel one has workers to stop otherwise)
+        try:
+            eos = set(config.hf_config.eos_token_id)
+            if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+                eos.add(int(self.tokenizer.eos_token_id))
+            self.scheduler = Scheduler(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_model_len=config.max_model_len,
+                num_kvcache_blocks=config.num_kvcache_blocks,
+                kvcache_block_size=config.kvcache_block_size,
+                eos_token_ids=eos,
+            )
+        except BaseException:
+            self.model_runner.close()  # tensor parallel: stop the workers now, not when the exception is dropped
+            raise
         # the block manager writes each sequence's table into this array's rows; the model runner reads them
         self.model_runner.block_tables = self.scheduler.block_manager.tables
         self.metrics = EngineMetrics()  # step records and per-request metrics (see engine/metrics.py)
@@ -69,10 +73,13 @@ class LLMEngine:
     def add_request(self, prompt: str | list[int], params: SamplingParams) -> Sequence:
         """Check one request and queue it; a bad request raises and queues nothing."""
         seq = self.make_sequence(prompt, params)
+        self.enqueue(seq)
+        return seq
+
+    def enqueue(self, seq: Sequence) -> None:
         with self._lock, held_interrupts():  # both or neither: a request the metrics know of is queued
             self.metrics.add_request(seq)
             self.scheduler.add(seq)
-        return seq
 
     # -- the loop -----------------------------------------------------------------------------
     def step(self) -> tuple[list[Sequence], StepRecord]:
@@ -149,8 +156,7 @@ class LLMEngine:
         with self._lock, held_interrupts():
             self.metrics.clear()
             for seq in seqs:
-                self.metrics.add_request(seq)
-                self.scheduler.add(seq)
+                self.enqueue(seq)
             bar = tqdm(total=len(seqs), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
             rates = {}  # the latest prefill and decode step's tokens per second
             try:

@@ -261,7 +261,7 @@ class Followers:
                 if self.broken is None and self.group is not None:
                     try:
                         self.group.broadcast_bytes(pickle.dumps(("exit",)))
-                        self.group.barrier()  # the followers leave once every rank is here (see ModelRunner.serve)
+                        self.group.barrier()  # the followers leave once every rank is here (see TensorParallelRunner.serve)
                         met = True
                     except Exception:
                         pass
@@ -299,10 +299,10 @@ class Followers:
         self._store = None
 
 
-def start_tensor_parallel(config: EngineConfig, runner: type) -> tuple[ParallelState, Followers | None]:
+def start_tensor_parallel(config: EngineConfig, runner: Callable) -> tuple[ParallelState, Followers | None]:
     """Join or create the ranks of a tensor-parallel engine. Returns this process's state and, on rank 0, its
-    handle on the followers (None on the other ranks of a torchrun launch). `runner` is the model runner class each
-    spawned follower builds and serves (passed in: this module sits below the model runner and never imports it)."""
+    handle on the followers (None on the other ranks of a torchrun launch). `runner(config, parallel=...)` makes the
+    model runner each spawned follower serves (passed in: this module sits below the runner and never imports it)."""
     world_size = config.tensor_parallel_size
     if launched_by_torchrun():
         if int(os.environ["WORLD_SIZE"]) != world_size:
@@ -363,7 +363,7 @@ def _serve_store(config: EngineConfig) -> tuple[dist.TCPStore, int]:
     return store, port
 
 
-def _spawn_workers(config: EngineConfig, runner: type) -> Followers:
+def _spawn_workers(config: EngineConfig, runner: Callable) -> Followers:
     world_size = config.tensor_parallel_size
     store, port = _serve_store(config)
     context = multiprocessing.get_context("spawn")  # never fork a process that may hold CUDA or threads
@@ -419,10 +419,10 @@ def _wait_started(followers: Followers, timeout_s: float) -> None:
 # -- ranks 1..N-1 ---------------------------------------------------------------------------------
 
 
-def worker_main(config: EngineConfig, rank: int, port: int, conn: Connection, runner: type) -> None:
-    """A spawned follower: join the group, build this rank's model runner (`runner`, the ModelRunner class: its
-    module is imported here, before joining, since rank 0 waits for us from then on), serve rank 0 until it says
-    exit."""
+def worker_main(config: EngineConfig, rank: int, port: int, conn: Connection, runner: Callable) -> None:
+    """A spawned follower: join the group, build this rank's model runner (`runner(config, parallel=...)`, the
+    function rank 0 builds its own with: its module is imported here, before joining, since rank 0 waits for us from
+    then on), serve rank 0 until it says exit."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group: rank 0 decides
     try:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tensor_parallel_size))
@@ -442,7 +442,7 @@ def worker_main(config: EngineConfig, rank: int, port: int, conn: Connection, ru
             pass
         os._exit(1)  # do not run the group's teardown: rank 0 may be waiting in a collective with us
     conn.close()
-    # End without the interpreter's teardown, like a torchrun follower (llm_engine.py): after the group's last
+    # End without the interpreter's teardown, like a torchrun follower (nanoref/llm.py): after the group's last
     # barrier, a worker that exits normally still aborts in C++ teardown now and then ("terminate called without an
     # active exception", exit code -6: seen about one time in twelve on this project's CPU machine, torch 2.13)
     sys.stdout.flush()
@@ -461,7 +461,7 @@ def receive_next_ids(group: RankGroup, count: int, device: torch.device) -> torc
     return next_ids
 
 
-# -- inspection (notebook 08): functions every rank can run through ModelRunner.run_on_all_ranks --------
+# -- inspection (notebook 08): functions every rank can run through run_on_all_ranks ---------------------
 
 
 def weight_shapes(runner: Any) -> dict[str, tuple[int, ...]]:

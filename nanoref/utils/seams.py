@@ -46,7 +46,7 @@ SEAMS: dict[str, str] = {
     "find_cached_prefix": "engine/block_manager.py: the block ids of a prompt's longest cached prefix",
     "choose_preemption_victim": "engine/scheduler.py: the sequence to preempt when seq needs a block and none is free",
     # 06_cuda_graphs
-    "pad_decode_batch": "engine/model_runner.py: pad_decode_batch(buffers, input_ids, positions, slot_mapping, "
+    "pad_decode_batch": "fast/cuda_graphs.py: pad_decode_batch(buffers, input_ids, positions, slot_mapping, "
     "context_lens, block_tables) -> None: a decode batch into its graph bucket's static buffers, padding harmless",
     # 07_model_and_sampling
     "apply_rotary": "layers/rotary.py: apply_rotary(x, cos, sin) -> x rotated by RoPE (neox halves)",
