@@ -7,7 +7,6 @@ that fit only thanks to max_model_len, and the decode CUDA-graph batch buckets.
 
 from __future__ import annotations
 
-
 import pytest
 
 from nanoref import LLM, SamplingParams

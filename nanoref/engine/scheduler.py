@@ -174,7 +174,7 @@ class Scheduler:
     def schedule_ahead(self, in_flight: list[Sequence]) -> list[Sequence]:
         """The decode step after the one in flight, chosen before that step's sampled tokens are known.
 
-        For the overlapped loop (nanoref/fast/overlap.py). Every sequence in flight gets one more token, but its value is
+        For the overlapped loop (fast/overlap.py). Every sequence in flight gets one more token, but its value is
         still on the device, so the host's view of each sequence is one token behind: a row's new token will sit
         at position seq.num_tokens (not num_tokens - 1). Returns [] when the next step cannot be decided without
         those tokens; the engine then waits for them and calls schedule() as usual. That is the case when:

@@ -261,7 +261,7 @@ class Followers:
                 if self.broken is None and self.group is not None:
                     try:
                         self.group.broadcast_bytes(pickle.dumps(("exit",)))
-                        self.group.barrier()  # the followers leave once every rank is here (see TensorParallelRunner.serve)
+                        self.group.barrier()  # the followers leave once all ranks are here (runner.py: serve)
                         met = True
                     except Exception:
                         pass
