@@ -75,7 +75,10 @@ class InFlight:
         rows = [row_of[seq.seq_id] for seq in ahead]
         if rows == list(range(len(self.sampled))):
             return self.sampled
-        return self.sampled[torch.tensor(rows, device=self.sampled.device)]
+        index = torch.tensor(rows)
+        if self.sampled.is_cuda:  # a pageable copy would wait for the device, i.e. for step n: no overlap left
+            index = index.pin_memory().to(self.sampled.device, non_blocking=True)
+        return self.sampled[index]
 
 
 class OverlappedLoop:
