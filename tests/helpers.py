@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -217,6 +218,15 @@ def cu(lens: list[int]) -> torch.Tensor:
     return torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
 
 
+def random_qkv(lens, num_heads, num_kv_heads, head_dim, dtype, g):
+    """Fresh random packed q (N, H, D), k and v (N, Hk, D) for sequences of `lens` tokens (N = sum(lens))."""
+    n = sum(lens)
+    q = torch.randn(n, num_heads, head_dim, generator=g).to(dtype)
+    k = torch.randn(n, num_kv_heads, head_dim, generator=g).to(dtype)
+    v = torch.randn(n, num_kv_heads, head_dim, generator=g).to(dtype)
+    return q, k, v
+
+
 def random_paged_cache(lens, block_size, num_kv_heads, head_dim, dtype, g):
     """Fill a paged cache with random K/V for sequences of `lens` tokens, in shuffled blocks.
 
@@ -234,3 +244,60 @@ def random_paged_cache(lens, block_size, num_kv_heads, head_dim, dtype, g):
     k_flat = torch.cat([gather_paged(k_cache, block_table[b], n) for b, n in enumerate(lens)])
     v_flat = torch.cat([gather_paged(v_cache, block_table[b], n) for b, n in enumerate(lens)])
     return k_cache, v_cache, block_table, k_flat, v_flat
+
+
+@dataclass(frozen=True)
+class PagedInputs:
+    """Fresh random queries over histories held in a shuffled paged cache, and the same K/V laid out flat for the
+    naive oracle. Each sequence's queries are the last `q_lens[b]` tokens of its `k_lens[b]`."""
+
+    q: torch.Tensor  # decode: (B, Lq, H, D); varlen: (sum(q_lens), H, D)
+    k_cache: torch.Tensor  # (num_blocks, block_size, Hk, D)
+    v_cache: torch.Tensor
+    block_table: torch.Tensor  # (B, max_blocks) int32, -1 padded
+    k_flat: torch.Tensor  # (sum(k_lens), Hk, D)
+    v_flat: torch.Tensor
+    q_lens: list[int]
+    k_lens: list[int]
+
+    def to(self, device) -> PagedInputs:
+        tensors = ("q", "k_cache", "v_cache", "block_table", "k_flat", "v_flat")
+        return replace(self, **{name: getattr(self, name).to(device) for name in tensors})
+
+    @property
+    def seqlens(self) -> torch.Tensor:
+        """Each sequence's context length (B,) int32: the decode kernels' `cache_seqlens`."""
+        return torch.tensor(self.k_lens, dtype=torch.int32, device=self.q.device)
+
+    @property
+    def cu_q(self) -> torch.Tensor:
+        return cu(self.q_lens).to(self.q.device)
+
+    @property
+    def cu_k(self) -> torch.Tensor:
+        return cu(self.k_lens).to(self.q.device)
+
+    def oracle(self, causal: bool = True) -> torch.Tensor:
+        """naive_padded_attention over the flat K/V -> (sum(q_lens), H, D), whichever layout q has."""
+        from nanoref.ops import naive_padded_attention
+
+        q = self.q.flatten(0, 1) if self.q.dim() == 4 else self.q  # (sum(q_lens), H, D)
+        return naive_padded_attention(q, self.k_flat, self.v_flat, self.cu_q, self.cu_k, causal=causal)
+
+
+def random_paged_decode(lens, block_size, num_heads, num_kv_heads, head_dim, dtype, g, len_q: int = 1) -> PagedInputs:
+    """Decode inputs: `len_q` new tokens (q: (B, Lq, H, D)) at the end of each of the `lens` cached histories."""
+    k_cache, v_cache, block_table, k_flat, v_flat = random_paged_cache(
+        lens, block_size, num_kv_heads, head_dim, dtype, g
+    )
+    q = torch.randn(len(lens), len_q, num_heads, head_dim, generator=g).to(dtype)  # (B, Lq, H, D)
+    return PagedInputs(q, k_cache, v_cache, block_table, k_flat, v_flat, [len_q] * len(lens), list(lens))
+
+
+def random_paged_varlen(q_lens, k_lens, block_size, num_heads, num_kv_heads, head_dim, dtype, g) -> PagedInputs:
+    """Varlen prefill over cached history (prefix-cache hits, chunked prefill): packed q (sum(q_lens), H, D)."""
+    k_cache, v_cache, block_table, k_flat, v_flat = random_paged_cache(
+        k_lens, block_size, num_kv_heads, head_dim, dtype, g
+    )
+    q = torch.randn(sum(q_lens), num_heads, head_dim, generator=g).to(dtype)  # (sum(q_lens), H, D)
+    return PagedInputs(q, k_cache, v_cache, block_table, k_flat, v_flat, list(q_lens), list(k_lens))
