@@ -126,6 +126,33 @@ def assert_a_failing_worker_is_reported(folder, within_s: float, **engine) -> No
         assert again.generate([[1, 2, 3]], greedy, use_tqdm=False)[0]["token_ids"] == hf_greedy(folder, [1, 2, 3], 8)
 
 
+def new_sequence(tokens: list[int], block_size: int = 16, max_tokens: int = 8):
+    """A greedy request for `tokens` that generates exactly `max_tokens` (no EOS), for a bare block manager or
+    scheduler."""
+    from nanoref import SamplingParams
+    from nanoref.engine.sequence import Sequence
+
+    return Sequence(tokens, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), block_size)
+
+
+def prefill(manager, seq) -> None:
+    """What a finished prefill does to the bookkeeping: every token's K/V is in the cache and the full blocks'
+    hashes are published."""
+    seq.num_computed_tokens = seq.num_tokens
+    manager.commit(seq)
+
+
+def cached_prompt(manager, tokens: list[int], *, release: bool = False):
+    """A sequence of `tokens` allocated and prefilled on `manager`; with `release` its blocks then go back to the
+    free list, where their content stays hittable until they are reused."""
+    seq = new_sequence(tokens, manager.block_size)
+    manager.allocate(seq)
+    prefill(manager, seq)
+    if release:
+        manager.deallocate(seq)
+    return seq
+
+
 def listening_sockets() -> set[tuple[str, str]]:
     """This process's listening TCP sockets, as (local address, port) in /proc/net's hex: the sockets among this
     process's file descriptors (/proc/self/fd) whose inode /proc/net/tcp{,6} lists in state LISTEN (0A). Linux."""
