@@ -126,6 +126,41 @@ def assert_a_failing_worker_is_reported(folder, within_s: float, **engine) -> No
         assert again.generate([[1, 2, 3]], greedy, use_tqdm=False)[0]["token_ids"] == hf_greedy(folder, [1, 2, 3], 8)
 
 
+def enable_bucketed_decode(llm) -> None:
+    """Decode the way CUDA graphs do (each batch padded to its bucket in the static buffers, through the
+    `pad_decode_batch` seam), run eagerly: on a CPU too. The one place the tests switch it on."""
+    llm.model_runner.enable_bucketed_decode()
+
+
+class Counting:
+    """Stands in for a function (a seam's default, a learner's answer) and counts the calls through it; a Triton
+    kernel's launches too."""
+
+    def __init__(self, function) -> None:
+        self.function, self.calls = function, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.function(*args, **kwargs)
+
+    def __getitem__(self, grid):  # a Triton kernel is launched as kernel[grid](...)
+        self.calls += 1
+        return self.function[grid]
+
+
+def num_decode_steps(llm) -> int:
+    """The decode steps of the engine's latest generate call."""
+    return sum(step.kind == "decode" for step in llm.metrics.steps)
+
+
+def assert_called_every_decode_step(llm, counting: Counting) -> None:
+    """The latest generate call decoded, and went through `counting` at least once per decode step (the
+    bucketed path ran, not the plain one)."""
+    steps = num_decode_steps(llm)
+    assert steps > 0, "the generate call never decoded"
+    assert counting.calls >= steps, f"{counting.calls} calls in {steps} decode steps: the bucketed path did not run"
+
+
 def new_sequence(tokens: list[int], block_size: int = 16, max_tokens: int = 8):
     """A greedy request for `tokens` that generates exactly `max_tokens` (no EOS), for a bare block manager or
     scheduler."""

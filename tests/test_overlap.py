@@ -7,8 +7,19 @@ from __future__ import annotations
 import pytest
 
 from nanoref import LLM, SamplingParams
+from nanoref.engine.model_runner import pad_decode_batch
+from nanoref.exercises import use
 
-from .helpers import assert_matches_hf, assert_no_block_leaked, hf_greedy, random_prompts, shared_prefix_prompts
+from .helpers import (
+    Counting,
+    assert_called_every_decode_step,
+    assert_matches_hf,
+    assert_no_block_leaked,
+    enable_bucketed_decode,
+    hf_greedy,
+    random_prompts,
+    shared_prefix_prompts,
+)
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
@@ -173,8 +184,11 @@ def test_overlapped_loop_through_the_graph_buckets(tiny_model):
     """Decode the way CUDA graphs do (static buffers, padded buckets), the input ids copied device to device."""
     prompts = random_prompts(seed=19, lengths=[3, 11, 26])
     llm = overlapped(tiny_model, num_kvcache_blocks=64, max_num_seqs=4)
-    llm.model_runner.enable_bucketed_decode()
-    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    enable_bucketed_decode(llm)
+    padding = Counting(pad_decode_batch)
+    with use(pad_decode_batch=padding):
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert_called_every_decode_step(llm, padding)
     assert llm.num_ahead_steps > 0
     assert_matches_hf(tiny_model, prompts, outputs, GREEDY.max_tokens)
     assert_no_block_leaked(llm)
