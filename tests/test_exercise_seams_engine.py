@@ -1,14 +1,17 @@
 """Every exercise seam is consulted by the engine inside `use(...)`, and only there; each has its checker.
 
 `test_the_engine_calls_a_seam_only_inside_use` covers each seam in `CASES`. Three seams are left to the test of
-their notebook (`LEFT`), each of which makes the same inside-only check:
+their notebook (`LEFT`), because this file's engine (the tiny dense Qwen3 on one rank) never reaches them:
 
-- `vocab_parallel_embed`: only a tensor-parallel engine calls it (two ranks, a worker process each), so
-  test_exercises_tensor_parallel.py checks it on its two-rank engine.
-- `moe_route` and `moe_experts`: only a Qwen3-MoE checkpoint's sparse layers call them, so test_exercises_moe.py
-  checks them on `tiny_moe_model()`, counting one call per sparse layer and step.
+- `vocab_parallel_embed`: only a tensor-parallel engine calls it (two ranks, a worker process each).
+  test_exercises_tensor_parallel.py checks on its two-rank engine that every rank calls it inside `use(...)` with
+  its own vocabulary range, that nanoref's own function there leaves the tokens as one rank's, and that one rank
+  never calls it.
+- `moe_route` and `moe_experts`: only a Qwen3-MoE checkpoint's sparse layers call them. test_exercises_moe.py
+  makes this file's check on `tiny_moe_model()` (same output inside the block, no call after it), counting one
+  call per sparse layer and step.
 
-The Triton seams (`store_kvcache_kernel`, `merge_splits`) are covered here where Triton is installed (the
+The Triton seams (`store_kvcache_kernel`, `merge_splits`) are covered here where Triton is installed (slow: the
 interpreter on a CPU) and skipped elsewhere. `test_every_seam_is_covered_here_or_left_to_a_named_test` fails when
 a seam is added to `nanoref.utils.seams.SEAMS` without a place in one of the two tables.
 """
@@ -120,7 +123,12 @@ def test_every_seam_is_covered_here_or_left_to_a_named_test():
         assert callable(found), f"seam {name!r} is left to {module}.{test}, which does not exist"
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
+# the Triton seams run the interpreter on a CPU (~20 s each): slow. The quick loop still generates token-exact
+# through both on Triton (test_exercises_kv_store.py, test_exercises_paged_decode.py's engine checks).
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param(name, marks=[pytest.mark.slow] if name in seams.TRITON_SEAMS else []) for name in sorted(CASES)],
+)
 def test_the_engine_calls_a_seam_only_inside_use(tiny_model, name):
     case = CASES[name]()
     llm = LLM(tiny_model, **{"device": "cpu", "num_kvcache_blocks": 32, **case.engine})

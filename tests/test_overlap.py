@@ -60,7 +60,7 @@ def test_config_defaults_and_validation(tiny_model):
         LLM(tiny_model, device="cpu", overlap_scheduling="yes")
 
 
-@pytest.mark.parametrize("name", ["gqa2-untied", "gqa4-bias"])
+@pytest.mark.parametrize("name", ["gqa2-untied", pytest.param("gqa4-bias", marks=pytest.mark.slow)])
 def test_overlapped_greedy_matches_hf_and_plain_loop(tiny_models, name):
     folder = tiny_models[name]
     prompts = random_prompts(seed=11, lengths=[1, 7, 16, 17, 33, 50])
@@ -119,7 +119,7 @@ def test_max_model_len_ends_sequences_on_the_overlapped_loop(tiny_model):
     assert_no_block_leaked(llm)
 
 
-@pytest.mark.parametrize("name", ["gqa2-untied", "gqa1-tied"])
+@pytest.mark.parametrize("name", [pytest.param("gqa2-untied", marks=pytest.mark.slow), "gqa1-tied"])
 def test_overlapped_greedy_under_preemption(tiny_models, name):
     """Few KV blocks: the loop must fall back to waiting for step n whenever the next step may preempt."""
     folder = tiny_models[name]
@@ -136,7 +136,7 @@ def test_overlapped_greedy_under_preemption(tiny_models, name):
     assert_no_block_leaked(llm)
 
 
-@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("block_size", [16, pytest.param(32, marks=pytest.mark.slow)])
 def test_overlapped_chunked_prefill_and_prefix_cache_across_calls(tiny_model, block_size):
     prompts = shared_prefix_prompts(seed=16, prefix_len=40, suffix_lens=[5, 30, 11])
     kwargs = dict(num_kvcache_blocks=96, max_num_batched_tokens=13, kvcache_block_size=block_size)
