@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -125,6 +126,70 @@ def assert_a_failing_worker_is_reported(folder, within_s: float, **engine) -> No
         assert again.generate([[1, 2, 3]], greedy, use_tqdm=False)[0]["token_ids"] == hf_greedy(folder, [1, 2, 3], 8)
 
 
+def enable_bucketed_decode(llm) -> None:
+    """Decode the way CUDA graphs do (each batch padded to its bucket in the static buffers, through the
+    `pad_decode_batch` seam), run eagerly: on a CPU too. The one place the tests switch it on."""
+    from nanoref.fast.cuda_graphs import enable_bucketed_decode as enable
+
+    enable(llm.model_runner)
+
+
+class Counting:
+    """Stands in for a function (a seam's default, a learner's answer) and counts the calls through it; a Triton
+    kernel's launches too."""
+
+    def __init__(self, function) -> None:
+        self.function, self.calls = function, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.function(*args, **kwargs)
+
+    def __getitem__(self, grid):  # a Triton kernel is launched as kernel[grid](...)
+        self.calls += 1
+        return self.function[grid]
+
+
+def num_decode_steps(llm) -> int:
+    """The decode steps of the engine's latest generate call."""
+    return sum(step.kind == "decode" for step in llm.metrics.steps)
+
+
+def assert_called_every_decode_step(llm, counting: Counting) -> None:
+    """The latest generate call decoded, and went through `counting` at least once per decode step (the
+    bucketed path ran, not the plain one)."""
+    steps = num_decode_steps(llm)
+    assert steps > 0, "the generate call never decoded"
+    assert counting.calls >= steps, f"{counting.calls} calls in {steps} decode steps: the bucketed path did not run"
+
+
+def new_sequence(tokens: list[int], block_size: int = 16, max_tokens: int = 8):
+    """A greedy request for `tokens` that generates exactly `max_tokens` (no EOS), for a bare block manager or
+    scheduler."""
+    from nanoref import SamplingParams
+    from nanoref.engine.sequence import Sequence
+
+    return Sequence(tokens, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), block_size)
+
+
+def prefill(manager, seq) -> None:
+    """What a finished prefill does to the bookkeeping: every token's K/V is in the cache and the full blocks'
+    hashes are published."""
+    seq.num_computed_tokens = seq.num_tokens
+    manager.commit(seq)
+
+
+def cached_prompt(manager, tokens: list[int], *, release: bool = False):
+    """A sequence of `tokens` allocated and prefilled on `manager`; with `release` its blocks then go back to the
+    free list, where their content stays hittable until they are reused."""
+    seq = new_sequence(tokens, manager.block_size)
+    manager.allocate(seq)
+    prefill(manager, seq)
+    if release:
+        manager.deallocate(seq)
+    return seq
+
+
 def listening_sockets() -> set[tuple[str, str]]:
     """This process's listening TCP sockets, as (local address, port) in /proc/net's hex: the sockets among this
     process's file descriptors (/proc/self/fd) whose inode /proc/net/tcp{,6} lists in state LISTEN (0A). Linux."""
@@ -218,6 +283,15 @@ def cu(lens: list[int]) -> torch.Tensor:
     return torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
 
 
+def random_qkv(lens, num_heads, num_kv_heads, head_dim, dtype, g):
+    """Fresh random packed q (N, H, D), k and v (N, Hk, D) for sequences of `lens` tokens (N = sum(lens))."""
+    n = sum(lens)
+    q = torch.randn(n, num_heads, head_dim, generator=g).to(dtype)
+    k = torch.randn(n, num_kv_heads, head_dim, generator=g).to(dtype)
+    v = torch.randn(n, num_kv_heads, head_dim, generator=g).to(dtype)
+    return q, k, v
+
+
 def random_paged_cache(lens, block_size, num_kv_heads, head_dim, dtype, g):
     """Fill a paged cache with random K/V for sequences of `lens` tokens, in shuffled blocks.
 
@@ -235,3 +309,60 @@ def random_paged_cache(lens, block_size, num_kv_heads, head_dim, dtype, g):
     k_flat = torch.cat([gather_paged(k_cache, block_table[b], n) for b, n in enumerate(lens)])
     v_flat = torch.cat([gather_paged(v_cache, block_table[b], n) for b, n in enumerate(lens)])
     return k_cache, v_cache, block_table, k_flat, v_flat
+
+
+@dataclass(frozen=True)
+class PagedInputs:
+    """Fresh random queries over histories held in a shuffled paged cache, and the same K/V laid out flat for the
+    naive oracle. Each sequence's queries are the last `q_lens[b]` tokens of its `k_lens[b]`."""
+
+    q: torch.Tensor  # decode: (B, Lq, H, D); varlen: (sum(q_lens), H, D)
+    k_cache: torch.Tensor  # (num_blocks, block_size, Hk, D)
+    v_cache: torch.Tensor
+    block_table: torch.Tensor  # (B, max_blocks) int32, -1 padded
+    k_flat: torch.Tensor  # (sum(k_lens), Hk, D)
+    v_flat: torch.Tensor
+    q_lens: list[int]
+    k_lens: list[int]
+
+    def to(self, device) -> PagedInputs:
+        tensors = ("q", "k_cache", "v_cache", "block_table", "k_flat", "v_flat")
+        return replace(self, **{name: getattr(self, name).to(device) for name in tensors})
+
+    @property
+    def seqlens(self) -> torch.Tensor:
+        """Each sequence's context length (B,) int32: the decode kernels' `cache_seqlens`."""
+        return torch.tensor(self.k_lens, dtype=torch.int32, device=self.q.device)
+
+    @property
+    def cu_q(self) -> torch.Tensor:
+        return cu(self.q_lens).to(self.q.device)
+
+    @property
+    def cu_k(self) -> torch.Tensor:
+        return cu(self.k_lens).to(self.q.device)
+
+    def oracle(self, causal: bool = True) -> torch.Tensor:
+        """naive_padded_attention over the flat K/V -> (sum(q_lens), H, D), whichever layout q has."""
+        from nanoref.ops import naive_padded_attention
+
+        q = self.q.flatten(0, 1) if self.q.dim() == 4 else self.q  # (sum(q_lens), H, D)
+        return naive_padded_attention(q, self.k_flat, self.v_flat, self.cu_q, self.cu_k, causal=causal)
+
+
+def random_paged_decode(lens, block_size, num_heads, num_kv_heads, head_dim, dtype, g, len_q: int = 1) -> PagedInputs:
+    """Decode inputs: `len_q` new tokens (q: (B, Lq, H, D)) at the end of each of the `lens` cached histories."""
+    k_cache, v_cache, block_table, k_flat, v_flat = random_paged_cache(
+        lens, block_size, num_kv_heads, head_dim, dtype, g
+    )
+    q = torch.randn(len(lens), len_q, num_heads, head_dim, generator=g).to(dtype)  # (B, Lq, H, D)
+    return PagedInputs(q, k_cache, v_cache, block_table, k_flat, v_flat, [len_q] * len(lens), list(lens))
+
+
+def random_paged_varlen(q_lens, k_lens, block_size, num_heads, num_kv_heads, head_dim, dtype, g) -> PagedInputs:
+    """Varlen prefill over cached history (prefix-cache hits, chunked prefill): packed q (sum(q_lens), H, D)."""
+    k_cache, v_cache, block_table, k_flat, v_flat = random_paged_cache(
+        k_lens, block_size, num_kv_heads, head_dim, dtype, g
+    )
+    q = torch.randn(sum(q_lens), num_heads, head_dim, generator=g).to(dtype)  # (sum(q_lens), H, D)
+    return PagedInputs(q, k_cache, v_cache, block_table, k_flat, v_flat, list(q_lens), list(k_lens))

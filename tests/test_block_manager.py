@@ -6,23 +6,35 @@ import random
 
 import pytest
 
-from nanoref import SamplingParams
 from nanoref.engine.block_manager import BlockManager, chain_hash
 from nanoref.engine.scheduler import Scheduler
 from nanoref.engine.sequence import Sequence, SequenceStatus
 from nanoref.utils.seams import ForwardKey
 
+from .helpers import cached_prompt, new_sequence, prefill
+
 BS = 16
 
 
 def seq_of(tokens: list[int], max_tokens: int = 8) -> Sequence:
-    return Sequence(tokens, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), BS)
+    return new_sequence(tokens, BS, max_tokens)
 
 
-def compute_all(manager: BlockManager, seq: Sequence) -> None:
-    """What a prefill step does to the bookkeeping: every token but none new is now in the cache."""
-    seq.num_computed_tokens = seq.num_tokens
-    manager.commit(seq)
+def scheduler_of(num_blocks: int, max_num_seqs: int, max_num_batched_tokens: int) -> Scheduler:
+    """A scheduler over `num_blocks` KV blocks of BS tokens, with no EOS token (every request runs to max_tokens)."""
+    return Scheduler(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=512,
+        num_kvcache_blocks=num_blocks,
+        kvcache_block_size=BS,
+        eos_token_ids=set(),
+    )
+
+
+def another_forward() -> ForwardKey:
+    """A forward other than nanoref's own: a learner's rms_norm (a new function each call, so a new forward)."""
+    return ForwardKey({"rms_norm": lambda x, weight, eps: x})
 
 
 def test_chain_hash_depends_on_every_token_and_the_prefix():
@@ -54,10 +66,8 @@ def test_allocate_and_free_ref_counts():
 def test_prefix_hit_shares_blocks_and_counts_refs():
     manager = BlockManager(num_blocks=10, block_size=BS)
     shared = list(range(100, 132))  # two full blocks
-    a = seq_of(shared + [1, 2, 3])
-    manager.allocate(a)
+    a = cached_prompt(manager, shared + [1, 2, 3])
     assert a.num_prefix_hit_tokens == 0
-    compute_all(manager, a)
     b = seq_of(shared + [7, 8])
     manager.allocate(b)
     assert b.num_prefix_hit_tokens == 32 and b.num_computed_tokens == 32
@@ -81,9 +91,7 @@ def test_no_hit_before_kv_is_computed():
 
 def test_hit_needs_identical_prefix_not_just_identical_block():
     manager = BlockManager(num_blocks=10, block_size=BS)
-    a = seq_of(list(range(32)) + [5])
-    manager.allocate(a)
-    compute_all(manager, a)
+    cached_prompt(manager, list(range(32)) + [5])
     b = seq_of([999] + list(range(1, 16)) + list(range(16, 32)) + [5])  # block 1 equal, block 0 differs
     manager.allocate(b)
     assert b.num_prefix_hit_tokens == 0
@@ -91,9 +99,7 @@ def test_hit_needs_identical_prefix_not_just_identical_block():
 
 def test_hash_collision_is_caught_by_token_check():
     manager = BlockManager(num_blocks=10, block_size=BS)
-    a = seq_of(list(range(17)))
-    manager.allocate(a)
-    compute_all(manager, a)
+    a = cached_prompt(manager, list(range(17)))
     block = manager.blocks[a.block_table[0]]
     block.token_ids = [-1] * BS  # as if another content had produced the same hash
     b = seq_of(list(range(17)))
@@ -103,9 +109,7 @@ def test_hash_collision_is_caught_by_token_check():
 
 def test_whole_prompt_cached_still_leaves_a_token_to_compute():
     manager = BlockManager(num_blocks=10, block_size=BS)
-    a = seq_of(list(range(32)) + [1])
-    manager.allocate(a)
-    compute_all(manager, a)
+    cached_prompt(manager, list(range(32)) + [1])
     b = seq_of(list(range(32)))  # exactly the two cached blocks
     manager.allocate(b)
     assert b.num_prefix_hit_tokens == 16  # the last block is recomputed, so the query is never empty
@@ -114,10 +118,7 @@ def test_whole_prompt_cached_still_leaves_a_token_to_compute():
 
 def test_freed_blocks_stay_hittable_until_reused():
     manager = BlockManager(num_blocks=4, block_size=BS)
-    a = seq_of(list(range(33)))
-    manager.allocate(a)
-    compute_all(manager, a)
-    manager.deallocate(a)
+    cached_prompt(manager, list(range(33)), release=True)
     b = seq_of(list(range(33)))
     assert manager.can_allocate(b)
     manager.allocate(b)
@@ -133,13 +134,10 @@ def test_freed_blocks_stay_hittable_until_reused():
 
 def test_forget_cached_prefixes_needs_an_idle_manager_and_drops_every_forwards_hits():
     manager = BlockManager(num_blocks=6, block_size=BS)
-    mine = ForwardKey({"rms_norm": lambda x, weight, eps: x})
+    mine = another_forward()
     for forward in (None, mine):
         manager.use_forward(forward)
-        a = seq_of(list(range(40)))
-        manager.allocate(a)
-        compute_all(manager, a)
-        manager.deallocate(a)
+        cached_prompt(manager, list(range(40)), release=True)
     b = seq_of(list(range(40)))
     manager.allocate(b)
     with pytest.raises(RuntimeError, match="idle"):
@@ -159,19 +157,16 @@ def test_forget_cached_prefixes_needs_an_idle_manager_and_drops_every_forwards_h
 def test_blocks_computed_by_one_forward_are_never_hit_by_another():
     """Each forward has its own prefix cache: a lookup under nanoref's forward never finds blocks an exercise
     function's forward computed, nor the reverse, and each still hits its own."""
-    mine = ForwardKey({"rms_norm": lambda x, weight, eps: x})
+    mine = another_forward()
     manager = BlockManager(num_blocks=12, block_size=BS)
     tokens = list(range(40))
     manager.use_forward(mine)
-    a = seq_of(tokens)
-    manager.allocate(a)
-    compute_all(manager, a)
-    manager.deallocate(a)
+    cached_prompt(manager, tokens, release=True)
     manager.use_forward(None)  # nanoref's own forward again
     b = seq_of(tokens)
     manager.allocate(b)
     assert b.num_prefix_hit_tokens == 0, "nanoref's forward was served K/V that an exercise function computed"
-    compute_all(manager, b)
+    prefill(manager, b)
     manager.deallocate(b)
     for forward in (mine, None):
         manager.use_forward(forward)
@@ -185,7 +180,7 @@ def test_blocks_computed_by_one_forward_are_never_hit_by_another():
 def test_a_sequence_whose_forward_changed_mid_prompt_publishes_nothing():
     """Chunked prefill: a block whose K/V two forwards computed belongs to neither cache, even when the forward
     changes back before the block is committed."""
-    mine = ForwardKey({"rms_norm": lambda x, weight, eps: x})
+    mine = another_forward()
     manager = BlockManager(num_blocks=12, block_size=BS)
     tokens = list(range(40))
     a = seq_of(tokens)
@@ -194,7 +189,7 @@ def test_a_sequence_whose_forward_changed_mid_prompt_publishes_nothing():
     manager.commit(a)
     manager.use_forward(mine)
     manager.use_forward(None)  # one step under `mine`, then nanoref's again
-    compute_all(manager, a)
+    prefill(manager, a)
     assert manager.hash_to_block_id == {} and manager.forward_tables == {}
     manager.deallocate(a)
     b = seq_of(tokens)
@@ -205,11 +200,8 @@ def test_a_sequence_whose_forward_changed_mid_prompt_publishes_nothing():
 
 def test_an_evicted_forwards_table_is_dropped_with_its_functions():
     manager = BlockManager(num_blocks=4, block_size=BS)
-    manager.use_forward(ForwardKey({"rms_norm": lambda x, weight, eps: x}))
-    a = seq_of(list(range(33)))
-    manager.allocate(a)
-    compute_all(manager, a)
-    manager.deallocate(a)
+    manager.use_forward(another_forward())
+    cached_prompt(manager, list(range(33)), release=True)
     assert len(manager.forward_tables) == 1
     manager.use_forward(None)
     b = seq_of(list(range(500, 564)))  # 4 fresh blocks: evicts everything cached
@@ -223,14 +215,7 @@ def test_scheduler_random_workload_keeps_invariants(seed):
     """Drive the scheduler with a fake model: every request finishes once, with its token count."""
     rng = random.Random(seed)
     num_blocks = rng.choice([6, 10, 40])
-    scheduler = Scheduler(
-        max_num_seqs=rng.choice([2, 4, 16]),
-        max_num_batched_tokens=rng.choice([8, 32, 256]),
-        max_model_len=512,
-        num_kvcache_blocks=num_blocks,
-        kvcache_block_size=BS,
-        eos_token_ids=set(),
-    )
+    scheduler = scheduler_of(num_blocks, rng.choice([2, 4, 16]), rng.choice([8, 32, 256]))
     prefix = [rng.randrange(50) for _ in range(32)]
     seqs = []
     for _ in range(12):
@@ -266,10 +251,7 @@ def test_a_sequence_that_steps_back_itself_frees_its_blocks_for_those_after_it()
     it gives back serve the next sequence in the same step, as in a loop that preempts as it goes."""
     from nanoref.utils.seams import use
 
-    scheduler = Scheduler(
-        max_num_seqs=4, max_num_batched_tokens=64, max_model_len=512, num_kvcache_blocks=4, kvcache_block_size=BS,
-        eos_token_ids=set(),
-    )  # fmt: skip
+    scheduler = scheduler_of(num_blocks=4, max_num_seqs=4, max_num_batched_tokens=64)
     a, b, c = (seq_of(list(range(start, start + BS))) for start in (0, 100, 200))  # one full block each
     for seq in (a, b, c):
         scheduler.add(seq)

@@ -20,6 +20,8 @@ from nanoref.engine.block_manager import BlockManager, BlockTables
 from nanoref.engine.sequence import Sequence
 from nanoref.utils.context import get_context
 
+from .helpers import new_sequence, prefill
+
 
 def padded_by_hand(seqs: list[Sequence]) -> list[list[int]]:
     width = max(len(seq.block_table) for seq in seqs)
@@ -39,11 +41,10 @@ def test_rows_mirror_the_lists_under_random_operations(ops, block_size):
     live: list[Sequence] = []
     for op, pick, size in ops:
         if op == "add":  # prompts over a 2-token alphabet share prefixes: prefix-cache hits share blocks
-            seq = Sequence([(pick >> i) & 1 for i in range(size)], SamplingParams(), block_size)
+            seq = new_sequence([(pick >> i) & 1 for i in range(size)], block_size)
             if manager.can_allocate(seq):
                 manager.allocate(seq)
-                seq.num_computed_tokens = seq.num_tokens
-                manager.commit(seq)  # publish its full blocks' hashes, as a finished prefill would
+                prefill(manager, seq)  # publishes its full blocks' hashes
                 live.append(seq)
         elif op == "grow" and live:  # decode: a few more tokens, a new block each time one fills up
             seq = live[pick % len(live)]
@@ -67,7 +68,7 @@ def test_rows_mirror_the_lists_under_random_operations(ops, block_size):
 
 def test_a_freed_row_is_reused_and_cleared():
     manager = BlockManager(num_blocks=8, block_size=2)
-    a, b = (Sequence(list(range(n)), SamplingParams(), 2) for n in (5, 2))
+    a, b = (new_sequence(list(range(n)), block_size=2) for n in (5, 2))
     manager.allocate(a)
     manager.deallocate(a)
     manager.allocate(b)

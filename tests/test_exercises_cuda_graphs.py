@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from nanoref import LLM, SamplingParams
+from nanoref import LLM, SamplingParams, exercises
 from nanoref.exercises import ExerciseFailure, check_pad_decode_batch
-from nanoref.fast.cuda_graphs import enable_bucketed_decode, pad_decode_batch
+from nanoref.fast.cuda_graphs import pad_decode_batch
 
-from .helpers import hf_greedy, random_prompts
+from .helpers import Counting, assert_called_every_decode_step, enable_bucketed_decode, hf_greedy, random_prompts
 
 
 def copies_without_padding(buffers, input_ids, positions, slot_mapping, context_lens, block_tables):
@@ -63,12 +63,16 @@ def test_wrong_answers_are_named(wrong, message):
 
 def test_bucketed_decode_on_cpu_matches_hf_with_preemption(tiny_model):
     """The graphs' decode path (batches padded to buckets in static buffers) run eagerly on a CPU, under a KV
-    budget tight enough to preempt, so batches shrink and padding rows hold what larger steps left behind."""
+    budget tight enough to preempt, so batches shrink and padding rows hold what larger steps left behind; a
+    learner's pad_decode_batch (here nanoref's own, counted) pads every decode step."""
     prompts = random_prompts(seed=66, lengths=[12, 30, 7, 21, 16])
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    llm = LLM(tiny_model, num_kvcache_blocks=12, kvcache_block_size=16, max_num_seqs=8)
-    enable_bucketed_decode(llm.model_runner)
-    outputs = llm.generate(prompts, params, use_tqdm=False)
+    llm = LLM(tiny_model, device="cpu", num_kvcache_blocks=12, kvcache_block_size=16, max_num_seqs=8)
+    enable_bucketed_decode(llm)
+    padding = Counting(pad_decode_batch)
+    with exercises.use(pad_decode_batch=padding):
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert_called_every_decode_step(llm, padding)
     assert llm.scheduler.num_preemptions > 0, "the budget should force preemptions"
     for prompt, output in zip(prompts, outputs):
         assert output["token_ids"] == hf_greedy(tiny_model, prompt, params.max_tokens)

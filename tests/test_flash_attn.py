@@ -13,8 +13,7 @@ from nanoref.ops import naive_padded_attention
 from nanoref.ops.backends import resolve_backend
 from nanoref.testing import make_tiny_qwen3
 
-from .helpers import random_prompts, shared_prefix_prompts
-from .test_ops import cu, random_paged_cache
+from .helpers import cu, random_paged_cache, random_prompts, shared_prefix_prompts
 
 pytestmark = [
     pytest.mark.gpu,

@@ -31,7 +31,8 @@ def test_greedy_matches_hf_ample_memory(tiny_models, name):
     assert_no_block_leaked(llm)
 
 
-@pytest.mark.parametrize("block_size", [16, 32])
+# block size 32 in the slow suite: 16 chunks the same prompts in the quick loop
+@pytest.mark.parametrize("block_size", [16, pytest.param(32, marks=pytest.mark.slow)])
 def test_greedy_matches_hf_chunked_prefill(tiny_model, block_size):
     """A token budget smaller than the prompts: every prompt is prefilled in several chunks."""
     prompts = random_prompts(seed=2, lengths=[45, 30, 70, 9])
@@ -55,6 +56,10 @@ def test_greedy_matches_hf_chunked_prefill(tiny_model, block_size):
     assert_no_block_leaked(llm)
 
 
+# the quick loop's token-exact preemption tests: test_scheduler_regressions.py's
+# test_preempted_sequence_comes_back_through_prefix_cache (recompute through the prefix cache) and
+# test_overlap.py's test_overlapped_greedy_under_preemption[gqa1-tied] (a tied head)
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["gqa2-untied", "gqa1-tied"])
 def test_greedy_matches_hf_under_preemption(tiny_models, name):
     """So few KV blocks that decode must preempt; prompts share prefixes, so recompute hits the cache."""

@@ -13,7 +13,7 @@ from nanoref.ops import (
 )
 from nanoref.ops.triton_setup import triton_available
 
-from .helpers import TOL, cu, random_paged_cache
+from .helpers import TOL, cu, random_paged_decode, random_paged_varlen, random_qkv
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -22,9 +22,7 @@ def test_varlen_attention_matches_naive(dtype, heads, kv_heads):
     g = torch.Generator().manual_seed(heads * 10 + kv_heads)
     lens = [1, 5, 17, 33]
     n, d = sum(lens), 32
-    q = torch.randn(n, heads, d, generator=g).to(dtype)
-    k = torch.randn(n, kv_heads, d, generator=g).to(dtype)
-    v = torch.randn(n, kv_heads, d, generator=g).to(dtype)
+    q, k, v = random_qkv(lens, heads, kv_heads, d, dtype, g)
     out = varlen_attention(q, k, v, cu(lens), cu(lens), max(lens), max(lens), causal=True)
     ref = naive_padded_attention(q, k, v, cu(lens), cu(lens), causal=True)
     assert out.shape == (n, heads, d) and out.dtype == dtype
@@ -37,13 +35,11 @@ def test_varlen_attention_with_cached_history(block_size, dtype):
     """Queries are the last tokens of longer sequences whose keys are read through block tables."""
     g = torch.Generator().manual_seed(block_size)
     k_lens, q_lens = [20, 47, 16, 70], [3, 47, 1, 30]
-    heads, kv_heads, d = 4, 2, 16
-    k_cache, v_cache, block_table, k_flat, v_flat = random_paged_cache(k_lens, block_size, kv_heads, d, dtype, g)
-    q = torch.randn(sum(q_lens), heads, d, generator=g).to(dtype)
+    x = random_paged_varlen(q_lens, k_lens, block_size, 4, 2, 16, dtype, g)  # 4 query heads, 2 KV heads, D 16
     out = varlen_attention(
-        q, k_cache, v_cache, cu(q_lens), cu(k_lens), max(q_lens), max(k_lens), causal=True, block_table=block_table
+        x.q, x.k_cache, x.v_cache, x.cu_q, x.cu_k, max(q_lens), max(k_lens), causal=True, block_table=x.block_table
     )
-    ref = naive_padded_attention(q, k_flat, v_flat, cu(q_lens), cu(k_lens), causal=True)
+    ref = x.oracle(causal=True)
     torch.testing.assert_close(out.float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
 
 
@@ -53,14 +49,10 @@ def test_varlen_attention_with_cached_history(block_size, dtype):
 def test_paged_decode_matches_naive(block_size, dtype, heads, kv_heads):
     g = torch.Generator().manual_seed(block_size + heads)
     lens = [1, 15, 16, 17, 40, 77]  # not multiples of the block size, and exact multiples
-    d = 32
-    k_cache, v_cache, block_table, k_flat, v_flat = random_paged_cache(lens, block_size, kv_heads, d, dtype, g)
-    q = torch.randn(len(lens), 1, heads, d, generator=g).to(dtype)  # (B, 1, H, D)
-    cache_seqlens = torch.tensor(lens, dtype=torch.int32)
-    out = paged_decode_attention(q, k_cache, v_cache, cache_seqlens, block_table, causal=True)
-    ones = [1] * len(lens)
-    ref = naive_padded_attention(q.squeeze(1), k_flat, v_flat, cu(ones), cu(lens), causal=True)  # (B, H, D)
-    assert out.shape == q.shape
+    x = random_paged_decode(lens, block_size, heads, kv_heads, 32, dtype, g)  # q: (B, 1, H, D)
+    out = paged_decode_attention(x.q, x.k_cache, x.v_cache, x.seqlens, x.block_table, causal=True)
+    ref = x.oracle(causal=True)  # (B, H, D)
+    assert out.shape == x.q.shape
     torch.testing.assert_close(out.squeeze(1).float(), ref.float(), atol=TOL[dtype], rtol=TOL[dtype])
 
 
@@ -123,8 +115,7 @@ def test_paged_decode_with_several_queries_is_causal(len_q):
     """As flash_attn_with_kvcache: Lq new tokens at the end of each history, causal among themselves."""
     g = torch.Generator().manual_seed(len_q)
     lens = [len_q, 20, 33]
-    k_cache, v_cache, block_table, k_flat, v_flat = random_paged_cache(lens, 16, 2, 16, torch.float32, g)
-    q = torch.randn(len(lens), len_q, 4, 16, generator=g)  # (B, Lq, H, D)
-    out = paged_decode_attention(q, k_cache, v_cache, torch.tensor(lens, dtype=torch.int32), block_table)
-    ref = naive_padded_attention(q.flatten(0, 1), k_flat, v_flat, cu([len_q] * len(lens)), cu(lens))
+    x = random_paged_decode(lens, 16, 4, 2, 16, torch.float32, g, len_q=len_q)  # q: (B, Lq, H, D)
+    out = paged_decode_attention(x.q, x.k_cache, x.v_cache, x.seqlens, x.block_table)
+    ref = x.oracle()
     torch.testing.assert_close(out.flatten(0, 1), ref, atol=2e-5, rtol=2e-5)

@@ -7,9 +7,19 @@ from __future__ import annotations
 import pytest
 
 from nanoref import LLM, SamplingParams
-from nanoref.fast.cuda_graphs import enable_bucketed_decode
+from nanoref.exercises import use
+from nanoref.fast.cuda_graphs import pad_decode_batch
 
-from .helpers import assert_matches_hf, assert_no_block_leaked, hf_greedy, random_prompts, shared_prefix_prompts
+from .helpers import (
+    Counting,
+    assert_called_every_decode_step,
+    assert_matches_hf,
+    assert_no_block_leaked,
+    enable_bucketed_decode,
+    hf_greedy,
+    random_prompts,
+    shared_prefix_prompts,
+)
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
@@ -50,7 +60,7 @@ def test_config_defaults_and_validation(tiny_model):
         LLM(tiny_model, device="cpu", overlap_scheduling="yes")
 
 
-@pytest.mark.parametrize("name", ["gqa2-untied", "gqa4-bias"])
+@pytest.mark.parametrize("name", ["gqa2-untied", pytest.param("gqa4-bias", marks=pytest.mark.slow)])
 def test_overlapped_greedy_matches_hf_and_plain_loop(tiny_models, name):
     folder = tiny_models[name]
     prompts = random_prompts(seed=11, lengths=[1, 7, 16, 17, 33, 50])
@@ -109,7 +119,7 @@ def test_max_model_len_ends_sequences_on_the_overlapped_loop(tiny_model):
     assert_no_block_leaked(llm)
 
 
-@pytest.mark.parametrize("name", ["gqa2-untied", "gqa1-tied"])
+@pytest.mark.parametrize("name", [pytest.param("gqa2-untied", marks=pytest.mark.slow), "gqa1-tied"])
 def test_overlapped_greedy_under_preemption(tiny_models, name):
     """Few KV blocks: the loop must fall back to waiting for step n whenever the next step may preempt."""
     folder = tiny_models[name]
@@ -126,7 +136,7 @@ def test_overlapped_greedy_under_preemption(tiny_models, name):
     assert_no_block_leaked(llm)
 
 
-@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("block_size", [16, pytest.param(32, marks=pytest.mark.slow)])
 def test_overlapped_chunked_prefill_and_prefix_cache_across_calls(tiny_model, block_size):
     prompts = shared_prefix_prompts(seed=16, prefix_len=40, suffix_lens=[5, 30, 11])
     kwargs = dict(num_kvcache_blocks=96, max_num_batched_tokens=13, kvcache_block_size=block_size)
@@ -174,8 +184,11 @@ def test_overlapped_loop_through_the_graph_buckets(tiny_model):
     """Decode the way CUDA graphs do (static buffers, padded buckets), the input ids copied device to device."""
     prompts = random_prompts(seed=19, lengths=[3, 11, 26])
     llm = overlapped(tiny_model, num_kvcache_blocks=64, max_num_seqs=4)
-    enable_bucketed_decode(llm.model_runner)
-    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    enable_bucketed_decode(llm)
+    padding = Counting(pad_decode_batch)
+    with use(pad_decode_batch=padding):
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert_called_every_decode_step(llm, padding)
     assert llm.num_ahead_steps > 0
     assert_matches_hf(tiny_model, prompts, outputs, GREEDY.max_tokens)
     assert_no_block_leaked(llm)

@@ -18,7 +18,16 @@ from nanoref.ops import attention_torch, naive_padded_attention, store_kvcache_t
 from nanoref.ops.attention_triton import choose_num_splits, paged_decode_attention, varlen_attention  # noqa: E402
 from nanoref.ops.store_kvcache_triton import store_kvcache_triton  # noqa: E402
 
-from .helpers import TOL, cu, hf_greedy, random_paged_cache, random_prompts, shared_prefix_prompts  # noqa: E402
+from .helpers import (  # noqa: E402
+    TOL,
+    cu,
+    hf_greedy,
+    random_paged_decode,
+    random_paged_varlen,
+    random_prompts,
+    random_qkv,
+    shared_prefix_prompts,
+)
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 GQA = [(2, 2), (4, 2), (8, 2)]  # (query heads, KV heads): ratios 1, 2 and 4
@@ -54,18 +63,13 @@ def test_store_kvcache_triton_equals_torch(dtype, kv_heads, head_dim):
 def test_paged_decode_triton_matches_reference_and_oracle(dtype, heads, kv_heads, block_size):
     g = torch.Generator().manual_seed(block_size * 10 + heads)
     lens = [1, 15, 16, 17, 40, 77]  # not multiples of the block size, and exact multiples
-    k_cache, v_cache, block_table, k_flat, v_flat = random_paged_cache(lens, block_size, kv_heads, 32, dtype, g)
-    q = torch.randn(len(lens), 1, heads, 32, generator=g).to(dtype)  # (B, 1, H, D)
-    seqlens = torch.tensor(lens, dtype=torch.int32)
-    q, k_cache, v_cache, block_table, seqlens, k_flat, v_flat = on_device(
-        q, k_cache, v_cache, block_table, seqlens, k_flat, v_flat
-    )
-    reference = attention_torch.paged_decode_attention(q, k_cache, v_cache, seqlens, block_table)
-    ones = cu([1] * len(lens)).to(DEVICE)
-    oracle = naive_padded_attention(q.squeeze(1), k_flat, v_flat, ones, cu(lens).to(DEVICE))  # (B, H, D)
+    x = random_paged_decode(lens, block_size, heads, kv_heads, 32, dtype, g).to(DEVICE)  # q: (B, 1, H, D)
+    decode_args = (x.q, x.k_cache, x.v_cache, x.seqlens, x.block_table)
+    reference = attention_torch.paged_decode_attention(*decode_args)
+    oracle = x.oracle()  # (B, H, D)
     for num_splits in (1, 3):  # one pass, and split-KV with its merge kernel
-        out = paged_decode_attention(q, k_cache, v_cache, seqlens, block_table, num_splits=num_splits)
-        assert out.shape == q.shape and out.dtype == dtype
+        out = paged_decode_attention(*decode_args, num_splits=num_splits)
+        assert out.shape == x.q.shape and out.dtype == dtype
         torch.testing.assert_close(out.float(), reference.float(), atol=TOL[dtype], rtol=TOL[dtype])
         torch.testing.assert_close(out.squeeze(1).float(), oracle.float(), atol=TOL[dtype], rtol=TOL[dtype])
 
@@ -74,15 +78,9 @@ def test_paged_decode_triton_matches_reference_and_oracle(dtype, heads, kv_heads
 def test_paged_decode_triton_several_queries_is_causal(len_q):
     g = torch.Generator().manual_seed(len_q)
     lens = [len_q, 20, 33]
-    k_cache, v_cache, block_table, k_flat, v_flat = random_paged_cache(lens, 16, 2, 16, torch.float32, g)
-    q = torch.randn(len(lens), len_q, 4, 16, generator=g)  # (B, Lq, H, D)
-    seqlens = torch.tensor(lens, dtype=torch.int32)
-    q, k_cache, v_cache, block_table, seqlens, k_flat, v_flat = on_device(
-        q, k_cache, v_cache, block_table, seqlens, k_flat, v_flat
-    )
-    out = paged_decode_attention(q, k_cache, v_cache, seqlens, block_table, num_splits=2)
-    queries = cu([len_q] * len(lens)).to(DEVICE)
-    oracle = naive_padded_attention(q.flatten(0, 1), k_flat, v_flat, queries, cu(lens).to(DEVICE))
+    x = random_paged_decode(lens, 16, 4, 2, 16, torch.float32, g, len_q=len_q).to(DEVICE)  # q: (B, Lq, H, D)
+    out = paged_decode_attention(x.q, x.k_cache, x.v_cache, x.seqlens, x.block_table, num_splits=2)
+    oracle = x.oracle()
     torch.testing.assert_close(out.flatten(0, 1), oracle, atol=2e-5, rtol=2e-5)
 
 
@@ -92,10 +90,7 @@ def test_varlen_triton_matches_oracle(dtype, heads, kv_heads):
     g = torch.Generator().manual_seed(heads * 10 + kv_heads)
     lens = [1, 5, 17, 70]
     n, d = sum(lens), 32
-    q = torch.randn(n, heads, d, generator=g).to(dtype)
-    k = torch.randn(n, kv_heads, d, generator=g).to(dtype)
-    v = torch.randn(n, kv_heads, d, generator=g).to(dtype)
-    q, k, v, cu_lens = on_device(q, k, v, cu(lens))
+    q, k, v, cu_lens = on_device(*random_qkv(lens, heads, kv_heads, d, dtype, g), cu(lens))
     out = varlen_attention(q, k, v, cu_lens, cu_lens, max(lens), max(lens), causal=True)
     oracle = naive_padded_attention(q, k, v, cu_lens, cu_lens, causal=True)
     assert out.shape == (n, heads, d) and out.dtype == dtype
@@ -108,16 +103,11 @@ def test_varlen_triton_reads_history_through_block_tables(dtype, block_size):
     """Prefix-cache hits and chunked prefill: queries are the last tokens of longer cached sequences."""
     g = torch.Generator().manual_seed(block_size + 1)
     k_lens, q_lens = [20, 47, 16, 70], [3, 47, 1, 30]
-    heads, kv_heads, d = 4, 2, 16
-    k_cache, v_cache, block_table, k_flat, v_flat = random_paged_cache(k_lens, block_size, kv_heads, d, dtype, g)
-    q = torch.randn(sum(q_lens), heads, d, generator=g).to(dtype)
-    q, k_cache, v_cache, block_table, k_flat, v_flat, cu_q, cu_k = on_device(
-        q, k_cache, v_cache, block_table, k_flat, v_flat, cu(q_lens), cu(k_lens)
-    )
-    args = (cu_q, cu_k, max(q_lens), max(k_lens))
-    out = varlen_attention(q, k_cache, v_cache, *args, causal=True, block_table=block_table)
-    reference = attention_torch.varlen_attention(q, k_cache, v_cache, *args, causal=True, block_table=block_table)
-    oracle = naive_padded_attention(q, k_flat, v_flat, cu_q, cu_k, causal=True)
+    x = random_paged_varlen(q_lens, k_lens, block_size, 4, 2, 16, dtype, g).to(DEVICE)  # 4 query heads, 2 KV heads
+    args = (x.q, x.k_cache, x.v_cache, x.cu_q, x.cu_k, max(q_lens), max(k_lens))
+    out = varlen_attention(*args, causal=True, block_table=x.block_table)
+    reference = attention_torch.varlen_attention(*args, causal=True, block_table=x.block_table)
+    oracle = x.oracle(causal=True)
     torch.testing.assert_close(out.float(), reference.float(), atol=TOL[dtype], rtol=TOL[dtype])
     torch.testing.assert_close(out.float(), oracle.float(), atol=TOL[dtype], rtol=TOL[dtype])
 
