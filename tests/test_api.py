@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 import shutil
 import subprocess
@@ -17,8 +18,41 @@ from .helpers import copy_with_config, random_prompts
 
 
 def test_unknown_keyword_raises_type_error(tiny_model):
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match=r"LLM\(\) got an unexpected keyword argument 'max_num_seq'.*'max_num_seqs'"):
         LLM(tiny_model, max_num_seq=4)  # typo of max_num_seqs
+    with pytest.raises(TypeError):
+        LLM(tiny_model, "cpu")  # every setting is a keyword
+
+
+def test_llm_shows_every_setting_of_the_one_config():
+    """LLM(model, **settings) builds EngineConfig: its signature (what help(LLM) prints) is the config's fields."""
+    from dataclasses import MISSING, fields
+
+    shown = inspect.signature(LLM).parameters
+    settings = {f.name: f.default for f in fields(EngineConfig) if f.init and f.name != "model"}
+    assert list(shown) == ["model", *settings]
+    assert all(shown[name].default == default for name, default in settings.items() if default is not MISSING)
+    assert all(shown[name].kind is inspect.Parameter.KEYWORD_ONLY for name in settings)
+
+
+def test_the_config_is_frozen_and_resolved_before_the_engine_is_built(tiny_model):
+    """One config for every part: the backend, block size and KV block count concrete in it, nothing restated."""
+    import dataclasses
+
+    llm = LLM(tiny_model, device="cpu")
+    config = llm.config
+    assert (config.attention_backend, config.kvcache_block_size) == ("torch", 16)
+    assert config.num_kvcache_blocks == llm.scheduler.block_manager.num_blocks == llm.model_runner.kv_cache.shape[2]
+    assert llm.model_runner.config is config
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.max_num_seqs = 1
+    unresolved = EngineConfig(tiny_model, device="cpu")
+    assert (unresolved.attention_backend, unresolved.kvcache_block_size, unresolved.num_kvcache_blocks) == (
+        "auto",
+        None,
+        None,
+    )
+    assert unresolved.resolved().attention_backend == "torch" and unresolved.attention_backend == "auto"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the defaults of a machine without a GPU")

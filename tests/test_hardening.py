@@ -324,7 +324,8 @@ def test_config_json_is_read_once_per_llm(tiny_model, monkeypatch):
 
 
 def test_engine_config_runs_no_kernel(tiny_model, monkeypatch):
-    """The flash-attn probe belongs to choosing the backend (the model runner), not to building a config."""
+    """The flash-attn probe belongs to resolving the config (`resolved()`, once, before the engine is built), not
+    to making one."""
     from nanoref.config import EngineConfig
     from nanoref.ops import backends
 
