@@ -128,14 +128,14 @@ class ModelRunner:
 
     # -- flat inputs ----------------------------------------------------------------------------
     def prepare_prefill(self, seqs: list[Sequence]) -> StepInputs:
-        flat = seam("prefill_metadata", prefill_metadata)(
+        flat = seam("prefill_metadata", prefill_metadata)(  # (a learner's may return a plain tuple)
             [seq.token_ids for seq in seqs],
             [seq.num_computed_tokens for seq in seqs],  # earlier chunks and prefix-cache hits are already cached
             [seq.num_scheduled_tokens for seq in seqs],
             [seq.block_table for seq in seqs],
             self.block_size,
         )
-        arrays = {name: np.asarray(values, dtype=np.int64) for name, values in flat._asdict().items()}
+        arrays = {name: np.asarray(values, dtype=np.int64) for name, values in zip(PrefillMetadata._fields, flat)}
         if any(seq.num_computed_tokens for seq in seqs):  # history: attention reads its keys through the tables
             arrays["block_tables"] = self.block_tables.padded(seqs)
         max_q = max(seq.num_scheduled_tokens for seq in seqs)
