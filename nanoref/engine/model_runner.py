@@ -97,11 +97,13 @@ class ModelRunner:
         # unseeded requests draw from this (seeded requests from their own): never from (or into) the global RNG.
         # LLM(seed=N) makes their draws repeat from one engine to the next; None: fresh entropy
         self.generator = torch.Generator(device=self.device)
-        self.generator.seed() if config.seed is None else self.generator.manual_seed(config.seed)
+        if config.seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(config.seed)
         self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)  # the decode block tables' width
-        self.block_tables = (
-            BlockTables()
-        )  # every sequence's block table as a row: the block manager's, set by the engine
+        # every sequence's block table as a row of one array: the block manager's, set by the engine
+        self.block_tables = BlockTables()
         self.config = config
         if config.num_kvcache_blocks is None:
             self.config = config.with_kv_blocks(self.count_kv_blocks())
