@@ -208,10 +208,11 @@ def draw(rows: list[dict], path: Path, title: str) -> bool:
         ax.set_xlabel("tokens N")
         ax.grid(color="0.9")
     left.set_yscale("log")
-    left.set_ylabel("time per layer (us)")
+    left.set_ylabel("time per layer (µs)")
     right.set_yscale("log")
     right.axhline(1, color="black", lw=1)
-    right.set_ylabel("speedup over the loop")
+    right.set_ylabel("speedup over the eager loop")
+    right.set_title('dashed "(graph)": replayed from a CUDA graph, against the loop run eagerly', fontsize=8)
     fig.legend(*left.get_legend_handles_labels(), loc="lower center", ncol=3, fontsize=8, frameon=False)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout(rect=(0, 0.12, 1, 1))
@@ -228,7 +229,14 @@ def main() -> None:
     parser.add_argument("--budget", type=float, default=0.5, help="seconds of repetitions per timing (about)")
     parser.add_argument("--out-dir", type=Path, default=ROOT / "benchmarks/results")
     parser.add_argument("--figure-dir", type=Path, default=ROOT / "figures")
+    parser.add_argument("--plot", type=Path, metavar="JSON", help="only redraw the figure of a results file")
     args = parser.parse_args()
+    if args.plot:
+        record = json.loads(args.plot.read_text())
+        shape_text = ", ".join(f"{k} {v}" for k, v in record["shapes"].items())
+        title = f"Qwen3-MoE experts, one layer ({shape_text}), {record['dtype']}, {record['machine']}"
+        draw(record["rows"], args.figure_dir / f"{args.plot.stem}.png", title)
+        return
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         sys.exit("--device cuda, but torch sees no CUDA GPU here (try --device cpu --quick)")
