@@ -23,9 +23,12 @@ from nbclient.exceptions import CellExecutionError  # noqa: E402
 
 from nanoref.classroom import (  # noqa: E402
     NOTEBOOKS_DIR,
+    REPO_ROOT,
     ClassroomError,
+    RunResult,
     build,
     check,
+    check_capstone,
     collect_solutions,
     exercises,
     run_nbgrader,
@@ -166,6 +169,40 @@ def exercise_notebook(path: Path, body: str) -> Path:
     nb.cells = [solution, test]
     nbformat.write(nb, path)
     return path
+
+
+def leaning_on_another_cell(path: Path) -> Path:
+    """A right silu_and_mul whose `F` comes from the notebook's setup cell, not from its own cell."""
+    path = exercise_notebook(path, "gate, up = x.chunk(2, dim=-1)\n    return F.silu(gate) * up")
+    nb = nbformat.read(path, as_version=4)
+    nb.cells.insert(0, nbformat.v4.new_code_cell("import torch.nn.functional as F"))
+    nbformat.write(nb, path)
+    return path
+
+
+ANOTHER_CELL = (
+    "your `silu_and_mul` uses `F`, defined in another cell: an answer must import or define everything it uses"
+)
+
+
+def test_check_fails_an_answer_that_uses_a_name_from_another_cell(tmp_path):
+    """In the notebook's kernel the answer works (F is there); the capstone imports its cell alone, where it would
+    fail deep in the engine. check grades it as the capstone runs it, and says why."""
+    [result] = check(leaning_on_another_cell(tmp_path / "mine.ipynb"))
+    assert not result.passed
+    assert ANOTHER_CELL in result.message, result.message
+
+
+def test_collect_solutions_names_a_name_from_another_cell(tmp_path):
+    leaning_on_another_cell(tmp_path / "mine.ipynb")
+    with pytest.raises(ClassroomError, match=f"mine.ipynb, exercise `silu_and_mul`: {ANOTHER_CELL}"):
+        collect_solutions(tmp_path)
+
+
+def test_collect_solutions_names_a_name_nothing_defines(tmp_path):
+    exercise_notebook(tmp_path / "typo.ipynb", "return torch.nn.functional.silu(gaet) * x")
+    with pytest.raises(ClassroomError, match="your `silu_and_mul` uses `gaet`, which nothing defines"):
+        collect_solutions(tmp_path)
 
 
 def test_check_reports_each_graded_cell(tmp_path):
@@ -351,4 +388,121 @@ def test_a_solution_cell_that_replaces_the_check_gets_no_points(tmp_path, replac
     [result] = check(path)
     assert not result.passed, "a cell that replaced the check got the points"
     # the replacing line raised (so silu_and_mul was never defined), or the check found what was replaced
-    assert result.message.startswith("NameError") or "the check function was replaced" in result.message
+    assert (
+        result.message.startswith("NameError")
+        or "the check function was replaced" in result.message
+        or "its cell fails on its own with AttributeError" in result.message  # graded as the capstone imports it
+    ), result.message
+
+
+# -- the handout --------------------------------------------------------------------------------------------------
+def test_student_copies_carry_the_handout(course):
+    handout = (course / "release" / "nanoref" / "README.md").read_text()
+    for what in (
+        "bash .ci/with-venv",  # the repository's environment
+        'pip install -e "/path/to/nanoref[classroom]"',  # or one's own, with the classroom extra
+        "python -m nanoref.classroom check 07_model_and_sampling.ipynb",
+        "python -m nanoref.classroom check 10_capstone.ipynb",
+        "An answer must import or define everything it uses",
+        "autograde",
+    ):
+        assert what in handout, what
+    # what it names exists
+    assert (REPO_ROOT / ".ci" / "with-venv").is_file()
+    assert "\nclassroom = [" in (REPO_ROOT / "pyproject.toml").read_text()
+
+
+# -- the capstone: check runs it, one line per run ------------------------------------------------------------------
+def test_check_runs_a_capstone_and_reports_each_run_a_failing_one_included(tmp_path):
+    exercise_notebook(
+        tmp_path / "01_mine.ipynb", "gate, up = x.chunk(2, dim=-1)\n    return torch.nn.functional.silu(gate) * up"
+    )
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [
+        nbformat.v4.new_code_cell(
+            "from nanoref.classroom import Runs, collect_solutions\n\nyours = collect_solutions('.')\nruns = Runs()"
+        ),
+        nbformat.v4.new_code_cell("with runs('first') as run:\n    run.message = f'{len(yours)} collected'"),
+        nbformat.v4.new_code_cell(
+            "with runs('second'):\n    raise ValueError('broken')\nwith runs('third'):\n    pass"
+        ),
+        nbformat.v4.new_code_cell("print(runs.verdict())"),
+    ]
+    nbformat.write(nb, tmp_path / "10_mine.ipynb")
+    assert check_capstone(tmp_path / "10_mine.ipynb") == [
+        RunResult("first", True, "1 collected"),
+        RunResult("second", False, "ValueError: broken"),
+        RunResult("third", True, ""),
+    ]
+    cli = subprocess.run(
+        [sys.executable, "-m", "nanoref.classroom", "check", str(tmp_path / "10_mine.ipynb")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert cli.returncode == 1, cli.stderr
+    assert cli.stdout.splitlines() == [
+        "pass  first: 1 collected",
+        "FAIL  second: ValueError: broken",
+        "pass  third",
+        "10_mine.ipynb: 2 / 3 runs pass",
+    ]
+
+
+def test_check_of_a_student_capstone_names_the_exercises_left_to_write(course):
+    *runs, stopped = check_capstone(course / "release" / "nanoref" / "10_capstone.ipynb")
+    assert runs == [] and not stopped.passed and stopped.run == "cell 2", stopped
+    assert stopped.message.startswith("ClassroomError: 15 exercise(s) not written yet")
+    assert stopped.message.endswith("(the cells after it did not run)")
+
+
+def test_check_runs_the_reference_capstone_one_passing_line_per_run():
+    cli = subprocess.run(
+        [sys.executable, "-m", "nanoref.classroom", "check", str(NOTEBOOKS_DIR / "10_capstone.ipynb")],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert cli.returncode == 0, cli.stdout + cli.stderr
+    lines = cli.stdout.splitlines()
+    for run in ("torch, ample memory", "torch, under pressure", "Qwen3-MoE, torch, under pressure"):
+        assert any(line.startswith(f"pass  {run}: ") for line in lines), (run, lines)
+    assert lines[-1] == f"10_capstone.ipynb: {len(lines) - 1} / {len(lines) - 1} runs pass"
+
+
+def stored_lines(cell) -> list[str]:
+    text = []
+    for out in cell.get("outputs", []):
+        text.append(
+            out.get("text", "") if out["output_type"] == "stream" else out.get("data", {}).get("text/plain", "")
+        )
+    return "".join(line if line.endswith("\n") else line + "\n" for line in text).splitlines()
+
+
+def test_the_capstone_counts_calls_during_the_pressure_run():
+    """The pressure run preempts: the victim choice is called there (nbval keeps these stored outputs current)."""
+    nb = nbformat.read(NOTEBOOKS_DIR / "10_capstone.ipynb", as_version=4)
+    [cell] = [c for c in nb.cells if c.cell_type == "code" and "under pressure" in c.source and "its calls" in c.source]
+    lines = stored_lines(cell)
+    pressure = [i for i, line in enumerate(lines) if ", under pressure: " in line and "preemptions" in line]
+    assert pressure, lines
+    for i in pressure:
+        assert " 0 preemptions" not in lines[i]
+        calls = dict(item.split(" x") for item in lines[i + 1].removeprefix("  its calls: ").split(", "))
+        assert int(calls["choose_preemption_victim"]) > 0, lines[i + 1]
+
+
+def test_the_capstone_ends_with_one_pass_or_fail_line():
+    nb = nbformat.read(NOTEBOOKS_DIR / "10_capstone.ipynb", as_version=4)
+    last = nb.cells[-1]
+    assert last.cell_type == "code"
+    [line] = stored_lines(last)
+    assert line.startswith("pass  the capstone: all ") and " runs pass" in line, line
+
+
+def test_check_errors_on_the_capstone_are_one_line(tmp_path):
+    broken = tmp_path / "10_capstone.ipynb"
+    cells = [{"cell_type": "code", "source": "collect_solutions('.')"}]  # a code cell with no outputs or metadata
+    broken.write_text(json.dumps({"cells": cells, "nbformat": 4, "nbformat_minor": 5, "metadata": {}}))
+    assert_one_error_line(*classroom("check", str(broken)), "is not a valid notebook")
+    assert_one_error_line(*classroom("check", str(tmp_path / "none.ipynb")), "no notebook at")

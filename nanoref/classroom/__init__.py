@@ -2,16 +2,21 @@
 
     python -m nanoref.classroom build --out course      # an nbgrader course; student copies in course/release/
     python -m nanoref.classroom check 07_model_and_sampling.ipynb   # does my copy pass? (each graded cell)
+    python -m nanoref.classroom check 10_capstone.ipynb             # the capstone: one line per engine run
 
 An exercise is a solution cell whose nbgrader `grade_id` is `ex_<seam>` (a seam of `nanoref.utils.seams.SEAMS`),
 followed by a locked, graded test cell. nbgrader's own `generate_assignment` turns every solution region into
 `raise NotImplementedError()`; `collect_solutions` gathers a learner's functions from their notebooks so the
-capstone can run the engine with all of them at once.
+capstone can run the engine with all of them at once. Each solution cell runs as a module of its own there (and in
+`check`, which grades exactly what the capstone will run), so an answer must import or define everything it uses.
 """
 
 from __future__ import annotations
 
+import ast
+import builtins
 import contextlib
+import dis
 import importlib.util
 import json
 import os
@@ -21,6 +26,8 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import traceback
+import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,17 +64,84 @@ class Exercise:
     started: bool  # False while the cell still holds nbgrader's `raise NotImplementedError()`
 
 
+def _exercise(cell: dict, notebook: Path) -> Exercise | None:
+    """The exercise a cell holds (a code cell, nbgrader solution, grade_id `ex_<seam>`), else None."""
+    meta = _nbgrader(cell)
+    grade_id = str(meta.get("grade_id", ""))
+    if cell.get("cell_type") != "code" or not meta.get("solution") or not grade_id.startswith("ex_"):
+        return None
+    source = _source(cell)
+    return Exercise(grade_id[3:], notebook, source, started=UNSTARTED not in source)
+
+
 def exercises(notebook: str | Path) -> Iterator[Exercise]:
     """The exercises of one notebook, in order: solution cells whose grade_id is `ex_<seam>`."""
     notebook = Path(notebook)
-    cells = json.loads(notebook.read_text()).get("cells", [])
-    for cell in cells:
-        meta = _nbgrader(cell)
-        grade_id = str(meta.get("grade_id", ""))
-        if cell.get("cell_type") != "code" or not meta.get("solution") or not grade_id.startswith("ex_"):
-            continue
-        source = _source(cell)
-        yield Exercise(grade_id[3:], notebook, source, started=UNSTARTED not in source)
+    for cell in json.loads(notebook.read_text()).get("cells", []):
+        exercise = _exercise(cell, notebook)
+        if exercise is not None:
+            yield exercise
+
+
+def _functions_of(module: types.ModuleType) -> Iterator[types.FunctionType]:
+    """The functions a module file defines (a @triton.jit kernel keeps its Python function in `.fn`)."""
+    for value in vars(module).values():
+        function = value if isinstance(value, types.FunctionType) else getattr(value, "fn", None)
+        if isinstance(function, types.FunctionType) and function.__module__ == module.__name__:
+            yield function
+
+
+def _globals_read(code: types.CodeType) -> Iterator[str]:
+    """The global names a function's code reads, nested functions and lambdas included."""
+    for instruction in dis.get_instructions(code):
+        if instruction.opname == "LOAD_GLOBAL":
+            yield instruction.argval
+    for constant in code.co_consts:
+        if isinstance(constant, types.CodeType):
+            yield from _globals_read(constant)
+
+
+def _names_bound_at_top(source: str) -> set[str]:
+    """The names a cell binds in the notebook's namespace (imports, defs, assignments; not inside functions)."""
+    code = "\n".join("" if line.lstrip().startswith(("%", "!")) else line for line in source.splitlines())
+    try:
+        tree = ast.parse(code)
+    except SyntaxError:
+        return set()
+    names: set[str] = set()
+    nodes: list[ast.AST] = list(tree.body)
+    while nodes:
+        node = nodes.pop()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)  # its body binds names of its own scope: not the notebook's
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update((alias.asname or alias.name).split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif not isinstance(node, (ast.Lambda, ast.GeneratorExp, ast.ListComp, ast.SetComp, ast.DictComp)):
+            nodes.extend(ast.iter_child_nodes(node))
+    return names
+
+
+def _defined_in_other_cells(exercise: Exercise) -> set[str]:
+    cells = _read_notebook(exercise.notebook)["cells"]
+    sources = [_source(c) for c in cells if c.get("cell_type") == "code" and _source(c) != exercise.source]
+    return set().union(*map(_names_bound_at_top, sources))
+
+
+def _unbound_names(exercise: Exercise, module: types.ModuleType) -> str:
+    """'' when every global name the cell's functions read is the cell's own or a builtin, else what is missing."""
+    for function in sorted(_functions_of(module), key=lambda f: f.__name__ != exercise.seam):  # the seam's first
+        missing = [n for n in dict.fromkeys(_globals_read(function.__code__)) if n not in vars(module)]
+        missing = [name for name in missing if not hasattr(builtins, name)]
+        if missing:
+            elsewhere = _defined_in_other_cells(exercise)
+            uses = "; ".join(
+                f"`{name}`, " + ("defined in another cell" if name in elsewhere else "which nothing defines")
+                for name in missing
+            )
+            return f"your `{function.__name__}` uses {uses}"
+    return ""
 
 
 def _import_cell(exercise: Exercise, folder: Path) -> Callable:
@@ -86,6 +160,14 @@ def _import_cell(exercise: Exercise, folder: Path) -> Callable:
             f"{exercise.notebook.name}, exercise `{exercise.seam}`: its cell fails on its own with "
             f"{type(error).__name__}: {error} (a solution cell must import what it needs at its top)"
         ) from None
+    # a name from another cell raises NameError only when the function runs, deep in the engine: found here instead
+    unbound = _unbound_names(exercise, module)
+    if unbound:
+        del sys.modules[module_name]
+        raise ClassroomError(
+            f"{exercise.notebook.name}, exercise `{exercise.seam}`: {unbound}: an answer must import or define "
+            "everything it uses"
+        )
     # a tensor-parallel engine sends the learner's functions to its worker processes, which cannot import this
     # module file: cloudpickle sends them by value instead
     cloudpickle.register_pickle_by_value(module)
@@ -122,6 +204,16 @@ def collect_solutions(folder: str | Path = ".", *, allow_unstarted: bool = False
     return {e.seam: _import_cell(e, _modules_folder()) for e in found if e.started}
 
 
+def own_module(notebook: str | Path, seam: str) -> Callable:
+    """The function of exercise `seam` of `notebook`, its cell imported as a module of its own, exactly as
+    collect_solutions imports it for the capstone (`check` rebinds each answer to this before its graded cells)."""
+    notebook = Path(notebook)
+    found = [exercise for exercise in exercises(notebook) if exercise.seam == seam]
+    if not found:
+        raise ClassroomError(f"{notebook.name} has no exercise `{seam}`")
+    return _import_cell(found[0], _modules_folder())
+
+
 _MODULES: list[tempfile.TemporaryDirectory] = []  # (a list, made once: no module name is rebound after import)
 
 
@@ -143,6 +235,57 @@ c.CourseDirectory.course_id = {course_id!r}  # the course folder is the one nbgr
 c.ClearSolutions.code_stub = {{"python": "# YOUR CODE HERE\\nraise NotImplementedError()"}}
 c.Execute.timeout = 600
 c.CourseDirectory.ignore = [".ipynb_checkpoints", "*.pyc", "__pycache__", "feedback", {marker!r}]  # not for students
+"""
+
+# the student README of the release folder (build writes it into the source folder; nbgrader copies it)
+HANDOUT = """\
+# nanoref: build an LLM inference engine, one piece at a time
+
+Each notebook explains one stage of a Nano-vLLM-style inference engine for Qwen3 with nanoref's real code, then
+asks you for one or more of its functions. A solution cell holds `raise NotImplementedError()` until you replace
+it; the locked test cell after it checks your function alone on random inputs, then runs the real engine with it
+in place and compares every generated token with HF transformers. `10_capstone.ipynb` runs the engine with all of
+your functions at once.
+
+## The environment
+
+Either the nanoref repository's own environment (a checkout of it; `.venv` is built on first use):
+
+    bash .ci/with-venv python -m nanoref "Beautiful is better than"    # in the checkout: builds .venv, then runs
+    /path/to/nanoref/.venv/bin/jupyter lab                            # in this folder
+
+or an environment of your own with PyTorch and nanoref with its `classroom` extra (nbgrader, nbclient, nbformat):
+
+    pip install -e "/path/to/nanoref[classroom]"
+
+Everything runs on a CPU (the Triton notebooks, 03 and 04, under Triton's interpreter on Linux).
+
+## The rule for every answer
+
+A solution cell is graded, and used by the capstone, on its own: it is imported as a module of its own, without
+the notebook's other cells. **An answer must import or define everything it uses**, with its imports at its top
+(`import torch`, `from nanoref.ops.attention_torch import gather_paged`, ...), even what an earlier cell imported.
+
+## Checking your work
+
+From this folder, with the environment's Python:
+
+    python -m nanoref.classroom check 07_model_and_sampling.ipynb
+
+runs the notebook top to bottom (the file is not changed) with each answer imported on its own, as the capstone
+imports it, and prints every graded cell as `pass` or `FAIL` with the check's message, and your points.
+`python -m nanoref.classroom check 10_capstone.ipynb` runs the capstone with all of your answers and prints one
+`pass` or `FAIL` line per engine run. (Through the repository's script, give the notebook's full path:
+`bash .ci/with-venv python -m nanoref.classroom check "$PWD/07_model_and_sampling.ipynb"`, since it runs from
+the checkout.)
+
+## How it is graded
+
+Your instructor collects the notebooks and runs nbgrader's `autograde`: it puts back the locked test cells (and
+any hidden tests) as they were handed out, runs each notebook from the top, and gives a graded cell its points
+when it runs without an error. The capstone has no points of its own: it runs the engine on all of your answers
+together (ample memory and under pressure, on the torch and Triton backends, a Qwen3-MoE and two tensor-parallel
+ranks), so an answer that passes its own test but leans on another cell fails there.
 """
 
 # files the notebooks read, relative to the repository root; copied next to the notebooks in the course
@@ -255,6 +398,7 @@ def build(
         source.mkdir(parents=True)
         (source / BUILT_MARKER).write_text("made by `python -m nanoref.classroom build`; a rebuild replaces it\n")
         (out / "nbgrader_config.py").write_text(NBGRADER_CONFIG.format(course_id=COURSE_ID, marker=BUILT_MARKER))
+        (source / "README.md").write_text(HANDOUT)
         for name, content in contents.items():
             (source / name).write_text(json.dumps(content, indent=1, ensure_ascii=False) + "\n")
         for folder in SUPPORT_FOLDERS:
@@ -303,18 +447,10 @@ def _quiet_nbformat() -> Iterator[None]:
         logger.setLevel(level)
 
 
-def check(notebook: str | Path, *, timeout: int = 600) -> list[CellResult]:
-    """Run `notebook` top to bottom in its own folder (its file is left untouched) and report each graded cell.
-
-    A graded cell that fails, times out, or never ran (an earlier cell timed out or killed the kernel) fails; so
-    does every graded cell of the course's notebook of this name that is missing from this one. A file that is not
-    a valid notebook, or a notebook with nothing to grade, is a ClassroomError.
-    """
+def _valid_notebook(notebook: Path):
+    """The notebook as nbformat's node, or a ClassroomError that says what is wrong with the file."""
     import nbformat
-    from nbclient import NotebookClient
-    from nbclient.exceptions import CellTimeoutError, DeadKernelError
 
-    notebook = Path(notebook)
     content = _read_notebook(notebook)
     try:
         with _quiet_nbformat():  # reads logs a schema error and carries on: validate below raises it
@@ -323,26 +459,69 @@ def check(notebook: str | Path, *, timeout: int = 600) -> list[CellResult]:
     except (nbformat.ValidationError, ValueError, KeyError, TypeError) as error:
         message = getattr(error, "message", None) or str(error)
         raise ClassroomError(f"{notebook} is not a valid notebook: {message.splitlines()[0]}") from None
-    expected = expected_grade_ids(notebook)
-    graded = _graded_cells(nb.cells)
-    if not graded and not expected:
-        raise ClassroomError(f"{notebook} has no graded cells: nothing to check")
+    return nb
+
+
+def _execute(nb, notebook: Path, timeout: int, *, allow_errors: bool) -> tuple[int, str]:
+    """Run `nb` in `notebook`'s folder; (the index of the cell it stopped at, why), or (len(cells), '') when every
+    cell ran. Without allow_errors, the first cell that raises stops it."""
+    from nbclient import NotebookClient
+    from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
+
     running: list[int] = []  # the index of the cell being run (nbclient's hook), to name one that never finished
     client = NotebookClient(
         nb,
         timeout=timeout,
         kernel_name="python3",
-        allow_errors=True,
+        allow_errors=allow_errors,
         resources={"metadata": {"path": str(notebook.resolve().parent)}},
         on_cell_start=lambda cell, cell_index: running.append(cell_index),
     )
-    stopped, why = len(nb.cells), ""
     try:
         client.execute()
     except CellTimeoutError:
-        stopped, why = running[-1], f"did not finish within --timeout {timeout} s"
+        return running[-1], f"did not finish within --timeout {timeout} s"
     except DeadKernelError:
-        stopped, why = running[-1], "the kernel died while it ran (a crash, or the process exited)"
+        return running[-1], "the kernel died while it ran (a crash, or the process exited)"
+    except CellExecutionError as error:
+        return running[-1], f"{error.ename}: {error.evalue}".strip()
+    return len(nb.cells), ""
+
+
+def _as_the_capstone_runs_it(cells: list, notebook: Path) -> None:
+    """Make each graded cell after a written exercise first rebind the answer to its cell imported as a module of
+    its own (own_module), so the check grades what the capstone will run: a name the answer takes from another
+    cell fails here, not deep in the capstone's engine. Only this in-memory copy changes."""
+    seam = None
+    for cell in cells:
+        exercise = _exercise(cell, notebook)
+        if exercise is not None:
+            seam = exercise.seam if exercise.started else None
+        elif seam and cell.get("cell_type") == "code" and _nbgrader(cell).get("grade"):
+            cell["source"] = (
+                f"{seam} = __import__('nanoref.classroom', fromlist=['own_module']).own_module("
+                f"{str(notebook.resolve())!r}, {seam!r})  # your answer as the capstone runs it\n" + _source(cell)
+            )
+
+
+def check(notebook: str | Path, *, timeout: int = 600) -> list[CellResult]:
+    """Run `notebook` top to bottom in its own folder (its file is left untouched) and report each graded cell.
+
+    Each written answer is graded as the capstone runs it: its cell imported as a module of its own. A graded
+    cell that fails, times out, or never ran (an earlier cell timed out or killed the kernel) fails; so does every
+    graded cell of the course's notebook of this name that is missing from this one. A file that is not a valid
+    notebook, or a notebook with nothing to grade, is a ClassroomError.
+    """
+    notebook = Path(notebook)
+    nb = _valid_notebook(notebook)
+    expected = expected_grade_ids(notebook)
+    graded = _graded_cells(nb.cells)
+    if not graded and not expected:
+        if is_capstone(notebook):
+            raise ClassroomError(f"{notebook} is a capstone, with no graded cells: check_capstone runs it")
+        raise ClassroomError(f"{notebook} has no graded cells: nothing to check")
+    _as_the_capstone_runs_it(nb.cells, notebook)
+    stopped, why = _execute(nb, notebook, timeout, allow_errors=True)
     results = []
     for index, cell in graded:
         meta = _nbgrader(cell)
@@ -365,6 +544,113 @@ def check(notebook: str | Path, *, timeout: int = 600) -> list[CellResult]:
             message = f"missing: the course's {notebook.name} has this graded cell; restore it from the student copy"
             results.append(CellResult(grade_id, points, False, message))
     return results
+
+
+# -- the capstone: one line per engine run -----------------------------------------------------------------------
+RUN_MIME = "application/vnd.nanoref.capstone-run+json"  # how a run's result travels from the kernel to `check`
+
+
+@dataclass
+class RunResult:
+    run: str  # what ran, e.g. "torch, under pressure"
+    passed: bool
+    message: str  # what it showed, or the error that stopped it
+
+    def line(self) -> str:
+        return f"{'pass' if self.passed else 'FAIL'}  {self.run}" + (f": {self.message}" if self.message else "")
+
+
+class Runs:
+    """The capstone's engine runs, each one pass/fail line; a failing run does not stop the notebook.
+
+    runs = Runs()
+    with runs("torch, under pressure") as run:
+        ...                                  # raises: FAIL with the error (its traceback on stderr)
+        run.message = "2 preemptions"        # what a passing run shows
+    print(runs.verdict())                    # one line for all of them
+    """
+
+    def __init__(self) -> None:
+        self.results: list[RunResult] = []
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[RunResult]:
+        result = RunResult(name, True, "")
+        try:
+            yield result
+        except Exception as error:  # the next run still runs; the learner gets the whole traceback to read
+            traceback.print_exc()
+            result.passed, result.message = False, f"{type(error).__name__}: {error}".strip()
+        self.results.append(result)
+        _show_run(result)
+
+    def verdict(self) -> str:
+        failed = [r.run for r in self.results if not r.passed]
+        if not self.results:
+            return "FAIL  the capstone: no run finished"
+        if failed:
+            return f"FAIL  the capstone: {len(failed)} of {len(self.results)} runs failed ({'; '.join(failed)})"
+        return (
+            f"pass  the capstone: all {len(self.results)} runs pass: the engine you have been reading is also one "
+            "you have written, and it generates, token for token, what HF transformers generates"
+        )
+
+
+def _show_run(result: RunResult) -> None:
+    """The run's line; in a Jupyter kernel also its fields under RUN_MIME, which `check` reads back."""
+    from dataclasses import asdict
+
+    try:
+        from IPython import get_ipython
+        from IPython.display import display
+    except ImportError:
+        get_ipython = None
+    if get_ipython is None or get_ipython() is None:
+        print(result.line())
+        return
+    display({"text/plain": result.line(), RUN_MIME: asdict(result)}, raw=True)
+
+
+def is_capstone(notebook: str | Path) -> bool:
+    """A capstone collects the folder's solutions and runs the engine on them (notebook 10)."""
+    cells = _read_notebook(Path(notebook))["cells"]
+    return any(c.get("cell_type") == "code" and "collect_solutions(" in _source(c) for c in cells)
+
+
+def check_capstone(notebook: str | Path, *, timeout: int = 600) -> list[RunResult]:
+    """Run the capstone `notebook` top to bottom in its own folder, with the solutions of that folder, and report
+    each engine run. A cell that raises outside a run (collecting the solutions, say) stops it and fails."""
+    notebook = Path(notebook)
+    nb = _valid_notebook(notebook)
+    stopped, why = _execute(nb, notebook, timeout, allow_errors=False)
+    results = [
+        RunResult(**out["data"][RUN_MIME])
+        for cell in nb.cells[:stopped]
+        for out in cell.get("outputs", [])
+        if out.get("output_type") == "display_data" and RUN_MIME in out.get("data", {})
+    ]
+    if stopped < len(nb.cells):
+        results.append(RunResult(f"cell {stopped + 1}", False, f"{why} (the cells after it did not run)"))
+    elif not results:
+        results.append(RunResult("the capstone", False, "no run finished"))
+    return results
+
+
+def run_check(notebook: Path, *, timeout: int = 600) -> int:
+    """`python -m nanoref.classroom check`: print the report; exit status 0 when everything passes, else 1."""
+    if not notebook.is_file():
+        raise ClassroomError(f"no notebook at {notebook}")
+    if is_capstone(notebook):
+        return _report_runs(notebook, check_capstone(notebook, timeout=timeout))
+    return _report(notebook, check(notebook, timeout=timeout))
+
+
+def _report_runs(notebook: Path, results: list[RunResult]) -> int:
+    for result in results:
+        print(result.line())
+    passed = sum(r.passed for r in results)
+    print(f"{notebook.name}: {passed} / {len(results)} runs pass")
+    return 0 if passed == len(results) else 1
 
 
 def _report(notebook: Path, results: list[CellResult]) -> int:

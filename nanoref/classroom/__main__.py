@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from nanoref.classroom import COURSE_ID, NOTEBOOKS_DIR, ClassroomError, _report, build, check
+from nanoref.classroom import COURSE_ID, NOTEBOOKS_DIR, ClassroomError, build, run_check
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -17,7 +17,9 @@ def main(argv: list[str] | None = None) -> int:
     build_parser.add_argument("--notebooks", type=Path, default=NOTEBOOKS_DIR, help="where the reference notebooks are")
     build_parser.add_argument("--assignment", default=COURSE_ID, help=f"the assignment's name (default {COURSE_ID})")
     build_parser.add_argument("--only", nargs="+", metavar="NAME", help="only these notebooks (names or prefixes)")
-    check_parser = commands.add_parser("check", help="run a notebook and report each graded cell")
+    check_parser = commands.add_parser(
+        "check", help="run a notebook and report each graded cell (the capstone: each engine run)"
+    )
     check_parser.add_argument("notebook", type=Path)
     check_parser.add_argument("--timeout", type=int, default=600, help="seconds per cell")
     args = parser.parse_args(argv)
@@ -30,9 +32,7 @@ def main(argv: list[str] | None = None) -> int:
             for path in students:
                 print(f"  {path.name}")
             return 0
-        if not args.notebook.is_file():
-            raise ClassroomError(f"no notebook at {args.notebook}")
-        return _report(args.notebook, check(args.notebook, timeout=args.timeout))
+        return run_check(args.notebook, timeout=args.timeout)
     except ClassroomError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
