@@ -45,6 +45,12 @@ def float_mask(input_ids, weight, vocab_start, vocab_end):  # right values, but 
     return F.embedding((input_ids - vocab_start) * mine, weight) * mine[:, None].float()
 
 
+def range_by_table_size(input_ids, weight, vocab_start, vocab_end):  # ids up to the table's end count as mine
+    local = input_ids - vocab_start
+    mine = (local >= 0) & (local < weight.shape[0])
+    return F.embedding(local * mine, weight) * mine[:, None].to(weight.dtype)
+
+
 def extra_axis(input_ids, weight, vocab_start, vocab_end):
     return vocab_parallel_embed(input_ids, weight, vocab_start, vocab_end)[:, None]
 
@@ -93,6 +99,10 @@ def test_checks_accept_nanorefs_own_function():
         (padding_row, "sending other ranks. ids to the last row"),
         (float_mask, "dtype torch.float32, expected torch.bfloat16"),
         (extra_axis, "returned shape"),
+        (
+            range_by_table_size,
+            "holds padding row .*: test the ids against \\[vocab_start, vocab_end\\), not the table's size",
+        ),
         (in_place, "changed its input_ids in place"),
     ],
 )
