@@ -1,8 +1,9 @@
 """Checks for notebook 08's exercise: the vocab-parallel embedding lookup, one rank's share.
 
 The check runs the learner's function alone for the shards of small vocabularies split over 2 and 4 ranks (the
-first shard, a middle one, the last one with its padding rows, a rank none of whose ids come up), then inside a
-real two-process engine (tensor_parallel_size=2, gloo on the CPU), where every rank calls it, against HF.
+first shard, a middle one, the last one with its padding rows, a rank none of whose ids come up, and tables padded
+on every rank, so that the next rank's ids fall within the table's size), then inside a real two-process engine
+(tensor_parallel_size=2, gloo on the CPU), where every rank calls it, against HF.
 """
 
 from __future__ import annotations
