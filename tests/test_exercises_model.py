@@ -102,7 +102,7 @@ def top_p_strict(logits, top_k, top_p):
     ],
 )
 def test_checks_name_the_mistake(check, wrong, message):
-    with pytest.raises(ExerciseFailure, match=message) as failure:
+    with pytest.raises(ExerciseFailure, match="(?s)" + message) as failure:
         check(wrong, engine=False)
     assert_readable_failure(failure.value)
 

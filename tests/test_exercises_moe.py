@@ -107,8 +107,9 @@ def in_place(hidden, topk_weights, topk_ids, w_gate_up, w_down):
     ],
 )
 def test_wrong_moe_experts_fails_with_a_message(wrong, message):
-    with pytest.raises(ExerciseFailure, match=message):
+    with pytest.raises(ExerciseFailure, match="(?s)" + message) as failure:
         check_moe_experts(wrong, engine=False)
+    assert_readable_failure(failure.value)
 
 
 def test_a_wrong_expert_loop_changes_generation():
@@ -175,8 +176,9 @@ def least_probable(hidden, router_weight, top_k, norm_topk_prob):
     ],
 )
 def test_wrong_moe_route_fails_with_a_message(wrong, message):
-    with pytest.raises(ExerciseFailure, match=message):
+    with pytest.raises(ExerciseFailure, match="(?s)" + message) as failure:
         check_moe_route(wrong, engine=False)
+    assert_readable_failure(failure.value)
 
 
 def softmax_in_input_dtype(hidden, router_weight, top_k, norm_topk_prob):

@@ -40,8 +40,9 @@ def wrong_axis(x, weight, eps):
     ],
 )
 def test_wrong_rms_norm_fails_with_a_message(wrong, message):
-    with pytest.raises(ExerciseFailure, match=message):
+    with pytest.raises(ExerciseFailure, match="(?s)" + message) as failure:
         check_rms_norm(wrong, engine=False)
+    assert_readable_failure(failure.value)
 
 
 def swapped(x, residual, weight, eps):
@@ -74,8 +75,9 @@ def in_place(x, residual, weight, eps):
     ],
 )
 def test_wrong_add_rms_norm_fails_with_a_message(wrong, message):
-    with pytest.raises(ExerciseFailure, match=message):
+    with pytest.raises(ExerciseFailure, match="(?s)" + message) as failure:
         check_add_rms_norm(wrong, engine=False)
+    assert_readable_failure(failure.value)
 
 
 def weight_in_float32(x, weight, eps):
@@ -111,3 +113,10 @@ def test_nanorefs_own_norms_pass_the_rounding_checks_on_other_draws():
     for seed in range(5):
         check_rms_norm(rms_norm, seed=seed, engine=False)
         check_add_rms_norm(add_rms_norm, seed=seed, engine=False)
+
+
+def test_a_long_first_line_breaks_after_its_last_clause_that_fits():
+    message = "case: " + "x" * 150 + ". the rule comes next, " + "y" * 100 + "\nvalues"
+    lines = str(ExerciseFailure(message)).splitlines()
+    assert lines == ["case: " + "x" * 150 + ".", "the rule comes next, " + "y" * 100, "values"]
+    assert str(ExerciseFailure("short: as it is\nvalues")) == "short: as it is\nvalues"

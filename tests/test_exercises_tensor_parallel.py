@@ -15,7 +15,7 @@ from nanoref.testing import make_tiny_qwen3
 from nanoref.utils import seams
 from nanoref.utils.parallel import shard_range
 
-from .helpers import random_prompts
+from .helpers import assert_readable_failure, random_prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
@@ -107,8 +107,9 @@ def test_checks_accept_nanorefs_own_function():
     ],
 )
 def test_checks_name_the_mistake(wrong, message):
-    with pytest.raises(ExerciseFailure, match=message):
+    with pytest.raises(ExerciseFailure, match="(?s)" + message) as failure:
         check_vocab_parallel_embed(wrong, engine=False)
+    assert_readable_failure(failure.value)
 
 
 def test_an_unwritten_exercise_raises_not_implemented():

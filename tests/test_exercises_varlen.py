@@ -52,7 +52,7 @@ def variant(
     ],
 )  # fmt: skip
 def test_wrong_answers_fail_with_a_message(wrong, message):
-    with pytest.raises(ExerciseFailure, match=message) as failure:
+    with pytest.raises(ExerciseFailure, match="(?s)" + message) as failure:
         check_prefill_metadata(wrong, engine=False)
     assert_readable_failure(failure.value)
 
@@ -67,7 +67,7 @@ def test_wrong_answers_fail_with_a_message(wrong, message):
 )
 def test_an_off_by_one_on_a_sequence_without_cached_tokens_is_called_one(wrong, message):
     # sequence 0 is a fresh prompt: its keys are its new tokens, so "did you count the cached tokens?" would mislead
-    with pytest.raises(ExerciseFailure, match=message) as failure:
+    with pytest.raises(ExerciseFailure, match="(?s)" + message) as failure:
         check_prefill_metadata(wrong, engine=False)
     assert "prefix-cached" not in str(failure.value)
     assert_readable_failure(failure.value)

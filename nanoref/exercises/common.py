@@ -21,7 +21,27 @@ class ExerciseFailure(AssertionError):
     """An exercise's answer is wrong; the message says where and what to look at.
 
     Its first line names the rule that was broken and stays short (nbgrader's report keeps little more than
-    it); values, shapes and the learner's source line follow on the next lines."""
+    it); values, shapes and the learner's source line follow on the next lines. A first line longer than
+    FIRST_LINE is broken at its last clause that fits, so no message loses its point to a cut."""
+
+    def __init__(self, message: str = "") -> None:
+        super().__init__(fit_first_line(message))
+
+
+FIRST_LINE = 200  # characters
+
+
+def fit_first_line(message: str, width: int = FIRST_LINE) -> str:
+    """`message` with its first line broken after the last '. ', '; ' or ': ' within `width` characters (else the
+    last space), the rest moved to the next line; a message whose first line fits is returned as it is."""
+    first, newline, rest = message.partition("\n")
+    if len(first) <= width:
+        return message
+    cut = max(first.rfind(mark, 0, width) for mark in (". ", "; ", ": "))
+    cut = cut + 1 if cut > 0 else first.rfind(" ", 0, width)
+    if cut <= 0:
+        return message
+    return first[:cut] + "\n" + fit_first_line(first[cut:].lstrip() + newline + rest, width)
 
 
 # where code that is not the learner's lives: nanoref, torch, the installed packages and the standard library
