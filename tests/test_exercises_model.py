@@ -23,6 +23,8 @@ from nanoref.layers.rotary import apply_rotary
 from nanoref.layers.sampler import apply_top_k_top_p
 from nanoref.utils import seams
 
+from .helpers import assert_readable_failure
+
 
 def counting(function, calls):
     def wrapper(*args):
@@ -91,12 +93,65 @@ def top_p_strict(logits, top_k, top_p):
         (check_silu_and_mul, lambda x: F.silu(x.chunk(2, -1)[1]) * x.chunk(2, -1)[0], "first half of x is the gate"),
         (check_silu_and_mul, lambda x: torch.sigmoid(x.chunk(2, -1)[0]) * x.chunk(2, -1)[1], "sigmoid"),
         (check_apply_top_k_top_p, lambda logits, k, p: logits, "row 1 \\(top_k=5"),
-        (check_apply_top_k_top_p, top_p_strict, "top_p="),
+        (
+            check_apply_top_k_top_p,
+            top_p_strict,
+            "top_p=0.7.*you drop the token that crosses top_p: keep a token "
+            "while the tokens ranked above it have probability < top_p",
+        ),
     ],
 )
 def test_checks_name_the_mistake(check, wrong, message):
-    with pytest.raises(ExerciseFailure, match=message):
+    with pytest.raises(ExerciseFailure, match="(?s)" + message) as failure:
         check(wrong, engine=False)
+    assert_readable_failure(failure.value)
+
+
+def rotary_in_bf16(x, cos, sin):
+    # neox halves, right signs, but the products and sums in x's dtype (cos and sin cast down to it)
+    x1, x2 = x.chunk(2, dim=-1)
+    cos, sin = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def test_a_rotary_computed_in_bf16_fails_naming_the_float32_rule():
+    with pytest.raises(ExerciseFailure, match="RoPE must rotate in float32") as failure:
+        check_apply_rotary(rotary_in_bf16, engine=False)
+    assert_readable_failure(failure.value)
+
+
+def rotary_without_head_axis(x, cos, sin):
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)  # cos is (N, D/2): no head axis
+
+
+def test_an_exception_in_the_learners_function_names_their_line_and_the_fix():
+    with pytest.raises(ExerciseFailure) as failure:
+        check_apply_rotary(rotary_without_head_axis, engine=False)
+    message = str(failure.value)
+    first = message.splitlines()[0]
+    line = rotary_without_head_axis.__code__.co_firstlineno + 2
+    assert f"raised RuntimeError at test_exercises_model.py:{line}, in rotary_without_head_axis" in first
+    assert "add a head axis, cos[:, None, :]" in first
+    assert "return torch.cat((x1 * cos - x2 * sin" in message  # the learner's source line
+    assert "must match the size of tensor" in message  # torch's own words, after
+    assert_readable_failure(failure.value)
+
+
+def top_p_without_off(logits, top_k, top_p):
+    # the nucleus rule right, but top_p 1.0 used as a threshold too: a float32 cumsum can reach 1.0 early
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    probs = sorted_logits.softmax(dim=-1)
+    drop = probs.cumsum(dim=-1) - probs >= top_p[:, None]
+    ranks = torch.arange(logits.shape[-1])[None, :]
+    drop |= ranks >= torch.where(top_k > 0, top_k, logits.shape[-1])[:, None]
+    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+
+
+def test_a_top_p_that_treats_one_as_a_threshold_fails_on_a_long_tail():
+    with pytest.raises(ExerciseFailure, match="top_k=0, top_p=1.0, 1024 tokens.*top_p=1.0 means off") as failure:
+        check_apply_top_k_top_p(top_p_without_off, engine=False)
+    assert_readable_failure(failure.value)
 
 
 def test_seeded_check_catches_a_masking_that_only_differs_inside_the_engine():

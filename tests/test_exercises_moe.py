@@ -13,6 +13,8 @@ from nanoref.layers.activation import silu_and_mul
 from nanoref.models.qwen3_moe import moe_experts, route
 from nanoref.utils import seams
 
+from .helpers import assert_readable_failure
+
 
 @pytest.mark.parametrize("name, default", [("moe_route", route), ("moe_experts", moe_experts)])
 def test_the_engine_calls_each_moe_seam_only_inside_use(name, default):
@@ -105,8 +107,9 @@ def in_place(hidden, topk_weights, topk_ids, w_gate_up, w_down):
     ],
 )
 def test_wrong_moe_experts_fails_with_a_message(wrong, message):
-    with pytest.raises(ExerciseFailure, match=message):
+    with pytest.raises(ExerciseFailure, match="(?s)" + message) as failure:
         check_moe_experts(wrong, engine=False)
+    assert_readable_failure(failure.value)
 
 
 def test_a_wrong_expert_loop_changes_generation():
@@ -173,8 +176,29 @@ def least_probable(hidden, router_weight, top_k, norm_topk_prob):
     ],
 )
 def test_wrong_moe_route_fails_with_a_message(wrong, message):
-    with pytest.raises(ExerciseFailure, match=message):
+    with pytest.raises(ExerciseFailure, match="(?s)" + message) as failure:
         check_moe_route(wrong, engine=False)
+    assert_readable_failure(failure.value)
+
+
+def softmax_in_input_dtype(hidden, router_weight, top_k, norm_topk_prob):
+    # the softmax, the top-k and the renormalisation in bf16: close probabilities round to equal values
+    logits = F.linear(hidden, router_weight)
+    weights, ids = logits.softmax(dim=-1).topk(top_k, dim=-1)
+    if norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return logits, weights, ids
+
+
+def test_a_router_softmax_in_bf16_fails_naming_the_float32_rule():
+    with pytest.raises(ExerciseFailure, match="bfloat16 .*the router's softmax must run in float32") as failure:
+        check_moe_route(softmax_in_input_dtype, engine=False)
+    assert_readable_failure(failure.value)
+
+
+def test_nanorefs_router_passes_on_other_draws():
+    for seed in range(5):
+        check_moe_route(route, seed=seed, engine=False)
 
 
 def test_a_wrong_router_changes_generation():

@@ -11,12 +11,14 @@ import torch.nn.functional as F
 from nanoref.exercises import ExerciseFailure, check_merge_splits, check_paged_decode_attention
 from nanoref.ops import attention_torch
 
+from .helpers import assert_readable_failure
 
-def decode_variant(*, mask_length=True, use_table=True, gqa_interleave=True, scaled=True):
+
+def decode_variant(*, mask_length=True, use_table=True, gqa_interleave=True, scaled=True, own_scale=False):
     """A torch paged decode attention with one of the usual mistakes switched on."""
 
     def attention(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale=None, causal=True):
-        scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+        scale = softmax_scale if softmax_scale is not None and not own_scale else 1.0 / math.sqrt(q.shape[-1])
         group = q.shape[2] // k_cache.shape[2]  # query heads per KV head
         out = torch.empty_like(q)
         for b in range(q.shape[0]):
@@ -45,12 +47,14 @@ def test_nanorefs_own_functions_pass_with_the_engine():
         (decode_variant(mask_length=False), "sequence 0 .*mask the positions >= cache_seqlens"),
         (decode_variant(use_table=False), "block_table\\[b, p // block_size\\]"),
         (decode_variant(gqa_interleave=False), "KV head h // \\(H // Hk\\)"),
-        (decode_variant(scaled=False), "not scaled"),
+        (decode_variant(scaled=False), "scaled by no scale at all: use softmax_scale=0.3"),
+        (decode_variant(own_scale=True), "scaled by 1/sqrt\\(head_dim\\): use softmax_scale=0.3"),
     ],
 )
 def test_wrong_decode_attention_fails_with_a_message(wrong, message):
-    with pytest.raises(ExerciseFailure, match=message):
+    with pytest.raises(ExerciseFailure, match="(?s)" + message) as failure:
         check_paged_decode_attention(wrong, engine=False)
+    assert_readable_failure(failure.value)
 
 
 def merge_variant(*, base=2.0, subtract_max=True, normalise=True, write=True):
@@ -81,7 +85,7 @@ def test_a_torch_merge_passes_with_the_engine():
     ],
 )
 def test_wrong_merge_fails_with_a_message(wrong, message):
-    with pytest.raises(ExerciseFailure, match=message):
+    with pytest.raises(ExerciseFailure, match="(?s)" + message):
         check_merge_splits(wrong, engine=False)
 
 

@@ -8,6 +8,8 @@ import torch
 from nanoref.exercises import ExerciseFailure, check_add_rms_norm, check_rms_norm
 from nanoref.layers.layernorm import add_rms_norm, rms_norm
 
+from .helpers import assert_readable_failure
+
 
 def test_nanorefs_own_functions_pass_with_the_engine():
     check_rms_norm(rms_norm)
@@ -38,8 +40,9 @@ def wrong_axis(x, weight, eps):
     ],
 )
 def test_wrong_rms_norm_fails_with_a_message(wrong, message):
-    with pytest.raises(ExerciseFailure, match=message):
+    with pytest.raises(ExerciseFailure, match="(?s)" + message) as failure:
         check_rms_norm(wrong, engine=False)
+    assert_readable_failure(failure.value)
 
 
 def swapped(x, residual, weight, eps):
@@ -72,5 +75,48 @@ def in_place(x, residual, weight, eps):
     ],
 )
 def test_wrong_add_rms_norm_fails_with_a_message(wrong, message):
-    with pytest.raises(ExerciseFailure, match=message):
+    with pytest.raises(ExerciseFailure, match="(?s)" + message) as failure:
         check_add_rms_norm(wrong, engine=False)
+    assert_readable_failure(failure.value)
+
+
+def weight_in_float32(x, weight, eps):
+    # normalised in float32, but the weight multiplied before the cast back: one rounding where nanoref has two
+    xf = x.float()
+    return (weight.float() * xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def add_in_input_dtype(x, residual, weight, eps):
+    # the sum rounded to bf16/fp16 before it is normalised
+    summed = x + residual
+    return rms_norm(summed, weight, eps), summed
+
+
+@pytest.mark.parametrize(
+    "check, wrong, rule",
+    [
+        (
+            check_rms_norm,
+            weight_in_float32,
+            "RMSNorm must multiply by the weight after casting back to the input dtype",
+        ),
+        (check_add_rms_norm, add_in_input_dtype, "add_rms_norm must add x \\+ residual in float32"),
+    ],
+)
+def test_a_16_bit_norm_that_breaks_the_precision_rule_fails_naming_it(check, wrong, rule):
+    with pytest.raises(ExerciseFailure, match=rule) as failure:
+        check(wrong, engine=False)
+    assert_readable_failure(failure.value)
+
+
+def test_nanorefs_own_norms_pass_the_rounding_checks_on_other_draws():
+    for seed in range(5):
+        check_rms_norm(rms_norm, seed=seed, engine=False)
+        check_add_rms_norm(add_rms_norm, seed=seed, engine=False)
+
+
+def test_a_long_first_line_breaks_after_its_last_clause_that_fits():
+    message = "case: " + "x" * 150 + ". the rule comes next, " + "y" * 100 + "\nvalues"
+    lines = str(ExerciseFailure(message)).splitlines()
+    assert lines == ["case: " + "x" * 150 + ".", "the rule comes next, " + "y" * 100, "values"]
+    assert str(ExerciseFailure("short: as it is\nvalues")) == "short: as it is\nvalues"

@@ -15,7 +15,7 @@ from nanoref.testing import make_tiny_qwen3
 from nanoref.utils import seams
 from nanoref.utils.parallel import shard_range
 
-from .helpers import random_prompts
+from .helpers import assert_readable_failure, random_prompts
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
@@ -43,6 +43,12 @@ def padding_row(input_ids, weight, vocab_start, vocab_end):  # other ranks' ids 
 def float_mask(input_ids, weight, vocab_start, vocab_end):  # right values, but promoted to float32
     mine = (input_ids >= vocab_start) & (input_ids < vocab_end)
     return F.embedding((input_ids - vocab_start) * mine, weight) * mine[:, None].float()
+
+
+def range_by_table_size(input_ids, weight, vocab_start, vocab_end):  # ids up to the table's end count as mine
+    local = input_ids - vocab_start
+    mine = (local >= 0) & (local < weight.shape[0])
+    return F.embedding(local * mine, weight) * mine[:, None].to(weight.dtype)
 
 
 def extra_axis(input_ids, weight, vocab_start, vocab_end):
@@ -93,12 +99,17 @@ def test_checks_accept_nanorefs_own_function():
         (padding_row, "sending other ranks. ids to the last row"),
         (float_mask, "dtype torch.float32, expected torch.bfloat16"),
         (extra_axis, "returned shape"),
+        (
+            range_by_table_size,
+            "holds padding row .*: test the ids against \\[vocab_start, vocab_end\\), not the table's size",
+        ),
         (in_place, "changed its input_ids in place"),
     ],
 )
 def test_checks_name_the_mistake(wrong, message):
-    with pytest.raises(ExerciseFailure, match=message):
+    with pytest.raises(ExerciseFailure, match="(?s)" + message) as failure:
         check_vocab_parallel_embed(wrong, engine=False)
+    assert_readable_failure(failure.value)
 
 
 def test_an_unwritten_exercise_raises_not_implemented():

@@ -7,12 +7,22 @@ import pytest
 from nanoref.engine.model_runner import prefill_metadata
 from nanoref.exercises import ExerciseFailure, check_generation, check_prefill_metadata
 
+from .helpers import assert_readable_failure
+
 
 def test_nanorefs_own_function_passes_with_the_engine():
     check_prefill_metadata(prefill_metadata)
 
 
-def variant(*, ids_from_zero=False, positions_from_zero=False, keys_without_history=False, slot_without_size=False):
+def variant(
+    *,
+    ids_from_zero=False,
+    positions_from_zero=False,
+    keys_without_history=False,
+    slot_without_size=False,
+    keys_extra=0,
+    queries_extra=0,
+):
     def wrong(token_ids, num_cached, num_new, block_tables, block_size):
         ids, positions, slots, cu_q, cu_k = [], [], [], [0], [0]
         for tokens, start, count, table in zip(token_ids, num_cached, num_new, block_tables):
@@ -22,8 +32,8 @@ def variant(*, ids_from_zero=False, positions_from_zero=False, keys_without_hist
             for t in range(start, end):
                 block = table[t // block_size]
                 slots.append(block + t % block_size if slot_without_size else block * block_size + t % block_size)
-            cu_q.append(cu_q[-1] + count)
-            cu_k.append(cu_k[-1] + (count if keys_without_history else end))
+            cu_q.append(cu_q[-1] + count + queries_extra)
+            cu_k.append(cu_k[-1] + (count if keys_without_history else end) + keys_extra)
         return ids, positions, cu_q, cu_k, slots
 
     return wrong
@@ -42,8 +52,25 @@ def variant(*, ids_from_zero=False, positions_from_zero=False, keys_without_hist
     ],
 )  # fmt: skip
 def test_wrong_answers_fail_with_a_message(wrong, message):
-    with pytest.raises(ExerciseFailure, match=message):
+    with pytest.raises(ExerciseFailure, match="(?s)" + message) as failure:
         check_prefill_metadata(wrong, engine=False)
+    assert_readable_failure(failure.value)
+
+
+@pytest.mark.parametrize(
+    "wrong, message",
+    [
+        (variant(keys_extra=1), r"row 1 of cu_seqlens_k is \d+, expected \d+: off by one: cu_seqlens_k\[0 \+ 1\]"),
+        (variant(keys_extra=-1), r"row 1 of cu_seqlens_k .*: off by one"),
+        (variant(queries_extra=1), r"row 1 of cu_seqlens_q .*: off by one: cu_seqlens_q\[0 \+ 1\] = "),
+    ],
+)
+def test_an_off_by_one_on_a_sequence_without_cached_tokens_is_called_one(wrong, message):
+    # sequence 0 is a fresh prompt: its keys are its new tokens, so "did you count the cached tokens?" would mislead
+    with pytest.raises(ExerciseFailure, match="(?s)" + message) as failure:
+        check_prefill_metadata(wrong, engine=False)
+    assert "prefix-cached" not in str(failure.value)
+    assert_readable_failure(failure.value)
 
 
 def test_the_engine_check_catches_what_the_unit_check_would():

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import itertools
+import linecache
+import sysconfig
 import tempfile
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -15,7 +18,86 @@ from nanoref.utils.seams import use
 
 
 class ExerciseFailure(AssertionError):
-    """An exercise's answer is wrong; the message says where and what to look at."""
+    """An exercise's answer is wrong; the message says where and what to look at.
+
+    Its first line names the rule that was broken and stays short (nbgrader's report keeps little more than
+    it); values, shapes and the learner's source line follow on the next lines. A first line longer than
+    FIRST_LINE is broken at its last clause that fits, so no message loses its point to a cut."""
+
+    def __init__(self, message: str = "") -> None:
+        super().__init__(fit_first_line(message))
+
+
+FIRST_LINE = 200  # characters
+
+
+def fit_first_line(message: str, width: int = FIRST_LINE) -> str:
+    """`message` with its first line broken after the last '. ', '; ' or ': ' within `width` characters (else the
+    last space), the rest moved to the next line; a message whose first line fits is returned as it is."""
+    first, newline, rest = message.partition("\n")
+    if len(first) <= width:
+        return message
+    cut = max(first.rfind(mark, 0, width) for mark in (". ", "; ", ": "))
+    cut = cut + 1 if cut > 0 else first.rfind(" ", 0, width)
+    if cut <= 0:
+        return message
+    return first[:cut] + "\n" + fit_first_line(first[cut:].lstrip() + newline + rest, width)
+
+
+# where code that is not the learner's lives: nanoref, torch, the installed packages and the standard library
+_NOT_LEARNERS = tuple(
+    str(Path(root).resolve()) + "/"
+    for root in {
+        Path(__file__).parents[1],
+        Path(torch.__file__).parent,
+        *(Path(sysconfig.get_paths()[key]) for key in ("stdlib", "platstdlib", "purelib", "platlib")),
+    }
+)
+
+
+def learner_frame(error: BaseException) -> traceback.FrameSummary | None:
+    """The innermost frame of `error`'s traceback that runs the learner's code (a notebook cell, a test module),
+    not nanoref's, torch's or the standard library's: the line to point the learner at."""
+    frames = traceback.extract_tb(error.__traceback__)
+    mine = [f for f in frames if not str(Path(f.filename).resolve()).startswith(_NOT_LEARNERS)]
+    return mine[-1] if mine else None
+
+
+def describe_error(error: BaseException) -> str:
+    """'RuntimeError at cell.py:7, in apply_rotary' and, on the lines after, that source line and the message."""
+    frame = learner_frame(error)
+    name = type(error).__name__
+    if frame is None:
+        return f"{name}\n{name}: {error}"
+    source = (frame.line or linecache.getline(frame.filename, frame.lineno)).strip()
+    return f"{name} at {Path(frame.filename).name}:{frame.lineno}, in {frame.name}\n  {source}\n{name}: {error}"
+
+
+def call_learner(
+    fn: Callable,
+    name: str,
+    *args: Any,
+    case: str = "",
+    hint: Callable[[Exception], str | None] | None = None,
+    **kwargs: Any,
+) -> Any:
+    """`fn(*args, **kwargs)`, the learner's function, as every check calls it: an exception it raises becomes an
+    ExerciseFailure that names the learner's own line (file:line and its source) and, where `hint(error)` knows
+    one, the fix (short: the first line stays readable); `case`, the inputs in words, comes after.
+    NotImplementedError (an exercise not written yet: nbgrader's stub) passes through as it is."""
+    try:
+        return fn(*args, **kwargs)
+    except (NotImplementedError, ExerciseFailure):
+        raise
+    except Exception as error:
+        advice = hint(error) if hint is not None else None
+        summary, details = describe_error(error).split("\n", 1)
+        raise ExerciseFailure(
+            f"your {name} raised {summary}"
+            + (f": {advice}" if advice else "")
+            + f"\n{details}"
+            + (f"\n(on {case})" if case else "")
+        ) from error
 
 
 _MODELS: dict[tuple, Path] = {}
@@ -102,9 +184,8 @@ def generate_with(llm: Any, functions: dict[str, Callable], prompts: list[list[i
     except ExerciseFailure:
         raise
     except Exception as error:
-        raise ExerciseFailure(
-            f"the engine failed while running {describe(functions)}: {type(error).__name__}: {error}"
-        ) from error
+        summary, details = describe_error(error).split("\n", 1)
+        raise ExerciseFailure(f"the engine failed while running {describe(functions)}: {summary}\n{details}") from error
     return [out["token_ids"] for out in outputs]
 
 

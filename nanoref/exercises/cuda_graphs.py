@@ -14,7 +14,14 @@ from collections.abc import Callable
 
 import torch
 
-from nanoref.exercises.common import ExerciseFailure, check_generation, input_generator, random_prompts, tiny_model
+from nanoref.exercises.common import (
+    ExerciseFailure,
+    call_learner,
+    check_generation,
+    input_generator,
+    random_prompts,
+    tiny_model,
+)
 from nanoref.fast.cuda_graphs import STATIC_INPUTS, enable_bucketed_decode, pad_decode_batch
 
 
@@ -46,7 +53,7 @@ def check_pad_decode_batch(fn: Callable, *, engine: bool = True) -> None:
             block_tables=torch.randint(32, 64, (batch, width), generator=generator, dtype=torch.int32),
         )
         where = f"(a batch of {batch} in a bucket of {bucket}, block tables {width} wide of {max_blocks})"
-        returned = fn(views, *(step[name] for name in STATIC_INPUTS))
+        returned = call_learner(fn, "pad_decode_batch", views, *(step[name] for name in STATIC_INPUTS), case=where)
         if returned is not None:
             raise ExerciseFailure(
                 f"pad_decode_batch returned a {type(returned).__name__}: it must fill `buffers` in place and return "

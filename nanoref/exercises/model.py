@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from nanoref.exercises.common import (
     ExerciseFailure,
+    call_learner,
     check_generation,
     describe,
     generate_with,
@@ -20,18 +21,31 @@ from nanoref.exercises.common import (
     random_prompts,
     tiny_model,
 )
-from nanoref.exercises.tensors import expect_tensor, worst_element
+from nanoref.exercises.tensors import check_rounding, expect_tensor, worst_element
 from nanoref.layers.activation import silu_and_mul
 from nanoref.layers.rotary import RotaryEmbedding, apply_rotary
 from nanoref.layers.sampler import apply_top_k_top_p
 
-
 # -- RoPE -----------------------------------------------------------------------------------------
+ROTARY_RULE = "RoPE must rotate in float32 (x.float() times the float32 cos and sin) and cast back to x's dtype once"
+
+
 def _rotary_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     # the GPT-J layout (pairs 2i, 2i+1): a common mix-up with the neox halves that Qwen3 uses
     x1, x2 = x.float()[..., 0::2], x.float()[..., 1::2]  # (N, H, D/2) each
     cos, sin = cos[:, None, :], sin[:, None, :]
     return torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2).to(x.dtype)
+
+
+def _rotary_shape_hint(x: torch.Tensor, cos: torch.Tensor) -> Callable[[Exception], str | None]:
+    """The fix for the usual shape error: (N, H, D/2) halves times (N, D/2) cos/sin, which cannot broadcast."""
+
+    def hint(error: Exception) -> str | None:
+        if isinstance(error, RuntimeError) and "must match the size of tensor" in str(error):
+            return f"cos is (N, D/2) = {tuple(cos.shape)}, x {tuple(x.shape)}: add a head axis, cos[:, None, :]"
+        return None
+
+    return hint
 
 
 def check_apply_rotary(fn: Callable, *, engine: bool = True) -> None:
@@ -45,12 +59,13 @@ def check_apply_rotary(fn: Callable, *, engine: bool = True) -> None:
         x = torch.randn(num_tokens, num_heads, head_dim, generator=generator).to(dtype)  # (N, H, D)
         x_before = x.clone()
         want = apply_rotary(x, cos, sin)
-        got = fn(x, cos, sin)
+        got = call_learner(fn, "apply_rotary", x, cos, sin, case=f"{dtype}", hint=_rotary_shape_hint(x, cos))
         expect_tensor(got, f"apply_rotary on a {dtype} input", want.shape, want.dtype)
         if not torch.equal(x, x_before):
             raise ExerciseFailure("apply_rotary changed its input x in place; return a new tensor instead")
         tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
         if torch.allclose(got.float(), want.float(), **tolerance):
+            check_rounding(got, want, f"apply_rotary on {dtype} x", ROTARY_RULE)
             continue
         if torch.allclose(got.float(), _rotary_interleaved(x, cos, sin).float(), **tolerance):
             raise ExerciseFailure(
@@ -78,7 +93,7 @@ def check_silu_and_mul(fn: Callable, *, engine: bool = True) -> None:
     for dtype in (torch.float32, torch.bfloat16):
         x = (3 * torch.randn(7, 2 * intermediate, generator=generator)).to(dtype)  # (N, 2 I)
         want = silu_and_mul(x)
-        got = fn(x)
+        got = call_learner(fn, "silu_and_mul", x, case=f"{dtype}")
         expect_tensor(got, f"silu_and_mul on a {dtype} input of shape {tuple(x.shape)}", want.shape, want.dtype)
         tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
         if torch.allclose(got.float(), want.float(), **tolerance):
@@ -98,6 +113,68 @@ def check_silu_and_mul(fn: Callable, *, engine: bool = True) -> None:
 
 
 # -- top-k / top-p --------------------------------------------------------------------------------
+TOP_P_RULE = "keep a token while the tokens ranked above it have probability < top_p"
+TOP_P_OFF = "top_p=1.0 means off: keep every token; a float32 cumsum can reach 1.0 before the last token"
+
+
+def _long_tail(generator: torch.Generator, vocab: int = 1024) -> torch.Tensor:
+    """(V,) float32 logits of a language model's kind (a few likely tokens, a long tail) on which the float32
+    cumsum of the sorted probabilities reaches 1.0 while at least 5% of the tokens are still to come (with logits
+    this spread, about half of them are: the first draw nearly always serves)."""
+    for _ in range(100):
+        logits = 6 * torch.randn(vocab, generator=generator)  # (V,)
+        mass = logits.sort(descending=True).values.softmax(-1).cumsum(-1)  # (V,): best first
+        if int((mass >= 1.0).sum()) >= vocab // 20:
+            break
+    return logits
+
+
+def _masking_hint(row: torch.Tensor, k: int, p: float, kept_got: torch.Tensor, kept_want: torch.Tensor) -> str:
+    """The rule a row's wrong mask broke, in one line."""
+    order = row.argsort(descending=True)  # (V,): token ids best first
+    ranked_got, ranked_want = kept_got[order], kept_want[order]  # (V,) each, in rank order
+    last = int(ranked_want.nonzero().max())  # the rank of the lowest-ranked token to keep
+    missing, extra = ranked_want & ~ranked_got, ranked_got & ~ranked_want  # (V,) each
+    if p >= 1.0 and not extra.any() and (k <= 0 or k > last + 1):
+        return TOP_P_OFF
+    if p < 1.0 and not extra.any() and missing.nonzero().flatten().tolist() == [last] and (k <= 0 or k > last):
+        return f"you drop the token that crosses top_p: {TOP_P_RULE}"
+    if p < 1.0 and not missing.any() and extra.nonzero().flatten().tolist() == [last + 1] and (k <= 0 or k > last + 1):
+        return f"you keep one token past the nucleus: {TOP_P_RULE}"
+    return "keep a token if it is in the top_k (0 = all) and the tokens ranked above it have probability < top_p"
+
+
+def _check_masking(fn: Callable, logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> None:
+    """The learner's masking of `logits` (B, V), row by row, against nanoref's; the rows that switch both off come
+    last, so a wrong nucleus is named by a row that uses one."""
+    inputs = logits.clone()
+    # nanoref's own masking as the reference; top_p 1.0 means off, so those rows are masked by top-k alone
+    want = apply_top_k_top_p(logits, top_k, torch.where(top_p < 1.0, top_p, 2.0))
+    got = call_learner(fn, "apply_top_k_top_p", logits, top_k, top_p)
+    expect_tensor(got, f"apply_top_k_top_p on logits of shape {tuple(logits.shape)}", want.shape, want.dtype)
+    if not torch.equal(logits, inputs):
+        raise ExerciseFailure("apply_top_k_top_p changed the logits in place; return a new tensor instead")
+    vocab = logits.shape[1]
+    off = [(int(k) <= 0 or int(k) >= vocab) and float(p) >= 1.0 for k, p in zip(top_k, top_p)]  # keep everything
+    for row in sorted(range(len(top_k)), key=lambda r: off[r]):
+        kept_want, kept_got = torch.isfinite(want[row]), torch.isfinite(got[row])  # (V,)
+        k, p = int(top_k[row]), float(top_p[row])
+        setting = f"row {row} (top_k={k}, top_p={round(p, 4)}, {vocab} tokens)"
+        if not torch.equal(kept_got, kept_want):
+            extra = (kept_got & ~kept_want).nonzero().flatten().tolist()
+            missing = (kept_want & ~kept_got).nonzero().flatten().tolist()
+            raise ExerciseFailure(
+                f"{setting}: you keep {int(kept_got.sum())} tokens, expected {int(kept_want.sum())}: "
+                + _masking_hint(logits[row], k, p, kept_got, kept_want)
+                + (f"\nkept but should be masked: token ids {extra[:5]}" if extra else "")
+                + (f"\nmasked but should be kept: token ids {missing[:5]}" if missing else "")
+            )
+        if not torch.equal(got[row][kept_want], want[row][kept_want]):
+            raise ExerciseFailure(f"{setting}: the kept logits changed value; leave them exactly as they were")
+        if not bool((got[row][~kept_want] == float("-inf")).all()):
+            raise ExerciseFailure(f"{setting}: masked tokens must be -inf (so softmax gives them probability 0)")
+
+
 def check_apply_top_k_top_p(fn: Callable, *, engine: bool = True) -> None:
     """`fn(logits, top_k, top_p)` against nanoref's masking on random logits, then the engine: greedy generation
     still equals HF's, and seeded sampling with top-k / top-p gives exactly the tokens nanoref's own masking gives.
@@ -108,35 +185,10 @@ def check_apply_top_k_top_p(fn: Callable, *, engine: bool = True) -> None:
     top_k = torch.tensor([0, 5, 0, 10, 1, 80, 0, 3], dtype=torch.int64)
     top_p = torch.tensor([1.0, 1.0, 0.7, 0.5, 1.0, 1.0, 0.05, 0.99], dtype=torch.float32)
     logits = 2 * torch.randn(len(top_k), vocab, generator=generator)  # (B, V) float32
-    inputs = logits.clone()
-    # nanoref's own masking as the reference; top_p 1.0 means off, so those rows are masked by top-k alone
-    want = apply_top_k_top_p(logits, top_k, torch.where(top_p < 1.0, top_p, 2.0))
-    got = fn(logits, top_k, top_p)
-    expect_tensor(got, f"apply_top_k_top_p on logits of shape {tuple(logits.shape)}", want.shape, want.dtype)
-    if not torch.equal(logits, inputs):
-        raise ExerciseFailure("apply_top_k_top_p changed the logits in place; return a new tensor instead")
-    for row in range(len(top_k)):
-        kept_want, kept_got = torch.isfinite(want[row]), torch.isfinite(got[row])  # (V,)
-        setting = f"row {row} (top_k={int(top_k[row])}, top_p={float(top_p[row])})"
-        if not torch.equal(kept_got, kept_want):
-            extra = (kept_got & ~kept_want).nonzero().flatten().tolist()
-            missing = (kept_want & ~kept_got).nonzero().flatten().tolist()
-            hint = (
-                "top_k 0 and top_p 1.0 mean 'off'"
-                if int(top_k[row]) == 0 and float(top_p[row]) == 1.0
-                else "keep a token when it is among the top_k largest (top_k 0 = all) AND the probability of the "
-                "tokens ranked above it is still below top_p (so the best token is always kept)"
-            )
-            raise ExerciseFailure(
-                f"{setting}: you keep {int(kept_got.sum())} tokens, expected {int(kept_want.sum())}"
-                + (f"; kept but should be masked: token ids {extra[:5]}" if extra else "")
-                + (f"; masked but should be kept: token ids {missing[:5]}" if missing else "")
-                + f". {hint}"
-            )
-        if not torch.equal(got[row][kept_want], want[row][kept_want]):
-            raise ExerciseFailure(f"{setting}: the kept logits changed value; leave them exactly as they were")
-        if not bool((got[row][~kept_want] == float("-inf")).all()):
-            raise ExerciseFailure(f"{setting}: masked tokens must be -inf (so softmax gives them probability 0)")
+    _check_masking(fn, logits, top_k, top_p)
+    # off on a long tail whose float32 cumsum reaches 1.0 before its last tokens: 1.0 must mean off, not a threshold
+    tail = _long_tail(generator)[None, :]  # (1, V)
+    _check_masking(fn, tail, torch.tensor([0]), torch.tensor([1.0]))
     if engine:
         check_generation({"apply_top_k_top_p": fn})  # greedy requests never reach the masking: still HF's tokens
         check_seeded_sampling({"apply_top_k_top_p": fn})

@@ -15,8 +15,14 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from nanoref.exercises.common import ExerciseFailure, check_generation, input_generator, scratch_folder
-from nanoref.exercises.tensors import describe_row, expect_tensor, first_bad_row
+from nanoref.exercises.common import (
+    ExerciseFailure,
+    call_learner,
+    check_generation,
+    input_generator,
+    scratch_folder,
+)
+from nanoref.exercises.tensors import check_rounding, describe_row, expect_tensor, first_bad_row
 from nanoref.layers.activation import silu_and_mul
 from nanoref.models.qwen3_moe import moe_experts, route
 from nanoref.testing import make_tiny_qwen3_moe
@@ -37,15 +43,6 @@ def tiny_moe_model(seed: int = 0, **overrides: Any) -> Path:
     return _MOE_MODELS[key]
 
 
-def _call(fn: Callable, name: str, case: str, *args: Any) -> Any:
-    try:
-        return fn(*args)
-    except NotImplementedError:
-        raise  # an exercise not written yet: nbgrader's stub, left as it is
-    except Exception as error:
-        raise ExerciseFailure(f"{case}: your {name} raised {type(error).__name__}: {error}") from error
-
-
 def _unchanged(name: str, case: str, before: list[torch.Tensor], after: list[torch.Tensor]) -> None:
     if not all(torch.equal(a, b) for a, b in zip(before, after)):
         raise ExerciseFailure(f"{case}: your {name} changed one of its inputs in place; return a new tensor instead")
@@ -57,6 +54,26 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
 
 
 # -- the router ---------------------------------------------------------------------------------------------
+SOFTMAX_RULE = "the router's softmax must run in float32: softmax(router_logits, dim=-1, dtype=torch.float32)"
+
+
+def _near_ties(hidden: torch.Tensor, router_weight: torch.Tensor, top_k: int) -> None:
+    """Make tokens 0 and 1 route on a near tie, in place: two experts compete for the last of the top_k places
+    with logits one bfloat16 step apart, the lower-numbered expert ahead for token 1 and behind for token 0.
+    Their float32 probabilities differ; rounded to bfloat16 they are equal, so a bfloat16 softmax's top-k picks
+    by tie-breaking, and whichever way it breaks ties it picks wrong for one of the two tokens."""
+    num_experts = router_weight.shape[0]
+    low, high = 0.0625, 0.0625 + 2**-11  # 2**-11: bfloat16's step at 1/16
+    first, second = num_experts // 3, 2 * num_experts // 3  # the two rivals
+    for token, (a, b) in enumerate(((low, high), (high, low))):
+        column = torch.full((num_experts,), -1.0)  # (E,): the rest far behind
+        column[: top_k - 1] = 1.0  # experts 0 .. top_k-2: clearly ahead of the rivals
+        column[first], column[second] = a, b
+        hidden[token] = 0.0
+        hidden[token, token] = 1.0  # token's logits are router_weight[:, token]
+        router_weight[:, token] = column.to(router_weight.dtype)
+
+
 def check_moe_route(fn: Callable, *, seed: int | None = None, engine: bool = True) -> None:
     """`fn(hidden, router_weight, top_k, norm_topk_prob) -> (router_logits, topk_weights, topk_ids)` against
     nanoref's `route`, then greedy generation with it in every sparse layer against HF."""
@@ -65,7 +82,9 @@ def check_moe_route(fn: Callable, *, seed: int | None = None, engine: bool = Tru
         (11, 10, 3, False, torch.float32),
         (11, 10, 3, True, torch.float32),
         (1, 6, 1, True, torch.float32),  # one token, one expert: its weight renormalises to 1
-        (9, 12, 2, True, torch.bfloat16),
+        (9, 12, 2, True, torch.bfloat16),  # tokens 0 and 1 on a near tie (_near_ties)
+        (40, 12, 3, True, torch.bfloat16),
+        (9, 12, 2, False, torch.bfloat16),
     ]
     for num_tokens, num_experts, top_k, norm, dtype in cases:
         case = (
@@ -74,8 +93,10 @@ def check_moe_route(fn: Callable, *, seed: int | None = None, engine: bool = Tru
         )
         hidden = torch.randn(num_tokens, _HIDDEN, generator=generator).to(dtype)  # (N, hidden)
         router_weight = (0.4 * torch.randn(num_experts, _HIDDEN, generator=generator)).to(dtype)  # (E, hidden)
+        if dtype == torch.bfloat16:
+            _near_ties(hidden, router_weight, top_k)
         inputs = [hidden.clone(), router_weight.clone()]
-        result = _call(fn, "moe_route", case, hidden, router_weight, top_k, norm)
+        result = call_learner(fn, "moe_route", hidden, router_weight, top_k, norm, case=case)
         _unchanged("moe_route", case, inputs, [hidden, router_weight])
         if not (isinstance(result, tuple) and len(result) == 3):
             raise ExerciseFailure(
@@ -126,18 +147,21 @@ def _check_topk_ids(
         chosen = ids[row].tolist()
         if len(set(chosen)) != top_k:
             raise ExerciseFailure(f"{case}: token {row} picks expert(s) {chosen}, some twice; pick {top_k} experts")
-        if not torch.allclose(picked[row].sort(descending=True).values, best[row], rtol=1e-5, atol=1e-7):
-            float32 = (
-                " In bfloat16, take the softmax in float32 (dtype=torch.float32): close probabilities round to "
-                "equal values in bfloat16, and the pick among them changes."
-                if dtype == torch.bfloat16
-                else ""
+        mine = picked[row].sort(descending=True).values  # (K,)
+        if not torch.allclose(mine, best[row], rtol=1e-5, atol=1e-7):
+            details = (
+                f"\ntoken {row} picks experts {chosen} (probabilities {[round(p, 6) for p in picked[row].tolist()]}), "
+                f"but the {top_k} most probable are {want_ids[row].tolist()} "
+                f"({[round(p, 6) for p in best[row].tolist()]})"
             )
+            if dtype == torch.bfloat16 and torch.equal(mine.to(dtype), best[row].to(dtype)):
+                raise ExerciseFailure(
+                    f"{case}: {SOFTMAX_RULE}" + details + ": rounded to bfloat16 they are equal, and the pick among "
+                    "them comes down to rounding"
+                )
             raise ExerciseFailure(
-                f"{case}: token {row} picks experts {chosen} (probabilities "
-                f"{[round(p, 4) for p in picked[row].tolist()]}), but the {top_k} most probable are "
-                f"{want_ids[row].tolist()} ({[round(p, 4) for p in best[row].tolist()]}): take torch.topk of the "
-                f"softmax over all experts.{float32}"
+                f"{case}: token {row} does not pick the {top_k} most probable experts: take torch.topk of the "
+                "softmax over all experts" + details
             )
         if not bool((picked[row][:-1] >= picked[row][1:] - 1e-7).all()):
             raise ExerciseFailure(
@@ -160,6 +184,9 @@ def _check_topk_weights(
     renormalised = kept / kept.sum(dim=-1, keepdim=True)  # (N, K)
     want = (renormalised if norm else kept).to(dtype)
     if _close(weights, want):
+        check_rounding(
+            weights, want, f"{case}: topk_weights", SOFTMAX_RULE + ", the weights cast to hidden's dtype last"
+        )
         return
     if _close(weights, logits.gather(1, ids)):
         raise ExerciseFailure(f"{case}: topk_weights are router logits; take the softmax over all experts first")
@@ -254,7 +281,7 @@ def check_moe_experts(fn: Callable, *, seed: int | None = None, engine: bool = T
         inputs = _experts_case(generator, num_tokens, num_experts, top_k, dtype)
         before = [t.clone() for t in inputs]
         with _CountProducts() as products:
-            got = _call(fn, "moe_experts", case, *inputs)
+            got = call_learner(fn, "moe_experts", *inputs, case=case)
         _unchanged("moe_experts", case, before, list(inputs))
         hidden, topk_weights, topk_ids, w_gate_up, w_down = inputs
         got = expect_tensor(got, f"{case}: the result", hidden.shape, dtype)

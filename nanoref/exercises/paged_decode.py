@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import torch
 
-from nanoref.exercises.common import ExerciseFailure, check_generation, random_prompts
+from nanoref.exercises.common import ExerciseFailure, call_learner, check_generation, random_prompts
 from nanoref.exercises.tensors import expect_tensor
 from nanoref.ops.attention_torch import gather_paged
 from nanoref.ops.naive import naive_padded_attention
@@ -57,8 +57,7 @@ def _mistake(q, k_cache, v_cache, seqlens, table, scale, mistake: str) -> torch.
         heads = torch.arange(q.shape[2])
         kv_of = heads % num_kv_heads if mistake == "gqa tiled" else heads // group  # (H,)
         k, v = k.double()[:, kv_of], v.double()[:, kv_of]  # (L, H, D)
-        s = scale if mistake != "no scale" else 1.0
-        scores = torch.einsum("hd,lhd->hl", q[b, 0].double(), k) * s  # (H, L)
+        scores = torch.einsum("hd,lhd->hl", q[b, 0].double(), k) * scale  # (H, L)
         out[b, 0] = torch.einsum("hl,lhd->hd", scores.softmax(-1), v)
     return out
 
@@ -70,8 +69,12 @@ _HINTS = {
     "block_table[b, p // block_size], offset p % block_size",
     "gqa tiled": "query head h reads KV head h % Hk: with grouped-query attention it reads KV head h // (H // Hk) "
     "(repeat_interleave, not repeat)",
-    "no scale": "the scores are not scaled: multiply q·k by softmax_scale (1/sqrt(head_dim) when it is None)",
 }
+
+
+def _head(t: torch.Tensor, b: int, h: int) -> str:
+    """'[0.1234, -0.5, 0.25, ...]': the first values of sequence b's query head h."""
+    return "[" + ", ".join(f"{v:.4g}" for v in t[b, 0, h, :3].double().tolist()) + ", ...]"
 
 
 def check_paged_decode_attention(fn: Callable, *, seed: int = 0, engine: bool = True) -> None:
@@ -83,7 +86,10 @@ def check_paged_decode_attention(fn: Callable, *, seed: int = 0, engine: bool = 
         q, k_cache, v_cache, seqlens, table = _paged_case(generator, lens, 16, dtype)
         case = f"{str(dtype).removeprefix('torch.')}, softmax_scale={scale}, histories of {lens} tokens"
         args = (q.clone(), k_cache.clone(), v_cache.clone())
-        got = fn(*args, cache_seqlens=seqlens.clone(), block_table=table.clone(), softmax_scale=scale, causal=True)
+        got = call_learner(
+            fn, "paged_decode_attention", *args, case=case,
+            cache_seqlens=seqlens.clone(), block_table=table.clone(), softmax_scale=scale, causal=True,
+        )  # fmt: skip
         got = expect_tensor(got, f"{case}: the output", q.shape, dtype)
         if not (torch.equal(args[1], k_cache) and torch.equal(args[2], v_cache)):
             raise ExerciseFailure(f"{case}: your function changed the KV cache; attention only reads it")
@@ -94,19 +100,25 @@ def check_paged_decode_attention(fn: Callable, *, seed: int = 0, engine: bool = 
         if not bad.any():
             continue
         b, _, h, _ = (int(i) for i in bad.nonzero()[0])
-        message = (
-            f"{case}: sequence {b} (history of {lens[b]} tokens), query head {h} differs from the naive oracle: "
-            f"got {got[b, 0, h, :3].float().tolist()}..., expected {want[b, 0, h, :3].float().tolist()}..."
-        )
-        if scale is None and torch.allclose(
-            got.double(), _oracle(q, k_cache, v_cache, seqlens, table, 1.0).double(), atol=tol, rtol=tol
-        ):
-            raise ExerciseFailure(message + "; with softmax_scale=None use 1/sqrt(head_dim)")
+        summary = f"sequence {b} (history of {lens[b]} tokens), query head {h} differs from the naive oracle"
+        values = f"\n{case}\nsequence {b}, head {h}: got {_head(got, b, h)}, expected {_head(want, b, h)}"
+        default = 1.0 / math.sqrt(q.shape[-1])
+        # the scale the learner used instead of the one passed: none at all, or always the default
+        for used, instead in ((1.0, "no scale at all"), (default, "1/sqrt(head_dim)")):
+            if math.isclose(used, effective):
+                continue
+            other = _oracle(q, k_cache, v_cache, seqlens, table, used)
+            if not torch.allclose(got.double(), other.double(), atol=tol, rtol=tol):
+                continue
+            given = "softmax_scale is None: use 1/sqrt(head_dim)" if scale is None else f"use softmax_scale={scale}"
+            raise ExerciseFailure(
+                f"the scores are scaled by {instead}: {given} (multiply q·k by it before the softmax)" + values
+            )
         for mistake, hint in _HINTS.items():
             wrong = _mistake(q, k_cache, v_cache, seqlens, table, effective, mistake)
             if torch.allclose(got.double(), wrong, atol=tol, rtol=tol):
-                raise ExerciseFailure(message + "; " + hint)
-        raise ExerciseFailure(message)
+                raise ExerciseFailure(f"sequence {b} (history of {lens[b]} tokens), query head {h}: {hint}" + values)
+        raise ExerciseFailure(summary + values)
     if engine:
         check_generation({"paged_decode_attention": fn})
 
@@ -132,7 +144,7 @@ def check_merge_splits(fn: Callable, *, seed: int = 0, engine: bool = True) -> N
     if triton_available():  # the merge may be a Triton kernel: on a GPU it reads GPU memory
         import_triton()
         partial, lse, out = partial.to(kernel_device()), lse.to(kernel_device()), out.to(kernel_device())
-    fn(partial.clone(), lse.clone(), out)
+    call_learner(fn, "merge_splits", partial.clone(), lse.clone(), out)
     want = _merge_reference(partial, lse)
     if (out == untouched).all():
         raise ExerciseFailure("out is still untouched: write the merged result into it (out.copy_(...) or out[...] =)")

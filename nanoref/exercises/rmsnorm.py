@@ -6,8 +6,8 @@ from collections.abc import Callable
 
 import torch
 
-from nanoref.exercises.common import ExerciseFailure, check_generation
-from nanoref.exercises.tensors import describe_row, expect_tensor, first_bad_row
+from nanoref.exercises.common import ExerciseFailure, call_learner, check_generation
+from nanoref.exercises.tensors import check_rounding, describe_row, expect_tensor, first_bad_row, ulps_apart
 from nanoref.layers.layernorm import add_rms_norm, rms_norm
 
 # (atol, rtol) per dtype: one rounding of the output, twice over
@@ -37,11 +37,37 @@ def _upcast_hint(got: torch.Tensor) -> str:
     return "Compute the statistic in float32 (x.float()), cast back to x's dtype, then multiply by the weight."
 
 
+# the precision rules nanoref states and implements (layers/layernorm.py), each in one sentence
+WEIGHT_RULE = "RMSNorm must multiply by the weight after casting back to the input dtype: weight * normed.to(x.dtype)"
+NORM_RULE = "RMSNorm must normalise in float32, cast back to the input dtype, then multiply by the weight"
+ADD_RULE = "add_rms_norm must add x + residual in float32 and normalise that float32 sum, not the sum in x's dtype"
+
+
+def _weight_in_float32(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The usual slip: the weight multiply done in float32 too, one rounding instead of two."""
+    xf = x.float()
+    return (weight.float() * xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _rule_broken(got: torch.Tensor, want: torch.Tensor, suspects: dict[str, torch.Tensor], default: str) -> str:
+    """The rule of the suspect `got` rounds closest to, when it is closer to it than to nanoref's; else `default`."""
+    distance = {rule: int((ulps_apart(got, result) > 0).sum()) for rule, result in suspects.items()}
+    rule = min(distance, key=distance.get)
+    return rule if distance[rule] < int((ulps_apart(got, want) > 0).sum()) else default
+
+
+def _check_norm_rounding(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, want: torch.Tensor, case: str):
+    suspects = {WEIGHT_RULE: _weight_in_float32(x, weight, _EPS)}
+    check_rounding(got, want, case, _rule_broken(got, want, suspects, NORM_RULE))
+
+
 def check_rms_norm(fn: Callable, *, seed: int = 0, engine: bool = True) -> None:
     """`fn(x, weight, eps) -> (..., hidden)` against nanoref's `rms_norm`, then inside the engine."""
     generator = torch.Generator().manual_seed(seed)
     x, weight = _inputs(generator, 6, 96, 1.0, torch.float32)
-    got = expect_tensor(fn(x, weight, _EPS), "rms_norm(x, weight, eps) on float32 x (6, 96)", x.shape, x.dtype)
+    got = expect_tensor(
+        call_learner(fn, "rms_norm", x, weight, _EPS), "rms_norm(x, weight, eps) on float32 x (6, 96)", x.shape, x.dtype
+    )
     unit = (got.double() / weight.double()).pow(2).mean(-1).sqrt()  # (T,): each row's RMS before the weight
     if not torch.allclose(unit, torch.ones_like(unit), atol=1e-3):
         raise ExerciseFailure(
@@ -51,15 +77,21 @@ def check_rms_norm(fn: Callable, *, seed: int = 0, engine: bool = True) -> None:
     _compare(got, rms_norm(x, weight, _EPS), "rms_norm(x)", "float32", "Mean over the last axis; eps inside the sqrt.")
     x3 = torch.randn(2, 3, 40, generator=generator)  # (B, T, hidden): any leading axes
     w3 = 1 + 0.1 * torch.randn(40, generator=generator)
-    got = expect_tensor(fn(x3, w3, _EPS), "rms_norm on a (2, 3, 40) input", x3.shape, x3.dtype)
+    got = expect_tensor(
+        call_learner(fn, "rms_norm", x3, w3, _EPS), "rms_norm on a (2, 3, 40) input", x3.shape, x3.dtype
+    )
     hint = "Normalise over the last axis only (dim=-1, keepdim=True), whatever the leading axes."
     _compare(got.flatten(0, 1), rms_norm(x3, w3, _EPS).flatten(0, 1), "the (6, 40) rows", "a 3-D input", hint)
     x16, w16 = _inputs(generator, 4, 96, 300.0, torch.float16)
-    got = expect_tensor(fn(x16, w16, _EPS), "rms_norm on float16 x of magnitude ~300", x16.shape, x16.dtype)
+    got = expect_tensor(
+        call_learner(fn, "rms_norm", x16, w16, _EPS), "rms_norm on float16 x of magnitude ~300", x16.shape, x16.dtype
+    )
     _compare(got, rms_norm(x16, w16, _EPS), "rms_norm(x)", "float16, |x| ~ 300", _upcast_hint(got))
+    _check_norm_rounding(got, x16, w16, rms_norm(x16, w16, _EPS), "float16, |x| ~ 300")
     xb, wb = _inputs(generator, 8, 96, 3.0, torch.bfloat16)
-    got = expect_tensor(fn(xb, wb, _EPS), "rms_norm on bfloat16 x", xb.shape, xb.dtype)
+    got = expect_tensor(call_learner(fn, "rms_norm", xb, wb, _EPS), "rms_norm on bfloat16 x", xb.shape, xb.dtype)
     _compare(got, rms_norm(xb, wb, _EPS), "rms_norm(x)", "bfloat16", _upcast_hint(got))
+    _check_norm_rounding(got, xb, wb, rms_norm(xb, wb, _EPS), "bfloat16")
     if engine:
         check_generation({"rms_norm": fn})
 
@@ -72,7 +104,7 @@ def check_add_rms_norm(fn: Callable, *, seed: int = 0, engine: bool = True) -> N
         x, weight = _inputs(generator, 6, 96, scale, dtype)
         residual = (scale * torch.randn(6, 96, generator=generator)).to(dtype)
         x_before, residual_before = x.clone(), residual.clone()
-        result = fn(x, residual, weight, _EPS)
+        result = call_learner(fn, "add_rms_norm", x, residual, weight, _EPS, case=case)
         if not (isinstance(result, tuple) and len(result) == 2):
             raise ExerciseFailure(
                 f"add_rms_norm should return a tuple (normed, new_residual), got {type(result).__name__}"
@@ -90,5 +122,11 @@ def check_add_rms_norm(fn: Callable, *, seed: int = 0, engine: bool = True) -> N
         _compare(new_residual, want_residual, "the new residual", case, hint)
         hint = "normed is rms_norm(x + residual) of the float32 sum; " + _upcast_hint(normed)
         _compare(normed, want_normed, "normed", case, hint)
+        summed = (x + residual).to(dtype)  # (T, hidden): the sum rounded to the input dtype
+        suspects = {
+            ADD_RULE: rms_norm(summed, weight, _EPS),
+            WEIGHT_RULE: _weight_in_float32(x.float() + residual.float(), weight, _EPS).to(dtype),
+        }
+        check_rounding(normed, want_normed, f"{case}, normed", _rule_broken(normed, want_normed, suspects, NORM_RULE))
     if engine:
         check_generation({"add_rms_norm": fn})

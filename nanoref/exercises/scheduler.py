@@ -6,7 +6,7 @@ import random
 from collections.abc import Callable
 
 from nanoref.engine.block_manager import Block, chain_hash, find_cached_prefix
-from nanoref.exercises.common import ExerciseFailure, check_generation, random_prompts
+from nanoref.exercises.common import ExerciseFailure, call_learner, check_generation, random_prompts
 
 
 class _Cache:
@@ -89,7 +89,10 @@ def check_find_cached_prefix(fn: Callable, *, seed: int = 0, engine: bool = True
         for description, hint, token_ids, cache in _cases(rng, block_size):
             want = find_cached_prefix(token_ids, block_size, cache.hash_to_block_id, cache.blocks)
             table_before = dict(cache.hash_to_block_id)
-            got = fn(list(token_ids), block_size, cache.hash_to_block_id, cache.blocks)
+            got = call_learner(
+                fn, "find_cached_prefix", list(token_ids), block_size, cache.hash_to_block_id, cache.blocks,
+                case=description,
+            )  # fmt: skip
             if cache.hash_to_block_id != table_before:
                 raise ExerciseFailure(f"{description}: your function changed hash_to_block_id; only read it")
             if not isinstance(got, (list, tuple)):
@@ -128,7 +131,7 @@ def check_choose_preemption_victim(fn: Callable, *, engine: bool = True) -> None
         *running, seq = _sequences(num_running + 1)
         names = {id(s): f"running[{i}]" for i, s in enumerate(running)} | {id(seq): "seq (the one needing a block)"}
         given = list(running)
-        got = fn(given, seq)
+        got = call_learner(fn, "choose_preemption_victim", given, seq)
         want = choose_preemption_victim(list(running), seq)
         if given != running:
             raise ExerciseFailure("your function changed `running`; return the victim, the scheduler removes it")

@@ -1,8 +1,9 @@
 """Checks for notebook 08's exercise: the vocab-parallel embedding lookup, one rank's share.
 
 The check runs the learner's function alone for the shards of small vocabularies split over 2 and 4 ranks (the
-first shard, a middle one, the last one with its padding rows, a rank none of whose ids come up), then inside a
-real two-process engine (tensor_parallel_size=2, gloo on the CPU), where every rank calls it, against HF.
+first shard, a middle one, the last one with its padding rows, a rank none of whose ids come up, and tables padded
+on every rank, so that the next rank's ids fall within the table's size), then inside a real two-process engine
+(tensor_parallel_size=2, gloo on the CPU), where every rank calls it, against HF.
 """
 
 from __future__ import annotations
@@ -12,7 +13,14 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from nanoref.exercises.common import ExerciseFailure, check_generation, input_generator, random_prompts, tiny_model
+from nanoref.exercises.common import (
+    ExerciseFailure,
+    call_learner,
+    check_generation,
+    input_generator,
+    random_prompts,
+    tiny_model,
+)
 from nanoref.exercises.tensors import refuse_nan
 from nanoref.utils.parallel import shard_range
 
@@ -20,37 +28,46 @@ from nanoref.utils.parallel import shard_range
 ENGINE_VOCAB = 251
 
 
-def _shard_table(full: torch.Tensor, rank: int, world_size: int, generator: torch.Generator) -> torch.Tensor:
-    """Rank's rows of `full` as the engine allocates them: ceil(V / N) rows, the tail past its shard padding.
-    The padding here holds noise, not zeros: no id maps to it, so a right answer never reads it."""
+def _shard_table(
+    full: torch.Tensor, rank: int, world_size: int, generator: torch.Generator, spare: int = 0
+) -> torch.Tensor:
+    """Rank's rows of `full` as the engine allocates them: ceil(V / N) rows, the tail past its shard padding, and
+    `spare` more padding rows on every rank (as when each shard is padded for alignment): then the ids of the next
+    rank fall within the table's size, and only [vocab_start, vocab_end) tells them apart. The padding holds noise,
+    not zeros: no id maps to it, so a right answer never reads it."""
     vocab, hidden = full.shape
     start, end = shard_range(vocab, rank, world_size)
-    rows = -(-vocab // world_size)
+    rows = -(-vocab // world_size) + spare
     table = torch.randn(rows, hidden, generator=generator).to(full.dtype)
     table[: end - start] = full[start:end]
     return table
 
 
-def _call(fn: Callable, ids: torch.Tensor, table: torch.Tensor, start: int, end: int, case: str) -> torch.Tensor:
-    try:
-        return fn(ids, table, start, end)
-    except NotImplementedError:  # (a RuntimeError) an exercise not written yet: say so, not "index out of range"
-        raise
-    except (IndexError, RuntimeError) as error:
-        raise ExerciseFailure(
-            f"{case}: vocab_parallel_embed raised {type(error).__name__}: {error}. The table has {table.shape[0]} "
-            f"rows, for ids {start}..{end - 1}: subtract vocab_start before the lookup, and do not look up the ids "
-            "of other ranks with their own values (send them to a valid row, then zero their output)"
-        ) from error
+def _index_hint(table: torch.Tensor, start: int, end: int) -> Callable[[Exception], str | None]:
+    def hint(error: Exception) -> str | None:
+        if not isinstance(error, (IndexError, RuntimeError)):
+            return None
+        return (
+            f"the table has {table.shape[0]} rows for ids {start}..{end - 1}: subtract vocab_start before the "
+            "lookup; send other ranks' ids to a valid row, then zero them"
+        )
+
+    return hint
 
 
 def _check_one(
-    fn: Callable, full: torch.Tensor, ids: torch.Tensor, rank: int, world_size: int, generator: torch.Generator
+    fn: Callable,
+    full: torch.Tensor,
+    ids: torch.Tensor,
+    rank: int,
+    world_size: int,
+    generator: torch.Generator,
+    spare: int = 0,
 ) -> torch.Tensor:
     """The learner's output for one rank, checked against the rows that rank must produce; returns it."""
     vocab, hidden = full.shape
     start, end = shard_range(vocab, rank, world_size)
-    table = _shard_table(full, rank, world_size, generator)
+    table = _shard_table(full, rank, world_size, generator, spare)
     padding = table.shape[0] - (end - start)
     case = (
         f"rank {rank} of {world_size} (vocabulary {vocab}, ids {start}..{end - 1}, a table of {table.shape[0]} rows"
@@ -58,7 +75,9 @@ def _check_one(
         + f", {table.dtype})"
     )
     ids_before, table_before = ids.clone(), table.clone()
-    got = _call(fn, ids, table, start, end, case)
+    got = call_learner(
+        fn, "vocab_parallel_embed", ids, table, start, end, case=case, hint=_index_hint(table, start, end)
+    )
     if not torch.equal(ids, ids_before) or not torch.equal(table, table_before):
         raised = "input_ids" if not torch.equal(ids, ids_before) else "weight"
         raise ExerciseFailure(f"{case}: vocab_parallel_embed changed its {raised} in place; compute new tensors")
@@ -85,6 +104,12 @@ def _check_one(
         if not mine[row]:
             owner = max(r for r in range(world_size) if shard_range(vocab, r, world_size)[0] <= token)
             looked_up = next((j for j in range(table.shape[0]) if torch.equal(got[row], table[j])), None)
+            if looked_up is not None and looked_up == token - start >= end - start:
+                raise ExerciseFailure(
+                    f"row {row} (id {token}, rank {owner}'s) holds padding row {looked_up}: test the ids against "
+                    "[vocab_start, vocab_end), not the table's size (its rows from vocab_end - vocab_start on are "
+                    f"padding)\n{case}"
+                )
             if looked_up is None:
                 hint = "zero the rows of ids outside [vocab_start, vocab_end)"
             else:
@@ -121,7 +146,13 @@ def check_vocab_parallel_embed(fn: Callable, *, seed: int | None = None, engine:
     engine (every rank calls it) against HF transformers."""
     generator = input_generator(seed)
     hidden = 8
-    for vocab, world_size, dtype in ((11, 2, torch.float32), (11, 4, torch.bfloat16), (10, 4, torch.float32)):
+    # (vocabulary, ranks, dtype, padding rows beyond the engine's on every rank)
+    for vocab, world_size, dtype, spare in (
+        (11, 2, torch.float32, 0),
+        (11, 4, torch.bfloat16, 0),
+        (10, 4, torch.float32, 0),
+        (10, 2, torch.float32, 3),
+    ):
         full = torch.randn(vocab, hidden, generator=generator).to(dtype)  # (V, hidden): the whole table
         # every id once (both ends of every shard), then some random ones
         ids = torch.cat(
@@ -129,12 +160,12 @@ def check_vocab_parallel_embed(fn: Callable, *, seed: int | None = None, engine:
         )
         total = torch.zeros(len(ids), hidden, dtype=torch.float32)
         for rank in range(world_size):
-            total += _check_one(fn, full, ids, rank, world_size, generator).float()
+            total += _check_one(fn, full, ids, rank, world_size, generator, spare).float()
             # a rank none of whose ids come up: the ids of one other rank only
             other_start, other_end = shard_range(vocab, (rank + 1) % world_size, world_size)
             if other_end > other_start:
                 others = torch.randint(other_start, other_end, (4,), generator=generator)
-                _check_one(fn, full, others, rank, world_size, generator)
+                _check_one(fn, full, others, rank, world_size, generator, spare)
         if not torch.equal(total.to(dtype), F.embedding(ids, full)):
             raise ExerciseFailure(
                 f"the {world_size} ranks' outputs for a vocabulary of {vocab} do not add up to the whole table's rows"

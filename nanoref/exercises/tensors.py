@@ -57,3 +57,33 @@ def describe_row(got: torch.Tensor, want: torch.Tensor, row: int, count: int = 4
         return "[" + ", ".join(f"{v:.4g}" for v in values) + ", ...]"
 
     return f"{head(got)} where the reference has {head(want)}"
+
+
+def ulps_apart(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """|got - want| counted in steps of a 16-bit float's grid (0: bit-identical; 1: adjacent values), elementwise.
+
+    Both tensors are float16 or bfloat16 of the same dtype. Reading the bits in sign-magnitude order makes
+    consecutive representable values consecutive integers (and +0 and -0 the same)."""
+
+    def ordered(t: torch.Tensor) -> torch.Tensor:
+        bits = t.contiguous().view(torch.int16).to(torch.int32)
+        return torch.where(bits < 0, -(bits & 0x7FFF), bits)
+
+    return (ordered(got) - ordered(want)).abs()
+
+
+def check_rounding(got: torch.Tensor, want: torch.Tensor, case: str, rule: str, *, share: float = 0.02) -> None:
+    """A 16-bit result must round like the reference, which computes in float32 and casts once: a different but
+    equally careful formula may land one step away on a few elements, never more. A result that is further off, or
+    a step away on more than `share` of its elements, broke the precision `rule` (one short sentence)."""
+    if got.dtype not in (torch.float16, torch.bfloat16):
+        return
+    apart = ulps_apart(got, want)
+    off = apart > 0
+    if int(apart.max()) > 1 or float(off.float().mean()) > share:
+        index = tuple(int(i) for i in torch.unravel_index(apart.argmax(), apart.shape))
+        raise ExerciseFailure(
+            f"{case}: {rule}\n{int(off.sum())} of {off.numel()} values round differently from nanoref's (up to "
+            f"{int(apart.max())} steps of {str(got.dtype).removeprefix('torch.')}); at index {index} you have "
+            f"{got[index].item():.6g}, nanoref {want[index].item():.6g}"
+        )

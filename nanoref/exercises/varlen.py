@@ -8,7 +8,7 @@ from collections.abc import Callable
 import torch
 
 from nanoref.engine.model_runner import prefill_metadata
-from nanoref.exercises.common import ExerciseFailure, check_generation, random_prompts
+from nanoref.exercises.common import ExerciseFailure, call_learner, check_generation, random_prompts
 
 _FIELDS = ("input_ids", "positions", "cu_seqlens_q", "cu_seqlens_k", "slot_mapping")
 
@@ -51,15 +51,26 @@ def _hint(field: str, index: int, got: int, want: int, case: tuple, block_size: 
         where = f"row {index} of {field} is {got}, expected {want}"
         if index == 0:
             return f"{where}: cu_seqlens starts with a 0"
+        # the rows before matched, so the learner's step for this sequence is got minus the row before
         if field == "cu_seqlens_q":
-            return (
-                f"{where}: sequence {seq} contributes num_new[{seq}] = {num_new[seq]} queries (its cached "
-                f"{num_cached[seq]} tokens are not recomputed); cu_seqlens_q adds up the new tokens"
-            )
-        return (
-            f"{where}: did you count the prefix-cached tokens? Sequence {seq}'s keys are its {num_cached[seq]} "
-            f"cached tokens plus its {num_new[seq]} new ones"
+            before, want_step = sum(num_new[:seq]), num_new[seq]
+        else:
+            before, want_step = sum(num_cached[:seq]) + sum(num_new[:seq]), num_cached[seq] + num_new[seq]
+        step = got - before
+        rule = (
+            f"cu_seqlens_q[{seq} + 1] = cu_seqlens_q[{seq}] + num_new[{seq}]"
+            if field == "cu_seqlens_q"
+            else f"cu_seqlens_k[{seq} + 1] = cu_seqlens_k[{seq}] + num_cached[{seq}] + num_new[{seq}]"
         )
+        cached = num_cached[seq]
+        counts = f"\nsequence {seq} has {cached} cached and {num_new[seq]} new tokens; yours adds {step}"
+        if field == "cu_seqlens_q" and cached and step == want_step + cached:
+            return f"{where}: cu_seqlens_q adds up the new tokens only: cached tokens are not recomputed" + counts
+        if field == "cu_seqlens_k" and cached and step == want_step - cached:
+            return f"{where}: did you count the prefix-cached tokens? {rule}" + counts
+        if abs(step - want_step) == 1:
+            return f"{where}: off by one: {rule}, {want_step} for sequence {seq}" + counts
+        return f"{where}: {rule}, {want_step} for sequence {seq}" + counts
     seq, offset = 0, index
     while offset >= num_new[seq]:
         offset, seq = offset - num_new[seq], seq + 1
@@ -80,7 +91,7 @@ def check_prefill_metadata(fn: Callable, *, seed: int = 0, engine: bool = True) 
     rng = random.Random(seed)
     for block_size in (4, 16):
         case = _case(rng, block_size, num_blocks=64)
-        result = fn(*case, block_size)
+        result = call_learner(fn, "prefill_metadata", *case, block_size, case=f"block_size {block_size}")
         if not (isinstance(result, (tuple, list)) and len(result) == 5):
             raise ExerciseFailure(f"return 5 values {_FIELDS}, got {type(result).__name__}")
         expected = prefill_metadata(*case, block_size)
