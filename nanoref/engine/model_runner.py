@@ -155,8 +155,9 @@ class ModelRunner:
         tables = self.block_tables.padded(seqs)  # (num_seqs, width), -1 padded
         slots = tables[np.arange(num_seqs), positions // size] * size + positions % size  # (num_seqs,)
         input_ids = np.fromiter((seq.token_ids[-1] for seq in seqs), dtype=np.int64, count=num_seqs)
-        arrays = dict(input_ids=input_ids, positions=positions, slot_mapping=slots, context_lens=context_lens)
-        return StepInputs(False, arrays | dict(block_tables=tables))
+        arrays = dict(input_ids=input_ids, positions=positions, slot_mapping=slots, context_lens=context_lens,
+                      block_tables=tables)  # fmt: skip
+        return StepInputs(False, arrays)
 
     def upload(self, step: StepInputs, input_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Copy a step's arrays to the device in one copy, publish its Context -> (input_ids (N,), positions (N,)).
