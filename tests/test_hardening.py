@@ -374,6 +374,7 @@ LAYERS = [
     ("engine",),  # the core: sequence, block manager, scheduler, model runner, the plain loop
     ("fast", "parallel"),  # features attached to the core from outside: graphs and overlap; tensor parallelism
     ("llm",),  # the one wiring point
+    ("serving", "serve"),  # the online front on an LLM: the async loop, the OpenAI-compatible server
     ("__init__", "__main__"),  # the package's face and its command line
     ("exercises",),  # checks that run the whole engine
     ("classroom", "train_default_model"),

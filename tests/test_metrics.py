@@ -59,7 +59,7 @@ def test_outputs_carry_metrics_only_when_asked(tiny_model):
     llm = LLM(tiny_model, device="cpu", num_kvcache_blocks=10)
     prompt = random_prompts(seed=21, lengths=[6])
     plain = llm.generate(prompt, greedy(3), use_tqdm=False)
-    assert set(plain[0]) == {"text", "token_ids"}
+    assert set(plain[0]) == {"text", "token_ids", "finish_reason"}
     with_metrics = llm.generate(prompt, greedy(3), use_tqdm=False, return_metrics=True)
     assert with_metrics[0]["token_ids"] == plain[0]["token_ids"]
     assert len(llm.metrics.steps) == 3 and len(llm.metrics.requests) == 1  # only the latest call

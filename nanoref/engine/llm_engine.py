@@ -8,6 +8,7 @@ from collections.abc import Callable
 import torch
 
 from nanoref.config import EngineConfig
+from nanoref.engine.detokenizer import IncrementalDetokenizer, decode
 from nanoref.engine.metrics import EngineMetrics, StepRecord
 from nanoref.engine.model_runner import ModelRunner
 from nanoref.engine.requests import check_request, params_list, prompt_list, tokenize
@@ -33,7 +34,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, make_runner: Callable[[EngineConfig], ModelRunner] = ModelRunner) -> None:
         """config: resolved (`EngineConfig.resolved()`); make_runner builds the model runner (nanoref/llm.py's
         attaches CUDA graphs or tensor parallelism)."""
-        self._lock = threading.RLock()  # held by generate, step, add_request and abort_all
+        self._lock = threading.RLock()  # held by generate, step, add_request and the aborts
         # before the model runner, which may start tensor-parallel workers: a folder that fails fails before them
         self.tokenizer = load_tokenizer(config.model_folder)
         self.model_runner = make_runner(config)
@@ -61,20 +62,41 @@ class LLMEngine:
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         return tokenize(prompt, self.tokenizer, self.config)
 
-    def make_sequence(self, prompt: str | list[int], params: SamplingParams) -> Sequence:
-        """A checked request, not yet queued: everything that can fail about a request fails here."""
+    def make_sequence(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None, stream: bool = False
+    ) -> Sequence:
+        """A checked request, not yet queued: everything that can fail about a request fails here.
+
+        stream: keep `seq.detokenizer.text` up to date after every step (for a caller that shows it as it grows)."""
         token_ids = self.tokenize(prompt)
         check_request(token_ids, params, self.config, self.scheduler.block_manager)
+        if stream and self.tokenizer is None:
+            raise ValueError(f"{self.config.model_folder} has no tokenizer: a stream of text needs one")
         seq = Sequence(token_ids, params, self.config.kvcache_block_size)
+        seq.request_id = request_id
         if params.seed is not None:
             seq.generator = torch.Generator(device=self.config.device).manual_seed(params.seed)
+        if stream:
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer)
         return seq
 
-    def add_request(self, prompt: str | list[int], params: SamplingParams) -> Sequence:
-        """Check one request and queue it; a bad request raises and queues nothing."""
-        seq = self.make_sequence(prompt, params)
+    def add_request(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None, stream: bool = False
+    ) -> Sequence:
+        """Check one request and queue it; a bad request raises and queues nothing. request_id: the caller's name
+        for it (kept as `seq.request_id`); stream: see make_sequence."""
+        seq = self.make_sequence(prompt, params, request_id, stream)
         self.enqueue(seq)
         return seq
+
+    def abort_request(self, seq: Sequence) -> None:
+        """End one request now, between steps: its blocks go back and its finish_reason is "abort" (a finished
+        request is left as it is). The other requests run on."""
+        with self._lock, held_interrupts():
+            if seq.is_finished:
+                return
+            self.metrics.forget([seq])
+            self.scheduler.finish(seq, "abort")
 
     def enqueue(self, seq: Sequence) -> None:
         with self._lock, held_interrupts():  # both or neither: a request the metrics know of is queued
@@ -138,7 +160,8 @@ class LLMEngine:
         use_tqdm: bool = True,
         return_metrics: bool = False,
     ) -> list[dict]:
-        """Generate for every prompt; returns, in input order, dicts with "text" and "token_ids".
+        """Generate for every prompt; returns, in input order, dicts with "text", "token_ids" and "finish_reason"
+        ("stop": EOS; "length": max_tokens or max_model_len).
 
         return_metrics: each dict also gets "metrics", the request's `RequestMetrics`. Either way
         `self.metrics.steps` holds a `StepRecord` per step of this call.
@@ -175,8 +198,8 @@ class LLMEngine:
     def output(self, seq: Sequence, with_metrics: bool = False) -> dict:
         """A finished request as `generate` returns it."""
         token_ids = seq.completion_token_ids
-        text = None if self.tokenizer is None else self.tokenizer.decode(token_ids, skip_special_tokens=True)
-        output = {"text": text, "token_ids": token_ids}
+        text = None if self.tokenizer is None else decode(self.tokenizer, token_ids)
+        output = {"text": text, "token_ids": token_ids, "finish_reason": seq.finish_reason}
         if with_metrics:
             output["metrics"] = self.metrics.requests[seq.seq_id]
         return output

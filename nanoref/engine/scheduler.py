@@ -256,11 +256,7 @@ class Scheduler:
 
     def abort_all(self) -> None:
         for seq in [*self.running, *self.waiting]:
-            if seq.block_table:
-                self.block_manager.deallocate(seq)
-            seq.status = SequenceStatus.FINISHED
-        self.running.clear()
-        self.waiting.clear()
+            self.finish(seq, "abort")
 
     # -- after the forward --------------------------------------------------------------------
     def postprocess(self, seqs: list[Sequence], token_ids: list[int]) -> list[Sequence]:
@@ -276,10 +272,26 @@ class Scheduler:
             if seq.num_computed_tokens < seq.num_tokens:
                 continue  # mid-prompt chunk: its logits predict nothing anyone asked for
             seq.append_token(token_id)
-            eos = not seq.sampling_params.ignore_eos and token_id in self.eos_token_ids
-            if eos or self._ends_by_count(seq, new_tokens=0):
-                seq.status = SequenceStatus.FINISHED
-                self.block_manager.deallocate(seq)
-                self.running.remove(seq)
+            reason = self.finish_reason(seq, token_id)
+            if reason is not None:
+                self.finish(seq, reason)
                 finished.append(seq)
         return finished
+
+    def finish_reason(self, seq: Sequence, token_id: int) -> str | None:
+        """Why seq ends with the token it just appended: "stop" or "length"; None: it goes on."""
+        if not seq.sampling_params.ignore_eos and token_id in self.eos_token_ids:
+            return "stop"
+        if self._ends_by_count(seq, new_tokens=0):
+            return "length"
+        return None
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """seq is done (a running sequence, or any unfinished one for "abort"): its blocks go back now."""
+        if seq.block_table:  # (a waiting sequence holds none unless a chunk of its prompt has run)
+            self.block_manager.deallocate(seq)
+        (self.running if seq.status is SequenceStatus.RUNNING else self.waiting).remove(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        if seq.detokenizer is not None:
+            seq.detokenizer.finish()

@@ -7,6 +7,7 @@ from itertools import count
 
 import torch
 
+from nanoref.engine.detokenizer import IncrementalDetokenizer
 from nanoref.sampling_params import SamplingParams
 
 
@@ -41,6 +42,12 @@ class Sequence:
         self.num_preemptions = 0
         # a seeded request draws its sampling noise from its own generator (set by the engine)
         self.generator: torch.Generator | None = None
+        self.request_id: str | None = None  # the caller's name for the request (the server's id), if it gave one
+        # why it finished: "stop" (EOS), "length" (max_tokens or max_model_len) or "abort"; None while it runs
+        self.finish_reason: str | None = None
+        # its completion as text, kept up to date token by token only where something reads it as it grows (a
+        # stream); None otherwise: offline generate decodes each completion once, at the end
+        self.detokenizer: IncrementalDetokenizer | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -73,6 +80,8 @@ class Sequence:
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
+        if self.detokenizer is not None:
+            self.detokenizer.add([token_id])
 
     def __repr__(self) -> str:
         return (

@@ -90,10 +90,15 @@ class OverlappedLoop:
 
     @property
     def in_flight(self) -> InFlight | None:
-        """The step on the device, not yet postprocessed. Its sequences finish only in its own postprocess, or all
-        at once in the engine's abort_all: then its tokens are never read, and it is dropped."""
-        if self._in_flight is not None and self._in_flight.seqs[0].is_finished:
-            self._in_flight = None
+        """The step on the device, not yet postprocessed. Its sequences finish in its own postprocess, or between
+        steps when aborted (`abort_request`, `abort_all`): their rows' tokens are never read, and a step left with
+        no row is dropped."""
+        step = self._in_flight
+        if step is not None and any(seq.is_finished for seq in step.seqs):
+            kept = [(seq, row) for seq, row in zip(step.seqs, step.rows) if not seq.is_finished]
+            step.seqs, step.rows = [seq for seq, _ in kept], [row for _, row in kept]
+            if not kept:
+                self._in_flight = None
         return self._in_flight
 
     @in_flight.setter
