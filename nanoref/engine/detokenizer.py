@@ -1,9 +1,28 @@
-"""A growing completion as text, one token at a time, never showing half a character.
+"""A growing completion as text, one token at a time, never showing half a character, and its stop strings.
 
 Byte-level BPE tokens are bytes, not characters: an emoji or a CJK character is often split over two or three
 tokens, and decoding the first of them alone gives U+FFFD (the replacement character) in its place. A streamed
 piece must never contain that half: the text is held back until the character is complete, so the pieces
 concatenate to exactly what decoding the whole completion at once gives (`decode`, what `generate` returns).
+
+Cheap per token: only a window of recent tokens is decoded, never the whole completion (vLLM's prefix_offset /
+read_offset). The window starts at a token where an earlier decode ended on a whole character
+(`prefix_offset`); the tokens up to `read_offset` are already shown, and their text, decoded from the same start,
+is subtracted from the window's. Decoding from the same start matters for decoders that treat a text's first
+token differently (SentencePiece's Metaspace drops its leading space): both sides get the same treatment. The
+window only grows while tokens keep ending inside a character (or in bytes that are not UTF-8 at all: a lone
+continuation byte decodes to U+FFFD, which waits for a token that ends on a whole character or for the end).
+
+Exact, because `decode` is a concatenation at whole-character boundaries: decoding the completion in windows that
+meet at such boundaries gives the text decoding it at once gives. That holds for byte-level decoders (bytes, then
+UTF-8) and for added tokens (spliced in as their text). It would not hold with `clean_up_tokenization_spaces`,
+which rewrites " ." as "." depending on the token after the space: `decode` turns it off, so `generate` and the
+stream decode the same way by construction (transformers 5 already ignores it for BPE tokenizers).
+
+Stop strings are matched on this text, across token boundaries: `find_stop` searches what the latest token added
+(with the characters before it that a stop string could straddle), and until a stop string is known not to
+start at the end of the text those characters are held back from `text`, so no piece ever shows part of a stop
+string that then matches.
 """
 
 from __future__ import annotations
@@ -14,29 +33,87 @@ REPLACEMENT_CHAR = "\ufffd"  # what a decoder writes for bytes that are not (yet
 
 
 def decode(tokenizer: Any, token_ids: list[int]) -> str:
-    """A completion's text, as offline `generate` returns it (special tokens such as EOS left out)."""
-    return tokenizer.decode(token_ids, skip_special_tokens=True)
+    """A completion's text, as offline `generate` returns it (special tokens such as EOS left out; no clean-up of
+    spaces before punctuation, which would make a text's end depend on the token after it)."""
+    return tokenizer.decode(token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
 
 class IncrementalDetokenizer:
-    """One sequence's completion text, grown token by token: `text` is what may be shown so far."""
+    """One sequence's completion text, grown token by token: `text` is what may be shown so far.
 
-    def __init__(self, tokenizer: Any) -> None:
+    stop: strings that end the completion (see `find_stop`); include_stop: keep the matched string in the text."""
+
+    def __init__(self, tokenizer: Any, stop: list[str] | tuple[str, ...] = (), include_stop: bool = False) -> None:
         self.tokenizer = tokenizer
         self.token_ids: list[int] = []
-        self.text = ""  # the completion's text so far, complete characters only
+        self.stop = tuple(stop)
+        self.include_stop = include_stop
+        self.stop_reason: str | None = None  # the stop string that matched, once one has
+        self.text = ""  # the text that may be shown: whole characters, no possible start of a stop string
+        self.decoded = ""  # all whole characters decoded so far (text plus what is held back)
+        self.prefix_offset = 0  # the window's first token: an earlier decode ended on a whole character here
+        self.read_offset = 0  # the tokens before it are in `decoded`
+        self.prefix_text = ""  # decode(token_ids[prefix_offset:read_offset])
+        self._search_from = 0  # where in `decoded` the latest token's new text can start a stop string
+        self._longest_stop = max(map(len, self.stop), default=0)
 
     def add(self, token_ids: list[int]) -> str:
-        """Append generated tokens -> the new text they complete ("" while a character is still half made)."""
+        """Append generated tokens -> the new text they let `text` show ("" while a character is half made)."""
         self.token_ids.extend(token_ids)
-        full = decode(self.tokenizer, self.token_ids)
-        if full.endswith(REPLACEMENT_CHAR) or not full.startswith(self.text):
+        window = decode(self.tokenizer, self.token_ids[self.prefix_offset :])
+        if window.endswith(REPLACEMENT_CHAR) or len(window) <= len(self.prefix_text):
+            self._search_from = len(self.decoded)  # nothing new to search
             return ""  # wait for the rest of the character
-        delta, self.text = full[len(self.text) :], full
-        return delta
+        self._extend(window[len(self.prefix_text) :])
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+        self.prefix_text = decode(self.tokenizer, self.token_ids[self.prefix_offset : self.read_offset])
+        return self._show(self._held_back())
+
+    def find_stop(self) -> str | None:
+        """The stop string the latest `add` completed, if any: the text is cut before it (just after it with
+        include_stop) and it becomes `stop_reason`. Where two complete in the same token, the one that ends first
+        wins (it would have stopped the text first), and of those the one that starts first."""
+        if not self.stop or self.stop_reason is not None:
+            return self.stop_reason
+        found = None  # (end, start, stop string)
+        for stop in self.stop:
+            start = self.decoded.find(stop, max(self._search_from - len(stop) + 1, 0))
+            if start >= 0 and (found is None or (start + len(stop), start) < found[:2]):
+                found = (start + len(stop), start, stop)
+        self._search_from = len(self.decoded)
+        if found is None:
+            return None
+        end, start, self.stop_reason = found
+        self.decoded = self.decoded[: end if self.include_stop else start]
+        self._show(0)
+        return self.stop_reason
 
     def finish(self) -> str:
-        """The sequence ended: whatever is held back is final now -> the last piece."""
-        full = decode(self.tokenizer, self.token_ids)
-        delta, self.text = full[len(self.text) :], full
-        return delta
+        """The sequence ended: whatever is held back is final now (a half character as U+FFFD, as `decode` writes
+        it; a possible start of a stop string as itself) -> the last piece. After a stop string, nothing more."""
+        if self.stop_reason is None:
+            window = decode(self.tokenizer, self.token_ids[self.prefix_offset :])
+            self._extend(window[len(self.prefix_text) :])
+            self.prefix_offset = self.read_offset = len(self.token_ids)
+            self.prefix_text = ""
+        return self._show(0)
+
+    def _extend(self, new_text: str) -> None:
+        self._search_from = len(self.decoded)
+        self.decoded += new_text
+
+    def _held_back(self) -> int:
+        """How many characters at the end of `decoded` could be the start of a stop string."""
+        decoded = self.decoded
+        for length in range(min(self._longest_stop - 1, len(decoded)), 0, -1):
+            tail = decoded[-length:]
+            if any(stop.startswith(tail) for stop in self.stop):
+                return length
+        return 0
+
+    def _show(self, held_back: int) -> str:
+        """Let `text` show all of `decoded` but its last `held_back` characters -> the piece that adds."""
+        shown = len(self.decoded) - held_back
+        piece = self.decoded[len(self.text) : shown]
+        self.text = self.decoded[:shown]
+        return piece

@@ -1,0 +1,125 @@
+"""The incremental detokenizer: streamed pieces concatenate to the offline decode, never show half a character,
+and cost a small window of tokens per token, not the whole completion."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from nanoref.engine.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, decode
+from nanoref.utils.loader import load_tokenizer
+
+DEFAULT_MODEL = Path(__file__).parents[1] / "nanoref" / "default_model"
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(DEFAULT_MODEL)
+
+
+def gpt2_byte_chars() -> dict[int, str]:
+    """Byte-level BPE's printable stand-in for each byte (GPT-2's table): a token string maps back to its bytes."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            chars[byte] = chr(byte)
+        else:
+            chars[byte] = chr(256 + extra)
+            extra += 1
+    return chars
+
+
+@pytest.fixture(scope="module")
+def byte_token(tokenizer) -> dict[int, int]:
+    """byte -> the id of the token that is that single byte."""
+    return {byte: tokenizer.convert_tokens_to_ids(char) for byte, char in gpt2_byte_chars().items()}
+
+
+def stream(tokenizer, token_ids: list[int], offline: str) -> list[str]:
+    """Feed token_ids one at a time; after each, the text shown is a prefix of the offline text -> the pieces."""
+    detokenizer, pieces = IncrementalDetokenizer(tokenizer), []
+    for token_id in token_ids:
+        pieces.append(detokenizer.add([token_id]))
+        assert offline.startswith(detokenizer.text), f"{detokenizer.text!r} is not how {offline!r} starts"
+    pieces.append(detokenizer.finish())
+    assert detokenizer.text == "".join(pieces)
+    return pieces
+
+
+@pytest.mark.parametrize("text", ["🙂🎉 party", "日本語のテキスト", "naïve café — 日本 🙂 ok\n\tend", "👩‍👩‍👧 family"])
+def test_pieces_of_emoji_cjk_and_mixed_text_concatenate_to_the_offline_decode(tokenizer, text):
+    ids = tokenizer.encode(text)
+    pieces = stream(tokenizer, ids, decode(tokenizer, ids))
+    assert "".join(pieces) == decode(tokenizer, ids) == text
+    assert REPLACEMENT_CHAR not in "".join(pieces)
+
+
+def test_a_character_split_into_single_bytes_waits_until_its_last_byte(tokenizer, byte_token):
+    ids = [byte_token[b] for b in "a🙂b".encode()]  # a, then the emoji's 4 bytes as 4 tokens, then b
+    pieces = stream(tokenizer, ids, "a🙂b")
+    assert pieces == ["a", "", "", "", "🙂", "b", ""]
+
+
+def test_invalid_utf8_bytes_stream_as_the_offline_decode_writes_them(tokenizer, byte_token):
+    # a lone continuation byte, a truncated emoji followed by ASCII, an overlong encoding, a truncated emoji at the end
+    runs = [b"x\x80y", b"\xf0\x9f\x99z", b"\xc0\xafq", b"ok\xf0\x9f"]
+    for run in runs:
+        ids = [byte_token[b] for b in run]
+        offline = decode(tokenizer, ids)
+        assert offline == run.decode("utf-8", errors="replace")  # (what the model's bytes mean)
+        assert "".join(stream(tokenizer, ids, offline)) == offline
+
+
+@settings(max_examples=300, deadline=None)
+@given(ids=st.lists(st.integers(0, 1023), max_size=40))
+def test_random_token_ids_stream_to_their_offline_decode(tokenizer, ids):
+    offline = decode(tokenizer, ids)
+    assert "".join(stream(tokenizer, ids, offline)) == offline
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.lists(st.binary(min_size=1, max_size=3), max_size=30))
+def test_random_byte_runs_stream_to_their_offline_decode(tokenizer, byte_token, data):
+    ids = [byte_token[b] for chunk in data for b in chunk]
+    offline = decode(tokenizer, ids)
+    assert offline == b"".join(data).decode("utf-8", errors="replace")
+    assert "".join(stream(tokenizer, ids, offline)) == offline
+
+
+class CountingTokenizer:
+    """Records how many tokens each decode call was given."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer, self.lengths = tokenizer, []
+
+    def decode(self, token_ids, **kwargs):
+        self.lengths.append(len(token_ids))
+        return self.tokenizer.decode(token_ids, **kwargs)
+
+
+def test_each_token_decodes_a_small_window_not_the_whole_completion(tokenizer):
+    ids = tokenizer.encode("日本語 and 🙂 emoji in a long text. " * 60)
+    counting = CountingTokenizer(tokenizer)
+    detokenizer = IncrementalDetokenizer(counting)
+    for token_id in ids:
+        detokenizer.add([token_id])
+    detokenizer.finish()
+    assert len(ids) > 500
+    assert detokenizer.text == decode(tokenizer, ids)
+    assert max(counting.lengths) <= 8, "a decode call was given more than a few recent tokens"
+
+
+def test_decode_never_cleans_up_spaces_before_punctuation(tokenizer):
+    """Clean-up rewrites " ." as ".", which depends on the token after the space: a stream that showed the space
+    could not take it back. Forced on for this tokenizer, decode still leaves the text as the tokens spell it."""
+    tokenizer = load_tokenizer(DEFAULT_MODEL)  # (a copy of its own: the module's stays as it is)
+    tokenizer.clean_up_tokenization_spaces = True
+    tokenizer.clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output = True
+    ids = tokenizer.encode("a , b . c !")
+    assert tokenizer.decode(ids) != "a , b . c !", "the clean-up was meant to be on"
+    pieces = stream(tokenizer, ids, decode(tokenizer, ids))
+    assert "".join(pieces) == decode(tokenizer, ids) == "a , b . c !"
