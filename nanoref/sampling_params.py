@@ -15,7 +15,12 @@ MAX_TOKENS_LIMIT = 2**31 - 1
 
 @dataclass
 class SamplingParams:
-    """temperature 0 means greedy; top_k 0 and top_p 1.0 mean "off"; seed makes one request reproducible."""
+    """temperature 0 means greedy; top_k 0 and top_p 1.0 mean "off"; seed makes one request reproducible.
+
+    stop: strings that end the completion when its text contains one (finish_reason "stop"); the text is cut
+    before it. include_stop_str_in_output: keep the matched stop string at the end of the text.
+    n: how many completions to sample for the prompt (sample i of a seeded request uses seed + i).
+    """
 
     temperature: float = 1.0
     max_tokens: int = 64
@@ -23,6 +28,9 @@ class SamplingParams:
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
+    stop: str | list[str] | None = None
+    include_stop_str_in_output: bool = False
+    n: int = 1
 
     def __post_init__(self) -> None:
         self.validate()
@@ -43,6 +51,32 @@ class SamplingParams:
         if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         check_seed(self.seed)
+        stop_strings(self.stop)
+        if not isinstance(self.include_stop_str_in_output, bool):
+            raise ValueError(
+                f"include_stop_str_in_output must be True or False, got {self.include_stop_str_in_output!r}"
+            )
+        if not _is_int(self.n) or self.n < 1:
+            raise ValueError(f"n (completions per prompt) must be an integer >= 1, got {self.n!r}")
+        if self.seed is not None and self.seed + self.n - 1 >= _SEED_LIMIT:
+            raise ValueError(f"seed + n - 1 (the last sample's seed) must be below 2**64, got seed {self.seed!r}")
+
+    @property
+    def stop_strings(self) -> list[str]:
+        """`stop` as a list (a single string is one stop string; None is none)."""
+        return stop_strings(self.stop)
+
+
+def stop_strings(stop: object) -> list[str]:
+    """`SamplingParams.stop` as a list of strings; ValueError for anything else or an empty string."""
+    if stop is None:
+        return []
+    items = [stop] if isinstance(stop, str) else stop
+    if not isinstance(items, (list, tuple)) or not all(isinstance(item, str) for item in items):
+        raise ValueError(f"stop must be None, a string or a list of strings, got {stop!r}")
+    if "" in items:
+        raise ValueError("stop strings must be non-empty: an empty one would match before any text")
+    return list(items)
 
 
 def check_seed(seed: object) -> None:

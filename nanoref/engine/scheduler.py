@@ -282,6 +282,9 @@ class Scheduler:
         """Why seq ends with the token it just appended: "stop" or "length"; None: it goes on."""
         if not seq.sampling_params.ignore_eos and token_id in self.eos_token_ids:
             return "stop"
+        if seq.detokenizer is not None and seq.detokenizer.find_stop() is not None:  # its text cut before it
+            seq.stop_reason = seq.detokenizer.stop_reason
+            return "stop"
         if self._ends_by_count(seq, new_tokens=0):
             return "length"
         return None

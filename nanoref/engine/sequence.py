@@ -43,10 +43,13 @@ class Sequence:
         # a seeded request draws its sampling noise from its own generator (set by the engine)
         self.generator: torch.Generator | None = None
         self.request_id: str | None = None  # the caller's name for the request (the server's id), if it gave one
-        # why it finished: "stop" (EOS), "length" (max_tokens or max_model_len) or "abort"; None while it runs
+        # why it finished: "stop" (EOS or a stop string), "length" (max_tokens or max_model_len) or "abort"; None
+        # while it runs
         self.finish_reason: str | None = None
+        self.stop_reason: str | None = None  # the stop string that ended it, if one did
+        self.index = 0  # which of its request's n samples it is
         # its completion as text, kept up to date token by token only where something reads it as it grows (a
-        # stream); None otherwise: offline generate decodes each completion once, at the end
+        # stream, or stop strings); None otherwise: offline generate decodes each completion once, at the end
         self.detokenizer: IncrementalDetokenizer | None = None
 
     @property
