@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 
@@ -13,12 +14,23 @@ from nanoref.engine.metrics import EngineMetrics, StepRecord
 from nanoref.engine.model_runner import ModelRunner
 from nanoref.engine.requests import check_request, params_list, prompt_list, tokenize
 from nanoref.engine.scheduler import Scheduler
-from nanoref.engine.sequence import Sequence
+from nanoref.engine.sequence import Sequence, SequenceStatus
 from nanoref.sampling_params import SamplingParams
 from nanoref.utils import seams
 from nanoref.utils.interrupts import held_interrupts, interruptibly
 from nanoref.utils.loader import load_tokenizer
 from nanoref.utils.progress import tqdm
+
+
+@dataclass
+class StreamPiece:
+    """What one step added to one sample of a streamed request (`LLMEngine.stream`)."""
+
+    text: str  # the new text ("" while a character, or a possible stop string, is still incomplete)
+    token_ids: list[int]  # the new tokens
+    finished: bool
+    finish_reason: str | None  # "stop", "length" or "abort" once finished
+    index: int = 0  # which of the request's n samples
 
 
 class LLMEngine:
@@ -57,6 +69,9 @@ class LLMEngine:
         # the block manager writes each sequence's table into this array's rows; the model runner reads them
         self.model_runner.block_tables = self.scheduler.block_manager.tables
         self.metrics = EngineMetrics()  # step records and per-request metrics (see engine/metrics.py)
+        # the samples 1..n-1 of a request with n > 1, by its sample 0, queued once sample 0's prompt is computed
+        # (then its full prompt blocks are in the prefix cache, and they share them instead of prefilling again)
+        self.held_samples: dict[Sequence, list[Sequence]] = {}
 
     # -- requests -----------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -67,41 +82,90 @@ class LLMEngine:
     ) -> Sequence:
         """A checked request, not yet queued: everything that can fail about a request fails here.
 
-        stream: keep `seq.detokenizer.text` up to date after every step (for a caller that shows it as it grows)."""
+        stream: keep `seq.detokenizer.text` up to date after every step (for a caller that shows it as it grows).
+        A request with stop strings gets a detokenizer either way: they are matched on its text as it grows."""
+        if isinstance(params, SamplingParams) and params.n != 1:
+            raise ValueError(f"one sequence is one sample, but n is {params.n}: use make_samples or add_samples")
+        return self.make_samples(prompt, params, request_id, stream)[0]
+
+    def make_samples(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None, stream: bool = False
+    ) -> list[Sequence]:
+        """A checked request's `params.n` samples (see make_sequence), not yet queued; sample i has `index` i and,
+        when the request is seeded, the seed params.seed + i."""
         token_ids = self.tokenize(prompt)
         check_request(token_ids, params, self.config, self.scheduler.block_manager)
-        if stream and self.tokenizer is None:
-            raise ValueError(f"{self.config.model_folder} has no tokenizer: a stream of text needs one")
-        seq = Sequence(token_ids, params, self.config.kvcache_block_size)
-        seq.request_id = request_id
-        if params.seed is not None:
-            seq.generator = torch.Generator(device=self.config.device).manual_seed(params.seed)
-        if stream:
-            seq.detokenizer = IncrementalDetokenizer(self.tokenizer)
-        return seq
+        stop = params.stop_strings
+        if (stream or stop) and self.tokenizer is None:
+            need = "a stream of text" if stream else "stop strings"
+            raise ValueError(f"{self.config.model_folder} has no tokenizer: {need} needs one")
+        samples = []
+        for index in range(params.n):
+            seq = Sequence(token_ids, params, self.config.kvcache_block_size)
+            seq.request_id, seq.index = request_id, index
+            if params.seed is not None:
+                seq.generator = torch.Generator(device=self.config.device).manual_seed(params.seed + index)
+            if stream or stop:
+                seq.detokenizer = IncrementalDetokenizer(self.tokenizer, stop, params.include_stop_str_in_output)
+            samples.append(seq)
+        return samples
 
     def add_request(
         self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None, stream: bool = False
     ) -> Sequence:
         """Check one request and queue it; a bad request raises and queues nothing. request_id: the caller's name
-        for it (kept as `seq.request_id`); stream: see make_sequence."""
+        for it (kept as `seq.request_id`); stream: see make_sequence. For n > 1, add_samples."""
         seq = self.make_sequence(prompt, params, request_id, stream)
         self.enqueue(seq)
         return seq
 
+    def add_samples(
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None, stream: bool = False
+    ) -> list[Sequence]:
+        """add_request for all `params.n` samples of a request -> the n sequences (see enqueue_samples)."""
+        samples = self.make_samples(prompt, params, request_id, stream)
+        self.enqueue_samples(samples)
+        return samples
+
     def abort_request(self, seq: Sequence) -> None:
         """End one request now, between steps: its blocks go back and its finish_reason is "abort" (a finished
-        request is left as it is). The other requests run on."""
+        request is left as it is). The other requests run on. A sample not queued yet (see enqueue_samples) is
+        dropped from the held ones."""
         with self._lock, held_interrupts():
             if seq.is_finished:
                 return
+            for first, held in self.held_samples.items():
+                if seq in held:
+                    held.remove(seq)
+                    if not held:
+                        del self.held_samples[first]
+                    seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+                    return
             self.metrics.forget([seq])
             self.scheduler.finish(seq, "abort")
+            if seq in self.held_samples:  # its other samples wait for nothing now
+                self.queue_held_samples()
 
     def enqueue(self, seq: Sequence) -> None:
         with self._lock, held_interrupts():  # both or neither: a request the metrics know of is queued
             self.metrics.add_request(seq)
             self.scheduler.add(seq)
+
+    def enqueue_samples(self, samples: list[Sequence]) -> None:
+        """Queue a request's samples: sample 0 now, the others once its prompt is computed (after the step that
+        samples its first token, `queue_held_samples`), so that they find its full prompt blocks in the prefix
+        cache. Queued together they would all prefill the prompt: blocks are published when their step ends."""
+        with self._lock, held_interrupts():
+            self.enqueue(samples[0])
+            if len(samples) > 1:
+                self.held_samples[samples[0]] = samples[1:]
+
+    def queue_held_samples(self) -> None:
+        """Queue the held samples whose sample 0 has computed its prompt (or finished: then there is nothing to
+        wait for)."""
+        for first in [first for first in self.held_samples if first.num_completion_tokens or first.is_finished]:
+            for seq in self.held_samples.pop(first):
+                self.enqueue(seq)
 
     # -- the loop -----------------------------------------------------------------------------
     def step(self) -> tuple[list[Sequence], StepRecord]:
@@ -112,7 +176,10 @@ class LLMEngine:
                 raise RuntimeError("step() found no request waiting or running: add one with add_request() first")
             # this step runs the forward of the caller's `seams.use` block (if any): the prefix cache keeps it apart
             self.scheduler.block_manager.use_forward(seams.forward_key())
-            return self.run_step()
+            finished, record = self.run_step()
+            if self.held_samples:
+                self.queue_held_samples()
+            return finished, record
 
     def run_step(self) -> tuple[list[Sequence], StepRecord]:
         """The plain loop's step (nanoref/fast/overlap.py's overlapped loop takes its place where it is on)."""
@@ -136,6 +203,9 @@ class LLMEngine:
         with self._lock, held_interrupts():
             self.metrics.forget([*self.scheduler.running, *self.scheduler.waiting])
             self.scheduler.abort_all()
+            for seq in [seq for held in self.held_samples.values() for seq in held]:
+                seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+            self.held_samples.clear()
 
     def close(self) -> None:
         """Stop the tensor-parallel worker processes (if any). The engine cannot run after this; with one device
@@ -151,7 +221,7 @@ class LLMEngine:
         self.close()
 
     def is_finished(self) -> bool:
-        return self.scheduler.is_finished()
+        return self.scheduler.is_finished() and not self.held_samples
 
     def generate(
         self,
@@ -161,16 +231,18 @@ class LLMEngine:
         return_metrics: bool = False,
     ) -> list[dict]:
         """Generate for every prompt; returns, in input order, dicts with "text", "token_ids" and "finish_reason"
-        ("stop": EOS; "length": max_tokens or max_model_len).
+        ("stop": EOS or a stop string; "length": max_tokens or max_model_len); with stop strings also
+        "stop_reason" (the stop string that matched, or None). With n > 1 these are sample 0's, and "outputs"
+        lists every sample's ("index", "text", "token_ids", "finish_reason"[, "stop_reason"]).
 
         return_metrics: each dict also gets "metrics", the request's `RequestMetrics`. Either way
         `self.metrics.steps` holds a `StepRecord` per step of this call.
         """
         prompts = prompt_list(prompts)
-        seqs = []  # every request checked before any is queued, so one bad prompt leaves nothing queued
+        requests = []  # every request checked before any is queued, so one bad prompt leaves nothing queued
         for index, (prompt, params) in enumerate(zip(prompts, params_list(sampling_params, len(prompts)))):
             try:
-                seqs.append(self.make_sequence(prompt, params))
+                requests.append(self.make_samples(prompt, params))
             except (ValueError, TypeError) as error:
                 raise type(error)(f"prompt {index}: {error}") from None
         # One generate at a time: concurrent callers wait. Ctrl-C is held for the whole call (one handler swap, not
@@ -178,9 +250,10 @@ class LLMEngine:
         # request aborted, or when the call ends; never half-way through queuing or a step's bookkeeping.
         with self._lock, held_interrupts():
             self.metrics.clear()
-            for seq in seqs:
-                self.enqueue(seq)
-            bar = tqdm(total=len(seqs), desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
+            for samples in requests:
+                self.enqueue_samples(samples)
+            total = sum(map(len, requests))
+            bar = tqdm(total=total, desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
             rates = {}  # the latest prefill and decode step's tokens per second
             try:
                 while not self.is_finished():
@@ -193,13 +266,55 @@ class LLMEngine:
                 raise
             finally:
                 bar.close()
-        return [self.output(seq, return_metrics) for seq in seqs]
+        return [self.request_output(samples, return_metrics) for samples in requests]
+
+    def request_output(self, samples: list[Sequence], with_metrics: bool = False) -> dict:
+        """A finished request as `generate` returns it: sample 0's output, with "outputs" when n > 1."""
+        output = self.output(samples[0], with_metrics)
+        if len(samples) > 1:
+            output["outputs"] = [{"index": seq.index, **self.output(seq, with_metrics)} for seq in samples]
+        return output
 
     def output(self, seq: Sequence, with_metrics: bool = False) -> dict:
-        """A finished request as `generate` returns it."""
+        """A finished sequence as `generate` returns it."""
         token_ids = seq.completion_token_ids
-        text = None if self.tokenizer is None else decode(self.tokenizer, token_ids)
+        if seq.detokenizer is not None:  # its text as it grew, so the stream and generate agree by construction
+            text = seq.detokenizer.text  # (cut at its stop string, if one matched)
+        else:
+            text = None if self.tokenizer is None else decode(self.tokenizer, token_ids)
         output = {"text": text, "token_ids": token_ids, "finish_reason": seq.finish_reason}
+        if seq.sampling_params.stop is not None:
+            output["stop_reason"] = seq.stop_reason
         if with_metrics:
             output["metrics"] = self.metrics.requests[seq.seq_id]
         return output
+
+    def stream(
+        self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None
+    ) -> Iterator[StreamPiece]:
+        """One request's text as it grows, for a notebook: `for piece in llm.stream("Hello", params): print(
+        piece.text, end="")`. The iterator drives `step()` itself (other queued requests advance too) and yields a
+        `StreamPiece` per sample and step that added tokens or text; a sample's last piece has finished=True. The
+        pieces' text concatenates to `generate`'s. Closing the iterator early (a `break`) aborts the request and
+        frees its blocks. The request is checked here (a bad one raises now) and queued at the first piece."""
+        samples = self.make_samples(prompt, SamplingParams() if params is None else params, request_id, stream=True)
+        return self._stream(samples)
+
+    def _stream(self, samples: list[Sequence]) -> Iterator[StreamPiece]:
+        self.enqueue_samples(samples)
+        sent = {seq: [0, 0] for seq in samples}  # seq -> [tokens, characters] already yielded
+        try:
+            while sent:
+                self.step()
+                for seq, counts in list(sent.items()):
+                    tokens = seq.token_ids[seq.num_prompt_tokens + counts[0] :]
+                    text = seq.detokenizer.text[counts[1] :]
+                    if tokens or text or seq.is_finished:
+                        counts[0] += len(tokens)
+                        counts[1] += len(text)
+                        if seq.is_finished:
+                            del sent[seq]
+                        yield StreamPiece(text, tokens, seq.is_finished, seq.finish_reason, seq.index)
+        finally:  # closed early, or a step raised: this request ends here, the others run on
+            for seq in samples:
+                self.abort_request(seq)

@@ -1,0 +1,72 @@
+"""n samples of one prompt: one prefill of the prompt shared through the prefix cache, seeds seed + i, and
+generate's "outputs" list."""
+
+from __future__ import annotations
+
+import pytest
+
+from nanoref import LLM, SamplingParams
+
+from .helpers import assert_matches_hf, assert_no_block_leaked, random_prompts
+
+
+def prefill_tokens(llm) -> int:
+    return sum(step.num_tokens for step in llm.metrics.steps if step.kind == "prefill")
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlapped"])
+def test_four_samples_prefill_their_prompt_about_once(tiny_model, overlap):
+    llm = LLM(tiny_model, device="cpu", kvcache_block_size=16, num_kvcache_blocks=64, overlap_scheduling=overlap)
+    prompt = random_prompts(seed=1, lengths=[70])[0]
+    out = llm.generate([prompt], SamplingParams(temperature=1.0, max_tokens=8, n=4, ignore_eos=True), use_tqdm=False)
+    assert prefill_tokens(llm) < 2 * len(prompt)  # 4 separate prefills would compute 4x
+    assert [sample["index"] for sample in out[0]["outputs"]] == [0, 1, 2, 3]
+    assert len({tuple(sample["token_ids"]) for sample in out[0]["outputs"]}) > 1, "temperature 1 samples differ"
+    assert_no_block_leaked(llm)
+
+
+def test_greedy_samples_are_identical_and_equal_hf(tiny_model):
+    llm = LLM(tiny_model, device="cpu", num_kvcache_blocks=64)
+    prompts = random_prompts(seed=2, lengths=[21, 40])
+    params = SamplingParams(temperature=0, max_tokens=10, n=3, ignore_eos=True)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    for output in outputs:
+        assert output["token_ids"] == output["outputs"][0]["token_ids"]
+        assert_matches_hf(tiny_model, [prompts[outputs.index(output)]] * 3, output["outputs"], 10)
+    assert_no_block_leaked(llm)
+
+
+def test_sample_i_of_a_seeded_request_is_the_request_seeded_seed_plus_i(tiny_model):
+    llm = LLM(tiny_model, device="cpu", num_kvcache_blocks=64)
+    prompt = random_prompts(seed=3, lengths=[30])[0]
+    together = llm.generate([prompt], SamplingParams(max_tokens=8, seed=7, n=3, ignore_eos=True), use_tqdm=False)
+    for i, sample in enumerate(together[0]["outputs"]):
+        alone = llm.generate([prompt], SamplingParams(max_tokens=8, seed=7 + i, ignore_eos=True), use_tqdm=False)
+        assert sample["token_ids"] == alone[0]["token_ids"]
+
+
+def test_n_with_preemption_stays_exact_and_leaks_no_block(tiny_model):
+    llm = LLM(tiny_model, device="cpu", kvcache_block_size=16, num_kvcache_blocks=10)
+    prompts = random_prompts(seed=4, lengths=[40, 35])
+    params = SamplingParams(temperature=0, max_tokens=40, n=3, ignore_eos=True)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert any(step.preempted for step in llm.metrics.steps), "the KV budget was meant to force preemption"
+    for prompt, output in zip(prompts, outputs):
+        assert_matches_hf(tiny_model, [prompt] * 3, output["outputs"], 40)
+    assert_no_block_leaked(llm)
+
+
+def test_n_1_output_has_no_outputs_list(tiny_model):
+    llm = LLM(tiny_model, device="cpu", num_kvcache_blocks=32)
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)[0]
+    assert set(out) == {"text", "token_ids", "finish_reason"}
+
+
+def test_aborting_sample_0_before_its_prefill_drops_nothing_and_leaks_nothing(tiny_model):
+    llm = LLM(tiny_model, device="cpu", num_kvcache_blocks=32)
+    samples = llm.add_samples([5] * 20, SamplingParams(temperature=0, max_tokens=4, n=3, ignore_eos=True))
+    llm.abort_request(samples[0])  # the others wait for nothing now: they are queued and run
+    while not llm.is_finished():
+        llm.step()
+    assert [seq.finish_reason for seq in samples] == ["abort", "length", "length"]
+    assert_no_block_leaked(llm)

@@ -1,0 +1,59 @@
+"""`LLMEngine.stream`: a synchronous iterator of pieces for notebooks, driving the engine itself."""
+
+from __future__ import annotations
+
+import pytest
+
+from nanoref import LLM, SamplingParams
+
+from .helpers import assert_no_block_leaked
+
+PROMPT = "Once upon a time"
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(device="cpu", num_kvcache_blocks=64)
+
+
+def test_pieces_concatenate_to_the_offline_text_and_the_last_says_why(llm):
+    params = SamplingParams(temperature=0.8, max_tokens=30, seed=5)
+    pieces = list(llm.stream(PROMPT, params))
+    offline = llm.generate([PROMPT], params, use_tqdm=False)[0]
+    assert "".join(piece.text for piece in pieces) == offline["text"]
+    assert [t for piece in pieces for t in piece.token_ids] == offline["token_ids"]
+    assert [piece.finished for piece in pieces] == [False] * (len(pieces) - 1) + [True]
+    assert pieces[-1].finish_reason == offline["finish_reason"]
+    assert_no_block_leaked(llm)
+
+
+def test_each_piece_names_its_sample_and_every_sample_concatenates_to_generate(llm):
+    params = SamplingParams(temperature=0.8, max_tokens=20, seed=5, n=3)
+    pieces = list(llm.stream(PROMPT, params))
+    offline = llm.generate([PROMPT], params, use_tqdm=False)[0]["outputs"]
+    for sample in offline:
+        mine = [piece for piece in pieces if piece.index == sample["index"]]
+        assert "".join(piece.text for piece in mine) == sample["text"]
+        assert mine[-1].finished and sum(piece.finished for piece in mine) == 1
+    assert_no_block_leaked(llm)
+
+
+def test_breaking_out_aborts_the_request_frees_its_blocks_and_others_run_on(llm):
+    other = llm.add_request(PROMPT, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True, n=2)
+    stream = llm.stream(PROMPT, params)
+    for count, _piece in enumerate(stream):
+        if count == 4:
+            break
+    stream.close()  # (what leaving the loop does once the iterator is dropped; explicit here)
+    assert other.num_completion_tokens >= 2, "the other request advanced with the stream's steps"
+    while not llm.is_finished():
+        llm.step()
+    assert other.finish_reason == "length"
+    assert_no_block_leaked(llm)
+
+
+def test_a_bad_request_raises_at_the_call_and_queues_nothing(llm):
+    with pytest.raises(ValueError, match="empty"):
+        llm.stream("", SamplingParams())
+    assert llm.is_finished()
