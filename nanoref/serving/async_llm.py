@@ -156,6 +156,11 @@ class AsyncLLM:
         if request is not None:
             self._inbox.put(("abort", request))
 
+    @property
+    def is_running(self) -> bool:
+        """The engine thread is alive and taking requests."""
+        return not self._closed and self._thread.is_alive()
+
     def stats(self) -> EngineStats:
         """Read without the engine's lock (a step holds it for a whole forward): a snapshot, maybe a step old."""
         scheduler = self.llm.scheduler
