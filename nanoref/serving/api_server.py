@@ -278,18 +278,22 @@ def build_app(engine: AsyncLLM, served_model_name: str) -> FastAPI:
                             ],
                         }
                     )
-                first = True
+                first, finished = True, False
                 try:
                     async for out in outputs:
                         metrics.observe(out, first)
-                        first = False
+                        first, finished = False, out.finished
                         if out.text or out.finished:  # (no empty pieces while a character is half made)
                             yield event({**head, "choices": [choice(out, out.text)]})
                 except Exception as error:  # the step serving it failed: the stream says so, then ends
                     yield event(error_body(f"{type(error).__name__}: {error}", None, 500))
+                    finished = True
                 else:
                     if include_usage:
                         yield event({**head, "choices": [], "usage": usage(out)})
+                finally:
+                    if not finished:  # the client went away: closing `outputs` aborts the request
+                        metrics.requests.labels(finish_reason="abort").inc()
             yield "data: [DONE]\n\n"
 
         return ClosingStreamingResponse(events(), media_type="text/event-stream")
