@@ -39,8 +39,8 @@ async def collect(stream) -> list:
     return [out async for out in stream]
 
 
-async def until(condition, what: str) -> None:
-    deadline = time.monotonic() + TIMEOUT
+async def until(condition, what: str, seconds: float = TIMEOUT) -> None:
+    deadline = time.monotonic() + seconds
     while not condition():
         if time.monotonic() > deadline:
             raise AssertionError(f"never happened: {what}")
@@ -70,8 +70,16 @@ def test_concurrent_streams_equal_offline_greedy_generate(llm):
     assert_no_block_leaked(llm)
 
 
+def slow_steps(llm, monkeypatch) -> None:
+    """20 ms more per step: LONG takes over 8 s to finish by itself, so blocks freed within 5 s were aborted."""
+    real_run = llm.model_runner.run
+    monkeypatch.setattr(llm.model_runner, "run", lambda *args: time.sleep(0.02) or real_run(*args))
+
+
 @pytest.mark.parametrize("how", ["aclose", "cancel"])
-def test_a_consumer_that_leaves_early_frees_its_blocks(engine, llm, how):
+def test_a_consumer_that_leaves_early_frees_its_blocks(engine, llm, how, monkeypatch):
+    slow_steps(llm, monkeypatch)
+
     async def main():
         stream = engine.generate("Beautiful is better than", LONG)
         if how == "aclose":
@@ -87,13 +95,14 @@ def test_a_consumer_that_leaves_early_frees_its_blocks(engine, llm, how):
             task = asyncio.create_task(consume())
             await started.wait()
             task.cancel()
-        await until(lambda: engine.stats().num_kv_blocks_used == 0 and llm.is_finished(), "blocks freed")
+        await until(lambda: engine.stats().num_kv_blocks_used == 0 and llm.is_finished(), "blocks freed", seconds=5)
 
     run(main())
     assert_no_block_leaked(llm)
 
 
 def test_abort_by_id_ends_that_stream_with_abort_and_the_others_run_on(engine, llm):
+    # (the aborted stream ends with fewer than LONG.max_tokens tokens: it did not run to its end)
     async def main():
         long = engine.generate("Beautiful is better than", LONG, request_id="long")
         first = await long.__anext__()

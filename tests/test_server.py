@@ -80,7 +80,10 @@ def offline():
     return LLM(**SETTINGS)
 
 
-def offline_text(llm: LLM, prompt: str, **params) -> str:
+def offline_text(server: Server, llm: LLM, prompt: str, **params) -> str:
+    # the server idle first: two engines must not step at the same time in one process (the model's per-step
+    # context, nanoref/utils/context.py, is one for the process)
+    server.wait_until_idle()
     return llm.generate([prompt], SamplingParams(**params), use_tqdm=False)[0]["text"]
 
 
@@ -94,7 +97,7 @@ def test_completions_equal_offline_generate_greedy_and_seeded(server, offline, s
     client = server.client()
     for params in (dict(temperature=0, max_tokens=20), dict(temperature=0.9, top_p=0.95, max_tokens=20, seed=11)):
         prompt = "Beautiful is better than"
-        expected = offline_text(offline, prompt, ignore_eos=True, **params)
+        expected = offline_text(server, offline, prompt, ignore_eos=True, **params)
         args = dict(model=MODEL, prompt=prompt, extra_body={"ignore_eos": True}, **params)
         if stream:
             chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **args))
@@ -117,6 +120,7 @@ def test_completions_equal_offline_generate_greedy_and_seeded(server, offline, s
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_chat_equals_offline_chat(server, offline, stream):
+    server.wait_until_idle()
     expected = offline.chat(MESSAGES, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
     args = dict(
         model=MODEL, messages=MESSAGES, temperature=0, max_completion_tokens=16, extra_body={"ignore_eos": True}
@@ -235,6 +239,7 @@ ZEN = ["Beautiful is", "Explicit is", "Simple is", "Complex is", "Flat is", "Spa
 def test_64_concurrent_streams_a_quarter_leaving_early(server, offline):
     prompts = [f"{ZEN[i % len(ZEN)]} {' better' * (i // len(ZEN))}".strip() for i in range(64)]
     max_tokens = 6
+    server.wait_until_idle()
     expected = offline.generate(
         prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False
     )

@@ -173,8 +173,9 @@ class ServerMetrics:
 
 class ClosingStreamingResponse(StreamingResponse):
     """A stream that closes its body iterator however the response ends. When the client disconnects, Starlette
-    cancels the sending task but leaves the generator to the garbage collector; closing it here runs its cleanup
-    (the request's abort) now."""
+    cancels the task that sends the response: mostly that lands inside the generator (awaiting the next token) and
+    its cleanup, the request's abort, runs at once; when it lands in `send`, the generator is left suspended at a
+    `yield` until the garbage collector finalizes it. Closing it here makes the abort immediate either way."""
 
     async def __call__(self, scope, receive, send) -> None:
         try:
