@@ -274,3 +274,10 @@ def test_64_concurrent_streams_a_quarter_leaving_early(server, offline):
     server.wait_until_idle()
     assert_no_block_leaked(server.engine.llm)
     assert httpx.get(f"{server.url}/health", timeout=TIMEOUT).status_code == 200
+
+
+def test_the_serve_command_refuses_a_missing_model_folder(tmp_path, capsys):
+    from nanoref.serve import main
+
+    assert main([str(tmp_path / "missing"), "--device", "cpu"]) == 2
+    assert capsys.readouterr().err.startswith("error: ")
