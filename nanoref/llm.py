@@ -16,11 +16,13 @@ from dataclasses import fields
 from pathlib import Path
 
 from nanoref.config import EngineConfig
+from nanoref.engine.chat import chat_prompt
 from nanoref.engine.llm_engine import LLMEngine
 from nanoref.engine.model_runner import ModelRunner
 from nanoref.fast.cuda_graphs import DecodeGraphs
 from nanoref.fast.overlap import attach_overlapped_loop
 from nanoref.parallel.runner import TensorParallelRunner
+from nanoref.sampling_params import SamplingParams
 from nanoref.utils.parallel import ParallelState
 
 DEFAULT_MODEL = Path(__file__).parent / "default_model"
@@ -60,6 +62,26 @@ class LLM(LLMEngine):
             )
         super().__init__(EngineConfig(model, **settings).resolved(), make_runner=build_runner)
         self.overlapped_loop = attach_overlapped_loop(self) if self.config.overlap_scheduling else None
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[dict]:
+        """Generate the assistant's reply to one conversation ([{"role", "content"}, ...]) or to each of a list of
+        them, through the model folder's chat template; returns what `generate` returns, one dict per conversation.
+        """
+        conversations = (
+            messages if messages and isinstance(messages, list) and isinstance(messages[0], list) else [messages]
+        )
+        prompts = []
+        for index, conversation in enumerate(conversations):
+            try:
+                prompts.append(chat_prompt(self.tokenizer, conversation, self.config.model_folder))
+            except (ValueError, TypeError) as error:
+                raise type(error)(f"conversation {index}: {error}") from None
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
 
 SETTINGS = {f.name for f in fields(EngineConfig) if f.init and f.name != "model"}

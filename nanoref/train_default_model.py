@@ -264,6 +264,16 @@ def train(
     return smoothed
 
 
+# ChatML, as Qwen3's, for the chat endpoint and LLM.chat: the markers are plain text to this 1,024-token BPE (the
+# model never saw a conversation, so its replies are still Zen and docstrings)
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
 def write_readme(
     out: Path,
     model: Qwen3ForCausalLM,
@@ -405,6 +415,7 @@ def main(argv: list[str] | None = None) -> None:
     tok_config_path = out / "tokenizer_config.json"
     tok_config = json.loads(tok_config_path.read_text())
     tok_config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    tok_config["chat_template"] = CHAT_TEMPLATE
     tok_config_path.write_text(json.dumps(tok_config, indent=2) + "\n")
     write_readme(
         out,

@@ -1,0 +1,86 @@
+"""`python -m nanoref.serve [MODEL]`: an OpenAI-compatible server (nanoref/serving/api_server.py) on one LLM.
+
+    python -m nanoref.serve --device cpu --port 8000
+    curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
+        -d '{"prompt": "Beautiful is better than", "max_tokens": 16, "temperature": 0}'
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import sys
+
+from nanoref.llm import DEFAULT_MODEL
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m nanoref.serve",
+        description="Serve a Qwen3 model over HTTP with OpenAI's API (/v1/completions, /v1/chat/completions, "
+        "/v1/models), plus /health and Prometheus /metrics. Without MODEL it serves the tiny built-in model.",
+    )
+    parser.add_argument("model", nargs="?", default=str(DEFAULT_MODEL), help="a local Hugging Face Qwen3 folder")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine)")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0: any free one)")
+    parser.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model's name in the API (default: MODEL as given; nanoref/default_model for the built-in one)",
+    )
+    engine = parser.add_argument_group("engine")
+    engine.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    engine.add_argument("--dtype", default=None, help="float32, float16 or bfloat16 (default: per device)")
+    engine.add_argument("--max-num-seqs", type=int, default=None, help="requests per step (default: per device)")
+    engine.add_argument("--num-kvcache-blocks", type=int, default=None, help="KV blocks (default: from memory)")
+    engine.add_argument(
+        "--attention-backend", default="auto", help="auto, torch, triton, cpp, flash_attn or flash_attn+triton"
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Exit status: 0 after a clean stop (Ctrl-C), 2 bad input (arguments, model folder, an address in use)."""
+    args = build_parser().parse_args(argv)
+    try:
+        import uvicorn
+
+        from nanoref.llm import LLM
+        from nanoref.serving.api_server import build_app
+        from nanoref.serving.async_llm import AsyncLLM
+    except ImportError as error:
+        print(f"error: {error.name} is missing: pip install 'nanoref[serve]'", file=sys.stderr)
+        return 2
+    settings = {
+        "device": args.device,
+        "dtype": args.dtype,
+        "attention_backend": args.attention_backend,
+        **({"max_num_seqs": args.max_num_seqs} if args.max_num_seqs is not None else {}),
+        **({"num_kvcache_blocks": args.num_kvcache_blocks} if args.num_kvcache_blocks is not None else {}),
+    }
+    try:
+        engine = AsyncLLM(LLM(args.model, **settings), owns_llm=True)
+    except (ValueError, TypeError) as error:  # ModelFolderError is a ValueError
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    try:
+        # bind first, so that an address in use is a clear error and --port 0 can say which port it got
+        sock = socket.create_server((args.host, args.port))
+    except OSError as error:
+        engine.close()
+        print(f"error: cannot listen on {args.host}:{args.port}: {error}", file=sys.stderr)
+        return 2
+    name = args.served_model_name or ("nanoref/default_model" if args.model == str(DEFAULT_MODEL) else args.model)
+    host, port = sock.getsockname()[:2]
+    print(f"nanoref serves {name!r} on http://{host}:{port}/v1 (Ctrl-C stops it)", flush=True)
+    server = uvicorn.Server(uvicorn.Config(build_app(engine, name), log_level="warning"))
+    try:
+        server.run(sockets=[sock])
+    finally:
+        engine.close()
+        sock.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,163 @@
+"""AsyncLLM: requests that stream, leave early and fail, on one engine driven by one background thread."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from nanoref import LLM, SamplingParams
+from nanoref.serving.async_llm import AsyncLLM
+
+from .helpers import assert_no_block_leaked
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+LONG = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)  # runs far longer than any test waits
+PROMPTS = ["Beautiful is better than", "Explicit is", "Return the", "Flat is better", "Errors should", "If the"]
+TIMEOUT = 30  # seconds: a bug must fail a test, not hang it
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(device="cpu", num_kvcache_blocks=128)  # the built-in model: a real tokenizer, fast on a CPU
+
+
+@pytest.fixture
+def engine(llm):
+    engine = AsyncLLM(llm)
+    yield engine
+    engine.close()
+    assert_no_block_leaked(llm)
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, TIMEOUT))
+
+
+async def collect(stream) -> list:
+    return [out async for out in stream]
+
+
+async def until(condition, what: str, seconds: float = TIMEOUT) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"never happened: {what}")
+        await asyncio.sleep(0.01)
+
+
+def test_concurrent_streams_equal_offline_greedy_generate(llm):
+    offline = llm.generate(PROMPTS, GREEDY, use_tqdm=False)  # (before the AsyncLLM: it owns the LLM while it runs)
+    engine = AsyncLLM(llm)
+    try:
+
+        async def main():
+            return await asyncio.gather(
+                *(collect(engine.generate(p, GREEDY, request_id=f"r{i}")) for i, p in enumerate(PROMPTS))
+            )
+
+        streams = run(main())
+    finally:
+        engine.close()
+    for outputs, expected in zip(streams, offline):
+        last = outputs[-1]
+        assert [out.finished for out in outputs] == [False] * (len(outputs) - 1) + [True]
+        assert "".join(out.text for out in outputs) == last.cumulative_text == expected["text"]
+        assert [t for out in outputs for t in out.token_ids] == last.cumulative_token_ids == expected["token_ids"]
+        assert last.finish_reason == "length" and last.metrics.num_output_tokens == GREEDY.max_tokens
+        assert len(outputs) > 2, "the text arrived in pieces, step by step"
+    assert_no_block_leaked(llm)
+
+
+def slow_steps(llm, monkeypatch) -> None:
+    """20 ms more per step: LONG takes over 8 s to finish by itself, so blocks freed within 5 s were aborted."""
+    real_run = llm.model_runner.run
+    monkeypatch.setattr(llm.model_runner, "run", lambda *args: time.sleep(0.02) or real_run(*args))
+
+
+@pytest.mark.parametrize("how", ["aclose", "cancel"])
+def test_a_consumer_that_leaves_early_frees_its_blocks(engine, llm, how, monkeypatch):
+    slow_steps(llm, monkeypatch)
+
+    async def main():
+        stream = engine.generate("Beautiful is better than", LONG)
+        if how == "aclose":
+            await stream.__anext__()
+            await stream.aclose()
+        else:
+            started = asyncio.Event()
+
+            async def consume():
+                async for _ in stream:
+                    started.set()
+
+            task = asyncio.create_task(consume())
+            await started.wait()
+            task.cancel()
+        await until(lambda: engine.stats().num_kv_blocks_used == 0 and llm.is_finished(), "blocks freed", seconds=5)
+
+    run(main())
+    assert_no_block_leaked(llm)
+
+
+def test_abort_by_id_ends_that_stream_with_abort_and_the_others_run_on(engine, llm):
+    # (the aborted stream ends with fewer than LONG.max_tokens tokens: it did not run to its end)
+    async def main():
+        long = engine.generate("Beautiful is better than", LONG, request_id="long")
+        first = await long.__anext__()
+        short = asyncio.create_task(collect(engine.generate(PROMPTS[1], GREEDY, request_id="short")))
+        await engine.abort("long")
+        rest = await collect(long)
+        return first, rest, await short
+
+    first, rest, short = run(main())
+    assert rest[-1].finished and rest[-1].finish_reason == "abort" and rest[-1].metrics is None
+    assert len(rest[-1].cumulative_token_ids) < LONG.max_tokens
+    assert short[-1].finish_reason == "length" and len(short[-1].cumulative_token_ids) == GREEDY.max_tokens
+
+
+def test_a_bad_request_raises_at_once_and_queues_nothing(engine, llm):
+    with pytest.raises(ValueError, match="empty"):
+        engine.generate("", GREEDY)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        engine.generate([5, 100_000], GREEDY)
+    with pytest.raises(TypeError, match="SamplingParams"):
+        engine.generate("Hello", {"max_tokens": 3})
+    assert engine._inbox.empty() and llm.is_finished()
+
+    async def duplicate():
+        first = engine.generate("Hello", LONG, request_id="same")
+        await first.__anext__()
+        with pytest.raises(ValueError, match="already in flight"):
+            await engine.generate("Hello", GREEDY, request_id="same").__anext__()
+        await first.aclose()
+        await until(llm.is_finished, "the first request aborted")
+
+    run(duplicate())
+
+
+def test_a_step_that_raises_fails_the_requests_in_flight_and_the_next_is_served(engine, llm, monkeypatch):
+    real_run = llm.model_runner.run
+    failed = []
+
+    def run_failing_once(seqs, *args, **kwargs):
+        if len(seqs) == 2 and not failed:  # the first step with both requests in the batch
+            failed.append(True)
+            raise RuntimeError("injected step failure")
+        return real_run(seqs, *args, **kwargs)
+
+    monkeypatch.setattr(llm.model_runner, "run", run_failing_once)
+
+    async def main():
+        streams = [engine.generate(p, GREEDY) for p in PROMPTS[:2]]
+        results = await asyncio.gather(*(collect(s) for s in streams), return_exceptions=True)
+        after = await collect(engine.generate(PROMPTS[2], GREEDY))
+        return results, after
+
+    results, after = run(main())
+    assert all(isinstance(r, RuntimeError) and "injected" in str(r) for r in results), results
+    monkeypatch.undo()
+    engine.close()
+    expected = llm.generate([PROMPTS[2]], GREEDY, use_tqdm=False)[0]
+    assert after[-1].cumulative_text == expected["text"] and after[-1].finish_reason == "length"

@@ -1,0 +1,283 @@
+"""The OpenAI-compatible server, started for real on 127.0.0.1 and spoken to with OpenAI's own client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+parser = pytest.importorskip("prometheus_client.parser")
+
+from nanoref import LLM, SamplingParams  # noqa: E402
+from nanoref.serving.api_server import build_app  # noqa: E402
+from nanoref.serving.async_llm import AsyncLLM  # noqa: E402
+
+from .helpers import assert_no_block_leaked  # noqa: E402
+
+MODEL = "nanoref-test"
+SETTINGS = dict(device="cpu", num_kvcache_blocks=256)  # the built-in model, in both the server and offline
+TIMEOUT = 30.0  # every client call has one: a bug fails a test, never hangs it
+MESSAGES = [{"role": "system", "content": "Answer in Zen."}, {"role": "user", "content": "What is better?"}]
+
+
+@dataclass
+class Server:
+    url: str
+    engine: AsyncLLM
+
+    def client(self) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", timeout=TIMEOUT, max_retries=0)
+
+    def blocks_used(self) -> int:
+        return self.engine.stats().num_kv_blocks_used
+
+    def wait_until_idle(self, seconds: float = TIMEOUT) -> None:
+        """Every request done and every KV block back, within a deadline."""
+        deadline = time.monotonic() + seconds
+        while self.blocks_used() or not self.engine.llm.is_finished():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{self.blocks_used()} KV blocks still held after {seconds} s")
+            time.sleep(0.01)
+
+
+@pytest.fixture(scope="module")
+def server():
+    engine = AsyncLLM(LLM(**SETTINGS), owns_llm=True)
+    sock = socket.create_server(("127.0.0.1", 0))  # a free port, held from now on: no race with another process
+    uv = uvicorn.Server(uvicorn.Config(build_app(engine, MODEL), log_level="warning"))
+    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    deadline = time.monotonic() + TIMEOUT
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        if time.monotonic() > deadline:
+            raise AssertionError("the server never answered /health")
+        time.sleep(0.05)
+    yield Server(url, engine)
+    uv.should_exit = True
+    thread.join(TIMEOUT)
+    engine.close()
+    sock.close()
+    assert not thread.is_alive(), "the server did not stop"
+
+
+@pytest.fixture(scope="module")
+def offline():
+    return LLM(**SETTINGS)
+
+
+def offline_text(server: Server, llm: LLM, prompt: str, **params) -> str:
+    # the server idle first: two engines must not step at the same time in one process (the model's per-step
+    # context, nanoref/utils/context.py, is one for the process)
+    server.wait_until_idle()
+    return llm.generate([prompt], SamplingParams(**params), use_tqdm=False)[0]["text"]
+
+
+def test_models_and_health(server):
+    assert [m.id for m in server.client().models.list().data] == [MODEL]
+    assert httpx.get(f"{server.url}/health", timeout=TIMEOUT).json() == {"status": "ok"}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_completions_equal_offline_generate_greedy_and_seeded(server, offline, stream):
+    client = server.client()
+    for params in (dict(temperature=0, max_tokens=20), dict(temperature=0.9, top_p=0.95, max_tokens=20, seed=11)):
+        prompt = "Beautiful is better than"
+        expected = offline_text(server, offline, prompt, ignore_eos=True, **params)
+        args = dict(model=MODEL, prompt=prompt, extra_body={"ignore_eos": True}, **params)
+        if stream:
+            chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **args))
+            text = "".join(c.choices[0].text for c in chunks if c.choices)
+            assert [c.choices[0].finish_reason for c in chunks[-2:-1]] == ["length"]
+            usage = chunks[-1].usage
+            assert chunks[-1].choices == []
+        else:
+            response = client.completions.create(**args)
+            text, usage = response.choices[0].text, response.usage
+            assert response.choices[0].finish_reason == "length"
+        assert text == expected
+        prompt_tokens = len(offline.tokenizer.encode(prompt))
+        assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (
+            prompt_tokens,
+            20,
+            prompt_tokens + 20,
+        )
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_chat_equals_offline_chat(server, offline, stream):
+    server.wait_until_idle()
+    expected = offline.chat(MESSAGES, SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    args = dict(
+        model=MODEL, messages=MESSAGES, temperature=0, max_completion_tokens=16, extra_body={"ignore_eos": True}
+    )
+    client = server.client()
+    if stream:
+        chunks = list(client.chat.completions.create(stream=True, **args))
+        assert chunks[0].choices[0].delta.role == "assistant"
+        text = "".join(c.choices[0].delta.content or "" for c in chunks)
+        assert chunks[-1].choices[0].finish_reason == "length"
+    else:
+        response = client.chat.completions.create(**args)
+        text = response.choices[0].message.content
+        assert response.choices[0].message.role == "assistant" and response.usage.completion_tokens == 16
+    assert text == expected[0]["text"]
+
+
+def scrape(server) -> dict[str, float]:
+    text = httpx.get(f"{server.url}/metrics", timeout=TIMEOUT).text
+    samples = {}
+    for family in parser.text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+            samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+    return samples
+
+
+def test_metrics_parse_and_the_counters_move(server):
+    before = scrape(server)
+    server.client().completions.create(
+        model=MODEL, prompt="Simple is", max_tokens=7, temperature=0, extra_body={"ignore_eos": True}
+    )
+    after = scrape(server)
+    assert after["nanoref_kv_cache_blocks_total"] == SETTINGS["num_kvcache_blocks"]
+    assert after["nanoref_generation_tokens_total"] - before.get("nanoref_generation_tokens_total", 0) == 7
+    key = "nanoref_requests_total{finish_reason=length}"
+    assert after[key] - before.get(key, 0) == 1
+    assert (
+        after["nanoref_time_to_first_token_seconds_count"] - before.get("nanoref_time_to_first_token_seconds_count", 0)
+        == 1
+    )
+    assert after["nanoref_prefix_cache_queries_total"] > before.get("nanoref_prefix_cache_queries_total", 0)
+    for name in ("nanoref_num_requests_running", "nanoref_num_requests_waiting", "nanoref_prefix_cache_hit_rate"):
+        assert name in after
+
+
+TOO_LONG = list(range(1, 600))  # the built-in model's max_model_len is 512
+BAD = [
+    ("completions", {"model": "gpt-4", "prompt": "x"}, "model"),
+    ("completions", {"prompt": "x", "max_tokens": "ten"}, "max_tokens"),
+    ("completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    ("completions", {"prompt": "x", "temperature": -1}, "temperature"),
+    ("completions", {"prompt": "x", "top_p": 1.5}, "top_p"),
+    ("completions", {"prompt": "x", "top_k": -2}, "top_k"),
+    ("completions", {"prompt": "x", "seed": "s"}, "seed"),
+    ("completions", {"prompt": "x", "stream": "yes"}, "stream"),
+    ("completions", {"prompt": ""}, "prompt"),
+    ("completions", {"prompt": TOO_LONG}, "prompt"),
+    ("completions", {"prompt": [3, 5000]}, "prompt"),
+    ("completions", {"prompt": 5}, "prompt"),
+    ("completions", {}, "prompt"),
+    ("chat/completions", {"messages": "hi"}, "messages"),
+    ("chat/completions", {"messages": [{"role": "robot", "content": "x"}]}, "messages"),
+    ("chat/completions", {"messages": MESSAGES, "max_completion_tokens": -3}, "max_completion_tokens"),
+]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"), BAD, ids=[f"{p}-{param}-{i}" for i, (p, _, param) in enumerate(BAD)]
+)
+def test_bad_input_is_a_400_that_names_the_field(server, path, body, param):
+    response = httpx.post(f"{server.url}/v1/{path}", json=body, timeout=TIMEOUT)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and error["type"] == "BadRequestError" and error["code"] == 400
+    assert param in error["message"] or param in ("prompt", "messages")
+    assert server.blocks_used() == 0 and server.engine.llm.is_finished()
+
+
+def test_malformed_json_is_a_400_and_the_server_serves_on(server):
+    for content in (b'{"prompt": ', b"[1, 2]", b"\xff"):
+        response = httpx.post(f"{server.url}/v1/completions", content=content, timeout=TIMEOUT)
+        assert response.status_code == 400 and "error" in response.json()
+    with pytest.raises(openai.BadRequestError) as caught:  # as OpenAI's client reports it
+        server.client().completions.create(model=MODEL, prompt="x", temperature=-0.5)
+    assert caught.value.param == "temperature"
+    answer = server.client().completions.create(model=MODEL, prompt="Flat is", max_tokens=3)
+    assert answer.usage.completion_tokens >= 1
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_blocks(server, monkeypatch):
+    runner = server.engine.llm.model_runner
+    real_run = runner.run
+
+    def slow_run(*args, **kwargs):  # 400 tokens now take over 8 s: freed within 5 s means aborted
+        time.sleep(0.02)
+        return real_run(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "run", slow_run)
+    key = "nanoref_requests_total{finish_reason=abort}"
+    aborted = scrape(server).get(key, 0)
+    body = {"model": MODEL, "prompt": "Beautiful is", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=TIMEOUT) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["text"]:
+                break  # leave after the first piece of text
+    server.wait_until_idle(seconds=5)
+    monkeypatch.undo()
+    assert scrape(server)[key] == aborted + 1
+    assert server.client().completions.create(model=MODEL, prompt="Now is", max_tokens=2).usage.completion_tokens
+
+
+ZEN = ["Beautiful is", "Explicit is", "Simple is", "Complex is", "Flat is", "Sparse is", "Readability", "Errors"]
+
+
+def test_64_concurrent_streams_a_quarter_leaving_early(server, offline):
+    prompts = [f"{ZEN[i % len(ZEN)]} {' better' * (i // len(ZEN))}".strip() for i in range(64)]
+    max_tokens = 6
+    server.wait_until_idle()
+    expected = offline.generate(
+        prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False
+    )
+    leaving = set(random.Random(0).sample(range(64), 16))
+
+    async def one(client, i: int) -> str | None:
+        stream = await client.completions.create(
+            model=MODEL,
+            prompt=prompts[i],
+            max_tokens=max_tokens,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+        text = ""
+        async for chunk in stream:
+            text += chunk.choices[0].text
+            if i in leaving:
+                await stream.close()
+                return None
+        return text
+
+    async def main():
+        client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="none", timeout=TIMEOUT, max_retries=0)
+        async with client:
+            return await asyncio.wait_for(asyncio.gather(*(one(client, i) for i in range(64))), TIMEOUT)
+
+    texts = asyncio.run(main())
+    for i, text in enumerate(texts):
+        if i not in leaving:
+            assert text == expected[i]["text"], (i, prompts[i])
+    server.wait_until_idle()
+    assert_no_block_leaked(server.engine.llm)
+    assert httpx.get(f"{server.url}/health", timeout=TIMEOUT).status_code == 200
+
+
+def test_the_serve_command_refuses_a_missing_model_folder(tmp_path, capsys):
+    from nanoref.serve import main
+
+    assert main([str(tmp_path / "missing"), "--device", "cpu"]) == 2
+    assert capsys.readouterr().err.startswith("error: ")
