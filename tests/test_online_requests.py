@@ -92,3 +92,32 @@ def test_the_detokenizer_never_shows_half_a_character():
     pieces.append(detokenizer.finish())
     assert "".join(pieces) == decode(tokenizer, ids) == text
     assert any(piece == "" for piece in pieces), "the text was meant to split a character over tokens"
+
+
+def test_two_engines_stepping_in_two_threads_at_once_do_not_share_step_metadata(tiny_model):
+    """Each thread publishes its own per-step Context (utils/context.py): a server's engine and an offline one in
+    the same process can step at the same time."""
+    import threading
+
+    prompts = random_prompts(seed=8, lengths=[13, 29, 7, 18])
+    engines = [LLM(tiny_model, device="cpu", num_kvcache_blocks=32) for _ in range(2)]
+    outputs: dict[int, list] = {}
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(2)
+
+    def run(index: int) -> None:
+        try:
+            barrier.wait(timeout=30)
+            outputs[index] = [engines[index].generate([p], GREEDY, use_tqdm=False)[0] for p in prompts for _ in "ab"]
+        except BaseException as error:  # reported by the main thread
+            errors.append(error)
+
+    threads = [threading.Thread(target=run, args=(index,)) for index in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not errors, errors
+    expected = [hf_greedy(tiny_model, p, GREEDY.max_tokens) for p in prompts for _ in "ab"]
+    for index in range(2):
+        assert [out["token_ids"] for out in outputs[index]] == expected

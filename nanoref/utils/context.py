@@ -4,10 +4,14 @@ The model sees flat tensors (`input_ids (N,)`, `hidden (N, hidden_size)`). Befor
 model runner fills a `Context` and publishes it with `set_context`; the attention layers and the LM
 head read it with `get_context`. Keeping it out of the call signatures lets every other layer stay a
 plain per-token function, as in Nano-vLLM.
+
+Each thread has its own: two engines stepping in two threads at once (a server's and an offline one in the same
+process) never read each other's metadata.
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -29,18 +33,20 @@ class Context:
     block_tables: torch.Tensor | None = None  # (num_seqs, max_blocks) int32
 
 
-_CONTEXT = Context()
+class _PerThread(threading.local):
+    context = Context()  # (a fresh thread starts with the empty one: `local` runs no __init__ for class attributes)
+
+
+_CURRENT = _PerThread()
 
 
 def get_context() -> Context:
-    return _CONTEXT
+    return _CURRENT.context
 
 
 def set_context(context: Context) -> None:
-    global _CONTEXT
-    _CONTEXT = context
+    _CURRENT.context = context
 
 
 def reset_context() -> None:
-    global _CONTEXT
-    _CONTEXT = Context()
+    _CURRENT.context = Context()
