@@ -97,7 +97,9 @@ def sample_with_temperature(logits: torch.Tensor, temperatures: torch.Tensor, no
 
     Scale, softmax, divide by the noise, argmax: one pass over a float32 (B, V) buffer, updated in place.
     """
-    probs = logits.float().div_(temperatures.clamp(min=1e-5)[:, None]).softmax(dim=-1)  # (B, V)
+    # a float32 copy even of float32 logits: the caller's logits stay as they were (seeded rows and greedy rows of
+    # the same batch read them after this)
+    probs = logits.to(torch.float32, copy=True).div_(temperatures.clamp(min=1e-5)[:, None]).softmax(dim=-1)  # (B, V)
     return probs.div_(noise).argmax(dim=-1)  # (B,)
 
 
