@@ -56,6 +56,8 @@ class LLMEngine:
             raise
         # the block manager writes each sequence's table into this array's rows; the model runner reads them
         self.model_runner.block_tables = self.scheduler.block_manager.tables
+        # EOS, which the sampler masks while a request is short of its min_tokens
+        self.model_runner.eos_token_ids = self.scheduler.eos_token_ids
         self.metrics = EngineMetrics()  # step records and per-request metrics (see engine/metrics.py)
 
     # -- requests -----------------------------------------------------------------------------
@@ -200,6 +202,8 @@ class LLMEngine:
         token_ids = seq.completion_token_ids
         text = None if self.tokenizer is None else decode(self.tokenizer, token_ids)
         output = {"text": text, "token_ids": token_ids, "finish_reason": seq.finish_reason}
+        if seq.sampling_params.logprobs is not None:
+            output["logprobs"] = seq.logprobs  # one TokenLogprobs per completion token
         if with_metrics:
             output["metrics"] = self.metrics.requests[seq.seq_id]
         return output

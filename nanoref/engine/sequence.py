@@ -8,6 +8,7 @@ from itertools import count
 import torch
 
 from nanoref.engine.detokenizer import IncrementalDetokenizer
+from nanoref.layers.logits_processors import StepLogprobs, TokenLogprobs
 from nanoref.sampling_params import SamplingParams
 
 
@@ -45,6 +46,11 @@ class Sequence:
         self.request_id: str | None = None  # the caller's name for the request (the server's id), if it gave one
         # why it finished: "stop" (EOS), "length" (max_tokens or max_model_len) or "abort"; None while it runs
         self.finish_reason: str | None = None
+        self.stop_reason: int | None = None  # the stop_token_ids entry that ended it ("stop"); None for EOS
+        # one entry per completion token where SamplingParams.logprobs asks for them (else stays empty); the step
+        # that sampled the next token leaves its (step's logprobs, row index, N) here for append_token to read
+        self.logprobs: list[TokenLogprobs] = []
+        self.pending_logprobs: tuple[StepLogprobs, int, int] | None = None
         # its completion as text, kept up to date token by token only where something reads it as it grows (a
         # stream); None otherwise: offline generate decodes each completion once, at the end
         self.detokenizer: IncrementalDetokenizer | None = None
@@ -80,6 +86,10 @@ class Sequence:
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
+        if self.pending_logprobs is not None:
+            step, index, num_top = self.pending_logprobs
+            self.pending_logprobs = None
+            self.logprobs.append(step.entry(index, num_top))
         if self.detokenizer is not None:
             self.detokenizer.add([token_id])
 
