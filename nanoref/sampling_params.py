@@ -4,21 +4,34 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 _INT64_MAX = 2**63 - 1  # top_k travels to the sampler as an int64 tensor
 _SEED_LIMIT = 2**64  # torch.Generator.manual_seed takes an unsigned 64-bit seed
 # positions and sequence lengths travel to the device as int32: no sequence can ever be longer, so a larger
 # max_tokens is a mistake, not a wish (generation also stops at the engine's max_model_len, as in vLLM)
 MAX_TOKENS_LIMIT = 2**31 - 1
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 
 
 @dataclass
 class SamplingParams:
-    """temperature 0 means greedy; top_k 0 and top_p 1.0 mean "off"; seed makes one request reproducible.
+    """One request's sampling settings, spelled and meaning what they mean in vLLM.
 
-    stop: strings that end the completion when its text contains one (finish_reason "stop"); the text is cut
-    before it. include_stop_str_in_output: keep the matched stop string at the end of the text.
+    temperature: 0 means greedy; otherwise logits are divided by it before sampling.
+    max_tokens: the most completion tokens to generate ("length" when reached).
+    ignore_eos: keep generating past EOS (stop_token_ids still stop).
+    top_k: sample among the k most likely tokens only; 0 = off.
+    top_p: sample among the smallest set of tokens whose probability reaches top_p; 1.0 = off.
+    seed: the request draws from its own generator, so its tokens do not depend on its batch; None = the engine's.
+    stop_token_ids: generating one of these ends the request ("stop", with `stop_reason` = that id).
+    min_tokens: EOS and stop_token_ids can neither be sampled nor end the request before this many tokens.
+    presence_penalty: subtracted from the logit of every token already in the completion, in [-2, 2]; 0 = off.
+    frequency_penalty: subtracted once per occurrence of a token in the completion, in [-2, 2]; 0 = off.
+    repetition_penalty: HF's, on every token in prompt or completion (> 0 logits divided, others multiplied); 1 = off.
+    logprobs: return the log-probabilities of the top N tokens and of the chosen one per token, N in [0, 20].
+    stop: strings that end the completion when its text contains one ("stop"); the text is cut before it.
+    include_stop_str_in_output: keep the matched stop string at the end of the text.
     n: how many completions to sample for the prompt (sample i of a seeded request uses seed + i).
     """
 
@@ -28,12 +41,30 @@ class SamplingParams:
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None
     stop: str | list[str] | None = None
     include_stop_str_in_output: bool = False
     n: int = 1
 
     def __post_init__(self) -> None:
+        if self.stop_token_ids is None:  # (vLLM's default spelling of "none")
+            self.stop_token_ids = []
         self.validate()
+
+    @property
+    def has_penalties(self) -> bool:
+        """Whether any penalty is on: the sampler then needs the request's token history."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether the logits need any work between model and sampler: penalties, min_tokens masks, logprobs."""
+        return self.min_tokens > 0 or self.logprobs is not None or self.has_penalties
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field (the engine checks again: fields can be reassigned)."""
@@ -51,6 +82,26 @@ class SamplingParams:
         if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         check_seed(self.seed)
+        ids = self.stop_token_ids
+        if not isinstance(ids, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in ids):
+            raise ValueError(f"stop_token_ids must be a list of non-negative integer token ids, got {ids!r}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be an integer in [0, max_tokens = {self.max_tokens}], got {self.min_tokens!r}"
+            )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_real(value) or not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2] (0 = off), got {value!r}")
+        if not _is_real(self.repetition_penalty) or not 0 < self.repetition_penalty < math.inf:
+            raise ValueError(
+                f"repetition_penalty must be a finite number > 0 (1 = off), got {self.repetition_penalty!r}"
+            )
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(
+                f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}] (0 = the chosen token's only), "
+                f"got {self.logprobs!r}"
+            )
         stop_strings(self.stop)
         if not isinstance(self.include_stop_str_in_output, bool):
             raise ValueError(

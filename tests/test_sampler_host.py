@@ -76,6 +76,25 @@ def test_seeded_row_does_not_depend_on_its_batch():
             assert ids[2].item() == alone.item()
 
 
+def test_a_seeded_row_samples_at_its_temperature_not_its_square_and_the_logits_stay_as_they_were():
+    """The batched draw scaled the batch's float32 logits in place, and a seeded row then read them and scaled
+    them again (temperature t sampled at t**2). Each seeded row must draw what it draws from the raw logits."""
+    logits = fresh_logits(0, 4)  # (B, V) float32
+    before = logits.clone()
+    temperatures, seeds = [0.9, 0.3, 0.5, 0.2], [None, 1, None, 2]
+    for draw in range(20):  # (at t**2 some draws differ)
+        generators = [None if s is None else torch.Generator().manual_seed(s + 100 * draw) for s in seeds]
+        batch = SamplingBatch.from_host(
+            temperatures, [0] * 4, [1.0] * 4, generators, default_generator=torch.Generator()
+        )
+        sampled = Sampler()(logits, batch=batch)
+        assert torch.equal(logits, before), "the sampler changed its input logits"
+        for row, seed in enumerate(seeds):
+            if seed is not None:
+                own = torch.Generator().manual_seed(seed + 100 * draw)
+                assert sampled[row].item() == sample_seeded_row(before[row], temperatures[row], 0, 1.0, own).item()
+
+
 def test_temperature_sampling_follows_the_distribution():
     # two tokens with probabilities 1/4 and 3/4 at temperature 1; 4000 rows sampled in one call
     logits = torch.tensor([[0.0, math.log(3.0)]]).repeat(4000, 1)

@@ -68,6 +68,8 @@ class LLMEngine:
             raise
         # the block manager writes each sequence's table into this array's rows; the model runner reads them
         self.model_runner.block_tables = self.scheduler.block_manager.tables
+        # EOS, which the sampler masks while a request is short of its min_tokens
+        self.model_runner.eos_token_ids = self.scheduler.eos_token_ids
         self.metrics = EngineMetrics()  # step records and per-request metrics (see engine/metrics.py)
         # the samples 1..n-1 of a request with n > 1, by its sample 0, queued once sample 0's prompt is computed
         # (then its full prompt blocks are in the prefix cache, and they share them instead of prefilling again)
@@ -285,6 +287,8 @@ class LLMEngine:
         output = {"text": text, "token_ids": token_ids, "finish_reason": seq.finish_reason}
         if seq.sampling_params.stop is not None:
             output["stop_reason"] = seq.stop_reason
+        if seq.sampling_params.logprobs is not None:
+            output["logprobs"] = seq.logprobs  # one TokenLogprobs per completion token
         if with_metrics:
             output["metrics"] = self.metrics.requests[seq.seq_id]
         return output

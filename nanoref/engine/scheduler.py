@@ -181,7 +181,9 @@ class Scheduler:
         - a sequence is waiting: the next step is a prefill (new, chunked or preempted requests);
         - a running sequence is not in flight, or one in flight is mid-prompt;
         - the blocks for every row do not fit: schedule() may have to preempt, which needs finished sequences
-          gone first (this keeps preemption decisions the same as the plain loop's).
+          gone first (this keeps preemption decisions the same as the plain loop's);
+        - a sequence in flight asks for penalties or logprobs: penalties read the token values, and logprobs are
+          read back per step (min_tokens needs only the count, which the host knows: it overlaps).
         A sequence whose token count alone ends it (max_tokens, max_model_len) gets no row. One that will sample
         EOS cannot be known here: it gets a row, and the engine drops that row's token (`commit_ahead`).
         """
@@ -189,6 +191,8 @@ class Scheduler:
             return []
         if any(seq.num_computed_tokens + seq.num_scheduled_tokens < seq.num_tokens for seq in in_flight):
             return []  # a prompt chunk samples no token: there is nothing to feed forward
+        if any(seq.sampling_params.has_penalties or seq.sampling_params.logprobs is not None for seq in in_flight):
+            return []
         ahead = [seq for seq in in_flight if not self._ends_by_count(seq)]
         manager = self.block_manager
         needed = sum(manager.blocks_needed(seq.num_tokens + 1) - len(seq.block_table) for seq in ahead)
@@ -279,12 +283,21 @@ class Scheduler:
         return finished
 
     def finish_reason(self, seq: Sequence, token_id: int) -> str | None:
-        """Why seq ends with the token it just appended: "stop" or "length"; None: it goes on."""
-        if not seq.sampling_params.ignore_eos and token_id in self.eos_token_ids:
-            return "stop"
-        if seq.detokenizer is not None and seq.detokenizer.find_stop() is not None:  # its text cut before it
-            seq.stop_reason = seq.detokenizer.stop_reason
-            return "stop"
+        """Why seq ends with the token it just appended: "stop" or "length"; None: it goes on. The stop_token_ids
+        entry or stop string that ended it is kept as `seq.stop_reason`. While seq is short of its min_tokens, no
+        token stops it (the sampler also masks EOS and the stop ids)."""
+        params = seq.sampling_params
+        if seq.num_completion_tokens > params.min_tokens:  # (this token is number num_completion_tokens)
+            if not params.ignore_eos and token_id in self.eos_token_ids:
+                return "stop"
+            if token_id in params.stop_token_ids:
+                seq.stop_reason = token_id
+                return "stop"
+        # stop strings count from min_tokens on, as in vLLM (find_stop looks only at the text this token brought)
+        if seq.num_completion_tokens >= params.min_tokens and seq.detokenizer is not None:
+            if seq.detokenizer.find_stop() is not None:  # its text cut before it
+                seq.stop_reason = seq.detokenizer.stop_reason
+                return "stop"
         if self._ends_by_count(seq, new_tokens=0):
             return "length"
         return None

@@ -8,6 +8,7 @@ from itertools import count
 import torch
 
 from nanoref.engine.detokenizer import IncrementalDetokenizer
+from nanoref.layers.logits_processors import StepLogprobs, TokenLogprobs
 from nanoref.sampling_params import SamplingParams
 
 
@@ -46,8 +47,13 @@ class Sequence:
         # why it finished: "stop" (EOS or a stop string), "length" (max_tokens or max_model_len) or "abort"; None
         # while it runs
         self.finish_reason: str | None = None
-        self.stop_reason: str | None = None  # the stop string that ended it, if one did
+        # what ended it: the stop_token_ids entry or the stop string ("stop"); None for EOS, length and abort
+        self.stop_reason: int | str | None = None
         self.index = 0  # which of its request's n samples it is
+        # one entry per completion token where SamplingParams.logprobs asks for them (else stays empty); the step
+        # that sampled the next token leaves its (step's logprobs, row index, N) here for append_token to read
+        self.logprobs: list[TokenLogprobs] = []
+        self.pending_logprobs: tuple[StepLogprobs, int, int] | None = None
         # its completion as text, kept up to date token by token only where something reads it as it grows (a
         # stream, or stop strings); None otherwise: offline generate decodes each completion once, at the end
         self.detokenizer: IncrementalDetokenizer | None = None
@@ -83,6 +89,10 @@ class Sequence:
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
+        if self.pending_logprobs is not None:
+            step, index, num_top = self.pending_logprobs
+            self.pending_logprobs = None
+            self.logprobs.append(step.entry(index, num_top))
         if self.detokenizer is not None:
             self.detokenizer.add([token_id])
 

@@ -1,5 +1,6 @@
 """Sampling one next token per sequence from the last-token logits.
 
+Penalties and min_tokens masks come first, where a row asks for them (`logits_processors.py`).
 temperature 0 is greedy (argmax). Otherwise: scale by 1/temperature, keep the top_k largest logits
 and the smallest set whose probability reaches top_p, then draw. The draw uses the exponential-race
 trick (argmax of p / E with E ~ Exp(1) is a sample from p), which needs no sort and lets a seeded
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from nanoref.layers.logits_processors import LogitsProcessing
 from nanoref.utils.compile import on_cuda
 from nanoref.utils.seams import seam
 
@@ -36,6 +38,10 @@ class SamplingBatch:
     seeded: list[tuple[int, float, int, float, torch.Generator]] = field(default_factory=list)
     # the engine's own generator for unseeded rows, so the caller's global RNG is never touched
     generator: torch.Generator | None = None
+    # penalties and min_tokens masks, applied to the logits before anything else (None: no row has any)
+    processing: LogitsProcessing | None = None
+    # (row, N) of each row whose request asked for logprobs: the model runner's, computed from the raw logits
+    logprob_rows: list[tuple[int, int]] = field(default_factory=list)
 
     @classmethod
     def from_host(
@@ -97,7 +103,9 @@ def sample_with_temperature(logits: torch.Tensor, temperatures: torch.Tensor, no
 
     Scale, softmax, divide by the noise, argmax: one pass over a float32 (B, V) buffer, updated in place.
     """
-    probs = logits.float().div_(temperatures.clamp(min=1e-5)[:, None]).softmax(dim=-1)  # (B, V)
+    # a float32 copy even of float32 logits: the caller's logits stay as they were (seeded rows and greedy rows of
+    # the same batch read them after this)
+    probs = logits.to(torch.float32, copy=True).div_(temperatures.clamp(min=1e-5)[:, None]).softmax(dim=-1)  # (B, V)
     return probs.div_(noise).argmax(dim=-1)  # (B,)
 
 
@@ -148,6 +156,8 @@ class Sampler(nn.Module):
                 device=logits.device,
                 default_generator=default_generator,
             )
+        if batch.processing is not None:  # penalties and masks first: every path below samples what they leave
+            logits = batch.processing.apply(logits)  # (B, V) float32
         if batch.all_greedy:
             return logits.argmax(dim=-1)  # (B,)
         noise = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)  # (B, V)

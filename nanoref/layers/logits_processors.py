@@ -1,0 +1,164 @@
+"""What happens to the logits between the model and the sampler: penalties and the min_tokens mask; and logprobs.
+
+- presence / frequency penalty (OpenAI's definition, as vLLM applies it), on the counts of each token in the
+  completion so far: logit -= frequency * count + presence * (count > 0).
+- repetition penalty (HF's, as vLLM applies it), on every token of prompt or completion: a positive logit is
+  divided by it, a negative one multiplied, so the token always becomes less likely (for penalties > 1).
+- min_tokens: until a request has that many completion tokens, its stop tokens (EOS, stop_token_ids) get -inf.
+- logprobs: log_softmax of the model's raw logits (before any of the above, and before temperature: vLLM's
+  default "raw_logprobs"), the chosen token's value and rank, and the top N.
+
+Each is a small pure function over device tensors. Their inputs are built by the model runner from host facts,
+only for the rows that ask (`LogitsProcessing.build`): a batch where no row does so runs none of this.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+
+def token_counts(ids: torch.Tensor, rows: torch.Tensor, num_rows: int, vocab: int) -> torch.Tensor:
+    """ids, rows: (T,) int64, token ids and the row each belongs to -> (num_rows, vocab) float32 counts."""
+    counts = torch.zeros(num_rows, vocab, dtype=torch.float32, device=ids.device)
+    return counts.index_put_((rows, ids), torch.ones_like(ids, dtype=torch.float32), accumulate=True)
+
+
+def apply_penalties(
+    logits: torch.Tensor,
+    output_counts: torch.Tensor,
+    seen: torch.Tensor,
+    presence: torch.Tensor,
+    frequency: torch.Tensor,
+    repetition: torch.Tensor,
+) -> torch.Tensor:
+    """logits: (R, V) float32; output_counts: (R, V) float32, each token's count in the completion; seen: (R, V)
+    bool, the token is in the prompt or the completion; presence, frequency, repetition: (R,) float32 -> (R, V)."""
+    rep = repetition[:, None]  # (R, 1)
+    logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
+    return logits - frequency[:, None] * output_counts - presence[:, None] * (output_counts > 0)
+
+
+def mask_tokens(logits: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """logits: (B, V); rows, ids: (M,) int64 -> (B, V), a copy with -inf at each (rows[m], ids[m])."""
+    return logits.index_put((rows, ids), logits.new_full((), float("-inf")))  # (a fill: no copy from the host)
+
+
+def raw_logprobs(logits: torch.Tensor) -> torch.Tensor:
+    """logits: (R, V), the model's, before penalties and temperature -> (R, V) float32 log-probabilities."""
+    return logits.float().log_softmax(dim=-1)
+
+
+def token_logprobs(
+    logprobs: torch.Tensor, chosen: torch.Tensor, num_top: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """logprobs: (R, V); chosen: (R,) int64 sampled ids ->
+    (chosen logprob (R,), chosen rank (R,) with 1 = the most likely, top logprobs (R, num_top), their ids (R, num_top)).
+
+    The rank counts the tokens at least as likely as the chosen one (vLLM's: a tie ranks behind)."""
+    chosen_logprob = logprobs.gather(1, chosen[:, None])  # (R, 1)
+    rank = (logprobs >= chosen_logprob).sum(dim=-1)  # (R,)
+    top_logprobs, top_ids = logprobs.topk(num_top, dim=-1)  # (R, num_top), most likely first
+    return chosen_logprob[:, 0], rank, top_logprobs, top_ids
+
+
+class TokenLogprobs(NamedTuple):
+    """One completion token's logprobs (`seq.logprobs` holds one per token, in order)."""
+
+    token_id: int
+    logprob: float  # log p(token_id), from the model's raw logits
+    rank: int  # 1: the most likely token
+    top: dict[int, float]  # the N most likely ids -> logprob, most likely first (N = SamplingParams.logprobs)
+
+
+class StepLogprobs:
+    """One step's logprobs for the rows that asked, on the device until the first row's entry is read (then all
+    rows come to the host in one copy, after the step's sampled ids did)."""
+
+    def __init__(self, chosen: torch.Tensor, outputs: tuple[torch.Tensor, ...]) -> None:
+        self._device = (chosen, *outputs)  # each (R,) or (R, num_top)
+        self._host: tuple[list, ...] | None = None
+
+    def entry(self, index: int, num_top: int) -> TokenLogprobs:
+        """The entry of the index-th row that asked, with its own num_top of the step's top ids."""
+        if self._host is None:
+            self._host = tuple(t.tolist() for t in self._device)
+            self._device = ()
+        chosen, logprob, rank, top_logprobs, top_ids = (values[index] for values in self._host)
+        return TokenLogprobs(chosen, logprob, rank, dict(zip(top_ids[:num_top], top_logprobs[:num_top])))
+
+
+@dataclass
+class LogitsProcessing:
+    """One step's penalties and masks on the device, for the rows that need them."""
+
+    rows: torch.Tensor | None = None  # (R,) int64: the penalised rows of the batch
+    output_counts: torch.Tensor | None = None  # (R, V) float32
+    seen: torch.Tensor | None = None  # (R, V) bool
+    presence: torch.Tensor | None = None  # (R,) float32
+    frequency: torch.Tensor | None = None  # (R,) float32
+    repetition: torch.Tensor | None = None  # (R,) float32
+    mask_rows: torch.Tensor | None = None  # (M,) int64: a stop token of a row still short of min_tokens
+    mask_ids: torch.Tensor | None = None  # (M,) int64
+
+    @classmethod
+    def build(
+        cls,
+        penalised: list[tuple[int, list[int], list[int], float, float, float]],
+        masked: list[tuple[int, list[int]]],
+        vocab: int,
+        device: torch.device,
+    ) -> LogitsProcessing | None:
+        """penalised: (row, prompt ids, completion ids, presence, frequency, repetition) per penalised row;
+        masked: (row, stop ids to mask) per row short of its min_tokens. None when both are empty."""
+        if not penalised and not masked:
+            return None
+        processing = cls()
+        if penalised:
+            rows, prompts, completions, presence, frequency, repetition = zip(*penalised)
+
+            def counts(lists: tuple[list[int], ...]) -> torch.Tensor:  # (R, V)
+                ids, index = _flat(lists)
+                return token_counts(to_device(ids, device), to_device(index, device), len(rows), vocab)
+
+            processing.output_counts = counts(completions)
+            processing.seen = (counts(prompts) > 0) | (processing.output_counts > 0)
+            processing.rows = to_device(np.asarray(rows, dtype=np.int64), device)
+            processing.presence, processing.frequency, processing.repetition = (
+                to_device(np.asarray(values, dtype=np.float32), device) for values in (presence, frequency, repetition)
+            )
+        if masked:
+            ids, rows = _flat([ids for _, ids in masked])
+            processing.mask_ids = to_device(ids, device)
+            processing.mask_rows = to_device(np.asarray([masked[r][0] for r in rows], dtype=np.int64), device)
+        return processing
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits: (B, V) -> processed (B, V) float32, a new tensor (the model's output is left as it was)."""
+        logits = logits.float()
+        if self.rows is not None:
+            penalised = apply_penalties(
+                logits[self.rows], self.output_counts, self.seen, self.presence, self.frequency, self.repetition
+            )  # (R, V)
+            logits = logits.index_put((self.rows,), penalised)
+        if self.mask_rows is not None:
+            logits = mask_tokens(logits, self.mask_rows, self.mask_ids)
+        return logits
+
+
+def _flat(lists: list[list[int]] | tuple[list[int], ...]) -> tuple[np.ndarray, np.ndarray]:
+    """Lists of ids -> (all ids (T,), the index of the list each came from (T,)), int64."""
+    lengths = [len(ids) for ids in lists]
+    ids = np.fromiter((t for part in lists for t in part), dtype=np.int64, count=sum(lengths))
+    return ids, np.repeat(np.arange(len(lists), dtype=np.int64), lengths)
+
+
+def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array as a device tensor, without waiting for the device (a pageable copy would wait for the step)."""
+    host = torch.from_numpy(array)
+    if device.type == "cuda":  # from pinned memory, so the copy does not block the host
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
