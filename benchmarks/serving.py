@@ -1,0 +1,311 @@
+"""The server under load: Poisson arrivals at several rates, TTFT / TPOT percentiles and throughput per rate.
+
+Starts `python -m nanoref.serve` in its own process (the clients must not share its interpreter), waits for
+`/health`, then for each rate sends `--num-requests` streamed completion requests whose arrival times are a
+Poisson process of that rate (exponential gaps; `inf`: all at once, the saturation point). Every request is
+`--input-len` random prompt ids (fresh for each rate: the prefix cache must not answer a prompt it served) and
+exactly `--output-len` tokens (`ignore_eos`), so throughput counts the same work at every rate.
+
+Per request the client records when its first streamed token arrived (TTFT, from its send time) and the mean gap
+after it (TPOT = (last - first) / (tokens - 1)); per rate the table gives p50 / p99 of both and the output
+tokens per second over the whole rate's wall time. Then the saturation requests are run once more through
+offline `LLM.generate` in a fresh process with the same settings: the ratio of the server's saturated tok/s to
+it is the server's own overhead (HTTP, JSON, server-sent events, detokenizing every token, the asyncio hand-off).
+
+    python benchmarks/serving.py --out-dir benchmarks/results --name serving_cpu              # the built-in model
+    python benchmarks/serving.py --model qwen3-0.6b-random --device cuda --name serving_h200 \\
+        --rates 4,16,64,inf --num-requests 256 --input-len 256 --output-len 256
+    python benchmarks/serving.py --plot benchmarks/results/serving_cpu.json figures/serving_cpu.png
+
+`qwen3-0.6b-random`: Qwen3-0.6B's shapes with random bf16 weights, built on the device, and a word-level
+tokenizer with one word per id of its 151,936 (so every token the random model makes is text to stream).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+# -- the workload -------------------------------------------------------------------------------
+def prompts_for(rate_index: int, count: int, length: int, vocab: int) -> list[list[int]]:
+    """Random prompt ids, a fresh stream for each rate (seed = its index), the saturation run's too."""
+    rng = random.Random(rate_index)
+    return [[rng.randrange(vocab) for _ in range(length)] for _ in range(count)]
+
+
+def arrival_gaps(rate: float, count: int, seed: int) -> list[float]:
+    """Seconds between consecutive arrivals of a Poisson process of `rate` per second (0 for rate inf)."""
+    if math.isinf(rate):
+        return [0.0] * count
+    rng = random.Random(1000 + seed)
+    return [rng.expovariate(rate) for _ in range(count)]
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
+
+
+# -- the model folder ---------------------------------------------------------------------------
+def make_random_model(folder: Path) -> Path:
+    """Qwen3-0.6B's shapes, random bf16 weights, and a word-level tokenizer covering its whole vocabulary."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    sys.path.insert(0, str(REPO))
+    from nanoref.testing import QWEN3_0_6B, make_random_qwen3
+
+    make_random_qwen3(folder, QWEN3_0_6B, dtype=torch.bfloat16, device="cuda" if torch.cuda.is_available() else "cpu")
+    vocab = {f"w{i}": i for i in range(QWEN3_0_6B["vocab_size"])}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.decoder = decoders.WordPiece(prefix="##")  # joins words with spaces
+    tokenizer.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
+    return folder
+
+
+def resolve_model(name: str) -> tuple[Path, int]:
+    """-> (folder, vocabulary size)."""
+    if name == "builtin":
+        folder = REPO / "nanoref" / "default_model"
+    elif name == "qwen3-0.6b-random":
+        folder = make_random_model(Path(tempfile.mkdtemp()) / "qwen3-0.6b-random")
+    else:
+        folder = Path(name)
+    return folder, json.loads((folder / "config.json").read_text())["vocab_size"]
+
+
+# -- the server and its clients -----------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_server(folder: Path, port: int, settings: list[str]) -> subprocess.Popen:
+    import httpx
+
+    command = [sys.executable, "-m", "nanoref.serve", str(folder), "--port", str(port), *settings]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    server = subprocess.Popen(command, env=env)
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise RuntimeError(f"the server exited with code {server.returncode}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return server
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    server.kill()
+    raise RuntimeError("the server did not answer /health within 600 s")
+
+
+async def one_request(client, url: str, model: str, prompt: list[int], output_len: int) -> dict:
+    """Stream one completion -> its send time, token arrival times and token count (from `usage`)."""
+    body = dict(
+        model=model, prompt=prompt, max_tokens=output_len, temperature=0.6, ignore_eos=True, stream=True,
+        stream_options={"include_usage": True},
+    )  # fmt: skip
+    sent, arrivals, tokens = time.perf_counter(), [], 0
+    async with client.stream("POST", url, json=body, timeout=None) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            if chunk.get("choices") and chunk["choices"][0].get("text"):
+                arrivals.append(time.perf_counter())
+    return dict(sent=sent, arrivals=arrivals, tokens=tokens)
+
+
+async def run_rate(port: int, model: str, prompts: list[list[int]], gaps: list[float], output_len: int) -> dict:
+    import httpx
+
+    url = f"http://127.0.0.1:{port}/v1/completions"
+    limits = httpx.Limits(max_connections=len(prompts), max_keepalive_connections=len(prompts))
+    async with httpx.AsyncClient(limits=limits) as client:
+        tasks, start = [], time.perf_counter()
+        for prompt, gap in zip(prompts, gaps):
+            await asyncio.sleep(gap)
+            tasks.append(asyncio.create_task(one_request(client, url, model, prompt, output_len)))
+        results = await asyncio.gather(*tasks)
+    wall = time.perf_counter() - start
+    ttft = [r["arrivals"][0] - r["sent"] for r in results]
+    gaps = [(r["arrivals"][-1] - r["arrivals"][0], len(r["arrivals"]) - 1) for r in results]
+    tpot = [span / count for span, count in gaps if count > 0]
+    tokens = sum(r["tokens"] for r in results)
+    assert tokens == len(prompts) * output_len, f"{tokens} tokens streamed, {len(prompts) * output_len} asked for"
+    return dict(
+        wall_s=wall, output_tokens=tokens, tok_per_s=tokens / wall,
+        ttft_p50=percentile(ttft, 50), ttft_p99=percentile(ttft, 99),
+        tpot_p50=percentile(tpot, 50), tpot_p99=percentile(tpot, 99),
+    )  # fmt: skip
+
+
+# -- offline, for the server's overhead ---------------------------------------------------------
+OFFLINE = """
+import json, sys, time
+import torch
+from nanoref import LLM, SamplingParams
+spec = json.loads(sys.argv[1])
+llm = LLM(spec["folder"], **spec["settings"])
+params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=spec["output_len"])
+# warm-up on other prompts of the same shapes (the server has served every earlier rate by its saturation run)
+llm.generate(spec["warmup_prompts"], params, use_tqdm=False)
+sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+sync(); start = time.perf_counter()
+outputs = llm.generate(spec["prompts"], params, use_tqdm=False)
+sync(); wall = time.perf_counter() - start
+tokens = sum(len(o["token_ids"]) for o in outputs)
+print("RESULT " + json.dumps(dict(wall_s=wall, output_tokens=tokens, tok_per_s=tokens / wall)))
+"""
+
+
+def run_offline(folder: Path, settings: dict, prompts: list, warmup: list, output_len: int) -> dict:
+    spec = dict(folder=str(folder), settings=settings, prompts=prompts, warmup_prompts=warmup, output_len=output_len)
+    spec = json.dumps(spec)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    proc = subprocess.run([sys.executable, "-c", OFFLINE, spec], env=env, capture_output=True, text=True)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode or not lines:
+        raise RuntimeError(f"the offline run failed:\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1].removeprefix("RESULT "))
+
+
+# -- report -------------------------------------------------------------------------------------
+def table(summary: dict) -> str:
+    lines = [
+        f"{summary['machine']}; model {summary['model']}; {summary['num_requests']} requests per rate of "
+        f"{summary['input_len']} prompt + {summary['output_len']} output tokens",
+        "",
+        "| rate (req/s) | TTFT p50 (ms) | TTFT p99 (ms) | TPOT p50 (ms) | TPOT p99 (ms) | output tok/s |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in summary["rates"]:
+        lines.append(
+            f"| {row['rate']} | {row['ttft_p50'] * 1e3:.0f} | {row['ttft_p99'] * 1e3:.0f} "
+            f"| {row['tpot_p50'] * 1e3:.1f} | {row['tpot_p99'] * 1e3:.1f} | {row['tok_per_s']:.0f} |"
+        )
+    offline, saturated = summary.get("offline"), summary["rates"][-1]
+    if offline:
+        lines += [
+            "",
+            f"offline `generate` on the saturation run's requests: {offline['tok_per_s']:.0f} tok/s; the server at "
+            f"rate {saturated['rate']}: {saturated['tok_per_s']:.0f} tok/s = "
+            f"{saturated['tok_per_s'] / offline['tok_per_s']:.2f}x of offline",
+        ]
+    return "\n".join(lines)
+
+
+def plot(source: Path, target: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    summary = json.loads(source.read_text())
+    rows = summary["rates"]
+    labels = [str(row["rate"]) for row in rows]
+    x = range(len(rows))
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    for ax, metric, title in [(axes[0], "ttft", "time to first token"), (axes[1], "tpot", "time per output token")]:
+        ax.plot(x, [row[f"{metric}_p50"] * 1e3 for row in rows], "o-", label="p50")
+        ax.plot(x, [row[f"{metric}_p99"] * 1e3 for row in rows], "s--", label="p99")
+        ax.set(title=title, xlabel="arrival rate (requests/s)", ylabel="ms", xticks=list(x), xticklabels=labels)
+        ax.legend()
+    axes[2].bar(x, [row["tok_per_s"] for row in rows], color="tab:blue", label="server")
+    if summary.get("offline"):
+        axes[2].axhline(summary["offline"]["tok_per_s"], color="tab:orange", ls="--", label="offline generate")
+    axes[2].set(title="throughput", xlabel="arrival rate (requests/s)", ylabel="output tokens/s", xticks=list(x))
+    axes[2].set_xticklabels(labels)
+    axes[2].legend(loc="lower right")
+    fig.suptitle(f"nanoref's server, {summary['model']} on {summary['machine']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(target, dpi=110)
+    print(f"wrote {target}")
+
+
+def machine() -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        return f"one {torch.cuda.get_device_name()}"
+    return f"CPU, {os.cpu_count()} cores"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="builtin", help="builtin, qwen3-0.6b-random, or a model folder")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--rates", default="1,2,4,inf", help="arrival rates in requests/s; inf: all at once")
+    parser.add_argument("--num-requests", type=int, default=32)
+    parser.add_argument("--input-len", type=int, default=64)
+    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--max-num-seqs", type=int, default=None)
+    parser.add_argument("--out-dir", type=Path, default=None)
+    parser.add_argument("--name", default="serving")
+    parser.add_argument("--no-offline", action="store_true", help="skip the offline comparison")
+    parser.add_argument("--plot", nargs=2, type=Path, metavar=("JSON", "PNG"))
+    args = parser.parse_args()
+    if args.plot:
+        return plot(*args.plot)
+    folder, vocab = resolve_model(args.model)
+    settings = {"device": args.device}
+    if args.max_num_seqs:
+        settings["max_num_seqs"] = args.max_num_seqs
+    flags = [f"--{key.replace('_', '-')}={value}" for key, value in settings.items()]
+    port = free_port()
+    server = start_server(folder, port, flags)
+    try:
+        import httpx
+
+        model = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"][0]["id"]
+        # a short warm-up request (compiles, CUDA graphs): no timed request pays for the first call
+        asyncio.run(run_rate(port, model, prompts_for(99, 2, args.input_len, vocab), [0, 0], 8))
+        rates = [float(rate) for rate in args.rates.split(",")]
+        rows = []
+        for index, rate in enumerate(rates):
+            prompts = prompts_for(index, args.num_requests, args.input_len, vocab)
+            row = asyncio.run(run_rate(port, model, prompts, arrival_gaps(rate, len(prompts), index), args.output_len))
+            rows.append(dict(rate="inf" if math.isinf(rate) else rate, **row))
+            print(json.dumps(rows[-1]), flush=True)
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+    summary = dict(
+        machine=machine(), model=args.model, settings=settings, num_requests=args.num_requests,
+        input_len=args.input_len, output_len=args.output_len, rates=rows,
+    )  # fmt: skip
+    if not args.no_offline:
+        last = prompts_for(len(rates) - 1, args.num_requests, args.input_len, vocab)  # the saturation run's requests
+        warmup = prompts_for(len(rates), args.num_requests, args.input_len, vocab)  # prompts no timed run sends
+        summary["offline"] = run_offline(folder, settings, last, warmup, args.output_len)
+    report = table(summary)
+    print(report)
+    if args.out_dir:
+        args.out_dir.mkdir(parents=True, exist_ok=True)
+        (args.out_dir / f"{args.name}.json").write_text(json.dumps(summary, indent=1) + "\n")
+        (args.out_dir / f"{args.name}.md").write_text(report + "\n")
+        print(f"wrote {args.out_dir / args.name}.json and .md")
+
+
+if __name__ == "__main__":
+    main()
