@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from itertools import count
 
 import torch
 
@@ -57,6 +58,7 @@ class LLMEngine:
         # the block manager writes each sequence's table into this array's rows; the model runner reads them
         self.model_runner.block_tables = self.scheduler.block_manager.tables
         self.metrics = EngineMetrics()  # step records and per-request metrics (see engine/metrics.py)
+        self._seq_ids = count()  # this engine's sequence ids: its first request is 0, whatever ran before
 
     # -- requests -----------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -72,7 +74,7 @@ class LLMEngine:
         check_request(token_ids, params, self.config, self.scheduler.block_manager)
         if stream and self.tokenizer is None:
             raise ValueError(f"{self.config.model_folder} has no tokenizer: a stream of text needs one")
-        seq = Sequence(token_ids, params, self.config.kvcache_block_size)
+        seq = Sequence(token_ids, params, self.config.kvcache_block_size, seq_id=next(self._seq_ids))
         seq.request_id = request_id
         if params.seed is not None:
             seq.generator = torch.Generator(device=self.config.device).manual_seed(params.seed)
