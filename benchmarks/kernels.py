@@ -2,7 +2,7 @@
 
     python benchmarks/kernels.py                       # on a CUDA GPU: check, then time, table + figure
     python benchmarks/kernels.py --sweep               # first sweep the kernels' tile settings (--sweep-prefill)
-    python benchmarks/kernels.py --redraw              # anywhere: redraw the figure from the results table
+    python benchmarks/kernels.py --plot benchmarks/results/kernels_h200.json   # anywhere: redraw the figure
     python benchmarks/kernels.py --compare OLD.py      # the kernels of an older attention_triton.py vs the current
 
 OLD.py is nanoref/ops/attention_triton.py as an older commit had it, e.g.
@@ -19,7 +19,8 @@ OLD.py is nanoref/ops/attention_triton.py as an older commit had it, e.g.
      same problem), and, as yardsticks on an easier problem, SDPA and compiled FlexAttention over such
      contiguous tensors ready-made (no paging; FlexAttention's paged form is still experimental).
    - varlen causal prefill (equal-length sequences, no history): TFLOP/s against SDPA with is_causal.
-4. Prints the tables, writes them as markdown and draws the figure.
+4. Prints the tables, writes the measurements as JSON (`--json`) and as markdown (`--markdown`), and draws the
+   figure from them (`--figure`); `--plot JSON` redraws it from a JSON file, without a GPU.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import functools
 import itertools
+import json
 import math
 import platform
 import sys
@@ -539,17 +541,20 @@ def markdown_table(rows: list[dict], fmt: dict) -> str:
     return "\n".join(lines)
 
 
-# how each method is drawn: the two Triton lines on top and told apart by marker and dash, the yardsticks below
+# how each method is drawn: every line its own marker and dash, so lines that coincide (the two Triton block sizes
+# often do, and SDPA on gathered pages at small batches) stay visible; hollow markers let the one beneath show
 _STYLES = {
-    "triton paged, block 16": dict(color="tab:blue", marker="o", ls="-", lw=2.2, ms=6, zorder=6),
-    "triton paged, block 256": dict(color="tab:orange", marker="s", ls="--", lw=1.6, ms=7, mfc="none", zorder=7),
-    "SDPA, gathered from pages": dict(color="tab:green", marker="^", ls="-", lw=1.4, ms=5, zorder=4),
+    "triton paged, block 16": dict(color="tab:blue", marker="o", ls="-", lw=2.2, ms=5, zorder=6),
+    "triton paged, block 256": dict(color="tab:orange", marker="s", ls="--", lw=1.6, ms=8, mfc="none", zorder=7),
+    "SDPA, gathered from pages": dict(color="tab:green", marker="^", ls="-.", lw=1.4, ms=9, mfc="none", zorder=8),
     "SDPA, dense (no paging)": dict(color="0.45", marker="x", ls=":", lw=1.4, ms=6, zorder=3),
     "FlexAttention, dense (no paging)": dict(color="tab:purple", marker="v", ls=":", lw=1.4, ms=5, zorder=3),
 }
 
 
 def draw(decode_rows: list[dict], copy_tbps: float, path: Path, gpu: str) -> None:
+    """One panel per batch size, K/V read against context. The y axis is logarithmic: at batch 1 the kernels reach a
+    few percent of the copy bandwidth, and a linear axis scaled to the copy line would flatten them onto zero."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -558,7 +563,8 @@ def draw(decode_rows: list[dict], copy_tbps: float, path: Path, gpu: str) -> Non
     methods = list(dict.fromkeys(r["method"] for r in decode_rows))
     batches = [b for b in (1, 16, 64, 256) if any(r["batch"] == b for r in decode_rows)]
     contexts = sorted({r["ctx"] for r in decode_rows})
-    fig, axes = plt.subplots(1, len(batches), figsize=(3.6 * len(batches), 3.6), sharey=True)
+    fig, axes = plt.subplots(1, len(batches), figsize=(3.6 * len(batches), 3.6), sharey=True, squeeze=False)
+    axes = axes[0]
     for ax, batch in zip(axes, batches):
         for method in methods:
             pts = sorted((r["ctx"], r["TBps"]) for r in decode_rows if r["batch"] == batch and r["method"] == method)
@@ -567,32 +573,29 @@ def draw(decode_rows: list[dict], copy_tbps: float, path: Path, gpu: str) -> Non
             copy_tbps, color="black", ls="--", lw=1, label=f"copy bandwidth ({copy_tbps:.2f} TB/s, read + write)"
         )
         ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
         ax.set_xticks(contexts, [f"{c // 1024}k" if c >= 1024 else str(c) for c in contexts])  # measured ones only
         ax.minorticks_off()
         ax.set_title(f"batch {batch}")
         ax.set_xlabel("context (tokens)")
         ax.grid(axis="y", color="0.9")
-    axes[0].set_ylabel("K/V read (TB/s)")
+    axes[0].set_ylabel("K/V read (TB/s, log scale)")
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=8, frameon=False, bbox_to_anchor=(0.5, -0.02))
     fig.suptitle(f"Paged decode attention, Qwen3-0.6B shapes (16/8 heads, d=128, bf16), {gpu}", fontsize=10)
     fig.tight_layout(rect=(0, 0.12, 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
 
 
-def read_results(markdown: Path) -> tuple[list[dict], float, str]:
-    """The decode rows, copy bandwidth and GPU name of a results file this script wrote (to redraw its figure)."""
-    text = markdown.read_text()
-    gpu = text.splitlines()[0].removeprefix("# Kernel benchmark: one ").strip()
-    copy_tbps = float(text.split("Copy bandwidth measured in the same run:")[1].split("**")[1].split()[0])
-    table = text.split("## Paged decode attention, every shape")[1]
-    rows = []
-    for line in table.splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) == 7 and cells[1].isdigit():
-            rows.append(dict(method=cells[0], batch=int(cells[1]), ctx=int(cells[2]), TBps=float(cells[4])))
-    return rows, copy_tbps, gpu
+def plot(record_path: Path, figure: Path) -> None:
+    """Redraw the figure from the measurements a run wrote (`--json`); no GPU needed."""
+    record = json.loads(record_path.read_text())
+    missing = {"machine", "copy_TBps", "decode"} - set(record)
+    if missing:
+        sys.exit(f"{record_path} is not a results file of benchmarks/kernels.py: it has no {sorted(missing)}")
+    draw(record["decode"], record["copy_TBps"], figure, record["machine"])
 
 
 def main() -> None:
@@ -601,18 +604,19 @@ def main() -> None:
     parser.add_argument("--sweep-prefill", action="store_true", help="sweep the prefill kernel's tile settings only")
     parser.add_argument("--batches", default="1,4,16,64,128,256")
     parser.add_argument("--contexts", default="128,512,1024,2048,4096,8192")
+    parser.add_argument("--json", type=Path, default=ROOT / "benchmarks/results/kernels_h200.json",
+                        help="where the measurements go (what --plot reads)")  # fmt: skip
     parser.add_argument("--markdown", type=Path, default=ROOT / "benchmarks/results/kernels_h200.md")
     parser.add_argument("--figure", type=Path, default=ROOT / "figures/kernels_h200.png")
-    parser.add_argument("--redraw", action="store_true", help="only redraw the figure from --markdown (no GPU needed)")
+    parser.add_argument("--plot", type=Path, metavar="JSON", help="only redraw --figure from a results file (no GPU)")
     parser.add_argument(
         "--compare", type=Path, metavar="OLD.py", help="an older attention_triton.py's kernels against the current ones"
     )
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/kernels_compare_h200.md")
     args = parser.parse_args()
-    if args.redraw:
-        rows, copy_tbps, gpu = read_results(args.markdown)
-        draw(rows, copy_tbps, args.figure, gpu)
-        print(f"redrew {args.figure} from {args.markdown}")
+    if args.plot:
+        plot(args.plot, args.figure)
+        print(f"drew {args.figure} from {args.plot}")
         return
     if not torch.cuda.is_available():
         sys.exit("benchmarks/kernels.py needs a CUDA GPU (on a CPU, the tests check the kernels under the interpreter)")
@@ -706,10 +710,23 @@ Every sequence of the batch holds `ctx` tokens, its blocks scattered at random t
 
 {decode_table}
 """
-    args.markdown.parent.mkdir(parents=True, exist_ok=True)
+    record = dict(
+        machine=gpu,
+        versions=f"torch {torch.__version__}, triton {triton.__version__}, Python {platform.python_version()}",
+        date=time.strftime("%Y-%m-%d"),
+        command=" ".join(["python", "benchmarks/kernels.py", *sys.argv[1:]]),
+        shapes=dict(heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype=str(DTYPE)),
+        copy_TBps=copy_tbps,
+        prefill=prefill_rows,
+        store=store_rows,
+        decode=decode_rows,
+    )
+    for path in (args.json, args.markdown):
+        path.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(record, indent=1) + "\n")
     args.markdown.write_text(text)
-    draw(decode_rows, copy_tbps, args.figure, gpu)
-    print(f"\nwrote {args.markdown} and {args.figure} in {time.time() - started:.0f} s")
+    plot(args.json, args.figure)  # the figure from the file, as --plot draws it
+    print(f"\nwrote {args.json}, {args.markdown} and {args.figure} in {time.time() - started:.0f} s")
 
 
 if __name__ == "__main__":

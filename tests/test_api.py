@@ -326,3 +326,20 @@ def test_triton_on_the_cpu_of_a_gpu_machine_is_refused_with_the_reason(monkeypat
         backends.choose_backend("triton", torch.device("cpu"), torch.float32, 16, 16)
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # the interpreter reads CPU tensors: allowed
     assert backends.choose_backend("triton", torch.device("cpu"), torch.float32, 16, 16) == "triton"
+
+
+def test_each_engine_numbers_its_requests_from_0(tiny_model):
+    first = LLM(tiny_model, device="cpu", num_kvcache_blocks=8)
+    first.generate([[1, 2, 3], [4, 5]], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    assert first.add_request([6, 7], SamplingParams(max_tokens=1)).seq_id == 2  # one engine counts on
+    fresh = LLM(tiny_model, device="cpu", num_kvcache_blocks=8)
+    seqs = [fresh.add_request(prompt, SamplingParams(max_tokens=1)) for prompt in ([1, 2], [3], [4])]
+    assert [seq.seq_id for seq in seqs] == [0, 1, 2]  # whatever other engines made before
+
+
+def test_a_finished_sequence_shows_its_finish_reason_and_token_counts(tiny_model):
+    llm = LLM(tiny_model, device="cpu", num_kvcache_blocks=8)
+    seq = llm.add_request([1, 2, 3], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    while not llm.is_finished():
+        llm.step()
+    assert repr(seq) == "Sequence(id=0, FINISHED (length), tokens=7: 3 prompt + 4 completion)"

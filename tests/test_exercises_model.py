@@ -3,6 +3,7 @@ functions and reject typical wrong answers with a message that names the mistake
 
 from __future__ import annotations
 
+import linecache
 import os
 import subprocess
 import sys
@@ -136,6 +137,30 @@ def test_an_exception_in_the_learners_function_names_their_line_and_the_fix():
     assert "return torch.cat((x1 * cos - x2 * sin" in message  # the learner's source line
     assert "must match the size of tensor" in message  # torch's own words, after
     assert_readable_failure(failure.value)
+
+
+CELL = """import torch
+
+def rotary_without_head_axis(x, cos, sin):
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+"""
+
+
+def test_an_exception_in_a_notebook_cell_names_the_cells_line_not_its_temporary_file():
+    filename = "/tmp/ipykernel_4242/2803216123.py"  # what ipykernel compiles a cell as
+    linecache.cache[filename] = (len(CELL), None, CELL.splitlines(keepends=True), filename)  # as ipykernel does
+    try:
+        namespace: dict = {}
+        exec(compile(CELL, filename, "exec"), namespace)
+        with pytest.raises(ExerciseFailure) as failure:
+            check_apply_rotary(namespace["rotary_without_head_axis"], engine=False)
+    finally:
+        del linecache.cache[filename]
+    message = str(failure.value)
+    assert "raised RuntimeError at your cell, line 5, in rotary_without_head_axis" in message.splitlines()[0]
+    assert "ipykernel" not in message and "2803216123" not in message
+    assert "return torch.cat((x1 * cos - x2 * sin" in message  # the cell's source line
 
 
 def top_p_without_off(logits, top_k, top_p):

@@ -63,7 +63,7 @@ def test_trace_shapes_prints_real_flat_shapes(tiny_model):
     with trace_shapes(file=buffer) as tracer:
         llm.generate([[1, 2, 3, 4, 5], [6, 7, 8]], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
     text = buffer.getvalue()
-    assert "step 1 [prefill]" in text and "step 2 [decode]" in text and "step 3" not in text
+    assert "step 0 [prefill]" in text and "step 1 [decode]" in text and "step 2" not in text
     assert "cu_seqlens_q                 [0, 5, 8]" in text
     assert "embed_tokens                 input_ids (8,)  hidden (8, 64)" in text
     assert "layers.0.attn.decode         q (2, 1, 4, 16)" in text  # the decode query's length-1 axis
@@ -82,3 +82,22 @@ def test_trace_shapes_prints_real_flat_shapes(tiny_model):
     with trace_shapes(echo=False) as quiet:
         llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
     assert len(buffer.getvalue()) == before and [s.kind for s in quiet.steps] == ["prefill", "decode"]
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["plain loop", "overlapped loop"])
+def test_a_trace_numbers_each_step_as_its_step_record_does(tiny_model, overlap):
+    llm = LLM(tiny_model, device="cpu", num_kvcache_blocks=16, overlap_scheduling=overlap)
+    llm.add_request([1, 2, 3], SamplingParams(temperature=0, max_tokens=5, ignore_eos=True))
+    llm.add_request([4, 5], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    llm.metrics.clear()
+    traced = []  # one trace block per step, as a notebook shows them
+    while not llm.is_finished():
+        with trace_shapes(echo=False) as tracer:
+            _, record = llm.step()
+        traced += [(step.index, step.kind) for step in tracer.steps]
+        if not overlap:  # (the overlapped loop's block also shows the step it launches ahead)
+            assert [step.index for step in tracer.steps] == [record.index]
+    assert traced == [(record.index, record.kind) for record in llm.metrics.steps]
+    with trace_shapes(echo=False) as tracer:  # generate clears the records: its steps count from 0 again
+        llm.generate([[1, 2]], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    assert [step.index for step in tracer.steps] == [record.index for record in llm.metrics.steps] == [0, 1, 2]

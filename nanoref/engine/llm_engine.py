@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from itertools import count
 
 import torch
 
@@ -97,6 +98,7 @@ class LLMEngine:
         when the request is seeded, the seed params.seed + i."""
         token_ids = self.tokenize(prompt)
         check_request(token_ids, params, self.config, self.scheduler.block_manager)
+<<<<<<< HEAD
         stop = params.stop_strings
         if (stream or stop) and self.tokenizer is None:
             need = "a stream of text" if stream else "stop strings"
@@ -111,6 +113,17 @@ class LLMEngine:
                 seq.detokenizer = IncrementalDetokenizer(self.tokenizer, stop, params.include_stop_str_in_output)
             samples.append(seq)
         return samples
+=======
+        if stream and self.tokenizer is None:
+            raise ValueError(f"{self.config.model_folder} has no tokenizer: a stream of text needs one")
+        seq = Sequence(token_ids, params, self.config.kvcache_block_size, seq_id=next(self._seq_ids))
+        seq.request_id = request_id
+        if params.seed is not None:
+            seq.generator = torch.Generator(device=self.config.device).manual_seed(params.seed)
+        if stream:
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer)
+        return seq
+>>>>>>> course
 
     def add_request(
         self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None, stream: bool = False

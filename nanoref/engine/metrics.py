@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from nanoref.engine.scheduler import Scheduler
 from nanoref.engine.sequence import Sequence
+from nanoref.utils.tracing import trace_step_index
 
 
 @dataclass
@@ -85,6 +86,7 @@ class EngineMetrics:
         """Forget the records; requests still in flight keep being tracked."""
         self.steps.clear()
         self.requests.clear()
+        trace_step_index(0, scheduled=False)
 
     def add_request(self, seq: Sequence) -> None:
         self._pending[seq.seq_id] = _Pending(arrival=time.perf_counter())
@@ -111,6 +113,7 @@ class EngineMetrics:
             num_waiting=len(scheduler.waiting),
         )
         self.steps.append(record)
+        trace_step_index(record.index)  # a trace shows this step under its record's index
         self._step_start = time.perf_counter()
         return record
 
@@ -119,6 +122,7 @@ class EngineMetrics:
         prefix hits back, so they are not counted here either)."""
         assert self.steps and self.steps[-1] is record, "only the latest step can be dropped"
         self.steps.pop()
+        trace_step_index(record.index, scheduled=False)  # its retry is traced under the same index
         self._hits_seen -= record.num_hit_blocks
         for pending in self._first_steps:  # admitted again later, maybe with other prefix hits
             pending.num_cached_tokens = None

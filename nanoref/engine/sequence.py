@@ -19,10 +19,13 @@ class SequenceStatus(Enum):
 
 
 class Sequence:
-    _ids = count()
+    _ids = count()  # the ids of sequences built without one (tests, exercises); an engine numbers its own
 
-    def __init__(self, token_ids: list[int], sampling_params: SamplingParams, block_size: int) -> None:
-        self.seq_id = next(Sequence._ids)
+    def __init__(
+        self, token_ids: list[int], sampling_params: SamplingParams, block_size: int, seq_id: int | None = None
+    ) -> None:
+        """seq_id: the id its engine gives it (each engine counts from 0); None: the next of a process-wide count."""
+        self.seq_id = next(Sequence._ids) if seq_id is None else seq_id
         self.status = SequenceStatus.WAITING
         self.token_ids = list(token_ids)
         self.num_prompt_tokens = len(token_ids)
@@ -97,6 +100,11 @@ class Sequence:
             self.detokenizer.add([token_id])
 
     def __repr__(self) -> str:
+        if self.is_finished:  # its blocks went back, and with them its cached K/V: its token counts tell its story
+            return (
+                f"Sequence(id={self.seq_id}, FINISHED ({self.finish_reason}), tokens={self.num_tokens}: "
+                f"{self.num_prompt_tokens} prompt + {self.num_completion_tokens} completion)"
+            )
         return (
             f"Sequence(id={self.seq_id}, {self.status.name}, tokens={self.num_tokens}, "
             f"computed={self.num_computed_tokens}, blocks={self.block_table})"

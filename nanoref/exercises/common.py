@@ -63,14 +63,32 @@ def learner_frame(error: BaseException) -> traceback.FrameSummary | None:
     return mine[-1] if mine else None
 
 
+def is_notebook_cell(filename: str) -> bool:
+    """Whether `filename` is a Jupyter cell's code: ipykernel compiles each cell as a temporary file
+    (`<tmp>/ipykernel_<pid>/<hash>.py`), older IPython as `<ipython-input-<n>-<hash>>`."""
+    if filename.startswith("<ipython-input-"):
+        return True
+    path = Path(filename)
+    return path.parent.name.startswith("ipykernel_") and path.suffix == ".py"
+
+
+def describe_location(frame: traceback.FrameSummary) -> str:
+    """'your cell, line 7, in apply_rotary' for a notebook cell (its temporary file's name means nothing to the
+    learner, and the line counts from the cell's top); 'cell.py:7, in apply_rotary' for a file."""
+    if is_notebook_cell(frame.filename):
+        return f"your cell, line {frame.lineno}, in {frame.name}"
+    return f"{Path(frame.filename).name}:{frame.lineno}, in {frame.name}"
+
+
 def describe_error(error: BaseException) -> str:
-    """'RuntimeError at cell.py:7, in apply_rotary' and, on the lines after, that source line and the message."""
+    """'RuntimeError at cell.py:7, in apply_rotary' (in a notebook: 'at your cell, line 7, in apply_rotary') and, on
+    the lines after, that source line and the message."""
     frame = learner_frame(error)
     name = type(error).__name__
     if frame is None:
         return f"{name}\n{name}: {error}"
     source = (frame.line or linecache.getline(frame.filename, frame.lineno)).strip()
-    return f"{name} at {Path(frame.filename).name}:{frame.lineno}, in {frame.name}\n  {source}\n{name}: {error}"
+    return f"{name} at {describe_location(frame)}\n  {source}\n{name}: {error}"
 
 
 def call_learner(

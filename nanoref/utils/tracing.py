@@ -4,7 +4,8 @@
         llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2))
     trace.steps[0].metadata["cu_seqlens_q"]   # the same facts as data
 
-The engine calls `trace(stage, **tensors)` at each stage; it costs one attribute check when tracing
+Each step is numbered as its `StepRecord` in `llm.metrics.steps` (0-based). The engine calls
+`trace(stage, **tensors)` at each stage; it costs one attribute check when tracing
 is off. Notebooks use this instead of typed-in shape strings, so what they show is what runs.
 """
 
@@ -25,7 +26,7 @@ from nanoref.utils.context import get_context
 class StepTrace:
     """One engine step as the tracer saw it."""
 
-    index: int  # 1-based step number inside the `trace_shapes` block
+    index: int  # the engine's step index, as its StepRecord has it (0-based, counted from metrics.clear())
     kind: str  # "prefill" or "decode"
     metadata: dict[str, Any]  # short tensors as lists of values, longer ones as shapes (tuples)
     stages: list[tuple[str, dict[str, tuple[int, ...]]]] = field(default_factory=list)  # (stage, {name: shape})
@@ -47,7 +48,7 @@ class ShapeTracer:
     file: TextIO | None = None  # where to print; None = do not print, only record
     steps: list[StepTrace] = field(default_factory=list)
     layer: int | None = None  # the decoder layer running now (None outside the layers)
-    _step: int = 0
+    _step: int = 0  # steps seen in this block (for max_steps)
 
     def visible(self) -> bool:
         if self.max_steps is not None and self._step > self.max_steps:
@@ -86,8 +87,8 @@ def trace(stage: str, **tensors: Any) -> None:
     tracer.print(f"  {where:<28} " + "  ".join(f"{name} {_shape_text(shape)}" for name, shape in shapes.items()))
 
 
-def trace_step(kind: str, **metadata: Any) -> None:
-    """Called once per engine step, before the forward: a header with the step's metadata."""
+def trace_step(kind: str, index: int, **metadata: Any) -> None:
+    """Called once per engine step, before the forward: a header with the step's index and metadata."""
     tracer = _TRACER
     if tracer is None:
         return
@@ -100,20 +101,46 @@ def trace_step(kind: str, **metadata: Any) -> None:
             value = value.tolist() if value.numel() <= _SMALL else tuple(value.shape)
         if value is not None:
             values[name] = value
-    tracer.steps.append(StepTrace(tracer._step, kind, values))
-    tracer.print(f"step {tracer._step} [{kind}]")
+    tracer.steps.append(StepTrace(index, kind, values))
+    tracer.print(f"step {index} [{kind}]")
     if tracer.show_metadata:
         for name, value in values.items():
             tracer.print(f"  {name:<28} {_shape_text(value) if isinstance(value, tuple) else value}")
 
 
+# The engine's index of the step launched next, as its StepRecord numbers it. Kept while tracing is off too (two
+# integers per step), so that a trace block opened at any step numbers its steps as the records do.
+_next_index = 0
+_last_index: int | None = None  # the index the latest launched step got; None: none since a reset
+
+
+def trace_step_index(index: int, scheduled: bool = True) -> None:
+    """Called by the engine's metrics: the index its next step has.
+
+    scheduled (metrics.begin_step): step `index` was just scheduled. The plain loop launches it next; the
+    overlapped loop records a step it launched ahead only after launching it, and then the next launch is index + 1.
+    scheduled=False (metrics.clear, and drop_step, whose step is retried): the next step launched is `index`.
+    """
+    global _next_index, _last_index
+    if not scheduled:
+        _next_index, _last_index = index, None
+    elif _last_index is not None and _last_index >= index:  # launched already (ahead)
+        _next_index = index + 1
+    else:
+        _next_index = index
+
+
 def trace_inputs(is_prefill: bool, seqs: Sequence[Any], input_ids: torch.Tensor, positions: torch.Tensor) -> None:
     """The model runner's one call per step, once the step's Context is published: its flat inputs."""
+    global _next_index, _last_index
+    index = _last_index = _next_index
+    _next_index += 1
     if _TRACER is None:
         return
     c = get_context()
     trace_step(
         "prefill" if is_prefill else "decode",
+        index,
         seq_ids=[seq.seq_id for seq in seqs],
         input_ids=input_ids,
         positions=positions,

@@ -1,0 +1,59 @@
+"""The benchmark scripts' parts that run without a GPU: their help, and figures drawn from results files."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_script(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+def test_the_kernel_benchmark_explains_its_options_without_a_gpu():
+    result = run_script("benchmarks/kernels.py", "--help")
+    assert result.returncode == 0, result.stderr
+    assert "--plot JSON" in result.stdout and "--json JSON" in result.stdout
+
+
+def fake_decode_rows() -> list[dict]:
+    methods = ["triton paged, block 16", "triton paged, block 256", "SDPA, gathered from pages"]
+    return [
+        dict(method=method, batch=batch, ctx=ctx, us=10.0, TBps=0.01 * batch * ctx / 128 / (1 + i))
+        for batch in (1, 16)
+        for ctx in (128, 1024)
+        for i, method in enumerate(methods)
+    ]
+
+
+def test_the_kernel_figure_is_drawn_from_a_results_json(tmp_path):
+    pytest.importorskip("matplotlib")
+    record = dict(machine="Fake GPU", copy_TBps=4.0, decode=fake_decode_rows())
+    (tmp_path / "kernels_fake.json").write_text(json.dumps(record))
+    figure = tmp_path / "kernels_fake.png"
+    result = run_script("benchmarks/kernels.py", "--plot", str(tmp_path / "kernels_fake.json"), "--figure", str(figure))
+    assert result.returncode == 0, result.stderr
+    assert figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_json_that_is_not_the_kernel_benchmarks_is_named(tmp_path):
+    (tmp_path / "other.json").write_text(json.dumps({"rows": []}))
+    result = run_script(
+        "benchmarks/kernels.py", "--plot", str(tmp_path / "other.json"), "--figure", str(tmp_path / "x.png")
+    )
+    assert result.returncode != 0
+    assert "is not a results file of benchmarks/kernels.py" in result.stderr
+    assert not (tmp_path / "x.png").exists()
+
+
+def test_the_committed_kernel_figure_has_its_measurements_beside_it():
+    record = json.loads((ROOT / "benchmarks/results/kernels_h200.json").read_text())
+    assert record["machine"] == "NVIDIA H200" and record["copy_TBps"] > 0
+    methods = {row["method"] for row in record["decode"]}
+    assert {"triton paged, block 16", "triton paged, block 256", "SDPA, gathered from pages"} <= methods
