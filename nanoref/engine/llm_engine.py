@@ -75,6 +75,7 @@ class LLMEngine:
         # the samples 1..n-1 of a request with n > 1, by its sample 0, queued once sample 0's prompt is computed
         # (then its full prompt blocks are in the prefix cache, and they share them instead of prefilling again)
         self.held_samples: dict[Sequence, list[Sequence]] = {}
+        self._seq_ids = count()  # this engine's sequence ids: its first request is 0, whatever ran before
 
     # -- requests -----------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -98,14 +99,13 @@ class LLMEngine:
         when the request is seeded, the seed params.seed + i."""
         token_ids = self.tokenize(prompt)
         check_request(token_ids, params, self.config, self.scheduler.block_manager)
-<<<<<<< HEAD
         stop = params.stop_strings
         if (stream or stop) and self.tokenizer is None:
             need = "a stream of text" if stream else "stop strings"
             raise ValueError(f"{self.config.model_folder} has no tokenizer: {need} needs one")
         samples = []
         for index in range(params.n):
-            seq = Sequence(token_ids, params, self.config.kvcache_block_size)
+            seq = Sequence(token_ids, params, self.config.kvcache_block_size, seq_id=next(self._seq_ids))
             seq.request_id, seq.index = request_id, index
             if params.seed is not None:
                 seq.generator = torch.Generator(device=self.config.device).manual_seed(params.seed + index)
@@ -113,17 +113,6 @@ class LLMEngine:
                 seq.detokenizer = IncrementalDetokenizer(self.tokenizer, stop, params.include_stop_str_in_output)
             samples.append(seq)
         return samples
-=======
-        if stream and self.tokenizer is None:
-            raise ValueError(f"{self.config.model_folder} has no tokenizer: a stream of text needs one")
-        seq = Sequence(token_ids, params, self.config.kvcache_block_size, seq_id=next(self._seq_ids))
-        seq.request_id = request_id
-        if params.seed is not None:
-            seq.generator = torch.Generator(device=self.config.device).manual_seed(params.seed)
-        if stream:
-            seq.detokenizer = IncrementalDetokenizer(self.tokenizer)
-        return seq
->>>>>>> course
 
     def add_request(
         self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None, stream: bool = False
