@@ -11,12 +11,13 @@ from nanoref.utils.seams import use
 
 def _case(generator: torch.Generator, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
     """23 tokens, 6 of them with slot -1, scattered over a stale cache; key and value are views of a fused qkv
-    output (rows further apart than D), and the cache sits between two guard blocks that must stay untouched. Made on
-    `device`, where the kernel runs (moving the views there would copy them into rows exactly D apart)."""
+    output (rows further apart than ROW = Hk * D), and the cache sits between two guard blocks that must stay
+    untouched. Made on `device`, where the kernel runs (moving the views there would copy them into rows exactly ROW
+    apart)."""
     blocks, page, n = 6, 8, 23
-    qkv = torch.randn(n, 3 * num_kv_heads * head_dim + 8, generator=generator).to(device, dtype)  # (n, wider than 2D)
+    qkv = torch.randn(n, 3 * num_kv_heads * head_dim + 8, generator=generator).to(device, dtype)  # (n, > 2 * ROW)
     row = num_kv_heads * head_dim
-    key = qkv[:, 8 : 8 + row].view(n, num_kv_heads, head_dim)  # (n, Hk, head_dim), row stride > D
+    key = qkv[:, 8 : 8 + row].view(n, num_kv_heads, head_dim)  # (n, Hk, head_dim), row stride > ROW
     value = qkv[:, 8 + row : 8 + 2 * row].view(n, num_kv_heads, head_dim)
     stale = torch.randn(2, blocks + 2, page, num_kv_heads, head_dim, generator=generator).to(device, dtype)
     slots = torch.randperm(blocks * page, generator=generator)[:n]  # distinct slots, in no order
@@ -37,23 +38,23 @@ def _describe(got: torch.Tensor, want: torch.Tensor, key: torch.Tensor, slots: t
             "return before storing anything when it is negative"
         )
     if slot >= got_rows.shape[0] - 2 * page:
-        return f"a row past the end of {name} changed (slot {slot}): check the slot arithmetic, slot * D"
+        return f"a row past the end of {name} changed (slot {slot}): check the slot arithmetic, slot * ROW"
     tokens = (slots == slot).nonzero().flatten().tolist()
     if not tokens:
         lanes = (got_rows[first] != want_rows[first]).nonzero().flatten().tolist()
         return (
             f"slot {slot} of {name} changed though no token maps to it (columns {lanes[:4]}...): a store without "
-            "`mask=cols < D` writes BLOCK_D values and spills into the next slot; or the slot arithmetic is off"
+            "`mask=cols < ROW` writes BLOCK_ROW values and spills into the next slot; or the slot arithmetic is off"
         )
     token = tokens[0]
     message = f"slot {slot} of {name} should hold token {token}'s row, but holds something else"
-    contiguous_row = key.as_strided((row,), (1,), key.storage_offset() + token * row)  # token * D, ignoring strides
+    contiguous_row = key.as_strided((row,), (1,), key.storage_offset() + token * row)  # token * ROW, ignoring strides
     if torch.equal(got_rows[first], contiguous_row.to(got.dtype)):
         return (
-            message + ": it holds the values at token * D. key is a view of the fused qkv output, so its rows are "
+            message + ": it holds the values at token * ROW. key is a view of the fused qkv output, so its rows are "
             "key_stride elements apart: read at key_ptr + token * key_stride + cols"
         )
-    return message + ": read token i's row at key_ptr + i * key_stride + cols, write it at slot * D + cols"
+    return message + ": read token i's row at key_ptr + i * key_stride + cols, write it at slot * ROW + cols"
 
 
 def _not_implemented(error: BaseException | None) -> bool:
@@ -68,7 +69,10 @@ def _not_implemented(error: BaseException | None) -> bool:
 def check_store_kvcache_kernel(kernel, *, seed: int = 0, engine: bool = True) -> None:
     """The learner's `@triton.jit` kernel, launched by `store_kvcache_triton` (grid (N,)), against the torch store;
     then the engine on the Triton backend with it."""
-    from nanoref.ops.store_kvcache_triton import store_kvcache_triton  # defines kernels: the interpreter switch
+    from nanoref.ops.store_kvcache_triton import (  # defines kernels: the interpreter switch
+        renamed_constexpr_problem,
+        store_kvcache_triton,
+    )
     from nanoref.ops.triton_setup import kernel_device
 
     if not hasattr(kernel, "__getitem__"):
@@ -76,6 +80,8 @@ def check_store_kvcache_kernel(kernel, *, seed: int = 0, engine: bool = True) ->
             f"store_kvcache_kernel should be a @triton.jit kernel, got {type(kernel).__name__}: "
             "put @triton.jit above it"
         )
+    if problem := renamed_constexpr_problem(kernel):  # written against an older notebook 03
+        raise ExerciseFailure(problem)
     generator = torch.Generator().manual_seed(seed)
     for dtype, (num_kv_heads, head_dim) in [
         (torch.float32, (2, 16)),
@@ -94,9 +100,7 @@ def check_store_kvcache_kernel(kernel, *, seed: int = 0, engine: bool = True) ->
                 raise NotImplementedError("store_kvcache_kernel: the kernel body is not written yet") from error
             raise ExerciseFailure(f"your kernel failed to run: {type(error).__name__}: {error}") from error
         store_kvcache_torch(key, value, want[0, 1:-1], want[1, 1:-1], slots)
-        case = (
-            f"{str(dtype).removeprefix('torch.')}, Hk={num_kv_heads}, head_dim={head_dim} (D={num_kv_heads * head_dim})"
-        )
+        case = f"{str(dtype).removeprefix('torch.')}, Hk={num_kv_heads}, D={head_dim} (ROW={num_kv_heads * head_dim})"
         for index, (name, source) in enumerate((("k_cache", key), ("v_cache", value))):
             if not torch.equal(got[index], want[index]):
                 raise ExerciseFailure(f"{case}: " + _describe(got[index], want[index], source, slots, name))

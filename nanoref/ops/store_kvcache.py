@@ -1,9 +1,8 @@
 """Writing each new token's K/V into its slot of the paged cache (torch reference).
 
-A cache layer is `(num_blocks, block_size, num_kv_heads, head_dim)`. Viewed as rows of
-`D = num_kv_heads * head_dim` values, slot `s = block_id * block_size + offset` is row `s`, so a token's
-K/V is one row copy. Slot -1 marks a token whose K/V must not be stored (padding in the static
-buffers that CUDA graphs replay).
+A cache layer is `(num_blocks, block_size, Hk, D)` (Hk = num_kv_heads, D = head_dim). Viewed as rows of
+`Hk * D` values, slot `s = block_id * block_size + offset` is row `s`, so a token's K/V is one row copy.
+Slot -1 marks a token whose K/V must not be stored (padding in the static buffers that CUDA graphs replay).
 """
 
 from __future__ import annotations
@@ -29,7 +28,7 @@ def check_kvcache_layout(
     if tuple(k_cache.shape[2:]) != (num_kv_heads, head_dim):
         raise ValueError(f"cache rows hold {tuple(k_cache.shape[2:])} but key rows are {(num_kv_heads, head_dim)}")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("k_cache and v_cache must be contiguous (one row of D values per slot)")
+        raise ValueError("k_cache and v_cache must be contiguous (one row of num_kv_heads * head_dim values per slot)")
     if slot_mapping.dim() != 1 or slot_mapping.numel() != num_tokens:
         raise ValueError(f"slot_mapping must hold one slot per token: {slot_mapping.numel()} for {num_tokens} tokens")
 
@@ -40,10 +39,10 @@ def store_kvcache_torch(
     """key, value: (N, Hk, D); caches: (num_blocks, block_size, Hk, D); slot_mapping: (N,), -1 = skip."""
     check_kvcache_layout(key, value, k_cache, v_cache, slot_mapping)
     row = key.shape[1] * key.shape[2]
-    k_rows = k_cache.view(-1, row)  # (num_blocks * block_size, D): slot s is row s
+    k_rows = k_cache.view(-1, row)  # (num_blocks * block_size, Hk * D): slot s is row s
     v_rows = v_cache.view(-1, row)
-    key_rows = key.reshape(-1, row).to(k_cache.dtype)  # (N, D)
-    value_rows = value.reshape(-1, row).to(v_cache.dtype)  # (N, D)
+    key_rows = key.reshape(-1, row).to(k_cache.dtype)  # (N, Hk * D)
+    value_rows = value.reshape(-1, row).to(v_cache.dtype)  # (N, Hk * D)
     keep = slot_mapping >= 0  # (N,)
     if key.is_cuda and torch.cuda.is_current_stream_capturing():
         # A boolean mask needs the host to learn how many tokens survive, which a CUDA graph cannot
@@ -58,6 +57,6 @@ def store_kvcache_torch(
         # masks (each its own nonzero) feeding an advanced-index assignment
         kept = keep.nonzero().squeeze(1)  # (n,): the tokens that are stored
         slots = slot_mapping.index_select(0, kept)  # (n,)
-        k_rows.index_copy_(0, slots, key_rows.index_select(0, kept))  # (n, D) -> rows `slots`
+        k_rows.index_copy_(0, slots, key_rows.index_select(0, kept))  # (n, Hk * D) -> rows `slots`
         v_rows.index_copy_(0, slots, value_rows.index_select(0, kept))
     trace("store_kvcache", key=key, slot_mapping=slot_mapping, k_cache=k_cache)

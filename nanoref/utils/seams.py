@@ -38,7 +38,8 @@ SEAMS: dict[str, str] = {
     "rms_norm": "layers/layernorm.py: rms_norm(x, weight, eps) -> normalised x",
     "add_rms_norm": "layers/layernorm.py: add_rms_norm(x, residual, weight, eps) -> (normalised sum, new residual)",
     # 03_triton_kv_store
-    "store_kvcache_kernel": "ops/store_kvcache_triton.py: the @triton.jit kernel storing token i's K/V row in its slot",
+    "store_kvcache_kernel": "ops/store_kvcache_triton.py: the @triton.jit kernel storing token i's K/V row in its slot "
+    "(launched with the constexprs ROW = Hk * D, one row's values, and BLOCK_ROW, its next power of two)",
     # 04_paged_decode_attention
     "paged_decode_attention": "layers/attention.py: decode attention over the paged cache -> (B, 1, H, D)",
     "merge_splits": "ops/attention_triton.py: merge_splits(partial, lse, out): split-KV's log-sum-exp merge into out",
