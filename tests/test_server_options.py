@@ -171,6 +171,18 @@ def test_completion_logprobs_equal_offline_generate(server, offline, stream):
             assert "".join(chunk_logprobs.tokens) == text
 
 
+def test_streamed_logprobs_behind_held_back_text_all_arrive(server, offline):
+    # " implicit" is held back token by token while it could still be the stop string: its logprobs wait too
+    params = dict(temperature=0, max_tokens=24, logprobs=1, stop=" implicit.\nSimple")
+    expected = generate(server, offline, [PROMPT], **params)[0]
+    choices, usage = complete(server, True, prompt=PROMPT, **params)
+    logprobs = choices[0]["logprobs"]
+    assert choices[0]["text"] == expected["text"] and expected["finish_reason"] == "stop"
+    assert logprobs["token_logprobs"] == [entry.logprob for entry in expected["logprobs"]]
+    assert len(logprobs["tokens"]) == usage.completion_tokens
+    assert any(chunk_logprobs and len(chunk_logprobs.tokens) > 1 for _, chunk_logprobs in choices[0]["chunks"])
+
+
 @STREAM
 def test_chat_logprobs_equal_offline_chat(server, offline, stream):
     server.wait_until_idle()

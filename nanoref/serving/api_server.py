@@ -9,7 +9,18 @@ it, in OpenAI's error body, before anything reaches the engine), the prompt is c
 (`AsyncLLM.generate` raises at once for an empty, too long or out-of-vocabulary prompt: a 400 too), then the
 outputs are either collected into one response or sent as server-sent events (`data: {...}\\n\\n` per piece, then
 `data: [DONE]`), as OpenAI's API and vLLM's server do. A client that goes away mid-stream cancels the response;
-closing its output stream aborts the request, so its KV blocks go back at the next step boundary.
+closing its output stream aborts the request, so its KV blocks go back at the next step boundary. A client that
+goes away while waiting for a whole response is noticed within a quarter second (`until_done_or_disconnected`),
+and its request is aborted the same way.
+
+n samples and several prompts: each prompt is one AsyncLLM request of n samples; choice k is sample k % n of
+prompt k // n (OpenAI's numbering), every chunk names its choice's index, and usage counts every prompt once and
+every sample's tokens.
+
+Logprobs in a stream: a piece of text is held back while it ends in half a character or in a possible start of a
+stop string, so a step's tokens and the text it lets out need not line up. Each token's logprobs go out with the
+first chunk sent at or after the step that made the token (a step whose text is all held back sends no chunk; its
+tokens' logprobs ride with the next one). The chunks' logprobs concatenate to the whole response's.
 """
 
 from __future__ import annotations
