@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 import torch
@@ -373,3 +374,70 @@ def assert_readable_failure(error: BaseException) -> None:
     (nbgrader keeps little more); values and the learner's source line come on the lines after."""
     first = str(error).splitlines()[0]
     assert len(first) <= 200, f"first line of {len(first)} characters: {first!r}"
+
+
+SERVER_TIMEOUT = 30.0  # every client call to a test server has one: a bug fails a test, never hangs it
+
+
+@dataclass
+class Server:
+    """A real nanoref server on 127.0.0.1 (see `running_server`), for OpenAI's own client."""
+
+    url: str
+    engine: object  # the AsyncLLM it serves
+
+    def client(self):
+        import openai
+
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", timeout=SERVER_TIMEOUT, max_retries=0)
+
+    def blocks_used(self) -> int:
+        return self.engine.stats().num_kv_blocks_used
+
+    def wait_until_idle(self, seconds: float = SERVER_TIMEOUT) -> None:
+        """Every request done and every KV block back, within a deadline."""
+        import time
+
+        deadline = time.monotonic() + seconds
+        while self.blocks_used() or not self.engine.llm.is_finished():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{self.blocks_used()} KV blocks still held after {seconds} s")
+            time.sleep(0.01)
+
+
+@contextmanager
+def running_server(engine, model_name: str):
+    """Serve `engine` (an AsyncLLM) on a free port of 127.0.0.1 in a thread, until the block ends (the engine is
+    closed then too)."""
+    import socket
+    import threading
+    import time
+
+    import httpx
+    import uvicorn
+
+    from nanoref.serving.api_server import build_app
+
+    sock = socket.create_server(("127.0.0.1", 0))  # a free port, held from now on: no race with another process
+    uv = uvicorn.Server(uvicorn.Config(build_app(engine, model_name), log_level="warning"))
+    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    try:
+        deadline = time.monotonic() + SERVER_TIMEOUT
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                raise AssertionError("the server never answered /health")
+            time.sleep(0.05)
+        yield Server(url, engine)
+    finally:
+        uv.should_exit = True
+        thread.join(SERVER_TIMEOUT)
+        engine.close()
+        sock.close()
+    assert not thread.is_alive(), "the server did not stop"

@@ -161,3 +161,52 @@ def test_a_step_that_raises_fails_the_requests_in_flight_and_the_next_is_served(
     engine.close()
     expected = llm.generate([PROMPTS[2]], GREEDY, use_tqdm=False)[0]
     assert after[-1].cumulative_text == expected["text"] and after[-1].finish_reason == "length"
+
+
+SAMPLED = SamplingParams(temperature=2.0, max_tokens=8, ignore_eos=True, seed=7, n=3, logprobs=2)
+
+
+def test_n_samples_stream_interleaved_with_their_index_and_equal_offline_generate(llm):
+    expected = llm.generate([PROMPTS[0]], SAMPLED, use_tqdm=False)[0]["outputs"]
+    engine = AsyncLLM(llm)
+    try:
+        outputs = run(collect(engine.generate(PROMPTS[0], SAMPLED, request_id="n3")))
+    finally:
+        engine.close()
+    assert sorted({out.index for out in outputs}) == [0, 1, 2]
+    assert sum(out.finished for out in outputs) == 3 and outputs[-1].finished, "ends after every sample's last"
+    for index, offline in enumerate(expected):
+        mine = [out for out in outputs if out.index == index]
+        assert [out.finished for out in mine] == [False] * (len(mine) - 1) + [True]
+        assert "".join(out.text for out in mine) == offline["text"]
+        assert [t for out in mine for t in out.token_ids] == offline["token_ids"]
+        assert [e for out in mine for e in out.logprobs] == offline["logprobs"]
+        assert mine[-1].finish_reason == "length" and mine[-1].metrics is not None
+    assert len({tuple(out["token_ids"]) for out in expected}) > 1, "the samples differ (seed + i each)"
+    assert_no_block_leaked(llm)
+
+
+@pytest.mark.parametrize("how", ["abort", "aclose"])
+def test_ending_an_n_request_aborts_every_sample(engine, llm, how, monkeypatch):
+    slow_steps(llm, monkeypatch)
+    params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True, n=3)
+
+    async def main():
+        stream = engine.generate("Beautiful is better than", params, request_id="n3")
+        seen = [await stream.__anext__()]
+        while len({out.index for out in seen}) < 3:  # every sample queued and running
+            seen.append(await stream.__anext__())
+        if how == "aclose":
+            await stream.aclose()
+            rest = []
+        else:
+            await engine.abort("n3")
+            rest = await collect(stream)
+        await until(lambda: engine.stats().num_kv_blocks_used == 0 and llm.is_finished(), "blocks freed", seconds=5)
+        return rest
+
+    rest = run(main())
+    if how == "abort":
+        last = {out.index: out for out in rest if out.finished}
+        assert sorted(last) == [0, 1, 2] and {out.finish_reason for out in last.values()} == {"abort"}
+    assert_no_block_leaked(llm)

@@ -5,10 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import socket
-import threading
 import time
-from dataclasses import dataclass
 
 import pytest
 
@@ -18,61 +15,20 @@ uvicorn = pytest.importorskip("uvicorn")
 parser = pytest.importorskip("prometheus_client.parser")
 
 from nanoref import LLM, SamplingParams  # noqa: E402
-from nanoref.serving.api_server import build_app  # noqa: E402
 from nanoref.serving.async_llm import AsyncLLM  # noqa: E402
 
-from .helpers import assert_no_block_leaked  # noqa: E402
+from .helpers import SERVER_TIMEOUT as TIMEOUT  # noqa: E402
+from .helpers import Server, assert_no_block_leaked, running_server  # noqa: E402
 
 MODEL = "nanoref-test"
 SETTINGS = dict(device="cpu", num_kvcache_blocks=256)  # the built-in model, in both the server and offline
-TIMEOUT = 30.0  # every client call has one: a bug fails a test, never hangs it
 MESSAGES = [{"role": "system", "content": "Answer in Zen."}, {"role": "user", "content": "What is better?"}]
-
-
-@dataclass
-class Server:
-    url: str
-    engine: AsyncLLM
-
-    def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="none", timeout=TIMEOUT, max_retries=0)
-
-    def blocks_used(self) -> int:
-        return self.engine.stats().num_kv_blocks_used
-
-    def wait_until_idle(self, seconds: float = TIMEOUT) -> None:
-        """Every request done and every KV block back, within a deadline."""
-        deadline = time.monotonic() + seconds
-        while self.blocks_used() or not self.engine.llm.is_finished():
-            if time.monotonic() > deadline:
-                raise AssertionError(f"{self.blocks_used()} KV blocks still held after {seconds} s")
-            time.sleep(0.01)
 
 
 @pytest.fixture(scope="module")
 def server():
-    engine = AsyncLLM(LLM(**SETTINGS), owns_llm=True)
-    sock = socket.create_server(("127.0.0.1", 0))  # a free port, held from now on: no race with another process
-    uv = uvicorn.Server(uvicorn.Config(build_app(engine, MODEL), log_level="warning"))
-    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    deadline = time.monotonic() + TIMEOUT
-    while True:
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                break
-        except httpx.TransportError:
-            pass
-        if time.monotonic() > deadline:
-            raise AssertionError("the server never answered /health")
-        time.sleep(0.05)
-    yield Server(url, engine)
-    uv.should_exit = True
-    thread.join(TIMEOUT)
-    engine.close()
-    sock.close()
-    assert not thread.is_alive(), "the server did not stop"
+    with running_server(AsyncLLM(LLM(**SETTINGS), owns_llm=True), MODEL) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")

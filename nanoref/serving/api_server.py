@@ -9,17 +9,31 @@ it, in OpenAI's error body, before anything reaches the engine), the prompt is c
 (`AsyncLLM.generate` raises at once for an empty, too long or out-of-vocabulary prompt: a 400 too), then the
 outputs are either collected into one response or sent as server-sent events (`data: {...}\\n\\n` per piece, then
 `data: [DONE]`), as OpenAI's API and vLLM's server do. A client that goes away mid-stream cancels the response;
-closing its output stream aborts the request, so its KV blocks go back at the next step boundary.
+closing its output stream aborts the request, so its KV blocks go back at the next step boundary. A client that
+goes away while waiting for a whole response is noticed within a quarter second (`until_done_or_disconnected`),
+and its request is aborted the same way.
+
+n samples and several prompts: each prompt is one AsyncLLM request of n samples; choice k is sample k % n of
+prompt k // n (OpenAI's numbering), every chunk names its choice's index, and usage counts every prompt once and
+every sample's tokens.
+
+Logprobs in a stream: a piece of text is held back while it ends in half a character or in a possible start of a
+stop string, so a step's tokens and the text it lets out need not line up. Each token's logprobs go out with the
+first chunk sent at or after the step that made the token (a step whose text is all held back sends no chunk; its
+tokens' logprobs ride with the next one). The chunks' logprobs concatenate to the whole response's.
 """
 
 from __future__ import annotations
 
+import asyncio
+import codecs
 import json
+import re
 import time
 import uuid
-from collections.abc import AsyncIterator
-from contextlib import aclosing
-from dataclasses import fields
+from collections.abc import AsyncIterator, Coroutine
+from contextlib import aclosing, suppress
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -28,6 +42,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from nanoref.engine.chat import chat_prompt
+from nanoref.engine.detokenizer import REPLACEMENT_CHAR
+from nanoref.layers.logits_processors import TokenLogprobs
 from nanoref.sampling_params import SamplingParams
 from nanoref.serving.async_llm import AsyncLLM, RequestOutput
 
@@ -61,9 +77,187 @@ class BadRequest(Exception):
         self.message, self.param = message, param
 
 
+class RequestAborted(Exception):
+    """The engine ended a request before it finished (AsyncLLM.abort, or the engine shutting down): the client
+    gets an error (HTTP 503, or an error event in a stream), never a choice that looks finished."""
+
+
+ERROR_TYPES = {400: "BadRequestError", 503: "ServiceUnavailableError"}
+
+
 def error_body(message: str, param: str | None, status: int) -> dict:
-    kind = "BadRequestError" if status == 400 else "InternalServerError"
+    kind = ERROR_TYPES.get(status, "InternalServerError")
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+def prompt_batch(prompt: object) -> list[str | list[int]]:
+    """The request's prompt field as a list of prompts: a string, a list of token ids, or a list of those (a batch:
+    OpenAI's API takes several prompts in one request)."""
+
+    def one(value: object) -> bool:
+        return isinstance(value, str) or (isinstance(value, list) and all(type(t) is int for t in value))
+
+    if isinstance(prompt, list) and prompt and not all(type(t) is int for t in prompt):
+        if all(isinstance(p, (str, list)) and one(p) for p in prompt):
+            return prompt
+    elif one(prompt):
+        return [prompt]
+    raise BadRequest(
+        "prompt must be a string, a list of integer token ids, or a non-empty list of those (a batch)", "prompt"
+    )
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet (Qwen's too): vocabulary character -> the byte it stands for. Printable
+    bytes stand for themselves; the others were shifted to code points 256 and up."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    chars, shifted = dict(zip(printable, printable)), 256
+    for byte in range(256):
+        if byte not in chars:
+            chars[byte], shifted = shifted, shifted + 1
+    return {chr(char): byte for byte, char in chars.items()}
+
+
+_BYTE_LEVEL = _byte_level_alphabet()
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte tokens
+
+
+class TokenTexts:
+    """A token id's text and UTF-8 bytes in logprobs: the tokenizer's decode of that one id, as vLLM reports it.
+
+    A byte-level token can hold part of a character (an emoji's first two bytes); decoding it alone gives U+FFFD
+    in its place. Such a token is written as OpenAI's API writes it, "bytes:" and its bytes escaped
+    ("bytes:\\xf0\\x9f"), with its real bytes in `bytes`: the bytes of a character's tokens then concatenate to the
+    character, and two half tokens never look alike (as two U+FFFD would). Cached: a vocabulary is finite."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._cache: dict[int, tuple[str, list[int]]] = {}
+
+    def __call__(self, token_id: int) -> tuple[str, list[int]]:
+        known = self._cache.get(token_id)
+        if known is None:
+            known = self._cache[token_id] = self._text(token_id)
+        return known
+
+    def _text(self, token_id: int) -> tuple[str, list[int]]:
+        text = self.tokenizer.decode([token_id], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        raw = self._raw_bytes(token_id) if REPLACEMENT_CHAR in text else None
+        if raw is None:
+            return text, list(text.encode("utf-8"))
+        return "bytes:" + "".join(f"\\x{byte:02x}" for byte in raw), list(raw)
+
+    def _raw_bytes(self, token_id: int) -> bytes | None:
+        """The bytes a byte-level (or byte-fallback) token stands for; None for any other token."""
+        piece = self.tokenizer.convert_ids_to_tokens(token_id)
+        if not isinstance(piece, str) or not piece:
+            return None
+        match = _BYTE_FALLBACK.fullmatch(piece)
+        if match:
+            return bytes([int(match.group(1), 16)])
+        if all(char in _BYTE_LEVEL for char in piece):
+            return bytes(_BYTE_LEVEL[char] for char in piece)
+        return None
+
+
+def _logprob(value: float) -> float:
+    return max(value, -9999.0)  # OpenAI's floor for "very unlikely" (-inf is not JSON)
+
+
+def chat_logprob(token_text: TokenTexts, entry: TokenLogprobs) -> dict:
+    """One token in chat's format: its text, logprob, bytes and the top-N alternatives, most likely first."""
+    text, raw = token_text(entry.token_id)
+    top = []
+    for token_id, logprob in entry.top.items():
+        top_text, top_raw = token_text(token_id)
+        top.append({"token": top_text, "logprob": _logprob(logprob), "bytes": top_raw})
+    return {"token": text, "logprob": _logprob(entry.logprob), "bytes": raw, "top_logprobs": top}
+
+
+def completion_logprobs(token_text: TokenTexts, entries: list[TokenLogprobs], choice: Choice) -> dict:
+    """Tokens in completions' format. text_offset: where in the choice's text each token starts, counted on its
+    bytes (a token that ends half-way through a character has it start with the next one)."""
+    tokens, values, tops, offsets = [], [], [], []
+    for entry in entries:
+        text, raw = token_text(entry.token_id)
+        offsets.append(choice.num_chars)
+        choice.num_chars += len(choice.decoder.decode(bytes(raw)))
+        tokens.append(text)
+        values.append(_logprob(entry.logprob))
+        tops.append({token_text(token_id)[0]: _logprob(logprob) for token_id, logprob in entry.top.items()})
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+
+@dataclass
+class Choice:
+    """One choice of a response as it is built from its sample's outputs."""
+
+    index: int
+    text: str = ""
+    num_prompt_tokens: int = 0
+    num_tokens: int = 0
+    num_logprobs: int | None = None  # the request's logprobs count (None: none asked for)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # not sent yet
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    num_chars: int = 0  # text_offset of the next token
+    decoder: codecs.IncrementalDecoder = field(default_factory=lambda: codecs.getincrementaldecoder("utf-8")("replace"))
+
+    def take(self, out: RequestOutput) -> None:
+        self.text, self.num_prompt_tokens = out.cumulative_text, out.num_prompt_tokens
+        self.num_tokens = len(out.cumulative_token_ids)
+        self.logprobs.extend(out.logprobs)
+        self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
+
+
+async def merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """The outputs of several requests as they come -> (which stream, output). Closing this closes every stream
+    (each aborts its request); a stream that raises ends the merge with its error."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async with aclosing(stream):
+                async for out in stream:
+                    queue.put_nowait((i, out))
+            queue.put_nowait((i, None))
+        except Exception as error:
+            queue.put_nowait((i, error))
+
+    tasks = [asyncio.ensure_future(pump(i, stream)) for i, stream in enumerate(streams)]
+    try:
+        running = len(tasks)
+        while running:
+            i, item = await queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, Exception):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for task in tasks:
+            task.cancel()  # (a stream that is done ignores it; the others close, which aborts their requests)
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def until_done_or_disconnected(request: Request, work: Coroutine, poll: float = 0.25) -> bool:
+    """Run `work` while checking every `poll` seconds that the client is still connected -> True when it ended;
+    False when the client went away first (then `work` is cancelled, which aborts its requests)."""
+    task = asyncio.ensure_future(work)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=poll)
+            if done:
+                task.result()  # (raises what it raised)
+                return True
+            if await request.is_disconnected():
+                return False
+    finally:
+        if not task.done():
+            task.cancel()
+            with suppress(asyncio.CancelledError):
+                await task
 
 
 def sampling_params(body: dict, mapping: dict[str, str]) -> SamplingParams:
@@ -98,15 +292,6 @@ def chat_sampling_params(body: dict) -> SamplingParams:
         body["logprobs"] = 0 if top is None else top
         return sampling_params(body, {**CHAT_FIELDS, "logprobs": "logprobs"})
     return sampling_params(body, CHAT_FIELDS)
-
-
-def usage(out: RequestOutput) -> dict:
-    completion = len(out.cumulative_token_ids)
-    return {
-        "prompt_tokens": out.num_prompt_tokens,
-        "completion_tokens": completion,
-        "total_tokens": out.num_prompt_tokens + completion,
-    }
 
 
 class EngineCollector:
@@ -195,6 +380,10 @@ def build_app(engine: AsyncLLM, served_model_name: str) -> FastAPI:
     async def bad_request(_: Request, error: BadRequest) -> JSONResponse:
         return JSONResponse(error_body(error.message, error.param, 400), status_code=400)
 
+    @app.exception_handler(RequestAborted)
+    async def aborted(_: Request, error: RequestAborted) -> JSONResponse:
+        return JSONResponse(error_body(str(error), None, 503), status_code=503)
+
     @app.exception_handler(Exception)
     async def internal_error(_: Request, error: Exception) -> JSONResponse:
         return JSONResponse(error_body(f"{type(error).__name__}: {error}", None, 500), status_code=500)
@@ -215,46 +404,85 @@ def build_app(engine: AsyncLLM, served_model_name: str) -> FastAPI:
                 raise BadRequest(f"{name} must be {'true or false' if expected is bool else 'an object'}", name)
         return body
 
-    def start(prompt: str | list[int], params: SamplingParams, param: str) -> AsyncIterator[RequestOutput]:
-        try:  # the engine's checks of the prompt (empty, too long, outside the vocabulary) and of the KV budget
-            return engine.generate(prompt, params)
-        except (ValueError, TypeError) as error:
-            raise BadRequest(str(error), "max_tokens" if "max_tokens" in str(error) else param) from None
+    token_text = TokenTexts(tokenizer)
 
-    async def respond(body: dict, outputs: AsyncIterator[RequestOutput], chat: bool) -> Response:
-        """Collect the outputs into one response, or stream them as server-sent events."""
-        request_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    def start(
+        prompt: str | list[int], params: SamplingParams, param: str, request_id: str, where: str = ""
+    ) -> AsyncIterator[RequestOutput]:
+        try:  # the engine's checks of the prompt (empty, too long, outside the vocabulary) and of the KV budget
+            return engine.generate(prompt, params, request_id)
+        except (ValueError, TypeError) as error:
+            raise BadRequest(where + str(error), "max_tokens" if "max_tokens" in str(error) else param) from None
+
+    async def respond(
+        request: Request,
+        body: dict,
+        params: SamplingParams,
+        streams: list[AsyncIterator[RequestOutput]],
+        request_id: str,
+        chat: bool,
+    ) -> Response:
+        """Collect the outputs of the request's prompts into one response, or stream them as server-sent events.
+        Choice k is sample k % n of prompt k // n, as in OpenAI's API."""
+        n = params.n
         head = {
             "id": request_id,
             "object": "chat.completion.chunk" if chat else "text_completion",
             "created": int(time.time()),
             "model": served_model_name,
         }
+        choices = [Choice(index, num_logprobs=params.logprobs) for index in range(len(streams) * n)]
+        seen_prompts: set[int] = set()
 
-        def choice(out: RequestOutput, text: str) -> dict:
-            reason = out.finish_reason if out.finished else None
+        def take(prompt: int, out: RequestOutput) -> Choice:
+            """Book one output on its choice (and in the metrics) -> that choice."""
+            metrics.observe(out, prompt not in seen_prompts)
+            seen_prompts.add(prompt)
+            if out.finished and out.finish_reason == "abort":  # never shown to a client as if it had finished
+                raise RequestAborted(f"request {request_id} was aborted before it finished")
+            choice = choices[prompt * n + out.index]
+            choice.take(out)
+            return choice
+
+        def logprobs(choice: Choice) -> dict | None:
+            """The logprobs of the choice's tokens not yet sent, in the endpoint's format (then they are sent)."""
+            if choice.num_logprobs is None:
+                return None
+            entries, choice.logprobs = choice.logprobs, []
             if chat:
-                delta = {"content": text} if text else {}
-                return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
-            return {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+                return {"content": [chat_logprob(token_text, entry) for entry in entries]}
+            return completion_logprobs(token_text, entries, choice)
+
+        def usage() -> dict:
+            prompt = sum(choice.num_prompt_tokens for choice in choices[::n])
+            completion = sum(choice.num_tokens for choice in choices)
+            return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
         if not body.get("stream"):
-            async with aclosing(outputs):
-                first = True
-                async for out in outputs:
-                    metrics.observe(out, first)
-                    first = False
-            if chat:
-                message = {"role": "assistant", "content": out.cumulative_text}
-                choices = [{"index": 0, "message": message, "logprobs": None, "finish_reason": out.finish_reason}]
-            else:
-                choices = [choice(out, out.cumulative_text)]
+            merged = merge(streams)
+
+            async def collect() -> None:
+                async with aclosing(merged):
+                    async for prompt, out in merged:
+                        take(prompt, out)
+
+            if not await until_done_or_disconnected(request, collect()):
+                return Response(status_code=499)  # nobody reads it; the request is aborted
+            result = []
+            for choice in choices:
+                ending = {"logprobs": logprobs(choice), "finish_reason": choice.finish_reason}
+                ending["stop_reason"] = choice.stop_reason
+                if chat:
+                    message = {"role": "assistant", "content": choice.text}
+                    result.append({"index": choice.index, "message": message, **ending})
+                else:
+                    result.append({"index": choice.index, "text": choice.text, **ending})
             return JSONResponse(
                 {
                     **head,
                     "object": "chat.completion" if chat else "text_completion",
-                    "choices": choices,
-                    "usage": usage(out),
+                    "choices": result,
+                    "usage": usage(),
                 }
             )
 
@@ -263,37 +491,47 @@ def build_app(engine: AsyncLLM, served_model_name: str) -> FastAPI:
         def event(payload: dict) -> str:
             return f"data: {json.dumps(payload)}\n\n"
 
+        def chunk(choice: Choice, text: str, finished: bool) -> dict:
+            ending = {"finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason} if finished else {}
+            if chat:
+                delta = {"content": text} if text else {}
+                body = {"index": choice.index, "delta": delta, "logprobs": logprobs(choice)}
+            else:
+                body = {"index": choice.index, "text": text, "logprobs": logprobs(choice)}
+            return {**head, "choices": [{**body, "finish_reason": None, **ending}]}
+
         async def events() -> AsyncIterator[str]:
-            async with aclosing(outputs):
-                if chat:  # OpenAI's first chat chunk opens the assistant's message
-                    yield event(
-                        {
-                            **head,
-                            "choices": [
-                                {
-                                    "index": 0,
-                                    "delta": {"role": "assistant", "content": ""},
-                                    "logprobs": None,
-                                    "finish_reason": None,
-                                }
-                            ],
-                        }
-                    )
-                first, finished = True, False
+            merged = merge(streams)
+            async with aclosing(merged):
+                if chat:  # OpenAI's first chat chunk of each choice opens the assistant's message
+                    for choice in choices:
+                        opening = {"role": "assistant", "content": ""}
+                        yield event(
+                            {
+                                **head,
+                                "choices": [
+                                    {"index": choice.index, "delta": opening, "logprobs": None, "finish_reason": None}
+                                ],
+                            }
+                        )
+                finished = False
                 try:
-                    async for out in outputs:
-                        metrics.observe(out, first)
-                        first, finished = False, out.finished
-                        if out.text or out.finished:  # (no empty pieces while a character is half made)
-                            yield event({**head, "choices": [choice(out, out.text)]})
-                except Exception as error:  # the step serving it failed: the stream says so, then ends
-                    yield event(error_body(f"{type(error).__name__}: {error}", None, 500))
+                    async for prompt, out in merged:
+                        choice = take(prompt, out)
+                        # a piece while text is held back (half a character, a possible stop string) carries
+                        # nothing to show: its tokens' logprobs wait and go with the next chunk that is sent
+                        if out.text or out.finished:
+                            yield event(chunk(choice, out.text, out.finished))
+                    finished = True
+                except Exception as error:  # the step serving it failed or it was aborted: say so, then end
+                    status = 503 if isinstance(error, RequestAborted) else 500
+                    yield event(error_body(f"{type(error).__name__}: {error}", None, status))
                     finished = True
                 else:
                     if include_usage:
-                        yield event({**head, "choices": [], "usage": usage(out)})
+                        yield event({**head, "choices": [], "usage": usage()})
                 finally:
-                    if not finished:  # the client went away: closing `outputs` aborts the request
+                    if not finished:  # the client went away: closing `merged` aborts the request
                         metrics.requests.labels(finish_reason="abort").inc()
             yield "data: [DONE]\n\n"
 
@@ -302,15 +540,14 @@ def build_app(engine: AsyncLLM, served_model_name: str) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         body = await read_body(request)
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]  # a batch of one
-        if not isinstance(prompt, str) and not (isinstance(prompt, list) and all(type(t) is int for t in prompt)):
-            raise BadRequest(
-                "prompt must be a string or a list of integer token ids (one prompt per request)", "prompt"
-            )
+        prompts = prompt_batch(body.get("prompt"))
         params = sampling_params(body, COMPLETION_FIELDS)
-        return await respond(body, start(prompt, params, "prompt"), chat=False)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        streams = []
+        for i, prompt in enumerate(prompts):  # every prompt checked before any is queued (at the first output)
+            where = f"prompt {i}: " if len(prompts) > 1 else ""
+            streams.append(start(prompt, params, "prompt", f"{request_id}-{i}", where))
+        return await respond(request, body, params, streams, request_id, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -320,7 +557,9 @@ def build_app(engine: AsyncLLM, served_model_name: str) -> FastAPI:
         except (ValueError, TypeError) as error:
             raise BadRequest(str(error), "messages") from None
         params = chat_sampling_params(body)
-        return await respond(body, start(prompt, params, "messages"), chat=True)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        streams = [start(prompt, params, "messages", request_id)]
+        return await respond(request, body, params, streams, request_id, chat=True)
 
     @app.get("/v1/models")
     async def models() -> dict:

@@ -12,6 +12,8 @@ A request's life online:
         print(piece.text, end="")                             # 3. a piece after each engine step that made one
     # 4. the last piece has finished=True, finish_reason and metrics; closing early (break, a cancelled task)
     #    aborts the request: its blocks go back at the next step boundary
+    # (with n > 1, the pieces of its n samples come interleaved, each with its sample's `index`, and the
+    #  iteration ends after every sample's last piece)
 
 Why one background thread: a step is blocking CPU/GPU work (a forward pass) that would freeze the event loop and
 every other client with it. So one thread owns the engine's loop: it takes new requests and aborts from a
@@ -32,16 +34,20 @@ from pathlib import Path
 
 from nanoref.engine.metrics import RequestMetrics
 from nanoref.engine.sequence import Sequence
+from nanoref.layers.logits_processors import TokenLogprobs
 from nanoref.llm import DEFAULT_MODEL, LLM
 from nanoref.sampling_params import SamplingParams
 
 
 @dataclass
 class RequestOutput:
-    """What one request made since its previous output (the delta), and everything it made so far."""
+    """What one sample of a request made since its previous output (the delta), and everything it made so far.
+
+    A request with n > 1 streams its samples' outputs interleaved, each with its `index`; `finished` is that
+    sample's, and the request is done when each of its n samples has sent a finished output."""
 
     request_id: str
-    text: str  # new text since the previous output ("" while a character is still half made)
+    text: str  # new text since the previous output ("" while a character or a possible stop string is held back)
     token_ids: list[int]  # new token ids since the previous output
     cumulative_text: str
     cumulative_token_ids: list[int]
@@ -49,6 +55,11 @@ class RequestOutput:
     finished: bool = False
     finish_reason: str | None = None  # "stop", "length" or "abort" on the last output
     metrics: RequestMetrics | None = None  # on the last output of a request that was served (not aborted)
+    index: int = 0  # which of the request's n samples
+    # the stop string or stop_token_ids entry that ended it ("stop"); None for EOS, length and abort
+    stop_reason: int | str | None = None
+    # one entry per token of `token_ids` where SamplingParams.logprobs asked for them, else empty
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
 @dataclass
@@ -69,14 +80,20 @@ class EngineStats:
         )
 
 
+@dataclass(eq=False)  # compared by identity: two samples are never the same one
+class _Sample:
+    seq: Sequence
+    num_sent_tokens: int = 0  # what earlier outputs delivered
+    num_sent_chars: int = 0
+    done: bool = False  # its finished output is sent
+
+
 @dataclass(eq=False)  # compared by identity: two requests are never the same one
 class _Request:
     request_id: str
-    seq: Sequence
+    samples: list[_Sample]  # its n samples, sample i at index i
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    num_sent_tokens: int = 0  # what earlier outputs delivered
-    num_sent_chars: int = 0
 
 
 _STOP = object()  # the inbox's last item: the engine thread ends
@@ -116,22 +133,25 @@ class AsyncLLM:
     def generate(
         self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None
     ) -> AsyncIterator[RequestOutput]:
-        """Outputs of one request as it is served. A bad request (ValueError/TypeError) raises here, before
-        anything is queued; the request is queued when the first output is awaited, and a duplicate request_id
-        raises ValueError there. Leaving the iteration early (break, aclose, cancellation) aborts the request."""
+        """Outputs of one request as it is served, those of its `params.n` samples interleaved (each output names
+        its sample's `index`); the iteration ends once every sample has sent its finished output. A bad request
+        (ValueError/TypeError) raises here, before anything is queued; the request is queued when the first output
+        is awaited, and a duplicate request_id raises ValueError there. Leaving the iteration early (break,
+        aclose, cancellation) aborts every sample of the request."""
         if self._closed:
             raise RuntimeError("this AsyncLLM is closed")
-        seq = self.llm.make_sequence(prompt, SamplingParams() if params is None else params, request_id, stream=True)
-        return self._stream(seq, request_id or f"req-{uuid.uuid4().hex}")
+        seqs = self.llm.make_samples(prompt, SamplingParams() if params is None else params, request_id, stream=True)
+        return self._stream(seqs, request_id or f"req-{uuid.uuid4().hex}")
 
-    async def _stream(self, seq: Sequence, request_id: str) -> AsyncIterator[RequestOutput]:
-        request = _Request(request_id, seq, asyncio.get_running_loop())
+    async def _stream(self, seqs: list[Sequence], request_id: str) -> AsyncIterator[RequestOutput]:
+        request = _Request(request_id, [_Sample(seq) for seq in seqs], asyncio.get_running_loop())
         if self._closed:  # (no engine thread would ever answer)
             raise RuntimeError("this AsyncLLM is closed")
         with self._requests_lock:
             if request_id in self._requests:
                 raise ValueError(f"request id {request_id!r} is already in flight: give each request its own id")
             self._requests[request_id] = request
+        unfinished = len(seqs)  # samples whose finished output has not arrived yet
         finished = False
         try:
             self._inbox.put(("add", request))
@@ -140,7 +160,8 @@ class AsyncLLM:
                 if isinstance(item, BaseException):  # the step serving it failed (the engine was cleaned)
                     finished = True
                     raise item
-                finished = item.finished
+                unfinished -= item.finished
+                finished = not unfinished
                 yield item
         finally:
             with self._requests_lock:
@@ -149,8 +170,8 @@ class AsyncLLM:
                 self._inbox.put(("abort", request))
 
     async def abort(self, request_id: str) -> None:
-        """End a request in flight: its consumer gets a last output with finish_reason "abort". An unknown or
-        finished id is ignored (it may have just finished)."""
+        """End a request in flight: each of its unfinished samples ends with a last output whose finish_reason is
+        "abort". An unknown or finished id is ignored (it may have just finished)."""
         with self._requests_lock:
             request = self._requests.get(request_id)
         if request is not None:
@@ -205,13 +226,13 @@ class AsyncLLM:
                         continue
                     kind, request = command
                     if kind == "add":
-                        self.llm.enqueue(request.seq)
+                        self.llm.enqueue_samples([sample.seq for sample in request.samples])
                         active.append(request)
                     elif request in active:  # (an abort of a request that already finished changes nothing)
-                        self.llm.abort_request(request.seq)
+                        self._abort(request)
                 if stopping:  # every request still in flight ends with "abort"
                     for request in active:
-                        self.llm.abort_request(request.seq)
+                        self._abort(request)
                     self._deliver(active)
                     return
                 if not self.llm.is_finished():
@@ -226,36 +247,49 @@ class AsyncLLM:
                 continue
             active = self._deliver(active)
 
+    def _abort(self, request: _Request) -> None:
+        # the last sample first: samples 1..n-1 may still be held for sample 0's prompt (LLMEngine.enqueue_samples),
+        # and aborting sample 0 first would queue them only to abort them next
+        for sample in reversed(request.samples):
+            self.llm.abort_request(sample.seq)
+
     def _deliver(self, active: list[_Request]) -> list[_Request]:
-        """Send each request what it made since its last output -> the requests still unfinished."""
+        """Send each sample of each request what it made since its last output -> the requests still unfinished."""
         unfinished = []
         for request in active:
-            seq = request.seq
-            tokens = seq.completion_token_ids
-            if len(tokens) == request.num_sent_tokens and not seq.is_finished:
-                unfinished.append(request)
-                continue
-            text = seq.detokenizer.text  # complete characters only (the final text once finished)
-            metrics = self.llm.metrics.requests.pop(seq.seq_id, None) if seq.is_finished else None
-            if metrics is not None:
-                self._queried_tokens += metrics.num_prompt_tokens
-                self._hit_tokens += metrics.num_cached_tokens
-            output = RequestOutput(
-                request_id=request.request_id,
-                text=text[request.num_sent_chars :],
-                token_ids=tokens[request.num_sent_tokens :],
-                cumulative_text=text,
-                cumulative_token_ids=tokens,
-                num_prompt_tokens=seq.num_prompt_tokens,
-                finished=seq.is_finished,
-                finish_reason=seq.finish_reason,
-                metrics=metrics,
-            )
-            request.num_sent_tokens, request.num_sent_chars = len(tokens), len(text)
-            self._send(request, output)
-            if not seq.is_finished:
+            for sample in request.samples:
+                if not sample.done:
+                    self._deliver_sample(request, sample)
+            if not all(sample.done for sample in request.samples):
                 unfinished.append(request)
         return unfinished
+
+    def _deliver_sample(self, request: _Request, sample: _Sample) -> None:
+        seq = sample.seq
+        tokens = seq.completion_token_ids
+        if len(tokens) == sample.num_sent_tokens and not seq.is_finished:
+            return
+        text = seq.detokenizer.text  # complete characters only (the final text once finished)
+        metrics = self.llm.metrics.requests.pop(seq.seq_id, None) if seq.is_finished else None
+        if metrics is not None:
+            self._queried_tokens += metrics.num_prompt_tokens
+            self._hit_tokens += metrics.num_cached_tokens
+        output = RequestOutput(
+            request_id=request.request_id,
+            text=text[sample.num_sent_chars :],
+            token_ids=tokens[sample.num_sent_tokens :],
+            cumulative_text=text,
+            cumulative_token_ids=tokens,
+            num_prompt_tokens=seq.num_prompt_tokens,
+            finished=seq.is_finished,
+            finish_reason=seq.finish_reason,
+            metrics=metrics,
+            index=seq.index,
+            stop_reason=seq.stop_reason,
+            logprobs=seq.logprobs[sample.num_sent_tokens : len(tokens)],
+        )
+        sample.num_sent_tokens, sample.num_sent_chars, sample.done = len(tokens), len(text), seq.is_finished
+        self._send(request, output)
 
     @staticmethod
     def _send(request: _Request, item: RequestOutput | BaseException) -> None:
