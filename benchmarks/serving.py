@@ -165,7 +165,7 @@ OFFLINE = """
 import json, sys, time
 import torch
 from nanoref import LLM, SamplingParams
-spec = json.loads(sys.argv[1])
+spec = json.loads(open(sys.argv[1]).read())
 llm = LLM(spec["folder"], **spec["settings"])
 params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=spec["output_len"])
 # warm-up on other prompts of the same shapes (the server has served every earlier rate by its saturation run)
@@ -181,9 +181,11 @@ print("RESULT " + json.dumps(dict(wall_s=wall, output_tokens=tokens, tok_per_s=t
 
 def run_offline(folder: Path, settings: dict, prompts: list, warmup: list, output_len: int) -> dict:
     spec = dict(folder=str(folder), settings=settings, prompts=prompts, warmup_prompts=warmup, output_len=output_len)
-    spec = json.dumps(spec)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    proc = subprocess.run([sys.executable, "-c", OFFLINE, spec], env=env, capture_output=True, text=True)
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as file:  # (too long for a command line)
+        json.dump(spec, file)
+        file.flush()
+        proc = subprocess.run([sys.executable, "-c", OFFLINE, file.name], env=env, capture_output=True, text=True)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode or not lines:
         raise RuntimeError(f"the offline run failed:\n{proc.stderr[-3000:]}")
@@ -263,6 +265,7 @@ def main() -> None:
     parser.add_argument("--out-dir", type=Path, default=None)
     parser.add_argument("--name", default="serving")
     parser.add_argument("--no-offline", action="store_true", help="skip the offline comparison")
+    parser.add_argument("--server-flags", default="", help="more flags for python -m nanoref.serve, e.g. '--x=1'")
     parser.add_argument("--plot", nargs=2, type=Path, metavar=("JSON", "PNG"))
     args = parser.parse_args()
     if args.plot:
@@ -271,7 +274,7 @@ def main() -> None:
     settings = {"device": args.device}
     if args.max_num_seqs:
         settings["max_num_seqs"] = args.max_num_seqs
-    flags = [f"--{key.replace('_', '-')}={value}" for key, value in settings.items()]
+    flags = [f"--{key.replace('_', '-')}={value}" for key, value in settings.items()] + args.server_flags.split()
     port = free_port()
     server = start_server(folder, port, flags)
     try:
@@ -291,7 +294,8 @@ def main() -> None:
         server.terminate()
         server.wait(timeout=60)
     summary = dict(
-        machine=machine(), model=args.model, settings=settings, num_requests=args.num_requests,
+        machine=machine(), model=args.model, settings=settings, server_flags=args.server_flags,
+        num_requests=args.num_requests,
         input_len=args.input_len, output_len=args.output_len, rates=rows,
     )  # fmt: skip
     if not args.no_offline:

@@ -28,6 +28,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="the model's name in the API (default: MODEL as given; nanoref/default_model for the built-in one)",
     )
+    parser.add_argument(
+        "--switch-interval",
+        type=float,
+        default=0.001,
+        help="seconds a Python thread may hold the GIL while another waits (default 0.001; the interpreter's own "
+        "is 0.005): the engine thread's host work between forwards must not wait that long for the event loop",
+    )
     engine = parser.add_argument_group("engine")
     engine.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     engine.add_argument("--dtype", default=None, help="float32, float16 or bfloat16 (default: per device)")
@@ -42,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Exit status: 0 after a clean stop (Ctrl-C), 2 bad input (arguments, model folder, an address in use)."""
     args = build_parser().parse_args(argv)
+    if not 0 < args.switch_interval <= 1:
+        print(f"error: --switch-interval must be in (0, 1] seconds, got {args.switch_interval}", file=sys.stderr)
+        return 2
     try:
         import uvicorn
 
@@ -74,6 +84,10 @@ def main(argv: list[str] | None = None) -> int:
     host, port = sock.getsockname()[:2]
     print(f"nanoref serves {name!r} on http://{host}:{port}/v1 (Ctrl-C stops it)", flush=True)
     server = uvicorn.Server(uvicorn.Config(build_app(engine, name), log_level="warning"))
+    # This process is the server's own: two threads share its GIL, the event loop streaming responses and the
+    # engine thread stepping. A thread that wants the GIL waits up to the switch interval for the other to let go,
+    # and the engine thread wants it back after every wait for the device.
+    sys.setswitchinterval(args.switch_interval)
     try:
         server.run(sockets=[sock])
     finally:

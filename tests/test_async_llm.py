@@ -210,3 +210,42 @@ def test_ending_an_n_request_aborts_every_sample(engine, llm, how, monkeypatch):
         last = {out.index: out for out in rest if out.finished}
         assert sorted(last) == [0, 1, 2] and {out.finish_reason for out in last.values()} == {"abort"}
     assert_no_block_leaked(llm)
+
+
+def test_a_consumer_that_falls_behind_gets_merged_outputs_that_still_equal_offline(llm):
+    """A slow consumer reads what queued up meanwhile as one output (fewer, larger pieces), and nothing is lost."""
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    offline = llm.generate([PROMPTS[0]], params, use_tqdm=False)[0]
+    engine = AsyncLLM(llm)
+    try:
+
+        async def slow():
+            outputs = []
+            async for out in engine.generate(PROMPTS[0], params, request_id="slow"):
+                outputs.append(out)
+                await asyncio.sleep(0.05)  # meanwhile the engine thread steps on
+            return outputs
+
+        outputs = run(slow())
+    finally:
+        engine.close()
+    assert len(outputs) < params.max_tokens, "the consumer was meant to fall behind"
+    assert "".join(out.text for out in outputs) == offline["text"]
+    assert [t for out in outputs for t in out.token_ids] == offline["token_ids"]
+    assert outputs[-1].finished and outputs[-1].cumulative_token_ids == offline["token_ids"]
+
+
+def test_coalesce_merges_each_samples_outputs_in_order_and_never_across_an_error():
+    from nanoref.serving.async_llm import RequestOutput, coalesce
+
+    def out(index, text, tokens, finished=False):
+        return RequestOutput("r", text, tokens, "", [], 3, finished=finished, index=index)
+
+    error = RuntimeError("step failed")
+    merged = coalesce([out(0, "a", [1]), out(1, "x", [7]), out(0, "b", [2], finished=True), error, out(1, "y", [8])])
+    assert [(m.index, m.text, m.token_ids, m.finished) for m in merged[:2]] == [
+        (0, "ab", [1, 2], True),
+        (1, "x", [7], False),
+    ]
+    assert merged[2] is error
+    assert (merged[3].index, merged[3].text) == (1, "y")

@@ -61,6 +61,23 @@ class RequestOutput:
     # one entry per token of `token_ids` where SamplingParams.logprobs asked for them, else empty
     logprobs: list[TokenLogprobs] = field(default_factory=list)
 
+    def followed_by(self, later: RequestOutput) -> RequestOutput:
+        """This output and the next one of the same sample as one (a consumer that fell behind reads both at once)."""
+        return RequestOutput(
+            request_id=self.request_id,
+            text=self.text + later.text,
+            token_ids=self.token_ids + later.token_ids,
+            cumulative_text=later.cumulative_text,
+            cumulative_token_ids=later.cumulative_token_ids,
+            num_prompt_tokens=later.num_prompt_tokens,
+            finished=later.finished,
+            finish_reason=later.finish_reason,
+            metrics=later.metrics,
+            index=later.index,
+            stop_reason=later.stop_reason,
+            logprobs=self.logprobs + later.logprobs,
+        )
+
 
 @dataclass
 class EngineStats:
@@ -156,13 +173,16 @@ class AsyncLLM:
         try:
             self._inbox.put(("add", request))
             while not finished:
-                item = await request.queue.get()
-                if isinstance(item, BaseException):  # the step serving it failed (the engine was cleaned)
-                    finished = True
-                    raise item
-                unfinished -= item.finished
-                finished = not unfinished
-                yield item
+                items = [await request.queue.get()]
+                while not request.queue.empty():  # what queued up while the consumer was busy: sent as one
+                    items.append(request.queue.get_nowait())
+                for item in coalesce(items):
+                    if isinstance(item, BaseException):  # the step serving it failed (the engine was cleaned)
+                        finished = True
+                        raise item
+                    unfinished -= item.finished
+                    finished = not unfinished
+                    yield item
         finally:
             with self._requests_lock:
                 self._requests.pop(request_id, None)
@@ -254,21 +274,32 @@ class AsyncLLM:
             self.llm.abort_request(sample.seq)
 
     def _deliver(self, active: list[_Request]) -> list[_Request]:
-        """Send each sample of each request what it made since its last output -> the requests still unfinished."""
-        unfinished = []
+        """Send each sample of each request what it made since its last output -> the requests still unfinished.
+
+        One hand-off per event loop and step, not one per request: with hundreds of streams, a wake-up of the loop
+        per request and token would keep the event loop (and the GIL) busy for longer than the step itself."""
+        unfinished, outbox = [], {}
         for request in active:
             for sample in request.samples:
                 if not sample.done:
-                    self._deliver_sample(request, sample)
+                    output = self._output(request, sample)
+                    if output is not None:
+                        outbox.setdefault(request.loop, []).append((request, output))
             if not all(sample.done for sample in request.samples):
                 unfinished.append(request)
+        for loop, items in outbox.items():
+            try:
+                loop.call_soon_threadsafe(_publish, items)
+            except RuntimeError:  # the consumers' event loop is closed: nobody is left to read them
+                pass
         return unfinished
 
-    def _deliver_sample(self, request: _Request, sample: _Sample) -> None:
+    def _output(self, request: _Request, sample: _Sample) -> RequestOutput | None:
+        """What the sample made since its last output (None: nothing new)."""
         seq = sample.seq
         tokens = seq.completion_token_ids
         if len(tokens) == sample.num_sent_tokens and not seq.is_finished:
-            return
+            return None
         text = seq.detokenizer.text  # complete characters only (the final text once finished)
         metrics = self.llm.metrics.requests.pop(seq.seq_id, None) if seq.is_finished else None
         if metrics is not None:
@@ -289,7 +320,7 @@ class AsyncLLM:
             logprobs=seq.logprobs[sample.num_sent_tokens : len(tokens)],
         )
         sample.num_sent_tokens, sample.num_sent_chars, sample.done = len(tokens), len(text), seq.is_finished
-        self._send(request, output)
+        return output
 
     @staticmethod
     def _send(request: _Request, item: RequestOutput | BaseException) -> None:
@@ -297,3 +328,26 @@ class AsyncLLM:
             request.loop.call_soon_threadsafe(request.queue.put_nowait, item)
         except RuntimeError:  # the consumer's event loop is closed: nobody is left to read it
             pass
+
+
+def _publish(items: list[tuple[_Request, RequestOutput]]) -> None:
+    """On the consumers' event loop: one step's outputs into their requests' queues."""
+    for request, output in items:
+        request.queue.put_nowait(output)
+
+
+def coalesce(items: list) -> list:
+    """Queued outputs (and errors) of one request, each sample's consecutive outputs merged into one, in order."""
+    merged: list = []
+    latest: dict[int, int] = {}  # sample index -> its output's place in `merged`
+    for item in items:
+        if isinstance(item, BaseException):
+            merged.append(item)
+            latest.clear()  # nothing merges across an error
+        elif item.index in latest:
+            place = latest[item.index]
+            merged[place] = merged[place].followed_by(item)
+        else:
+            latest[item.index] = len(merged)
+            merged.append(item)
+    return merged
