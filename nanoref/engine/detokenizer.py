@@ -20,14 +20,18 @@ which rewrites " ." as "." depending on the token after the space: `decode` turn
 stream decode the same way by construction (transformers 5 already ignores it for BPE tokenizers).
 
 Stop strings are matched on this text, across token boundaries: `find_stop` searches what the latest token added
-(with the characters before it that a stop string could straddle), and until a stop string is known not to
-start at the end of the text those characters are held back from `text`, so no piece ever shows part of a stop
-string that then matches.
+(with the characters before it that a stop string could straddle: `find_stop_string`), and until a stop string is
+known not to start at the end of the text those characters are held back from `text` (`stop_hold_back`), so no
+piece ever shows part of a stop string that then matches. Both are pure functions behind exercise seams
+(notebook 11).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
+
+from nanoref.utils.seams import seam
 
 REPLACEMENT_CHAR = "\ufffd"  # what a decoder writes for bytes that are not (yet) a whole UTF-8 character
 
@@ -36,6 +40,28 @@ def decode(tokenizer: Any, token_ids: list[int]) -> str:
     """A completion's text, as offline `generate` returns it (special tokens such as EOS left out; no clean-up of
     spaces before punctuation, which would make a text's end depend on the token after it)."""
     return tokenizer.decode(token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+def find_stop_string(text: str, stops: Sequence[str], start: int) -> tuple[int, str] | None:
+    """The stop string of `stops` that ends first in `text` among those that end after index `start` (the text
+    before `start` was searched already; a stop string may begin before it and straddle it) -> (the index where it
+    begins, the stop string), or None. Where two end at the same place, the one that begins first (the longer)."""
+    found = None  # (end, begin, stop string)
+    for stop in stops:
+        begin = text.find(stop, max(start - len(stop) + 1, 0))  # the first one that ends at start + 1 or later
+        if begin >= 0 and (found is None or (begin + len(stop), begin) < found[:2]):
+            found = (begin + len(stop), begin, stop)
+    return None if found is None else (found[1], found[2])
+
+
+def stop_hold_back(text: str, stops: Sequence[str]) -> int:
+    """How many characters at the end of `text` could be the beginning of a stop string: the length of the longest
+    end of `text` that some stop string begins with (a whole stop string counts), 0 when none does."""
+    for length in range(min(max(map(len, stops), default=0), len(text)), 0, -1):
+        tail = text[-length:]
+        if any(stop.startswith(tail) for stop in stops):
+            return length
+    return 0
 
 
 class IncrementalDetokenizer:
@@ -55,7 +81,6 @@ class IncrementalDetokenizer:
         self.read_offset = 0  # the tokens before it are in `decoded`
         self.prefix_text = ""  # decode(token_ids[prefix_offset:read_offset])
         self._search_from = 0  # where in `decoded` the latest token's new text can start a stop string
-        self._longest_stop = max(map(len, self.stop), default=0)
 
     def add(self, token_ids: list[int]) -> str:
         """Append generated tokens -> the new text they let `text` show ("" while a character is half made)."""
@@ -75,16 +100,12 @@ class IncrementalDetokenizer:
         wins (it would have stopped the text first), and of those the one that starts first."""
         if not self.stop or self.stop_reason is not None:
             return self.stop_reason
-        found = None  # (end, start, stop string)
-        for stop in self.stop:
-            start = self.decoded.find(stop, max(self._search_from - len(stop) + 1, 0))
-            if start >= 0 and (found is None or (start + len(stop), start) < found[:2]):
-                found = (start + len(stop), start, stop)
+        found = seam("find_stop_string", find_stop_string)(self.decoded, self.stop, self._search_from)
         self._search_from = len(self.decoded)
         if found is None:
             return None
-        end, start, self.stop_reason = found
-        self.decoded = self.decoded[: end if self.include_stop else start]
+        begin, self.stop_reason = found
+        self.decoded = self.decoded[: begin + len(self.stop_reason) if self.include_stop else begin]
         self._show(0)
         return self.stop_reason
 
@@ -104,12 +125,9 @@ class IncrementalDetokenizer:
 
     def _held_back(self) -> int:
         """How many characters at the end of `decoded` could be the start of a stop string."""
-        decoded = self.decoded
-        for length in range(min(self._longest_stop - 1, len(decoded)), 0, -1):
-            tail = decoded[-length:]
-            if any(stop.startswith(tail) for stop in self.stop):
-                return length
-        return 0
+        if not self.stop:
+            return 0
+        return seam("stop_hold_back", stop_hold_back)(self.decoded, self.stop)
 
     def _show(self, held_back: int) -> str:
         """Let `text` show all of `decoded` but its last `held_back` characters -> the piece that adds."""

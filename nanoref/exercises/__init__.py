@@ -23,6 +23,7 @@ from nanoref.exercises.moe import check_moe_experts, check_moe_route, tiny_moe_m
 from nanoref.exercises.paged_decode import check_merge_splits, check_paged_decode_attention
 from nanoref.exercises.rmsnorm import check_add_rms_norm, check_rms_norm
 from nanoref.exercises.scheduler import check_choose_preemption_victim, check_find_cached_prefix
+from nanoref.exercises.serving import check_find_stop_string, check_stop_hold_back
 from nanoref.exercises.tensor_parallel import check_vocab_parallel_embed
 from nanoref.exercises.varlen import check_prefill_metadata
 from nanoref.utils.seams import SEAMS, use
@@ -35,6 +36,7 @@ __all__ = [
     "check_apply_top_k_top_p",
     "check_choose_preemption_victim",
     "check_find_cached_prefix",
+    "check_find_stop_string",
     "check_generation",
     "check_merge_splits",
     "check_moe_experts",
@@ -45,6 +47,7 @@ __all__ = [
     "check_rms_norm",
     "check_seeded_sampling",
     "check_silu_and_mul",
+    "check_stop_hold_back",
     "check_store_kvcache_kernel",
     "check_vocab_parallel_embed",
     "tiny_model",

@@ -25,6 +25,7 @@ request's `asyncio.Queue` through `loop.call_soon_threadsafe` (asyncio objects b
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import queue
 import threading
 import uuid
@@ -138,7 +139,9 @@ class AsyncLLM:
         self._queried_tokens = 0  # prefix-cache counters, written by the engine thread only
         self._hit_tokens = 0
         self._closed = False
-        self._thread = threading.Thread(target=self._engine_loop, name="nanoref-engine", daemon=True)
+        # in a copy of the creator's context: a `seams.use(...)` block around the start reaches the thread's steps
+        run = contextvars.copy_context().run
+        self._thread = threading.Thread(target=run, args=(self._engine_loop,), name="nanoref-engine", daemon=True)
         self._thread.start()
 
     @classmethod

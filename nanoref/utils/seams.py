@@ -61,11 +61,18 @@ SEAMS: dict[str, str] = {
     "topk_weights, topk_ids): each token's top-k experts and their weights",
     "moe_experts": "models/qwen3_moe.py: moe_experts(hidden, topk_weights, topk_ids, w_gate_up, w_down) -> "
     "(N, hidden): each token's router-weighted sum of its experts' outputs",
+    # 11_serving
+    "find_stop_string": "engine/detokenizer.py: find_stop_string(text, stops, start) -> (index, stop) | None: the "
+    "stop string that ends first in text among those ending after start",
+    "stop_hold_back": "engine/detokenizer.py: stop_hold_back(text, stops) -> how many characters at the end of text "
+    "a stop string could begin with",
 }
 
 # seams whose function runs on the host beside the forward, never inside it: replacing one changes which blocks are
 # shared, which sequence steps back or which token is drawn, but not the K/V a forward writes for given tokens
-HOST_SEAMS = frozenset({"find_cached_prefix", "choose_preemption_victim", "apply_top_k_top_p"})
+HOST_SEAMS = frozenset(
+    {"find_cached_prefix", "choose_preemption_victim", "apply_top_k_top_p", "find_stop_string", "stop_hold_back"}
+)
 # seams inside nanoref's Triton kernels: only an engine whose attention backend runs them ever calls these
 TRITON_SEAMS = frozenset({"store_kvcache_kernel", "merge_splits"})
 

@@ -1,0 +1,152 @@
+"""Notebook 11's exercise checks: nanoref's stop-string functions pass; plausible wrong ones fail, each with its hint;
+the engine and the server run the learner's function (an AsyncLLM started inside `seams.use` carries it)."""
+
+from __future__ import annotations
+
+import pytest
+
+from nanoref import LLM, SamplingParams
+from nanoref.engine.detokenizer import find_stop_string, stop_hold_back
+from nanoref.exercises import ExerciseFailure, check_find_stop_string, check_stop_hold_back
+from nanoref.exercises.serving import check_served, serve_in_background
+from nanoref.serving.async_llm import AsyncLLM
+from nanoref.utils import seams
+
+from .helpers import Counting
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("uvicorn")
+
+ZEN_STOP = SamplingParams(temperature=0, max_tokens=16, stop=[" is", "ugly"])
+
+
+def test_nanorefs_own_functions_pass_alone_in_the_engine_and_in_the_server():
+    check_find_stop_string(find_stop_string)
+    check_stop_hold_back(stop_hold_back)
+
+
+# -- find_stop_string: typical mistakes ------------------------------------------------------------------------------
+def first_in_list(text, stops, start):  # the first of `stops` that occurs, not the one that ends first
+    for stop in stops:
+        index = text.find(stop, max(start - len(stop) + 1, 0))
+        if index >= 0:
+            return index, stop
+    return None
+
+
+def from_start_only(text, stops, start):  # misses a stop string that straddles start
+    found = [(text.find(s, start) + len(s), text.find(s, start), s) for s in stops if text.find(s, start) >= 0]
+    return min(found)[1:] if found else None
+
+
+def whole_text(text, stops, start):  # ignores start: finds stop strings an earlier call already found
+    return find_stop_string(text, stops, 0)
+
+
+def end_index(text, stops, start):  # returns where the stop string ends
+    found = find_stop_string(text, stops, start)
+    return None if found is None else (found[0] + len(found[1]), found[1])
+
+
+def shorter_on_ties(text, stops, start):  # of two that end at the same place, the one that begins last
+    found = [(i + len(s), -i, s) for s in stops if (i := text.find(s, max(start - len(s) + 1, 0))) >= 0]
+    return (-min(found)[1], min(found)[2]) if found else None
+
+
+@pytest.mark.parametrize(
+    "wrong, hint",
+    [
+        (first_in_list, "return the stop string that ends first, whatever its place in the list"),
+        (from_start_only, "a stop string can straddle start, so search from start - len(stop) + 1"),
+        (whole_text, "find only stop strings that end after it"),
+        (end_index, "return the index where the stop string begins"),
+        (shorter_on_ties, "return the one that begins first (the longer)"),
+        (lambda text, stops, start: [0, stops[0]] if stops else None, "return the index where the stop string"),
+        (lambda text, stops, start: "STOP", "return None or a pair (index, stop string)"),
+    ],
+    ids=["first_in_list", "from_start", "whole_text", "end_index", "ties", "always_first", "not_a_pair"],
+)
+def test_a_wrong_find_stop_string_fails_with_its_hint(wrong, hint):
+    with pytest.raises(ExerciseFailure, match=None) as failure:
+        check_find_stop_string(wrong, engine=False)
+    assert hint in str(failure.value).replace("\n", " ")
+
+
+# -- stop_hold_back: typical mistakes --------------------------------------------------------------------------------
+def proper_prefixes_only(text, stops):  # off by one: at most longest - 1 characters
+    for length in range(min(max(map(len, stops)) - 1, len(text)), 0, -1):
+        if any(stop.startswith(text[-length:]) for stop in stops):
+            return length
+    return 0
+
+
+def shortest_first(text, stops):  # the shortest end that begins a stop string, not the longest
+    for length in range(1, min(max(map(len, stops)), len(text)) + 1):
+        if any(stop.startswith(text[-length:]) for stop in stops):
+            return length
+    return 0
+
+
+def substring(text, stops):  # `end in stop`: holds back an end that no stop string begins with
+    for length in range(min(max(map(len, stops)), len(text)), 0, -1):
+        if any(text[-length:] in stop for stop in stops):
+            return length
+    return 0
+
+
+@pytest.mark.parametrize(
+    "wrong, hint",
+    [
+        (proper_prefixes_only, "off by one"),
+        (shortest_first, "return the longest end that begins a stop string"),
+        (substring, "hold back only an end that a stop string begins with"),
+        (lambda text, stops: min(len(text), 1 + stop_hold_back(text, stops)), "begins no stop string"),
+        (lambda text, stops: -1, "return a number of characters"),
+    ],
+    ids=["proper_prefixes", "shortest_first", "substring", "one_too_many", "negative"],
+)
+def test_a_wrong_stop_hold_back_fails_with_its_hint(wrong, hint):
+    with pytest.raises(ExerciseFailure) as failure:
+        check_stop_hold_back(wrong, engine=False)
+    assert hint in str(failure.value).replace("\n", " ")
+
+
+def test_a_hold_back_that_shows_a_stop_strings_beginning_fails_in_the_engine():
+    """Alone it would fail first; here straight to the engine, which streams pieces that the stop string takes back."""
+    with pytest.raises(ExerciseFailure, match="a piece showed the beginning of the stop string"):
+        check_served({"stop_hold_back": lambda text, stops: 0})
+
+
+# -- the engine and the server run the learner's function --------------------------------------------------------
+def test_the_engine_calls_each_stop_seam_only_inside_use():
+    llm = LLM(device="cpu", num_kvcache_blocks=64)
+    prompts = ["Beautiful is better than", "Errors should never pass"]
+    reference = llm.generate(prompts, ZEN_STOP, use_tqdm=False)
+    assert any(out["stop_reason"] for out in reference), "no stop string matched: this test proves nothing"
+    for name, default in {"find_stop_string": find_stop_string, "stop_hold_back": stop_hold_back}.items():
+        counting = Counting(default)
+        with seams.use(**{name: counting}):
+            assert llm.generate(prompts, ZEN_STOP, use_tqdm=False) == reference
+        assert counting.calls, f"the engine never called {name}"
+        calls = counting.calls
+        assert llm.generate(prompts, ZEN_STOP, use_tqdm=False) == reference
+        assert counting.calls == calls and not seams.active(), f"{name} was used outside the block"
+
+
+def test_an_async_llm_started_inside_use_runs_the_learners_function_in_its_server():
+    """The engine thread runs in a copy of its creator's context: the `use` block around the start reaches the
+    server's steps, though the requests come after the block, from the server's own threads."""
+    counting = Counting(find_stop_string)
+    with seams.use(find_stop_string=counting):
+        engine = AsyncLLM(LLM(device="cpu", num_kvcache_blocks=64), owns_llm=True)
+    try:
+        with serve_in_background(engine) as url:
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=30, max_retries=0)
+            done = client.completions.create(
+                model="nanoref", prompt="Beautiful is better than", temperature=0, max_tokens=16, stop=[" is", "ugly"]
+            )
+    finally:
+        engine.close()
+    assert done.choices[0].finish_reason == "stop"
+    assert counting.calls > 0, "the server's engine never called the function installed around its start"
+    assert not seams.active()
