@@ -20,6 +20,13 @@ every other client with it. So one thread owns the engine's loop: it takes new r
 thread-safe inbox *between* steps (the only moment the engine's state may change), runs `step()` while any request
 is unfinished, sleeps on the inbox when there is nothing to do, and hands each request's new output to that
 request's `asyncio.Queue` through `loop.call_soon_threadsafe` (asyncio objects belong to their loop's thread).
+
+What one step costs beyond the forward is what a server adds to offline `generate`, so per token it does little:
+- a request gets a new output only once its consumer has taken the previous one; a consumer that falls behind
+  (hundreds of streams on one event loop) reads several tokens in one piece, and the engine thread spends nothing
+  on it meanwhile (a finished sample's last output is always sent: it carries everything not sent yet);
+- text is decoded when an output is made, for all its new tokens at once; only a request with stop strings has its
+  text grown token by token in the engine, where the stop strings are matched.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from nanoref.engine.detokenizer import IncrementalDetokenizer
 from nanoref.engine.metrics import RequestMetrics
 from nanoref.engine.sequence import Sequence
 from nanoref.layers.logits_processors import TokenLogprobs
@@ -101,6 +109,8 @@ class EngineStats:
 @dataclass(eq=False)  # compared by identity: two samples are never the same one
 class _Sample:
     seq: Sequence
+    # its text, decoded when an output is made (the engine's own `seq.detokenizer` where stop strings need one)
+    detokenizer: IncrementalDetokenizer
     num_sent_tokens: int = 0  # what earlier outputs delivered
     num_sent_chars: int = 0
     done: bool = False  # its finished output is sent
@@ -112,6 +122,9 @@ class _Request:
     samples: list[_Sample]  # its n samples, sample i at index i
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    # an output was handed to the loop and its consumer has not taken it yet: the engine thread makes no new one
+    # (read and written under the GIL; the consumer clears it when it empties its queue)
+    unread: bool = False
 
 
 _STOP = object()  # the inbox's last item: the engine thread ends
@@ -160,11 +173,14 @@ class AsyncLLM:
         aclose, cancellation) aborts every sample of the request."""
         if self._closed:
             raise RuntimeError("this AsyncLLM is closed")
-        seqs = self.llm.make_samples(prompt, SamplingParams() if params is None else params, request_id, stream=True)
+        seqs = self.llm.make_samples(prompt, SamplingParams() if params is None else params, request_id)
+        if self.llm.tokenizer is None:
+            raise ValueError(f"{self.llm.config.model_folder} has no tokenizer: a stream of text needs one")
         return self._stream(seqs, request_id or f"req-{uuid.uuid4().hex}")
 
     async def _stream(self, seqs: list[Sequence], request_id: str) -> AsyncIterator[RequestOutput]:
-        request = _Request(request_id, [_Sample(seq) for seq in seqs], asyncio.get_running_loop())
+        samples = [_Sample(seq, seq.detokenizer or IncrementalDetokenizer(self.llm.tokenizer)) for seq in seqs]
+        request = _Request(request_id, samples, asyncio.get_running_loop())
         if self._closed:  # (no engine thread would ever answer)
             raise RuntimeError("this AsyncLLM is closed")
         with self._requests_lock:
@@ -179,6 +195,7 @@ class AsyncLLM:
                 items = [await request.queue.get()]
                 while not request.queue.empty():  # what queued up while the consumer was busy: sent as one
                     items.append(request.queue.get_nowait())
+                request.unread = False  # the engine thread may make the next output
                 for item in coalesce(items):
                     if isinstance(item, BaseException):  # the step serving it failed (the engine was cleaned)
                         finished = True
@@ -283,10 +300,12 @@ class AsyncLLM:
         per request and token would keep the event loop (and the GIL) busy for longer than the step itself."""
         unfinished, outbox = [], {}
         for request in active:
+            ready = not request.unread  # a consumer still busy with its last output gets nothing new now...
             for sample in request.samples:
-                if not sample.done:
+                if not sample.done and (ready or sample.seq.is_finished):  # ...unless a sample is done
                     output = self._output(request, sample)
                     if output is not None:
+                        request.unread = True
                         outbox.setdefault(request.loop, []).append((request, output))
             if not all(sample.done for sample in request.samples):
                 unfinished.append(request)
@@ -303,7 +322,12 @@ class AsyncLLM:
         tokens = seq.completion_token_ids
         if len(tokens) == sample.num_sent_tokens and not seq.is_finished:
             return None
-        text = seq.detokenizer.text  # complete characters only (the final text once finished)
+        detokenizer = sample.detokenizer
+        if detokenizer is not seq.detokenizer:  # (the engine's own is up to date: it matches the stop strings)
+            detokenizer.add(tokens[len(detokenizer.token_ids) :])
+            if seq.is_finished:
+                detokenizer.finish()
+        text = detokenizer.text  # complete characters only (the final text once finished)
         metrics = self.llm.metrics.requests.pop(seq.seq_id, None) if seq.is_finished else None
         if metrics is not None:
             self._queried_tokens += metrics.num_prompt_tokens
