@@ -136,18 +136,48 @@ async def one_request(client, url: str, model: str, prompt: list[int], output_le
     return dict(sent=sent, arrivals=arrivals, tokens=tokens)
 
 
-async def run_rate(port: int, model: str, prompts: list[list[int]], gaps: list[float], output_len: int) -> dict:
+async def send_all(port: int, model: str, prompts: list, arrivals: list[float], output_len: int, t0: float) -> list:
+    """Send each prompt at its arrival time (seconds after the wall-clock time t0) -> each request's record."""
     import httpx
 
     url = f"http://127.0.0.1:{port}/v1/completions"
     limits = httpx.Limits(max_connections=len(prompts), max_keepalive_connections=len(prompts))
     async with httpx.AsyncClient(limits=limits) as client:
-        tasks, start = [], time.perf_counter()
-        for prompt, gap in zip(prompts, gaps):
-            await asyncio.sleep(gap)
+        tasks = []
+        for prompt, arrival in zip(prompts, arrivals):
+            await asyncio.sleep(max(0.0, t0 + arrival - time.time()))
             tasks.append(asyncio.create_task(one_request(client, url, model, prompt, output_len)))
         results = await asyncio.gather(*tasks)
-    wall = time.perf_counter() - start
+    for record in results:  # as wall-clock times, comparable across client processes
+        offset = time.time() - time.perf_counter()
+        record["sent"] += offset
+        record["arrivals"] = [t + offset for t in record["arrivals"]]
+    return results
+
+
+def client_process(args: tuple) -> list:
+    return asyncio.run(send_all(*args))
+
+
+async def run_rate(
+    port: int, model: str, prompts: list[list[int]], gaps: list[float], output_len: int, processes: int = 1
+) -> dict:
+    """One rate's requests, from `processes` client processes (request i from process i % processes): one
+    process parsing hundreds of event streams can fall behind a fast server and measure itself instead."""
+    arrivals = [sum(gaps[: i + 1]) for i in range(len(gaps))]
+    t0 = time.time() + (2.0 if processes > 1 else 0.0)  # (time for the processes to start)
+    if processes == 1:
+        results = await send_all(port, model, prompts, arrivals, output_len, t0)
+    else:
+        import multiprocessing
+
+        shares = [
+            (port, model, prompts[k::processes], arrivals[k::processes], output_len, t0) for k in range(processes)
+        ]
+        with multiprocessing.get_context("spawn").Pool(processes) as pool:
+            results = [r for share in await asyncio.to_thread(pool.map, client_process, shares) for r in share]
+    start = t0
+    wall = max(r["arrivals"][-1] for r in results if r["arrivals"]) - start
     ttft = [r["arrivals"][0] - r["sent"] for r in results]
     gaps = [(r["arrivals"][-1] - r["arrivals"][0], len(r["arrivals"]) - 1) for r in results]
     tpot = [span / count for span, count in gaps if count > 0]
@@ -265,6 +295,7 @@ def main() -> None:
     parser.add_argument("--out-dir", type=Path, default=None)
     parser.add_argument("--name", default="serving")
     parser.add_argument("--no-offline", action="store_true", help="skip the offline comparison")
+    parser.add_argument("--client-processes", type=int, default=1, help="processes sending the requests")
     parser.add_argument("--server-flags", default="", help="more flags for python -m nanoref.serve, e.g. '--x=1'")
     parser.add_argument("--plot", nargs=2, type=Path, metavar=("JSON", "PNG"))
     args = parser.parse_args()
@@ -287,7 +318,8 @@ def main() -> None:
         rows = []
         for index, rate in enumerate(rates):
             prompts = prompts_for(index, args.num_requests, args.input_len, vocab)
-            row = asyncio.run(run_rate(port, model, prompts, arrival_gaps(rate, len(prompts), index), args.output_len))
+            gaps = arrival_gaps(rate, len(prompts), index)
+            row = asyncio.run(run_rate(port, model, prompts, gaps, args.output_len, args.client_processes))
             rows.append(dict(rate="inf" if math.isinf(rate) else rate, **row))
             print(json.dumps(rows[-1]), flush=True)
     finally:
@@ -295,6 +327,7 @@ def main() -> None:
         server.wait(timeout=60)
     summary = dict(
         machine=machine(), model=args.model, settings=settings, server_flags=args.server_flags,
+        client_processes=args.client_processes,
         num_requests=args.num_requests,
         input_len=args.input_len, output_len=args.output_len, rates=rows,
     )  # fmt: skip

@@ -192,10 +192,12 @@ class AsyncLLM:
         try:
             self._inbox.put(("add", request))
             while not finished:
+                # the consumer is done with what it read last (sent it, when it is the server): the engine thread
+                # may make the next output
+                request.unread = False
                 items = [await request.queue.get()]
                 while not request.queue.empty():  # what queued up while the consumer was busy: sent as one
                     items.append(request.queue.get_nowait())
-                request.unread = False  # the engine thread may make the next output
                 for item in coalesce(items):
                     if isinstance(item, BaseException):  # the step serving it failed (the engine was cleaned)
                         finished = True
