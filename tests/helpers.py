@@ -219,6 +219,7 @@ def own_answers() -> dict:
     """Exercise seam -> nanoref's own function for it (what every check must accept); the Triton seams only where
     Triton is installed."""
     from nanoref.engine.block_manager import find_cached_prefix
+    from nanoref.engine.detokenizer import find_stop_string, stop_hold_back
     from nanoref.engine.model_runner import prefill_metadata
     from nanoref.engine.scheduler import choose_preemption_victim
     from nanoref.fast.cuda_graphs import pad_decode_batch
@@ -245,6 +246,8 @@ def own_answers() -> dict:
         vocab_parallel_embed=vocab_parallel_embed,
         moe_route=route,
         moe_experts=moe_experts,
+        find_stop_string=find_stop_string,
+        stop_hold_back=stop_hold_back,
     )
     if triton_available():  # the two Triton seams (Linux only)
         from nanoref.ops import attention_triton

@@ -53,7 +53,7 @@ def test_cli_trace_and_sampling_options():
         "Simple is", "--trace", "--max-tokens", "3", "--temperature", "0.8", "--seed", "1", "--device", "cpu"
     )
     assert result.returncode == 0, result.stderr
-    assert "step 1 [prefill]" in result.stdout and "step 2 [decode]" in result.stdout
+    assert "step 0 [prefill]" in result.stdout and "step 1 [decode]" in result.stdout
 
 
 @pytest.mark.parametrize(
