@@ -411,36 +411,11 @@ class Server:
 @contextmanager
 def running_server(engine, model_name: str):
     """Serve `engine` (an AsyncLLM) on a free port of 127.0.0.1 in a thread, until the block ends (the engine is
-    closed then too)."""
-    import socket
-    import threading
-    import time
+    closed then too): the package's own `serve_in_background`, with this file's `Server` handle."""
+    from nanoref.exercises.serving import serve_in_background
 
-    import httpx
-    import uvicorn
-
-    from nanoref.serving.api_server import build_app
-
-    sock = socket.create_server(("127.0.0.1", 0))  # a free port, held from now on: no race with another process
-    uv = uvicorn.Server(uvicorn.Config(build_app(engine, model_name), log_level="warning"))
-    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
     try:
-        deadline = time.monotonic() + SERVER_TIMEOUT
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                raise AssertionError("the server never answered /health")
-            time.sleep(0.05)
-        yield Server(url, engine)
+        with serve_in_background(engine, model_name) as url:
+            yield Server(url, engine)
     finally:
-        uv.should_exit = True
-        thread.join(SERVER_TIMEOUT)
         engine.close()
-        sock.close()
-    assert not thread.is_alive(), "the server did not stop"

@@ -37,8 +37,8 @@ def offline():
 
 
 def offline_text(server: Server, llm: LLM, prompt: str, **params) -> str:
-    # the server idle first: two engines must not step at the same time in one process (the model's per-step
-    # context, nanoref/utils/context.py, is one for the process)
+    # the server idle first: each thread has its own step Context, so two engines may step at once, but the server's
+    # tests then time nothing but the server
     server.wait_until_idle()
     return llm.generate([prompt], SamplingParams(**params), use_tqdm=False)[0]["text"]
 
