@@ -37,7 +37,7 @@ import queue
 import threading
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from nanoref.engine.detokenizer import IncrementalDetokenizer
@@ -72,18 +72,11 @@ class RequestOutput:
 
     def followed_by(self, later: RequestOutput) -> RequestOutput:
         """This output and the next one of the same sample as one (a consumer that fell behind reads both at once)."""
-        return RequestOutput(
-            request_id=self.request_id,
+        # the later one's state (cumulative text, finish, metrics), with both deltas
+        return replace(
+            later,
             text=self.text + later.text,
             token_ids=self.token_ids + later.token_ids,
-            cumulative_text=later.cumulative_text,
-            cumulative_token_ids=later.cumulative_token_ids,
-            num_prompt_tokens=later.num_prompt_tokens,
-            finished=later.finished,
-            finish_reason=later.finish_reason,
-            metrics=later.metrics,
-            index=later.index,
-            stop_reason=later.stop_reason,
             logprobs=self.logprobs + later.logprobs,
         )
 
