@@ -98,6 +98,10 @@ class EngineConfig:
     # the engine's generator for unseeded requests: the same seed and requests give the same tokens (as vLLM's
     # LLM(seed=...)); None: fresh entropy per engine. Never the global RNG, either way
     seed: int | None = None
+    # speculative decoding (nanoref/spec/), vLLM's dict: {"method": "ngram", "num_speculative_tokens": 4,
+    # "prompt_lookup_max": 3} or {"model": DRAFT_FOLDER, "num_speculative_tokens": 4}; parsed into a
+    # SpeculativeConfig. None: off
+    speculative_config: dict | SpeculativeConfig | None = None
     # filled in by __post_init__: the folder and its parsed config.json (read once, here)
     model_folder: Path = field(init=False)
     architecture: str = field(init=False)  # the HF class name the model is built from
@@ -110,8 +114,8 @@ class EngineConfig:
         _set(self, dtype=parse_dtype(self.dtype, self.device))
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be True or False, got {self.enforce_eager!r}")
-        if self.overlap_scheduling is None:
-            _set(self, overlap_scheduling=self.device.type == "cuda")
+        if self.overlap_scheduling is None:  # (speculative decoding has its own loop: see _check_speculative)
+            _set(self, overlap_scheduling=self.device.type == "cuda" and self.speculative_config is None)
         if not isinstance(self.overlap_scheduling, bool):
             raise ValueError(f"overlap_scheduling must be True, False or None, got {self.overlap_scheduling!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens"):
@@ -149,6 +153,8 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_timeout must be a positive number of seconds, got {timeout!r}")
         if self.tensor_parallel_size > 1:
             self._check_tensor_parallel()
+        if self.speculative_config is not None:
+            self._check_speculative()
 
     def resolved(self) -> EngineConfig:
         """This config with the concrete attention backend and KV block size. "auto" may run a tiny flash-attn
@@ -192,8 +198,98 @@ class EngineConfig:
                     f"{torch.cuda.device_count()}"
                 )
 
+    def _check_speculative(self) -> None:
+        spec = self.speculative_config
+        if not isinstance(spec, SpeculativeConfig):
+            spec = SpeculativeConfig.from_dict(spec)
+            _set(self, speculative_config=spec)
+        if self.overlap_scheduling:
+            raise ValueError(
+                "overlap_scheduling=True cannot run with speculative_config: a verify step's input tokens are its "
+                "accepted drafts, which the host must know before it can schedule the next step"
+            )
+        if self.tensor_parallel_size > 1:
+            raise ValueError("speculative_config runs on one device: use tensor_parallel_size=1")
+        if spec.method == "draft_model":
+            if spec.draft_config.vocab_size != self.hf_config.vocab_size:
+                raise ValueError(
+                    f"the draft model {spec.model_folder} has a vocabulary of {spec.draft_config.vocab_size} tokens "
+                    f"but {self.model_folder} has {self.hf_config.vocab_size}: a draft must share the target's "
+                    "vocabulary (its proposals are the target's token ids)"
+                )
+            if spec.draft_config.max_position_embeddings < self.max_model_len:
+                raise ValueError(
+                    f"the draft model {spec.model_folder} reaches {spec.draft_config.max_position_embeddings} "
+                    f"positions, fewer than max_model_len={self.max_model_len}: lower max_model_len"
+                )
 
-def _set(config: EngineConfig, **values: object) -> None:
+
+SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding's settings (vLLM's names): who proposes, and how many tokens per step.
+
+    method: "ngram" (prompt lookup in the sequence's own tokens) or "draft_model" (a smaller model with the
+        target's vocabulary; implied by "model").
+    num_speculative_tokens: k, the tokens proposed (and verified in one target forward) per sequence and step.
+    prompt_lookup_max / prompt_lookup_min: ngram: the longest and shortest tail of the sequence that is looked
+        up in its earlier tokens (the longest that occurs wins); default 3 and 1.
+    model: draft_model: the draft's folder.
+    """
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_max: int = 3
+    prompt_lookup_min: int = 1
+    model: str | Path | None = None
+    # draft_model: the folder and its parsed config.json
+    model_folder: Path | None = field(default=None, compare=False)
+    architecture: str | None = field(default=None, compare=False)
+    draft_config: Qwen3Config | None = field(default=None, compare=False, repr=False)
+
+    @classmethod
+    def from_dict(cls, settings: object) -> SpeculativeConfig:
+        if not isinstance(settings, dict):
+            raise ValueError(f"speculative_config must be a dict of {list(SPECULATIVE_KEYS)}, got {settings!r}")
+        unknown = sorted(set(settings) - set(SPECULATIVE_KEYS))
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key {unknown[0]!r}; its keys: {list(SPECULATIVE_KEYS)}")
+        settings = dict(settings)
+        method = settings.pop("method", None)
+        if method is None:
+            method = "draft_model" if settings.get("model") is not None else None
+        if method not in ("ngram", "draft_model"):
+            raise ValueError(
+                'speculative_config needs "method": "ngram", or "model": a draft folder (method "draft_model"); '
+                f"got method {method!r}"
+            )
+        if "num_speculative_tokens" not in settings:
+            raise ValueError("speculative_config needs num_speculative_tokens (the tokens proposed per step)")
+        return cls(method=method, **settings)
+
+    def __post_init__(self) -> None:
+        k = self.num_speculative_tokens
+        if not _is_int(k) or not 1 <= k <= 16:
+            raise ValueError(f"speculative_config: num_speculative_tokens must be an integer in [1, 16], got {k!r}")
+        if self.method == "ngram":
+            low, high = self.prompt_lookup_min, self.prompt_lookup_max
+            for name, value in (("prompt_lookup_min", low), ("prompt_lookup_max", high)):
+                if not _is_int(value) or value < 1:
+                    raise ValueError(f"speculative_config: {name} must be a positive integer, got {value!r}")
+            if low > high:
+                raise ValueError(f"speculative_config: prompt_lookup_min ({low}) exceeds prompt_lookup_max ({high})")
+            if self.model is not None:
+                raise ValueError('speculative_config: "model" is for method "draft_model", not "ngram"')
+        else:
+            if self.model is None:
+                raise ValueError('speculative_config: method "draft_model" needs "model": the draft\'s folder')
+            folder, architecture, draft_config = load_model_config(self.model)
+            _set(self, model_folder=folder, architecture=architecture, draft_config=draft_config)
+
+
+def _set(config: EngineConfig | SpeculativeConfig, **values: object) -> None:
     """Fill in fields of a frozen config while it is being made (the only writes it ever sees)."""
     for name, value in values.items():
         object.__setattr__(config, name, value)

@@ -3,7 +3,8 @@
 The core (`nanoref/engine/`) runs the plain offline path eagerly on one device. What makes it fast or wide is
 attached here, from outside, once the config is resolved: decode CUDA graphs (`nanoref/fast/cuda_graphs.py`) on
 the model runner, tensor parallelism (`nanoref/parallel/`) as the runner's subclass, and the overlapped loop
-(`nanoref/fast/overlap.py`) in place of the engine's plain step. `torch.compile` applies itself: the element-wise
+(`nanoref/fast/overlap.py`) or the speculative loop (`nanoref/spec/`, with a draft model's runner beside the
+target's) in place of the engine's plain step. `torch.compile` applies itself: the element-wise
 layers compile on their first CUDA call (`nanoref/utils/compile.py`).
 """
 
@@ -23,6 +24,8 @@ from nanoref.fast.cuda_graphs import DecodeGraphs
 from nanoref.fast.overlap import attach_overlapped_loop
 from nanoref.parallel.runner import TensorParallelRunner
 from nanoref.sampling_params import SamplingParams
+from nanoref.spec.loop import attach_speculative_loop
+from nanoref.spec.runner import SpeculativeRunner
 from nanoref.utils.parallel import ParallelState
 
 DEFAULT_MODEL = Path(__file__).parent / "default_model"
@@ -49,6 +52,11 @@ class LLM(LLMEngine):
         and raises (a hung worker; one that dies is reported within seconds anyway).
     overlap_scheduling: schedule and launch each decode step while the device still runs the one before.
         None (default): on for CUDA, off on a CPU (where nothing can overlap and the plain loop is simpler).
+    speculative_config: speculative decoding (nanoref/spec/), as in vLLM: {"method": "ngram",
+        "num_speculative_tokens": 4, "prompt_lookup_max": 3} proposes the tokens that followed the sequence's
+        last n tokens earlier in it; {"model": DRAFT_FOLDER, "num_speculative_tokens": 4} has a smaller model with
+        the same vocabulary propose them. The target checks the k proposals of every sequence in one forward;
+        the output's distribution is the target's (greedy output is the same tokens). None (default): off.
     seed: seeds the generator that requests without their own `SamplingParams.seed` draw from, so the same seed
         and the same requests give the same tokens (a request's own seed still wins); None (default): fresh
         entropy, so runs differ. Either way the global RNGs (torch, random, numpy) are left alone.
@@ -62,6 +70,7 @@ class LLM(LLMEngine):
             )
         super().__init__(EngineConfig(model, **settings).resolved(), make_runner=build_runner)
         self.overlapped_loop = attach_overlapped_loop(self) if self.config.overlap_scheduling else None
+        self.speculative_loop = attach_speculative_loop(self) if self.config.speculative_config else None
 
     def chat(
         self,
@@ -102,7 +111,10 @@ def build_runner(config: EngineConfig, parallel: ParallelState | None = None) ->
 
     On the followers of a torchrun launch (ranks 1..N-1) this never returns: they follow rank 0's steps until it
     closes, then their process ends."""
-    if config.tensor_parallel_size == 1:
+    spec = config.speculative_config
+    if spec is not None and spec.method == "draft_model":
+        runner = SpeculativeRunner(config)  # (speculative decoding runs on one device)
+    elif config.tensor_parallel_size == 1:
         runner = ModelRunner(config)
     else:
         runner = TensorParallelRunner(config, parallel, build=build_runner)
@@ -114,6 +126,8 @@ def build_runner(config: EngineConfig, parallel: ParallelState | None = None) ->
             and getattr(runner.model, "supports_cuda_graphs", True)
         ):
             runner.decode_graphs = DecodeGraphs(runner)
+            if isinstance(runner, SpeculativeRunner):  # the draft's k decode steps per verify step
+                runner.draft.decode_graphs = DecodeGraphs(runner.draft)
     except BaseException:
         if isinstance(runner, TensorParallelRunner):  # the other ranks wait in a capture this one left
             runner.close_after_failure("a rank failed while capturing CUDA graphs")

@@ -372,7 +372,8 @@ LAYERS = [
     ("models",),
     ("config",),
     ("engine",),  # the core: sequence, block manager, scheduler, model runner, the plain loop
-    ("fast", "parallel"),  # features attached to the core from outside: graphs and overlap; tensor parallelism
+    ("fast", "parallel", "spec"),  # features attached to the core from outside: graphs and overlap; tensor
+    # parallelism; speculative decoding
     ("llm",),  # the one wiring point
     ("serving", "serve"),  # the online front on an LLM: the async loop, the OpenAI-compatible server
     ("__init__", "__main__"),  # the package's face and its command line
@@ -420,7 +421,7 @@ def test_no_file_imports_a_layer_above_its_own():
     assert upward == [], "\n".join(upward)
 
 
-FEATURES = ("fast", "parallel")
+FEATURES = ("fast", "parallel", "spec")
 
 
 def test_features_are_attached_only_at_the_wiring_point():

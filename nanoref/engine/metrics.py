@@ -34,6 +34,10 @@ class StepRecord:
     preempted: list[int]  # seq_ids preempted while scheduling this step (their K/V was dropped)
     num_waiting: int  # sequences still queued after scheduling
     elapsed: float = 0.0  # wall seconds for the forward pass, sampling and postprocess
+    # speculative decoding (nanoref/spec/), a verify step: the tokens proposed, and how many the target accepted
+    # (each sequence also gains one token of the target's own); 0 in other steps
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     @property
     def num_seqs(self) -> int:
@@ -46,6 +50,11 @@ class StepRecord:
     @property
     def num_preemptions(self) -> int:
         return len(self.preempted)
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """The share of proposed tokens the target accepted in this step; None when nothing was proposed."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
 
 
 @dataclass
@@ -60,6 +69,14 @@ class RequestMetrics:
     ttft: float  # time to first token: seconds from add_request to the first generated token
     tpot: float | None  # time per output token after the first (mean seconds); None with one output token
     latency: float  # seconds from add_request to the last token
+    # speculative decoding: tokens proposed for it, and how many the target accepted (0 and 0 without)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """The share of its proposed tokens the target accepted; None when none was proposed."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
 
 
 @dataclass
@@ -160,4 +177,6 @@ def request_metrics(seq: Sequence, pending: _Pending, now: float) -> RequestMetr
         ttft=pending.first_token - pending.arrival,
         tpot=(now - pending.first_token) / (num_output - 1) if num_output > 1 else None,
         latency=now - pending.arrival,
+        num_draft_tokens=seq.num_draft_tokens,
+        num_accepted_tokens=seq.num_accepted_tokens,
     )

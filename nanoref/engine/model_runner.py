@@ -79,6 +79,7 @@ class StepInputs:
     arrays: dict[str, np.ndarray]
     max_seqlen_q: int = 0
     max_seqlen_k: int = 0
+    all_logits: bool = False  # logits for every token (a speculative verify step), not only each sequence's last
 
 
 class ModelRunner:
@@ -177,6 +178,7 @@ class ModelRunner:
                 slot_mapping=t["slot_mapping"].long(),  # (N,)
                 context_lens=t.get("context_lens"),  # (num_seqs,), decode
                 block_tables=t.get("block_tables"),  # (num_seqs, width)
+                all_logits=step.all_logits,
             )
         )
         return (t["input_ids"].long() if input_ids is None else input_ids), t["positions"].long()
@@ -218,24 +220,32 @@ class ModelRunner:
     def prepare_processing(self, batch: SamplingBatch, seqs: list[Sequence], emits: list[bool], ahead: bool) -> None:
         """The penalties, min_tokens masks and logprob rows of the rows that emit a token, into `batch`."""
         penalised, masked = [], []
-        vocab = self.config.hf_config.vocab_size
         for row, seq in enumerate(seqs):
-            p = seq.sampling_params
             if not emits[row]:
                 continue
-            if p.has_penalties:
+            if seq.sampling_params.has_penalties:
                 assert not ahead, "penalties need the token in flight: schedule_ahead does not overlap them"
-                prompt, completion = seq.token_ids[: seq.num_prompt_tokens], seq.completion_token_ids
-                penalised.append((row, prompt, completion, p.presence_penalty, p.frequency_penalty,
-                                  p.repetition_penalty))  # fmt: skip
-            if seq.num_completion_tokens + ahead < p.min_tokens:  # (ahead: the token in flight counts)
-                eos = [] if p.ignore_eos else sorted(t for t in self.eos_token_ids if t < vocab)  # (a tokenizer's)
-                stop_ids = list(p.stop_token_ids) + eos
-                if stop_ids:
-                    masked.append((row, stop_ids))
-            if p.logprobs is not None:
-                batch.logprob_rows.append((row, p.logprobs))
-        batch.processing = LogitsProcessing.build(penalised, masked, vocab, self.device)
+            self.row_processing(row, seq, [], int(ahead), penalised, masked)
+            if seq.sampling_params.logprobs is not None:
+                batch.logprob_rows.append((row, seq.sampling_params.logprobs))
+        batch.processing = LogitsProcessing.build(penalised, masked, self.config.hf_config.vocab_size, self.device)
+
+    def row_processing(
+        self, row: int, seq: Sequence, more: list[int], num_unknown: int, penalised: list, masked: list
+    ) -> None:
+        """Row `row`'s penalties and min_tokens mask, appended to `penalised` and `masked` (LogitsProcessing.build's
+        inputs), for the token after seq's tokens plus `more` (known ids: a speculative step's proposals before
+        this row) plus `num_unknown` more tokens whose values only the device holds (the overlapped loop's)."""
+        p = seq.sampling_params
+        vocab = self.config.hf_config.vocab_size
+        if p.has_penalties:
+            prompt, completion = seq.token_ids[: seq.num_prompt_tokens], seq.completion_token_ids + more
+            penalised.append((row, prompt, completion, p.presence_penalty, p.frequency_penalty, p.repetition_penalty))
+        if seq.num_completion_tokens + len(more) + num_unknown < p.min_tokens:
+            eos = [] if p.ignore_eos else sorted(t for t in self.eos_token_ids if t < vocab)  # (a tokenizer's)
+            stop_ids = list(p.stop_token_ids) + eos
+            if stop_ids:
+                masked.append((row, stop_ids))
 
     def attach_logprobs(
         self, seqs: list[Sequence], batch: SamplingBatch, logprobs: torch.Tensor, chosen: torch.Tensor

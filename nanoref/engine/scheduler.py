@@ -58,6 +58,9 @@ class Scheduler:
         self.num_preemptions = 0
         self.preempted: list[int] = []  # seq_ids preempted by the latest schedule() (for step records)
         self.admitted: list[Sequence] = []  # sequences the latest schedule() allocated blocks to (see unschedule)
+        # decode: room for this many K/V slots past each sequence's last token (speculative decoding's proposed
+        # tokens, nanoref/spec/; 0 in the plain loop)
+        self.num_lookahead_tokens = 0
 
     def is_finished(self) -> bool:
         return not self.waiting and not self.running
@@ -120,7 +123,7 @@ class Scheduler:
                 self.preempt(seq)
                 continue
             if new_blocks:
-                self.block_manager.may_append(seq)
+                self.block_manager.may_append(seq, self._lookahead_end(seq))
             seq.num_scheduled_tokens = 1
             scheduled.append(seq)
         self.running.clear()
@@ -153,7 +156,7 @@ class Scheduler:
 
         while queue and num_scheduled < self.max_num_seqs:
             seq = queue.popleft()
-            needed = manager.blocks_to_append(seq)
+            needed = manager.blocks_to_append(seq, self._lookahead_end(seq))
             while free < needed:  # can_append, counting the blocks planned so far
                 victim = interruptibly(seam("choose_preemption_victim", choose_preemption_victim), list(queue), seq)
                 if victim is seq:  # seq steps back itself: the sequences after it may use its blocks
@@ -170,6 +173,11 @@ class Scheduler:
                 steps.append((seq, needed))
                 num_scheduled += 1
         return steps, list(queue)
+
+    def _lookahead_end(self, seq: Sequence) -> int:
+        """The tokens seq's blocks must hold for its decode step: its own, plus the lookahead (never past
+        max_model_len, which no sequence can reach)."""
+        return min(seq.num_tokens + self.num_lookahead_tokens, self.max_model_len)
 
     def schedule_ahead(self, in_flight: list[Sequence]) -> list[Sequence]:
         """The decode step after the one in flight, chosen before that step's sampled tokens are known.

@@ -78,7 +78,7 @@ class LMHead(VocabEmbedding):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         context = get_context()
-        if context.is_prefill and context.cu_seqlens_q is not None:
+        if context.is_prefill and context.cu_seqlens_q is not None and not context.all_logits:
             last_rows = context.cu_seqlens_q[1:].long() - 1  # (num_seqs,): each sequence's last token
             hidden = hidden[last_rows]  # (N, hidden) -> (num_seqs, hidden)
         logits = F.linear(hidden, self.weight)  # (num_seqs, vocab / N)

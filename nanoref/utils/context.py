@@ -31,6 +31,9 @@ class Context:
     context_lens: torch.Tensor | None = None  # (num_seqs,) int32
     # physical block ids per sequence, padded with -1; set in decode and in prefill with cached history
     block_tables: torch.Tensor | None = None  # (num_seqs, max_blocks) int32
+    # prefill: the LM head makes logits for every token, not only each sequence's last (a speculative verify step
+    # checks every proposed token: nanoref/spec/)
+    all_logits: bool = False
 
 
 class _PerThread(threading.local):

@@ -66,12 +66,25 @@ SEAMS: dict[str, str] = {
     "stop string that ends first in text among those ending after start",
     "stop_hold_back": "engine/detokenizer.py: stop_hold_back(text, stops) -> how many characters at the end of text "
     "a stop string could begin with",
+    # 12_speculative_decoding
+    "accept_greedy": "spec/acceptance.py: accept_greedy(draft_ids, target_ids) -> the tokens a greedy sequence gains "
+    "from its k proposals and the target's k + 1 argmax ids",
+    "rejection_sample": "spec/acceptance.py: rejection_sample(p, q, draft_ids, uniforms, noise) -> (accepted, "
+    "recovered) per verify row: keep a proposal with probability min(1, p/q), else draw from max(0, p - q)",
 }
 
 # seams whose function runs on the host beside the forward, never inside it: replacing one changes which blocks are
 # shared, which sequence steps back or which token is drawn, but not the K/V a forward writes for given tokens
 HOST_SEAMS = frozenset(
-    {"find_cached_prefix", "choose_preemption_victim", "apply_top_k_top_p", "find_stop_string", "stop_hold_back"}
+    {
+        "find_cached_prefix",
+        "choose_preemption_victim",
+        "apply_top_k_top_p",
+        "find_stop_string",
+        "stop_hold_back",
+        "accept_greedy",
+        "rejection_sample",
+    }
 )
 # seams inside nanoref's Triton kernels: only an engine whose attention backend runs them ever calls these
 TRITON_SEAMS = frozenset({"store_kvcache_kernel", "merge_splits"})

@@ -1,0 +1,270 @@
+"""The speculative loop: the engine's `step`, with decode steps that verify k proposed tokens per sequence.
+
+A prefill step runs as in the plain loop (the draft model, if any, computes its K/V alongside). A decode step
+becomes a verify step:
+
+1. each running sequence b gets up to k proposals d_1..d_kb (`proposers.py`; fewer near its max_tokens or
+   max_model_len, and an n-gram lookup may find none: kb = 0 is a plain decode row);
+2. one target forward over the flat batch of every sequence's last token and its proposals, kb + 1 tokens at
+   positions num_tokens - 1 .. num_tokens - 1 + kb, through the prefill path with the history read through the
+   block tables (`cu_seqlens_q` steps by kb + 1) and logits for every token (`Context.all_logits`);
+3. the acceptance rule (`acceptance.py`) keeps j of the proposals and adds one token of the target's;
+4. postprocess appends those j + 1 tokens one at a time, each checked as in the plain loop (EOS, stop ids and
+   strings, min_tokens, max_tokens, max_model_len), so a sequence never emits past its end.
+
+KV rollback costs nothing to do, only to get right. The forward wrote K/V for all kb + 1 positions; a sequence now
+counts as computed only up to its accepted tokens (num_computed_tokens = num_tokens - 1, as after any decode step),
+so the K/V of rejected positions is never read (attention reads up to the context length) and is overwritten when
+the sequence really reaches those positions. The prefix cache hashes only blocks full of computed tokens, so it
+never sees a rejected one. The blocks the scheduler reserved for proposals (`Scheduler.num_lookahead_tokens`)
+beyond what the kept tokens need go back to the free list (`BlockManager.trim`).
+
+The verify step runs eagerly: it goes through the varlen prefill path, which nanoref does not capture in CUDA
+graphs (decode graphs are for one token per sequence). A draft model's own decode steps do use its graphs.
+
+Attached by `nanoref/llm.py`: `SpeculativeLoop(engine)` takes the place of the engine's `run_step`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from nanoref.engine.metrics import StepRecord
+from nanoref.engine.model_runner import StepInputs, prefill_metadata
+from nanoref.engine.sequence import Sequence
+from nanoref.layers.logits_processors import LogitsProcessing, TokenLogprobs, raw_logprobs, to_device, token_logprobs
+from nanoref.layers.sampler import apply_top_k_top_p
+from nanoref.spec.acceptance import accept_greedy, emitted_tokens, rejection_sample
+from nanoref.spec.proposers import DraftProposer, NgramProposer, Proposals
+from nanoref.utils.context import reset_context
+from nanoref.utils.interrupts import interruptibly
+from nanoref.utils.seams import seam
+from nanoref.utils.tracing import trace_inputs
+
+
+@dataclass
+class Verified:
+    """A verify step's outcome for one sequence."""
+
+    draft_ids: list[int]  # what was proposed
+    token_ids: list[int]  # what it gains: the accepted proposals, then the target's own token
+    logprobs: list[TokenLogprobs] | None = None  # one per gained token, where the request asked
+
+
+def verify_inputs(seqs: list[Sequence], drafts: list[list[int]], block_tables, block_size: int) -> StepInputs:
+    """The flat inputs of a verify step: sequence b's last token and its proposals, over its cached history."""
+    flat = seam("prefill_metadata", prefill_metadata)(
+        [seq.token_ids + draft for seq, draft in zip(seqs, drafts)],
+        [seq.num_tokens - 1 for seq in seqs],  # everything before the last token has K/V
+        [1 + len(draft) for draft in drafts],
+        [seq.block_table for seq in seqs],
+        block_size,
+    )
+    arrays = {name: np.asarray(values, dtype=np.int64) for name, values in zip(flat._fields, flat)}
+    arrays["block_tables"] = block_tables.padded(seqs)  # (num_seqs, width)
+    max_q = 1 + max(map(len, drafts))
+    max_k = max(seq.num_tokens + len(draft) for seq, draft in zip(seqs, drafts))
+    return StepInputs(True, arrays, max_q, max_k, all_logits=True)
+
+
+class SpeculativeLoop:
+    """`step` for an engine with a speculative_config."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        spec = engine.config.speculative_config
+        self.k = spec.num_speculative_tokens
+        runner = engine.model_runner
+        if spec.method == "ngram":
+            self.proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+        else:
+            runner.draft.block_tables = runner.block_tables  # the draft's K/V lives in the target's blocks
+            self.proposer = DraftProposer(runner.draft)
+        engine.scheduler.num_lookahead_tokens = self.k
+        # totals over the engine's life (the server's /metrics)
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+
+    def step(self) -> tuple[list[Sequence], StepRecord]:
+        engine = self.engine
+        scheduler, metrics, runner = engine.scheduler, engine.metrics, engine.model_runner
+        seqs, is_prefill = scheduler.schedule()
+        record = metrics.begin_step(scheduler, seqs, is_prefill)
+        try:
+            if is_prefill:
+                interruptibly(self.proposer.prefill, seqs)
+                token_ids = interruptibly(runner.run, seqs, True)
+            else:
+                verified = interruptibly(self.verify, seqs)
+        except BaseException:
+            engine.undo_step(seqs, is_prefill, record)
+            raise
+        if is_prefill:
+            finished = scheduler.postprocess(seqs, token_ids)
+        else:
+            finished = self.postprocess(seqs, verified, record)
+        return finished, metrics.end_step(record, seqs)
+
+    # -- the verify step ------------------------------------------------------------------------
+    def limit(self, seq: Sequence) -> int:
+        """How many tokens to propose for seq: k, fewer where its max_tokens or max_model_len comes first (it
+        gains at most limit + 1 tokens, and its last proposal's position must fit in max_model_len)."""
+        config = self.engine.config
+        left = seq.sampling_params.max_tokens - seq.num_completion_tokens - 1
+        return max(0, min(self.k, left, config.max_model_len - seq.num_tokens))
+
+    @torch.inference_mode()
+    def verify(self, seqs: list[Sequence]) -> list[Verified]:
+        runner = self.engine.model_runner
+        proposals = self.proposer.propose(seqs, [self.limit(seq) for seq in seqs], self.sample_draft)
+        drafts = proposals.draft_ids
+        step = verify_inputs(seqs, drafts, runner.block_tables, runner.block_size)
+        try:
+            input_ids, positions = runner.upload(step)
+            trace_inputs(True, seqs, input_ids, positions)
+            logits = runner.run_model(input_ids, positions, True)  # (T, V): T = sum of 1 + kb
+        finally:
+            reset_context()
+        return self.accept(seqs, proposals, logits)
+
+    def accept(self, seqs: list[Sequence], proposals: Proposals, logits: torch.Tensor) -> list[Verified]:
+        """The acceptance rule over the verify rows -> each sequence's outcome (one host sync for all of them)."""
+        runner = self.engine.model_runner
+        device = logits.device
+        drafts = proposals.draft_ids
+        starts = np.cumsum([0] + [1 + len(d) for d in drafts])  # sequence b's rows: starts[b] .. starts[b + 1] - 1
+        rows_of = [range(starts[b], starts[b + 1]) for b in range(len(seqs))]
+        # penalties and min_tokens masks, per row: row i of sequence b follows its tokens plus d_1..d_i
+        penalised, masked = [], []
+        for seq, draft, rows in zip(seqs, drafts, rows_of):
+            if seq.sampling_params.processes_logits:
+                for i, row in enumerate(rows):
+                    runner.row_processing(row, seq, draft[:i], 0, penalised, masked)
+        processing = LogitsProcessing.build(penalised, masked, runner.config.hf_config.vocab_size, device)
+        scores = logits.float() if processing is None else processing.apply(logits)  # (T, V)
+        argmax = scores.argmax(dim=-1)  # (T,)
+        sampled = [seq.sampling_params.temperature > 0 for seq in seqs]
+        to_host = [argmax]
+        if any(sampled):
+            to_host += self.sample_rows(seqs, drafts, rows_of, proposals, scores)
+        host = torch.stack(to_host).tolist()  # the step's one host sync
+        out = []
+        for b, (draft, rows) in enumerate(zip(drafts, rows_of)):
+            first, last = rows.start, rows.stop
+            if sampled[b]:
+                tokens = emitted_tokens(draft, host[1][first:last], host[2][first:last])
+            else:
+                tokens = seam("accept_greedy", accept_greedy)(draft, host[0][first:last])
+            out.append(Verified(draft, tokens))
+        if any(seq.sampling_params.logprobs is not None for seq in seqs):
+            self.attach_logprobs(seqs, rows_of, out, logits)
+        return out
+
+    def sample_rows(self, seqs, drafts, rows_of, proposals: Proposals, scores: torch.Tensor) -> list[torch.Tensor]:
+        """The rejection rule on every row of the step -> [accepted (T,), recovered (T,)] as int64."""
+        runner = self.engine.model_runner
+        num_rows, vocab = scores.shape
+        device = scores.device
+        per_row = [(seq.sampling_params, len(rows)) for seq, rows in zip(seqs, rows_of)]
+        temperatures = torch.tensor(
+            [max(p.temperature, 1e-5) for p, n in per_row for _ in range(n)], device=device
+        )  # (T,): greedy rows too (their result is not used)
+        scaled = scores / temperatures[:, None]
+        if any(p.top_k > 0 or p.top_p < 1.0 for p, _ in per_row):
+            top_k = torch.tensor([p.top_k for p, n in per_row for _ in range(n)], device=device)
+            top_p = torch.tensor([p.top_p for p, n in per_row for _ in range(n)], device=device)
+            scaled = seam("apply_top_k_top_p", apply_top_k_top_p)(scaled, top_k, top_p)
+        p = scaled.softmax(dim=-1)  # (T, V)
+        draft_rows = [row for draft, rows in zip(drafts, rows_of) for row in rows[: len(draft)]]
+        draft_ids = torch.full((num_rows,), -1, dtype=torch.int64)
+        draft_ids[draft_rows] = torch.tensor([t for draft in drafts for t in draft], dtype=torch.int64)
+        draft_ids = draft_ids.to(device)
+        q = None
+        if proposals.probs is not None:  # the draft model's distributions, at the rows of their proposals
+            q = torch.zeros_like(p)
+            q[to_device(np.asarray(draft_rows, dtype=np.int64), device)] = proposals.probs
+        # the draws: a seeded request's from its own generator, the others' from the engine's
+        uniforms = torch.rand(num_rows, device=device, generator=runner.generator)
+        noise = torch.empty(num_rows, vocab, device=device).exponential_(generator=runner.generator)
+        for seq, rows in zip(seqs, rows_of):
+            if seq.generator is not None and seq.sampling_params.temperature > 0:
+                uniforms[rows.start : rows.stop] = torch.rand(len(rows), device=device, generator=seq.generator)
+                noise[rows.start : rows.stop].exponential_(generator=seq.generator)
+        accepted, recovered = seam("rejection_sample", rejection_sample)(p, q, draft_ids, uniforms, noise)
+        return [accepted.long(), recovered]
+
+    def sample_draft(self, probs: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """probs: (B, V), each sequence's draft distribution -> (B,) a draw from each (exponential race), from its
+        request's generator if it has one. A greedy row is one-hot: its draw is its argmax."""
+        runner = self.engine.model_runner
+        if all(seq.sampling_params.temperature == 0 for seq in seqs):
+            return probs.argmax(dim=-1)
+        noise = torch.empty_like(probs).exponential_(generator=runner.generator)  # (B, V)
+        for row, seq in enumerate(seqs):
+            if seq.generator is not None and seq.sampling_params.temperature > 0:
+                noise[row].exponential_(generator=seq.generator)
+        return (probs / noise).argmax(dim=-1)
+
+    def attach_logprobs(self, seqs, rows_of, out: list[Verified], logits: torch.Tensor) -> None:
+        """The raw logprobs of every gained token of the sequences that asked (a second sync, only for them)."""
+        asking = [b for b, seq in enumerate(seqs) if seq.sampling_params.logprobs is not None]
+        rows = [rows_of[b].start + i for b in asking for i in range(len(out[b].token_ids))]
+        chosen = [t for b in asking for t in out[b].token_ids]
+        device = logits.device
+        index = to_device(np.asarray(rows, dtype=np.int64), device)
+        num_top = max(seqs[b].sampling_params.logprobs for b in asking)
+        values = token_logprobs(raw_logprobs(logits[index]), to_device(np.asarray(chosen), device), num_top)
+        logprob, rank, top_values, top_ids = (t.tolist() for t in values)
+        at = 0
+        for b in asking:
+            n = seqs[b].sampling_params.logprobs
+            entries = []
+            for token in out[b].token_ids:
+                top = dict(zip(top_ids[at][:n], top_values[at][:n]))
+                entries.append(TokenLogprobs(token, logprob[at], rank[at], top))
+                at += 1
+            out[b].logprobs = entries
+
+    # -- after the forward --------------------------------------------------------------------
+    def postprocess(self, seqs: list[Sequence], verified: list[Verified], record: StepRecord) -> list[Sequence]:
+        """Append each sequence's gained tokens one at a time, as the plain postprocess would one per step."""
+        scheduler = self.engine.scheduler
+        manager = scheduler.block_manager
+        finished = []
+        record.seqs = [(seq.seq_id, 1 + len(v.draft_ids)) for seq, v in zip(seqs, verified)]
+        for seq, v in zip(seqs, verified):
+            seq.num_scheduled_tokens = 0
+            first_position = seq.num_tokens - 1
+            accepted = len(v.token_ids) - 1
+            seq.num_draft_tokens += len(v.draft_ids)
+            seq.num_accepted_tokens += accepted
+            record.num_draft_tokens += len(v.draft_ids)
+            record.num_accepted_tokens += accepted
+            for index, token_id in enumerate(v.token_ids):
+                seq.num_computed_tokens += 1  # the token before this one (the last token, then each kept proposal)
+                manager.commit(seq)
+                seq.append_token(token_id)
+                if v.logprobs is not None:
+                    seq.logprobs.append(v.logprobs[index])
+                reason = scheduler.finish_reason(seq, token_id)
+                if reason is not None:
+                    scheduler.finish(seq, reason)
+                    finished.append(seq)
+                    break
+            else:
+                manager.trim(seq)  # the blocks only rejected proposals used
+                if isinstance(self.proposer, DraftProposer):
+                    self.proposer.after_verify(seq, first_position, len(v.draft_ids))
+        self.num_draft_tokens += record.num_draft_tokens
+        self.num_accepted_tokens += record.num_accepted_tokens
+        return finished
+
+
+def attach_speculative_loop(engine) -> SpeculativeLoop:
+    """Make `engine.step()` run the speculative loop; returns the loop (its proposer and acceptance totals)."""
+    loop = SpeculativeLoop(engine)
+    engine.run_step = loop.step
+    return loop

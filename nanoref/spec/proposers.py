@@ -1,0 +1,180 @@
+"""Who guesses the next k tokens: n-gram prompt lookup in the sequence's own tokens, or a small draft model.
+
+Every proposal is only a guess: the target checks it (`acceptance.py`), so a bad proposer costs speed, never
+correctness. What a proposer must get right is the bookkeeping: its proposals for sequence b are token ids of the
+target's vocabulary, at most `limits[b]` of them (a sequence near its max_tokens or max_model_len gets fewer).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from weakref import WeakKeyDictionary
+
+import numpy as np
+import torch
+
+from nanoref.engine.model_runner import StepInputs, prefill_metadata
+from nanoref.engine.sequence import Sequence
+from nanoref.layers.sampler import apply_top_k_top_p
+from nanoref.utils.context import reset_context
+from nanoref.utils.seams import seam
+
+
+def propose_ngram(token_ids: list[int], min_n: int, max_n: int, k: int) -> list[int]:
+    """Prompt lookup: find the sequence's last n tokens earlier in the sequence and propose the (up to) k tokens
+    that followed them there, for the longest n in [min_n, max_n] that occurs (its latest occurrence); [] when
+    none does. Text that repeats itself (code, a document being quoted, a list) is guessed right for free."""
+    tokens = np.asarray(token_ids, dtype=np.int64)
+    num = len(tokens)
+    for n in range(min(max_n, num - 1), min_n - 1, -1):
+        windows = np.lib.stride_tricks.sliding_window_view(tokens[: num - 1], n)  # (num - n, n): every earlier n-gram
+        starts = np.flatnonzero((windows == tokens[num - n :]).all(axis=1))
+        if starts.size:
+            start = int(starts[-1]) + n  # the tokens after the latest occurrence
+            return tokens[start : start + k].tolist()
+    return []
+
+
+@dataclass
+class Proposals:
+    """One step's guesses: per sequence its proposed ids; with a draft model also the distributions they were
+    drawn from."""
+
+    draft_ids: list[list[int]]
+    # (sum of len(draft_ids[b]), V) float32: row i of sequence b is q for its i-th proposal (None: deterministic)
+    probs: torch.Tensor | None = None
+
+
+class NgramProposer:
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.min_n, self.max_n = min_n, max_n
+
+    def propose(self, seqs: list[Sequence], limits: list[int], sample) -> Proposals:
+        return Proposals(
+            [propose_ngram(seq.token_ids, self.min_n, self.max_n, k) if k else [] for seq, k in zip(seqs, limits)]
+        )
+
+    def prefill(self, seqs: list[Sequence]) -> None:
+        """Nothing to compute alongside a prefill step: the lookup reads the tokens themselves."""
+
+    def forget(self, seq: Sequence) -> None:
+        pass
+
+
+def draft_probabilities(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """logits: (B, V), the draft's for one token of each sequence -> (B, V) float32: the distribution each
+    sequence's proposal is drawn from, with its request's temperature, top-k and top-p (as the target's p). Rows of
+    greedy requests are one-hot at the argmax."""
+    params = [seq.sampling_params for seq in seqs]
+    device = logits.device
+    temperatures = torch.tensor([max(p.temperature, 1e-5) for p in params], device=device)  # (B,)
+    scaled = logits.float() / temperatures[:, None]  # (B, V)
+    if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+        top_k = torch.tensor([p.top_k for p in params], device=device)
+        top_p = torch.tensor([p.top_p for p in params], device=device)
+        scaled = seam("apply_top_k_top_p", apply_top_k_top_p)(scaled, top_k, top_p)
+    probs = scaled.softmax(dim=-1)
+    greedy = torch.tensor([p.temperature == 0 for p in params], device=device)
+    if bool(greedy.any()):
+        one_hot = torch.zeros_like(probs).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
+        probs = torch.where(greedy[:, None], one_hot, probs)
+    return probs
+
+
+class DraftProposer:
+    """A small model with the target's vocabulary proposes by decoding k tokens itself.
+
+    Its KV cache has the target's block count and block size and is indexed by the same block tables
+    (`SpeculativeRunner`), so sequence b's draft K/V sits in the same slots as its target K/V, and prefix-cache hits
+    and preemption apply to both. The draft runs every prefill step alongside the target (on the same flat inputs),
+    so its K/V covers whatever the target's does. In a verify step it may lag: `computed[seq]` counts the tokens
+    with draft K/V, and its first forward of a step is a varlen step over the ones missing (usually 1; 2 after a
+    step that accepted all k, whose last proposal the draft never fed itself), then k - 1 decode steps of one token.
+    """
+
+    def __init__(self, runner) -> None:
+        self.runner = runner  # the draft's ModelRunner (its own model and KV cache; the target's block tables)
+        self.computed: WeakKeyDictionary[Sequence, int] = WeakKeyDictionary()  # (a finished one just goes)
+
+    @torch.inference_mode()
+    def prefill(self, seqs: list[Sequence]) -> None:
+        """The draft's forward over a prefill step's flat inputs (its logits are not needed: only its K/V)."""
+        runner = self.runner
+        step = runner.prepare_prefill(seqs)
+        try:
+            input_ids, positions = runner.upload(step)
+            runner.model(input_ids, positions)
+        finally:
+            reset_context()
+        for seq in seqs:
+            self.computed[seq] = seq.num_computed_tokens + seq.num_scheduled_tokens
+
+    def forget(self, seq: Sequence) -> None:
+        self.computed.pop(seq, None)
+
+    def propose(self, seqs: list[Sequence], limits: list[int], sample) -> Proposals:
+        """sample(probs (B, V), seqs) -> ids (B,): draws each row's token from its request's generator."""
+        active = [(seq, k) for seq, k in zip(seqs, limits) if k > 0]
+        draft_ids: dict[Sequence, list[int]] = {seq: [] for seq in seqs}
+        probs: dict[Sequence, list[torch.Tensor]] = {seq: [] for seq in seqs}
+        if active:
+            batch = [seq for seq, _ in active]
+            logits = self._catch_up(batch)  # (B, V): the draft's guess for each sequence's first proposal
+            limit = dict(active)
+            while True:
+                q = draft_probabilities(logits, batch)  # (B, V)
+                ids = sample(q, batch).tolist()
+                for row, seq in enumerate(batch):
+                    draft_ids[seq].append(ids[row])
+                    probs[seq].append(q[row])
+                batch_next = [seq for seq in batch if len(draft_ids[seq]) < limit[seq]]
+                if not batch_next:
+                    break
+                logits = self._decode(batch_next, [draft_ids[seq] for seq in batch_next])
+                batch = batch_next
+        rows = [q for seq in seqs for q in probs[seq]]
+        return Proposals([draft_ids[seq] for seq in seqs], torch.stack(rows) if rows else None)
+
+    def after_verify(self, seq: Sequence, first_position: int, num_draft_fed: int) -> None:
+        """seq's verify step is done: the draft holds K/V up to position first_position + num_draft_fed - 1 (its
+        catch-up ended at the last token; each later draft step fed one proposal), but never past seq's tokens."""
+        if num_draft_fed == 0:  # no draft forward ran for it: its lag stays
+            return
+        self.computed[seq] = min(first_position + num_draft_fed, seq.num_tokens - 1)
+
+    def _catch_up(self, seqs: list[Sequence]) -> torch.Tensor:
+        """A varlen step over each sequence's tokens without draft K/V -> (B, V) logits at its last token."""
+        runner = self.runner
+        starts = [self.computed.get(seq, 0) for seq in seqs]
+        flat = prefill_metadata(
+            [seq.token_ids for seq in seqs],
+            starts,
+            [seq.num_tokens - start for seq, start in zip(seqs, starts)],
+            [seq.block_table for seq in seqs],
+            runner.block_size,
+        )
+        arrays = {name: np.asarray(values, dtype=np.int64) for name, values in zip(flat._fields, flat)}
+        arrays["block_tables"] = runner.block_tables.padded(seqs)
+        step = StepInputs(
+            True, arrays, max(seq.num_tokens - s for seq, s in zip(seqs, starts)), max(seq.num_tokens for seq in seqs)
+        )
+        try:
+            input_ids, positions = runner.upload(step)
+            return runner.model.compute_logits(runner.model(input_ids, positions))  # (B, V)
+        finally:
+            reset_context()
+
+    def _decode(self, seqs: list[Sequence], drafts: list[list[int]]) -> torch.Tensor:
+        """One decode step of the draft, each sequence's input its latest proposal -> (B, V) logits."""
+        runner = self.runner
+        size = runner.block_size
+        positions = np.asarray([seq.num_tokens - 1 + len(d) for seq, d in zip(seqs, drafts)], dtype=np.int64)
+        tables = runner.block_tables.padded(seqs)  # (B, width)
+        slots = tables[np.arange(len(seqs)), positions // size] * size + positions % size  # (B,)
+        arrays = dict(input_ids=np.asarray([d[-1] for d in drafts], dtype=np.int64), positions=positions,
+                      slot_mapping=slots, context_lens=positions + 1, block_tables=tables)  # fmt: skip
+        try:
+            input_ids, positions_t = runner.upload(StepInputs(False, arrays))
+            return runner.run_model(input_ids, positions_t, False)  # (B, V), through its CUDA graphs if it has them
+        finally:
+            reset_context()
