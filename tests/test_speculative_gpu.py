@@ -1,0 +1,48 @@
+"""Speculative decoding on CUDA: the verify step (eager, varlen) and a draft's decode steps (its own CUDA graphs)."""
+
+from __future__ import annotations
+
+import pytest
+
+from nanoref import LLM, SamplingParams
+
+from .helpers import assert_matches_hf, assert_no_block_leaked, random_prompts
+from .test_speculative import repetitive_prompts
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("proposer", ["ngram", "draft"])
+def test_speculative_greedy_on_cuda_equals_hf(tiny_models, backend, proposer):
+    target, draft = tiny_models["gqa2-untied"], tiny_models["gqa4-bias"]
+    if proposer == "ngram":
+        spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}
+    else:
+        spec = {"model": target, "num_speculative_tokens": 3}  # (tiny models share their 256-token vocabulary)
+    llm = LLM(target, device="cuda", dtype="float32", attention_backend=backend, speculative_config=spec,
+              num_kvcache_blocks=64)  # fmt: skip
+    if proposer == "draft":
+        assert llm.model_runner.draft.decode_graphs is not None, "the draft's decode steps should replay graphs"
+    prompts = repetitive_prompts(0, 4) + random_prompts(1, [7, 40])
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert_matches_hf(target, prompts, outputs, params.max_tokens)
+    assert sum(step.num_accepted_tokens for step in llm.metrics.steps) > 0
+    assert_no_block_leaked(llm)
+    # a draft with other weights: proposals rejected, output still the target's
+    other = LLM(target, device="cuda", dtype="float32", attention_backend=backend, num_kvcache_blocks=64,
+                speculative_config={"model": draft, "num_speculative_tokens": 3})  # fmt: skip
+    assert [o["token_ids"] for o in other.generate(prompts, params, use_tqdm=False)] == [
+        o["token_ids"] for o in outputs
+    ]
+
+
+def test_speculative_sampling_on_cuda_in_bf16_runs_and_frees_its_blocks(tiny_model):
+    llm = LLM(tiny_model, device="cuda", speculative_config={"model": tiny_model, "num_speculative_tokens": 4})
+    params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=32, seed=3)
+    first = llm.generate(random_prompts(2, [5, 9, 30]), params, use_tqdm=False)
+    again = llm.generate(random_prompts(2, [5, 9, 30]), params, use_tqdm=False)
+    assert [o["token_ids"] for o in first] == [o["token_ids"] for o in again]  # seeded: the same tokens
+    assert all(len(o["token_ids"]) == 32 or o["finish_reason"] == "stop" for o in first)
+    assert_no_block_leaked(llm)
