@@ -124,7 +124,7 @@ def test_a_bad_request_raises_at_once_and_queues_nothing(engine, llm):
         engine.generate([5, 100_000], GREEDY)
     with pytest.raises(TypeError, match="SamplingParams"):
         engine.generate("Hello", {"max_tokens": 3})
-    assert engine._inbox.empty() and llm.is_finished()
+    assert engine._engine._inbox.empty() and llm.is_finished()
 
     async def duplicate():
         first = engine.generate("Hello", LONG, request_id="same")
