@@ -99,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     sys.setswitchinterval(args.switch_interval)
     try:
         server.run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn hands Ctrl-C back once it has shut down: that is the clean stop
+        pass
     finally:
         engine.close()
         sock.close()
