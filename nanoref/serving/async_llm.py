@@ -297,6 +297,8 @@ class AsyncLLM:
                     unfinished -= item.finished
                     finished = not unfinished
                     yield item
+                    if finished:  # (anything after its last output is not this request's: close's errors)
+                        break
                 # the consumer is done with what it read (sent it, when it is the server): the engine may make
                 # the next output
                 self._read(request.key)
@@ -346,6 +348,8 @@ class AsyncLLM:
             return
         self._closed = True
         self._engine.close(timeout)
+        # an engine that did not stop in time (a step that never ends) answers nobody: its requests fail now
+        self._fail_in_flight("this AsyncLLM was closed before the engine stopped")
 
     async def shutdown(self) -> None:
         await asyncio.to_thread(self.close)  # joining the engine waits for a step: not on the event loop
@@ -375,9 +379,16 @@ class AsyncLLM:
         """The engine ended without being asked to: every request in flight fails, and so does every later one."""
         with self._requests_lock:
             self._failure = reason
+        self._fail_in_flight(f"{reason}: the requests in flight were lost")
+
+    def _fail_in_flight(self, why: str) -> None:
+        """Every request whose consumer has not ended gets an error after what it already has queued (a request
+        whose last output is queued ends with that)."""
+        with self._requests_lock:
             pending = list(self._by_key.values())
-        error = RuntimeError(f"{reason}: the requests in flight were lost")
-        self._on_message(StepMessage([], [(request.key, error) for request in pending], self._stats))
+        if pending:
+            error = RuntimeError(why)
+            self._on_message(StepMessage([], [(request.key, error) for request in pending], self._stats))
 
 
 def _publish(items: list[tuple[_Request, RequestOutput | BaseException]]) -> None:
