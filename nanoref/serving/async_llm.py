@@ -228,20 +228,19 @@ class AsyncLLM:
                 "process, and an engine in a process of its own would run nanoref's instead; use "
                 "engine_process=False (or None)"
             )
+        # the config alone, no weights: a bad folder or setting raises here, before any process starts
+        config = EngineConfig(model, **settings)
         if engine_process is None:
-            # (the config alone, no weights: a bad folder or setting raises here, before any process starts)
-            engine_process = EngineConfig(model, **settings).device.type == "cuda" and not learner
+            engine_process = config.device.type == "cuda" and not learner
         if not engine_process:
             return cls(LLM(model, **settings), owns_llm=True)
-        return cls._in_process(model, settings)
+        return cls._in_process(model, settings, config.model_folder)
 
     @classmethod
-    def _in_process(cls, model: str | Path, settings: dict) -> AsyncLLM:
+    def _in_process(cls, model: str | Path, settings: dict, folder: Path) -> AsyncLLM:
         from nanoref.serving.engine_process import EngineProcess
 
-        # checked here first (a bad folder or setting needs no process), and the tokenizer for this side's checks
-        folder = EngineConfig(model, **settings).model_folder
-        tokenizer = load_tokenizer(folder)
+        tokenizer = load_tokenizer(folder)  # this side's own, for the checks and nothing else
         if tokenizer is None:
             raise ValueError(f"{folder} has no tokenizer: streamed text needs one")
         engine = cls.__new__(cls)
@@ -249,7 +248,8 @@ class AsyncLLM:
         engine._stats = None
         engine._engine = EngineProcess(model, settings, engine._on_message, engine._on_exit)
         engine.config = engine._engine.config
-        engine._stats = engine._stats or engine._engine.stats
+        if engine._stats is None:  # (else the reader thread has handed on a step message already: newer)
+            engine._stats = engine._engine.stats
         return engine
 
     # -- the caller's side (the event loop) -------------------------------------------------------
