@@ -13,6 +13,8 @@ import sys
 
 from nanoref.llm import DEFAULT_MODEL
 
+ENGINE_PROCESS = {"auto": None, "on": True, "off": False}  # --engine-process -> AsyncLLM.from_model's engine_process
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -35,6 +37,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds a Python thread may hold the GIL while another waits (default 0.001; the interpreter's own "
         "is 0.005): the engine thread's host work between forwards must not wait that long for the event loop",
     )
+    parser.add_argument(
+        "--engine-process",
+        choices=sorted(ENGINE_PROCESS),
+        default="auto",
+        help="run the engine in a process of its own, apart from the HTTP server's (default auto: on for CUDA, "
+        "where the server's Python work would otherwise hold back the GPU's steps; off on a CPU)",
+    )
     engine = parser.add_argument_group("engine")
     engine.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     engine.add_argument("--dtype", default=None, help="float32, float16 or bfloat16 (default: per device)")
@@ -55,7 +64,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import uvicorn
 
-        from nanoref.llm import LLM
         from nanoref.serving.api_server import build_app
         from nanoref.serving.async_llm import AsyncLLM
     except ImportError as error:
@@ -69,8 +77,8 @@ def main(argv: list[str] | None = None) -> int:
         **({"num_kvcache_blocks": args.num_kvcache_blocks} if args.num_kvcache_blocks is not None else {}),
     }
     try:
-        engine = AsyncLLM(LLM(args.model, **settings), owns_llm=True)
-    except (ValueError, TypeError) as error:  # ModelFolderError is a ValueError
+        engine = AsyncLLM.from_model(args.model, engine_process=ENGINE_PROCESS[args.engine_process], **settings)
+    except (ValueError, TypeError, RuntimeError) as error:  # (ModelFolderError is a ValueError)
         print(f"error: {error}", file=sys.stderr)
         return 2
     try:
@@ -84,12 +92,15 @@ def main(argv: list[str] | None = None) -> int:
     host, port = sock.getsockname()[:2]
     print(f"nanoref serves {name!r} on http://{host}:{port}/v1 (Ctrl-C stops it)", flush=True)
     server = uvicorn.Server(uvicorn.Config(build_app(engine, name), log_level="warning"))
-    # This process is the server's own: two threads share its GIL, the event loop streaming responses and the
-    # engine thread stepping. A thread that wants the GIL waits up to the switch interval for the other to let go,
-    # and the engine thread wants it back after every wait for the device.
+    # This process is the server's own: threads share its GIL, the event loop streaming responses and the engine
+    # thread stepping (or, with the engine in its own process, the thread reading its messages). A thread that
+    # wants the GIL waits up to the switch interval for the other to let go, and the engine thread wants it back
+    # after every wait for the device.
     sys.setswitchinterval(args.switch_interval)
     try:
         server.run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn hands Ctrl-C back once it has shut down: that is the clean stop
+        pass
     finally:
         engine.close()
         sock.close()

@@ -401,8 +401,12 @@ class Server:
         """Every request done and every KV block back, within a deadline."""
         import time
 
+        def busy() -> bool:  # (from the engine's step messages: true of both of AsyncLLM's forms)
+            stats = self.engine.stats()
+            return bool(stats.num_kv_blocks_used or stats.num_running or stats.num_waiting)
+
         deadline = time.monotonic() + seconds
-        while self.blocks_used() or not self.engine.llm.is_finished():
+        while busy():
             if time.monotonic() > deadline:
                 raise AssertionError(f"{self.blocks_used()} KV blocks still held after {seconds} s")
             time.sleep(0.01)

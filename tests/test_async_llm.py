@@ -124,7 +124,7 @@ def test_a_bad_request_raises_at_once_and_queues_nothing(engine, llm):
         engine.generate([5, 100_000], GREEDY)
     with pytest.raises(TypeError, match="SamplingParams"):
         engine.generate("Hello", {"max_tokens": 3})
-    assert engine._inbox.empty() and llm.is_finished()
+    assert engine._engine._inbox.empty() and llm.is_finished()
 
     async def duplicate():
         first = engine.generate("Hello", LONG, request_id="same")
@@ -249,3 +249,36 @@ def test_coalesce_merges_each_samples_outputs_in_order_and_never_across_an_error
     ]
     assert merged[2] is error
     assert (merged[3].index, merged[3].text) == (1, "y")
+
+
+def test_close_fails_the_requests_of_an_engine_that_does_not_stop_in_time(llm, monkeypatch):
+    import threading
+
+    release, stuck = threading.Event(), threading.Event()
+    real_run = llm.model_runner.run
+
+    def run_until_released(seqs, *args, **kwargs):
+        if llm.model_runner.num_steps_seen:  # the second step never ends (until the test lets it)
+            stuck.set()
+            release.wait(TIMEOUT)
+        llm.model_runner.num_steps_seen += 1
+        return real_run(seqs, *args, **kwargs)
+
+    monkeypatch.setattr(llm.model_runner, "num_steps_seen", 0, raising=False)
+    monkeypatch.setattr(llm.model_runner, "run", run_until_released)
+    engine = AsyncLLM(llm)
+    try:
+
+        async def main():
+            stream = engine.generate(PROMPTS[0], LONG)
+            await stream.__anext__()
+            await asyncio.to_thread(stuck.wait, TIMEOUT)
+            engine.close(timeout=0.05)
+            with pytest.raises(RuntimeError, match="closed before the engine stopped"):
+                await asyncio.wait_for(collect(stream), 5)  # not a hang
+
+        run(main())
+    finally:
+        release.set()
+        engine._engine._thread.join(TIMEOUT)
+    assert_no_block_leaked(llm)

@@ -6,6 +6,7 @@ import asyncio
 import json
 import random
 import time
+from pathlib import Path
 
 import pytest
 
@@ -237,3 +238,75 @@ def test_the_serve_command_refuses_a_missing_model_folder(tmp_path, capsys):
 
     assert main([str(tmp_path / "missing"), "--device", "cpu"]) == 2
     assert capsys.readouterr().err.startswith("error: ")
+
+
+# -- the engine in a process of its own (AsyncLLM.from_model(engine_process=True); --engine-process on) --------
+
+
+@pytest.fixture(scope="module")
+def process_server():
+    with running_server(AsyncLLM.from_model(engine_process=True, **SETTINGS), MODEL) as running:
+        yield running
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_server_on_an_engine_process_equals_offline_generate(process_server, offline, stream):
+    client = process_server.client()
+    prompt, params = "Beautiful is better than", dict(temperature=0, max_tokens=12)
+    expected = offline_text(process_server, offline, prompt, ignore_eos=True, **params)
+    args = dict(model=MODEL, prompt=prompt, extra_body={"ignore_eos": True}, **params)
+    if stream:
+        text = "".join(c.choices[0].text for c in client.completions.create(stream=True, **args))
+    else:
+        text = client.completions.create(**args).choices[0].text
+    assert text == expected
+    process_server.wait_until_idle()
+    metrics = scrape(process_server)  # the engine's numbers come with its step messages
+    assert metrics["nanoref_kv_cache_blocks_total"] == SETTINGS["num_kvcache_blocks"]
+    assert metrics["nanoref_kv_cache_blocks_used"] == 0 and metrics["nanoref_prefix_cache_queries_total"] > 0
+    assert httpx.get(f"{process_server.url}/health", timeout=TIMEOUT).json() == {"status": "ok"}
+
+
+def children_of(pid: int) -> set[int]:
+    from pathlib import Path
+
+    found = set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # (a process that ended while we looked)
+            continue
+        if int(fields[1]) == pid:
+            found.add(int(stat.parent.name))
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the engine process through /proc")
+def test_the_serve_command_with_engine_process_on_serves_and_stops_on_ctrl_c():
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    command = [sys.executable, "-m", "nanoref.serve", "--device", "cpu", "--port", "0", "--engine-process", "on"]
+    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ)
+    try:
+        line = server.stdout.readline()  # "nanoref serves ... on http://127.0.0.1:PORT/v1 (Ctrl-C stops it)"
+        assert " on http://" in line, line + server.stderr.read()
+        url = line.split(" on ", 1)[1].split()[0]
+        children = children_of(server.pid)  # the engine process (and multiprocessing's resource tracker)
+        engine = {pid for pid in children if "resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_text()}
+        assert len(engine) == 1
+        body = {"prompt": "Beautiful is", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+        answer = httpx.post(f"{url}/completions", json=body, timeout=TIMEOUT).json()
+        assert answer["usage"]["completion_tokens"] == 4
+        server.send_signal(signal.SIGINT)
+        assert server.wait(TIMEOUT) == 0, server.stderr.read()
+        assert "Traceback" not in server.stderr.read()
+        for pid in engine:  # the engine process went with the server (stopped and reaped by it)
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()

@@ -134,6 +134,11 @@ class BlockTables:
         return self.array[rows, :width]
 
 
+def blocks_needed(num_tokens: int, block_size: int) -> int:
+    """KV blocks that hold num_tokens tokens."""
+    return (num_tokens + block_size - 1) // block_size
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self.block_size = block_size
@@ -164,7 +169,7 @@ class BlockManager:
         return len(self.free_block_ids)
 
     def blocks_needed(self, num_tokens: int) -> int:
-        return (num_tokens + self.block_size - 1) // self.block_size
+        return blocks_needed(num_tokens, self.block_size)
 
     # -- which forward ------------------------------------------------------------------------
     def use_forward(self, forward: ForwardKey | None) -> None:

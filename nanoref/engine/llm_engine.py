@@ -98,7 +98,7 @@ class LLMEngine:
         """A checked request's `params.n` samples (see make_sequence), not yet queued; sample i has `index` i and,
         when the request is seeded, the seed params.seed + i."""
         token_ids = self.tokenize(prompt)
-        check_request(token_ids, params, self.config, self.scheduler.block_manager)
+        check_request(token_ids, params, self.config)
         stop = params.stop_strings
         if (stream or stop) and self.tokenizer is None:
             need = "a stream of text" if stream else "stop strings"

@@ -7,7 +7,7 @@ import operator
 from typing import Any
 
 from nanoref.config import EngineConfig
-from nanoref.engine.block_manager import BlockManager
+from nanoref.engine.block_manager import blocks_needed
 from nanoref.sampling_params import SamplingParams
 
 
@@ -27,8 +27,9 @@ def tokenize(prompt: str | list[int], tokenizer: Any | None, config: EngineConfi
         raise TypeError("a prompt must be a string or a list of integer token ids") from None
 
 
-def check_request(token_ids: list[int], params: SamplingParams, config: EngineConfig, manager: BlockManager) -> None:
-    """Raise ValueError, naming the problem, for a request the engine could never serve."""
+def check_request(token_ids: list[int], params: SamplingParams, config: EngineConfig) -> None:
+    """Raise ValueError, naming the problem, for a request the engine could never serve. config: the engine's, with
+    its KV block count (what a process without the engine, a server's front, can check a request against too)."""
     if not isinstance(params, SamplingParams):
         raise TypeError(f"sampling params must be SamplingParams, got {type(params).__name__}")
     params.validate()
@@ -48,10 +49,11 @@ def check_request(token_ids: list[int], params: SamplingParams, config: EngineCo
             f"at most {limit - 1} prompt tokens leave room for a generated one"
         )
     longest = min(len(token_ids) + int(params.max_tokens), limit)  # (a NumPy integer could overflow here)
-    if manager.blocks_needed(longest) > manager.num_blocks:
+    needed, num_blocks = blocks_needed(longest, config.kvcache_block_size), config.num_kvcache_blocks
+    if needed > num_blocks:
         raise ValueError(
-            f"the request needs up to {manager.blocks_needed(longest)} KV blocks ({longest} tokens) but the "
-            f"cache has only {manager.num_blocks}: raise num_kvcache_blocks or lower max_tokens"
+            f"the request needs up to {needed} KV blocks ({longest} tokens) but the "
+            f"cache has only {num_blocks}: raise num_kvcache_blocks or lower max_tokens"
         )
 
 

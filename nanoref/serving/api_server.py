@@ -374,7 +374,7 @@ def build_app(engine: AsyncLLM, served_model_name: str) -> FastAPI:
     app = FastAPI(title="nanoref")
     app.state.engine = engine
     app.state.metrics = metrics = ServerMetrics(engine)
-    tokenizer, folder = engine.llm.tokenizer, engine.llm.config.model_folder
+    tokenizer, folder = engine.tokenizer, engine.config.model_folder
 
     @app.exception_handler(BadRequest)
     async def bad_request(_: Request, error: BadRequest) -> JSONResponse:
@@ -569,7 +569,7 @@ def build_app(engine: AsyncLLM, served_model_name: str) -> FastAPI:
     @app.get("/health")
     async def health() -> Response:
         if not engine.is_running:
-            return JSONResponse(error_body("the engine thread has stopped", None, 503), status_code=503)
+            return JSONResponse(error_body("the engine has stopped", None, 503), status_code=503)
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")

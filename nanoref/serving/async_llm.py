@@ -8,44 +8,57 @@ goes away must stop costing KV blocks. The engine already has what this needs (`
 A request's life online:
 
     out = engine.generate(prompt, params, request_id="r1")   # 1. checked here: a bad request raises now
-    async for piece in out:                                   # 2. queued in the engine thread's inbox
+    async for piece in out:                                   # 2. sent to the engine's loop (engine_loop.py)
         print(piece.text, end="")                             # 3. a piece after each engine step that made one
     # 4. the last piece has finished=True, finish_reason and metrics; closing early (break, a cancelled task)
     #    aborts the request: its blocks go back at the next step boundary
     # (with n > 1, the pieces of its n samples come interleaved, each with its sample's `index`, and the
     #  iteration ends after every sample's last piece)
 
-Why one background thread: a step is blocking CPU/GPU work (a forward pass) that would freeze the event loop and
-every other client with it. So one thread owns the engine's loop: it takes new requests and aborts from a
-thread-safe inbox *between* steps (the only moment the engine's state may change), runs `step()` while any request
-is unfinished, sleeps on the inbox when there is nothing to do, and hands each request's new output to that
-request's `asyncio.Queue` through `loop.call_soon_threadsafe` (asyncio objects belong to their loop's thread).
+Why the engine runs apart from the event loop: a step is blocking CPU/GPU work (a forward pass) that would freeze
+the event loop and every other client with it. So the engine's loop (engine_loop.py's `EngineLoop`) runs on its
+own: it takes new requests and aborts *between* steps (the only moment the engine's state may change), steps while
+any request is unfinished, sleeps when there is nothing to do, and sends ONE message per step with every request's
+new tokens and text. Here, that message becomes each request's outputs, handed to the event loop at once
+(`loop.call_soon_threadsafe`: asyncio objects belong to their loop's thread).
+
+Where that loop runs, the two forms of `AsyncLLM`:
+- a thread of this process (`AsyncLLM(llm)`; the default on a CPU): simple, and a `seams.use(...)` block around
+  the start reaches its steps (notebook 11 serves a learner's function this way);
+- a process of its own (engine_process.py; the default on CUDA): the thread shares this process's GIL with the
+  event loop, and with hundreds of streams their Python work together outlasts a GPU step. Requests are checked
+  here all the same, against the engine's config and this process's own tokenizer.
+Both behave the same to a caller.
 
 What one step costs beyond the forward is what a server adds to offline `generate`, so per token it does little:
-- a request gets a new output only once its consumer has taken the previous one; a consumer that falls behind
-  (hundreds of streams on one event loop) reads several tokens in one piece, and the engine thread spends nothing
-  on it meanwhile (a finished sample's last output is always sent: it carries everything not sent yet);
-- text is decoded when an output is made, for all its new tokens at once; only a request with stop strings has its
-  text grown token by token in the engine, where the stop strings are matched.
+a consumer that falls behind (hundreds of streams on one event loop) reads several tokens in one piece, and the
+engine spends nothing on it meanwhile; text is decoded in the engine's loop, for all of a piece's tokens at once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextvars
+import itertools
 import queue
 import threading
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
-from nanoref.engine.detokenizer import IncrementalDetokenizer
+from nanoref.config import EngineConfig
 from nanoref.engine.metrics import RequestMetrics
-from nanoref.engine.sequence import Sequence
+from nanoref.engine.requests import check_request, tokenize
 from nanoref.layers.logits_processors import TokenLogprobs
-from nanoref.llm import DEFAULT_MODEL, LLM
+from nanoref.llm import DEFAULT_MODEL, LLM, SETTINGS
 from nanoref.sampling_params import SamplingParams
+from nanoref.serving.engine_loop import EngineLoop, EngineStats, SampleDelta, StepMessage
+from nanoref.utils import seams
+from nanoref.utils.loader import load_tokenizer
+
+__all__ = ["AsyncLLM", "EngineStats", "RequestOutput", "coalesce"]
 
 
 @dataclass
@@ -81,79 +94,163 @@ class RequestOutput:
         )
 
 
-@dataclass
-class EngineStats:
-    """A snapshot for a metrics endpoint."""
+@dataclass(eq=False)  # compared by identity: two requests are never the same one
+class _Request:
+    key: int  # this submission's number in the engine's messages
+    request_id: str
+    loop: asyncio.AbstractEventLoop
+    num_samples: int
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    # each sample's tokens and text so far (written by the thread that receives the step messages)
+    token_ids: list[list[int]] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
 
-    num_running: int
-    num_waiting: int
-    num_kv_blocks_used: int
-    num_kv_blocks: int
-    prefix_cache_queried_tokens: int  # prompt tokens of the finished requests
-    prefix_cache_hit_tokens: int  # the part of them served from the prefix cache
+    def __post_init__(self) -> None:
+        self.token_ids = [[] for _ in range(self.num_samples)]
+        self.texts = [""] * self.num_samples
 
-    @property
-    def prefix_cache_hit_rate(self) -> float:
-        return (
-            self.prefix_cache_hit_tokens / self.prefix_cache_queried_tokens if self.prefix_cache_queried_tokens else 0.0
+    def output(self, delta: SampleDelta) -> RequestOutput:
+        """The sample's next output: the delta and, around it, everything the sample made so far."""
+        tokens = self.token_ids[delta.index]
+        tokens.extend(delta.token_ids)
+        self.texts[delta.index] += delta.text
+        return RequestOutput(
+            request_id=self.request_id,
+            text=delta.text,
+            token_ids=delta.token_ids,
+            cumulative_text=self.texts[delta.index],
+            cumulative_token_ids=list(tokens),
+            num_prompt_tokens=delta.num_prompt_tokens,
+            finished=delta.finished,
+            finish_reason=delta.finish_reason,
+            metrics=delta.metrics,
+            index=delta.index,
+            stop_reason=delta.stop_reason,
+            logprobs=delta.logprobs,
         )
 
 
-@dataclass(eq=False)  # compared by identity: two samples are never the same one
-class _Sample:
-    seq: Sequence
-    # its text, decoded when an output is made (the engine's own `seq.detokenizer` where stop strings need one)
-    detokenizer: IncrementalDetokenizer
-    num_sent_tokens: int = 0  # what earlier outputs delivered
-    num_sent_chars: int = 0
-    done: bool = False  # its finished output is sent
+class EngineThread:
+    """An EngineLoop on `llm` in a background thread of this process (see EngineProcess for the other form)."""
 
+    def __init__(
+        self, llm: LLM, on_message: Callable[[StepMessage], None], on_exit: Callable[[str], None], owns_llm: bool
+    ) -> None:
+        self.llm, self.config, self._owns_llm = llm, llm.config, owns_llm
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # commands (engine_loop.py)
+        loop = EngineLoop(llm, self._receive, on_message)
+        self.stats = loop.stats()
+        self._stopping = False
+        # in a copy of the creator's context: a `seams.use(...)` block around the start reaches the thread's steps
+        run = contextvars.copy_context().run
+        self._thread = threading.Thread(target=run, args=(self._run, loop, on_exit), name="nanoref-engine", daemon=True)
+        self._thread.start()
 
-@dataclass(eq=False)  # compared by identity: two requests are never the same one
-class _Request:
-    request_id: str
-    samples: list[_Sample]  # its n samples, sample i at index i
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    # an output was handed to the loop and its consumer has not taken it yet: the engine thread makes no new one
-    # (read and written under the GIL; the consumer clears it when it empties its queue)
-    unread: bool = False
+    def _run(self, loop: EngineLoop, on_exit: Callable[[str], None]) -> None:
+        try:
+            loop.run()
+        finally:
+            if not self._stopping:  # (a BaseException out of a step: the loop catches the rest)
+                on_exit("the engine thread ended unexpectedly")
 
+    def _receive(self, wait: bool) -> list[tuple]:
+        items = [self._inbox.get()] if wait else []
+        while True:
+            try:
+                items.append(self._inbox.get_nowait())
+            except queue.Empty:
+                return items
 
-_STOP = object()  # the inbox's last item: the engine thread ends
+    def send(self, command: tuple) -> None:
+        self._inbox.put(command)
+
+    def is_alive(self) -> bool:
+        return not self._stopping and self._thread.is_alive()
+
+    def close(self, timeout: float = 30.0) -> None:
+        if self._stopping:
+            return
+        self._stopping = True
+        self._inbox.put(("stop",))
+        self._thread.join(timeout)
+        if self._owns_llm:
+            self.llm.close()
 
 
 class AsyncLLM:
-    """An asyncio front on an `LLM`; see the module docstring for a request's life. While it runs, the LLM is
-    its engine thread's alone (an offline `generate` on the same LLM would step this one's requests too).
+    """An asyncio front on an engine; see the module docstring for a request's life and its two forms.
 
-        engine = AsyncLLM(LLM(device="cpu"))
+        engine = AsyncLLM.from_model(device="cpu")      # or AsyncLLM(LLM(...)): the thread form on that LLM
         async for out in engine.generate("Hello", SamplingParams(max_tokens=16)):
             print(out.text, end="")
         await engine.shutdown()
-    """
+
+    `llm` is the LLM in the thread form (while it runs, it is the engine thread's alone: an offline `generate` on
+    it would step this one's requests too) and None in the process form; `tokenizer` and `config` (the engine's,
+    with its KV block count) are there in both."""
 
     def __init__(self, llm: LLM, *, owns_llm: bool = False) -> None:
-        """owns_llm: close() also closes the LLM (from_model's)."""
+        """The thread form on `llm`; owns_llm: close() also closes the LLM (from_model's)."""
         if llm.tokenizer is None:
             raise ValueError(f"{llm.config.model_folder} has no tokenizer: streamed text needs one")
-        self.llm = llm
-        self._owns_llm = owns_llm
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # ("add" | "abort", _Request), or _STOP
+        self._begin(llm, llm.tokenizer)
+        self._engine: Any = EngineThread(llm, self._on_message, self._on_exit, owns_llm)
+        self.config: EngineConfig = self._engine.config
+        self._stats: EngineStats = self._engine.stats
+
+    def _begin(self, llm: LLM | None, tokenizer: Any) -> None:
+        self.llm, self.tokenizer = llm, tokenizer
         self._requests: dict[str, _Request] = {}  # request_id -> request, from submission until its consumer ends
+        self._by_key: dict[int, _Request] = {}
+        self._keys = itertools.count()
         self._requests_lock = threading.Lock()  # (consumers may run on several event loops)
-        self._queried_tokens = 0  # prefix-cache counters, written by the engine thread only
-        self._hit_tokens = 0
+        self._reads: list[int] = []  # keys whose consumers took their output since the last "read" command
+        self._reads_lock = threading.Lock()
         self._closed = False
-        # in a copy of the creator's context: a `seams.use(...)` block around the start reaches the thread's steps
-        run = contextvars.copy_context().run
-        self._thread = threading.Thread(target=run, args=(self._engine_loop,), name="nanoref-engine", daemon=True)
-        self._thread.start()
+        self._failure: str | None = None  # why the engine is gone, when it died
 
     @classmethod
-    def from_model(cls, model: str | Path = DEFAULT_MODEL, **settings) -> AsyncLLM:
-        """An AsyncLLM on a new LLM(model, **settings), which its close() closes."""
-        return cls(LLM(model, **settings), owns_llm=True)
+    def from_model(cls, model: str | Path = DEFAULT_MODEL, engine_process: bool | None = None, **settings) -> AsyncLLM:
+        """An AsyncLLM on a new LLM(model, **settings), which its close() closes.
+
+        engine_process: run the engine in a process of its own (True), in a thread of this one (False), or
+        None: a process on CUDA, a thread on a CPU (no GPU step to overlap with there) and wherever a `seams.use`
+        block is active (its functions live in this process, where a spawned engine cannot call them)."""
+        if engine_process not in (None, True, False):
+            raise TypeError(f"engine_process must be None, True or False, got {engine_process!r}")
+        unknown = sorted(set(settings) - SETTINGS)
+        if unknown:
+            raise TypeError(f"unexpected setting {unknown[0]!r}; the settings: {sorted(SETTINGS)}")
+        learner = seams.active()
+        if engine_process and learner:
+            raise ValueError(
+                f"engine_process=True with seams.use({', '.join(learner)}) active: those functions live in this "
+                "process, and an engine in a process of its own would run nanoref's instead; use "
+                "engine_process=False (or None)"
+            )
+        # the config alone, no weights: a bad folder or setting raises here, before any process starts
+        config = EngineConfig(model, **settings)
+        if engine_process is None:
+            engine_process = config.device.type == "cuda" and not learner
+        if not engine_process:
+            return cls(LLM(model, **settings), owns_llm=True)
+        return cls._in_process(model, settings, config.model_folder)
+
+    @classmethod
+    def _in_process(cls, model: str | Path, settings: dict, folder: Path) -> AsyncLLM:
+        from nanoref.serving.engine_process import EngineProcess
+
+        tokenizer = load_tokenizer(folder)  # this side's own, for the checks and nothing else
+        if tokenizer is None:
+            raise ValueError(f"{folder} has no tokenizer: streamed text needs one")
+        engine = cls.__new__(cls)
+        engine._begin(None, tokenizer)
+        engine._stats = None
+        engine._engine = EngineProcess(model, settings, engine._on_message, engine._on_exit)
+        engine.config = engine._engine.config
+        if engine._stats is None:  # (else the reader thread has handed on a step message already: newer)
+            engine._stats = engine._engine.stats
+        return engine
 
     # -- the caller's side (the event loop) -------------------------------------------------------
     def generate(
@@ -164,30 +261,32 @@ class AsyncLLM:
         (ValueError/TypeError) raises here, before anything is queued; the request is queued when the first output
         is awaited, and a duplicate request_id raises ValueError there. Leaving the iteration early (break,
         aclose, cancellation) aborts every sample of the request."""
+        self._check_running()
+        params = SamplingParams() if params is None else params
+        token_ids = tokenize(prompt, self.tokenizer, self.config)
+        check_request(token_ids, params, self.config)  # (the engine's own checks, on its config)
+        return self._stream(token_ids, params, request_id or f"req-{uuid.uuid4().hex}")
+
+    def _check_running(self) -> None:
+        if self._failure is not None:
+            raise RuntimeError(f"{self._failure}: this AsyncLLM serves no more requests; start a new one")
         if self._closed:
             raise RuntimeError("this AsyncLLM is closed")
-        seqs = self.llm.make_samples(prompt, SamplingParams() if params is None else params, request_id)
-        if self.llm.tokenizer is None:
-            raise ValueError(f"{self.llm.config.model_folder} has no tokenizer: a stream of text needs one")
-        return self._stream(seqs, request_id or f"req-{uuid.uuid4().hex}")
 
-    async def _stream(self, seqs: list[Sequence], request_id: str) -> AsyncIterator[RequestOutput]:
-        samples = [_Sample(seq, seq.detokenizer or IncrementalDetokenizer(self.llm.tokenizer)) for seq in seqs]
-        request = _Request(request_id, samples, asyncio.get_running_loop())
-        if self._closed:  # (no engine thread would ever answer)
-            raise RuntimeError("this AsyncLLM is closed")
-        with self._requests_lock:
+    async def _stream(
+        self, token_ids: list[int], params: SamplingParams, request_id: str
+    ) -> AsyncIterator[RequestOutput]:
+        request = _Request(next(self._keys), request_id, asyncio.get_running_loop(), params.n)
+        with self._requests_lock:  # (with _on_exit: a request is either failed by it or refused here)
+            self._check_running()
             if request_id in self._requests:
                 raise ValueError(f"request id {request_id!r} is already in flight: give each request its own id")
-            self._requests[request_id] = request
-        unfinished = len(seqs)  # samples whose finished output has not arrived yet
+            self._requests[request_id] = self._by_key[request.key] = request
+        unfinished = params.n  # samples whose finished output has not arrived yet
         finished = False
         try:
-            self._inbox.put(("add", request))
+            self._engine.send(("add", request.key, request_id, token_ids, params))
             while not finished:
-                # the consumer is done with what it read last (sent it, when it is the server): the engine thread
-                # may make the next output
-                request.unread = False
                 items = [await request.queue.get()]
                 while not request.queue.empty():  # what queued up while the consumer was busy: sent as one
                     items.append(request.queue.get_nowait())
@@ -198,11 +297,32 @@ class AsyncLLM:
                     unfinished -= item.finished
                     finished = not unfinished
                     yield item
+                    if finished:  # (anything after its last output is not this request's: close's errors)
+                        break
+                # the consumer is done with what it read (sent it, when it is the server): the engine may make
+                # the next output
+                self._read(request.key)
         finally:
             with self._requests_lock:
                 self._requests.pop(request_id, None)
+                self._by_key.pop(request.key, None)
             if not finished:  # the consumer left early: free its blocks at the next step boundary
-                self._inbox.put(("abort", request))
+                self._engine.send(("abort", request.key))
+
+    def _read(self, key: int) -> None:
+        """Tell the engine that this request's consumer took its output: one "read" command per event loop turn
+        for all the requests read in it, not one per request."""
+        with self._reads_lock:
+            first = not self._reads
+            self._reads.append(key)
+        if first:
+            asyncio.get_running_loop().call_soon(self._send_reads)
+
+    def _send_reads(self) -> None:
+        with self._reads_lock:
+            keys, self._reads = self._reads, []
+        if keys:
+            self._engine.send(("read", keys))
 
     async def abort(self, request_id: str) -> None:
         """End a request in flight: each of its unfinished samples ends with a last output whose finish_reason is
@@ -210,152 +330,71 @@ class AsyncLLM:
         with self._requests_lock:
             request = self._requests.get(request_id)
         if request is not None:
-            self._inbox.put(("abort", request))
+            self._engine.send(("abort", request.key))
 
     @property
     def is_running(self) -> bool:
-        """The engine thread is alive and taking requests."""
-        return not self._closed and self._thread.is_alive()
+        """The engine is alive and taking requests."""
+        return not self._closed and self._failure is None and self._engine.is_alive()
 
     def stats(self) -> EngineStats:
-        """Read without the engine's lock (a step holds it for a whole forward): a snapshot, maybe a step old."""
-        scheduler = self.llm.scheduler
-        manager = scheduler.block_manager
-        return EngineStats(
-            num_running=len(scheduler.running),
-            num_waiting=len(scheduler.waiting),
-            num_kv_blocks_used=manager.num_blocks - manager.num_free_blocks,
-            num_kv_blocks=manager.num_blocks,
-            prefix_cache_queried_tokens=self._queried_tokens,
-            prefix_cache_hit_tokens=self._hit_tokens,
-        )
+        """The engine's numbers as of its last step message: a snapshot, maybe a step old."""
+        return self._stats
 
     def close(self, timeout: float = 30.0) -> None:
-        """Stop the engine thread (requests in flight end with "abort"); an owned LLM is closed too."""
+        """Stop the engine (requests in flight end with "abort"): its thread, or its process (terminated when it
+        does not stop within `timeout`); an owned LLM is closed too."""
         if self._closed:
             return
         self._closed = True
-        self._inbox.put(_STOP)
-        self._thread.join(timeout)
-        if self._owns_llm:
-            self.llm.close()
+        self._engine.close(timeout)
+        # an engine that did not stop in time (a step that never ends) answers nobody: its requests fail now
+        self._fail_in_flight("this AsyncLLM was closed before the engine stopped")
 
     async def shutdown(self) -> None:
-        await asyncio.to_thread(self.close)  # joining the thread waits for a step: not on the event loop
+        await asyncio.to_thread(self.close)  # joining the engine waits for a step: not on the event loop
 
-    # -- the engine thread ---------------------------------------------------------------------
-    def _engine_loop(self) -> None:
-        active: list[_Request] = []  # requests queued in the engine whose last output is not delivered yet
-        while True:
-            # idle: sleep until something arrives; busy: take whatever arrived during the last step
-            commands = [self._inbox.get()] if not active else []
-            while True:
-                try:
-                    commands.append(self._inbox.get_nowait())
-                except queue.Empty:
-                    break
-            stopping = _STOP in commands
-            try:
-                for command in commands:
-                    if command is _STOP:
-                        continue
-                    kind, request = command
-                    if kind == "add":
-                        self.llm.enqueue_samples([sample.seq for sample in request.samples])
-                        active.append(request)
-                    elif request in active:  # (an abort of a request that already finished changes nothing)
-                        self._abort(request)
-                if stopping:  # every request still in flight ends with "abort"
-                    for request in active:
-                        self._abort(request)
-                    self._deliver(active)
-                    return
-                if not self.llm.is_finished():
-                    self.llm.step()
-                    # a server runs for days: keep no step history (the last record may be a step in flight)
-                    del self.llm.metrics.steps[:-1]
-            except Exception as error:  # fail what was in flight, keep serving what comes next
-                self.llm.abort_all()
-                for request in active:
-                    self._send(request, error)
-                active.clear()
-                continue
-            active = self._deliver(active)
-
-    def _abort(self, request: _Request) -> None:
-        # the last sample first: samples 1..n-1 may still be held for sample 0's prompt (LLMEngine.enqueue_samples),
-        # and aborting sample 0 first would queue them only to abort them next
-        for sample in reversed(request.samples):
-            self.llm.abort_request(sample.seq)
-
-    def _deliver(self, active: list[_Request]) -> list[_Request]:
-        """Send each sample of each request what it made since its last output -> the requests still unfinished.
-
-        One hand-off per event loop and step, not one per request: with hundreds of streams, a wake-up of the loop
-        per request and token would keep the event loop (and the GIL) busy for longer than the step itself."""
-        unfinished, outbox = [], {}
-        for request in active:
-            ready = not request.unread  # a consumer still busy with its last output gets nothing new now...
-            for sample in request.samples:
-                if not sample.done and (ready or sample.seq.is_finished):  # ...unless a sample is done
-                    output = self._output(request, sample)
-                    if output is not None:
-                        request.unread = True
-                        outbox.setdefault(request.loop, []).append((request, output))
-            if not all(sample.done for sample in request.samples):
-                unfinished.append(request)
+    # -- the thread that receives the engine's messages (the engine thread, or the process form's reader) ------
+    def _on_message(self, message: StepMessage) -> None:
+        """One step's outputs to their requests: one hand-off per event loop, not one per request or token (with
+        hundreds of streams, a wake-up of the loop per request would cost more than the step)."""
+        self._stats = message.stats
+        outbox: dict[asyncio.AbstractEventLoop, list] = {}
+        by_key = self._by_key
+        for delta in message.deltas:
+            request = by_key.get(delta.key)  # (None: its consumer left; the engine's abort is on its way)
+            if request is not None:
+                outbox.setdefault(request.loop, []).append((request, request.output(delta)))
+        for key, error in message.errors:
+            request = by_key.get(key)
+            if request is not None:
+                outbox.setdefault(request.loop, []).append((request, error))
         for loop, items in outbox.items():
             try:
                 loop.call_soon_threadsafe(_publish, items)
             except RuntimeError:  # the consumers' event loop is closed: nobody is left to read them
                 pass
-        return unfinished
 
-    def _output(self, request: _Request, sample: _Sample) -> RequestOutput | None:
-        """What the sample made since its last output (None: nothing new)."""
-        seq = sample.seq
-        tokens = seq.completion_token_ids
-        if len(tokens) == sample.num_sent_tokens and not seq.is_finished:
-            return None
-        detokenizer = sample.detokenizer
-        if detokenizer is not seq.detokenizer:  # (the engine's own is up to date: it matches the stop strings)
-            detokenizer.add(tokens[len(detokenizer.token_ids) :])
-            if seq.is_finished:
-                detokenizer.finish()
-        text = detokenizer.text  # complete characters only (the final text once finished)
-        metrics = self.llm.metrics.requests.pop(seq.seq_id, None) if seq.is_finished else None
-        if metrics is not None:
-            self._queried_tokens += metrics.num_prompt_tokens
-            self._hit_tokens += metrics.num_cached_tokens
-        output = RequestOutput(
-            request_id=request.request_id,
-            text=text[sample.num_sent_chars :],
-            token_ids=tokens[sample.num_sent_tokens :],
-            cumulative_text=text,
-            cumulative_token_ids=tokens,
-            num_prompt_tokens=seq.num_prompt_tokens,
-            finished=seq.is_finished,
-            finish_reason=seq.finish_reason,
-            metrics=metrics,
-            index=seq.index,
-            stop_reason=seq.stop_reason,
-            logprobs=seq.logprobs[sample.num_sent_tokens : len(tokens)],
-        )
-        sample.num_sent_tokens, sample.num_sent_chars, sample.done = len(tokens), len(text), seq.is_finished
-        return output
+    def _on_exit(self, reason: str) -> None:
+        """The engine ended without being asked to: every request in flight fails, and so does every later one."""
+        with self._requests_lock:
+            self._failure = reason
+        self._fail_in_flight(f"{reason}: the requests in flight were lost")
 
-    @staticmethod
-    def _send(request: _Request, item: RequestOutput | BaseException) -> None:
-        try:
-            request.loop.call_soon_threadsafe(request.queue.put_nowait, item)
-        except RuntimeError:  # the consumer's event loop is closed: nobody is left to read it
-            pass
+    def _fail_in_flight(self, why: str) -> None:
+        """Every request whose consumer has not ended gets an error after what it already has queued (a request
+        whose last output is queued ends with that)."""
+        with self._requests_lock:
+            pending = list(self._by_key.values())
+        if pending:
+            error = RuntimeError(why)
+            self._on_message(StepMessage([], [(request.key, error) for request in pending], self._stats))
 
 
-def _publish(items: list[tuple[_Request, RequestOutput]]) -> None:
+def _publish(items: list[tuple[_Request, RequestOutput | BaseException]]) -> None:
     """On the consumers' event loop: one step's outputs into their requests' queues."""
-    for request, output in items:
-        request.queue.put_nowait(output)
+    for request, item in items:
+        request.queue.put_nowait(item)
 
 
 def coalesce(items: list) -> list:

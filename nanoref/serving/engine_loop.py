@@ -1,0 +1,229 @@
+"""The engine's side of `AsyncLLM`: the loop that owns an `LLM` while it serves, and the messages it speaks.
+
+The same loop runs in a thread of the server's process or in a process of its own (engine_process.py); it knows
+neither. It takes commands from `receive` and hands what each step made to `send`, ONE `StepMessage` per step:
+
+    in:  ("add", key, request_id, prompt_token_ids, params)   # checked by the caller already (check_request)
+         ("abort", key)
+         ("read", [key, ...])    # these requests' consumers took their last output: they may get the next one
+         ("stop",)               # every request in flight ends with "abort", then the loop returns
+    out: StepMessage(deltas, errors, stats)
+
+`key` is the caller's number for one submission (a request id may come back once its request is done; a key never
+does). One message per step, not one per request or token: a hand-off between threads or processes costs a
+wake-up, and with hundreds of streams one per request would cost more than the step.
+
+Per token the loop does little (see async_llm.py's docstring for why that matters):
+- a request gets a new delta only once its consumer read the previous one ("read"); a consumer that falls behind
+  gets several tokens in one delta later, and costs nothing meanwhile (a finished sample's last delta is always
+  sent: it carries everything not sent yet);
+- text is decoded here, when a delta is made, for all its new tokens at once (the receiving side, a server's event
+  loop, has enough to do); only a request with stop strings has its text grown token by token, in the engine,
+  where the stop strings are matched and end the sequence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from nanoref.engine.detokenizer import IncrementalDetokenizer
+from nanoref.engine.metrics import RequestMetrics
+from nanoref.engine.sequence import Sequence
+from nanoref.layers.logits_processors import TokenLogprobs
+from nanoref.llm import LLM
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot for a metrics endpoint."""
+
+    num_running: int
+    num_waiting: int
+    num_kv_blocks_used: int
+    num_kv_blocks: int
+    prefix_cache_queried_tokens: int  # prompt tokens of the finished requests
+    prefix_cache_hit_tokens: int  # the part of them served from the prefix cache
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return (
+            self.prefix_cache_hit_tokens / self.prefix_cache_queried_tokens if self.prefix_cache_queried_tokens else 0.0
+        )
+
+
+class SampleDelta(NamedTuple):
+    """What one sample of a request made since its previous delta (a tuple: cheap to pickle, hundreds a step)."""
+
+    key: int
+    index: int  # which of the request's n samples
+    token_ids: list[int]
+    text: str  # "" while a character or a possible stop string is held back
+    num_prompt_tokens: int
+    finished: bool
+    finish_reason: str | None
+    stop_reason: int | str | None
+    logprobs: list[TokenLogprobs]
+    metrics: RequestMetrics | None  # on a served (not aborted) sample's last delta
+
+
+class StepMessage(NamedTuple):
+    """Everything one step made, for every request at once."""
+
+    deltas: list[SampleDelta]
+    errors: list[tuple[int, BaseException]]  # (key, why): a failed step fails the requests in it
+    stats: EngineStats  # after the step
+
+
+@dataclass(eq=False)  # compared by identity: two samples are never the same one
+class _Sample:
+    seq: Sequence
+    # its text, decoded when a delta is made (the engine's own `seq.detokenizer` where stop strings need one)
+    detokenizer: IncrementalDetokenizer
+    num_sent_tokens: int = 0  # what earlier deltas delivered
+    num_sent_chars: int = 0
+    done: bool = False  # its finished delta is sent
+
+
+@dataclass(eq=False)
+class _Active:
+    samples: list[_Sample]  # sample i at index i
+    unread: bool = False  # a delta was sent and its consumer has not read it yet: no new one meanwhile
+
+
+class EngineLoop:
+    """Serve commands from `receive(wait)` (wait: block until at least one arrives) on `llm`, sending one
+    StepMessage per step to `send`, until ("stop",). While it runs, the LLM is this loop's alone."""
+
+    def __init__(self, llm: LLM, receive: Callable[[bool], list[tuple]], send: Callable[[StepMessage], None]) -> None:
+        if llm.tokenizer is None:
+            raise ValueError(f"{llm.config.model_folder} has no tokenizer: streamed text needs one")
+        self.llm, self.receive, self.send = llm, receive, send
+        self.requests: dict[int, _Active] = {}  # key -> a request queued in the engine, until its last delta
+        self.errors: list[tuple[int, BaseException]] = []  # not sent yet
+        self.queried_tokens = self.hit_tokens = 0  # prefix-cache counters
+        self.sent_stats: EngineStats | None = None
+
+    def run(self) -> None:
+        stopping = False
+        while not stopping:
+            # idle: sleep until something arrives; busy: take whatever arrived during the last step
+            stopping = self.take(self.receive(not self.requests))
+            if not stopping:
+                self.step()
+                # the reads that came in during the step: those consumers get this step's tokens now, not next step's
+                stopping = self.take(self.receive(False))
+            if stopping:  # every request still in flight ends with "abort"
+                for active in self.requests.values():
+                    self.abort(active)
+            self.deliver()
+
+    def take(self, commands: list[tuple]) -> bool:
+        """Apply commands between steps (the only moment the engine's state may change) -> whether to stop."""
+        stopping = False
+        for command in commands:
+            kind = command[0]
+            if kind == "read":
+                for key in command[1]:
+                    active = self.requests.get(key)
+                    if active is not None:
+                        active.unread = False
+            elif kind == "add":
+                _, key, request_id, token_ids, params = command
+                try:  # (checked by the caller: this raises only if the caller's checks fell behind the engine's)
+                    seqs = self.llm.make_samples(token_ids, params, request_id)
+                except Exception as error:
+                    self.errors.append((key, error))
+                    continue
+                tokenizer = self.llm.tokenizer
+                samples = [_Sample(seq, seq.detokenizer or IncrementalDetokenizer(tokenizer)) for seq in seqs]
+                self.llm.enqueue_samples(seqs)
+                self.requests[key] = _Active(samples)
+            elif kind == "abort":  # (an abort of a request that already finished changes nothing)
+                active = self.requests.get(command[1])
+                if active is not None:
+                    self.abort(active)
+            elif kind == "stop":
+                stopping = True
+        return stopping
+
+    def abort(self, active: _Active) -> None:
+        # the last sample first: samples 1..n-1 may still be held for sample 0's prompt (LLMEngine.enqueue_samples),
+        # and aborting sample 0 first would queue them only to abort them next
+        for sample in reversed(active.samples):
+            self.llm.abort_request(sample.seq)
+
+    def step(self) -> None:
+        if self.llm.is_finished():
+            return
+        try:
+            self.llm.step()
+            # a server runs for days: keep no step history (the last record may be a step in flight)
+            del self.llm.metrics.steps[:-1]
+        except Exception as error:  # fail what was in flight, keep serving what comes next
+            self.llm.abort_all()
+            self.errors.extend((key, error) for key in self.requests)
+            self.requests.clear()
+
+    def deliver(self) -> None:
+        """Send each sample what it made since its last delta, with the errors and the stats, as one message
+        (none when nothing changed)."""
+        deltas = []
+        for key, active in list(self.requests.items()):
+            ready = not active.unread  # a consumer still busy with its last delta gets nothing new now...
+            for sample in active.samples:
+                if not sample.done and (ready or sample.seq.is_finished):  # ...unless a sample is done
+                    delta = self.delta(key, sample)
+                    if delta is not None:
+                        active.unread = True
+                        deltas.append(delta)
+            if all(sample.done for sample in active.samples):
+                del self.requests[key]
+        stats = self.stats()
+        if deltas or self.errors or stats != self.sent_stats:
+            errors, self.errors, self.sent_stats = self.errors, [], stats
+            self.send(StepMessage(deltas, errors, stats))
+
+    def delta(self, key: int, sample: _Sample) -> SampleDelta | None:
+        """What the sample made since its last delta (None: nothing new)."""
+        seq = sample.seq
+        tokens = seq.completion_token_ids
+        if len(tokens) == sample.num_sent_tokens and not seq.is_finished:
+            return None
+        detokenizer = sample.detokenizer
+        if detokenizer is not seq.detokenizer:  # (the engine's own is up to date: it matches the stop strings)
+            detokenizer.add(tokens[len(detokenizer.token_ids) :])
+            if seq.is_finished:
+                detokenizer.finish()
+        text = detokenizer.text  # complete characters only (the final text once finished)
+        metrics = self.llm.metrics.requests.pop(seq.seq_id, None) if seq.is_finished else None
+        if metrics is not None:
+            self.queried_tokens += metrics.num_prompt_tokens
+            self.hit_tokens += metrics.num_cached_tokens
+        delta = SampleDelta(
+            key=key,
+            index=seq.index,
+            token_ids=tokens[sample.num_sent_tokens :],
+            text=text[sample.num_sent_chars :],
+            num_prompt_tokens=seq.num_prompt_tokens,
+            finished=seq.is_finished,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+            logprobs=seq.logprobs[sample.num_sent_tokens : len(tokens)],
+            metrics=metrics,
+        )
+        sample.num_sent_tokens, sample.num_sent_chars, sample.done = len(tokens), len(text), seq.is_finished
+        return delta
+
+    def stats(self) -> EngineStats:
+        scheduler = self.llm.scheduler
+        manager = scheduler.block_manager
+        return EngineStats(
+            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting),
+            num_kv_blocks_used=manager.num_blocks - manager.num_free_blocks,
+            num_kv_blocks=manager.num_blocks,
+            prefix_cache_queried_tokens=self.queried_tokens,
+            prefix_cache_hit_tokens=self.hit_tokens,
+        )

@@ -1,0 +1,196 @@
+"""The engine's loop in a process of its own (vLLM's "engine core"), for `AsyncLLM` on a GPU.
+
+Why a process: in one process the engine thread and the server's event loop share one GIL. A GPU decode step takes
+~6 ms; around it the engine does per-token Python work (scheduling, sampling's bookkeeping, text), and the event
+loop does its own per chunk (HTTP, JSON, SSE). With hundreds of streams the two together take longer than the step,
+so the GPU waits for Python. In two processes each has its own interpreter: the engine's host work overlaps the
+event loop's, and the GPU is fed while the responses are written.
+
+What crosses between them is small and batched (engine_loop.py's messages):
+- commands in, through one pipe: add (already checked in the server's process against the engine's config, so a
+  bad request still raises at `generate`), abort, read, stop;
+- ONE `StepMessage` out per step, through another pipe, with every request's new tokens and text, its errors and
+  the engine's stats; a reader thread in the server's process turns it into per-request outputs with one hand-off
+  to the event loop per message (`AsyncLLM._on_message`), not one per token.
+
+The child is started with the "spawn" method (a fresh interpreter: CUDA cannot be used in a forked child) through a
+context object, so the caller's default start method is left alone. It builds `LLM(model, **settings)` itself and
+says "ready" (with its config: the KV block count it measured) or why it failed. When the child dies, the reader
+thread sees the pipe close and fails every request in flight; `close()` asks it to stop, then terminates it.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.connection
+import multiprocessing.util
+import pickle
+import signal
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+from nanoref.config import EngineConfig
+from nanoref.llm import LLM
+from nanoref.serving.engine_loop import EngineLoop, EngineStats, StepMessage
+
+# the child's last words when it fails to start: "ready" never comes
+_FAILED, _READY = "failed", "ready"
+
+
+class EngineProcess:
+    """An EngineLoop on LLM(model, **settings) in a spawned child process. Blocks until the child's LLM is built;
+    a child that fails to start raises its error here (and leaves no process behind).
+
+    on_message(StepMessage) runs in this object's reader thread for every step message; on_exit(reason) runs there
+    once, when the child ended without being asked to (killed, crashed)."""
+
+    def __init__(
+        self,
+        model: str | Path,
+        settings: dict,
+        on_message: Callable[[StepMessage], None],
+        on_exit: Callable[[str], None],
+    ) -> None:
+        context = multiprocessing.get_context("spawn")  # never fork a process that may hold CUDA or threads
+        commands_out, commands_in = context.Pipe(duplex=False)  # (receiving end, sending end)
+        outputs_out, outputs_in = context.Pipe(duplex=False)
+        # not a daemon: an LLM with tensor_parallel_size > 1 starts processes of its own
+        self.process = context.Process(
+            target=serve_engine, args=(str(model), settings, commands_out, outputs_in), name="nanoref-engine"
+        )
+        self.process.start()
+        commands_out.close()  # the child's ends: closed here, so that a dead child closes its pipe
+        outputs_in.close()
+        self._commands, self._outputs = commands_in, outputs_out
+        self._send_lock = threading.Lock()  # (callers on several threads: event loops, close)
+        self._stopping = False
+        try:
+            kind, *rest = self._outputs.recv()  # blocks while the child loads the model
+        except (EOFError, OSError):
+            kind, rest = None, []
+        if kind != _READY:
+            self._stop(timeout=5.0)
+            self._outputs.close()
+            if kind == _FAILED:
+                error = rest[0]
+                error.add_note("(raised in the engine process, while it built its LLM)")
+                raise error
+            raise RuntimeError(
+                f"the engine process ended while it started ({self._exit_code()}); a script that starts one "
+                "needs the `if __name__ == '__main__':` guard, as for any process that multiprocessing spawns"
+            )
+        self.config: EngineConfig = rest[0]  # the child's, with the KV block count it measured
+        self.stats: EngineStats = rest[1]
+        # at interpreter exit, before multiprocessing joins its children (it would wait for this one forever)
+        self._finalizer = multiprocessing.util.Finalize(
+            self, _stop_child, args=(self.process, self._commands, self._send_lock), exitpriority=10
+        )
+        self._on_message, self._on_exit = on_message, on_exit
+        self._reader = threading.Thread(target=self._read, name="nanoref-engine-reader", daemon=True)
+        self._reader.start()
+
+    def send(self, command: tuple) -> None:
+        """Send a command to the engine; a dead engine takes nothing (its requests are failed by the reader)."""
+        try:
+            with self._send_lock:
+                self._commands.send(command)
+        except (OSError, ValueError):  # (a closed pipe: the child is gone, or close() ran)
+            pass
+
+    def is_alive(self) -> bool:
+        return not self._stopping and self.process.is_alive()
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop the child (requests in flight end with "abort"), within `timeout`, then terminate it."""
+        if self._stopping:
+            return
+        self._stop(timeout)
+        self._finalizer.cancel()
+        if self._reader is not threading.current_thread():
+            self._reader.join(timeout)
+
+    def _stop(self, timeout: float) -> None:
+        self._stopping = True
+        _stop_child(self.process, self._commands, self._send_lock, timeout)
+        self._commands.close()
+
+    def _read(self) -> None:
+        """The reader thread: every step message to on_message, until the child closes its pipe."""
+        while True:
+            try:
+                message = self._outputs.recv()
+            except (EOFError, OSError):
+                break
+            self._on_message(message)
+        self._outputs.close()
+        if not self._stopping:  # nobody asked it to stop: it died
+            self.process.join(5.0)  # (reap it: no zombie)
+            self._on_exit(f"the engine process (pid {self.process.pid}) ended unexpectedly ({self._exit_code()})")
+
+    def _exit_code(self) -> str:
+        code = self.process.exitcode
+        if code is None:
+            return "still running"
+        return f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+
+
+def _stop_child(process, commands, lock, timeout: float = 5.0) -> None:
+    try:
+        with lock:
+            commands.send(("stop",))
+    except (OSError, ValueError):
+        pass
+    process.join(timeout)
+    if process.is_alive():  # a step that never ends, or a child that ignores the pipe
+        process.terminate()
+        process.join(5.0)
+        if process.is_alive():
+            process.kill()
+            process.join()
+
+
+def serve_engine(model: str, settings: dict, commands, outputs) -> None:
+    """The child's main: build the LLM, say ready (or why not), run the loop until "stop" or the parent is gone."""
+    # Ctrl-C in a terminal reaches the whole process group: the parent decides when this process stops
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        llm = LLM(model, **settings)
+    except BaseException as error:
+        outputs.send((_FAILED, _picklable(error)))
+        return
+
+    def receive(wait: bool) -> list[tuple]:
+        try:
+            items = [commands.recv()] if wait else []
+            while commands.poll():
+                items.append(commands.recv())
+        except (EOFError, OSError):  # the parent is gone: nobody reads what this would make
+            items = [("stop",)]
+        return items
+
+    def send(message: StepMessage) -> None:
+        try:
+            outputs.send(message)
+        except (pickle.PicklingError, TypeError, AttributeError):  # an error that does not pickle: say it in words
+            errors = [(key, _picklable(error)) for key, error in message.errors]
+            outputs.send(message._replace(errors=errors))
+
+    try:
+        loop = EngineLoop(llm, receive, send)
+        outputs.send((_READY, llm.config, loop.stats()))
+        loop.run()
+    except (BrokenPipeError, EOFError):  # the parent went away
+        pass
+    finally:
+        llm.close()
+        outputs.close()
+
+
+def _picklable(error: BaseException) -> BaseException:
+    """The error itself when it crosses the pipe intact, else a RuntimeError that names it."""
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:
+        return RuntimeError(f"{type(error).__name__}: {error}")
