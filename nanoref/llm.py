@@ -70,7 +70,12 @@ class LLM(LLMEngine):
             )
         super().__init__(EngineConfig(model, **settings).resolved(), make_runner=build_runner)
         self.overlapped_loop = attach_overlapped_loop(self) if self.config.overlap_scheduling else None
-        self.speculative_loop = attach_speculative_loop(self) if self.config.speculative_config else None
+        self.speculative_loop = None
+        if self.config.speculative_config:
+            self.speculative_loop = attach_speculative_loop(self)
+            if self.model_runner.decode_graphs is not None:  # graphs of the verify step too: k + 1 tokens per row
+                k = self.config.speculative_config.num_speculative_tokens
+                self.speculative_loop.verify_graphs = DecodeGraphs(self.model_runner, query_len=k + 1)
 
     def chat(
         self,

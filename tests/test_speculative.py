@@ -142,18 +142,36 @@ def test_greedy_output_equals_hf_through_preemption_chunked_prefill_and_prefix_h
 
 def test_a_draft_identical_to_the_target_is_always_accepted_worked_example(tiny_model):
     """k = 3, max_tokens = 10: the prefill makes token 1; each verify step proposes min(3, tokens left - 1) and
-    keeps them all plus one: 1 -> 5 -> 9 -> 10."""
+    keeps them all plus one: 1 -> 5 -> 9 -> 10. Every verify step checks k tokens per sequence (one shape, for
+    CUDA graphs), also the last, which may keep none of them."""
     llm = LLM(tiny_model, device="cpu", speculative_config={"model": tiny_model, "num_speculative_tokens": 3})
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     output = llm.generate([[3, 1, 4, 1, 5]], params, use_tqdm=False, return_metrics=True)[0]
     steps = llm.metrics.steps
     assert [step.kind for step in steps] == ["prefill", "decode", "decode", "decode"]
     assert [(s.num_draft_tokens, s.num_accepted_tokens) for s in steps] == [(0, 0), (3, 3), (3, 3), (0, 0)]
-    assert [s.num_tokens for s in steps] == [5, 4, 4, 1]  # tokens each step computed: the prompt; 1 + k
+    assert [s.num_tokens for s in steps] == [5, 4, 4, 4]  # tokens each step computed: the prompt; 1 + k
     assert [s.acceptance_rate for s in steps] == [None, 1.0, 1.0, None]
     metrics = output["metrics"]
     assert (metrics.num_draft_tokens, metrics.num_accepted_tokens, metrics.acceptance_rate) == (6, 6, 1.0)
     assert len(output["token_ids"]) == 10 and output["finish_reason"] == "length"
+
+
+def test_verify_steps_in_graph_buckets_and_the_varlen_path_near_max_model_len_equal_hf(tiny_model):
+    """The verify step as CUDA graphs run it (padded to a bucket of B sequences x (k + 1) tokens; run eagerly
+    here), and, near max_model_len, where k proposals no longer fit, as one varlen step of shorter proposals."""
+    from nanoref.fast.cuda_graphs import DecodeGraphs
+
+    llm = LLM(tiny_model, device="cpu", max_model_len=48, speculative_config=ngram(4))
+    llm.speculative_loop.verify_graphs = DecodeGraphs(llm.model_runner, record=False, query_len=5)
+    prompts = repetitive_prompts(8, 3)  # 10-29 tokens: every one runs into max_model_len
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True), use_tqdm=False)
+    for prompt, output in zip(prompts, outputs):
+        assert len(prompt) + len(output["token_ids"]) == 48 and output["finish_reason"] == "length"
+        assert_matches_hf(tiny_model, [prompt], [output], len(output["token_ids"]))
+    widths = {n for step in llm.metrics.steps if step.kind == "decode" for _, n in step.seqs}
+    assert 5 in widths and widths - {5}, f"both paths were meant to run: {widths}"
+    assert_no_block_leaked(llm)
 
 
 def test_eos_and_stop_ids_inside_an_accepted_run_end_the_sequence_there(tiny_model):
@@ -246,7 +264,7 @@ def test_sampled_tokens_follow_the_targets_distribution_at_every_position(small_
 
     assert min(p_values(1500)) > ALPHA
     steps = llm.metrics.steps
-    assert sum(s.num_accepted_tokens for s in steps) > 0.1 * sum(s.num_draft_tokens for s in steps) > 0
+    assert sum(s.num_accepted_tokens for s in steps) > 0.05 * sum(s.num_draft_tokens for s in steps) > 0
 
     def keep_every_proposal(p, q, draft_ids, uniforms, noise):
         accepted, recovered = rejection_sample(p, q, draft_ids, uniforms, noise)

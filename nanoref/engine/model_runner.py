@@ -80,6 +80,7 @@ class StepInputs:
     max_seqlen_q: int = 0
     max_seqlen_k: int = 0
     all_logits: bool = False  # logits for every token (a speculative verify step), not only each sequence's last
+    decode_query_len: int = 1  # decode: tokens per sequence (k + 1 in a speculative verify step)
 
 
 class ModelRunner:
@@ -179,6 +180,7 @@ class ModelRunner:
                 context_lens=t.get("context_lens"),  # (num_seqs,), decode
                 block_tables=t.get("block_tables"),  # (num_seqs, width)
                 all_logits=step.all_logits,
+                decode_query_len=step.decode_query_len,
             )
         )
         return (t["input_ids"].long() if input_ids is None else input_ids), t["positions"].long()

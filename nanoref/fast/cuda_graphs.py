@@ -36,15 +36,18 @@ def pad_decode_batch(
         "slot_mapping" (S,) int64, "context_lens" (S,) int32, "block_tables" (S, max_blocks) int32.
     input_ids, positions, slot_mapping: (B,) int64; context_lens: (B,) int32;
     block_tables: (B, W) int32 with W <= max_blocks.
+    (A speculative verify step has Lq = k + 1 tokens per sequence: its token buffers and inputs have S * Lq and
+    B * Lq rows, the sequences' tokens one after the other.)
     A padding row still runs through every kernel of the recorded graph: slot -1 makes the KV store skip it
     and context length 0 makes attention read nothing for it. Its token id and position only need to be
     valid (what an earlier step left there is).
     """
     batch, width = block_tables.shape
-    buffers["input_ids"][:batch] = input_ids
-    buffers["positions"][:batch] = positions
-    buffers["slot_mapping"][:batch] = slot_mapping
-    buffers["slot_mapping"][batch:] = -1
+    tokens = input_ids.shape[0]  # B (or B * Lq)
+    buffers["input_ids"][:tokens] = input_ids
+    buffers["positions"][:tokens] = positions
+    buffers["slot_mapping"][:tokens] = slot_mapping
+    buffers["slot_mapping"][tokens:] = -1
     buffers["context_lens"][:batch] = context_lens
     buffers["context_lens"][batch:] = 0
     buffers["block_tables"][:batch, :width] = block_tables
@@ -57,20 +60,24 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, runner, record: bool = True) -> None:
+    def __init__(self, runner, record: bool = True, query_len: int = 1) -> None:
         """runner: a model runner with its model and KV cache. record: capture the graphs (CUDA); False runs
-        the padded buckets eagerly instead."""
+        the padded buckets eagerly instead. query_len: tokens per sequence (k + 1 for a speculative verify step,
+        nanoref/spec/)."""
         self.model, device, config = runner.model, runner.device, runner.config
         self.buckets = batch_buckets(config.max_num_seqs)
+        self.query_len = query_len
         rows, width = config.max_num_seqs, runner.max_blocks_per_seq
-        # the buffers every replay reads: max_num_seqs rows each; a bucket of size S uses the first S
+        tokens = rows * query_len
+        # the buffers every replay reads: max_num_seqs rows (of query_len tokens) each; a bucket of size S uses the
+        # first S (S * query_len tokens)
         self.buffers = dict(
-            input_ids=torch.zeros(rows, dtype=torch.int64, device=device),
-            positions=torch.zeros(rows, dtype=torch.int64, device=device),
-            slot_mapping=torch.full((rows,), -1, dtype=torch.int64, device=device),
+            input_ids=torch.zeros(tokens, dtype=torch.int64, device=device),
+            positions=torch.zeros(tokens, dtype=torch.int64, device=device),
+            slot_mapping=torch.full((tokens,), -1, dtype=torch.int64, device=device),
             context_lens=torch.zeros(rows, dtype=torch.int32, device=device),
             block_tables=torch.zeros(rows, width, dtype=torch.int32, device=device),
-            hidden=torch.zeros(rows, config.hf_config.hidden_size, dtype=config.dtype, device=device),
+            hidden=torch.zeros(tokens, config.hf_config.hidden_size, dtype=config.dtype, device=device),
         )
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         if record:
@@ -82,32 +89,37 @@ class DecodeGraphs:
         b, pool = self.buffers, None
         for size in reversed(self.buckets):
             graph = torch.cuda.CUDAGraph()
+            tokens = size * self.query_len
             set_context(
                 Context(
-                    slot_mapping=b["slot_mapping"][:size],
+                    slot_mapping=b["slot_mapping"][:tokens],
                     context_lens=b["context_lens"][:size],
                     block_tables=b["block_tables"][:size],
+                    decode_query_len=self.query_len,
                 )
             )
-            ids, positions = b["input_ids"][:size], b["positions"][:size]
-            b["hidden"][:size] = self.model(ids, positions)  # warm up outside capture
+            ids, positions = b["input_ids"][:tokens], b["positions"][:tokens]
+            b["hidden"][:tokens] = self.model(ids, positions)  # warm up outside capture
             with torch.cuda.graph(graph, pool):
-                b["hidden"][:size] = self.model(ids, positions)
+                b["hidden"][:tokens] = self.model(ids, positions)
             pool = pool or graph.pool()
             self.graphs[size] = graph
             torch.cuda.synchronize(device)
             reset_context()
 
     def covers(self, batch: int) -> bool:
-        """Whether a decode batch of this size runs here (a shape trace wants every layer run eagerly)."""
+        """Whether a decode batch of this many sequences runs here (a shape trace wants every layer run
+        eagerly)."""
         return batch <= self.buckets[-1] and not tracing_enabled()
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """A decode step's (B,) inputs (its Context already published) -> logits (B, vocab)."""
-        batch = input_ids.shape[0]
-        bucket = next(size for size in self.buckets if size >= batch)
+        """A decode step's (B,) inputs ((B * query_len,) for a verify step; its Context already published) ->
+        logits (B, vocab) ((B * query_len, vocab))."""
+        tokens = input_ids.shape[0]
+        bucket = next(size for size in self.buckets if size * self.query_len >= tokens)
         context = get_context()
-        static = {name: self.buffers[name][:bucket] for name in STATIC_INPUTS}
+        rows = {"context_lens": bucket, "block_tables": bucket}  # per sequence; the others per token
+        static = {name: self.buffers[name][: rows.get(name, bucket * self.query_len)] for name in STATIC_INPUTS}
         seam("pad_decode_batch", pad_decode_batch)(
             static, input_ids, positions, context.slot_mapping, context.context_lens, context.block_tables
         )
@@ -121,10 +133,11 @@ class DecodeGraphs:
                     slot_mapping=static["slot_mapping"],
                     context_lens=static["context_lens"],
                     block_tables=static["block_tables"][:, :width],
+                    decode_query_len=self.query_len,
                 )
             )
-            hidden[:bucket] = self.model(static["input_ids"], static["positions"])
-        return self.model.compute_logits(hidden[:batch])
+            hidden[: bucket * self.query_len] = self.model(static["input_ids"], static["positions"])
+        return self.model.compute_logits(hidden[:tokens])
 
 
 def enable_bucketed_decode(runner) -> None:

@@ -5,7 +5,8 @@ already in the cache (a prefix-cache hit, or an earlier chunk of a chunked prefi
 `block_tables` and the keys and values are read back from the paged cache instead of from this
 step's fresh K/V, with `cu_seqlens_k` running ahead of `cu_seqlens_q`.
 Decode: one query per sequence; it gets a length-1 sequence axis, (B, 1, H, D), because decode
-kernels (flash-attn's `flash_attn_with_kvcache`) take a batch of short query blocks against a cache.
+kernels (flash-attn's `flash_attn_with_kvcache`) take a batch of short query blocks against a cache. A speculative
+verify step uses that: k + 1 queries per sequence, (B, k + 1, H, D), causal among themselves.
 """
 
 from __future__ import annotations
@@ -54,7 +55,10 @@ class Attention(nn.Module):
                 block_table=context.block_tables,
             )  # (N, H, D)
         else:
-            q = q.unsqueeze(1)  # (B, H, D) -> (B, 1, H, D): a length-1 query block per sequence
+            # (N, H, D) -> (B, Lq, H, D): a query block per sequence, of one token (Lq = 1: q.unsqueeze(1)) or of
+            # a speculative verify step's k + 1 (Lq = k + 1, causal among themselves)
+            num_tokens, num_heads, head_dim = q.shape
+            q = q.view(num_tokens // context.decode_query_len, context.decode_query_len, num_heads, head_dim)
             trace(
                 "attn.decode",
                 q=q,
@@ -70,6 +74,6 @@ class Attention(nn.Module):
                 block_table=context.block_tables,
                 softmax_scale=self.scale,
                 causal=True,
-            ).squeeze(1)  # (B, 1, H, D) -> (B, H, D)
+            ).view(num_tokens, num_heads, head_dim)  # (B, Lq, H, D) -> (N, H, D)
         trace("attn.out", out=out)
         return out

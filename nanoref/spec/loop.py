@@ -38,7 +38,7 @@ from nanoref.engine.sequence import Sequence
 from nanoref.layers.logits_processors import LogitsProcessing, TokenLogprobs, raw_logprobs, to_device, token_logprobs
 from nanoref.layers.sampler import apply_top_k_top_p
 from nanoref.spec.acceptance import accept_greedy, emitted_tokens, rejection_sample
-from nanoref.spec.proposers import DraftProposer, NgramProposer, Proposals
+from nanoref.spec.proposers import DraftProposer, NgramProposer
 from nanoref.utils.context import reset_context
 from nanoref.utils.interrupts import interruptibly
 from nanoref.utils.seams import seam
@@ -49,13 +49,32 @@ from nanoref.utils.tracing import trace_inputs
 class Verified:
     """A verify step's outcome for one sequence."""
 
-    draft_ids: list[int]  # what was proposed
+    draft_ids: list[int]  # what was proposed (and could be kept: no more than the sequence's limit)
     token_ids: list[int]  # what it gains: the accepted proposals, then the target's own token
+    num_checked: int  # the tokens its rows checked in the forward (k where the step has one shape)
     logprobs: list[TokenLogprobs] | None = None  # one per gained token, where the request asked
 
 
 def verify_inputs(seqs: list[Sequence], drafts: list[list[int]], block_tables, block_size: int) -> StepInputs:
-    """The flat inputs of a verify step: sequence b's last token and its proposals, over its cached history."""
+    """A verify step's flat inputs as a decode step with k + 1 queries per sequence (`decode_query_len`): sequence
+    b's last token and its k proposals at positions num_tokens - 1 .. num_tokens - 1 + k, over its paged history.
+    Every sequence has the same k, so the step has the fixed shape a CUDA graph replays."""
+    num_seqs, query_len = len(seqs), 1 + len(drafts[0])
+    size = block_size
+    last = np.fromiter((seq.num_tokens - 1 for seq in seqs), dtype=np.int64, count=num_seqs)  # (B,)
+    positions = (last[:, None] + np.arange(query_len)).ravel()  # (B * Lq,)
+    tables = block_tables.padded(seqs)  # (B, width)
+    rows = np.repeat(np.arange(num_seqs), query_len)  # (B * Lq,): each token's sequence
+    slots = tables[rows, positions // size] * size + positions % size  # (B * Lq,)
+    input_ids = np.asarray([[seq.last_token, *draft] for seq, draft in zip(seqs, drafts)], dtype=np.int64).ravel()
+    arrays = dict(input_ids=input_ids, positions=positions, slot_mapping=slots, context_lens=last + query_len,
+                  block_tables=tables)  # fmt: skip
+    return StepInputs(False, arrays, decode_query_len=query_len)
+
+
+def varlen_verify_inputs(seqs: list[Sequence], drafts: list[list[int]], block_tables, block_size: int) -> StepInputs:
+    """The same as a varlen step (the prefill path over the history, logits for every token), for proposals of
+    different lengths: where a sequence near max_model_len has no room for k."""
     flat = seam("prefill_metadata", prefill_metadata)(
         [seq.token_ids + draft for seq, draft in zip(seqs, drafts)],
         [seq.num_tokens - 1 for seq in seqs],  # everything before the last token has K/V
@@ -75,6 +94,9 @@ class SpeculativeLoop:
 
     def __init__(self, engine) -> None:
         self.engine = engine
+        # CUDA graphs of the verify step (nanoref/fast/cuda_graphs.py's DecodeGraphs with k + 1 queries per
+        # sequence), set by nanoref/llm.py where the model runner has decode graphs; None: eager
+        self.verify_graphs = None
         spec = engine.config.speculative_config
         self.k = spec.num_speculative_tokens
         runner = engine.model_runner
@@ -119,22 +141,43 @@ class SpeculativeLoop:
     @torch.inference_mode()
     def verify(self, seqs: list[Sequence]) -> list[Verified]:
         runner = self.engine.model_runner
-        proposals = self.proposer.propose(seqs, [self.limit(seq) for seq in seqs], self.sample_draft)
-        drafts = proposals.draft_ids
-        step = verify_inputs(seqs, drafts, runner.block_tables, runner.block_size)
+        limits = [self.limit(seq) for seq in seqs]
+        proposals = self.proposer.propose(seqs, limits, self.sample_draft)
+        # Every sequence checks k tokens where it has room for them (a sequence that may keep fewer, near its
+        # max_tokens, still checks k: it stops at its end), so the step has one shape. The proposals a proposer
+        # could not make are filled with its last one (or the last token), a guess like any other.
+        fits = all(seq.num_tokens + self.k <= self.engine.config.max_model_len for seq in seqs)
+        width = self.k if fits else None
+        drafts = [pad(draft, seq, width or limit) for draft, seq, limit in zip(proposals.draft_ids, seqs, limits)]
+        make_inputs = verify_inputs if fits else varlen_verify_inputs
+        step = make_inputs(seqs, drafts, runner.block_tables, runner.block_size)
         try:
             input_ids, positions = runner.upload(step)
-            trace_inputs(True, seqs, input_ids, positions)
-            logits = runner.run_model(input_ids, positions, True)  # (T, V): T = sum of 1 + kb
+            trace_inputs(step.is_prefill, seqs, input_ids, positions)
+            graphs = self.verify_graphs
+            if fits and graphs is not None and graphs.covers(len(seqs)):
+                logits = graphs.run(input_ids, positions)  # (T, V): T = B * (k + 1)
+            else:  # (T, V): T = sum of 1 + kb
+                logits = runner.model.compute_logits(runner.model(input_ids, positions))
         finally:
             reset_context()
-        return self.accept(seqs, proposals, logits)
+        counted = [draft[:limit] for draft, limit in zip(drafts, limits)]  # the proposals that could be kept
+        return self.accept(seqs, drafts, counted, proposals.probs, logits)
 
-    def accept(self, seqs: list[Sequence], proposals: Proposals, logits: torch.Tensor) -> list[Verified]:
-        """The acceptance rule over the verify rows -> each sequence's outcome (one host sync for all of them)."""
+    def accept(
+        self,
+        seqs: list[Sequence],
+        drafts: list[list[int]],
+        counted: list[list[int]],
+        draft_probs: torch.Tensor | None,
+        logits: torch.Tensor,
+    ) -> list[Verified]:
+        """The acceptance rule over the verify rows -> each sequence's outcome (one host sync for all of them).
+
+        drafts: each sequence's checked tokens; counted: the first of them that it may keep (its limit: it gains at
+        most one more token); draft_probs: the draft model's q for each counted proposal, in order (None: n-gram)."""
         runner = self.engine.model_runner
         device = logits.device
-        drafts = proposals.draft_ids
         starts = np.cumsum([0] + [1 + len(d) for d in drafts])  # sequence b's rows: starts[b] .. starts[b + 1] - 1
         rows_of = [range(starts[b], starts[b + 1]) for b in range(len(seqs))]
         # penalties and min_tokens masks, per row: row i of sequence b follows its tokens plus d_1..d_i
@@ -149,7 +192,7 @@ class SpeculativeLoop:
         sampled = [seq.sampling_params.temperature > 0 for seq in seqs]
         to_host = [argmax]
         if any(sampled):
-            to_host += self.sample_rows(seqs, drafts, rows_of, proposals, scores)
+            to_host += self.sample_rows(seqs, drafts, counted, rows_of, draft_probs, scores)
         host = torch.stack(to_host).tolist()  # the step's one host sync
         out = []
         for b, (draft, rows) in enumerate(zip(drafts, rows_of)):
@@ -158,12 +201,12 @@ class SpeculativeLoop:
                 tokens = emitted_tokens(draft, host[1][first:last], host[2][first:last])
             else:
                 tokens = seam("accept_greedy", accept_greedy)(draft, host[0][first:last])
-            out.append(Verified(draft, tokens))
+            out.append(Verified(counted[b], tokens[: len(counted[b]) + 1], len(draft)))  # (what lies past its end is never used)
         if any(seq.sampling_params.logprobs is not None for seq in seqs):
             self.attach_logprobs(seqs, rows_of, out, logits)
         return out
 
-    def sample_rows(self, seqs, drafts, rows_of, proposals: Proposals, scores: torch.Tensor) -> list[torch.Tensor]:
+    def sample_rows(self, seqs, drafts, counted, rows_of, draft_probs, scores: torch.Tensor) -> list[torch.Tensor]:
         """The rejection rule on every row of the step -> [accepted (T,), recovered (T,)] as int64."""
         runner = self.engine.model_runner
         num_rows, vocab = scores.shape
@@ -183,9 +226,11 @@ class SpeculativeLoop:
         draft_ids[draft_rows] = torch.tensor([t for draft in drafts for t in draft], dtype=torch.int64)
         draft_ids = draft_ids.to(device)
         q = None
-        if proposals.probs is not None:  # the draft model's distributions, at the rows of their proposals
-            q = torch.zeros_like(p)
-            q[to_device(np.asarray(draft_rows, dtype=np.int64), device)] = proposals.probs
+        if draft_probs is not None:  # the draft model's distributions at its proposals' rows; a filled-in
+            # proposal's row gets a q one-hot at it, as a deterministic proposer's
+            q = torch.zeros_like(p).scatter_(1, draft_ids.clamp(min=0)[:, None], 1.0)
+            q_rows = [row for draft, rows in zip(counted, rows_of) for row in rows[: len(draft)]]
+            q[to_device(np.asarray(q_rows, dtype=np.int64), device)] = draft_probs
         # the draws: a seeded request's from its own generator, the others' from the engine's
         uniforms = torch.rand(num_rows, device=device, generator=runner.generator)
         noise = torch.empty(num_rows, vocab, device=device).exponential_(generator=runner.generator)
@@ -234,7 +279,7 @@ class SpeculativeLoop:
         scheduler = self.engine.scheduler
         manager = scheduler.block_manager
         finished = []
-        record.seqs = [(seq.seq_id, 1 + len(v.draft_ids)) for seq, v in zip(seqs, verified)]
+        record.seqs = [(seq.seq_id, 1 + v.num_checked) for seq, v in zip(seqs, verified)]
         for seq, v in zip(seqs, verified):
             seq.num_scheduled_tokens = 0
             first_position = seq.num_tokens - 1
@@ -261,6 +306,12 @@ class SpeculativeLoop:
         self.num_draft_tokens += record.num_draft_tokens
         self.num_accepted_tokens += record.num_accepted_tokens
         return finished
+
+
+def pad(draft: list[int], seq: Sequence, width: int) -> list[int]:
+    """draft cut or filled to `width` tokens: with its last proposal repeated (the sequence's last token if none)."""
+    filler = draft[-1] if draft else seq.last_token
+    return (draft + [filler] * width)[:width]
 
 
 def attach_speculative_loop(engine) -> SpeculativeLoop:

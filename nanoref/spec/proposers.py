@@ -88,8 +88,8 @@ class DraftProposer:
     (`SpeculativeRunner`), so sequence b's draft K/V sits in the same slots as its target K/V, and prefix-cache hits
     and preemption apply to both. The draft runs every prefill step alongside the target (on the same flat inputs),
     so its K/V covers whatever the target's does. In a verify step it may lag: `computed[seq]` counts the tokens
-    with draft K/V, and its first forward of a step is a varlen step over the ones missing (usually 1; 2 after a
-    step that accepted all k, whose last proposal the draft never fed itself), then k - 1 decode steps of one token.
+    with draft K/V, and its first forward of a step feeds the ones missing (usually 1; 2 after a step that accepted
+    all k, whose last proposal the draft never fed itself), then k - 1 decode steps of one token.
     """
 
     def __init__(self, runner) -> None:
@@ -130,7 +130,8 @@ class DraftProposer:
                 batch_next = [seq for seq in batch if len(draft_ids[seq]) < limit[seq]]
                 if not batch_next:
                     break
-                logits = self._decode(batch_next, [draft_ids[seq] for seq in batch_next])
+                positions = [seq.num_tokens - 1 + len(draft_ids[seq]) for seq in batch_next]
+                logits = self._decode(batch_next, [draft_ids[seq][-1] for seq in batch_next], positions)
                 batch = batch_next
         rows = [q for seq in seqs for q in probs[seq]]
         return Proposals([draft_ids[seq] for seq in seqs], torch.stack(rows) if rows else None)
@@ -143,9 +144,24 @@ class DraftProposer:
         self.computed[seq] = min(first_position + num_draft_fed, seq.num_tokens - 1)
 
     def _catch_up(self, seqs: list[Sequence]) -> torch.Tensor:
-        """A varlen step over each sequence's tokens without draft K/V -> (B, V) logits at its last token."""
-        runner = self.runner
+        """Feed the draft each sequence's tokens without draft K/V -> (B, V) logits at its last token.
+
+        Usually 1 or 2 tokens each: then as that many decode steps (a sequence with fewer joins the later ones,
+        so every sequence's last token is in the last step), which replay the draft's CUDA graphs; a longer lag
+        (a sequence that had no proposals for a while) as one varlen step."""
         starts = [self.computed.get(seq, 0) for seq in seqs]
+        lags = [seq.num_tokens - start for seq, start in zip(seqs, starts)]
+        depth = max(lags)
+        if depth > 2:
+            return self._catch_up_varlen(seqs, starts)
+        for step in range(depth):
+            part = [seq for seq, lag in zip(seqs, lags) if lag >= depth - step]
+            positions = [seq.num_tokens - depth + step for seq in part]
+            logits = self._decode(part, [seq.token_ids[pos] for seq, pos in zip(part, positions)], positions)
+        return logits
+
+    def _catch_up_varlen(self, seqs: list[Sequence], starts: list[int]) -> torch.Tensor:
+        runner = self.runner
         flat = prefill_metadata(
             [seq.token_ids for seq in seqs],
             starts,
@@ -164,15 +180,15 @@ class DraftProposer:
         finally:
             reset_context()
 
-    def _decode(self, seqs: list[Sequence], drafts: list[list[int]]) -> torch.Tensor:
-        """One decode step of the draft, each sequence's input its latest proposal -> (B, V) logits."""
+    def _decode(self, seqs: list[Sequence], token_ids: list[int], positions: list[int]) -> torch.Tensor:
+        """One decode step of the draft: sequence b's input token_ids[b] at positions[b] -> (B, V) logits."""
         runner = self.runner
         size = runner.block_size
-        positions = np.asarray([seq.num_tokens - 1 + len(d) for seq, d in zip(seqs, drafts)], dtype=np.int64)
+        positions = np.asarray(positions, dtype=np.int64)  # (B,)
         tables = runner.block_tables.padded(seqs)  # (B, width)
         slots = tables[np.arange(len(seqs)), positions // size] * size + positions % size  # (B,)
-        arrays = dict(input_ids=np.asarray([d[-1] for d in drafts], dtype=np.int64), positions=positions,
-                      slot_mapping=slots, context_lens=positions + 1, block_tables=tables)  # fmt: skip
+        arrays = dict(input_ids=np.asarray(token_ids, dtype=np.int64), positions=positions, slot_mapping=slots,
+                      context_lens=positions + 1, block_tables=tables)  # fmt: skip
         try:
             input_ids, positions_t = runner.upload(StepInputs(False, arrays))
             return runner.run_model(input_ids, positions_t, False)  # (B, V), through its CUDA graphs if it has them

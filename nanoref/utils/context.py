@@ -34,6 +34,9 @@ class Context:
     # prefill: the LM head makes logits for every token, not only each sequence's last (a speculative verify step
     # checks every proposed token: nanoref/spec/)
     all_logits: bool = False
+    # decode: query tokens per sequence, each sequence's new tokens one after the other in the flat batch (1; k + 1
+    # in a speculative verify step, which checks the last token and k proposals against the paged history)
+    decode_query_len: int = 1
 
 
 class _PerThread(threading.local):
