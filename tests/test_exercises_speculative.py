@@ -210,3 +210,16 @@ def test_the_engine_part_tells_a_rule_that_keeps_every_proposal():
 
     with pytest.raises(ExerciseFailure, match="do not follow the target's distribution|nanoref's own rule samples"):
         check_speculative_sampling({"rejection_sample": keeps_every_proposal})
+
+
+def test_a_verify_step_takes_a_learners_prefill_metadata_that_returns_a_plain_tuple():
+    """Notebook 01's answer returns a plain tuple (the model runner reads it by position): the verify step, which
+    builds its inputs through the same seam, must too, or the capstone's speculative runs fail with every answer."""
+    from nanoref.engine.model_runner import prefill_metadata
+    from nanoref.exercises import check_generation
+
+    def as_tuple(*args):
+        return tuple(prefill_metadata(*args))
+
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    check_generation({"prefill_metadata": as_tuple}, prompts=[[7, 8, 9] * 5, [1, 2, 3, 4] * 3], speculative_config=spec)
