@@ -139,9 +139,7 @@ def check_speculative_greedy(functions: dict[str, Callable]) -> None:
                                                                                  False)):  # fmt: skip
         engines: list[Any] = []
         calls = {"n": 0}
-        counted = {}
-        for name, function in functions.items():
-            counted[name] = _counted(function, calls)
+        counted = {name: _counted(f, calls) if name == "accept_greedy" else f for name, f in functions.items()}
         check_generation(
             counted,
             prompts=random_prompts(seed=77, lengths=[5, 19, 11], vocab=256),
@@ -151,7 +149,7 @@ def check_speculative_greedy(functions: dict[str, Callable]) -> None:
         )
         steps = [step for step in engines[0].metrics.steps if step.num_draft_tokens]
         if not calls["n"] or not steps:
-            raise AssertionError(f"the engine with {what} never verified a proposal: the check's setup is wrong")
+            raise AssertionError(f"the engine with {what} never called accept_greedy: the check's setup is wrong")
         drafted = sum(step.num_draft_tokens for step in steps)
         accepted = sum(step.num_accepted_tokens for step in steps)
         if kept and accepted != drafted:
@@ -499,9 +497,10 @@ def check_speculative_sampling(functions: dict[str, Callable], *, num_samples: i
         llm = LLM(target, speculative_config=spec, max_num_seqs=num_samples, num_kvcache_blocks=2 * num_samples)
         reference = [out["token_ids"] for out in llm.generate(prompts, params, use_tqdm=False)]
         calls = {"n": 0}
-        got = generate_with(llm, {name: _counted(f, calls) for name, f in functions.items()}, prompts, params)
+        counted = {name: _counted(f, calls) if name == "rejection_sample" else f for name, f in functions.items()}
+        got = generate_with(llm, counted, prompts, params)
         if not calls["n"]:
-            raise AssertionError(f"the engine with {what} never called {names}: the check's setup is wrong")
+            raise AssertionError(f"the engine with {what} never called rejection_sample: the check's setup is wrong")
         tokens = torch.tensor(got)  # (samples, 3)
         for position in (1, 2):
             counts = torch.bincount(tokens[:, position], minlength=_SMALL_VOCAB)
