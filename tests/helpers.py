@@ -231,6 +231,7 @@ def own_answers() -> dict:
     from nanoref.models.qwen3_moe import moe_experts, route
     from nanoref.ops import attention_torch
     from nanoref.ops.triton_setup import triton_available
+    from nanoref.spec.acceptance import accept_greedy, rejection_sample
 
     answers = dict(
         prefill_metadata=prefill_metadata,
@@ -248,6 +249,8 @@ def own_answers() -> dict:
         moe_experts=moe_experts,
         find_stop_string=find_stop_string,
         stop_hold_back=stop_hold_back,
+        accept_greedy=accept_greedy,
+        rejection_sample=rejection_sample,
     )
     if triton_available():  # the two Triton seams (Linux only)
         from nanoref.ops import attention_triton

@@ -13,10 +13,10 @@ from nanoref.utils.seams import SEAMS
 from .helpers import own_answers
 
 # seams whose answers hold no float tensor, so no NaN: ids, block ids, a sequence, int buffers, a Triton kernel,
-# a stop string's place in a text
+# a stop string's place in a text, kept tokens and the acceptance rule's (bool, int64) pair
 NO_FLOAT_ANSWER = {
     "prefill_metadata", "find_cached_prefix", "choose_preemption_victim", "pad_decode_batch",
-    "find_stop_string", "stop_hold_back",
+    "find_stop_string", "stop_hold_back", "accept_greedy", "rejection_sample",
 }  # fmt: skip
 WRITES_INTO_ITS_LAST_ARGUMENT = {"merge_splits"}  # merge_splits(partial, lse, out) -> None
 NOT_A_PYTHON_FUNCTION = {"store_kvcache_kernel"}  # a @triton.jit kernel: no Python wrapper can stand in for it

@@ -40,6 +40,7 @@ from nanoref.layers.rotary import apply_rotary
 from nanoref.layers.sampler import apply_top_k_top_p
 from nanoref.ops import attention_torch
 from nanoref.ops.triton_setup import triton_available
+from nanoref.spec.acceptance import accept_greedy, rejection_sample
 from nanoref.utils import seams
 
 from .helpers import Counting, assert_called_every_decode_step, enable_bucketed_decode
@@ -47,6 +48,8 @@ from .helpers import Counting, assert_called_every_decode_step, enable_bucketed_
 # a shared 70-token prefix (prefix-cache hits), and contexts past one 64-key tile (so decode can split)
 PROMPTS = [list(range(5, 75)), list(range(5, 75)) + [3, 4, 5, 6, 7], [9, 8, 7]]
 GREEDY = SamplingParams(temperature=0, max_tokens=3)
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+REPEATING = [[7, 8, 9] * 5, [1, 2, 3, 4] * 3]  # text that repeats itself: the n-gram lookup proposes
 
 
 @dataclass(frozen=True)
@@ -95,6 +98,14 @@ CASES: dict[str, Callable[[], Case]] = {
     # seeded sampling through top-k and top-p: the same tokens on every call
     "apply_top_k_top_p": lambda: Case(
         apply_top_k_top_p, params=SamplingParams(temperature=0.8, top_k=8, top_p=0.9, seed=5, max_tokens=3)
+    ),
+    # only a speculative engine's verify steps call the acceptance rules: greedy rows one, sampled rows the other
+    "accept_greedy": lambda: Case(accept_greedy, {"speculative_config": NGRAM}, prompts=REPEATING),
+    "rejection_sample": lambda: Case(
+        rejection_sample,
+        {"speculative_config": NGRAM},
+        params=SamplingParams(temperature=1.0, seed=3, max_tokens=6),
+        prompts=REPEATING,
     ),
 }
 

@@ -24,6 +24,7 @@ from nanoref.exercises.paged_decode import check_merge_splits, check_paged_decod
 from nanoref.exercises.rmsnorm import check_add_rms_norm, check_rms_norm
 from nanoref.exercises.scheduler import check_choose_preemption_victim, check_find_cached_prefix
 from nanoref.exercises.serving import check_find_stop_string, check_stop_hold_back
+from nanoref.exercises.speculative import check_accept_greedy, check_rejection_sample
 from nanoref.exercises.tensor_parallel import check_vocab_parallel_embed
 from nanoref.exercises.varlen import check_prefill_metadata
 from nanoref.utils.seams import SEAMS, use
@@ -31,6 +32,7 @@ from nanoref.utils.seams import SEAMS, use
 __all__ = [
     "SEAMS",
     "ExerciseFailure",
+    "check_accept_greedy",
     "check_add_rms_norm",
     "check_apply_rotary",
     "check_apply_top_k_top_p",
@@ -44,6 +46,7 @@ __all__ = [
     "check_pad_decode_batch",
     "check_paged_decode_attention",
     "check_prefill_metadata",
+    "check_rejection_sample",
     "check_rms_norm",
     "check_seeded_sampling",
     "check_silu_and_mul",

@@ -158,20 +158,25 @@ def tiny_model(seed: int = 0, **overrides: Any) -> Path:
     return _MODELS[key]
 
 
+def hf_model(folder: Path) -> Any:
+    """HF transformers' model of a folder, in float32 and eval mode, loaded without a progress bar."""
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    bar_was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # no "Loading weights" bar in a notebook's output
+    try:
+        return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    finally:
+        if bar_was_on:
+            hf_logging.enable_progress_bar()
+
+
 def hf_greedy(folder: Path, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     """HF transformers' greedy continuation of each prompt (one at a time: no padding involved)."""
     key = (str(folder), tuple(map(tuple, prompts)), max_new_tokens)
     if key not in _HF_OUTPUTS:
-        from transformers import AutoModelForCausalLM
-        from transformers.utils import logging as hf_logging
-
-        bar_was_on = hf_logging.is_progress_bar_enabled()
-        hf_logging.disable_progress_bar()  # no "Loading weights" bar in a notebook's output
-        try:
-            model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
-        finally:
-            if bar_was_on:
-                hf_logging.enable_progress_bar()
+        model = hf_model(folder)
         outputs = []
         for prompt in prompts:
             ids = torch.tensor([prompt])

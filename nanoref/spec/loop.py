@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from nanoref.engine.metrics import StepRecord
-from nanoref.engine.model_runner import StepInputs, prefill_metadata
+from nanoref.engine.model_runner import PrefillMetadata, StepInputs, prefill_metadata
 from nanoref.engine.sequence import Sequence
 from nanoref.layers.logits_processors import LogitsProcessing, TokenLogprobs, raw_logprobs, to_device, token_logprobs
 from nanoref.layers.sampler import apply_top_k_top_p
@@ -82,7 +82,7 @@ def varlen_verify_inputs(seqs: list[Sequence], drafts: list[list[int]], block_ta
         [seq.block_table for seq in seqs],
         block_size,
     )
-    arrays = {name: np.asarray(values, dtype=np.int64) for name, values in zip(flat._fields, flat)}
+    arrays = {name: np.asarray(values, dtype=np.int64) for name, values in zip(PrefillMetadata._fields, flat)}
     arrays["block_tables"] = block_tables.padded(seqs)  # (num_seqs, width)
     max_q = 1 + max(map(len, drafts))
     max_k = max(seq.num_tokens + len(draft) for seq, draft in zip(seqs, drafts))
