@@ -3,11 +3,14 @@
 A prefill step runs as in the plain loop (the draft model, if any, computes its K/V alongside). A decode step
 becomes a verify step:
 
-1. each running sequence b gets up to k proposals d_1..d_kb (`proposers.py`; fewer near its max_tokens or
-   max_model_len, and an n-gram lookup may find none: kb = 0 is a plain decode row);
-2. one target forward over the flat batch of every sequence's last token and its proposals, kb + 1 tokens at
-   positions num_tokens - 1 .. num_tokens - 1 + kb, through the prefill path with the history read through the
-   block tables (`cu_seqlens_q` steps by kb + 1) and logits for every token (`Context.all_logits`);
+1. each running sequence b gets k proposals d_1..d_k (`proposers.py`; those a proposer cannot make, an n-gram
+   lookup that finds nothing, are filled with its last proposal or the last token: a guess like any other);
+2. one target forward over the flat batch of every sequence's last token and its proposals, k + 1 tokens at
+   positions num_tokens - 1 .. num_tokens - 1 + k: a decode step with k + 1 queries per sequence
+   (`Context.decode_query_len`; the paged decode kernels take a block of queries, causal among themselves),
+   with logits for every token. One shape for every sequence, so CUDA graphs record it like decode
+   (`verify_graphs`). Only where k tokens no longer fit before max_model_len does a step go through the varlen
+   prefill path instead (proposals of different lengths, `Context.all_logits`), eagerly;
 3. the acceptance rule (`acceptance.py`) keeps j of the proposals and adds one token of the target's;
 4. postprocess appends those j + 1 tokens one at a time, each checked as in the plain loop (EOS, stop ids and
    strings, min_tokens, max_tokens, max_model_len), so a sequence never emits past its end.
@@ -19,8 +22,8 @@ the sequence really reaches those positions. The prefix cache hashes only blocks
 never sees a rejected one. The blocks the scheduler reserved for proposals (`Scheduler.num_lookahead_tokens`)
 beyond what the kept tokens need go back to the free list (`BlockManager.trim`).
 
-The verify step runs eagerly: it goes through the varlen prefill path, which nanoref does not capture in CUDA
-graphs (decode graphs are for one token per sequence). A draft model's own decode steps do use its graphs.
+A sequence near its max_tokens also checks k tokens (it could keep fewer): the step keeps one shape, and what lies
+past the sequence's end is never appended. A draft model's own decode steps replay its graphs.
 
 Attached by `nanoref/llm.py`: `SpeculativeLoop(engine)` takes the place of the engine's `run_step`.
 """
@@ -201,7 +204,8 @@ class SpeculativeLoop:
                 tokens = emitted_tokens(draft, host[1][first:last], host[2][first:last])
             else:
                 tokens = seam("accept_greedy", accept_greedy)(draft, host[0][first:last])
-            out.append(Verified(counted[b], tokens[: len(counted[b]) + 1], len(draft)))  # (what lies past its end is never used)
+            # (what lies past the sequence's end is never used)
+            out.append(Verified(counted[b], tokens[: len(counted[b]) + 1], len(draft)))
         if any(seq.sampling_params.logprobs is not None for seq in seqs):
             self.attach_logprobs(seqs, rows_of, out, logits)
         return out
