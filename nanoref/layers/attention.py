@@ -58,7 +58,7 @@ class Attention(nn.Module):
             # (N, H, D) -> (B, Lq, H, D): a query block per sequence, of one token (Lq = 1: q.unsqueeze(1)) or of
             # a speculative verify step's k + 1 (Lq = k + 1, causal among themselves)
             num_tokens, num_heads, head_dim = q.shape
-            q = q.view(num_tokens // context.decode_query_len, context.decode_query_len, num_heads, head_dim)
+            q = q.reshape(num_tokens // context.decode_query_len, context.decode_query_len, num_heads, head_dim)
             trace(
                 "attn.decode",
                 q=q,
@@ -74,6 +74,6 @@ class Attention(nn.Module):
                 block_table=context.block_tables,
                 softmax_scale=self.scale,
                 causal=True,
-            ).view(num_tokens, num_heads, head_dim)  # (B, Lq, H, D) -> (N, H, D)
+            ).reshape(num_tokens, num_heads, head_dim)  # (B, Lq, H, D) -> (N, H, D)
         trace("attn.out", out=out)
         return out
