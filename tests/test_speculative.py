@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from nanoref import LLM, SamplingParams
+from nanoref.llm import DEFAULT_MODEL
 from nanoref.spec.acceptance import accept_greedy, emitted_tokens, rejection_sample
 from nanoref.spec.proposers import propose_ngram
 from nanoref.testing import make_tiny_qwen3
@@ -152,8 +153,10 @@ def test_a_draft_identical_to_the_target_is_always_accepted_worked_example(tiny_
     assert [(s.num_draft_tokens, s.num_accepted_tokens) for s in steps] == [(0, 0), (3, 3), (3, 3), (0, 0)]
     assert [s.num_tokens for s in steps] == [5, 4, 4, 4]  # tokens each step computed: the prompt; 1 + k
     assert [s.acceptance_rate for s in steps] == [None, 1.0, 1.0, None]
+    assert [s.mean_accepted_length for s in steps] == [None, 3.0, 3.0, None]
     metrics = output["metrics"]
     assert (metrics.num_draft_tokens, metrics.num_accepted_tokens, metrics.acceptance_rate) == (6, 6, 1.0)
+    assert (metrics.num_verify_steps, metrics.mean_accepted_length) == (3, 2.0)  # 6 kept over 3 verify steps
     assert len(output["token_ids"]) == 10 and output["finish_reason"] == "length"
 
 
@@ -364,3 +367,37 @@ def test_a_draft_with_another_vocabulary_is_a_clear_error(tiny_model, tmp_path):
 def test_speculation_refuses_the_overlapped_loop(tiny_model):
     with pytest.raises(ValueError, match="overlap_scheduling=True cannot run with speculative_config"):
         LLM(tiny_model, device="cpu", overlap_scheduling=True, speculative_config=ngram())
+
+
+def test_the_server_streams_speculative_output_and_reports_acceptance_in_metrics():
+    """Through the real server and the openai client: the same greedy text as offline speculation, and /metrics
+    counts the proposed and accepted tokens (rate = accepted / proposed, mean accepted length = per verify row)."""
+    pytest.importorskip("openai")
+    httpx = pytest.importorskip("httpx")
+    parser = pytest.importorskip("prometheus_client.parser")
+    from nanoref.serving.async_llm import AsyncLLM
+
+    from .helpers import running_server
+
+    spec = {"model": DEFAULT_MODEL, "num_speculative_tokens": 3}  # (the built-in model: it has a tokenizer)
+    prompt = "Beautiful is better than"
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    offline = LLM(device="cpu", speculative_config=spec)
+    expected = offline.generate([prompt], params, use_tqdm=False)[0]["text"]
+    with running_server(AsyncLLM(LLM(device="cpu", speculative_config=spec)), "m") as srv:
+        stream = srv.client().completions.create(
+            model="m", prompt=prompt, max_tokens=20, temperature=0, stream=True, extra_body={"ignore_eos": True}
+        )
+        assert "".join(chunk.choices[0].text for chunk in stream) == expected
+        srv.wait_until_idle()
+        text = httpx.get(srv.url.removesuffix("/v1") + "/metrics", timeout=30).text
+    values = {s.name: s.value for f in parser.text_string_to_metric_families(text) for s in f.samples}
+    drafted = values["nanoref_spec_decode_num_draft_tokens_total"]
+    accepted = values["nanoref_spec_decode_num_accepted_tokens_total"]
+    assert drafted > 0 and accepted == drafted  # the draft is the target itself: every proposal is kept
+    assert values["nanoref_spec_decode_acceptance_rate"] == 1.0
+    assert (
+        values["nanoref_spec_decode_mean_accepted_length"]
+        == accepted / values["nanoref_spec_decode_num_verified_rows_total"]
+    )
+    assert values["nanoref_spec_decode_request_acceptance_rate_count"] == 1

@@ -56,6 +56,12 @@ class StepRecord:
         """The share of proposed tokens the target accepted in this step; None when nothing was proposed."""
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
 
+    @property
+    def mean_accepted_length(self) -> float | None:
+        """Proposed tokens accepted per sequence in this step (each also gained one of the target's); None when
+        nothing was proposed."""
+        return self.num_accepted_tokens / self.num_seqs if self.num_draft_tokens else None
+
 
 @dataclass
 class RequestMetrics:
@@ -72,11 +78,17 @@ class RequestMetrics:
     # speculative decoding: tokens proposed for it, and how many the target accepted (0 and 0 without)
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    num_verify_steps: int = 0  # the verify steps it took part in
 
     @property
     def acceptance_rate(self) -> float | None:
         """The share of its proposed tokens the target accepted; None when none was proposed."""
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+    @property
+    def mean_accepted_length(self) -> float | None:
+        """Proposed tokens accepted per verify step it took part in; None when none was proposed."""
+        return self.num_accepted_tokens / self.num_verify_steps if self.num_draft_tokens else None
 
 
 @dataclass
@@ -179,4 +191,5 @@ def request_metrics(seq: Sequence, pending: _Pending, now: float) -> RequestMetr
         latency=now - pending.arrival,
         num_draft_tokens=seq.num_draft_tokens,
         num_accepted_tokens=seq.num_accepted_tokens,
+        num_verify_steps=seq.num_verify_steps,
     )

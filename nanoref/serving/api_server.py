@@ -324,6 +324,25 @@ class EngineCollector:
             "Of them, tokens found in the prefix cache",
             value=stats.prefix_cache_hit_tokens,
         )
+        # speculative decoding (all 0 without it); rate = accepted / draft, mean accepted length = accepted / rows
+        spec = {
+            "nanoref_spec_decode_num_draft_tokens": ("Tokens proposed", stats.spec_draft_tokens),
+            "nanoref_spec_decode_num_accepted_tokens": ("Of them, accepted by the target", stats.spec_accepted_tokens),
+            "nanoref_spec_decode_num_verified_rows": ("Sequences' rows in verify steps", stats.spec_verified_rows),
+        }
+        for name, (doc, value) in spec.items():
+            yield CounterMetricFamily(name, doc, value=value)
+        drafted, rows = stats.spec_draft_tokens, stats.spec_verified_rows
+        yield GaugeMetricFamily(
+            "nanoref_spec_decode_acceptance_rate",
+            "Share of proposed tokens accepted",
+            value=stats.spec_accepted_tokens / drafted if drafted else 0.0,
+        )
+        yield GaugeMetricFamily(
+            "nanoref_spec_decode_mean_accepted_length",
+            "Proposed tokens accepted per sequence and verify step",
+            value=stats.spec_accepted_tokens / rows if rows else 0.0,
+        )
 
 
 class ServerMetrics:
@@ -342,6 +361,12 @@ class ServerMetrics:
         self.requests = Counter("nanoref_requests", "Finished requests", ["finish_reason"], registry=self.registry)
         self.prompt_tokens = Counter("nanoref_prompt_tokens", "Prompt tokens received", registry=self.registry)
         self.generation_tokens = Counter("nanoref_generation_tokens", "Tokens generated", registry=self.registry)
+        self.acceptance = Histogram(
+            "nanoref_spec_decode_request_acceptance_rate",
+            "Per finished request with speculative decoding: the share of its proposed tokens accepted",
+            buckets=(0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0),
+            registry=self.registry,
+        )
 
     def observe(self, out: RequestOutput, first: bool) -> None:
         """Count one output as it passes to a client (an aborted request's tokens count too)."""
@@ -354,6 +379,8 @@ class ServerMetrics:
             self.ttft.observe(out.metrics.ttft)
             if out.metrics.tpot is not None:
                 self.tpot.observe(out.metrics.tpot)
+            if out.metrics.acceptance_rate is not None:
+                self.acceptance.observe(out.metrics.acceptance_rate)
 
 
 class ClosingStreamingResponse(StreamingResponse):

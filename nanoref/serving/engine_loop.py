@@ -45,6 +45,10 @@ class EngineStats:
     num_kv_blocks: int
     prefix_cache_queried_tokens: int  # prompt tokens of the finished requests
     prefix_cache_hit_tokens: int  # the part of them served from the prefix cache
+    # speculative decoding (0 without): tokens proposed, of them accepted, and sequences' rows in verify steps
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_verified_rows: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -103,6 +107,8 @@ class EngineLoop:
         self.requests: dict[int, _Active] = {}  # key -> a request queued in the engine, until its last delta
         self.errors: list[tuple[int, BaseException]] = []  # not sent yet
         self.queried_tokens = self.hit_tokens = 0  # prefix-cache counters
+        # speculative decoding: tokens proposed, accepted, and the sequences' rows of the verify steps
+        self.draft_tokens = self.accepted_tokens = self.verified_rows = 0
         self.sent_stats: EngineStats | None = None
 
     def run(self) -> None:
@@ -158,7 +164,11 @@ class EngineLoop:
         if self.llm.is_finished():
             return
         try:
-            self.llm.step()
+            _, record = self.llm.step()
+            if record.num_draft_tokens:  # speculative decoding: a verify step
+                self.draft_tokens += record.num_draft_tokens
+                self.accepted_tokens += record.num_accepted_tokens
+                self.verified_rows += record.num_seqs
             # a server runs for days: keep no step history (the last record may be a step in flight)
             del self.llm.metrics.steps[:-1]
         except Exception as error:  # fail what was in flight, keep serving what comes next
@@ -226,4 +236,7 @@ class EngineLoop:
             num_kv_blocks=manager.num_blocks,
             prefix_cache_queried_tokens=self.queried_tokens,
             prefix_cache_hit_tokens=self.hit_tokens,
+            spec_draft_tokens=self.draft_tokens,
+            spec_accepted_tokens=self.accepted_tokens,
+            spec_verified_rows=self.verified_rows,
         )

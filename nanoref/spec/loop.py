@@ -290,6 +290,7 @@ class SpeculativeLoop:
             accepted = len(v.token_ids) - 1
             seq.num_draft_tokens += len(v.draft_ids)
             seq.num_accepted_tokens += accepted
+            seq.num_verify_steps += 1
             record.num_draft_tokens += len(v.draft_ids)
             record.num_accepted_tokens += accepted
             for index, token_id in enumerate(v.token_ids):
