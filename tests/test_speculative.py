@@ -277,15 +277,22 @@ def test_sampled_tokens_follow_the_targets_distribution_at_every_position(small_
         assert min(p_values(600)[1:]) < ALPHA  # position 1 comes from the prefill step, without proposals
 
 
-def test_a_seeded_request_samples_the_same_tokens_whatever_its_batch(tiny_model, draft_folder):
-    spec = {"model": draft_folder, "num_speculative_tokens": 3}
+@pytest.mark.parametrize("proposer", ["ngram", "draft"])
+def test_a_seeded_request_samples_the_same_tokens_whatever_its_batch(tiny_model, draft_folder, proposer):
+    """Also when a batch-mate near max_model_len sends the verify steps down the varlen path (fewer rows)."""
+    spec = ngram(3, 2) if proposer == "ngram" else {"model": draft_folder, "num_speculative_tokens": 3}
     params = SamplingParams(temperature=0.8, top_k=20, max_tokens=16, seed=42)
-    alone = LLM(tiny_model, device="cpu", speculative_config=spec).generate([[9, 8, 7]], params, use_tqdm=False)
-    others = random_prompts(4, [6, 12, 3])
-    crowd = LLM(tiny_model, device="cpu", speculative_config=spec).generate(
-        [*others, [9, 8, 7]], [SamplingParams(temperature=1.0, max_tokens=20)] * 3 + [params], use_tqdm=False
+    prompt = [9, 8, 7, 9, 8, 7, 9]
+    engine = dict(device="cpu", speculative_config=spec, max_model_len=64)
+    alone = LLM(tiny_model, **engine).generate([prompt], params, use_tqdm=False)
+    others = random_prompts(4, [6, 12, 50])  # the last runs into max_model_len while the seeded one decodes
+    llm = LLM(tiny_model, **engine)
+    crowd = llm.generate(
+        [*others, prompt], [SamplingParams(temperature=1.0, max_tokens=20)] * 3 + [params], use_tqdm=False
     )
     assert crowd[-1]["token_ids"] == alone[0]["token_ids"]
+    widths = {n for step in llm.metrics.steps if step.kind == "decode" for _, n in step.seqs}
+    assert 4 in widths and widths - {4}, f"both verify paths were meant to run: {widths}"
 
 
 # -- blocks and bad settings ---------------------------------------------------------------------

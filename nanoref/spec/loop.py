@@ -42,6 +42,7 @@ from nanoref.layers.logits_processors import LogitsProcessing, TokenLogprobs, ra
 from nanoref.layers.sampler import apply_top_k_top_p
 from nanoref.spec.acceptance import accept_greedy, emitted_tokens, rejection_sample
 from nanoref.spec.proposers import DraftProposer, NgramProposer
+from nanoref.utils import seams
 from nanoref.utils.context import reset_context
 from nanoref.utils.interrupts import interruptibly
 from nanoref.utils.seams import seam
@@ -150,6 +151,10 @@ class SpeculativeLoop:
         # max_tokens, still checks k: it stops at its end), so the step has one shape. The proposals a proposer
         # could not make are filled with its last one (or the last token), a guess like any other.
         fits = all(seq.num_tokens + self.k <= self.engine.config.max_model_len for seq in seqs)
+        # a learner's decode attention (notebook 04) answers one query per sequence, what its exercise asks for:
+        # with one in place, verify steps take the varlen path; a learner's graph padding sees one token per row
+        replaced = seams.active().keys()
+        fits = fits and not replaced & {"paged_decode_attention", "merge_splits"}
         width = self.k if fits else None
         drafts = [pad(draft, seq, width or limit) for draft, seq, limit in zip(proposals.draft_ids, seqs, limits)]
         make_inputs = verify_inputs if fits else varlen_verify_inputs
@@ -158,7 +163,7 @@ class SpeculativeLoop:
             input_ids, positions = runner.upload(step)
             trace_inputs(step.is_prefill, seqs, input_ids, positions)
             graphs = self.verify_graphs
-            if fits and graphs is not None and graphs.covers(len(seqs)):
+            if fits and graphs is not None and "pad_decode_batch" not in replaced and graphs.covers(len(seqs)):
                 logits = graphs.run(input_ids, positions)  # (T, V): T = B * (k + 1)
             else:  # (T, V): T = sum of 1 + kb
                 logits = runner.model.compute_logits(runner.model(input_ids, positions))
@@ -201,7 +206,7 @@ class SpeculativeLoop:
         for b, (draft, rows) in enumerate(zip(drafts, rows_of)):
             first, last = rows.start, rows.stop
             if sampled[b]:
-                tokens = emitted_tokens(draft, host[1][first:last], host[2][first:last])
+                tokens = emitted_tokens(counted[b], host[1][first:last], host[2][first:last])
             else:
                 tokens = seam("accept_greedy", accept_greedy)(draft, host[0][first:last])
             # (what lies past the sequence's end is never used)
@@ -225,9 +230,11 @@ class SpeculativeLoop:
             top_p = torch.tensor([p.top_p for p, n in per_row for _ in range(n)], device=device)
             scaled = seam("apply_top_k_top_p", apply_top_k_top_p)(scaled, top_k, top_p)
         p = scaled.softmax(dim=-1)  # (T, V)
-        draft_rows = [row for draft, rows in zip(drafts, rows_of) for row in rows[: len(draft)]]
+        # the rows past a sequence's counted proposals are bonus rows (-1), so its tokens are the same whether its
+        # step had k rows per sequence or only as many as it could keep (the varlen path)
+        draft_rows = [row for draft, rows in zip(counted, rows_of) for row in rows[: len(draft)]]
         draft_ids = torch.full((num_rows,), -1, dtype=torch.int64)
-        draft_ids[draft_rows] = torch.tensor([t for draft in drafts for t in draft], dtype=torch.int64)
+        draft_ids[draft_rows] = torch.tensor([t for draft in counted for t in draft], dtype=torch.int64)
         draft_ids = draft_ids.to(device)
         q = None
         if draft_probs is not None:  # the draft model's distributions at its proposals' rows; a filled-in
@@ -239,9 +246,11 @@ class SpeculativeLoop:
         uniforms = torch.rand(num_rows, device=device, generator=runner.generator)
         noise = torch.empty(num_rows, vocab, device=device).exponential_(generator=runner.generator)
         for seq, rows in zip(seqs, rows_of):
-            if seq.generator is not None and seq.sampling_params.temperature > 0:
-                uniforms[rows.start : rows.stop] = torch.rand(len(rows), device=device, generator=seq.generator)
-                noise[rows.start : rows.stop].exponential_(generator=seq.generator)
+            if seq.generator is not None and seq.sampling_params.temperature > 0:  # k + 1 rows' draws, always
+                n, g = len(rows), seq.generator
+                uniforms[rows.start : rows.stop] = torch.rand(self.k + 1, device=device, generator=g)[:n]
+                draws = torch.empty(self.k + 1, vocab, device=device).exponential_(generator=g)
+                noise[rows.start : rows.stop] = draws[:n]
         accepted, recovered = seam("rejection_sample", rejection_sample)(p, q, draft_ids, uniforms, noise)
         return [accepted.long(), recovered]
 
