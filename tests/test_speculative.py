@@ -283,12 +283,14 @@ def test_a_seeded_request_samples_the_same_tokens_whatever_its_batch(tiny_model,
     spec = ngram(3, 2) if proposer == "ngram" else {"model": draft_folder, "num_speculative_tokens": 3}
     params = SamplingParams(temperature=0.8, top_k=20, max_tokens=16, seed=42)
     prompt = [9, 8, 7, 9, 8, 7, 9]
-    engine = dict(device="cpu", speculative_config=spec, max_model_len=64)
+    engine = dict(device="cpu", speculative_config=spec, max_model_len=64, seed=0)
     alone = LLM(tiny_model, **engine).generate([prompt], params, use_tqdm=False)
     others = random_prompts(4, [6, 12, 50])  # the last runs into max_model_len while the seeded one decodes
     llm = LLM(tiny_model, **engine)
     crowd = llm.generate(
-        [*others, prompt], [SamplingParams(temperature=1.0, max_tokens=20)] * 3 + [params], use_tqdm=False
+        [*others, prompt],
+        [SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True)] * 3 + [params],
+        use_tqdm=False,
     )
     assert crowd[-1]["token_ids"] == alone[0]["token_ids"]
     widths = {n for step in llm.metrics.steps if step.kind == "decode" for _, n in step.seqs}
