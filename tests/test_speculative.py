@@ -9,13 +9,14 @@ import pytest
 import torch
 
 from nanoref import LLM, SamplingParams
+from nanoref.exercises.speculative import chi_square_p_value, exact_marginals
 from nanoref.llm import DEFAULT_MODEL
 from nanoref.spec.acceptance import accept_greedy, emitted_tokens, rejection_sample
 from nanoref.spec.proposers import propose_ngram
 from nanoref.testing import make_tiny_qwen3
 from nanoref.utils import seams
 
-from .helpers import assert_matches_hf, assert_no_block_leaked, hf_model, random_prompts, shared_prefix_prompts
+from .helpers import assert_matches_hf, assert_no_block_leaked, random_prompts, shared_prefix_prompts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
@@ -61,19 +62,6 @@ def test_greedy_acceptance_keeps_the_agreeing_run_and_adds_the_targets_token():
     assert accept_greedy([], [2]) == [2]  # no proposal: a plain decode step
     assert emitted_tokens([4, 5], [True, False, False], [0, 7, 8]) == [4, 7]
     assert emitted_tokens([4, 5], [True, True, False], [0, 7, 8]) == [4, 5, 8]
-
-
-def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """Pearson's goodness of fit of counts (V,) to probs (V,); cells expected below 5 are pooled."""
-    expected = probs.double() * counts.sum()
-    keep = expected >= 5
-    observed = torch.cat([counts.double()[keep], counts.double()[~keep].sum()[None]])
-    expected = torch.cat([expected[keep], expected[~keep].sum()[None]])
-    if expected[-1] == 0:
-        observed, expected = observed[:-1], expected[:-1]
-    stat = ((observed - expected) ** 2 / expected).sum()
-    df = torch.tensor(len(expected) - 1, dtype=torch.float64)
-    return float(torch.special.gammaincc(df / 2, stat / 2))  # the chi-square survival function
 
 
 ALPHA = 1e-4  # each distribution check's false-alarm rate (its inputs are seeded: a run passes or fails for good)
@@ -233,21 +221,6 @@ def small_vocab_models(tmp_path_factory):
     return target, draft
 
 
-def exact_marginals(folder, prompt: list[int], positions: int, temperature: float) -> list[torch.Tensor]:
-    """The target's exact distribution of completion token 1..positions (summed over every earlier path)."""
-    model = hf_model(folder)
-    vocab = model.config.vocab_size
-    paths, weights, marginals = [prompt], torch.ones(1, dtype=torch.float64), []
-    with torch.no_grad():
-        for _ in range(positions):
-            logits = model(torch.tensor(paths)).logits[:, -1].double()  # (paths, V)
-            joint = weights[:, None] * (logits / temperature).softmax(-1)  # (paths, V)
-            marginals.append(joint.sum(0))
-            paths = [path + [token] for path in paths for token in range(vocab)]
-            weights = joint.reshape(-1)
-    return marginals
-
-
 @pytest.mark.parametrize("proposer", ["ngram", "draft"])
 def test_sampled_tokens_follow_the_targets_distribution_at_every_position(small_vocab_models, proposer):
     """1,500 seeded samples of 3 tokens with speculation; each position's token counts against the target's exact
@@ -257,7 +230,7 @@ def test_sampled_tokens_follow_the_targets_distribution_at_every_position(small_
     prompt = [1, 2, 3, 1, 2, 3, 1, 2]  # repeats: the n-gram lookup proposes
     spec = ngram(2) if proposer == "ngram" else {"model": draft, "num_speculative_tokens": 2}
     llm = LLM(target, device="cpu", speculative_config=spec, max_num_seqs=256, seed=0)
-    exact = exact_marginals(target, prompt, 3, 1.0)
+    exact = exact_marginals(target, prompt, 3)
 
     def p_values(num_samples: int) -> list[float]:
         params = [SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, seed=i) for i in range(num_samples)]

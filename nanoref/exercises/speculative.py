@@ -463,7 +463,7 @@ def _small_vocab_models() -> tuple[Any, Any]:
     return target, draft
 
 
-def _exact_marginals(folder: Any, prompt: list[int], positions: int) -> list[torch.Tensor]:
+def exact_marginals(folder: Any, prompt: list[int], positions: int) -> list[torch.Tensor]:
     """The target's exact distribution of completion token 1..positions at temperature 1 (over every earlier path),
     from HF transformers."""
     model = hf_model(folder)
@@ -473,7 +473,7 @@ def _exact_marginals(folder: Any, prompt: list[int], positions: int) -> list[tor
             logits = model(torch.tensor(paths)).logits[:, -1].double()  # (paths, V)
             joint = weights[:, None] * logits.softmax(-1)  # (paths, V)
             marginals.append(joint.sum(0))
-            paths = [path + [token] for path in paths for token in range(_SMALL_VOCAB)]
+            paths = [path + [token] for path in paths for token in range(model.config.vocab_size)]
             weights = joint.reshape(-1)
     return marginals
 
@@ -486,7 +486,7 @@ def check_speculative_sampling(functions: dict[str, Callable], *, num_samples: i
     from nanoref import LLM, SamplingParams
 
     target, draft = _small_vocab_models()
-    exact = _exact_marginals(target, _PROMPT, 3)
+    exact = exact_marginals(target, _PROMPT, 3)
     names = describe(functions)
     params = [SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, seed=i) for i in range(num_samples)]
     prompts = [_PROMPT] * num_samples
