@@ -179,7 +179,8 @@ async def run_rate(
     start = t0
     wall = max(r["arrivals"][-1] for r in results if r["arrivals"]) - start
     ttft = [r["arrivals"][0] - r["sent"] for r in results]
-    gaps = [(r["arrivals"][-1] - r["arrivals"][0], len(r["arrivals"]) - 1) for r in results]
+    # per token, not per chunk: a stream that fell behind sends several tokens in one chunk
+    gaps = [(r["arrivals"][-1] - r["arrivals"][0], r["tokens"] - 1) for r in results]
     tpot = [span / count for span, count in gaps if count > 0]
     tokens = sum(r["tokens"] for r in results)
     assert tokens == len(prompts) * output_len, f"{tokens} tokens streamed, {len(prompts) * output_len} asked for"

@@ -19,7 +19,7 @@ Why the engine runs apart from the event loop: a step is blocking CPU/GPU work (
 the event loop and every other client with it. So the engine's loop (engine_loop.py's `EngineLoop`) runs on its
 own: it takes new requests and aborts *between* steps (the only moment the engine's state may change), steps while
 any request is unfinished, sleeps when there is nothing to do, and sends ONE message per step with every request's
-new tokens and text. Here, that message becomes each request's outputs, handed to the event loop at once
+new tokens. Here, that message becomes each request's outputs, handed to the event loop at once
 (`loop.call_soon_threadsafe`: asyncio objects belong to their loop's thread).
 
 Where that loop runs, the two forms of `AsyncLLM`:
@@ -32,7 +32,8 @@ Both behave the same to a caller.
 
 What one step costs beyond the forward is what a server adds to offline `generate`, so per token it does little:
 a consumer that falls behind (hundreds of streams on one event loop) reads several tokens in one piece, and the
-engine spends nothing on it meanwhile; text is decoded in the engine's loop, for all of a piece's tokens at once.
+engine spends nothing on it meanwhile; text is decoded here, by the thread that receives the engine's messages
+(the process form's reader thread: off the engine's process), for all of a piece's tokens at once.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from nanoref.config import EngineConfig
+from nanoref.engine.detokenizer import IncrementalDetokenizer
 from nanoref.engine.metrics import RequestMetrics
 from nanoref.engine.requests import check_request, tokenize
 from nanoref.layers.logits_processors import TokenLogprobs
@@ -100,23 +102,33 @@ class _Request:
     request_id: str
     loop: asyncio.AbstractEventLoop
     num_samples: int
+    tokenizer: Any
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     # each sample's tokens and text so far (written by the thread that receives the step messages)
     token_ids: list[list[int]] = field(default_factory=list)
     texts: list[str] = field(default_factory=list)
+    # each sample's text, grown from its deltas' tokens (a request without stop strings: see SampleDelta.text)
+    detokenizers: list[IncrementalDetokenizer] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.token_ids = [[] for _ in range(self.num_samples)]
         self.texts = [""] * self.num_samples
+        self.detokenizers = [IncrementalDetokenizer(self.tokenizer) for _ in range(self.num_samples)]
 
     def output(self, delta: SampleDelta) -> RequestOutput:
         """The sample's next output: the delta and, around it, everything the sample made so far."""
         tokens = self.token_ids[delta.index]
         tokens.extend(delta.token_ids)
-        self.texts[delta.index] += delta.text
+        text = delta.text
+        if text is None:  # decoded here, for all the delta's tokens at once (whole characters only until the end)
+            detokenizer = self.detokenizers[delta.index]
+            text = detokenizer.add(delta.token_ids)
+            if delta.finished:
+                text += detokenizer.finish()
+        self.texts[delta.index] += text
         return RequestOutput(
             request_id=self.request_id,
-            text=delta.text,
+            text=text,
             token_ids=delta.token_ids,
             cumulative_text=self.texts[delta.index],
             cumulative_token_ids=list(tokens),
@@ -276,7 +288,7 @@ class AsyncLLM:
     async def _stream(
         self, token_ids: list[int], params: SamplingParams, request_id: str
     ) -> AsyncIterator[RequestOutput]:
-        request = _Request(next(self._keys), request_id, asyncio.get_running_loop(), params.n)
+        request = _Request(next(self._keys), request_id, asyncio.get_running_loop(), params.n, self.tokenizer)
         with self._requests_lock:  # (with _on_exit: a request is either failed by it or refused here)
             self._check_running()
             if request_id in self._requests:

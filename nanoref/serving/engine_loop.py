@@ -17,9 +17,12 @@ Per token the loop does little (see async_llm.py's docstring for why that matter
 - a request gets a new delta only once its consumer read the previous one ("read"); a consumer that falls behind
   gets several tokens in one delta later, and costs nothing meanwhile (a finished sample's last delta is always
   sent: it carries everything not sent yet);
-- text is decoded here, when a delta is made, for all its new tokens at once (the receiving side, a server's event
-  loop, has enough to do); only a request with stop strings has its text grown token by token, in the engine,
-  where the stop strings are matched and end the sequence.
+- a delta carries token ids, not text: the receiving side decodes them (`async_llm.py`'s `_Request.output`). In the
+  process form that is the server's process, so the engine's process spends nothing on text: on an H200 with 256
+  streams, decoding every delta here took a quarter of the engine process's time, a GPU step's worth of Python
+  that offline `generate` never pays. Only a request with stop strings has its text grown here, token by token,
+  in the engine (its `seq.detokenizer`), where the stop strings are matched and end the sequence; its deltas
+  carry that text.
 """
 
 from __future__ import annotations
@@ -28,7 +31,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from nanoref.engine.detokenizer import IncrementalDetokenizer
 from nanoref.engine.metrics import RequestMetrics
 from nanoref.engine.sequence import Sequence
 from nanoref.layers.logits_processors import TokenLogprobs
@@ -63,7 +65,9 @@ class SampleDelta(NamedTuple):
     key: int
     index: int  # which of the request's n samples
     token_ids: list[int]
-    text: str  # "" while a character or a possible stop string is held back
+    # with stop strings: the engine's new text ("" while a character or a possible stop string is held back);
+    # None without: the receiver decodes token_ids itself
+    text: str | None
     num_prompt_tokens: int
     finished: bool
     finish_reason: str | None
@@ -83,10 +87,8 @@ class StepMessage(NamedTuple):
 @dataclass(eq=False)  # compared by identity: two samples are never the same one
 class _Sample:
     seq: Sequence
-    # its text, decoded when a delta is made (the engine's own `seq.detokenizer` where stop strings need one)
-    detokenizer: IncrementalDetokenizer
     num_sent_tokens: int = 0  # what earlier deltas delivered
-    num_sent_chars: int = 0
+    num_sent_chars: int = 0  # (of the engine's text: a request with stop strings)
     done: bool = False  # its finished delta is sent
 
 
@@ -142,10 +144,8 @@ class EngineLoop:
                 except Exception as error:
                     self.errors.append((key, error))
                     continue
-                tokenizer = self.llm.tokenizer
-                samples = [_Sample(seq, seq.detokenizer or IncrementalDetokenizer(tokenizer)) for seq in seqs]
                 self.llm.enqueue_samples(seqs)
-                self.requests[key] = _Active(samples)
+                self.requests[key] = _Active([_Sample(seq) for seq in seqs])
             elif kind == "abort":  # (an abort of a request that already finished changes nothing)
                 active = self.requests.get(command[1])
                 if active is not None:
@@ -201,12 +201,7 @@ class EngineLoop:
         tokens = seq.completion_token_ids
         if len(tokens) == sample.num_sent_tokens and not seq.is_finished:
             return None
-        detokenizer = sample.detokenizer
-        if detokenizer is not seq.detokenizer:  # (the engine's own is up to date: it matches the stop strings)
-            detokenizer.add(tokens[len(detokenizer.token_ids) :])
-            if seq.is_finished:
-                detokenizer.finish()
-        text = detokenizer.text  # complete characters only (the final text once finished)
+        text = None if seq.detokenizer is None else seq.detokenizer.text  # (the final text once finished)
         metrics = self.llm.metrics.requests.pop(seq.seq_id, None) if seq.is_finished else None
         if metrics is not None:
             self.queried_tokens += metrics.num_prompt_tokens
@@ -215,7 +210,7 @@ class EngineLoop:
             key=key,
             index=seq.index,
             token_ids=tokens[sample.num_sent_tokens :],
-            text=text[sample.num_sent_chars :],
+            text=None if text is None else text[sample.num_sent_chars :],
             num_prompt_tokens=seq.num_prompt_tokens,
             finished=seq.is_finished,
             finish_reason=seq.finish_reason,
@@ -223,7 +218,9 @@ class EngineLoop:
             logprobs=seq.logprobs[sample.num_sent_tokens : len(tokens)],
             metrics=metrics,
         )
-        sample.num_sent_tokens, sample.num_sent_chars, sample.done = len(tokens), len(text), seq.is_finished
+        sample.num_sent_tokens, sample.done = len(tokens), seq.is_finished
+        if text is not None:
+            sample.num_sent_chars = len(text)
         return delta
 
     def stats(self) -> EngineStats:

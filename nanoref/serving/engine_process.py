@@ -7,10 +7,11 @@ so the GPU waits for Python. In two processes each has its own interpreter: the 
 event loop's, and the GPU is fed while the responses are written.
 
 What crosses between them is small and batched (engine_loop.py's messages):
-- commands in, through one pipe: add (already checked in the server's process against the engine's config, so a
+- commands in, through one pipe (read by a thread of the child as they come, also during a step): add (already checked in the server's process against the engine's config, so a
   bad request still raises at `generate`), abort, read, stop;
-- ONE `StepMessage` out per step, through another pipe, with every request's new tokens and text, its errors and
-  the engine's stats; a reader thread in the server's process turns it into per-request outputs with one hand-off
+- ONE `StepMessage` out per step, through another pipe (written by another thread of the child, while the next
+  step runs), with every request's new tokens, its errors and the engine's stats (text is decoded on the server's
+  side: engine_loop.py says why); a reader thread in the server's process turns it into per-request outputs with one hand-off
   to the event loop per message (`AsyncLLM._on_message`), not one per token.
 
 The child is started with the "spawn" method (a fresh interpreter: CUDA cannot be used in a forked child) through a
@@ -25,6 +26,7 @@ import multiprocessing
 import multiprocessing.connection
 import multiprocessing.util
 import pickle
+import queue
 import signal
 import threading
 from collections.abc import Callable
@@ -160,29 +162,52 @@ def serve_engine(model: str, settings: dict, commands, outputs) -> None:
         outputs.send((_FAILED, _picklable(error)))
         return
 
+    # Both pipes are worked by threads of their own, so the loop never waits on one: a pipe holds 64 KiB, and a
+    # writer blocks when it is full. Commands are read as they come, also while a step runs (else the server's
+    # event loop, writing 256 new requests at once, would stall until the step ends), and step messages are
+    # written while the next step runs (else a server process busy with its streams would stall the engine).
+    inbox: queue.SimpleQueue = queue.SimpleQueue()
+    outbox: queue.SimpleQueue = queue.SimpleQueue()
+
+    def read_commands() -> None:
+        try:
+            while True:
+                inbox.put(commands.recv())
+        except (EOFError, OSError):  # the parent is gone: nobody reads what the loop would make
+            inbox.put(("stop",))
+
+    def write_messages() -> None:
+        while (message := outbox.get()) is not None:
+            try:
+                try:
+                    outputs.send(message)
+                except (pickle.PicklingError, TypeError, AttributeError):  # an error that does not pickle: in words
+                    errors = [(key, _picklable(error)) for key, error in message.errors]
+                    outputs.send(message._replace(errors=errors))
+            except OSError:  # the parent went away (BrokenPipeError): the reader will say "stop"
+                return
+
     def receive(wait: bool) -> list[tuple]:
-        try:
-            items = [commands.recv()] if wait else []
-            while commands.poll():
-                items.append(commands.recv())
-        except (EOFError, OSError):  # the parent is gone: nobody reads what this would make
-            items = [("stop",)]
-        return items
+        items = [inbox.get()] if wait else []
+        while True:
+            try:
+                items.append(inbox.get_nowait())
+            except queue.Empty:
+                return items
 
-    def send(message: StepMessage) -> None:
-        try:
-            outputs.send(message)
-        except (pickle.PicklingError, TypeError, AttributeError):  # an error that does not pickle: say it in words
-            errors = [(key, _picklable(error)) for key, error in message.errors]
-            outputs.send(message._replace(errors=errors))
-
+    threads = [threading.Thread(target=work, daemon=True) for work in (read_commands, write_messages)]
     try:
-        loop = EngineLoop(llm, receive, send)
+        loop = EngineLoop(llm, receive, outbox.put)
         outputs.send((_READY, llm.config, loop.stats()))
+        for thread in threads:
+            thread.start()
         loop.run()
     except (BrokenPipeError, EOFError):  # the parent went away
         pass
     finally:
+        outbox.put(None)  # the writer sends what is queued (the aborts' last deltas), then ends
+        if threads[1].is_alive():
+            threads[1].join(timeout=10.0)  # (a parent that reads nothing any more must not keep this process)
         llm.close()
         outputs.close()
 
