@@ -123,3 +123,24 @@ def test_decode_never_cleans_up_spaces_before_punctuation(tokenizer):
     assert tokenizer.decode(ids) != "a , b . c !", "the clean-up was meant to be on"
     pieces = stream(tokenizer, ids, decode(tokenizer, ids))
     assert "".join(pieces) == decode(tokenizer, ids) == "a , b . c !"
+
+
+@settings(max_examples=60, deadline=None)
+@given(ids=st.lists(st.integers(0, 511), max_size=12))
+def test_decode_through_the_rust_tokenizer_equals_the_tokenizers_own_decode(tokenizer, ids):
+    """decode skips transformers' Python around its Rust decode (a server decodes every stream every step): the
+    text must be what tokenizer.decode gives, special tokens (EOS, <|im_start|>) included in the ids."""
+    ids = ids + [tokenizer.eos_token_id] + ids[:3]
+    assert decode(tokenizer, ids) == tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+
+def test_decode_goes_through_the_rust_tokenizer_only_where_decode_is_transformers_own(tokenizer):
+    from nanoref.engine.detokenizer import _rust_tokenizer
+
+    assert _rust_tokenizer(tokenizer) is tokenizer.backend_tokenizer
+    counting = CountingTokenizer(tokenizer)  # a decode of its own: called, not bypassed
+    assert decode(counting, [65, 66]) == decode(tokenizer, [65, 66]) and counting.lengths == [2]
+    overriding = type("Overriding", (type(tokenizer),), {"_decode": lambda self, token_ids, **kw: "mine"})
+    mine = load_tokenizer(DEFAULT_MODEL)
+    mine.__class__ = overriding
+    assert _rust_tokenizer(mine) is None and decode(mine, [65, 66]) == "mine"

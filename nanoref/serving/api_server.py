@@ -213,6 +213,11 @@ class Choice:
 async def merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """The outputs of several requests as they come -> (which stream, output). Closing this closes every stream
     (each aborts its request); a stream that raises ends the merge with its error."""
+    if len(streams) == 1:  # one prompt, the usual request: read it directly (no task and queue per output)
+        async with aclosing(streams[0]) as stream:
+            async for out in stream:
+                yield 0, out
+        return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i: int, stream: AsyncIterator[RequestOutput]) -> None:

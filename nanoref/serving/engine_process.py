@@ -7,12 +7,13 @@ so the GPU waits for Python. In two processes each has its own interpreter: the 
 event loop's, and the GPU is fed while the responses are written.
 
 What crosses between them is small and batched (engine_loop.py's messages):
-- commands in, through one pipe (read by a thread of the child as they come, also during a step): add (already checked in the server's process against the engine's config, so a
-  bad request still raises at `generate`), abort, read, stop;
-- ONE `StepMessage` out per step, through another pipe (written by another thread of the child, while the next
-  step runs), with every request's new tokens, its errors and the engine's stats (text is decoded on the server's
-  side: engine_loop.py says why); a reader thread in the server's process turns it into per-request outputs with one hand-off
-  to the event loop per message (`AsyncLLM._on_message`), not one per token.
+- commands in, through one pipe, read by a thread of the child as they come, also during a step: add (already
+  checked in the server's process against the engine's config, so a bad request still raises at `generate`),
+  abort, read, stop;
+- ONE `StepMessage` out per step, through another pipe, written by another thread of the child while the next step
+  runs, with every request's new tokens, its errors and the engine's stats (no text: the server's side decodes
+  it, engine_loop.py says why); a reader thread in the server's process turns it into per-request outputs with
+  one hand-off to the event loop per message (`AsyncLLM._on_message`), not one per token.
 
 The child is started with the "spawn" method (a fresh interpreter: CUDA cannot be used in a forked child) through a
 context object, so the caller's default start method is left alone. It builds `LLM(model, **settings)` itself and
