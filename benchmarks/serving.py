@@ -8,13 +8,16 @@ exactly `--output-len` tokens (`ignore_eos`), so throughput counts the same work
 
 Per request the client records when its first streamed token arrived (TTFT, from its send time) and the mean gap
 after it (TPOT = (last - first) / (tokens - 1)); per rate the table gives p50 / p99 of both and the output
-tokens per second over the whole rate's wall time. Then the saturation requests are run once more through
-offline `LLM.generate` in a fresh process with the same settings: the ratio of the server's saturated tok/s to
-it is the server's own overhead (HTTP, JSON, server-sent events, detokenizing every token, the asyncio hand-off).
+tokens per second over the whole rate's wall time. The server is warmed up first with one untimed round at full
+size, and the last rate (the saturation point: put `inf` last) runs `--repeats` times on fresh prompts; its row
+is the median run. Offline `LLM.generate` with the same settings serves those same prompt sets, one timed run
+each, in a fresh process before the server starts (the first set) and in another after it stops (the rest): the
+ratio of the medians is the server's own overhead (HTTP, JSON, server-sent events, detokenizing every token, the
+hand-offs between the engine's process and the server's).
 
     python benchmarks/serving.py --out-dir benchmarks/results --name serving_cpu              # the built-in model
     python benchmarks/serving.py --model qwen3-0.6b-random --device cuda --name serving_h200 \\
-        --rates 4,16,64,inf --num-requests 256 --input-len 256 --output-len 256
+        --rates 16,64,inf --num-requests 256 --input-len 256 --output-len 256 --client-processes 8 --repeats 3
     python benchmarks/serving.py --plot benchmarks/results/serving_cpu.json figures/serving_cpu.png
 
 `qwen3-0.6b-random`: Qwen3-0.6B's shapes with random bf16 weights, built on the device, and a word-level
@@ -202,16 +205,21 @@ params = SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=spec["outpu
 # warm-up on other prompts of the same shapes (the server has served every earlier rate by its saturation run)
 llm.generate(spec["warmup_prompts"], params, use_tqdm=False)
 sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-sync(); start = time.perf_counter()
-outputs = llm.generate(spec["prompts"], params, use_tqdm=False)
-sync(); wall = time.perf_counter() - start
-tokens = sum(len(o["token_ids"]) for o in outputs)
-print("RESULT " + json.dumps(dict(wall_s=wall, output_tokens=tokens, tok_per_s=tokens / wall)))
+results = []
+for prompts in spec["prompt_sets"]:
+    sync(); start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    sync(); wall = time.perf_counter() - start
+    tokens = sum(len(o["token_ids"]) for o in outputs)
+    results.append(dict(wall_s=wall, output_tokens=tokens, tok_per_s=tokens / wall))
+print("RESULT " + json.dumps(results))
 """
 
 
-def run_offline(folder: Path, settings: dict, prompts: list, warmup: list, output_len: int) -> dict:
-    spec = dict(folder=str(folder), settings=settings, prompts=prompts, warmup_prompts=warmup, output_len=output_len)
+def run_offline(folder: Path, settings: dict, prompt_sets: list, warmup: list, output_len: int) -> list[dict]:
+    """One fresh process: warm up, then one timed `generate` per prompt set -> each one's numbers."""
+    spec = dict(folder=str(folder), settings=settings, prompt_sets=prompt_sets, warmup_prompts=warmup)
+    spec["output_len"] = output_len
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     with tempfile.NamedTemporaryFile("w", suffix=".json") as file:  # (too long for a command line)
         json.dump(spec, file)
@@ -238,11 +246,17 @@ def table(summary: dict) -> str:
             f"| {row['tpot_p50'] * 1e3:.1f} | {row['tpot_p99'] * 1e3:.1f} | {row['tok_per_s']:.0f} |"
         )
     offline, saturated = summary.get("offline"), summary["rates"][-1]
+    runs = saturated.get("runs", [saturated])
+    if len(runs) > 1:
+        lines += ["", f"rate {saturated['rate']}: the median of {len(runs)} runs on fresh prompts, each: "
+                  + ", ".join(f"{run['tok_per_s']:.0f}" for run in runs) + " tok/s"]  # fmt: skip
     if offline:
+        each = ", ".join(f"{run['tok_per_s']:.0f}" for run in offline["runs"])
         lines += [
             "",
-            f"offline `generate` on the saturation run's requests: {offline['tok_per_s']:.0f} tok/s; the server at "
-            f"rate {saturated['rate']}: {saturated['tok_per_s']:.0f} tok/s = "
+            f"offline `generate` on the same requests (one run per prompt set, the first before the server started, "
+            f"the others after it stopped): {each} tok/s, median {offline['tok_per_s']:.0f}; the server at rate "
+            f"{saturated['rate']}: {saturated['tok_per_s']:.0f} tok/s = "
             f"{saturated['tok_per_s'] / offline['tok_per_s']:.2f}x of offline",
         ]
     return "\n".join(lines)
@@ -296,6 +310,7 @@ def main() -> None:
     parser.add_argument("--out-dir", type=Path, default=None)
     parser.add_argument("--name", default="serving")
     parser.add_argument("--no-offline", action="store_true", help="skip the offline comparison")
+    parser.add_argument("--repeats", type=int, default=2, help="runs of the last rate (fresh prompts each): median")
     parser.add_argument("--client-processes", type=int, default=1, help="processes sending the requests")
     parser.add_argument("--server-flags", default="", help="more flags for python -m nanoref.serve, e.g. '--x=1'")
     parser.add_argument("--plot", nargs=2, type=Path, metavar=("JSON", "PNG"))
@@ -307,22 +322,32 @@ def main() -> None:
     if args.max_num_seqs:
         settings["max_num_seqs"] = args.max_num_seqs
     flags = [f"--{key.replace('_', '-')}={value}" for key, value in settings.items()] + args.server_flags.split()
+    rates = [float(rate) for rate in args.rates.split(",")]
+    # the last rate's runs, each on prompts of its own; offline `generate` serves the same prompt sets, the first in
+    # a process before the server starts and the others after it stops (the order alternates)
+    saturation_sets = [prompts_for(1000 + k, args.num_requests, args.input_len, vocab) for k in range(args.repeats)]
+    warmup = prompts_for(999, args.num_requests, args.input_len, vocab)  # prompts no timed run sends
+    offline_runs = []
+    if not args.no_offline:
+        offline_runs += run_offline(folder, settings, saturation_sets[:1], warmup, args.output_len)
     port = free_port()
     server = start_server(folder, port, flags)
     try:
         import httpx
 
         model = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"][0]["id"]
-        # a short warm-up request (compiles, CUDA graphs): no timed request pays for the first call
-        asyncio.run(run_rate(port, model, prompts_for(99, 2, args.input_len, vocab), [0, 0], 8))
-        rates = [float(rate) for rate in args.rates.split(",")]
+        # a warm-up at full size, all at once (compiles, CUDA graphs, the large prefills): untimed, on its own prompts
+        asyncio.run(run_rate(port, model, warmup, [0.0] * len(warmup), args.output_len, args.client_processes))
         rows = []
         for index, rate in enumerate(rates):
-            prompts = prompts_for(index, args.num_requests, args.input_len, vocab)
-            gaps = arrival_gaps(rate, len(prompts), index)
-            row = asyncio.run(run_rate(port, model, prompts, gaps, args.output_len, args.client_processes))
-            rows.append(dict(rate="inf" if math.isinf(rate) else rate, **row))
-            print(json.dumps(rows[-1]), flush=True)
+            last = index == len(rates) - 1
+            runs = []
+            for prompts in saturation_sets if last else [prompts_for(index, args.num_requests, args.input_len, vocab)]:
+                gaps = arrival_gaps(rate, len(prompts), index)
+                runs.append(asyncio.run(run_rate(port, model, prompts, gaps, args.output_len, args.client_processes)))
+                print(json.dumps(runs[-1]), flush=True)
+            median = sorted(runs, key=lambda run: run["tok_per_s"])[(len(runs) - 1) // 2]  # (the lower of two)
+            rows.append(dict(rate="inf" if math.isinf(rate) else rate, **median, runs=runs if last else [median]))
     finally:
         server.terminate()
         server.wait(timeout=60)
@@ -333,9 +358,10 @@ def main() -> None:
         input_len=args.input_len, output_len=args.output_len, rates=rows,
     )  # fmt: skip
     if not args.no_offline:
-        last = prompts_for(len(rates) - 1, args.num_requests, args.input_len, vocab)  # the saturation run's requests
-        warmup = prompts_for(len(rates), args.num_requests, args.input_len, vocab)  # prompts no timed run sends
-        summary["offline"] = run_offline(folder, settings, last, warmup, args.output_len)
+        if len(saturation_sets) > 1:
+            offline_runs += run_offline(folder, settings, saturation_sets[1:], warmup, args.output_len)
+        median = sorted(run["tok_per_s"] for run in offline_runs)[(len(offline_runs) - 1) // 2]
+        summary["offline"] = dict(tok_per_s=median, runs=offline_runs)
     report = table(summary)
     print(report)
     if args.out_dir:
