@@ -251,23 +251,6 @@ def test_coalesce_merges_each_samples_outputs_in_order_and_never_across_an_error
     assert (merged[3].index, merged[3].text) == (1, "y")
 
 
-def test_coalesce_merges_engine_deltas_tokens_logprobs_and_the_engines_text():
-    """A consumer that fell behind reads the engine's deltas merged: tokens and logprobs joined, the later's state
-    (finished, metrics); text stays None (the consumer decodes) unless the engine made it (stop strings)."""
-    from nanoref.serving.async_llm import coalesce
-    from nanoref.serving.engine_loop import SampleDelta
-
-    def delta(index, tokens, text=None, finished=False):
-        reason = "length" if finished else None
-        return SampleDelta(5, index, tokens, text, 3, finished, reason, None, [f"lp{t}" for t in tokens], None)
-
-    merged = coalesce([delta(0, [1]), delta(1, [7], "x"), delta(0, [2, 3], finished=True), delta(1, [8], "yz")])
-    assert [(d.index, d.token_ids, d.text, d.finished, d.finish_reason, d.logprobs) for d in merged] == [
-        (0, [1, 2, 3], None, True, "length", ["lp1", "lp2", "lp3"]),
-        (1, [7, 8], "xyz", False, None, ["lp7", "lp8"]),
-    ]
-
-
 def test_close_fails_the_requests_of_an_engine_that_does_not_stop_in_time(llm, monkeypatch):
     import threading
 

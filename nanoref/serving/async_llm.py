@@ -32,8 +32,8 @@ Both behave the same to a caller.
 
 What one step costs beyond the forward is what a server adds to offline `generate`, so per token it does little:
 a consumer that falls behind (hundreds of streams on one event loop) reads several tokens in one piece, and the
-engine spends nothing on it meanwhile; text is decoded here, by the consumer as it reads (off the engine's process
-in the process form), for all of a piece's tokens at once.
+engine spends nothing on it meanwhile; text is decoded here, by the thread that receives the engine's messages
+(the process form's reader thread: off the engine's process), for all of a piece's tokens at once.
 """
 
 from __future__ import annotations
@@ -103,8 +103,8 @@ class _Request:
     loop: asyncio.AbstractEventLoop
     num_samples: int
     tokenizer: Any
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)  # the engine's deltas and errors, as they come
-    # each sample's tokens and text so far (written by the consumer, as it reads the deltas)
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    # each sample's tokens and text so far (written by the thread that receives the step messages)
     token_ids: list[list[int]] = field(default_factory=list)
     texts: list[str] = field(default_factory=list)
     # each sample's text, grown from its deltas' tokens (a request without stop strings: see SampleDelta.text)
@@ -116,9 +116,7 @@ class _Request:
         self.detokenizers = [IncrementalDetokenizer(self.tokenizer) for _ in range(self.num_samples)]
 
     def output(self, delta: SampleDelta) -> RequestOutput:
-        """The sample's next output: the delta (one or several merged: `coalesce`) and, around it, everything the
-        sample made so far. Run by the consumer, on its event loop, when it reads: a stream that fell behind decodes
-        the tokens of several steps in one call."""
+        """The sample's next output: the delta and, around it, everything the sample made so far."""
         tokens = self.token_ids[delta.index]
         tokens.extend(delta.token_ids)
         text = delta.text
@@ -310,7 +308,7 @@ class AsyncLLM:
                         raise item
                     unfinished -= item.finished
                     finished = not unfinished
-                    yield request.output(item)
+                    yield item
                     if finished:  # (anything after its last output is not this request's: close's errors)
                         break
                 # the consumer is done with what it read (sent it, when it is the server): the engine may make
@@ -370,17 +368,15 @@ class AsyncLLM:
 
     # -- the thread that receives the engine's messages (the engine thread, or the process form's reader) ------
     def _on_message(self, message: StepMessage) -> None:
-        """One step's deltas to their requests: one hand-off per event loop, not one per request or token (with
-        hundreds of streams, a wake-up of the loop per request would cost more than the step). Nothing is decoded
-        here: this thread shares the GIL with the consumers' event loop, and a consumer that fell behind decodes
-        several deltas in one call when it reads them."""
+        """One step's outputs to their requests: one hand-off per event loop, not one per request or token (with
+        hundreds of streams, a wake-up of the loop per request would cost more than the step)."""
         self._stats = message.stats
         outbox: dict[asyncio.AbstractEventLoop, list] = {}
         by_key = self._by_key
         for delta in message.deltas:
             request = by_key.get(delta.key)  # (None: its consumer left; the engine's abort is on its way)
             if request is not None:
-                outbox.setdefault(request.loop, []).append((request, delta))
+                outbox.setdefault(request.loop, []).append((request, request.output(delta)))
         for key, error in message.errors:
             request = by_key.get(key)
             if request is not None:
@@ -407,15 +403,14 @@ class AsyncLLM:
             self._on_message(StepMessage([], [(request.key, error) for request in pending], self._stats))
 
 
-def _publish(items: list[tuple[_Request, SampleDelta | BaseException]]) -> None:
-    """On the consumers' event loop: one step's deltas into their requests' queues."""
+def _publish(items: list[tuple[_Request, RequestOutput | BaseException]]) -> None:
+    """On the consumers' event loop: one step's outputs into their requests' queues."""
     for request, item in items:
         request.queue.put_nowait(item)
 
 
 def coalesce(items: list) -> list:
-    """Queued deltas or outputs (and errors) of one request, each sample's consecutive ones merged into one (their
-    `followed_by`), in order."""
+    """Queued outputs (and errors) of one request, each sample's consecutive outputs merged into one, in order."""
     merged: list = []
     latest: dict[int, int] = {}  # sample index -> its output's place in `merged`
     for item in items:

@@ -17,12 +17,12 @@ Per token the loop does little (see async_llm.py's docstring for why that matter
 - a request gets a new delta only once its consumer read the previous one ("read"); a consumer that falls behind
   gets several tokens in one delta later, and costs nothing meanwhile (a finished sample's last delta is always
   sent: it carries everything not sent yet);
-- a delta carries token ids, not text: its consumer decodes them when it reads them (`async_llm.py`'s
-  `_Request.output`), all the deltas it fell behind by at once. In the process form that is the server's process,
-  so the engine's process spends nothing on text: on an H200 with 256 streams, decoding every delta here took a
-  quarter of the engine process's time, Python that offline `generate` never pays, and the GPU waited for it.
-  Only a request with stop strings has its text grown here, token by token, in the engine (its
-  `seq.detokenizer`), where the stop strings are matched and end the sequence; its deltas carry that text.
+- a delta carries token ids, not text: the receiving side decodes them (`async_llm.py`'s `_Request.output`). In the
+  process form that is the server's process, so the engine's process spends nothing on text: on an H200 with 256
+  streams, decoding every delta here took a quarter of the engine process's time, a GPU step's worth of Python
+  that offline `generate` never pays. Only a request with stop strings has its text grown here, token by token,
+  in the engine (its `seq.detokenizer`), where the stop strings are matched and end the sequence; its deltas
+  carry that text.
 """
 
 from __future__ import annotations
@@ -74,13 +74,6 @@ class SampleDelta(NamedTuple):
     stop_reason: int | str | None
     logprobs: list[TokenLogprobs]
     metrics: RequestMetrics | None  # on a served (not aborted) sample's last delta
-
-    def followed_by(self, later: SampleDelta) -> SampleDelta:
-        """This delta and the next one of the same sample as one (a consumer that fell behind reads both at once)."""
-        text = None if self.text is None else self.text + later.text
-        return later._replace(
-            token_ids=self.token_ids + later.token_ids, text=text, logprobs=self.logprobs + later.logprobs
-        )
 
 
 class StepMessage(NamedTuple):
