@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from nanoref.engine.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, decode
+from nanoref.engine.detokenizer import REPLACEMENT_CHAR, IncrementalDetokenizer, add_many, decode
 from nanoref.utils.loader import load_tokenizer
 
 DEFAULT_MODEL = Path(__file__).parents[1] / "nanoref" / "default_model"
@@ -144,3 +144,30 @@ def test_decode_goes_through_the_rust_tokenizer_only_where_decode_is_transformer
     mine = load_tokenizer(DEFAULT_MODEL)
     mine.__class__ = overriding
     assert _rust_tokenizer(mine) is None and decode(mine, [65, 66]) == "mine"
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data())
+def test_add_many_gives_each_detokenizer_what_its_own_adds_give(tokenizer, byte_token, data):
+    """A server decodes every stream's new tokens of a step in one batched call: each stream must show the pieces
+    it would show on its own, half characters (single UTF-8 bytes) held back the same way."""
+    text_ids = tokenizer.encode("日本 🙂 naïve, ok")
+    pool = [*text_ids, *(byte_token[b] for b in "🙂é".encode()), tokenizer.eos_token_id]
+    num_streams = data.draw(st.integers(1, 5))
+    steps = data.draw(st.lists(st.lists(st.lists(st.sampled_from(pool), max_size=3), min_size=num_streams,
+                                        max_size=num_streams), min_size=1, max_size=8))  # fmt: skip
+    batched = [IncrementalDetokenizer(tokenizer) for _ in range(num_streams)]
+    alone = [IncrementalDetokenizer(tokenizer) for _ in range(num_streams)]
+    for step in steps:
+        assert add_many(batched, step) == [d.add(ids) for d, ids in zip(alone, step)]
+    assert [d.finish() for d in batched] == [d.finish() for d in alone]
+    assert [d.text for d in batched] == [decode(tokenizer, d.token_ids) for d in alone]
+
+
+def test_add_many_without_a_rust_tokenizer_and_with_two_tokenizers(tokenizer):
+    counting = CountingTokenizer(tokenizer)
+    detokenizers = [IncrementalDetokenizer(counting) for _ in range(3)]
+    assert add_many(detokenizers, [[65], [66, 67], []]) == [decode(tokenizer, [65]), decode(tokenizer, [66, 67]), ""]
+    assert add_many([], []) == []
+    with pytest.raises(ValueError, match="share one tokenizer"):
+        add_many([IncrementalDetokenizer(tokenizer), IncrementalDetokenizer(counting)], [[65], [66]])

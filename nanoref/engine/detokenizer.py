@@ -88,6 +88,33 @@ def stop_hold_back(text: str, stops: Sequence[str]) -> int:
     return 0
 
 
+def decode_many(tokenizer: Any, token_lists: list[list[int]]) -> list[str]:
+    """`decode` of each list; through a fast tokenizer, in one Rust call that releases the GIL while it runs (a
+    server's other threads go on meanwhile)."""
+    rust = _rust_tokenizer(tokenizer)
+    if rust is not None:
+        return rust.decode_batch(token_lists, skip_special_tokens=True)
+    return [decode(tokenizer, token_ids) for token_ids in token_lists]
+
+
+def add_many(detokenizers: list[IncrementalDetokenizer], token_lists: list[list[int]]) -> list[str]:
+    """`detokenizers[i].add(token_lists[i])` for every i -> the pieces, with two batched decodes in all (the
+    windows, then the new prefixes) rather than two per detokenizer. They must share one tokenizer."""
+    if not detokenizers:
+        return []
+    tokenizer = detokenizers[0].tokenizer
+    if any(detokenizer.tokenizer is not tokenizer for detokenizer in detokenizers):
+        raise ValueError("add_many needs detokenizers that share one tokenizer")
+    for detokenizer, token_ids in zip(detokenizers, token_lists, strict=True):
+        detokenizer.token_ids.extend(token_ids)
+    windows = decode_many(tokenizer, [d.token_ids[d.prefix_offset :] for d in detokenizers])
+    advanced = [detokenizer._advance(window) for detokenizer, window in zip(detokenizers, windows)]
+    waiting = [(d, ids) for d, (_, ids) in zip(detokenizers, advanced) if ids is not None]
+    for (detokenizer, _), text in zip(waiting, decode_many(tokenizer, [ids for _, ids in waiting])):
+        detokenizer.prefix_text = text
+    return [piece for piece, _ in advanced]
+
+
 class IncrementalDetokenizer:
     """One sequence's completion text, grown token by token: `text` is what may be shown so far.
 
@@ -109,14 +136,20 @@ class IncrementalDetokenizer:
     def add(self, token_ids: list[int]) -> str:
         """Append generated tokens -> the new text they let `text` show ("" while a character is half made)."""
         self.token_ids.extend(token_ids)
-        window = decode(self.tokenizer, self.token_ids[self.prefix_offset :])
+        piece, prefix_ids = self._advance(decode(self.tokenizer, self.token_ids[self.prefix_offset :]))
+        if prefix_ids is not None:
+            self.prefix_text = decode(self.tokenizer, prefix_ids)
+        return piece
+
+    def _advance(self, window: str) -> tuple[str, list[int] | None]:
+        """Take the decoded window -> (the new piece, the ids whose text is the next `prefix_text`, or None when
+        the window waits for the rest of a character). `add` in two halves around its decodes (see add_many)."""
         if window.endswith(REPLACEMENT_CHAR) or len(window) <= len(self.prefix_text):
             self._search_from = len(self.decoded)  # nothing new to search
-            return ""  # wait for the rest of the character
+            return "", None  # wait for the rest of the character
         self._extend(window[len(self.prefix_text) :])
         self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
-        self.prefix_text = decode(self.tokenizer, self.token_ids[self.prefix_offset : self.read_offset])
-        return self._show(self._held_back())
+        return self._show(self._held_back()), self.token_ids[self.prefix_offset : self.read_offset]
 
     def find_stop(self) -> str | None:
         """The stop string the latest `add` completed, if any: the text is cut before it (just after it with

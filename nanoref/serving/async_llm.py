@@ -33,7 +33,7 @@ Both behave the same to a caller.
 What one step costs beyond the forward is what a server adds to offline `generate`, so per token it does little:
 a consumer that falls behind (hundreds of streams on one event loop) reads several tokens in one piece, and the
 engine spends nothing on it meanwhile; text is decoded here, by the thread that receives the engine's messages
-(the process form's reader thread: off the engine's process), for all of a piece's tokens at once.
+(the process form's reader thread: off the engine's process), every stream's new tokens of a step in one call.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import Any
 
 from nanoref.config import EngineConfig
-from nanoref.engine.detokenizer import IncrementalDetokenizer
+from nanoref.engine.detokenizer import IncrementalDetokenizer, add_many
 from nanoref.engine.metrics import RequestMetrics
 from nanoref.engine.requests import check_request, tokenize
 from nanoref.layers.logits_processors import TokenLogprobs
@@ -115,16 +115,11 @@ class _Request:
         self.texts = [""] * self.num_samples
         self.detokenizers = [IncrementalDetokenizer(self.tokenizer) for _ in range(self.num_samples)]
 
-    def output(self, delta: SampleDelta) -> RequestOutput:
-        """The sample's next output: the delta and, around it, everything the sample made so far."""
+    def output(self, delta: SampleDelta, text: str) -> RequestOutput:
+        """The sample's next output: the delta, its new text (see `_texts`) and, around them, everything the
+        sample made so far."""
         tokens = self.token_ids[delta.index]
         tokens.extend(delta.token_ids)
-        text = delta.text
-        if text is None:  # decoded here, for all the delta's tokens at once (whole characters only until the end)
-            detokenizer = self.detokenizers[delta.index]
-            text = detokenizer.add(delta.token_ids)
-            if delta.finished:
-                text += detokenizer.finish()
         self.texts[delta.index] += text
         return RequestOutput(
             request_id=self.request_id,
@@ -373,10 +368,10 @@ class AsyncLLM:
         self._stats = message.stats
         outbox: dict[asyncio.AbstractEventLoop, list] = {}
         by_key = self._by_key
-        for delta in message.deltas:
-            request = by_key.get(delta.key)  # (None: its consumer left; the engine's abort is on its way)
-            if request is not None:
-                outbox.setdefault(request.loop, []).append((request, request.output(delta)))
+        # (a delta whose request is gone: its consumer left, and the engine's abort is on its way)
+        live = [(by_key[delta.key], delta) for delta in message.deltas if delta.key in by_key]
+        for (request, delta), text in zip(live, _texts(live)):
+            outbox.setdefault(request.loop, []).append((request, request.output(delta, text)))
         for key, error in message.errors:
             request = by_key.get(key)
             if request is not None:
@@ -401,6 +396,18 @@ class AsyncLLM:
         if pending:
             error = RuntimeError(why)
             self._on_message(StepMessage([], [(request.key, error) for request in pending], self._stats))
+
+
+def _texts(live: list[tuple[_Request, SampleDelta]]) -> list[str]:
+    """Each delta's new text: the engine's (a request with stop strings), else decoded here, every stream's new
+    tokens in one batched decode (`add_many`: a Rust call that lets the event loop run meanwhile)."""
+    texts = [delta.text for _, delta in live]
+    undecoded = [i for i, text in enumerate(texts) if text is None]
+    detokenizers = [live[i][0].detokenizers[live[i][1].index] for i in undecoded]
+    pieces = add_many(detokenizers, [live[i][1].token_ids for i in undecoded])
+    for i, detokenizer, piece in zip(undecoded, detokenizers, pieces):
+        texts[i] = piece + detokenizer.finish() if live[i][1].finished else piece  # (finish: the held-back rest)
+    return texts
 
 
 def _publish(items: list[tuple[_Request, RequestOutput | BaseException]]) -> None:

@@ -17,12 +17,12 @@ Per token the loop does little (see async_llm.py's docstring for why that matter
 - a request gets a new delta only once its consumer read the previous one ("read"); a consumer that falls behind
   gets several tokens in one delta later, and costs nothing meanwhile (a finished sample's last delta is always
   sent: it carries everything not sent yet);
-- a delta carries token ids, not text: the receiving side decodes them (`async_llm.py`'s `_Request.output`). In the
-  process form that is the server's process, so the engine's process spends nothing on text: on an H200 with 256
-  streams, decoding every delta here took a quarter of the engine process's time, a GPU step's worth of Python
-  that offline `generate` never pays. Only a request with stop strings has its text grown here, token by token,
-  in the engine (its `seq.detokenizer`), where the stop strings are matched and end the sequence; its deltas
-  carry that text.
+- a delta carries token ids, not text: the receiving side decodes them (`async_llm.py`'s `_texts`: every
+  stream's tokens of a step in one batched decode). In the process form that is the server's process, so the
+  engine's process spends nothing on text: on an H200 with 256 streams, decoding every delta here took a quarter
+  of the engine process's time, Python that offline `generate` never pays, and the GPU waited for it. Only a
+  request with stop strings has its text grown here, token by token, in the engine (its `seq.detokenizer`),
+  where the stop strings are matched and end the sequence; its deltas carry that text.
 """
 
 from __future__ import annotations
