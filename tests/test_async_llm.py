@@ -70,6 +70,29 @@ def test_concurrent_streams_equal_offline_greedy_generate(llm):
     assert_no_block_leaked(llm)
 
 
+def test_streams_with_and_without_stop_strings_in_one_batch_equal_offline(llm):
+    """Per step the engine sends token ids, and the receiving thread decodes every stream's at once, except for a
+    request with stop strings, whose text the engine makes (it matches them there): both kinds in the same steps."""
+    text = llm.generate([PROMPTS[0]], GREEDY, use_tqdm=False)[0]["text"]
+    stopping = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop=[text[len(text) // 2 :][:3]])
+    params = [stopping if i % 2 == 0 else GREEDY for i in range(len(PROMPTS))]
+    offline = llm.generate(PROMPTS, params, use_tqdm=False)
+    engine = AsyncLLM(llm)
+    try:
+
+        async def main():
+            return await asyncio.gather(*(collect(engine.generate(p, q)) for p, q in zip(PROMPTS, params)))
+
+        streams = run(main())
+    finally:
+        engine.close()
+    assert offline[0]["finish_reason"] == "stop", "the stop string ends the first request early"
+    for outputs, expected in zip(streams, offline):
+        assert "".join(out.text for out in outputs) == outputs[-1].cumulative_text == expected["text"]
+        assert outputs[-1].finish_reason == expected["finish_reason"]
+    assert_no_block_leaked(llm)
+
+
 def slow_steps(llm, monkeypatch) -> None:
     """20 ms more per step: LONG takes over 8 s to finish by itself, so blocks freed within 5 s were aborted."""
     real_run = llm.model_runner.run
