@@ -151,11 +151,26 @@ async def send_all(port: int, model: str, prompts: list, arrivals: list[float], 
             await asyncio.sleep(max(0.0, t0 + arrival - time.time()))
             tasks.append(asyncio.create_task(one_request(client, url, model, prompt, output_len)))
         results = await asyncio.gather(*tasks)
-    for record in results:  # as wall-clock times, comparable across client processes
-        offset = time.time() - time.perf_counter()
+    offset = time.time() - time.perf_counter()
+    for record, arrival in zip(results, arrivals):  # as wall-clock times, comparable across client processes
         record["sent"] += offset
         record["arrivals"] = [t + offset for t in record["arrivals"]]
+        record["due"] = t0 + arrival  # when it should have been sent
     return results
+
+
+def engine_timings(port: int) -> dict[str, float]:
+    """The server's own TTFT and TPOT histograms' sums and counts (/metrics), measured in the engine: its TTFT runs
+    from the request's arrival in the engine, so the client's TTFT less it is the HTTP side's share."""
+    import httpx
+
+    names = ("nanoref_time_to_first_token_seconds", "nanoref_time_per_output_token_seconds")
+    values = {}
+    for line in httpx.get(f"http://127.0.0.1:{port}/metrics").text.splitlines():
+        key, _, value = line.partition(" ")
+        if key.removesuffix("_sum").removesuffix("_count") in names and key.endswith(("_sum", "_count")):
+            values[key] = float(value)
+    return values
 
 
 def client_process(args: tuple) -> list:
@@ -168,6 +183,7 @@ async def run_rate(
     """One rate's requests, from `processes` client processes (request i from process i % processes): one
     process parsing hundreds of event streams can fall behind a fast server and measure itself instead."""
     arrivals = [sum(gaps[: i + 1]) for i in range(len(gaps))]
+    before = await asyncio.to_thread(engine_timings, port)
     t0 = time.time() + (2.0 if processes > 1 else 0.0)  # (time for the processes to start)
     if processes == 1:
         results = await send_all(port, model, prompts, arrivals, output_len, t0)
@@ -187,10 +203,21 @@ async def run_rate(
     tpot = [span / count for span, count in gaps if count > 0]
     tokens = sum(r["tokens"] for r in results)
     assert tokens == len(prompts) * output_len, f"{tokens} tokens streamed, {len(prompts) * output_len} asked for"
+    after = await asyncio.to_thread(engine_timings, port)
+
+    def engine_mean(name: str) -> float | None:  # over this round's requests
+        count = after.get(f"{name}_count", 0) - before.get(f"{name}_count", 0)
+        return (after[f"{name}_sum"] - before[f"{name}_sum"]) / count if count else None
+
     return dict(
         wall_s=wall, output_tokens=tokens, tok_per_s=tokens / wall,
         ttft_p50=percentile(ttft, 50), ttft_p99=percentile(ttft, 99),
         tpot_p50=percentile(tpot, 50), tpot_p99=percentile(tpot, 99),
+        # where the time went: the client's mean TTFT beside the engine's own (arrival in the engine to first
+        # token), and how late the latest request left its client (a client that fell behind measures itself)
+        ttft_mean=sum(ttft) / len(ttft), engine_ttft_mean=engine_mean("nanoref_time_to_first_token_seconds"),
+        engine_tpot_mean=engine_mean("nanoref_time_per_output_token_seconds"),
+        client_late_max=max(r["sent"] - r["due"] for r in results),
     )  # fmt: skip
 
 
@@ -250,6 +277,13 @@ def table(summary: dict) -> str:
     if len(runs) > 1:
         lines += ["", f"rate {saturated['rate']}: the median of {len(runs)} runs on fresh prompts, each: "
                   + ", ".join(f"{run['tok_per_s']:.0f}" for run in runs) + " tok/s"]  # fmt: skip
+    if saturated.get("engine_ttft_mean") is not None:
+        lines += [
+            "",
+            f"rate {saturated['rate']}, the median run: mean TTFT {saturated['ttft_mean'] * 1e3:.0f} ms at the client, "
+            f"{saturated['engine_ttft_mean'] * 1e3:.0f} ms in the engine (from the request's arrival there); the "
+            f"latest request left its client {saturated['client_late_max'] * 1e3:.0f} ms after its time",
+        ]
     if offline:
         each = ", ".join(f"{run['tok_per_s']:.0f}" for run in offline["runs"])
         lines += [
