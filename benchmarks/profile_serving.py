@@ -70,6 +70,9 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--client-processes", type=int, default=1)
+    parser.add_argument(
+        "--client", choices=["auto", "httpx", "aiohttp"], default="auto", help="auto: aiohttp if installed"
+    )
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--profile-round", type=int, default=1, help="the round py-spy records (0-based)")
     parser.add_argument("--seconds", type=int, default=5, help="how long py-spy records")
@@ -85,6 +88,7 @@ def main() -> None:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     raw = args.out_dir / "spy_raw.txt"
     folder, vocab = serving.resolve_model(args.model)
+    kind = serving.client_kind(args.client)
     port = serving.free_port()
     server = serving.start_server(folder, port, [f"--device={args.device}", *args.server_flags.split()])
     try:
@@ -95,7 +99,9 @@ def main() -> None:
         def one_round(seed: int) -> dict:
             prompts = serving.prompts_for(seed, args.num_requests, args.input_len, vocab)
             return asyncio.run(
-                serving.run_rate(port, model, prompts, [0.0] * len(prompts), args.output_len, args.client_processes)
+                serving.run_rate(
+                    port, model, prompts, [0.0] * len(prompts), args.output_len, args.client_processes, kind
+                )
             )
 
         one_round(999)  # warm-up at full size, untimed

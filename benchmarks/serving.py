@@ -119,6 +119,43 @@ def start_server(folder: Path, port: int, settings: list[str]) -> subprocess.Pop
     raise RuntimeError("the server did not answer /health within 600 s")
 
 
+def client_kind(choice: str) -> str:
+    """auto: aiohttp where it is installed (less time per request and per line than httpx), else httpx."""
+    if choice != "auto":
+        return choice
+    try:
+        import aiohttp  # noqa: F401
+    except ImportError:
+        return "httpx"
+    return "aiohttp"
+
+
+def open_client(kind: str, connections: int):
+    """An HTTP client session of `kind` for `connections` concurrent streams (an async context manager)."""
+    if kind == "aiohttp":
+        import aiohttp
+
+        connector = aiohttp.TCPConnector(limit=connections)
+        return aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=None))
+    import httpx
+
+    return httpx.AsyncClient(limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections))
+
+
+async def response_lines(client, url: str, body: dict):
+    """POST body, then the response's lines as they arrive (httpx or aiohttp)."""
+    if hasattr(client, "stream"):  # httpx.AsyncClient
+        async with client.stream("POST", url, json=body, timeout=None) as response:
+            response.raise_for_status()
+            async for line in response.aiter_lines():
+                yield line
+    else:  # aiohttp.ClientSession
+        async with client.post(url, json=body) as response:
+            response.raise_for_status()
+            async for raw in response.content:  # (one line at a time, with its newline)
+                yield raw.decode().rstrip("\r\n")
+
+
 async def one_request(client, url: str, model: str, prompt: list[int], output_len: int) -> dict:
     """Stream one completion -> its send time, token arrival times and token count (from `usage`)."""
     body = dict(
@@ -126,26 +163,24 @@ async def one_request(client, url: str, model: str, prompt: list[int], output_le
         stream_options={"include_usage": True},
     )  # fmt: skip
     sent, arrivals, tokens = time.perf_counter(), [], 0
-    async with client.stream("POST", url, json=body, timeout=None) as response:
-        response.raise_for_status()
-        async for line in response.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-            if chunk.get("choices") and chunk["choices"][0].get("text"):
-                arrivals.append(time.perf_counter())
+    async for line in response_lines(client, url, body):
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        chunk = json.loads(line[6:])
+        if chunk.get("usage"):
+            tokens = chunk["usage"]["completion_tokens"]
+        if chunk.get("choices") and chunk["choices"][0].get("text"):
+            arrivals.append(time.perf_counter())
     return dict(sent=sent, arrivals=arrivals, tokens=tokens)
 
 
-async def send_all(port: int, model: str, prompts: list, arrivals: list[float], output_len: int, t0: float) -> list:
-    """Send each prompt at its arrival time (seconds after the wall-clock time t0) -> each request's record."""
-    import httpx
-
+async def send_all(
+    port: int, model: str, prompts: list, arrivals: list[float], output_len: int, t0: float, kind: str = "httpx"
+) -> list:
+    """Send each prompt at its arrival time (seconds after the wall-clock time t0) through a `kind` client -> each
+    request's record."""
     url = f"http://127.0.0.1:{port}/v1/completions"
-    limits = httpx.Limits(max_connections=len(prompts), max_keepalive_connections=len(prompts))
-    async with httpx.AsyncClient(limits=limits) as client:
+    async with open_client(kind, len(prompts)) as client:
         tasks = []
         for prompt, arrival in zip(prompts, arrivals):
             await asyncio.sleep(max(0.0, t0 + arrival - time.time()))
@@ -178,7 +213,13 @@ def client_process(args: tuple) -> list:
 
 
 async def run_rate(
-    port: int, model: str, prompts: list[list[int]], gaps: list[float], output_len: int, processes: int = 1
+    port: int,
+    model: str,
+    prompts: list[list[int]],
+    gaps: list[float],
+    output_len: int,
+    processes: int = 1,
+    kind: str = "httpx",
 ) -> dict:
     """One rate's requests, from `processes` client processes (request i from process i % processes): one
     process parsing hundreds of event streams can fall behind a fast server and measure itself instead."""
@@ -186,12 +227,12 @@ async def run_rate(
     before = await asyncio.to_thread(engine_timings, port)
     t0 = time.time() + (2.0 if processes > 1 else 0.0)  # (time for the processes to start)
     if processes == 1:
-        results = await send_all(port, model, prompts, arrivals, output_len, t0)
+        results = await send_all(port, model, prompts, arrivals, output_len, t0, kind)
     else:
         import multiprocessing
 
         shares = [
-            (port, model, prompts[k::processes], arrivals[k::processes], output_len, t0) for k in range(processes)
+            (port, model, prompts[k::processes], arrivals[k::processes], output_len, t0, kind) for k in range(processes)
         ]
         with multiprocessing.get_context("spawn").Pool(processes) as pool:
             results = [r for share in await asyncio.to_thread(pool.map, client_process, shares) for r in share]
@@ -262,7 +303,8 @@ def run_offline(folder: Path, settings: dict, prompt_sets: list, warmup: list, o
 def table(summary: dict) -> str:
     lines = [
         f"{summary['machine']}; model {summary['model']}; {summary['num_requests']} requests per rate of "
-        f"{summary['input_len']} prompt + {summary['output_len']} output tokens",
+        f"{summary['input_len']} prompt + {summary['output_len']} output tokens; clients: "
+        f"{summary.get('client_processes', 1)} process(es) of {summary.get('client', 'httpx')}",
         "",
         "| rate (req/s) | TTFT p50 (ms) | TTFT p99 (ms) | TPOT p50 (ms) | TPOT p99 (ms) | output tok/s |",
         "|---|---|---|---|---|---|",
@@ -346,12 +388,16 @@ def main() -> None:
     parser.add_argument("--no-offline", action="store_true", help="skip the offline comparison")
     parser.add_argument("--repeats", type=int, default=2, help="runs of the last rate (fresh prompts each): median")
     parser.add_argument("--client-processes", type=int, default=1, help="processes sending the requests")
+    parser.add_argument(
+        "--client", choices=["auto", "httpx", "aiohttp"], default="auto", help="auto: aiohttp if installed"
+    )
     parser.add_argument("--server-flags", default="", help="more flags for python -m nanoref.serve, e.g. '--x=1'")
     parser.add_argument("--plot", nargs=2, type=Path, metavar=("JSON", "PNG"))
     args = parser.parse_args()
     if args.plot:
         return plot(*args.plot)
     folder, vocab = resolve_model(args.model)
+    kind = client_kind(args.client)
     settings = {"device": args.device}
     if args.max_num_seqs:
         settings["max_num_seqs"] = args.max_num_seqs
@@ -371,14 +417,15 @@ def main() -> None:
 
         model = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()["data"][0]["id"]
         # a warm-up at full size, all at once (compiles, CUDA graphs, the large prefills): untimed, on its own prompts
-        asyncio.run(run_rate(port, model, warmup, [0.0] * len(warmup), args.output_len, args.client_processes))
+        asyncio.run(run_rate(port, model, warmup, [0.0] * len(warmup), args.output_len, args.client_processes, kind))
         rows = []
         for index, rate in enumerate(rates):
             last = index == len(rates) - 1
             runs = []
             for prompts in saturation_sets if last else [prompts_for(index, args.num_requests, args.input_len, vocab)]:
                 gaps = arrival_gaps(rate, len(prompts), index)
-                runs.append(asyncio.run(run_rate(port, model, prompts, gaps, args.output_len, args.client_processes)))
+                row = run_rate(port, model, prompts, gaps, args.output_len, args.client_processes, kind)
+                runs.append(asyncio.run(row))
                 print(json.dumps(runs[-1]), flush=True)
             median = sorted(runs, key=lambda run: run["tok_per_s"])[(len(runs) - 1) // 2]  # (the lower of two)
             rows.append(dict(rate="inf" if math.isinf(rate) else rate, **median, runs=runs if last else [median]))
@@ -387,7 +434,7 @@ def main() -> None:
         server.wait(timeout=60)
     summary = dict(
         machine=machine(), model=args.model, settings=settings, server_flags=args.server_flags,
-        client_processes=args.client_processes,
+        client_processes=args.client_processes, client=kind,
         num_requests=args.num_requests,
         input_len=args.input_len, output_len=args.output_len, rates=rows,
     )  # fmt: skip
