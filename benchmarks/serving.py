@@ -6,7 +6,9 @@ Poisson process of that rate (exponential gaps; `inf`: all at once, the saturati
 `--input-len` random prompt ids (fresh for each rate: the prefix cache must not answer a prompt it served) and
 exactly `--output-len` tokens (`ignore_eos`), so throughput counts the same work at every rate.
 
-Per request the client records when its first streamed token arrived (TTFT, from its send time) and the mean gap
+The clients (`--client-processes` of them) are aiohttp where it is installed, else httpx (`--client`): httpx spends
+more time per request and per streamed line, and a slow client measures itself. Per request the client records
+when its first streamed token arrived (TTFT, from its send time) and the mean gap
 after it (TPOT = (last - first) / (tokens - 1)); per rate the table gives p50 / p99 of both and the output
 tokens per second over the whole rate's wall time. The server is warmed up first with one untimed round at full
 size, and the last rate (the saturation point: put `inf` last) runs `--repeats` times on fresh prompts; its row
