@@ -41,8 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--engine-process",
         choices=sorted(ENGINE_PROCESS),
         default="auto",
-        help="run the engine in a process of its own, apart from the HTTP server's (default auto: on for CUDA, "
-        "where the server's Python work would otherwise hold back the GPU's steps; off on a CPU)",
+        help="run the engine in a process of its own, apart from the HTTP server's (default auto: on, on a CPU as on "
+        "CUDA: the server's Python work would otherwise hold back the engine's steps)",
     )
     engine = parser.add_argument_group("engine")
     engine.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")

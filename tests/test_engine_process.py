@@ -13,6 +13,7 @@ import pytest
 
 from nanoref import LLM, SamplingParams
 from nanoref.serving.async_llm import AsyncLLM, EngineThread
+from nanoref.serving.engine_process import EngineProcess
 from nanoref.utils import seams
 
 from .test_async_llm import GREEDY, LONG, PROMPTS, SAMPLED, collect, run, until
@@ -213,13 +214,18 @@ def test_a_missing_model_folder_raises_before_any_process_starts(tmp_path):
 
 def test_learner_seams_refuse_the_process_form_and_auto_keeps_the_thread():
     def my_rms_norm(x, weight, eps):
-        raise AssertionError("never called")
+        return x  # (the engine is never stepped here)
 
     with seams.use(rms_norm=my_rms_norm):
         with pytest.raises(ValueError, match="rms_norm.*live in this process"):
             AsyncLLM.from_model(engine_process=True, **SETTINGS)
-    engine = AsyncLLM.from_model(**SETTINGS)  # auto on a CPU: the thread, where seams reach the steps
+        engine = AsyncLLM.from_model(**SETTINGS)  # auto with seams active: the thread, where seams reach the steps
     try:
         assert isinstance(engine._engine, EngineThread) and engine.llm is not None
+    finally:
+        engine.close()
+    engine = AsyncLLM.from_model(**SETTINGS)  # auto otherwise: a process of its own, on a CPU too
+    try:
+        assert isinstance(engine._engine, EngineProcess) and engine.llm is None
     finally:
         engine.close()

@@ -23,9 +23,9 @@ new tokens. Here, that message becomes each request's outputs, handed to the eve
 (`loop.call_soon_threadsafe`: asyncio objects belong to their loop's thread).
 
 Where that loop runs, the two forms of `AsyncLLM`:
-- a thread of this process (`AsyncLLM(llm)`; the default on a CPU): simple, and a `seams.use(...)` block around
-  the start reaches its steps (notebook 11 serves a learner's function this way);
-- a process of its own (engine_process.py; the default on CUDA): the thread shares this process's GIL with the
+- a thread of this process (`AsyncLLM(llm)`, or `from_model` inside a `seams.use(...)` block): simple, and a
+  `seams.use(...)` block around the start reaches its steps (notebook 11 serves a learner's function this way);
+- a process of its own (engine_process.py; `from_model`'s default): the thread shares this process's GIL with the
   event loop, and with hundreds of streams their Python work together outlasts a GPU step. Requests are checked
   here all the same, against the engine's config and this process's own tokenizer.
 Both behave the same to a caller.
@@ -221,8 +221,9 @@ class AsyncLLM:
         """An AsyncLLM on a new LLM(model, **settings), which its close() closes.
 
         engine_process: run the engine in a process of its own (True), in a thread of this one (False), or
-        None: a process on CUDA, a thread on a CPU (no GPU step to overlap with there) and wherever a `seams.use`
-        block is active (its functions live in this process, where a spawned engine cannot call them)."""
+        None: a process, on a CPU as on CUDA (the engine's Python and the event loop's then run side by side:
+        docs/benchmarks.md measured it on both), except wherever a `seams.use` block is active: a thread (its
+        functions live in this process, where a spawned engine cannot call them)."""
         if engine_process not in (None, True, False):
             raise TypeError(f"engine_process must be None, True or False, got {engine_process!r}")
         unknown = sorted(set(settings) - SETTINGS)
@@ -238,7 +239,7 @@ class AsyncLLM:
         # the config alone, no weights: a bad folder or setting raises here, before any process starts
         config = EngineConfig(model, **settings)
         if engine_process is None:
-            engine_process = config.device.type == "cuda" and not learner
+            engine_process = not learner
         if not engine_process:
             return cls(LLM(model, **settings), owns_llm=True)
         return cls._in_process(model, settings, config.model_folder)

@@ -1,10 +1,11 @@
-"""The engine's loop in a process of its own (vLLM's "engine core"), for `AsyncLLM` on a GPU.
+"""The engine's loop in a process of its own (vLLM's "engine core"): `AsyncLLM.from_model`'s default form.
 
 Why a process: in one process the engine thread and the server's event loop share one GIL. A GPU decode step takes
 ~6 ms; around it the engine does per-token Python work (scheduling, sampling's bookkeeping, text), and the event
 loop does its own per chunk (HTTP, JSON, SSE). With hundreds of streams the two together take longer than the step,
 so the GPU waits for Python. In two processes each has its own interpreter: the engine's host work overlaps the
-event loop's, and the GPU is fed while the responses are written.
+event loop's, and the GPU is fed while the responses are written. On a CPU the same holds for the engine's Python
+between its forwards (measured on two cores: 0.64x of offline `generate` against 0.43x for the thread).
 
 What crosses between them is small and batched (engine_loop.py's messages):
 - commands in, through one pipe, read by a thread of the child as they come, also during a step: add (already
