@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
 import itertools
 import queue
 import threading
@@ -56,7 +57,7 @@ from nanoref.engine.requests import check_request, tokenize
 from nanoref.layers.logits_processors import TokenLogprobs
 from nanoref.llm import DEFAULT_MODEL, LLM, SETTINGS
 from nanoref.sampling_params import SamplingParams
-from nanoref.serving.engine_loop import EngineLoop, EngineStats, SampleDelta, StepMessage
+from nanoref.serving.engine_loop import EngineLoop, EngineStats, SampleDelta, StepMessage, drain
 from nanoref.utils import seams
 from nanoref.utils.loader import load_tokenizer
 
@@ -145,7 +146,7 @@ class EngineThread:
     ) -> None:
         self.llm, self.config, self._owns_llm = llm, llm.config, owns_llm
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # commands (engine_loop.py)
-        loop = EngineLoop(llm, self._receive, on_message)
+        loop = EngineLoop(llm, functools.partial(drain, self._inbox), on_message)
         self.stats = loop.stats()
         self._stopping = False
         # in a copy of the creator's context: a `seams.use(...)` block around the start reaches the thread's steps
@@ -159,14 +160,6 @@ class EngineThread:
         finally:
             if not self._stopping:  # (a BaseException out of a step: the loop catches the rest)
                 on_exit("the engine thread ended unexpectedly")
-
-    def _receive(self, wait: bool) -> list[tuple]:
-        items = [self._inbox.get()] if wait else []
-        while True:
-            try:
-                items.append(self._inbox.get_nowait())
-            except queue.Empty:
-                return items
 
     def send(self, command: tuple) -> None:
         self._inbox.put(command)

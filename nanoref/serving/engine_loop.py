@@ -27,6 +27,7 @@ Per token the loop does little (see async_llm.py's docstring for why that matter
 
 from __future__ import annotations
 
+import queue
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -35,6 +36,16 @@ from nanoref.engine.metrics import RequestMetrics
 from nanoref.engine.sequence import Sequence
 from nanoref.layers.logits_processors import TokenLogprobs
 from nanoref.llm import LLM
+
+
+def drain(inbox: queue.SimpleQueue, wait: bool) -> list[tuple]:
+    """Every command queued in `inbox` (wait: block until at least one is there): an EngineLoop's `receive`."""
+    items = [inbox.get()] if wait else []
+    while True:
+        try:
+            items.append(inbox.get_nowait())
+        except queue.Empty:
+            return items
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The engine's loop in a process of its own (vLLM's "engine core"): `AsyncLLM.from_model`'s default form.
 
 Why a process: in one process the engine thread and the server's event loop share one GIL. A GPU decode step takes
-~6 ms; around it the engine does per-token Python work (scheduling, sampling's bookkeeping, text), and the event
+~6 ms; around it the engine does per-token Python work (scheduling, sampling's bookkeeping), and the event
 loop does its own per chunk (HTTP, JSON, SSE). With hundreds of streams the two together take longer than the step,
 so the GPU waits for Python. In two processes each has its own interpreter: the engine's host work overlaps the
 event loop's, and the GPU is fed while the responses are written. On a CPU the same holds for the engine's Python
@@ -24,6 +24,7 @@ thread sees the pipe close and fails every request in flight; `close()` asks it 
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import multiprocessing.connection
 import multiprocessing.util
@@ -36,7 +37,7 @@ from pathlib import Path
 
 from nanoref.config import EngineConfig
 from nanoref.llm import LLM
-from nanoref.serving.engine_loop import EngineLoop, EngineStats, StepMessage
+from nanoref.serving.engine_loop import EngineLoop, EngineStats, StepMessage, drain
 
 # the child's last words when it fails to start: "ready" never comes
 _FAILED, _READY = "failed", "ready"
@@ -189,17 +190,9 @@ def serve_engine(model: str, settings: dict, commands, outputs) -> None:
             except OSError:  # the parent went away (BrokenPipeError): the reader will say "stop"
                 return
 
-    def receive(wait: bool) -> list[tuple]:
-        items = [inbox.get()] if wait else []
-        while True:
-            try:
-                items.append(inbox.get_nowait())
-            except queue.Empty:
-                return items
-
     threads = [threading.Thread(target=work, daemon=True) for work in (read_commands, write_messages)]
     try:
-        loop = EngineLoop(llm, receive, outbox.put)
+        loop = EngineLoop(llm, functools.partial(drain, inbox), outbox.put)
         outputs.send((_READY, llm.config, loop.stats()))
         for thread in threads:
             thread.start()
