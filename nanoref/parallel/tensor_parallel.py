@@ -382,8 +382,10 @@ def _spawn_workers(config: EngineConfig, runner: Callable) -> Followers:
             proc.start()
             child_end.close()
             procs.append(proc)
-        followers.start_monitor()
+        # the monitor starts only once every worker has reported: until then _wait_started alone reads the pipes
+        # and reaps a worker that dies (two threads joining one process race: the loser sees exit code None)
         _wait_started(followers, _STARTUP_TIMEOUT_S)
+        followers.start_monitor()
         followers.group = make_group(config, store, 0, loopback=True, timeout_s=config.tensor_parallel_timeout)
     except BaseException:
         followers.shutdown("the tensor-parallel workers did not start")
