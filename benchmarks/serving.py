@@ -210,6 +210,31 @@ def engine_timings(port: int) -> dict[str, float]:
     return values
 
 
+def cpu_seconds(pid: int) -> tuple[float, float] | None:
+    """CPU time (user + system) used so far by the server's process and by its descendants together (the engine
+    process), from Linux's /proc -> (server, descendants); None where there is no /proc."""
+
+    def own(p: int) -> float:
+        fields = Path(f"/proc/{p}/stat").read_text().rpartition(")")[2].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+    def children(p: int) -> list[int]:
+        return [int(c) for c in Path(f"/proc/{p}/task/{p}/children").read_text().split()]
+
+    try:
+        server, descendants, todo = own(pid), 0.0, children(pid)
+        while todo:
+            child = todo.pop()
+            try:
+                descendants += own(child)
+                todo += children(child)
+            except (FileNotFoundError, ProcessLookupError):  # (one that just ended)
+                pass
+    except OSError:
+        return None
+    return server, descendants
+
+
 def client_process(args: tuple) -> list:
     return asyncio.run(send_all(*args))
 
@@ -222,11 +247,14 @@ async def run_rate(
     output_len: int,
     processes: int = 1,
     kind: str = "httpx",
+    server_pid: int | None = None,
 ) -> dict:
     """One rate's requests, from `processes` client processes (request i from process i % processes): one
-    process parsing hundreds of event streams can fall behind a fast server and measure itself instead."""
+    process parsing hundreds of event streams can fall behind a fast server and measure itself instead.
+    server_pid: also measure the CPU time of the server's process and of the engine's during the round."""
     arrivals = [sum(gaps[: i + 1]) for i in range(len(gaps))]
     before = await asyncio.to_thread(engine_timings, port)
+    cpu_before = cpu_seconds(server_pid) if server_pid else None
     t0 = time.time() + (2.0 if processes > 1 else 0.0)  # (time for the processes to start)
     if processes == 1:
         results = await send_all(port, model, prompts, arrivals, output_len, t0, kind)
@@ -247,6 +275,12 @@ async def run_rate(
     tokens = sum(r["tokens"] for r in results)
     assert tokens == len(prompts) * output_len, f"{tokens} tokens streamed, {len(prompts) * output_len} asked for"
     after = await asyncio.to_thread(engine_timings, port)
+    cpu_after = cpu_seconds(server_pid) if server_pid else None
+    cpu = {}
+    if cpu_before and cpu_after:  # busy cores over the round (1.0: one core all the time), and per streamed chunk
+        server_s, engine_s = cpu_after[0] - cpu_before[0], cpu_after[1] - cpu_before[1]
+        chunks = sum(len(r["arrivals"]) for r in results)
+        cpu = dict(server_cpu=server_s / wall, engine_cpu=engine_s / wall, server_cpu_per_chunk=server_s / chunks)
 
     def engine_mean(name: str) -> float | None:  # over this round's requests
         count = after.get(f"{name}_count", 0) - before.get(f"{name}_count", 0)
@@ -260,7 +294,7 @@ async def run_rate(
         # token), and how late the latest request left its client (a client that fell behind measures itself)
         ttft_mean=sum(ttft) / len(ttft), engine_ttft_mean=engine_mean("nanoref_time_to_first_token_seconds"),
         engine_tpot_mean=engine_mean("nanoref_time_per_output_token_seconds"),
-        client_late_max=max(r["sent"] - r["due"] for r in results),
+        client_late_max=max(r["sent"] - r["due"] for r in results), **cpu,
     )  # fmt: skip
 
 
@@ -327,6 +361,13 @@ def table(summary: dict) -> str:
             f"rate {saturated['rate']}, the median run: mean TTFT {saturated['ttft_mean'] * 1e3:.0f} ms at the client, "
             f"{saturated['engine_ttft_mean'] * 1e3:.0f} ms in the engine (from the request's arrival there); the "
             f"latest request left its client {saturated['client_late_max'] * 1e3:.0f} ms after its time",
+        ]
+    if saturated.get("server_cpu") is not None:
+        lines += [
+            "",
+            f"rate {saturated['rate']}, the median run: the server's process used {saturated['server_cpu']:.2f} "
+            f"cores over the run ({saturated['server_cpu_per_chunk'] * 1e6:.0f} us per streamed chunk), the engine's "
+            f"{saturated['engine_cpu']:.2f}",
         ]
     if offline:
         each = ", ".join(f"{run['tok_per_s']:.0f}" for run in offline["runs"])
@@ -426,7 +467,7 @@ def main() -> None:
             runs = []
             for prompts in saturation_sets if last else [prompts_for(index, args.num_requests, args.input_len, vocab)]:
                 gaps = arrival_gaps(rate, len(prompts), index)
-                row = run_rate(port, model, prompts, gaps, args.output_len, args.client_processes, kind)
+                row = run_rate(port, model, prompts, gaps, args.output_len, args.client_processes, kind, server.pid)
                 runs.append(asyncio.run(row))
                 print(json.dumps(runs[-1]), flush=True)
             median = sorted(runs, key=lambda run: run["tok_per_s"])[(len(runs) - 1) // 2]  # (the lower of two)

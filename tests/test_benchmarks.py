@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -57,3 +59,28 @@ def test_the_committed_kernel_figure_has_its_measurements_beside_it():
     assert record["machine"] == "NVIDIA H200" and record["copy_TBps"] > 0
     methods = {row["method"] for row in record["decode"]}
     assert {"triton paged, block 16", "triton paged, block 256", "SDPA, gathered from pages"} <= methods
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads Linux's /proc")
+def test_the_serving_benchmark_counts_a_process_and_its_children_cpu_time_apart():
+    """cpu_seconds(pid) -> (the process's own CPU time, its descendants'): a child that burns half a second of CPU
+    shows up in the second number, not the first."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import serving
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    burn = "import sys, time\nend = time.process_time() + 0.5\nwhile time.process_time() < end: pass\nsys.stdin.read()"
+    child = subprocess.Popen([sys.executable, "-c", burn], stdin=subprocess.PIPE)
+    try:
+        own_before, _ = serving.cpu_seconds(os.getpid())
+        for _ in range(600):  # (at most a minute, on a busy machine)
+            _, children = serving.cpu_seconds(os.getpid())
+            if children >= 0.5:
+                break
+            time.sleep(0.1)
+        own_after, children = serving.cpu_seconds(os.getpid())
+        assert children >= 0.45, f"the child's CPU time was not counted: {children:.2f} s"
+        assert own_after - own_before < 0.45  # (this process slept meanwhile)
+    finally:
+        child.communicate(b"")
