@@ -66,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
 
         from nanoref.serving.api_server import build_app
         from nanoref.serving.async_llm import AsyncLLM
+        from nanoref.serving.heap import freeze_heap
     except ImportError as error:
         print(f"error: {error.name} is missing: pip install 'nanoref[serve]'", file=sys.stderr)
         return 2
@@ -97,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     # wants the GIL waits up to the switch interval for the other to let go, and the engine thread wants it back
     # after every wait for the device.
     sys.setswitchinterval(args.switch_interval)
+    freeze_heap()  # what start-up made (the app, the tokenizer; the model too with the engine thread): heap.py
     try:
         server.run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn hands Ctrl-C back once it has shut down: that is the clean stop

@@ -38,6 +38,7 @@ from pathlib import Path
 from nanoref.config import EngineConfig
 from nanoref.llm import LLM
 from nanoref.serving.engine_loop import EngineLoop, EngineStats, StepMessage, drain
+from nanoref.serving.heap import freeze_heap
 
 # the child's last words when it fails to start: "ready" never comes
 _FAILED, _READY = "failed", "ready"
@@ -164,6 +165,7 @@ def serve_engine(model: str, settings: dict, commands, outputs) -> None:
     except BaseException as error:
         outputs.send((_FAILED, _picklable(error)))
         return
+    freeze_heap()  # the model and everything imported: out of the garbage collector's full collections (heap.py)
 
     # Both pipes are worked by threads of their own, so the loop never waits on one: a pipe holds 64 KiB, and a
     # writer blocks when it is full. Commands are read as they come, also while a step runs (else the server's
