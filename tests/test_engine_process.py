@@ -257,3 +257,38 @@ print("ok")
     env = {**os.environ, "PYTHONPATH": root}
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
+
+
+def test_an_engine_process_that_reads_nothing_never_blocks_the_event_loop():
+    """The child stops reading (SIGSTOP, as when its reader thread waits long for the child's GIL) while 200 long
+    requests arrive: their commands fill the pipe (64 KiB) several times over. Each request's queuing returns at
+    once all the same (the writer thread waits, not the event loop: a timer on the loop keeps its time), and once
+    the child runs again every request is served."""
+    import threading
+    import time
+
+    engine = AsyncLLM.from_model(engine_process=True, **SETTINGS)
+    pid = engine._engine.process.pid
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    prompts = [[(7 * i + j) % 500 + 3 for j in range(200)] for i in range(200)]  # ~200 KiB of "add" commands
+    watchdog = threading.Timer(20.0, os.kill, (pid, signal.SIGCONT))  # (a blocked loop would wait for it)
+    try:
+
+        async def main():
+            os.kill(pid, signal.SIGSTOP)
+            watchdog.start()
+            tasks = [asyncio.ensure_future(collect(engine.generate(p, params))) for p in prompts]
+            start = time.monotonic()
+            await asyncio.sleep(0.5)  # every task runs to its first wait: its "add" queued
+            late = time.monotonic() - start - 0.5
+            os.kill(pid, signal.SIGCONT)
+            outs = await asyncio.gather(*tasks)
+            return late, outs
+
+        late, outs = run(main())
+        assert late < 5.0, f"the event loop was blocked {late:.1f} s while the engine process read nothing"
+        assert all(out[-1].finished and len(out[-1].cumulative_token_ids) == 2 for out in outs)
+    finally:
+        watchdog.cancel()
+        os.kill(pid, signal.SIGCONT)
+        engine.close()
