@@ -182,8 +182,8 @@ async def send_all(
 ) -> list:
     """Send each prompt at its arrival time (seconds after the wall-clock time t0) through a `kind` client -> each
     request's record."""
-    # a full garbage collection in the client walks everything it imported (25-90 ms measured on a 2-core CPU),
-    # and that pause would count as the server's latency: freeze what exists now, as the server does (heap.py)
+    # a full garbage collection in the client walks everything it imported (25-90 ms measured on a 2-core CPU), and
+    # that pause would count as the server's latency: freeze what exists now, as the server does (nanoref/utils/heap.py)
     gc.collect()
     gc.freeze()
     url = f"http://127.0.0.1:{port}/v1/completions"

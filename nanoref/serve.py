@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
 
         from nanoref.serving.api_server import build_app
         from nanoref.serving.async_llm import AsyncLLM
-        from nanoref.serving.heap import freeze_heap
+        from nanoref.utils.heap import freeze_heap
     except ImportError as error:
         print(f"error: {error.name} is missing: pip install 'nanoref[serve]'", file=sys.stderr)
         return 2

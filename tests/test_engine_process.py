@@ -232,17 +232,17 @@ def test_learner_seams_refuse_the_process_form_and_auto_keeps_the_thread():
 
 
 def test_freeze_heap_collects_start_up_garbage_and_takes_the_rest_out_of_collections():
-    """heap.freeze_heap, which the engine process and the server's run once started, in a fresh interpreter (this
-    one's collector is left alone): garbage left by start-up is collected first, not frozen for good, and what is
-    alive afterwards is in no generation that a collection walks. The automatic collector is off, so only
-    freeze_heap can free the cycle."""
+    """freeze_heap, which the engine process, the server's and tensor-parallel workers run once started, in a fresh
+    interpreter (this one's collector is left alone): garbage left by start-up is collected first, not frozen for
+    good, and what is alive afterwards is in no generation that a collection walks. The automatic collector is off,
+    so only freeze_heap can free the cycle."""
     import subprocess
     import sys
 
     script = """
 import gc, weakref
 gc.disable()
-from nanoref.serving.heap import freeze_heap
+from nanoref.utils.heap import freeze_heap
 class Node: pass
 garbage = Node(); garbage.me = garbage; dead = weakref.ref(garbage); del garbage
 live = Node(); live.me = live

@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 from nanoref.utils import seams
+from nanoref.utils.heap import freeze_heap
 from nanoref.utils.parallel import CollectiveTimeout, ParallelState, RankGroup, TensorParallelError
 
 if TYPE_CHECKING:
@@ -436,7 +437,9 @@ def worker_main(config: EngineConfig, rank: int, port: int, conn: Connection, ru
         group = make_group(config, store, rank, loopback=True, timeout_s=None)
 
         state = ParallelState(rank=rank, world_size=config.tensor_parallel_size, group=group)
-        runner(config, parallel=state).serve()
+        follower = runner(config, parallel=state)
+        freeze_heap()  # this process is nanoref's: its model and imports out of full garbage collections (heap.py)
+        follower.serve()
     except BaseException:
         try:
             conn.send(("error", f"rank {rank}: {traceback.format_exc()}"))

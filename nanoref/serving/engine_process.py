@@ -39,7 +39,7 @@ from pathlib import Path
 from nanoref.config import EngineConfig
 from nanoref.llm import LLM
 from nanoref.serving.engine_loop import EngineLoop, EngineStats, StepMessage, drain
-from nanoref.serving.heap import freeze_heap
+from nanoref.utils.heap import freeze_heap
 
 # the child's last words when it fails to start: "ready" never comes
 _FAILED, _READY = "failed", "ready"

@@ -1,4 +1,4 @@
-"""Freezing the start-up heap, in the processes the server runs in (the server's, the engine's).
+"""Freezing the start-up heap, in the processes nanoref owns: the server's, the engine process, tensor-parallel workers.
 
 Python's cyclic garbage collector runs a full collection (generation 2) now and then, and a full collection walks
 every tracked object of the process: after importing torch and transformers and building a model that is a few
@@ -12,7 +12,8 @@ request and per token, so full collections keep coming.
 (vLLM's API server and engine core do the same after start-up). What those objects refer to is still freed by
 reference counting; a cycle among them that became garbage later would never be collected, so collect first, and
 freeze only what start-up made: the model, the tokenizer, the app. Only in a process nanoref owns: the library
-never changes the garbage collector of the caller's process (offline `LLM` leaves it alone).
+never changes the garbage collector of the caller's process (offline `LLM` leaves it alone; its tensor-parallel
+workers, nanoref's processes, freeze theirs: a worker that pauses stalls every rank at the next collective).
 """
 
 from __future__ import annotations
