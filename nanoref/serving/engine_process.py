@@ -5,7 +5,7 @@ Why a process: in one process the engine thread and the server's event loop shar
 loop does its own per chunk (HTTP, JSON, SSE). With hundreds of streams the two together take longer than the step,
 so the GPU waits for Python. In two processes each has its own interpreter: the engine's host work overlaps the
 event loop's, and the GPU is fed while the responses are written. On a CPU the same holds for the engine's Python
-between its forwards (measured on two cores: 0.64x of offline `generate` against 0.43x for the thread).
+between its forwards (measured on two cores: 0.59-0.64x of offline `generate` against 0.43x for the thread).
 
 What crosses between them is small and batched (engine_loop.py's messages):
 - commands in, through one pipe: add (already checked in the server's process against the engine's config, so a
