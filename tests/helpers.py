@@ -419,7 +419,7 @@ class Server:
 def running_server(engine, model_name: str):
     """Serve `engine` (an AsyncLLM) on a free port of 127.0.0.1 in a thread, until the block ends (the engine is
     closed then too): the package's own `serve_in_background`, with this file's `Server` handle."""
-    from nanoref.exercises.serving import serve_in_background
+    from nanoref.serving.api_server import serve_in_background
 
     try:
         with serve_in_background(engine, model_name) as url:

@@ -8,7 +8,8 @@ import pytest
 from nanoref import LLM, SamplingParams
 from nanoref.engine.detokenizer import find_stop_string, stop_hold_back
 from nanoref.exercises import ExerciseFailure, check_find_stop_string, check_stop_hold_back
-from nanoref.exercises.serving import check_served, serve_in_background
+from nanoref.exercises.serving import check_served
+from nanoref.serving.api_server import serve_in_background
 from nanoref.serving.async_llm import AsyncLLM
 from nanoref.utils import seams
 

@@ -9,13 +9,7 @@ the built-in model, offline (`LLM.stream`) and through the OpenAI-compatible ser
 
 from __future__ import annotations
 
-import contextlib
 import random
-import socket
-import threading
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -203,41 +197,6 @@ def _requests(llm: Any) -> list[tuple[str, dict]]:
     return requests
 
 
-@contextlib.contextmanager
-def serve_in_background(engine: Any, served_model_name: str = "nanoref") -> Iterator[str]:
-    """The OpenAI-compatible server on `engine` (an AsyncLLM), in this process: uvicorn in a background thread on a
-    free 127.0.0.1 port, up when the block begins (its /health answers) -> its base URL; stopped when the block
-    ends, within bounded waits. The engine stays the caller's to close."""
-    import uvicorn
-
-    from nanoref.serving.api_server import build_app
-
-    sock = socket.create_server(("127.0.0.1", 0))  # a free port, held from now on: no race with another process
-    server = uvicorn.Server(uvicorn.Config(build_app(engine, served_model_name), log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="nanoref-server", daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-    try:
-        deadline = time.monotonic() + SERVER_TIMEOUT
-        while True:
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=1) as response:
-                    if response.status == 200:
-                        break
-            except (urllib.error.URLError, OSError):
-                pass
-            if time.monotonic() > deadline or not thread.is_alive():
-                raise RuntimeError(f"the server never answered {url}/health")
-            time.sleep(0.02)
-        yield url
-    finally:
-        server.should_exit = True
-        thread.join(SERVER_TIMEOUT)
-        sock.close()
-        if thread.is_alive():
-            raise RuntimeError(f"the server did not stop within {SERVER_TIMEOUT} s")
-
-
 def _counted(functions: dict[str, Callable], calls: dict[str, int]) -> dict[str, Callable]:
     def wrap(name: str, function: Callable) -> Callable:
         def counted(*args: Any, **kwargs: Any) -> Any:
@@ -314,13 +273,14 @@ def check_served(functions: dict[str, Callable]) -> None:
 def _check_server(functions: dict[str, Callable], llm: Any, requests: list, reference: list[str], names: str) -> None:
     import openai
 
+    from nanoref.serving.api_server import serve_in_background
     from nanoref.serving.async_llm import AsyncLLM
 
     calls = dict.fromkeys(functions, 0)
     with use(**_counted(functions, calls)):  # the engine thread starts in a copy of this context: it runs them
         engine = AsyncLLM(llm)  # the LLM is the engine thread's until close() (which leaves it open)
     try:
-        with serve_in_background(engine) as url:
+        with serve_in_background(engine, timeout=SERVER_TIMEOUT) as url:
             client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", timeout=SERVER_TIMEOUT, max_retries=0)
             for (prompt, settings), want in zip(requests, reference):
                 extra = {"include_stop_str_in_output": True} if settings["include_stop_str_in_output"] else {}

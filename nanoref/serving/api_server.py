@@ -27,11 +27,16 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import contextlib
 import json
 import re
+import socket
+import threading
 import time
+import urllib.error
+import urllib.request
 import uuid
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Coroutine, Iterator
 from contextlib import aclosing, suppress
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -609,3 +614,37 @@ def build_app(engine: AsyncLLM, served_model_name: str) -> FastAPI:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+@contextlib.contextmanager
+def serve_in_background(engine: AsyncLLM, served_model_name: str = "nanoref", timeout: float = 30.0) -> Iterator[str]:
+    """The OpenAI-compatible server on `engine` (an AsyncLLM), in this process: uvicorn in a background thread on a
+    free 127.0.0.1 port, up when the block begins (its /health answers) -> its base URL; stopped when the block
+    ends. Every wait is bounded by `timeout` seconds (a server that does not come up or stop raises RuntimeError).
+    The engine stays the caller's to close. A notebook's way to serve; `python -m nanoref.serve` is a shell's."""
+    import uvicorn
+
+    sock = socket.create_server(("127.0.0.1", 0))  # a free port, held from now on: no race with another process
+    server = uvicorn.Server(uvicorn.Config(build_app(engine, served_model_name), log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="nanoref-server", daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=1) as response:
+                    if response.status == 200:
+                        break
+            except (urllib.error.URLError, OSError):
+                pass
+            if time.monotonic() > deadline or not thread.is_alive():
+                raise RuntimeError(f"the server never answered {url}/health")
+            time.sleep(0.02)
+        yield url
+    finally:
+        server.should_exit = True
+        thread.join(timeout)
+        sock.close()
+        if thread.is_alive():
+            raise RuntimeError(f"the server did not stop within {timeout} s")
