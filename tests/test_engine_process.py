@@ -260,7 +260,7 @@ print("ok")
 
 
 def test_an_engine_process_that_reads_nothing_never_blocks_the_event_loop():
-    """The child stops reading (SIGSTOP, as when its reader thread waits long for the child's GIL) while 200 long
+    """The child stops reading (SIGSTOP, as when its reader thread waits long for the child's GIL) while 150 long
     requests arrive: their commands fill the pipe (64 KiB) several times over. Each request's queuing returns at
     once all the same (the writer thread waits, not the event loop: a timer on the loop keeps its time), and once
     the child runs again every request is served."""
@@ -270,7 +270,7 @@ def test_an_engine_process_that_reads_nothing_never_blocks_the_event_loop():
     engine = AsyncLLM.from_model(engine_process=True, **SETTINGS)
     pid = engine._engine.process.pid
     params = SamplingParams(max_tokens=2, ignore_eos=True)
-    prompts = [[(7 * i + j) % 500 + 3 for j in range(200)] for i in range(200)]  # ~200 KiB of "add" commands
+    prompts = [[(7 * i + j) % 500 + 3 for j in range(150)] for i in range(150)]  # ~120 KiB of "add" commands
     watchdog = threading.Timer(20.0, os.kill, (pid, signal.SIGCONT))  # (a blocked loop would wait for it)
     try:
 
