@@ -292,3 +292,30 @@ def test_an_engine_process_that_reads_nothing_never_blocks_the_event_loop():
         watchdog.cancel()
         os.kill(pid, signal.SIGCONT)
         engine.close()
+
+
+def test_a_step_message_that_fails_on_the_server_side_fails_the_requests_instead_of_hanging(monkeypatch):
+    """Turning a step message into outputs runs in the server's reader thread (its decode, a tokenizer's code): when
+    it raises, the requests in flight get that error and later ones are refused, as when an engine thread dies;
+    the engine process is stopped, not left behind."""
+    import nanoref.serving.async_llm as async_llm
+
+    engine = AsyncLLM.from_model(engine_process=True, **SETTINGS)
+    process = engine._engine.process
+    try:
+
+        def broken(detokenizers, token_lists):
+            if detokenizers:
+                raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "a tokenizer that cannot decode")
+            return []
+
+        monkeypatch.setattr(async_llm, "add_many", broken)
+        with pytest.raises(RuntimeError, match="server's side failed on a step message.*UnicodeDecodeError"):
+            run(collect(engine.generate("Beautiful is better than", GREEDY)))
+        assert not engine.is_running
+        with pytest.raises(RuntimeError, match="start a new one"):
+            engine.generate("Hello", GREEDY)
+        engine._engine._reader.join(30)  # it stops the process (one thread reaps it: two joins would race)
+        assert process.exitcode is not None and process not in multiprocessing.active_children()
+    finally:
+        engine.close()

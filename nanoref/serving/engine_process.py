@@ -151,7 +151,13 @@ class EngineProcess:
                 message = self._outputs.recv()
             except (EOFError, OSError):
                 break
-            self._on_message(message)
+            try:
+                self._on_message(message)
+            except Exception as error:  # (making outputs of it failed here, a tokenizer's decode say): as a dead
+                # engine thread would, fail every request in flight and every later one, rather than leave them
+                self._on_exit(f"the server's side failed on a step message ({type(error).__name__}: {error})")
+                self._stop(timeout=5.0)
+                break
         self._outputs.close()
         if not self._stopping:  # nobody asked it to stop: it died
             self.process.join(5.0)  # (reap it: no zombie)
