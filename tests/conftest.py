@@ -13,6 +13,9 @@ from .helpers import TINY_CONFIGS
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(min(2, os.cpu_count() or 1))
+# the processes tests start (engine processes, servers) read this when their torch starts: without it each takes
+# every core, and under xdist on a many-core machine their thread pools oversubscribe the cores many times over
+os.environ.setdefault("OMP_NUM_THREADS", str(min(2, os.cpu_count() or 1)))
 
 
 @pytest.fixture(autouse=True)
