@@ -85,3 +85,17 @@ def test_seam_replaces_the_compiled_layer(tiny_model):
     with seams.use(rms_norm=my_rms_norm):
         llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
     assert calls, "on CUDA the learner's rms_norm must replace the compiled default"
+
+
+def test_many_engines_of_several_models_in_one_process(tiny_models):
+    """A notebook or a test session builds engine after engine: the compiled layers must not recompile per engine
+    until dynamo's limit (8 per code object) fails the ninth. Twelve engines over three models, bf16, graphs on."""
+    prompts = random_prompts(seed=5, lengths=[4, 11])
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    first = {}
+    for round_ in range(4):
+        for name, folder in tiny_models.items():
+            llm = LLM(folder, device="cuda", num_kvcache_blocks=64, max_num_seqs=4, max_model_len=128 + 32 * round_)
+            tokens = [out["token_ids"] for out in llm.generate(prompts, params, use_tqdm=False)]
+            assert tokens == first.setdefault(name, tokens), f"engine {round_} of {name} decoded other tokens"
+            llm.close()

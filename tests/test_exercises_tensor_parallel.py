@@ -154,7 +154,7 @@ def test_every_rank_calls_the_seam_and_a_wrong_lookup_changes_the_tokens(odd_voc
 
 def test_a_function_collected_from_a_notebook_reaches_the_worker(odd_vocab_model, two_ranks, tmp_path):
     """The capstone imports each exercise cell as a module file the worker cannot import: it must travel by value."""
-    import nbformat
+    nbformat = pytest.importorskip("nbformat", reason="nbformat is not installed (pip install 'nanoref[classroom]')")
 
     from nanoref.classroom import collect_solutions
 
