@@ -5,18 +5,20 @@ from __future__ import annotations
 
 import pytest
 
-from nanoref import LLM, SamplingParams
-from nanoref.engine.detokenizer import find_stop_string, stop_hold_back
-from nanoref.exercises import ExerciseFailure, check_find_stop_string, check_stop_hold_back
-from nanoref.exercises.serving import check_served
-from nanoref.serving.api_server import serve_in_background
-from nanoref.serving.async_llm import AsyncLLM
-from nanoref.utils import seams
-
-from .helpers import Counting
-
+# the server's packages (the `serve` extra) and OpenAI's client: without one, the file skips and says which
 openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
+pytest.importorskip("fastapi")
+
+from nanoref import LLM, SamplingParams  # noqa: E402
+from nanoref.engine.detokenizer import find_stop_string, stop_hold_back  # noqa: E402
+from nanoref.exercises import ExerciseFailure, check_find_stop_string, check_stop_hold_back  # noqa: E402
+from nanoref.exercises.serving import check_served  # noqa: E402
+from nanoref.serving.api_server import serve_in_background  # noqa: E402
+from nanoref.serving.async_llm import AsyncLLM  # noqa: E402
+from nanoref.utils import seams  # noqa: E402
+
+from .helpers import Counting  # noqa: E402
 
 ZEN_STOP = SamplingParams(temperature=0, max_tokens=16, stop=[" is", "ugly"])
 

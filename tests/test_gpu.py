@@ -78,3 +78,31 @@ def test_triton_backend_with_cuda_graphs_matches_hf(tiny_model, block_size):
     assert llm.scheduler.block_manager.num_hit_blocks > 0
     for prompt, output in zip(prompts, outputs):
         assert output["token_ids"] == hf_greedy(tiny_model, prompt, params.max_tokens)
+
+
+def test_an_engine_dropped_in_a_reference_cycle_never_breaks_the_next_capture(tiny_model, monkeypatch):
+    """A notebook drops an engine and builds another: the old one's CUDA graphs, kept alive by a reference cycle
+    until the garbage collector finds it, must not be freed while the new engine captures (a graph freed during
+    a capture invalidates it). Here the collector runs right after each capture begins, as an automatic
+    collection might, whenever it is switched on."""
+    import gc
+
+    begin = torch.cuda.CUDAGraph.capture_begin
+
+    def capture_begin_then_collect(self, *args, **kwargs):
+        begin(self, *args, **kwargs)
+        if gc.isenabled():
+            gc.collect()
+
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompts = random_prompts(seed=3, lengths=[5, 12])
+    kwargs = dict(device="cuda", dtype="float32", num_kvcache_blocks=64, max_num_seqs=8)
+    old = LLM(tiny_model, **kwargs)
+    expected = old.generate(prompts, params, use_tqdm=False)
+    cycle: list = [old]
+    cycle.append(cycle)
+    del old, cycle  # garbage now, freed only by a collection
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "capture_begin", capture_begin_then_collect)
+    new = LLM(tiny_model, **kwargs)
+    assert gc.isenabled(), "the collector must be the caller's again after the capture"
+    assert new.generate(prompts, params, use_tqdm=False) == expected

@@ -12,6 +12,10 @@ on a machine without graphs (a CPU): for teaching and tests.
 
 from __future__ import annotations
 
+import contextlib
+import gc
+from collections.abc import Iterator
+
 import torch
 
 from nanoref.utils.context import Context, get_context, reset_context, set_context
@@ -87,25 +91,26 @@ class DecodeGraphs:
     def capture(self, device: torch.device) -> None:
         """Record one decode forward per bucket, the largest first (the others share its memory pool)."""
         b, pool = self.buffers, None
-        for size in reversed(self.buckets):
-            graph = torch.cuda.CUDAGraph()
-            tokens = size * self.query_len
-            set_context(
-                Context(
-                    slot_mapping=b["slot_mapping"][:tokens],
-                    context_lens=b["context_lens"][:size],
-                    block_tables=b["block_tables"][:size],
-                    decode_query_len=self.query_len,
+        with garbage_collected_first():
+            for size in reversed(self.buckets):
+                graph = torch.cuda.CUDAGraph()
+                tokens = size * self.query_len
+                set_context(
+                    Context(
+                        slot_mapping=b["slot_mapping"][:tokens],
+                        context_lens=b["context_lens"][:size],
+                        block_tables=b["block_tables"][:size],
+                        decode_query_len=self.query_len,
+                    )
                 )
-            )
-            ids, positions = b["input_ids"][:tokens], b["positions"][:tokens]
-            b["hidden"][:tokens] = self.model(ids, positions)  # warm up outside capture
-            with torch.cuda.graph(graph, pool):
-                b["hidden"][:tokens] = self.model(ids, positions)
-            pool = pool or graph.pool()
-            self.graphs[size] = graph
-            torch.cuda.synchronize(device)
-            reset_context()
+                ids, positions = b["input_ids"][:tokens], b["positions"][:tokens]
+                b["hidden"][:tokens] = self.model(ids, positions)  # warm up outside capture
+                with torch.cuda.graph(graph, pool):
+                    b["hidden"][:tokens] = self.model(ids, positions)
+                pool = pool or graph.pool()
+                self.graphs[size] = graph
+                torch.cuda.synchronize(device)
+                reset_context()
 
     def covers(self, batch: int) -> bool:
         """Whether a decode batch of this many sequences runs here (a shape trace wants every layer run
@@ -138,6 +143,22 @@ class DecodeGraphs:
             )
             hidden[: bucket * self.query_len] = self.model(static["input_ids"], static["positions"])
         return self.model.compute_logits(hidden[:tokens])
+
+
+@contextlib.contextmanager
+def garbage_collected_first() -> Iterator[None]:
+    """Collect garbage now, and none while the block runs: a CUDA graph freed during a capture (a dropped engine's,
+    left in a reference cycle until the collector finds it) invalidates the capture ("operation not permitted when
+    stream is capturing"), and torch.cuda.graph no longer collects before capturing. The collector's state is
+    the caller's again afterwards."""
+    gc.collect()
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 def enable_bucketed_decode(runner) -> None:
