@@ -307,3 +307,37 @@ def test_two_ranks_apply_the_options_as_one_rank_does(tiny_model):
     assert [o["token_ids"] for o in two] == [o["token_ids"] for o in one]
     assert [e.token_id for e in two[0]["logprobs"]] == [e.token_id for e in one[0]["logprobs"]]
     assert [e.logprob for e in two[0]["logprobs"]] == pytest.approx([e.logprob for e in one[0]["logprobs"]], abs=1e-4)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [dict(top_p=1e-46), dict(temperature=1e-39, seed=3), dict(repetition_penalty=1e-46), dict(temperature=1e-39)],
+    ids=["top_p", "seeded-temperature", "repetition_penalty", "temperature"],
+)
+def test_tiny_sampling_values_give_finite_probabilities_and_a_real_completion(tiny_model, options):
+    """Values validation accepts but float32 rounds to 0 or overflows on (top_p 1e-46, temperature 1e-39, a
+    repetition penalty of 1e-46) sample from a real distribution: top-p keeps the most likely token, the
+    temperature is clamped (MIN_TEMPERATURE, as vLLM does) and penalised logits stay finite. Before, the
+    probabilities were NaN and every row "sampled" token 0."""
+    llm = engine(tiny_model)
+    params = SamplingParams(**{"temperature": 1.0, "max_tokens": 8, "ignore_eos": True, **options})
+    outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert all(set(output["token_ids"]) != {0} for output in outputs), outputs  # NaN's argmax: token 0 every time
+    from nanoref.layers.sampler import sampling_probs
+
+    logits = torch.randn(3, 50) * 20
+    temperatures = torch.tensor([params.temperature] * 3)
+    top_k, top_p = torch.zeros(3, dtype=torch.int64), torch.tensor([params.top_p] * 3)
+    processing = logits_processors.LogitsProcessing.build(
+        [(row, [1, 2], [3], 0.0, 0.0, params.repetition_penalty) for row in range(3)], [], 50, torch.device("cpu")
+    )
+    probs = sampling_probs(processing.apply(logits), temperatures, top_k, top_p)
+    assert torch.isfinite(probs).all() and torch.allclose(probs.sum(dim=-1), torch.ones(3))
+    if options.get("top_p"):  # only the most likely token is left
+        assert (probs.argmax(dim=-1) == processing.apply(logits).argmax(dim=-1)).all() and (
+            probs.max(-1).values == 1
+        ).all()
+    if options == dict(top_p=1e-46):
+        assert outputs == llm.generate(
+            PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False
+        )

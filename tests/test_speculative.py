@@ -383,3 +383,19 @@ def test_the_server_streams_speculative_output_and_reports_acceptance_in_metrics
         == accepted / values["nanoref_spec_decode_num_verified_rows_total"]
     )
     assert values["nanoref_spec_decode_request_acceptance_rate_count"] == 1
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "draft"])
+def test_a_request_that_exactly_fits_the_kv_budget_is_served_with_speculation(tiny_model, draft_folder, proposer):
+    """One 16-token block holds a 4-token prompt and its 12 tokens: the lookahead reserves slots for the proposals
+    only up to the request's own end (prompt + max_tokens), so its last steps still fit in that one block."""
+    spec = dict(method="ngram", num_speculative_tokens=4, prompt_lookup_max=2)
+    if proposer == "draft":
+        spec = dict(model=draft_folder, num_speculative_tokens=4)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [[5, 9, 5, 9]]
+    llm = LLM(tiny_model, kvcache_block_size=16, num_kvcache_blocks=1, speculative_config=spec)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert len(outputs[0]["token_ids"]) == 12
+    assert_matches_hf(tiny_model, prompts, outputs, params.max_tokens)
+    assert_no_block_leaked(llm)

@@ -175,9 +175,10 @@ class Scheduler:
         return steps, list(queue)
 
     def _lookahead_end(self, seq: Sequence) -> int:
-        """The tokens seq's blocks must hold for its decode step: its own, plus the lookahead (never past
-        max_model_len, which no sequence can reach)."""
-        return min(seq.num_tokens + self.num_lookahead_tokens, self.max_model_len)
+        """The tokens seq's blocks must hold for its decode step: its own, plus the lookahead (never past its own
+        end, prompt + max_tokens, nor max_model_len: no sequence reaches either)."""
+        end = seq.num_prompt_tokens + seq.sampling_params.max_tokens
+        return min(seq.num_tokens + self.num_lookahead_tokens, self.max_model_len, end)
 
     def schedule_ahead(self, in_flight: list[Sequence]) -> list[Sequence]:
         """The decode step after the one in flight, chosen before that step's sampled tokens are known.

@@ -39,7 +39,7 @@ from nanoref.engine.metrics import StepRecord
 from nanoref.engine.model_runner import PrefillMetadata, StepInputs, prefill_metadata
 from nanoref.engine.sequence import Sequence
 from nanoref.layers.logits_processors import LogitsProcessing, TokenLogprobs, raw_logprobs, to_device, token_logprobs
-from nanoref.layers.sampler import apply_top_k_top_p
+from nanoref.layers.sampler import sampling_probs
 from nanoref.spec.acceptance import accept_greedy, emitted_tokens, rejection_sample
 from nanoref.spec.proposers import DraftProposer, NgramProposer
 from nanoref.utils import seams
@@ -150,7 +150,14 @@ class SpeculativeLoop:
         # Every sequence checks k tokens where it has room for them (a sequence that may keep fewer, near its
         # max_tokens, still checks k: it stops at its end), so the step has one shape. The proposals a proposer
         # could not make are filled with its last one (or the last token), a guess like any other.
-        fits = all(seq.num_tokens + self.k <= self.engine.config.max_model_len for seq in seqs)
+        # A sequence near its own end has blocks only up to it (the scheduler reserves no more): it takes blocks for
+        # the rest of the k rows where some are free (given back after the step), else the step takes the varlen path
+        manager = self.engine.scheduler.block_manager
+        for seq in seqs:
+            if manager.blocks_to_append(seq, seq.num_tokens + self.k) <= manager.num_free_blocks:
+                manager.may_append(seq, min(seq.num_tokens + self.k, self.engine.config.max_model_len))
+        room = [min(self.engine.config.max_model_len, len(seq.block_table) * runner.block_size) for seq in seqs]
+        fits = all(seq.num_tokens + self.k <= end for seq, end in zip(seqs, room))
         # a learner's decode attention (notebook 04) answers one query per sequence, what its exercise asks for:
         # with one in place, verify steps take the varlen path; a learner's graph padding sees one token per row
         replaced = seams.active().keys()
@@ -221,15 +228,13 @@ class SpeculativeLoop:
         num_rows, vocab = scores.shape
         device = scores.device
         per_row = [(seq.sampling_params, len(rows)) for seq, rows in zip(seqs, rows_of)]
-        temperatures = torch.tensor(
-            [max(p.temperature, 1e-5) for p, n in per_row for _ in range(n)], device=device
-        )  # (T,): greedy rows too (their result is not used)
-        scaled = scores / temperatures[:, None]
+        # (T,): greedy rows too (their result is not used)
+        temperatures = torch.tensor([p.temperature for p, n in per_row for _ in range(n)], device=device)
+        top_k = top_p = None
         if any(p.top_k > 0 or p.top_p < 1.0 for p, _ in per_row):
             top_k = torch.tensor([p.top_k for p, n in per_row for _ in range(n)], device=device)
             top_p = torch.tensor([p.top_p for p, n in per_row for _ in range(n)], device=device)
-            scaled = seam("apply_top_k_top_p", apply_top_k_top_p)(scaled, top_k, top_p)
-        p = scaled.softmax(dim=-1)  # (T, V)
+        p = sampling_probs(scores, temperatures, top_k, top_p)  # (T, V)
         # the rows past a sequence's counted proposals are bonus rows (-1), so its tokens are the same whether its
         # step had k rows per sequence or only as many as it could keep (the varlen path)
         draft_rows = [row for draft, rows in zip(counted, rows_of) for row in rows[: len(draft)]]
