@@ -279,8 +279,8 @@ def test_the_overlapped_loop_gives_the_plain_loops_tokens_with_penalties_min_tok
     assert_no_block_leaked(overlapped)
     # min_tokens alone needs only token counts: its steps still run ahead, with the same tokens
     ahead = []
-    schedule_ahead = overlapped.scheduler.schedule_ahead
-    overlapped.scheduler.schedule_ahead = lambda in_flight: ahead.append(schedule_ahead(in_flight)) or ahead[-1]
+    schedule_ahead = overlapped.overlapped_loop.schedule_ahead
+    overlapped.overlapped_loop.schedule_ahead = lambda in_flight: ahead.append(schedule_ahead(in_flight)) or ahead[-1]
     # the second request stops at a stop id that comes first right where the mask lifts (a mask one step late in
     # the ahead steps would hide it)
     unstopped = free[1]["token_ids"]

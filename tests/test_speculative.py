@@ -295,7 +295,7 @@ def test_random_workloads_with_speculation_leak_no_block(tiny_model, draft_folde
         assert_no_block_leaked(llm)
 
 
-def test_a_failing_verify_step_is_undone_and_the_next_step_serves_on(tiny_model):
+def test_a_failing_verify_step_aborts_its_requests_and_the_engine_serves_on(tiny_model):
     llm = LLM(tiny_model, device="cpu", speculative_config=ngram())
     prompts = repetitive_prompts(5, 3)
     expected = LLM(tiny_model, device="cpu").generate(prompts, GREEDY, use_tqdm=False)
@@ -307,16 +307,15 @@ def test_a_failing_verify_step_is_undone_and_the_next_step_serves_on(tiny_model)
             raise RuntimeError("injected")
         return accept_greedy(draft_ids, target_ids)
 
-    for prompt in prompts:
-        llm.add_request(prompt, GREEDY)
+    seqs = [llm.add_request(prompt, GREEDY) for prompt in prompts]
     with seams.use(accept_greedy=flaky):
         with pytest.raises(RuntimeError, match="injected"):
             while not llm.is_finished():
                 llm.step()
-        while not llm.is_finished():
-            llm.step()
-    done = sorted(llm.metrics.requests)
-    assert len(done) == 3
+    # the verify step held all three: each ends with "abort", its blocks back, and nothing is left queued
+    assert llm.is_finished() and [seq.finish_reason for seq in seqs] == ["abort"] * 3
+    assert llm.failed == seqs and not llm.metrics.requests
+    assert_no_block_leaked(llm)
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o["token_ids"] for o in outputs] == [o["token_ids"] for o in expected]
     assert_no_block_leaked(llm)

@@ -261,20 +261,13 @@ class BlockManager:
         seq.num_computed_tokens = 0
         seq.num_hashed_blocks = 0
 
-    def unallocate(self, seq: Sequence) -> None:
-        """Take back `allocate(seq)` whose step never completed: its blocks go back as in deallocate, and its
-        prefix-cache hits no longer count as hits."""
-        self.num_hit_blocks -= seq.num_prefix_hit_tokens // self.block_size
-        self.deallocate(seq)
-
     # -- decode -------------------------------------------------------------------------------
-    def can_append(self, seq: Sequence) -> bool:
-        """Room for the K/V of seq's last token (a new block when it starts one)."""
-        return self.num_free_blocks >= self.blocks_to_append(seq)
+    def can_append(self, seq: Sequence, num_tokens: int | None = None) -> bool:
+        """Room to grow seq's block table to hold num_tokens tokens (default: the tokens it has)."""
+        return self.num_free_blocks >= self.blocks_to_append(seq, num_tokens)
 
     def blocks_to_append(self, seq: Sequence, num_tokens: int | None = None) -> int:
-        """The free blocks may_append(seq, num_tokens) takes: by default 1 when seq's last token starts a block,
-        else 0."""
+        """The free blocks may_append(seq, num_tokens) takes."""
         num_blocks = seq.num_blocks if num_tokens is None else self.blocks_needed(num_tokens)
         return max(num_blocks - len(seq.block_table), 0)
 
@@ -287,22 +280,6 @@ class BlockManager:
         while len(seq.block_table) < num_blocks:
             seq.block_table.append(self._take_free_block())
         self.tables.write(seq, start)
-
-    def trim(self, seq: Sequence) -> None:
-        """Give back the blocks past the ones seq's tokens need: those a speculative step took for proposed tokens
-        that were rejected. They are seq's alone and carry no hash (nothing past its last token is committed)."""
-        keep = seq.num_blocks
-        if len(seq.block_table) <= keep:
-            return
-        for block_id in seq.block_table[keep:]:
-            block = self.blocks[block_id]
-            assert block.ref_count == 1 and block.hash == -1, f"{block} past the end of {seq} is shared or hashed"
-            block.ref_count = 0
-            self.used_block_ids.remove(block_id)
-            self.free_block_ids[block_id] = None
-        self.tables.array[seq.table_row, keep : len(seq.block_table)] = -1
-        del seq.block_table[keep:]
-        self.tables.num_blocks[seq.table_row] = keep
 
     # -- after a step -------------------------------------------------------------------------
     def commit(self, seq: Sequence) -> None:

@@ -6,6 +6,7 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from itertools import count
+from typing import Protocol
 
 import torch
 
@@ -34,19 +35,51 @@ class StreamPiece:
     index: int = 0  # which of the request's n samples
 
 
+class StepLoop(Protocol):
+    """How the engine runs a step (`PlainLoop`, unless nanoref/llm.py gives another)."""
+
+    def step(self) -> tuple[list[Sequence], StepRecord]:
+        """One step -> (the sequences finished in it, its record)."""
+
+    def in_step(self) -> list[Sequence]:
+        """The sequences the step being run has scheduled so far: those a step that raises aborts."""
+
+
+class PlainLoop:
+    """Nano-vLLM's step: schedule, run the forward, postprocess."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+
+    def step(self) -> tuple[list[Sequence], StepRecord]:
+        scheduler, metrics = self.engine.scheduler, self.engine.metrics
+        seqs, is_prefill = scheduler.schedule()
+        record = metrics.begin_step(scheduler, seqs, is_prefill)
+        token_ids = interruptibly(self.engine.model_runner.run, seqs, is_prefill)
+        return scheduler.postprocess(seqs, token_ids), metrics.end_step(record, seqs)
+
+    def in_step(self) -> list[Sequence]:
+        return self.engine.scheduler.scheduled
+
+
 class LLMEngine:
     """The engine. One `generate` (or `step`) runs at a time: calls from several threads are serialized.
 
-    A step is all or nothing. When it raises, an error or Ctrl-C, the engine is left as if it had not run
-    (`Scheduler.unschedule` says exactly what that means for a decode step that preempted), and the next step or
-    generate serves on. Ctrl-C is held back while the engine's bookkeeping runs (scheduling, postprocessing,
-    metrics, queuing requests) and raised when it is done (utils/interrupts.py); it acts at once in the forward
-    pass and in a learner's exercise function, whose step is then undone.
+    A step that raises, an error or Ctrl-C, aborts the requests it scheduled (finish_reason "abort"; their blocks
+    go back; `failed` lists them) and raises; the other requests run on at the next step. Ctrl-C is held back while
+    the engine's bookkeeping runs (scheduling, postprocessing, metrics, queuing requests) and raised when it is done
+    (utils/interrupts.py); it acts at once in the forward pass and in a learner's exercise function.
     """
 
-    def __init__(self, config: EngineConfig, make_runner: Callable[[EngineConfig], ModelRunner] = ModelRunner) -> None:
-        """config: resolved (`EngineConfig.resolved()`); make_runner builds the model runner (nanoref/llm.py's
-        attaches CUDA graphs or tensor parallelism)."""
+    def __init__(
+        self,
+        config: EngineConfig,
+        make_runner: Callable[[EngineConfig], ModelRunner] = ModelRunner,
+        make_step_loop: Callable[[LLMEngine], StepLoop] = PlainLoop,
+        num_lookahead_tokens: int = 0,
+    ) -> None:
+        """config: resolved (`EngineConfig.resolved()`); make_runner builds the model runner, make_step_loop the
+        loop that runs each step (nanoref/llm.py gives its own); num_lookahead_tokens: see Scheduler."""
         self._lock = threading.RLock()  # held by generate, step, add_request and the aborts
         # before the model runner, which may start tensor-parallel workers: a folder that fails fails before them
         self.tokenizer = load_tokenizer(config.model_folder)
@@ -63,6 +96,7 @@ class LLMEngine:
                 num_kvcache_blocks=config.num_kvcache_blocks,
                 kvcache_block_size=config.kvcache_block_size,
                 eos_token_ids=eos,
+                num_lookahead_tokens=num_lookahead_tokens,
             )
         except BaseException:
             self.model_runner.close()  # tensor parallel: stop the workers now, not when the exception is dropped
@@ -76,6 +110,8 @@ class LLMEngine:
         # (then its full prompt blocks are in the prefix cache, and they share them instead of prefilling again)
         self.held_samples: dict[Sequence, list[Sequence]] = {}
         self._seq_ids = count()  # this engine's sequence ids: its first request is 0, whatever ran before
+        self.failed: list[Sequence] = []  # the sequences the latest step that raised aborted
+        self.step_loop = make_step_loop(self)
 
     # -- requests -----------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -167,40 +203,34 @@ class LLMEngine:
     def queue_held_samples(self) -> None:
         """Queue the held samples whose sample 0 has computed its prompt (or finished: then there is nothing to
         wait for)."""
+        if not self.held_samples:
+            return
         for first in [first for first in self.held_samples if first.num_completion_tokens or first.is_finished]:
             for seq in self.held_samples.pop(first):
                 self.enqueue(seq)
 
     # -- the loop -----------------------------------------------------------------------------
     def step(self) -> tuple[list[Sequence], StepRecord]:
-        """One forward pass. Returns (sequences finished in it, the step's record). When it raises, the step did
-        not happen (see the class docstring): call step() again to retry it, or abort_all()."""
+        """One forward pass. Returns (sequences finished in it, the step's record). When it raises, the requests it
+        scheduled are aborted (see the class docstring); step() again serves the others."""
         with self._lock, held_interrupts():
             if self.scheduler.is_finished():
                 raise RuntimeError("step() found no request waiting or running: add one with add_request() first")
             # this step runs the forward of the caller's `seams.use` block (if any): the prefix cache keeps it apart
             self.scheduler.block_manager.use_forward(seams.forward_key())
-            finished, record = self.run_step()
-            if self.held_samples:
-                self.queue_held_samples()
+            try:
+                finished, record = self.step_loop.step()
+            except BaseException:
+                self.abort_step()
+                raise
+            self.queue_held_samples()
             return finished, record
 
-    def run_step(self) -> tuple[list[Sequence], StepRecord]:
-        """The plain loop's step (nanoref/fast/overlap.py's overlapped loop takes its place where it is on)."""
-        seqs, is_prefill = self.scheduler.schedule()
-        record = self.metrics.begin_step(self.scheduler, seqs, is_prefill)
-        try:
-            token_ids = interruptibly(self.model_runner.run, seqs, is_prefill)
-        except BaseException:
-            self.undo_step(seqs, is_prefill, record)
-            raise
-        finished = self.scheduler.postprocess(seqs, token_ids)
-        return finished, self.metrics.end_step(record, seqs)
-
-    def undo_step(self, seqs: list[Sequence], is_prefill: bool, record: StepRecord) -> None:
-        """The step just scheduled failed before its postprocess: take back its schedule and its record."""
-        self.scheduler.unschedule(seqs, is_prefill)
-        self.metrics.drop_step(record)
+    def abort_step(self) -> None:
+        """The step being run raised: abort the requests it scheduled (kept in `failed`)."""
+        self.failed = [seq for seq in dict.fromkeys(self.step_loop.in_step()) if not seq.is_finished]
+        for seq in self.failed:
+            self.abort_request(seq)
 
     def abort_all(self) -> None:
         """Drop every unfinished request and free its blocks (after an error or an interrupt)."""
@@ -250,8 +280,8 @@ class LLMEngine:
             except (ValueError, TypeError) as error:
                 raise type(error)(f"prompt {index}: {error}") from None
         # One generate at a time: concurrent callers wait. Ctrl-C is held for the whole call (one handler swap, not
-        # one per step): raised in the next forward or learner function, where that step is undone and every
-        # request aborted, or when the call ends; never half-way through queuing or a step's bookkeeping.
+        # one per step): raised in the next forward or learner function, where every request is aborted, or when
+        # the call ends; never half-way through queuing or a step's bookkeeping.
         with self._lock, held_interrupts():
             self.metrics.clear()
             for samples in requests:

@@ -44,10 +44,6 @@ class Sequence:
         # the block manager's forward epoch at allocation: its blocks are published only while it is current
         self.forward_epoch = 0
         self.num_preemptions = 0
-        # speculative decoding (nanoref/spec/): tokens proposed for this sequence, and how many the target accepted
-        self.num_draft_tokens = 0
-        self.num_accepted_tokens = 0
-        self.num_verify_steps = 0
         # a seeded request draws its sampling noise from its own generator (set by the engine)
         self.generator: torch.Generator | None = None
         self.request_id: str | None = None  # the caller's name for the request (the server's id), if it gave one

@@ -182,10 +182,13 @@ class EngineLoop:
                 self.verified_rows += record.num_seqs
             # a server runs for days: keep no step history (the last record may be a step in flight)
             del self.llm.metrics.steps[:-1]
-        except Exception as error:  # fail what was in flight, keep serving what comes next
-            self.llm.abort_all()
-            self.errors.extend((key, error) for key in self.requests)
-            self.requests.clear()
+        except Exception as error:  # fail the requests the step aborted (`failed`), keep serving the others
+            failed = set(self.llm.failed)
+            for key, active in list(self.requests.items()):
+                if any(sample.seq in failed for sample in active.samples):
+                    self.abort(active)  # (its other samples too)
+                    self.errors.append((key, error))
+                    del self.requests[key]
 
     def deliver(self) -> None:
         """Send each sample what it made since its last delta, with the errors and the stats, as one message

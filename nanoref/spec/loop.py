@@ -19,13 +19,13 @@ KV rollback costs nothing to do, only to get right. The forward wrote K/V for al
 counts as computed only up to its accepted tokens (num_computed_tokens = num_tokens - 1, as after any decode step),
 so the K/V of rejected positions is never read (attention reads up to the context length) and is overwritten when
 the sequence really reaches those positions. The prefix cache hashes only blocks full of computed tokens, so it
-never sees a rejected one. The blocks the scheduler reserved for proposals (`Scheduler.num_lookahead_tokens`)
-beyond what the kept tokens need go back to the free list (`BlockManager.trim`).
+never sees a rejected one. The blocks the scheduler reserved for proposals (the engine's `num_lookahead_tokens`)
+beyond what the kept tokens need go back to the free list (`trim`).
 
 A sequence near its max_tokens also checks k tokens (it could keep fewer): the step keeps one shape, and what lies
 past the sequence's end is never appended. A draft model's own decode steps replay its graphs.
 
-Attached by `nanoref/llm.py`: `SpeculativeLoop(engine)` takes the place of the engine's `run_step`.
+Given to the engine by `nanoref/llm.py` as its step loop (`SpeculativeLoop`), with k as its lookahead.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from nanoref.engine.block_manager import BlockManager
 from nanoref.engine.metrics import StepRecord
 from nanoref.engine.model_runner import PrefillMetadata, StepInputs, prefill_metadata
 from nanoref.engine.sequence import Sequence
@@ -109,7 +110,6 @@ class SpeculativeLoop:
         else:
             runner.draft.block_tables = runner.block_tables  # the draft's K/V lives in the target's blocks
             self.proposer = DraftProposer(runner.draft)
-        engine.scheduler.num_lookahead_tokens = self.k
         # totals over the engine's life (the server's /metrics)
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
@@ -119,20 +119,15 @@ class SpeculativeLoop:
         scheduler, metrics, runner = engine.scheduler, engine.metrics, engine.model_runner
         seqs, is_prefill = scheduler.schedule()
         record = metrics.begin_step(scheduler, seqs, is_prefill)
-        try:
-            if is_prefill:
-                interruptibly(self.proposer.prefill, seqs)
-                token_ids = interruptibly(runner.run, seqs, True)
-            else:
-                verified = interruptibly(self.verify, seqs)
-        except BaseException:
-            engine.undo_step(seqs, is_prefill, record)
-            raise
         if is_prefill:
-            finished = scheduler.postprocess(seqs, token_ids)
+            interruptibly(self.proposer.prefill, seqs)
+            finished = scheduler.postprocess(seqs, interruptibly(runner.run, seqs, True))
         else:
-            finished = self.postprocess(seqs, verified, record)
+            finished = self.postprocess(seqs, interruptibly(self.verify, seqs), record)
         return finished, metrics.end_step(record, seqs)
+
+    def in_step(self) -> list[Sequence]:
+        return self.engine.scheduler.scheduled
 
     # -- the verify step ------------------------------------------------------------------------
     def limit(self, seq: Sequence) -> int:
@@ -302,9 +297,7 @@ class SpeculativeLoop:
             seq.num_scheduled_tokens = 0
             first_position = seq.num_tokens - 1
             accepted = len(v.token_ids) - 1
-            seq.num_draft_tokens += len(v.draft_ids)
-            seq.num_accepted_tokens += accepted
-            seq.num_verify_steps += 1
+            self.engine.metrics.count_verified(seq, len(v.draft_ids), accepted)
             record.num_draft_tokens += len(v.draft_ids)
             record.num_accepted_tokens += accepted
             for index, token_id in enumerate(v.token_ids):
@@ -319,7 +312,7 @@ class SpeculativeLoop:
                     finished.append(seq)
                     break
             else:
-                manager.trim(seq)  # the blocks only rejected proposals used
+                trim(manager, seq)  # the blocks only rejected proposals used
                 if isinstance(self.proposer, DraftProposer):
                     self.proposer.after_verify(seq, first_position, len(v.draft_ids))
         self.num_draft_tokens += record.num_draft_tokens
@@ -333,8 +326,18 @@ def pad(draft: list[int], seq: Sequence, width: int) -> list[int]:
     return (draft + [filler] * width)[:width]
 
 
-def attach_speculative_loop(engine) -> SpeculativeLoop:
-    """Make `engine.step()` run the speculative loop; returns the loop (its proposer and acceptance totals)."""
-    loop = SpeculativeLoop(engine)
-    engine.run_step = loop.step
-    return loop
+def trim(manager: BlockManager, seq: Sequence) -> None:
+    """Give back the blocks past the ones seq's tokens need: those a speculative step took for proposed tokens
+    that were rejected. They are seq's alone and carry no hash (nothing past its last token is committed)."""
+    keep = seq.num_blocks
+    if len(seq.block_table) <= keep:
+        return
+    for block_id in seq.block_table[keep:]:
+        block = manager.blocks[block_id]
+        assert block.ref_count == 1 and block.hash == -1, f"{block} past the end of {seq} is shared or hashed"
+        block.ref_count = 0
+        manager.used_block_ids.remove(block_id)
+        manager.free_block_ids[block_id] = None
+    manager.tables.array[seq.table_row, keep : len(seq.block_table)] = -1
+    del seq.block_table[keep:]
+    manager.tables.num_blocks[seq.table_row] = keep
