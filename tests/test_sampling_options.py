@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from nanoref import LLM, SamplingParams
+from nanoref.engine.sampling_inputs import sampling_batch
 from nanoref.layers import logits_processors
 from nanoref.layers.logits_processors import TokenLogprobs
 
@@ -257,7 +258,9 @@ def test_a_batch_asking_for_none_of_it_builds_and_runs_no_logits_processing(tiny
     llm.generate(PROMPTS[:2], [greedy(), SamplingParams(temperature=1.0, max_tokens=8, seed=1)], use_tqdm=False)
     assert calls == []
     seq = llm.add_request(PROMPTS[0], greedy())
-    assert llm.model_runner.prepare_sample([seq]).processing is None
+    runner = llm.model_runner
+    batch = sampling_batch([seq], False, 0, runner.device, runner.generator, 256, runner.eos_token_ids)
+    assert batch.processing is None
     llm.generate(PROMPTS, greedy(repetition_penalty=1.2), use_tqdm=False)
     assert calls, "a penalised batch was meant to build its processing"
 

@@ -20,10 +20,10 @@ import torch
 from nanoref.config import EngineConfig
 from nanoref.engine.block_manager import BlockTables
 from nanoref.engine.kv_budget import kv_blocks_from_memory
+from nanoref.engine.sampling_inputs import attach_logprobs, sampling_batch, step_logprobs
 from nanoref.engine.sequence import Sequence
 from nanoref.layers.attention import Attention
-from nanoref.layers.logits_processors import LogitsProcessing, StepLogprobs, raw_logprobs, to_device, token_logprobs
-from nanoref.layers.sampler import Sampler, SamplingBatch
+from nanoref.layers.sampler import Sampler
 from nanoref.models import build_model
 from nanoref.ops.backends import resolve_backend
 from nanoref.utils.context import Context, reset_context, set_context
@@ -196,69 +196,6 @@ class ModelRunner:
             start += array.size
         return tensors
 
-    def prepare_sample(self, seqs: list[Sequence], is_prefill: bool = False, ahead: bool = False) -> SamplingBatch:
-        """Each row's settings, plus the host facts (all greedy? any top-k/top-p? which rows seeded?)
-        that let the sampler choose its path without reading the device.
-
-        A prefill row that ends mid-prompt emits no token (Scheduler.postprocess drops it): it is sampled greedily,
-        so it draws nothing from its request's generator, and a seeded request's draws are the same however its
-        prompt was chunked (and when every row is greedy or mid-prompt, nothing is drawn from the engine's either).
-        It gets no penalties, masks or logprobs either. ahead: see prepare_decode.
-        """
-        params = [seq.sampling_params for seq in seqs]
-        temperatures = [p.temperature for p in params]
-        generators = [seq.generator for seq in seqs]
-        emits = [True] * len(seqs)
-        if is_prefill:
-            for row, seq in enumerate(seqs):
-                if seq.num_computed_tokens + seq.num_scheduled_tokens < seq.num_tokens:
-                    temperatures[row], generators[row], emits[row] = 0.0, None, False
-        top_k, top_p = [p.top_k for p in params], [p.top_p for p in params]
-        batch = SamplingBatch.from_host(temperatures, top_k, top_p, generators, self.device, self.generator)
-        if any(p.processes_logits for p in params):  # the one check a batch that asks for none of it pays
-            self.prepare_processing(batch, seqs, emits, ahead)
-        return batch
-
-    def prepare_processing(self, batch: SamplingBatch, seqs: list[Sequence], emits: list[bool], ahead: bool) -> None:
-        """The penalties, min_tokens masks and logprob rows of the rows that emit a token, into `batch`."""
-        penalised, masked = [], []
-        for row, seq in enumerate(seqs):
-            if not emits[row]:
-                continue
-            if seq.sampling_params.has_penalties:
-                assert not ahead, "penalties need the token in flight: schedule_ahead does not overlap them"
-            self.row_processing(row, seq, [], int(ahead), penalised, masked)
-            if seq.sampling_params.logprobs is not None:
-                batch.logprob_rows.append((row, seq.sampling_params.logprobs))
-        batch.processing = LogitsProcessing.build(penalised, masked, self.config.hf_config.vocab_size, self.device)
-
-    def row_processing(
-        self, row: int, seq: Sequence, more: list[int], num_unknown: int, penalised: list, masked: list
-    ) -> None:
-        """Row `row`'s penalties and min_tokens mask, appended to `penalised` and `masked` (LogitsProcessing.build's
-        inputs), for the token after seq's tokens plus `more` (known ids: a speculative step's proposals before
-        this row) plus `num_unknown` more tokens whose values only the device holds (the overlapped loop's)."""
-        p = seq.sampling_params
-        vocab = self.config.hf_config.vocab_size
-        if p.has_penalties:
-            prompt, completion = seq.token_ids[: seq.num_prompt_tokens], seq.completion_token_ids + more
-            penalised.append((row, prompt, completion, p.presence_penalty, p.frequency_penalty, p.repetition_penalty))
-        if seq.num_completion_tokens + len(more) + num_unknown < p.min_tokens:
-            eos = [] if p.ignore_eos else sorted(t for t in self.eos_token_ids if t < vocab)  # (a tokenizer's)
-            stop_ids = list(p.stop_token_ids) + eos
-            if stop_ids:
-                masked.append((row, stop_ids))
-
-    def attach_logprobs(
-        self, seqs: list[Sequence], batch: SamplingBatch, logprobs: torch.Tensor, chosen: torch.Tensor
-    ) -> None:
-        """logprobs: (R, V) raw log-probabilities of the rows that asked; chosen: (R,) their sampled ids. Each such
-        row's sequence gets its entry to take when its token is appended (still on the device until then)."""
-        num_top = max(n for _, n in batch.logprob_rows)
-        step = StepLogprobs(chosen, token_logprobs(logprobs, chosen, num_top))
-        for index, (row, n) in enumerate(batch.logprob_rows):
-            seqs[row].pending_logprobs = (step, index, n)
-
     # -- running ------------------------------------------------------------------------------
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
@@ -279,17 +216,12 @@ class ModelRunner:
             trace_inputs(step.is_prefill, seqs, input_ids, positions)
             logits = self.run_model(input_ids, positions, is_prefill)  # (num_seqs, vocab)
             # host work while the GPU runs the forward just launched
-            sampling = self.prepare_sample(seqs, is_prefill, ahead)
-            logprobs = None
-            if sampling.logprob_rows:  # from the model's logits: before penalties, masks and temperature
-                rows = None
-                if len(sampling.logprob_rows) < len(seqs):
-                    index = np.asarray([row for row, _ in sampling.logprob_rows], dtype=np.int64)
-                    rows = to_device(index, self.device)  # (R,)
-                logprobs = raw_logprobs(logits if rows is None else logits[rows])  # (R, vocab)
-            sampled = self.sampler(logits, batch=sampling)  # (num_seqs,)
+            vocab = self.config.hf_config.vocab_size
+            batch = sampling_batch(seqs, is_prefill, int(ahead), self.device, self.generator, vocab, self.eos_token_ids)
+            logprobs = step_logprobs(seqs, batch, logits)  # (from the model's logits: before penalties and masks)
+            sampled = self.sampler(logits, batch=batch)  # (num_seqs,)
             if logprobs is not None:
-                self.attach_logprobs(seqs, sampling, logprobs, sampled if rows is None else sampled[rows])
+                attach_logprobs(seqs, batch, logprobs, sampled)
             return sampled
         finally:
             reset_context()  # also when the step raises: the next step must not see this one's metadata

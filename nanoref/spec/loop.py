@@ -38,6 +38,7 @@ import torch
 from nanoref.engine.block_manager import BlockManager
 from nanoref.engine.metrics import StepRecord
 from nanoref.engine.model_runner import PrefillMetadata, StepInputs, prefill_metadata
+from nanoref.engine.sampling_inputs import row_processing
 from nanoref.engine.sequence import Sequence
 from nanoref.layers.logits_processors import LogitsProcessing, TokenLogprobs, raw_logprobs, to_device, token_logprobs
 from nanoref.layers.sampler import sampling_probs
@@ -191,12 +192,12 @@ class SpeculativeLoop:
         starts = np.cumsum([0] + [1 + len(d) for d in drafts])  # sequence b's rows: starts[b] .. starts[b + 1] - 1
         rows_of = [range(starts[b], starts[b + 1]) for b in range(len(seqs))]
         # penalties and min_tokens masks, per row: row i of sequence b follows its tokens plus d_1..d_i
-        penalised, masked = [], []
+        penalised, masked, vocab = [], [], runner.config.hf_config.vocab_size
         for seq, draft, rows in zip(seqs, drafts, rows_of):
             if seq.sampling_params.processes_logits:
                 for i, row in enumerate(rows):
-                    runner.row_processing(row, seq, draft[:i], 0, penalised, masked)
-        processing = LogitsProcessing.build(penalised, masked, runner.config.hf_config.vocab_size, device)
+                    row_processing(row, seq, draft[:i], 0, penalised, masked, vocab, runner.eos_token_ids)
+        processing = LogitsProcessing.build(penalised, masked, vocab, device)
         scores = logits.float() if processing is None else processing.apply(logits)  # (T, V)
         argmax = scores.argmax(dim=-1)  # (T,)
         sampled = [seq.sampling_params.temperature > 0 for seq in seqs]
