@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from itertools import count
 from typing import Protocol
 
 import torch
 
 from nanoref.config import EngineConfig
-from nanoref.engine.detokenizer import IncrementalDetokenizer, decode
 from nanoref.engine.metrics import EngineMetrics, StepRecord
 from nanoref.engine.model_runner import ModelRunner
+from nanoref.engine.output_processor import OutputProcessor, StreamPiece
 from nanoref.engine.requests import check_request, params_list, prompt_list, tokenize
 from nanoref.engine.scheduler import Scheduler
 from nanoref.engine.sequence import Sequence, SequenceStatus
@@ -22,17 +21,6 @@ from nanoref.utils import seams
 from nanoref.utils.interrupts import held_interrupts, interruptibly
 from nanoref.utils.loader import load_tokenizer
 from nanoref.utils.progress import tqdm
-
-
-@dataclass
-class StreamPiece:
-    """What one step added to one sample of a streamed request (`LLMEngine.stream`)."""
-
-    text: str  # the new text ("" while a character, or a possible stop string, is still incomplete)
-    token_ids: list[int]  # the new tokens
-    finished: bool
-    finish_reason: str | None  # "stop", "length" or "abort" once finished
-    index: int = 0  # which of the request's n samples
 
 
 class StepLoop(Protocol):
@@ -85,6 +73,7 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(config.model_folder)
         self.model_runner = make_runner(config)
         self.config = config = self.model_runner.config  # (with the KV block count the runner measured)
+        self.output_processor = OutputProcessor(self.tokenizer, config.model_folder)
         try:
             eos = set(config.hf_config.eos_token_id)
             if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
@@ -97,6 +86,7 @@ class LLMEngine:
                 kvcache_block_size=config.kvcache_block_size,
                 eos_token_ids=eos,
                 num_lookahead_tokens=num_lookahead_tokens,
+                on_token=self.output_processor.on_token,
             )
         except BaseException:
             self.model_runner.close()  # tensor parallel: stop the workers now, not when the exception is dropped
@@ -122,8 +112,7 @@ class LLMEngine:
     ) -> Sequence:
         """A checked request, not yet queued: everything that can fail about a request fails here.
 
-        stream: keep `seq.detokenizer.text` up to date after every step (for a caller that shows it as it grows).
-        A request with stop strings gets a detokenizer either way: they are matched on its text as it grows."""
+        stream: keep its text up to date after every step (`OutputProcessor.attach`)."""
         if isinstance(params, SamplingParams) and params.n != 1:
             raise ValueError(f"one sequence is one sample, but n is {params.n}: use make_samples or add_samples")
         return self.make_samples(prompt, params, request_id, stream)[0]
@@ -135,19 +124,13 @@ class LLMEngine:
         when the request is seeded, the seed params.seed + i."""
         token_ids = self.tokenize(prompt)
         check_request(token_ids, params, self.config)
-        stop = params.stop_strings
-        if (stream or stop) and self.tokenizer is None:
-            need = "a stream of text" if stream else "stop strings"
-            raise ValueError(f"{self.config.model_folder} has no tokenizer: {need} needs one")
         samples = []
         for index in range(params.n):
             seq = Sequence(token_ids, params, self.config.kvcache_block_size, seq_id=next(self._seq_ids))
-            seq.request_id, seq.index = request_id, index
             if params.seed is not None:
                 seq.generator = torch.Generator(device=self.config.device).manual_seed(params.seed + index)
-            if stream or stop:
-                seq.detokenizer = IncrementalDetokenizer(self.tokenizer, stop, params.include_stop_str_in_output)
             samples.append(seq)
+        self.output_processor.attach(samples, request_id, stream)
         return samples
 
     def add_request(
@@ -300,30 +283,8 @@ class LLMEngine:
                 raise
             finally:
                 bar.close()
-        return [self.request_output(samples, return_metrics) for samples in requests]
-
-    def request_output(self, samples: list[Sequence], with_metrics: bool = False) -> dict:
-        """A finished request as `generate` returns it: sample 0's output, with "outputs" when n > 1."""
-        output = self.output(samples[0], with_metrics)
-        if len(samples) > 1:
-            output["outputs"] = [{"index": seq.index, **self.output(seq, with_metrics)} for seq in samples]
-        return output
-
-    def output(self, seq: Sequence, with_metrics: bool = False) -> dict:
-        """A finished sequence as `generate` returns it."""
-        token_ids = seq.completion_token_ids
-        if seq.detokenizer is not None:  # its text as it grew, so the stream and generate agree by construction
-            text = seq.detokenizer.text  # (cut at its stop string, if one matched)
-        else:
-            text = None if self.tokenizer is None else decode(self.tokenizer, token_ids)
-        output = {"text": text, "token_ids": token_ids, "finish_reason": seq.finish_reason}
-        if seq.sampling_params.stop is not None:
-            output["stop_reason"] = seq.stop_reason
-        if seq.sampling_params.logprobs is not None:
-            output["logprobs"] = seq.logprobs  # one TokenLogprobs per completion token
-        if with_metrics:
-            output["metrics"] = self.metrics.requests[seq.seq_id]
-        return output
+        metrics = self.metrics.requests if return_metrics else None
+        return [self.output_processor.request_output(samples, metrics) for samples in requests]
 
     def stream(
         self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None
@@ -342,15 +303,7 @@ class LLMEngine:
         try:
             while sent:
                 self.step()
-                for seq, counts in list(sent.items()):
-                    tokens = seq.token_ids[seq.num_prompt_tokens + counts[0] :]
-                    text = seq.detokenizer.text[counts[1] :]
-                    if tokens or text or seq.is_finished:
-                        counts[0] += len(tokens)
-                        counts[1] += len(text)
-                        if seq.is_finished:
-                            del sent[seq]
-                        yield StreamPiece(text, tokens, seq.is_finished, seq.finish_reason, seq.index)
+                yield from self.output_processor.pieces(sent)
         finally:  # closed early, or a step raised: this request ends here, the others run on
             for seq in samples:
                 self.abort_request(seq)

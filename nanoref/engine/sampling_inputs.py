@@ -99,4 +99,4 @@ def attach_logprobs(seqs: list[Sequence], batch: SamplingBatch, logprobs: torch.
     num_top = max(n for _, n in batch.logprob_rows)
     step = StepLogprobs(chosen, token_logprobs(logprobs, chosen, num_top))
     for index, (row, n) in enumerate(batch.logprob_rows):
-        seqs[row].pending_logprobs = (step, index, n)
+        seqs[row].output.pending_logprobs = (step, index, n)  # (read by the output stage's on_token)

@@ -17,6 +17,7 @@ others on. Scheduling keeps the queues whole while it runs, so that abort finds 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 
 from nanoref.engine.block_manager import BlockManager
 from nanoref.engine.sequence import Sequence, SequenceStatus
@@ -45,9 +46,11 @@ class Scheduler:
         kvcache_block_size: int,
         eos_token_ids: set[int],
         num_lookahead_tokens: int = 0,
+        on_token: Callable[[Sequence], bool] = lambda seq: False,
     ) -> None:
         """num_lookahead_tokens: decode reserves K/V slots for this many tokens past each sequence's last one (a
-        step loop that computes several tokens per sequence; 0: the plain loop)."""
+        step loop that computes several tokens per sequence; 0: the plain loop). on_token(seq): called after each
+        appended token (the output stage's), -> whether that token ends seq (a stop string)."""
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -59,6 +62,7 @@ class Scheduler:
         self.preempted: list[int] = []  # seq_ids preempted by the latest schedule() (for step records)
         self.scheduled: list[Sequence] = []  # the latest schedule()'s sequences (while it runs: so far, and the next)
         self.num_lookahead_tokens = num_lookahead_tokens
+        self.on_token = on_token
 
     def is_finished(self) -> bool:
         return not self.waiting and not self.running
@@ -164,17 +168,22 @@ class Scheduler:
             self.block_manager.commit(seq)
             if seq.num_computed_tokens < seq.num_tokens:
                 continue  # mid-prompt chunk: its logits predict nothing anyone asked for
-            seq.append_token(token_id)
-            reason = self.finish_reason(seq, token_id)
-            if reason is not None:
-                self.finish(seq, reason)
+            if self.append(seq, token_id):
                 finished.append(seq)
         return finished
 
-    def finish_reason(self, seq: Sequence, token_id: int) -> str | None:
+    def append(self, seq: Sequence, token_id: int) -> bool:
+        """Append a sampled token to seq -> whether it finished seq (then it is finished: its blocks are back)."""
+        seq.append_token(token_id)
+        reason = self.finish_reason(seq, token_id, stopped=self.on_token(seq))
+        if reason is not None:
+            self.finish(seq, reason)
+        return reason is not None
+
+    def finish_reason(self, seq: Sequence, token_id: int, stopped: bool = False) -> str | None:
         """Why seq ends with the token it just appended: "stop" or "length"; None: it goes on. The stop_token_ids
-        entry or stop string that ended it is kept as `seq.stop_reason`. While seq is short of its min_tokens, no
-        token stops it (the sampler also masks EOS and the stop ids)."""
+        entry that ended it is kept as `seq.stop_reason`. While seq is short of its min_tokens, no token stops it
+        (the sampler also masks EOS and the stop ids). stopped: the output stage found a stop string."""
         params = seq.sampling_params
         if seq.num_completion_tokens > params.min_tokens:  # (this token is number num_completion_tokens)
             if not params.ignore_eos and token_id in self.eos_token_ids:
@@ -182,11 +191,8 @@ class Scheduler:
             if token_id in params.stop_token_ids:
                 seq.stop_reason = token_id
                 return "stop"
-        # stop strings count from min_tokens on, as in vLLM (find_stop looks only at the text this token brought)
-        if seq.num_completion_tokens >= params.min_tokens and seq.detokenizer is not None:
-            if seq.detokenizer.find_stop() is not None:  # its text cut before it
-                seq.stop_reason = seq.detokenizer.stop_reason
-                return "stop"
+        if stopped:
+            return "stop"
         if seq.num_completion_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len:
             return "length"
         return None
@@ -198,5 +204,3 @@ class Scheduler:
         (self.running if seq.status is SequenceStatus.RUNNING else self.waiting).remove(seq)
         seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
-        if seq.detokenizer is not None:
-            seq.detokenizer.finish()

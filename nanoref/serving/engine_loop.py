@@ -21,7 +21,7 @@ Per token the loop does little (see async_llm.py's docstring for why that matter
   stream's tokens of a step in one batched decode). In the process form that is the server's process, so the
   engine's process spends nothing on text: on an H200 with 256 streams, decoding every delta here took a quarter
   of the engine process's time, Python that offline `generate` never pays, and the GPU waited for it. Only a
-  request with stop strings has its text grown here, token by token, in the engine (its `seq.detokenizer`),
+  request with stop strings has its text grown here, token by token, in the engine (its `seq.output.detokenizer`),
   where the stop strings are matched and end the sequence; its deltas carry that text.
 """
 
@@ -215,21 +215,22 @@ class EngineLoop:
         tokens = seq.completion_token_ids
         if len(tokens) == sample.num_sent_tokens and not seq.is_finished:
             return None
-        text = None if seq.detokenizer is None else seq.detokenizer.text  # (the final text once finished)
+        streamed = seq.output.detokenizer is not None
+        text = self.llm.output_processor.text_so_far(seq) if streamed else None  # (the final text once finished)
         metrics = self.llm.metrics.requests.pop(seq.seq_id, None) if seq.is_finished else None
         if metrics is not None:
             self.queried_tokens += metrics.num_prompt_tokens
             self.hit_tokens += metrics.num_cached_tokens
         delta = SampleDelta(
             key=key,
-            index=seq.index,
+            index=seq.output.index,
             token_ids=tokens[sample.num_sent_tokens :],
             text=None if text is None else text[sample.num_sent_chars :],
             num_prompt_tokens=seq.num_prompt_tokens,
             finished=seq.is_finished,
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,
-            logprobs=seq.logprobs[sample.num_sent_tokens : len(tokens)],
+            logprobs=seq.output.logprobs[sample.num_sent_tokens : len(tokens)],
             metrics=metrics,
         )
         sample.num_sent_tokens, sample.done = len(tokens), seq.is_finished

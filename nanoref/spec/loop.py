@@ -304,12 +304,9 @@ class SpeculativeLoop:
             for index, token_id in enumerate(v.token_ids):
                 seq.num_computed_tokens += 1  # the token before this one (the last token, then each kept proposal)
                 manager.commit(seq)
-                seq.append_token(token_id)
                 if v.logprobs is not None:
-                    seq.logprobs.append(v.logprobs[index])
-                reason = scheduler.finish_reason(seq, token_id)
-                if reason is not None:
-                    scheduler.finish(seq, reason)
+                    seq.output.logprobs.append(v.logprobs[index])
+                if scheduler.append(seq, token_id):
                     finished.append(seq)
                     break
             else:
