@@ -45,7 +45,7 @@ TIGHT = dict(device="cpu", kvcache_block_size=16, num_kvcache_blocks=5, max_num_
 BOOKKEEPING = {module.__file__ for module in (scheduler, block_manager, sequence, metrics, llm_engine, overlap)}
 FORWARD = {model_runner.__file__, qwen3.__file__}
 # what checks a request before anything is queued (pure: nothing to leave half done), left out of the sweeps
-REQUEST_CHECKS = {"tokenize", "make_sequence", "__init__"}
+REQUEST_CHECKS = {"tokenize", "make_samples", "__init__"}
 
 
 @pytest.fixture(scope="module", autouse=True)

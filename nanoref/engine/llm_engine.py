@@ -13,7 +13,7 @@ from nanoref.config import EngineConfig
 from nanoref.engine.metrics import EngineMetrics, StepRecord
 from nanoref.engine.model_runner import ModelRunner
 from nanoref.engine.output_processor import OutputProcessor, StreamPiece
-from nanoref.engine.requests import check_request, params_list, prompt_list, tokenize
+from nanoref.engine.requests import check_request, eos_token_ids, params_list, prompt_list, tokenize
 from nanoref.engine.scheduler import Scheduler
 from nanoref.engine.sequence import Sequence, SequenceStatus
 from nanoref.sampling_params import SamplingParams
@@ -69,36 +69,30 @@ class LLMEngine:
         """config: resolved (`EngineConfig.resolved()`); make_runner builds the model runner, make_step_loop the
         loop that runs each step (nanoref/llm.py gives its own); num_lookahead_tokens: see Scheduler."""
         self._lock = threading.RLock()  # held by generate, step, add_request and the aborts
-        # before the model runner, which may start tensor-parallel workers: a folder that fails fails before them
+        # before the model runner, which may start worker processes: a folder that fails fails before them
         self.tokenizer = load_tokenizer(config.model_folder)
         self.model_runner = make_runner(config)
         self.config = config = self.model_runner.config  # (with the KV block count the runner measured)
         self.output_processor = OutputProcessor(self.tokenizer, config.model_folder)
         try:
-            eos = set(config.hf_config.eos_token_id)
-            if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-                eos.add(int(self.tokenizer.eos_token_id))
             self.scheduler = Scheduler(
                 max_num_seqs=config.max_num_seqs,
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 max_model_len=config.max_model_len,
                 num_kvcache_blocks=config.num_kvcache_blocks,
                 kvcache_block_size=config.kvcache_block_size,
-                eos_token_ids=eos,
+                eos_token_ids=eos_token_ids(config, self.tokenizer),
                 num_lookahead_tokens=num_lookahead_tokens,
                 on_token=self.output_processor.on_token,
             )
         except BaseException:
-            self.model_runner.close()  # tensor parallel: stop the workers now, not when the exception is dropped
+            self.model_runner.close()  # (stop its workers, if any, now: not when the exception is dropped)
             raise
         # the block manager writes each sequence's table into this array's rows; the model runner reads them
         self.model_runner.block_tables = self.scheduler.block_manager.tables
         # EOS, which the sampler masks while a request is short of its min_tokens
         self.model_runner.eos_token_ids = self.scheduler.eos_token_ids
         self.metrics = EngineMetrics()  # step records and per-request metrics (see engine/metrics.py)
-        # the samples 1..n-1 of a request with n > 1, by its sample 0, queued once sample 0's prompt is computed
-        # (then its full prompt blocks are in the prefix cache, and they share them instead of prefilling again)
-        self.held_samples: dict[Sequence, list[Sequence]] = {}
         self._seq_ids = count()  # this engine's sequence ids: its first request is 0, whatever ran before
         self.failed: list[Sequence] = []  # the sequences the latest step that raised aborted
         self.step_loop = make_step_loop(self)
@@ -107,21 +101,12 @@ class LLMEngine:
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         return tokenize(prompt, self.tokenizer, self.config)
 
-    def make_sequence(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None, stream: bool = False
-    ) -> Sequence:
-        """A checked request, not yet queued: everything that can fail about a request fails here.
-
-        stream: keep its text up to date after every step (`OutputProcessor.attach`)."""
-        if isinstance(params, SamplingParams) and params.n != 1:
-            raise ValueError(f"one sequence is one sample, but n is {params.n}: use make_samples or add_samples")
-        return self.make_samples(prompt, params, request_id, stream)[0]
-
     def make_samples(
         self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None, stream: bool = False
     ) -> list[Sequence]:
-        """A checked request's `params.n` samples (see make_sequence), not yet queued; sample i has `index` i and,
-        when the request is seeded, the seed params.seed + i."""
+        """A checked request's `params.n` samples, not yet queued: everything that can fail about a request fails
+        here. Sample i has `index` i and, when the request is seeded, the seed params.seed + i. stream: keep its text
+        up to date after every step (`OutputProcessor.attach`)."""
         token_ids = self.tokenize(prompt)
         check_request(token_ids, params, self.config)
         samples = []
@@ -137,10 +122,10 @@ class LLMEngine:
         self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None, stream: bool = False
     ) -> Sequence:
         """Check one request and queue it; a bad request raises and queues nothing. request_id: the caller's name
-        for it (kept as `seq.request_id`); stream: see make_sequence. For n > 1, add_samples."""
-        seq = self.make_sequence(prompt, params, request_id, stream)
-        self.enqueue(seq)
-        return seq
+        for it (kept as `seq.output.request_id`); stream: see make_samples. For n > 1, add_samples."""
+        if isinstance(params, SamplingParams) and params.n != 1:
+            raise ValueError(f"one sequence is one sample, but n is {params.n}: use make_samples or add_samples")
+        return self.add_samples(prompt, params, request_id, stream)[0]
 
     def add_samples(
         self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None, stream: bool = False
@@ -157,17 +142,12 @@ class LLMEngine:
         with self._lock, held_interrupts():
             if seq.is_finished:
                 return
-            for first, held in self.held_samples.items():
-                if seq in held:
-                    held.remove(seq)
-                    if not held:
-                        del self.held_samples[first]
-                    seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
-                    return
+            if self.output_processor.drop_held([seq]):
+                seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+                return
             self.metrics.forget([seq])
             self.scheduler.finish(seq, "abort")
-            if seq in self.held_samples:  # its other samples wait for nothing now
-                self.queue_held_samples()
+            self.queue_held_samples()  # (if it was a sample 0: its other samples wait for nothing now)
 
     def enqueue(self, seq: Sequence) -> None:
         with self._lock, held_interrupts():  # both or neither: a request the metrics know of is queued
@@ -180,17 +160,13 @@ class LLMEngine:
         cache. Queued together they would all prefill the prompt: blocks are published when their step ends."""
         with self._lock, held_interrupts():
             self.enqueue(samples[0])
-            if len(samples) > 1:
-                self.held_samples[samples[0]] = samples[1:]
+            self.output_processor.hold(samples)
 
     def queue_held_samples(self) -> None:
         """Queue the held samples whose sample 0 has computed its prompt (or finished: then there is nothing to
         wait for)."""
-        if not self.held_samples:
-            return
-        for first in [first for first in self.held_samples if first.num_completion_tokens or first.is_finished]:
-            for seq in self.held_samples.pop(first):
-                self.enqueue(seq)
+        for seq in self.output_processor.ready_samples():
+            self.enqueue(seq)
 
     # -- the loop -----------------------------------------------------------------------------
     def step(self) -> tuple[list[Sequence], StepRecord]:
@@ -220,12 +196,11 @@ class LLMEngine:
         with self._lock, held_interrupts():
             self.metrics.forget([*self.scheduler.running, *self.scheduler.waiting])
             self.scheduler.abort_all()
-            for seq in [seq for held in self.held_samples.values() for seq in held]:
+            for seq in self.output_processor.drop_held():
                 seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
-            self.held_samples.clear()
 
     def close(self) -> None:
-        """Stop the tensor-parallel worker processes (if any). The engine cannot run after this; with one device
+        """Stop the model runner's worker processes (if any). The engine cannot run after this; with one device
         there is nothing to stop. Also runs at interpreter exit and when the engine is garbage-collected."""
         with self._lock:
             self.abort_all()
@@ -238,7 +213,7 @@ class LLMEngine:
         self.close()
 
     def is_finished(self) -> bool:
-        return self.scheduler.is_finished() and not self.held_samples
+        return self.scheduler.is_finished() and not self.output_processor.held_samples
 
     def generate(
         self,

@@ -5,8 +5,8 @@ concatenated into `input_ids (N,)` and `positions (N,)`; `cu_seqlens_q` marks wh
 Decode: every sequence contributes its last token, so N == num_seqs, and `context_lens` +
 `block_tables` tell attention where each history lies in the paged cache.
 
-This is the plain path, run eagerly on one device. Decode CUDA graphs (`nanoref/fast/cuda_graphs.py`) attach as
-`decode_graphs`; tensor parallelism (`nanoref/parallel/`) is a subclass that sends each step to the other ranks.
+This is the plain path, run eagerly on one device. What runs it faster or on several devices is given from outside
+(nanoref/llm.py): `decode_graphs`, a replayer of decode steps, or a subclass.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from nanoref.config import EngineConfig
-from nanoref.engine.block_manager import BlockTables
+from nanoref.engine.block_tables import BlockTables
 from nanoref.engine.kv_budget import kv_blocks_from_memory
 from nanoref.engine.sampling_inputs import attach_logprobs, sampling_batch, step_logprobs
 from nanoref.engine.sequence import Sequence
@@ -26,7 +26,7 @@ from nanoref.layers.attention import Attention
 from nanoref.layers.sampler import Sampler
 from nanoref.models import build_model
 from nanoref.ops.backends import resolve_backend
-from nanoref.utils.context import Context, reset_context, set_context
+from nanoref.utils.context import Context, reset_context, set_context, upload_arrays
 from nanoref.utils.loader import load_weights
 from nanoref.utils.seams import seam
 from nanoref.utils.tracing import trace_inputs
@@ -79,12 +79,12 @@ class StepInputs:
     arrays: dict[str, np.ndarray]
     max_seqlen_q: int = 0
     max_seqlen_k: int = 0
-    all_logits: bool = False  # logits for every token (a speculative verify step), not only each sequence's last
-    decode_query_len: int = 1  # decode: tokens per sequence (k + 1 in a speculative verify step)
+    all_logits: bool = False  # logits for every token, not only each sequence's last (a step that checks them all)
+    decode_query_len: int = 1  # decode: query tokens per sequence (more where a step checks proposed tokens)
 
 
 class ModelRunner:
-    rank, world_size = 0, 1  # one device (nanoref/parallel/ runs the same runner as one of several ranks)
+    rank, world_size = 0, 1  # one device (a subclass may run the same runner as one of several ranks)
     # the model's EOS ids, masked for a request still short of its min_tokens (set by the engine: the scheduler's)
     eos_token_ids: set[int] | frozenset[int] = frozenset()
 
@@ -102,10 +102,7 @@ class ModelRunner:
         # unseeded requests draw from this (seeded requests from their own): never from (or into) the global RNG.
         # LLM(seed=N) makes their draws repeat from one engine to the next; None: fresh entropy
         self.generator = torch.Generator(device=self.device)
-        if config.seed is None:
-            self.generator.seed()
-        else:
-            self.generator.manual_seed(config.seed)
+        self.generator.seed() if config.seed is None else self.generator.manual_seed(config.seed)
         self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)  # the decode block tables' width
         # every sequence's block table as a row of one array: the block manager's, set by the engine
         self.block_tables = BlockTables()
@@ -114,7 +111,7 @@ class ModelRunner:
             self.config = config.with_kv_blocks(self.count_kv_blocks())
         self.num_kvcache_blocks = self.config.num_kvcache_blocks
         self.allocate_kv_cache()
-        self.decode_graphs: Any = None  # nanoref.fast.cuda_graphs.DecodeGraphs, when attached (nanoref/llm.py)
+        self.decode_graphs: Any = None  # replays decode steps (`covers(batch)`, `run`), given by nanoref/llm.py
 
     # -- the KV cache ---------------------------------------------------------------------------
     @property
@@ -150,8 +147,9 @@ class ModelRunner:
         return StepInputs(True, arrays, max_q, max_k)
 
     def prepare_decode(self, seqs: list[Sequence], ahead: bool = False) -> StepInputs:
-        """ahead: the input tokens are not in seq.token_ids yet (the overlapped loop sampled them in the step still
-        on the device), so each sequence is one token longer than the host sees."""
+        """ahead: the input tokens are not in seq.token_ids yet (a step launched before the previous one's tokens
+        came back: they were sampled in the step still on the device), so each sequence is one token longer than
+        the host sees."""
         # Vectorised over the batch: in the plain loop this runs every decode step while the GPU waits. The padded
         # block tables are rows of the block manager's persistent array, written only when a sequence gains blocks.
         num_seqs, size = len(seqs), self.block_size
@@ -167,8 +165,8 @@ class ModelRunner:
     def upload(self, step: StepInputs, input_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Copy a step's arrays to the device in one copy, publish its Context -> (input_ids (N,), positions (N,)).
 
-        input_ids: the step's input tokens when the device already holds them (the overlapped loop)."""
-        t = self._to_device(step.arrays)
+        input_ids: the step's input tokens when the device already holds them (see prepare_decode's `ahead`)."""
+        t = upload_arrays(step.arrays, self.device)
         set_context(
             Context(
                 is_prefill=step.is_prefill,
@@ -185,17 +183,6 @@ class ModelRunner:
         )
         return (t["input_ids"].long() if input_ids is None else input_ids), t["positions"].long()
 
-    def _to_device(self, arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
-        """Int arrays as int32 device tensors of the same shapes: views into one buffer, copied in one go (on CUDA
-        from fresh pinned memory, so the copy does not block)."""
-        host = torch.from_numpy(np.concatenate([a.ravel() for a in arrays.values()]).astype(np.int32))
-        flat = host.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else host
-        tensors, start = {}, 0
-        for name, array in arrays.items():
-            tensors[name] = flat[start : start + array.size].view(array.shape)
-            start += array.size
-        return tensors
-
     # -- running ------------------------------------------------------------------------------
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
@@ -206,7 +193,7 @@ class ModelRunner:
     def launch(self, seqs: list[Sequence], is_prefill: bool, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Queue one forward and its sampling on the device -> the sampled ids (num_seqs,), still on the device.
 
-        Nothing here waits for the device, so the host may go on (the overlapped loop schedules the next step).
+        Nothing here waits for the device, so the host may go on (and, say, schedule the next step).
         input_ids: a decode step's input tokens as the device already holds them (see prepare_decode's `ahead`).
         """
         ahead = input_ids is not None
@@ -238,4 +225,4 @@ class ModelRunner:
         return [fn(self, *args)]
 
     def close(self) -> None:
-        """Nothing to stop on one device (a tensor-parallel runner stops its other ranks)."""
+        """Nothing to stop on one device (a runner of several ranks stops the others)."""

@@ -46,6 +46,31 @@ class OutputProcessor:
     def __init__(self, tokenizer, model_folder) -> None:
         self.tokenizer = tokenizer
         self.model_folder = model_folder
+        # the samples 1..n-1 of a request with n > 1, by its sample 0, queued once sample 0's prompt is computed
+        # (then its full prompt blocks are in the prefix cache, and they share them instead of prefilling again)
+        self.held_samples: dict[Sequence, list[Sequence]] = {}
+
+    # -- n samples ------------------------------------------------------------------------------
+    def hold(self, samples: list[Sequence]) -> None:
+        """Hold a request's samples 1..n-1 until its sample 0 (queued now) has computed its prompt."""
+        if len(samples) > 1:
+            self.held_samples[samples[0]] = samples[1:]
+
+    def ready_samples(self) -> list[Sequence]:
+        """The held samples to queue now: those whose sample 0 has computed its prompt (or finished: then there is
+        nothing to wait for)."""
+        ready = [first for first in self.held_samples if first.num_completion_tokens or first.is_finished]
+        return [seq for first in ready for seq in self.held_samples.pop(first)]
+
+    def drop_held(self, seqs: list[Sequence] | None = None) -> list[Sequence]:
+        """Drop these samples (None: all) from the held ones -> those that were held (never queued)."""
+        dropped = []
+        for first, held in list(self.held_samples.items()):
+            dropped += [seq for seq in held if seqs is None or seq in seqs]
+            held[:] = [seq for seq in held if seqs is not None and seq not in seqs]
+            if not held:
+                del self.held_samples[first]
+        return dropped
 
     def attach(self, samples: list[Sequence], request_id: str | None, stream: bool) -> None:
         """Give a request's samples their outputs. stream: keep each one's text up to date after every step (for a

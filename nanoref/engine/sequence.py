@@ -86,11 +86,7 @@ class Sequence:
 
     def __repr__(self) -> str:
         if self.is_finished:  # its blocks went back, and with them its cached K/V: its token counts tell its story
-            return (
-                f"Sequence(id={self.seq_id}, FINISHED ({self.finish_reason}), tokens={self.num_tokens}: "
-                f"{self.num_prompt_tokens} prompt + {self.num_completion_tokens} completion)"
-            )
-        return (
-            f"Sequence(id={self.seq_id}, {self.status.name}, tokens={self.num_tokens}, "
-            f"computed={self.num_computed_tokens}, blocks={self.block_table})"
-        )
+            state = f"FINISHED ({self.finish_reason}), tokens={self.num_tokens}: {self.num_prompt_tokens} prompt + "
+            return f"Sequence(id={self.seq_id}, {state}{self.num_completion_tokens} completion)"
+        state = f"{self.status.name}, tokens={self.num_tokens}, computed={self.num_computed_tokens}"
+        return f"Sequence(id={self.seq_id}, {state}, blocks={self.block_table})"
