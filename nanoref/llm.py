@@ -4,7 +4,7 @@ The core (`nanoref/engine/`) runs the plain offline path eagerly on one device. 
 attached here, from outside, once the config is resolved: decode CUDA graphs (`nanoref/fast/cuda_graphs.py`) on
 the model runner, tensor parallelism (`nanoref/parallel/`) as the runner's subclass, and the overlapped loop
 (`nanoref/fast/overlap.py`) or the speculative loop (`nanoref/spec/`, with a draft model's runner beside the
-target's) in place of the engine's plain step. `torch.compile` applies itself: the element-wise
+target's) as the engine's step loop. `torch.compile` applies itself: the element-wise
 layers compile on their first CUDA call (`nanoref/utils/compile.py`).
 """
 
@@ -18,13 +18,13 @@ from pathlib import Path
 
 from nanoref.config import EngineConfig
 from nanoref.engine.chat import chat_prompt
-from nanoref.engine.llm_engine import LLMEngine
+from nanoref.engine.llm_engine import LLMEngine, PlainLoop
 from nanoref.engine.model_runner import ModelRunner
 from nanoref.fast.cuda_graphs import DecodeGraphs
-from nanoref.fast.overlap import attach_overlapped_loop
+from nanoref.fast.overlap import OverlappedLoop
 from nanoref.parallel.runner import TensorParallelRunner
 from nanoref.sampling_params import SamplingParams
-from nanoref.spec.loop import attach_speculative_loop
+from nanoref.spec.loop import SpeculativeLoop
 from nanoref.spec.runner import SpeculativeRunner
 from nanoref.utils.parallel import ParallelState
 
@@ -68,14 +68,15 @@ class LLM(LLMEngine):
             raise TypeError(
                 f"LLM() got an unexpected keyword argument {unknown[0]!r}; its settings: {sorted(SETTINGS)}"
             )
-        super().__init__(EngineConfig(model, **settings).resolved(), make_runner=build_runner)
-        self.overlapped_loop = attach_overlapped_loop(self) if self.config.overlap_scheduling else None
-        self.speculative_loop = None
-        if self.config.speculative_config:
-            self.speculative_loop = attach_speculative_loop(self)
-            if self.model_runner.decode_graphs is not None:  # graphs of the verify step too: k + 1 tokens per row
-                k = self.config.speculative_config.num_speculative_tokens
-                self.speculative_loop.verify_graphs = DecodeGraphs(self.model_runner, query_len=k + 1)
+        config = EngineConfig(model, **settings).resolved()
+        spec = config.speculative_config
+        make_step_loop = SpeculativeLoop if spec else OverlappedLoop if config.overlap_scheduling else PlainLoop
+        lookahead = spec.num_speculative_tokens if spec else 0  # a verify step's K/V slots past the last token
+        super().__init__(config, build_runner, make_step_loop, num_lookahead_tokens=lookahead)
+        self.overlapped_loop = self.step_loop if isinstance(self.step_loop, OverlappedLoop) else None
+        self.speculative_loop = self.step_loop if isinstance(self.step_loop, SpeculativeLoop) else None
+        if spec and self.model_runner.decode_graphs is not None:  # graphs of the verify step too: k + 1 per row
+            self.step_loop.verify_graphs = DecodeGraphs(self.model_runner, query_len=spec.num_speculative_tokens + 1)
 
     def chat(
         self,

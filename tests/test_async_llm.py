@@ -186,6 +186,34 @@ def test_a_step_that_raises_fails_the_requests_in_flight_and_the_next_is_served(
     assert after[-1].cumulative_text == expected["text"] and after[-1].finish_reason == "length"
 
 
+def test_a_step_that_raises_fails_only_the_requests_it_scheduled(engine, llm, monkeypatch):
+    """A prefill that raises aborts the request it admitted; the request decoding beside it streams on to the end."""
+    real_run = llm.model_runner.run
+    prefills = []
+
+    def fail_the_second_prefill(seqs, is_prefill):
+        prefills.append(is_prefill)
+        if is_prefill and prefills.count(True) == 2:
+            raise RuntimeError("injected step failure")
+        return real_run(seqs, is_prefill)
+
+    monkeypatch.setattr(llm.model_runner, "run", fail_the_second_prefill)
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+
+    async def main():
+        first = engine.generate(PROMPTS[0], params)
+        outputs = [await anext(first)]  # it runs: the next request's prefill is a step of its own
+        with pytest.raises(RuntimeError, match="injected"):
+            await collect(engine.generate(PROMPTS[1], GREEDY))
+        return outputs + await collect(first)
+
+    outputs = run(main())
+    monkeypatch.undo()
+    engine.close()
+    expected = llm.generate([PROMPTS[0]], params, use_tqdm=False)[0]
+    assert outputs[-1].cumulative_text == expected["text"] and outputs[-1].finish_reason == "length"
+
+
 SAMPLED = SamplingParams(temperature=2.0, max_tokens=8, ignore_eos=True, seed=7, n=3, logprobs=2)
 
 

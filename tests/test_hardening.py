@@ -440,6 +440,29 @@ def test_features_are_attached_only_at_the_wiring_point():
     assert reaching == [], "\n".join(reaching)
 
 
+# what a core file must not name: the features attached to it from outside (it offers hooks instead)
+FEATURE_WORDS = r"overlap|speculat|draft|cuda.?graph|tensor.?parallel|nanoref[./](fast|spec|parallel)\b"
+CORE_FILES = ["sequence", "block_manager", "scheduler", "model_runner", "llm_engine"]
+
+
+def test_no_core_file_names_a_feature():
+    """The five core files offer hooks (a step loop, decode graphs, a lookahead) and name no feature that uses
+    them, not even in a comment: a learner reads the core as Nano-vLLM's, and the features in their own modules."""
+    import re
+    from pathlib import Path
+
+    import nanoref
+
+    engine = Path(nanoref.__file__).parent / "engine"
+    named = [
+        f"engine/{name}.py:{number}: {line.strip()}"
+        for name in CORE_FILES
+        for number, line in enumerate((engine / f"{name}.py").read_text().splitlines(), 1)
+        if re.search(FEATURE_WORDS, line, re.IGNORECASE)
+    ]
+    assert named == [], "\n".join(named)
+
+
 def test_no_two_files_import_each_other_even_indirectly():
     graph = _import_graph()
     cycles = []

@@ -71,13 +71,13 @@ def test_a_streamed_request_grows_its_text_to_the_offline_text():
     params = SamplingParams(temperature=0.8, max_tokens=40, seed=3)
     prompt = "Once upon a time"
     seq = llm.add_request(prompt, params, request_id="r-1", stream=True)
-    assert seq.request_id == "r-1"
+    assert seq.output.request_id == "r-1"
     seen = []
-    step_until(llm, lambda: seen.append(seq.detokenizer.text) or seq.is_finished)
+    step_until(llm, lambda: seen.append(llm.output_processor.text_so_far(seq)) or seq.is_finished)
     for shorter, longer in zip(seen, seen[1:]):
         assert longer.startswith(shorter)
     offline = llm.generate([prompt], params, use_tqdm=False)[0]
-    assert seq.detokenizer.text == offline["text"] == decode(llm.tokenizer, seq.completion_token_ids)
+    assert llm.output_processor.text_so_far(seq) == offline["text"] == decode(llm.tokenizer, seq.completion_token_ids)
 
 
 def test_the_detokenizer_never_shows_half_a_character():

@@ -28,8 +28,8 @@ def overlapped(folder, **kwargs) -> LLM:
     """An engine on the overlapped loop that counts the steps it scheduled ahead and the rows it dropped."""
     llm = LLM(folder, device="cpu", overlap_scheduling=True, **kwargs)
     llm.num_ahead_steps = llm.num_dropped_rows = 0
-    scheduler = llm.scheduler
-    schedule_ahead, commit_ahead = scheduler.schedule_ahead, scheduler.commit_ahead
+    loop = llm.overlapped_loop
+    schedule_ahead, commit_ahead = loop.schedule_ahead, loop.commit_ahead
 
     def counting_schedule_ahead(in_flight):
         ahead = schedule_ahead(in_flight)
@@ -41,7 +41,7 @@ def overlapped(folder, **kwargs) -> LLM:
         llm.num_dropped_rows += len(ahead) - len(live)
         return live
 
-    scheduler.schedule_ahead, scheduler.commit_ahead = counting_schedule_ahead, counting_commit_ahead
+    loop.schedule_ahead, loop.commit_ahead = counting_schedule_ahead, counting_commit_ahead
     return llm
 
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from nanoref import LLM, SamplingParams
+from nanoref.engine.sampling_inputs import sampling_batch
 from nanoref.layers import logits_processors
 from nanoref.layers.logits_processors import TokenLogprobs
 
@@ -257,7 +258,9 @@ def test_a_batch_asking_for_none_of_it_builds_and_runs_no_logits_processing(tiny
     llm.generate(PROMPTS[:2], [greedy(), SamplingParams(temperature=1.0, max_tokens=8, seed=1)], use_tqdm=False)
     assert calls == []
     seq = llm.add_request(PROMPTS[0], greedy())
-    assert llm.model_runner.prepare_sample([seq]).processing is None
+    runner = llm.model_runner
+    batch = sampling_batch([seq], False, 0, runner.device, runner.generator, 256, runner.eos_token_ids)
+    assert batch.processing is None
     llm.generate(PROMPTS, greedy(repetition_penalty=1.2), use_tqdm=False)
     assert calls, "a penalised batch was meant to build its processing"
 
@@ -279,8 +282,8 @@ def test_the_overlapped_loop_gives_the_plain_loops_tokens_with_penalties_min_tok
     assert_no_block_leaked(overlapped)
     # min_tokens alone needs only token counts: its steps still run ahead, with the same tokens
     ahead = []
-    schedule_ahead = overlapped.scheduler.schedule_ahead
-    overlapped.scheduler.schedule_ahead = lambda in_flight: ahead.append(schedule_ahead(in_flight)) or ahead[-1]
+    schedule_ahead = overlapped.overlapped_loop.schedule_ahead
+    overlapped.overlapped_loop.schedule_ahead = lambda in_flight: ahead.append(schedule_ahead(in_flight)) or ahead[-1]
     # the second request stops at a stop id that comes first right where the mask lifts (a mask one step late in
     # the ahead steps would hide it)
     unstopped = free[1]["token_ids"]
@@ -307,3 +310,37 @@ def test_two_ranks_apply_the_options_as_one_rank_does(tiny_model):
     assert [o["token_ids"] for o in two] == [o["token_ids"] for o in one]
     assert [e.token_id for e in two[0]["logprobs"]] == [e.token_id for e in one[0]["logprobs"]]
     assert [e.logprob for e in two[0]["logprobs"]] == pytest.approx([e.logprob for e in one[0]["logprobs"]], abs=1e-4)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [dict(top_p=1e-46), dict(temperature=1e-39, seed=3), dict(repetition_penalty=1e-46), dict(temperature=1e-39)],
+    ids=["top_p", "seeded-temperature", "repetition_penalty", "temperature"],
+)
+def test_tiny_sampling_values_give_finite_probabilities_and_a_real_completion(tiny_model, options):
+    """Values validation accepts but float32 rounds to 0 or overflows on (top_p 1e-46, temperature 1e-39, a
+    repetition penalty of 1e-46) sample from a real distribution: top-p keeps the most likely token, the
+    temperature is clamped (MIN_TEMPERATURE, as vLLM does) and penalised logits stay finite. Before, the
+    probabilities were NaN and every row "sampled" token 0."""
+    llm = engine(tiny_model)
+    params = SamplingParams(**{"temperature": 1.0, "max_tokens": 8, "ignore_eos": True, **options})
+    outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert all(set(output["token_ids"]) != {0} for output in outputs), outputs  # NaN's argmax: token 0 every time
+    from nanoref.layers.sampler import sampling_probs
+
+    logits = torch.randn(3, 50) * 20
+    temperatures = torch.tensor([params.temperature] * 3)
+    top_k, top_p = torch.zeros(3, dtype=torch.int64), torch.tensor([params.top_p] * 3)
+    processing = logits_processors.LogitsProcessing.build(
+        [(row, [1, 2], [3], 0.0, 0.0, params.repetition_penalty) for row in range(3)], [], 50, torch.device("cpu")
+    )
+    probs = sampling_probs(processing.apply(logits), temperatures, top_k, top_p)
+    assert torch.isfinite(probs).all() and torch.allclose(probs.sum(dim=-1), torch.ones(3))
+    if options.get("top_p"):  # only the most likely token is left
+        assert (probs.argmax(dim=-1) == processing.apply(logits).argmax(dim=-1)).all() and (
+            probs.max(-1).values == 1
+        ).all()
+    if options == dict(top_p=1e-46):
+        assert outputs == llm.generate(
+            PROMPTS, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False
+        )

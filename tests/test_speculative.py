@@ -295,7 +295,7 @@ def test_random_workloads_with_speculation_leak_no_block(tiny_model, draft_folde
         assert_no_block_leaked(llm)
 
 
-def test_a_failing_verify_step_is_undone_and_the_next_step_serves_on(tiny_model):
+def test_a_failing_verify_step_aborts_its_requests_and_the_engine_serves_on(tiny_model):
     llm = LLM(tiny_model, device="cpu", speculative_config=ngram())
     prompts = repetitive_prompts(5, 3)
     expected = LLM(tiny_model, device="cpu").generate(prompts, GREEDY, use_tqdm=False)
@@ -307,16 +307,15 @@ def test_a_failing_verify_step_is_undone_and_the_next_step_serves_on(tiny_model)
             raise RuntimeError("injected")
         return accept_greedy(draft_ids, target_ids)
 
-    for prompt in prompts:
-        llm.add_request(prompt, GREEDY)
+    seqs = [llm.add_request(prompt, GREEDY) for prompt in prompts]
     with seams.use(accept_greedy=flaky):
         with pytest.raises(RuntimeError, match="injected"):
             while not llm.is_finished():
                 llm.step()
-        while not llm.is_finished():
-            llm.step()
-    done = sorted(llm.metrics.requests)
-    assert len(done) == 3
+    # the verify step held all three: each ends with "abort", its blocks back, and nothing is left queued
+    assert llm.is_finished() and [seq.finish_reason for seq in seqs] == ["abort"] * 3
+    assert llm.failed == seqs and not llm.metrics.requests
+    assert_no_block_leaked(llm)
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o["token_ids"] for o in outputs] == [o["token_ids"] for o in expected]
     assert_no_block_leaked(llm)
@@ -383,3 +382,19 @@ def test_the_server_streams_speculative_output_and_reports_acceptance_in_metrics
         == accepted / values["nanoref_spec_decode_num_verified_rows_total"]
     )
     assert values["nanoref_spec_decode_request_acceptance_rate_count"] == 1
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "draft"])
+def test_a_request_that_exactly_fits_the_kv_budget_is_served_with_speculation(tiny_model, draft_folder, proposer):
+    """One 16-token block holds a 4-token prompt and its 12 tokens: the lookahead reserves slots for the proposals
+    only up to the request's own end (prompt + max_tokens), so its last steps still fit in that one block."""
+    spec = dict(method="ngram", num_speculative_tokens=4, prompt_lookup_max=2)
+    if proposer == "draft":
+        spec = dict(model=draft_folder, num_speculative_tokens=4)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [[5, 9, 5, 9]]
+    llm = LLM(tiny_model, kvcache_block_size=16, num_kvcache_blocks=1, speculative_config=spec)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert len(outputs[0]["token_ids"]) == 12
+    assert_matches_hf(tiny_model, prompts, outputs, params.max_tokens)
+    assert_no_block_leaked(llm)

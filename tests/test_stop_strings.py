@@ -54,16 +54,20 @@ def test_a_stream_never_shows_part_of_the_stop_string_and_ends_as_generate(llm, 
     shown = []
     while not engine.is_finished():
         engine.step()
-        shown.append(seq.detokenizer.text)
+        shown.append(engine.output_processor.text_so_far(seq))
     offline = engine.generate([PROMPT], params, use_tqdm=False)[0]
-    assert seq.detokenizer.text == offline["text"] and seq.stop_reason == stop and seq.finish_reason == "stop"
+    assert (
+        engine.output_processor.text_so_far(seq) == offline["text"]
+        and seq.stop_reason == stop
+        and seq.finish_reason == "stop"
+    )
     assert all(offline["text"].startswith(text) for text in shown), "a stream showed text that was then cut"
-    assert other.detokenizer is None and other.finish_reason == "length"
+    assert other.output.detokenizer is None and other.finish_reason == "length"
 
 
 def test_an_offline_request_without_stop_strings_is_not_detokenized_per_step(llm):
     seq = llm.add_request(PROMPT, seeded())
-    assert seq.detokenizer is None
+    assert seq.output.detokenizer is None
     llm.abort_request(seq)
 
 

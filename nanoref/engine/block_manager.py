@@ -31,6 +31,8 @@ from collections import OrderedDict
 import numpy as np
 import xxhash
 
+from nanoref.engine.block_tables import BlockTables
+from nanoref.engine.invariants import check_block_invariants
 from nanoref.engine.sequence import Sequence
 from nanoref.utils.seams import ForwardKey, seam
 
@@ -80,58 +82,6 @@ def find_cached_prefix(
             break
         hits.append(block_id)
     return hits
-
-
-class BlockTables:
-    """Every sequence's block table as a row of one persistent int32 array, padded with -1.
-
-    The block manager writes a row only when its sequence gains blocks (`write`, from allocate and may_append)
-    and clears it when the sequence gives them back (`release`, on finish, preemption or abort); the row is then
-    free for the next sequence. `seq.block_table` stays the list everything else reads; this is its mirror for
-    the per-step metadata: a decode step's tables are `array[rows, :width]`, one numpy index for the whole batch.
-    The array grows (doubling) when it runs out of rows or columns.
-    """
-
-    def __init__(self, num_rows: int = 8, num_cols: int = 8) -> None:
-        self.array = np.full((num_rows, num_cols), -1, dtype=np.int32)  # (rows, max blocks per sequence)
-        self.num_blocks = np.zeros(num_rows, dtype=np.int64)  # (rows,): how many entries of each row are set
-        self.free_rows = list(range(num_rows - 1, -1, -1))  # popped from the end: lowest row first
-
-    def _grow(self, num_rows: int, num_cols: int) -> None:
-        old_rows, old_cols = self.array.shape
-        array = np.full((num_rows, num_cols), -1, dtype=np.int32)
-        array[:old_rows, :old_cols] = self.array
-        self.array = array
-        self.num_blocks = np.concatenate([self.num_blocks, np.zeros(num_rows - old_rows, dtype=np.int64)])
-        self.free_rows = list(range(num_rows - 1, old_rows - 1, -1)) + self.free_rows
-
-    def write(self, seq: Sequence, start: int = 0) -> None:
-        """Copy seq.block_table[start:] into seq's row (taking a free row first if seq has none)."""
-        if seq.table_row < 0:
-            if not self.free_rows:
-                self._grow(2 * self.array.shape[0], self.array.shape[1])
-            seq.table_row = self.free_rows.pop()
-            start = 0
-        end = len(seq.block_table)
-        if end > self.array.shape[1]:
-            self._grow(self.array.shape[0], max(end, 2 * self.array.shape[1]))
-        self.array[seq.table_row, start:end] = seq.block_table[start:end]
-        self.num_blocks[seq.table_row] = end
-
-    def release(self, seq: Sequence) -> None:
-        """seq gave its blocks back: clear its row and free it."""
-        if seq.table_row < 0:
-            return
-        self.array[seq.table_row, : self.num_blocks[seq.table_row]] = -1
-        self.num_blocks[seq.table_row] = 0
-        self.free_rows.append(seq.table_row)
-        seq.table_row = -1
-
-    def padded(self, seqs: list[Sequence]) -> np.ndarray:
-        """(len(seqs), width) int32: each sequence's row, width = the longest table among them, -1 padded."""
-        rows = np.fromiter((seq.table_row for seq in seqs), dtype=np.int64, count=len(seqs))
-        width = int(self.num_blocks[rows].max())
-        return self.array[rows, :width]
 
 
 def blocks_needed(num_tokens: int, block_size: int) -> int:
@@ -261,48 +211,23 @@ class BlockManager:
         seq.num_computed_tokens = 0
         seq.num_hashed_blocks = 0
 
-    def unallocate(self, seq: Sequence) -> None:
-        """Take back `allocate(seq)` whose step never completed: its blocks go back as in deallocate, and its
-        prefix-cache hits no longer count as hits."""
-        self.num_hit_blocks -= seq.num_prefix_hit_tokens // self.block_size
-        self.deallocate(seq)
-
     # -- decode -------------------------------------------------------------------------------
-    def can_append(self, seq: Sequence) -> bool:
-        """Room for the K/V of seq's last token (a new block when it starts one)."""
-        return self.num_free_blocks >= self.blocks_to_append(seq)
+    def can_append(self, seq: Sequence, num_tokens: int | None = None) -> bool:
+        """Room to grow seq's block table to hold num_tokens tokens (default: the tokens it has)."""
+        return self.num_free_blocks >= self.blocks_to_append(seq, num_tokens)
 
     def blocks_to_append(self, seq: Sequence, num_tokens: int | None = None) -> int:
-        """The free blocks may_append(seq, num_tokens) takes: by default 1 when seq's last token starts a block,
-        else 0."""
+        """The free blocks may_append(seq, num_tokens) takes."""
         num_blocks = seq.num_blocks if num_tokens is None else self.blocks_needed(num_tokens)
         return max(num_blocks - len(seq.block_table), 0)
 
     def may_append(self, seq: Sequence, num_tokens: int | None = None) -> None:
         """Grow seq's block table to hold num_tokens tokens (default: the tokens it has)."""
-        num_blocks = seq.num_blocks if num_tokens is None else self.blocks_needed(num_tokens)
         start = len(seq.block_table)
-        if start >= num_blocks:
-            return
-        while len(seq.block_table) < num_blocks:
+        for _ in range(self.blocks_to_append(seq, num_tokens)):
             seq.block_table.append(self._take_free_block())
-        self.tables.write(seq, start)
-
-    def trim(self, seq: Sequence) -> None:
-        """Give back the blocks past the ones seq's tokens need: those a speculative step took for proposed tokens
-        that were rejected. They are seq's alone and carry no hash (nothing past its last token is committed)."""
-        keep = seq.num_blocks
-        if len(seq.block_table) <= keep:
-            return
-        for block_id in seq.block_table[keep:]:
-            block = self.blocks[block_id]
-            assert block.ref_count == 1 and block.hash == -1, f"{block} past the end of {seq} is shared or hashed"
-            block.ref_count = 0
-            self.used_block_ids.remove(block_id)
-            self.free_block_ids[block_id] = None
-        self.tables.array[seq.table_row, keep : len(seq.block_table)] = -1
-        del seq.block_table[keep:]
-        self.tables.num_blocks[seq.table_row] = keep
+        if len(seq.block_table) > start:
+            self.tables.write(seq, start)
 
     # -- after a step -------------------------------------------------------------------------
     def commit(self, seq: Sequence) -> None:
@@ -311,8 +236,8 @@ class BlockManager:
         Hashes are published only once the K/V is really in the cache: a block hashed at allocation
         could be hit by another sequence before (or, with chunked prefill, several steps before) its
         K/V has been written. They go to the table of the forward that computed them, and only if no step of seq
-        ran another forward since its allocation (commit follows the step it is for: with the overlapped loop a
-        forward change in between also stops the publication, which costs a cache entry, never a wrong hit).
+        ran another forward since its allocation (commit follows the step it is for: with steps run ahead, a forward
+        change in between also stops the publication, which costs a cache entry, never a wrong hit).
         """
         num_full = seq.num_computed_tokens // self.block_size
         start = seq.num_hashed_blocks
@@ -347,27 +272,6 @@ class BlockManager:
         self.hash_to_block_id.clear()
         self.forward_tables.clear()
 
-    # -- invariants (tests and notebooks) -----------------------------------------------------
     def check_invariants(self, live: list[Sequence] = ()) -> None:
-        refs = [0] * self.num_blocks
-        for seq in live:
-            for block_id in seq.block_table:
-                refs[block_id] += 1
-        for block in self.blocks:
-            assert block.ref_count == refs[block.block_id], f"{block}: expected ref {refs[block.block_id]}"
-            assert (block.ref_count > 0) == (block.block_id in self.used_block_ids), f"{block} used/free mismatch"
-        assert self.used_block_ids.isdisjoint(self.free_block_ids), "a block is both used and free"
-        assert len(self.used_block_ids) + len(self.free_block_ids) == self.num_blocks, "a block leaked"
-        for forward, table in [(None, self.hash_to_block_id), *self.forward_tables.items()]:
-            assert forward is None or table, f"an empty table is kept for {forward}"
-            for h, block_id in table.items():
-                block = self.blocks[block_id]
-                assert block.hash == h and block.forward == forward, f"stale hash entry for block {block_id}"
-        for seq in live:  # the array mirrors every live table exactly
-            row, count = seq.table_row, len(seq.block_table)
-            assert row >= 0 and self.tables.num_blocks[row] == count, f"{seq}: table row {row} out of date"
-            assert self.tables.array[row, :count].tolist() == seq.block_table, f"{seq}: table row {row} differs"
-        rows = {seq.table_row for seq in live}
-        assert len(rows) == len(live) and rows.isdisjoint(self.tables.free_rows), "a table row is shared or free"
-        held = np.flatnonzero(self.tables.num_blocks)
-        assert set(held.tolist()) <= rows, "a table row is held by no live sequence"
+        """Assert every count of the manager against the live sequences (engine/invariants.py; tests, notebooks)."""
+        check_block_invariants(self, live)

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from itertools import count
+from typing import Protocol
 
 import torch
 
 from nanoref.config import EngineConfig
-from nanoref.engine.detokenizer import IncrementalDetokenizer, decode
 from nanoref.engine.metrics import EngineMetrics, StepRecord
 from nanoref.engine.model_runner import ModelRunner
-from nanoref.engine.requests import check_request, params_list, prompt_list, tokenize
+from nanoref.engine.output_processor import OutputProcessor, StreamPiece
+from nanoref.engine.requests import check_request, eos_token_ids, params_list, prompt_list, tokenize
 from nanoref.engine.scheduler import Scheduler
 from nanoref.engine.sequence import Sequence, SequenceStatus
 from nanoref.sampling_params import SamplingParams
@@ -23,105 +23,109 @@ from nanoref.utils.loader import load_tokenizer
 from nanoref.utils.progress import tqdm
 
 
-@dataclass
-class StreamPiece:
-    """What one step added to one sample of a streamed request (`LLMEngine.stream`)."""
+class StepLoop(Protocol):
+    """How the engine runs a step (`PlainLoop`, unless nanoref/llm.py gives another)."""
 
-    text: str  # the new text ("" while a character, or a possible stop string, is still incomplete)
-    token_ids: list[int]  # the new tokens
-    finished: bool
-    finish_reason: str | None  # "stop", "length" or "abort" once finished
-    index: int = 0  # which of the request's n samples
+    def step(self) -> tuple[list[Sequence], StepRecord]:
+        """One step -> (the sequences finished in it, its record)."""
+
+    def in_step(self) -> list[Sequence]:
+        """The sequences the step being run has scheduled so far: those a step that raises aborts."""
+
+
+class PlainLoop:
+    """Nano-vLLM's step: schedule, run the forward, postprocess."""
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+
+    def step(self) -> tuple[list[Sequence], StepRecord]:
+        scheduler, metrics = self.engine.scheduler, self.engine.metrics
+        seqs, is_prefill = scheduler.schedule()
+        record = metrics.begin_step(scheduler, seqs, is_prefill)
+        token_ids = interruptibly(self.engine.model_runner.run, seqs, is_prefill)
+        return scheduler.postprocess(seqs, token_ids), metrics.end_step(record, seqs)
+
+    def in_step(self) -> list[Sequence]:
+        return self.engine.scheduler.scheduled
 
 
 class LLMEngine:
     """The engine. One `generate` (or `step`) runs at a time: calls from several threads are serialized.
 
-    A step is all or nothing. When it raises, an error or Ctrl-C, the engine is left as if it had not run
-    (`Scheduler.unschedule` says exactly what that means for a decode step that preempted), and the next step or
-    generate serves on. Ctrl-C is held back while the engine's bookkeeping runs (scheduling, postprocessing,
-    metrics, queuing requests) and raised when it is done (utils/interrupts.py); it acts at once in the forward
-    pass and in a learner's exercise function, whose step is then undone.
+    A step that raises, an error or Ctrl-C, aborts the requests it scheduled (finish_reason "abort"; their blocks
+    go back; `failed` lists them) and raises; the other requests run on at the next step. Ctrl-C is held back while
+    the engine's bookkeeping runs (scheduling, postprocessing, metrics, queuing requests) and raised when it is done
+    (utils/interrupts.py); it acts at once in the forward pass and in a learner's exercise function.
     """
 
-    def __init__(self, config: EngineConfig, make_runner: Callable[[EngineConfig], ModelRunner] = ModelRunner) -> None:
-        """config: resolved (`EngineConfig.resolved()`); make_runner builds the model runner (nanoref/llm.py's
-        attaches CUDA graphs or tensor parallelism)."""
+    def __init__(
+        self,
+        config: EngineConfig,
+        make_runner: Callable[[EngineConfig], ModelRunner] = ModelRunner,
+        make_step_loop: Callable[[LLMEngine], StepLoop] = PlainLoop,
+        num_lookahead_tokens: int = 0,
+    ) -> None:
+        """config: resolved (`EngineConfig.resolved()`); make_runner builds the model runner, make_step_loop the
+        loop that runs each step (nanoref/llm.py gives its own); num_lookahead_tokens: see Scheduler."""
         self._lock = threading.RLock()  # held by generate, step, add_request and the aborts
-        # before the model runner, which may start tensor-parallel workers: a folder that fails fails before them
+        # before the model runner, which may start worker processes: a folder that fails fails before them
         self.tokenizer = load_tokenizer(config.model_folder)
         self.model_runner = make_runner(config)
         self.config = config = self.model_runner.config  # (with the KV block count the runner measured)
+        self.output_processor = OutputProcessor(self.tokenizer, config.model_folder)
         try:
-            eos = set(config.hf_config.eos_token_id)
-            if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-                eos.add(int(self.tokenizer.eos_token_id))
             self.scheduler = Scheduler(
                 max_num_seqs=config.max_num_seqs,
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 max_model_len=config.max_model_len,
                 num_kvcache_blocks=config.num_kvcache_blocks,
                 kvcache_block_size=config.kvcache_block_size,
-                eos_token_ids=eos,
+                eos_token_ids=eos_token_ids(config, self.tokenizer),
+                num_lookahead_tokens=num_lookahead_tokens,
+                on_token=self.output_processor.on_token,
             )
         except BaseException:
-            self.model_runner.close()  # tensor parallel: stop the workers now, not when the exception is dropped
+            self.model_runner.close()  # (stop its workers, if any, now: not when the exception is dropped)
             raise
         # the block manager writes each sequence's table into this array's rows; the model runner reads them
         self.model_runner.block_tables = self.scheduler.block_manager.tables
         # EOS, which the sampler masks while a request is short of its min_tokens
         self.model_runner.eos_token_ids = self.scheduler.eos_token_ids
         self.metrics = EngineMetrics()  # step records and per-request metrics (see engine/metrics.py)
-        # the samples 1..n-1 of a request with n > 1, by its sample 0, queued once sample 0's prompt is computed
-        # (then its full prompt blocks are in the prefix cache, and they share them instead of prefilling again)
-        self.held_samples: dict[Sequence, list[Sequence]] = {}
         self._seq_ids = count()  # this engine's sequence ids: its first request is 0, whatever ran before
+        self.failed: list[Sequence] = []  # the sequences the latest step that raised aborted
+        self.step_loop = make_step_loop(self)
 
     # -- requests -----------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         return tokenize(prompt, self.tokenizer, self.config)
 
-    def make_sequence(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None, stream: bool = False
-    ) -> Sequence:
-        """A checked request, not yet queued: everything that can fail about a request fails here.
-
-        stream: keep `seq.detokenizer.text` up to date after every step (for a caller that shows it as it grows).
-        A request with stop strings gets a detokenizer either way: they are matched on its text as it grows."""
-        if isinstance(params, SamplingParams) and params.n != 1:
-            raise ValueError(f"one sequence is one sample, but n is {params.n}: use make_samples or add_samples")
-        return self.make_samples(prompt, params, request_id, stream)[0]
-
     def make_samples(
         self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None, stream: bool = False
     ) -> list[Sequence]:
-        """A checked request's `params.n` samples (see make_sequence), not yet queued; sample i has `index` i and,
-        when the request is seeded, the seed params.seed + i."""
+        """A checked request's `params.n` samples, not yet queued: everything that can fail about a request fails
+        here. Sample i has `index` i and, when the request is seeded, the seed params.seed + i. stream: keep its text
+        up to date after every step (`OutputProcessor.attach`)."""
         token_ids = self.tokenize(prompt)
         check_request(token_ids, params, self.config)
-        stop = params.stop_strings
-        if (stream or stop) and self.tokenizer is None:
-            need = "a stream of text" if stream else "stop strings"
-            raise ValueError(f"{self.config.model_folder} has no tokenizer: {need} needs one")
         samples = []
         for index in range(params.n):
             seq = Sequence(token_ids, params, self.config.kvcache_block_size, seq_id=next(self._seq_ids))
-            seq.request_id, seq.index = request_id, index
             if params.seed is not None:
                 seq.generator = torch.Generator(device=self.config.device).manual_seed(params.seed + index)
-            if stream or stop:
-                seq.detokenizer = IncrementalDetokenizer(self.tokenizer, stop, params.include_stop_str_in_output)
             samples.append(seq)
+        self.output_processor.attach(samples, request_id, stream)
         return samples
 
     def add_request(
         self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None, stream: bool = False
     ) -> Sequence:
         """Check one request and queue it; a bad request raises and queues nothing. request_id: the caller's name
-        for it (kept as `seq.request_id`); stream: see make_sequence. For n > 1, add_samples."""
-        seq = self.make_sequence(prompt, params, request_id, stream)
-        self.enqueue(seq)
-        return seq
+        for it (kept as `seq.output.request_id`); stream: see make_samples. For n > 1, add_samples."""
+        if isinstance(params, SamplingParams) and params.n != 1:
+            raise ValueError(f"one sequence is one sample, but n is {params.n}: use make_samples or add_samples")
+        return self.add_samples(prompt, params, request_id, stream)[0]
 
     def add_samples(
         self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None, stream: bool = False
@@ -138,17 +142,12 @@ class LLMEngine:
         with self._lock, held_interrupts():
             if seq.is_finished:
                 return
-            for first, held in self.held_samples.items():
-                if seq in held:
-                    held.remove(seq)
-                    if not held:
-                        del self.held_samples[first]
-                    seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
-                    return
+            if self.output_processor.drop_held([seq]):
+                seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
+                return
             self.metrics.forget([seq])
             self.scheduler.finish(seq, "abort")
-            if seq in self.held_samples:  # its other samples wait for nothing now
-                self.queue_held_samples()
+            self.queue_held_samples()  # (if it was a sample 0: its other samples wait for nothing now)
 
     def enqueue(self, seq: Sequence) -> None:
         with self._lock, held_interrupts():  # both or neither: a request the metrics know of is queued
@@ -161,58 +160,47 @@ class LLMEngine:
         cache. Queued together they would all prefill the prompt: blocks are published when their step ends."""
         with self._lock, held_interrupts():
             self.enqueue(samples[0])
-            if len(samples) > 1:
-                self.held_samples[samples[0]] = samples[1:]
+            self.output_processor.hold(samples)
 
     def queue_held_samples(self) -> None:
         """Queue the held samples whose sample 0 has computed its prompt (or finished: then there is nothing to
         wait for)."""
-        for first in [first for first in self.held_samples if first.num_completion_tokens or first.is_finished]:
-            for seq in self.held_samples.pop(first):
-                self.enqueue(seq)
+        for seq in self.output_processor.ready_samples():
+            self.enqueue(seq)
 
     # -- the loop -----------------------------------------------------------------------------
     def step(self) -> tuple[list[Sequence], StepRecord]:
-        """One forward pass. Returns (sequences finished in it, the step's record). When it raises, the step did
-        not happen (see the class docstring): call step() again to retry it, or abort_all()."""
+        """One forward pass. Returns (sequences finished in it, the step's record). When it raises, the requests it
+        scheduled are aborted (see the class docstring); step() again serves the others."""
         with self._lock, held_interrupts():
             if self.scheduler.is_finished():
                 raise RuntimeError("step() found no request waiting or running: add one with add_request() first")
             # this step runs the forward of the caller's `seams.use` block (if any): the prefix cache keeps it apart
             self.scheduler.block_manager.use_forward(seams.forward_key())
-            finished, record = self.run_step()
-            if self.held_samples:
-                self.queue_held_samples()
+            try:
+                finished, record = self.step_loop.step()
+            except BaseException:
+                self.abort_step()
+                raise
+            self.queue_held_samples()
             return finished, record
 
-    def run_step(self) -> tuple[list[Sequence], StepRecord]:
-        """The plain loop's step (nanoref/fast/overlap.py's overlapped loop takes its place where it is on)."""
-        seqs, is_prefill = self.scheduler.schedule()
-        record = self.metrics.begin_step(self.scheduler, seqs, is_prefill)
-        try:
-            token_ids = interruptibly(self.model_runner.run, seqs, is_prefill)
-        except BaseException:
-            self.undo_step(seqs, is_prefill, record)
-            raise
-        finished = self.scheduler.postprocess(seqs, token_ids)
-        return finished, self.metrics.end_step(record, seqs)
-
-    def undo_step(self, seqs: list[Sequence], is_prefill: bool, record: StepRecord) -> None:
-        """The step just scheduled failed before its postprocess: take back its schedule and its record."""
-        self.scheduler.unschedule(seqs, is_prefill)
-        self.metrics.drop_step(record)
+    def abort_step(self) -> None:
+        """The step being run raised: abort the requests it scheduled (kept in `failed`)."""
+        self.failed = [seq for seq in dict.fromkeys(self.step_loop.in_step()) if not seq.is_finished]
+        for seq in self.failed:
+            self.abort_request(seq)
 
     def abort_all(self) -> None:
         """Drop every unfinished request and free its blocks (after an error or an interrupt)."""
         with self._lock, held_interrupts():
             self.metrics.forget([*self.scheduler.running, *self.scheduler.waiting])
             self.scheduler.abort_all()
-            for seq in [seq for held in self.held_samples.values() for seq in held]:
+            for seq in self.output_processor.drop_held():
                 seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
-            self.held_samples.clear()
 
     def close(self) -> None:
-        """Stop the tensor-parallel worker processes (if any). The engine cannot run after this; with one device
+        """Stop the model runner's worker processes (if any). The engine cannot run after this; with one device
         there is nothing to stop. Also runs at interpreter exit and when the engine is garbage-collected."""
         with self._lock:
             self.abort_all()
@@ -225,7 +213,7 @@ class LLMEngine:
         self.close()
 
     def is_finished(self) -> bool:
-        return self.scheduler.is_finished() and not self.held_samples
+        return self.scheduler.is_finished() and not self.output_processor.held_samples
 
     def generate(
         self,
@@ -250,8 +238,8 @@ class LLMEngine:
             except (ValueError, TypeError) as error:
                 raise type(error)(f"prompt {index}: {error}") from None
         # One generate at a time: concurrent callers wait. Ctrl-C is held for the whole call (one handler swap, not
-        # one per step): raised in the next forward or learner function, where that step is undone and every
-        # request aborted, or when the call ends; never half-way through queuing or a step's bookkeeping.
+        # one per step): raised in the next forward or learner function, where every request is aborted, or when
+        # the call ends; never half-way through queuing or a step's bookkeeping.
         with self._lock, held_interrupts():
             self.metrics.clear()
             for samples in requests:
@@ -270,30 +258,8 @@ class LLMEngine:
                 raise
             finally:
                 bar.close()
-        return [self.request_output(samples, return_metrics) for samples in requests]
-
-    def request_output(self, samples: list[Sequence], with_metrics: bool = False) -> dict:
-        """A finished request as `generate` returns it: sample 0's output, with "outputs" when n > 1."""
-        output = self.output(samples[0], with_metrics)
-        if len(samples) > 1:
-            output["outputs"] = [{"index": seq.index, **self.output(seq, with_metrics)} for seq in samples]
-        return output
-
-    def output(self, seq: Sequence, with_metrics: bool = False) -> dict:
-        """A finished sequence as `generate` returns it."""
-        token_ids = seq.completion_token_ids
-        if seq.detokenizer is not None:  # its text as it grew, so the stream and generate agree by construction
-            text = seq.detokenizer.text  # (cut at its stop string, if one matched)
-        else:
-            text = None if self.tokenizer is None else decode(self.tokenizer, token_ids)
-        output = {"text": text, "token_ids": token_ids, "finish_reason": seq.finish_reason}
-        if seq.sampling_params.stop is not None:
-            output["stop_reason"] = seq.stop_reason
-        if seq.sampling_params.logprobs is not None:
-            output["logprobs"] = seq.logprobs  # one TokenLogprobs per completion token
-        if with_metrics:
-            output["metrics"] = self.metrics.requests[seq.seq_id]
-        return output
+        metrics = self.metrics.requests if return_metrics else None
+        return [self.output_processor.request_output(samples, metrics) for samples in requests]
 
     def stream(
         self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None
@@ -312,15 +278,7 @@ class LLMEngine:
         try:
             while sent:
                 self.step()
-                for seq, counts in list(sent.items()):
-                    tokens = seq.token_ids[seq.num_prompt_tokens + counts[0] :]
-                    text = seq.detokenizer.text[counts[1] :]
-                    if tokens or text or seq.is_finished:
-                        counts[0] += len(tokens)
-                        counts[1] += len(text)
-                        if seq.is_finished:
-                            del sent[seq]
-                        yield StreamPiece(text, tokens, seq.is_finished, seq.finish_reason, seq.index)
+                yield from self.output_processor.pieces(sent)
         finally:  # closed early, or a step raised: this request ends here, the others run on
             for seq in samples:
                 self.abort_request(seq)

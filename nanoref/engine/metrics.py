@@ -98,6 +98,9 @@ class _Pending:
     arrival: float
     num_cached_tokens: int | None = None  # set at its first step
     first_token: float | None = None
+    num_draft_tokens: int = 0  # (a step loop that verifies proposed tokens counts them: `count_verified`)
+    num_accepted_tokens: int = 0
+    num_verify_steps: int = 0
 
 
 @dataclass
@@ -146,17 +149,6 @@ class EngineMetrics:
         self._step_start = time.perf_counter()
         return record
 
-    def drop_step(self, record: StepRecord) -> None:
-        """Forget the latest begin_step: its step failed and was undone (the scheduler gave its admissions'
-        prefix hits back, so they are not counted here either)."""
-        assert self.steps and self.steps[-1] is record, "only the latest step can be dropped"
-        self.steps.pop()
-        trace_step_index(record.index, scheduled=False)  # its retry is traced under the same index
-        self._hits_seen -= record.num_hit_blocks
-        for pending in self._first_steps:  # admitted again later, maybe with other prefix hits
-            pending.num_cached_tokens = None
-        self._first_steps = []
-
     def end_step(self, record: StepRecord, seqs: list[Sequence]) -> StepRecord:
         """Called after postprocess: time the step, stamp first tokens, close finished requests."""
         now = time.perf_counter()
@@ -171,6 +163,14 @@ class EngineMetrics:
                 del self._pending[seq.seq_id]
                 self.requests[seq.seq_id] = request_metrics(seq, pending, now)
         return record
+
+    def count_verified(self, seq: Sequence, num_draft_tokens: int, num_accepted_tokens: int) -> None:
+        """seq's step checked num_draft_tokens proposed tokens and kept num_accepted_tokens of them."""
+        pending = self._pending.get(seq.seq_id)
+        if pending is not None:
+            pending.num_draft_tokens += num_draft_tokens
+            pending.num_accepted_tokens += num_accepted_tokens
+            pending.num_verify_steps += 1
 
     def forget(self, seqs: list[Sequence]) -> None:
         """Stop tracking requests that were aborted."""
@@ -189,7 +189,7 @@ def request_metrics(seq: Sequence, pending: _Pending, now: float) -> RequestMetr
         ttft=pending.first_token - pending.arrival,
         tpot=(now - pending.first_token) / (num_output - 1) if num_output > 1 else None,
         latency=now - pending.arrival,
-        num_draft_tokens=seq.num_draft_tokens,
-        num_accepted_tokens=seq.num_accepted_tokens,
-        num_verify_steps=seq.num_verify_steps,
+        num_draft_tokens=pending.num_draft_tokens,
+        num_accepted_tokens=pending.num_accepted_tokens,
+        num_verify_steps=pending.num_verify_steps,
     )

@@ -5,8 +5,8 @@ concatenated into `input_ids (N,)` and `positions (N,)`; `cu_seqlens_q` marks wh
 Decode: every sequence contributes its last token, so N == num_seqs, and `context_lens` +
 `block_tables` tell attention where each history lies in the paged cache.
 
-This is the plain path, run eagerly on one device. Decode CUDA graphs (`nanoref/fast/cuda_graphs.py`) attach as
-`decode_graphs`; tensor parallelism (`nanoref/parallel/`) is a subclass that sends each step to the other ranks.
+This is the plain path, run eagerly on one device. What runs it faster or on several devices is given from outside
+(nanoref/llm.py): `decode_graphs`, a replayer of decode steps, or a subclass.
 """
 
 from __future__ import annotations
@@ -18,15 +18,15 @@ import numpy as np
 import torch
 
 from nanoref.config import EngineConfig
-from nanoref.engine.block_manager import BlockTables
+from nanoref.engine.block_tables import BlockTables
 from nanoref.engine.kv_budget import kv_blocks_from_memory
+from nanoref.engine.sampling_inputs import attach_logprobs, sampling_batch, step_logprobs
 from nanoref.engine.sequence import Sequence
 from nanoref.layers.attention import Attention
-from nanoref.layers.logits_processors import LogitsProcessing, StepLogprobs, raw_logprobs, to_device, token_logprobs
-from nanoref.layers.sampler import Sampler, SamplingBatch
+from nanoref.layers.sampler import Sampler
 from nanoref.models import build_model
 from nanoref.ops.backends import resolve_backend
-from nanoref.utils.context import Context, reset_context, set_context
+from nanoref.utils.context import Context, reset_context, set_context, upload_arrays
 from nanoref.utils.loader import load_weights
 from nanoref.utils.seams import seam
 from nanoref.utils.tracing import trace_inputs
@@ -79,12 +79,12 @@ class StepInputs:
     arrays: dict[str, np.ndarray]
     max_seqlen_q: int = 0
     max_seqlen_k: int = 0
-    all_logits: bool = False  # logits for every token (a speculative verify step), not only each sequence's last
-    decode_query_len: int = 1  # decode: tokens per sequence (k + 1 in a speculative verify step)
+    all_logits: bool = False  # logits for every token, not only each sequence's last (a step that checks them all)
+    decode_query_len: int = 1  # decode: query tokens per sequence (more where a step checks proposed tokens)
 
 
 class ModelRunner:
-    rank, world_size = 0, 1  # one device (nanoref/parallel/ runs the same runner as one of several ranks)
+    rank, world_size = 0, 1  # one device (a subclass may run the same runner as one of several ranks)
     # the model's EOS ids, masked for a request still short of its min_tokens (set by the engine: the scheduler's)
     eos_token_ids: set[int] | frozenset[int] = frozenset()
 
@@ -102,10 +102,7 @@ class ModelRunner:
         # unseeded requests draw from this (seeded requests from their own): never from (or into) the global RNG.
         # LLM(seed=N) makes their draws repeat from one engine to the next; None: fresh entropy
         self.generator = torch.Generator(device=self.device)
-        if config.seed is None:
-            self.generator.seed()
-        else:
-            self.generator.manual_seed(config.seed)
+        self.generator.seed() if config.seed is None else self.generator.manual_seed(config.seed)
         self.max_blocks_per_seq = -(-config.max_model_len // self.block_size)  # the decode block tables' width
         # every sequence's block table as a row of one array: the block manager's, set by the engine
         self.block_tables = BlockTables()
@@ -114,7 +111,7 @@ class ModelRunner:
             self.config = config.with_kv_blocks(self.count_kv_blocks())
         self.num_kvcache_blocks = self.config.num_kvcache_blocks
         self.allocate_kv_cache()
-        self.decode_graphs: Any = None  # nanoref.fast.cuda_graphs.DecodeGraphs, when attached (nanoref/llm.py)
+        self.decode_graphs: Any = None  # replays decode steps (`covers(batch)`, `run`), given by nanoref/llm.py
 
     # -- the KV cache ---------------------------------------------------------------------------
     @property
@@ -150,8 +147,9 @@ class ModelRunner:
         return StepInputs(True, arrays, max_q, max_k)
 
     def prepare_decode(self, seqs: list[Sequence], ahead: bool = False) -> StepInputs:
-        """ahead: the input tokens are not in seq.token_ids yet (the overlapped loop sampled them in the step still
-        on the device), so each sequence is one token longer than the host sees."""
+        """ahead: the input tokens are not in seq.token_ids yet (a step launched before the previous one's tokens
+        came back: they were sampled in the step still on the device), so each sequence is one token longer than
+        the host sees."""
         # Vectorised over the batch: in the plain loop this runs every decode step while the GPU waits. The padded
         # block tables are rows of the block manager's persistent array, written only when a sequence gains blocks.
         num_seqs, size = len(seqs), self.block_size
@@ -167,8 +165,8 @@ class ModelRunner:
     def upload(self, step: StepInputs, input_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Copy a step's arrays to the device in one copy, publish its Context -> (input_ids (N,), positions (N,)).
 
-        input_ids: the step's input tokens when the device already holds them (the overlapped loop)."""
-        t = self._to_device(step.arrays)
+        input_ids: the step's input tokens when the device already holds them (see prepare_decode's `ahead`)."""
+        t = upload_arrays(step.arrays, self.device)
         set_context(
             Context(
                 is_prefill=step.is_prefill,
@@ -185,80 +183,6 @@ class ModelRunner:
         )
         return (t["input_ids"].long() if input_ids is None else input_ids), t["positions"].long()
 
-    def _to_device(self, arrays: dict[str, np.ndarray]) -> dict[str, torch.Tensor]:
-        """Int arrays as int32 device tensors of the same shapes: views into one buffer, copied in one go (on CUDA
-        from fresh pinned memory, so the copy does not block)."""
-        host = torch.from_numpy(np.concatenate([a.ravel() for a in arrays.values()]).astype(np.int32))
-        flat = host.pin_memory().to(self.device, non_blocking=True) if self.device.type == "cuda" else host
-        tensors, start = {}, 0
-        for name, array in arrays.items():
-            tensors[name] = flat[start : start + array.size].view(array.shape)
-            start += array.size
-        return tensors
-
-    def prepare_sample(self, seqs: list[Sequence], is_prefill: bool = False, ahead: bool = False) -> SamplingBatch:
-        """Each row's settings, plus the host facts (all greedy? any top-k/top-p? which rows seeded?)
-        that let the sampler choose its path without reading the device.
-
-        A prefill row that ends mid-prompt emits no token (Scheduler.postprocess drops it): it is sampled greedily,
-        so it draws nothing from its request's generator, and a seeded request's draws are the same however its
-        prompt was chunked (and when every row is greedy or mid-prompt, nothing is drawn from the engine's either).
-        It gets no penalties, masks or logprobs either. ahead: see prepare_decode.
-        """
-        params = [seq.sampling_params for seq in seqs]
-        temperatures = [p.temperature for p in params]
-        generators = [seq.generator for seq in seqs]
-        emits = [True] * len(seqs)
-        if is_prefill:
-            for row, seq in enumerate(seqs):
-                if seq.num_computed_tokens + seq.num_scheduled_tokens < seq.num_tokens:
-                    temperatures[row], generators[row], emits[row] = 0.0, None, False
-        top_k, top_p = [p.top_k for p in params], [p.top_p for p in params]
-        batch = SamplingBatch.from_host(temperatures, top_k, top_p, generators, self.device, self.generator)
-        if any(p.processes_logits for p in params):  # the one check a batch that asks for none of it pays
-            self.prepare_processing(batch, seqs, emits, ahead)
-        return batch
-
-    def prepare_processing(self, batch: SamplingBatch, seqs: list[Sequence], emits: list[bool], ahead: bool) -> None:
-        """The penalties, min_tokens masks and logprob rows of the rows that emit a token, into `batch`."""
-        penalised, masked = [], []
-        for row, seq in enumerate(seqs):
-            if not emits[row]:
-                continue
-            if seq.sampling_params.has_penalties:
-                assert not ahead, "penalties need the token in flight: schedule_ahead does not overlap them"
-            self.row_processing(row, seq, [], int(ahead), penalised, masked)
-            if seq.sampling_params.logprobs is not None:
-                batch.logprob_rows.append((row, seq.sampling_params.logprobs))
-        batch.processing = LogitsProcessing.build(penalised, masked, self.config.hf_config.vocab_size, self.device)
-
-    def row_processing(
-        self, row: int, seq: Sequence, more: list[int], num_unknown: int, penalised: list, masked: list
-    ) -> None:
-        """Row `row`'s penalties and min_tokens mask, appended to `penalised` and `masked` (LogitsProcessing.build's
-        inputs), for the token after seq's tokens plus `more` (known ids: a speculative step's proposals before
-        this row) plus `num_unknown` more tokens whose values only the device holds (the overlapped loop's)."""
-        p = seq.sampling_params
-        vocab = self.config.hf_config.vocab_size
-        if p.has_penalties:
-            prompt, completion = seq.token_ids[: seq.num_prompt_tokens], seq.completion_token_ids + more
-            penalised.append((row, prompt, completion, p.presence_penalty, p.frequency_penalty, p.repetition_penalty))
-        if seq.num_completion_tokens + len(more) + num_unknown < p.min_tokens:
-            eos = [] if p.ignore_eos else sorted(t for t in self.eos_token_ids if t < vocab)  # (a tokenizer's)
-            stop_ids = list(p.stop_token_ids) + eos
-            if stop_ids:
-                masked.append((row, stop_ids))
-
-    def attach_logprobs(
-        self, seqs: list[Sequence], batch: SamplingBatch, logprobs: torch.Tensor, chosen: torch.Tensor
-    ) -> None:
-        """logprobs: (R, V) raw log-probabilities of the rows that asked; chosen: (R,) their sampled ids. Each such
-        row's sequence gets its entry to take when its token is appended (still on the device until then)."""
-        num_top = max(n for _, n in batch.logprob_rows)
-        step = StepLogprobs(chosen, token_logprobs(logprobs, chosen, num_top))
-        for index, (row, n) in enumerate(batch.logprob_rows):
-            seqs[row].pending_logprobs = (step, index, n)
-
     # -- running ------------------------------------------------------------------------------
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
@@ -269,7 +193,7 @@ class ModelRunner:
     def launch(self, seqs: list[Sequence], is_prefill: bool, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Queue one forward and its sampling on the device -> the sampled ids (num_seqs,), still on the device.
 
-        Nothing here waits for the device, so the host may go on (the overlapped loop schedules the next step).
+        Nothing here waits for the device, so the host may go on (and, say, schedule the next step).
         input_ids: a decode step's input tokens as the device already holds them (see prepare_decode's `ahead`).
         """
         ahead = input_ids is not None
@@ -279,17 +203,12 @@ class ModelRunner:
             trace_inputs(step.is_prefill, seqs, input_ids, positions)
             logits = self.run_model(input_ids, positions, is_prefill)  # (num_seqs, vocab)
             # host work while the GPU runs the forward just launched
-            sampling = self.prepare_sample(seqs, is_prefill, ahead)
-            logprobs = None
-            if sampling.logprob_rows:  # from the model's logits: before penalties, masks and temperature
-                rows = None
-                if len(sampling.logprob_rows) < len(seqs):
-                    index = np.asarray([row for row, _ in sampling.logprob_rows], dtype=np.int64)
-                    rows = to_device(index, self.device)  # (R,)
-                logprobs = raw_logprobs(logits if rows is None else logits[rows])  # (R, vocab)
-            sampled = self.sampler(logits, batch=sampling)  # (num_seqs,)
+            vocab = self.config.hf_config.vocab_size
+            batch = sampling_batch(seqs, is_prefill, int(ahead), self.device, self.generator, vocab, self.eos_token_ids)
+            logprobs = step_logprobs(seqs, batch, logits)  # (from the model's logits: before penalties and masks)
+            sampled = self.sampler(logits, batch=batch)  # (num_seqs,)
             if logprobs is not None:
-                self.attach_logprobs(seqs, sampling, logprobs, sampled if rows is None else sampled[rows])
+                attach_logprobs(seqs, batch, logprobs, sampled)
             return sampled
         finally:
             reset_context()  # also when the step raises: the next step must not see this one's metadata
@@ -306,4 +225,4 @@ class ModelRunner:
         return [fn(self, *args)]
 
     def close(self) -> None:
-        """Nothing to stop on one device (a tensor-parallel runner stops its other ranks)."""
+        """Nothing to stop on one device (a runner of several ranks stops the others)."""

@@ -85,3 +85,11 @@ def _token_id(value: object) -> int:
     if isinstance(value, bool):
         raise TypeError("a bool is not a token id")
     return operator.index(value)
+
+
+def eos_token_ids(config: EngineConfig, tokenizer: Any | None) -> set[int]:
+    """The model's EOS ids: its config's, and its tokenizer's (where it names another)."""
+    eos = set(config.hf_config.eos_token_id)
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        eos.add(int(tokenizer.eos_token_id))
+    return eos

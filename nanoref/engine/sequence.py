@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from enum import Enum, auto
 from itertools import count
+from typing import Any
 
 import torch
 
-from nanoref.engine.detokenizer import IncrementalDetokenizer
-from nanoref.layers.logits_processors import StepLogprobs, TokenLogprobs
 from nanoref.sampling_params import SamplingParams
 
 
@@ -44,26 +43,14 @@ class Sequence:
         # the block manager's forward epoch at allocation: its blocks are published only while it is current
         self.forward_epoch = 0
         self.num_preemptions = 0
-        # speculative decoding (nanoref/spec/): tokens proposed for this sequence, and how many the target accepted
-        self.num_draft_tokens = 0
-        self.num_accepted_tokens = 0
-        self.num_verify_steps = 0
         # a seeded request draws its sampling noise from its own generator (set by the engine)
         self.generator: torch.Generator | None = None
-        self.request_id: str | None = None  # the caller's name for the request (the server's id), if it gave one
         # why it finished: "stop" (EOS or a stop string), "length" (max_tokens or max_model_len) or "abort"; None
         # while it runs
         self.finish_reason: str | None = None
         # what ended it: the stop_token_ids entry or the stop string ("stop"); None for EOS, length and abort
         self.stop_reason: int | str | None = None
-        self.index = 0  # which of its request's n samples it is
-        # one entry per completion token where SamplingParams.logprobs asks for them (else stays empty); the step
-        # that sampled the next token leaves its (step's logprobs, row index, N) here for append_token to read
-        self.logprobs: list[TokenLogprobs] = []
-        self.pending_logprobs: tuple[StepLogprobs, int, int] | None = None
-        # its completion as text, kept up to date token by token only where something reads it as it grows (a
-        # stream, or stop strings); None otherwise: offline generate decodes each completion once, at the end
-        self.detokenizer: IncrementalDetokenizer | None = None
+        self.output: Any = None  # what the output stage keeps for it (engine/output_processor.py's SampleOutput)
 
     @property
     def num_tokens(self) -> int:
@@ -96,20 +83,10 @@ class Sequence:
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
-        if self.pending_logprobs is not None:
-            step, index, num_top = self.pending_logprobs
-            self.pending_logprobs = None
-            self.logprobs.append(step.entry(index, num_top))
-        if self.detokenizer is not None:
-            self.detokenizer.add([token_id])
 
     def __repr__(self) -> str:
         if self.is_finished:  # its blocks went back, and with them its cached K/V: its token counts tell its story
-            return (
-                f"Sequence(id={self.seq_id}, FINISHED ({self.finish_reason}), tokens={self.num_tokens}: "
-                f"{self.num_prompt_tokens} prompt + {self.num_completion_tokens} completion)"
-            )
-        return (
-            f"Sequence(id={self.seq_id}, {self.status.name}, tokens={self.num_tokens}, "
-            f"computed={self.num_computed_tokens}, blocks={self.block_table})"
-        )
+            state = f"FINISHED ({self.finish_reason}), tokens={self.num_tokens}: {self.num_prompt_tokens} prompt + "
+            return f"Sequence(id={self.seq_id}, {state}{self.num_completion_tokens} completion)"
+        state = f"{self.status.name}, tokens={self.num_tokens}, computed={self.num_computed_tokens}"
+        return f"Sequence(id={self.seq_id}, {state}, blocks={self.block_table})"

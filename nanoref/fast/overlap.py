@@ -6,22 +6,20 @@ waits for step n's tokens and postprocesses them. Why each piece can run ahead:
 - step n+1's input tokens are step n's sampled ids: they stay on the device (`launch(input_ids=...)`), so nothing
   has to come back to the host before step n+1 can be queued behind step n;
 - its positions, slots and context lengths only need token counts, and every row gains exactly one token per
-  decode step, so the host knows them without the values (`Scheduler.schedule_ahead`);
+  decode step, so the host knows them without the values (`schedule_ahead`);
 - the host's token bookkeeping (append, EOS and max_tokens checks, prefix-cache hashes) follows one step behind:
   step n's postprocess runs while step n+1 is on the device;
 - a sequence that samples EOS at step n has a row in step n+1 already; that row's token is dropped
-  (`Scheduler.commit_ahead`), and its K/V write lands in a block just freed, before any later step can reuse it
+  (`commit_ahead`), and its K/V write lands in a block just freed, before any later step can reuse it
   (device work runs in queue order).
 When step n+1 cannot be decided without step n's tokens (prefills, preemption), the loop waits for step n and
 schedules as usual: those steps run exactly as in the plain loop. On a CPU the "launch" computes right away, so
 nothing overlaps, but every decision is the same: that is how the tests check it. Measured on one H200: the host's
 ~1-2 ms per decode step leaves the critical path (benchmarks/results/).
 
-When a step raises (see `LLMEngine`): a step n launched here is undone like a plain step; once step n is in flight
-it stays so, and step n+1 is dropped (the blocks schedule_ahead reserved for it stay with their sequences, which
-need them next time), so the next call picks step n up again.
+When a step raises (see `LLMEngine`), the requests of both steps in flight are aborted (`in_step`).
 
-Attached by `nanoref/llm.py`: `OverlappedLoop(engine)` takes the place of the engine's `run_step`.
+Given to the engine by `nanoref/llm.py` as its step loop (`OverlappedLoop`).
 """
 
 from __future__ import annotations
@@ -31,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from nanoref.engine.metrics import StepRecord
+from nanoref.engine.scheduler import Scheduler
 from nanoref.engine.sequence import Sequence
 from nanoref.utils.interrupts import interruptibly
 
@@ -81,12 +80,65 @@ class InFlight:
         return self.sampled[index]
 
 
+def schedule_ahead(scheduler: Scheduler, in_flight: list[Sequence]) -> list[Sequence]:
+    """The decode step after the one in flight, chosen before that step's sampled tokens are known.
+
+    Every sequence in flight gets one more token, but its value is still on the device, so the host's view of each
+    sequence is one token behind: a row's new token will sit at position seq.num_tokens (not num_tokens - 1).
+    Returns [] when the next step cannot be decided without those tokens; the loop then waits for them and calls
+    schedule() as usual. That is the case when:
+    - a sequence is waiting: the next step is a prefill (new, chunked or preempted requests);
+    - a running sequence is not in flight, or one in flight is mid-prompt;
+    - the blocks for every row do not fit: schedule() may have to preempt, which needs finished sequences
+      gone first (this keeps preemption decisions the same as the plain loop's);
+    - a sequence in flight asks for penalties or logprobs: penalties read the token values, and logprobs are
+      read back per step (min_tokens needs only the count, which the host knows: it overlaps).
+    A sequence whose token count alone ends it (max_tokens, max_model_len) gets no row. One that will sample
+    EOS cannot be known here: it gets a row, and the loop drops that row's token (`commit_ahead`).
+    """
+    if scheduler.waiting or len(scheduler.running) != len(in_flight):
+        return []
+    if any(seq.num_computed_tokens + seq.num_scheduled_tokens < seq.num_tokens for seq in in_flight):
+        return []  # a prompt chunk samples no token: there is nothing to feed forward
+    if any(seq.sampling_params.has_penalties or seq.sampling_params.logprobs is not None for seq in in_flight):
+        return []
+    ahead = [seq for seq in in_flight if not ends_by_count(scheduler, seq)]
+    manager = scheduler.block_manager
+    needed = sum(manager.blocks_to_append(seq, seq.num_tokens + 1) for seq in ahead)
+    if not ahead or needed > manager.num_free_blocks:
+        return []
+    for seq in ahead:  # room for the K/V of the token in flight, at position seq.num_tokens
+        manager.may_append(seq, seq.num_tokens + 1)
+    scheduler.preempted = []
+    return ahead
+
+
+def ends_by_count(scheduler: Scheduler, seq: Sequence) -> bool:
+    """Whether seq reaches its length limit (max_tokens or max_model_len) with the token in flight."""
+    return (
+        seq.num_completion_tokens + 1 >= seq.sampling_params.max_tokens or seq.num_tokens + 1 >= scheduler.max_model_len
+    )
+
+
+def commit_ahead(ahead: list[Sequence]) -> list[Sequence]:
+    """After the step before it has been postprocessed: the rows of a step scheduled ahead that still count.
+
+    A sequence that finished in that step (EOS) already left `running` with its blocks; its row was computed
+    anyway and its token must never be emitted. The others now hold their one scheduled token.
+    """
+    live = [seq for seq in ahead if not seq.is_finished]
+    for seq in live:
+        seq.num_scheduled_tokens = 1
+    return live
+
+
 class OverlappedLoop:
-    """`step` for an engine whose overlap_scheduling is on: completes step n, leaves step n+1 running."""
+    """The step loop of an engine whose overlap_scheduling is on: completes step n, leaves step n+1 running."""
 
     def __init__(self, engine) -> None:
         self.engine = engine
         self._in_flight: InFlight | None = None
+        self.ahead: list[Sequence] = []  # step n+1's rows while step n is postprocessed
 
     @property
     def in_flight(self) -> InFlight | None:
@@ -105,20 +157,29 @@ class OverlappedLoop:
     def in_flight(self, step: InFlight | None) -> None:
         self._in_flight = step
 
+    def schedule_ahead(self, in_flight: list[Sequence]) -> list[Sequence]:
+        return schedule_ahead(self.engine.scheduler, in_flight)
+
+    def commit_ahead(self, ahead: list[Sequence]) -> list[Sequence]:
+        return commit_ahead(ahead)
+
+    def in_step(self) -> list[Sequence]:
+        """What a failing step aborts: the rows of both steps in flight, and of the one being scheduled."""
+        current = self._in_flight
+        return [*self.engine.scheduler.scheduled, *(current.seqs if current else []), *self.ahead]
+
     def step(self) -> tuple[list[Sequence], StepRecord]:
         engine = self.engine
         scheduler, metrics, runner = engine.scheduler, engine.metrics, engine.model_runner
+        self.ahead = []
         if self.in_flight is None:  # nothing queued: schedule and launch step n the usual way
             seqs, is_prefill = scheduler.schedule()
             record = metrics.begin_step(scheduler, seqs, is_prefill)
-            try:
-                self.in_flight = InFlight.start(seqs, interruptibly(runner.launch, seqs, is_prefill), record)
-            except BaseException:
-                engine.undo_step(seqs, is_prefill, record)
-                raise
+            self.in_flight = InFlight.start(seqs, interruptibly(runner.launch, seqs, is_prefill), record)
+        scheduler.scheduled = []
         current = self.in_flight
         # 1. step n+1, scheduled and queued behind step n, its input ids gathered from step n's on the device
-        ahead = scheduler.schedule_ahead(current.seqs)
+        ahead = self.ahead = self.schedule_ahead(current.seqs)
         if ahead:
             next_ids = current.input_ids_for(ahead)
             next_step = InFlight.start(ahead, interruptibly(runner.launch, ahead, False, next_ids))
@@ -127,18 +188,12 @@ class OverlappedLoop:
         record = metrics.end_step(current.record, current.seqs)
         # 3. step n+1 stays in flight with the rows that still count
         self.in_flight = None
-        live = scheduler.commit_ahead(ahead) if ahead else []
+        live = self.commit_ahead(ahead) if ahead else []
         if live:  # (when every row finished at step n, step n+1's result is simply never read)
             live_ids = {seq.seq_id for seq in live}
             next_step.rows = [row for row, seq in enumerate(ahead) if seq.seq_id in live_ids]
             next_step.seqs = live
             next_step.record = metrics.begin_step(scheduler, live, False)
             self.in_flight = next_step
+        self.ahead = []
         return finished, record
-
-
-def attach_overlapped_loop(engine) -> OverlappedLoop:
-    """Make `engine.step()` run the overlapped loop; returns the loop (its `in_flight` is the step on the device)."""
-    loop = OverlappedLoop(engine)
-    engine.run_step = loop.step
-    return loop

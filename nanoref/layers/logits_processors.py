@@ -37,9 +37,11 @@ def apply_penalties(
 ) -> torch.Tensor:
     """logits: (R, V) float32; output_counts: (R, V) float32, each token's count in the completion; seen: (R, V)
     bool, the token is in the prompt or the completion; presence, frequency, repetition: (R,) float32 -> (R, V)."""
-    rep = repetition[:, None]  # (R, 1)
+    finite = torch.finfo(torch.float32)
+    rep = repetition.clamp(min=finite.tiny)[:, None]  # (R, 1): a penalty that float32 rounds to 0 would make 0 / 0
     logits = torch.where(seen, torch.where(logits > 0, logits / rep, logits * rep), logits)
-    return logits - frequency[:, None] * output_counts - presence[:, None] * (output_counts > 0)
+    logits = logits - frequency[:, None] * output_counts - presence[:, None] * (output_counts > 0)
+    return logits.clamp(min=finite.min, max=finite.max)  # finite: an extreme penalty must not make inf - inf later
 
 
 def mask_tokens(logits: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

@@ -93,20 +93,43 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Te
     mass_before = probs.cumsum(dim=-1) - probs  # (B, V): probability of the better-ranked tokens
     # the nucleus already reached top_p without this token; top_p 1.0 is "off", not a threshold: float32
     # sums can reach 1.0 before the tail, which would drop it from rows that never asked for top_p
-    drop |= (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0)
+    # (the most likely token always stays, as in vLLM's sampler: a top_p that float32 rounds to 0 keeps one token)
+    drop |= (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0) & (ranks > 0)
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+
+
+# the smallest temperature that scales the logits (vLLM's clamp): below it, 1/temperature would blow float32 logits
+# up to inf, and the distribution is the argmax's anyway
+MIN_TEMPERATURE = 1e-2
+
+
+def sampling_probs(
+    logits: torch.Tensor,
+    temperatures: torch.Tensor,
+    top_k: torch.Tensor | None = None,
+    top_p: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The one sampling distribution: logits (B, V) (penalties and masks already applied); temperatures (B,) float32;
+    top_k (B,) int (0 = off), top_p (B,) float (1.0 = off), or None for neither -> probabilities (B, V) float32.
+
+    Every sampler uses it: the plain step's, a seeded row's, the speculative target's p and the draft's q. It never
+    gives NaN for valid settings: the temperature is clamped to MIN_TEMPERATURE, a logit that still overflows is
+    the largest float32 instead of inf, and top-p keeps the most likely token."""
+    scaled = logits.float() / temperatures.clamp(min=MIN_TEMPERATURE)[:, None]  # (B, V)
+    scaled = scaled.clamp(max=torch.finfo(torch.float32).max)  # inf -> the largest finite (-inf stays: masked)
+    if top_k is not None:
+        scaled = seam("apply_top_k_top_p", apply_top_k_top_p)(scaled, top_k, top_p)
+    return scaled.softmax(dim=-1)
 
 
 def sample_with_temperature(logits: torch.Tensor, temperatures: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     """logits: (B, V); temperatures: (B,) float32; noise: (B, V) float32 Exp(1) draws -> sampled ids (B,).
 
-    Scale, softmax, divide by the noise, argmax: one pass over a float32 (B, V) buffer, updated in place.
+    Scale, softmax, divide by the noise, argmax: the caller's logits stay as they were (seeded rows and greedy rows
+    of the same batch read them after this).
     """
-    # a float32 copy even of float32 logits: the caller's logits stay as they were (seeded rows and greedy rows of
-    # the same batch read them after this)
-    probs = logits.to(torch.float32, copy=True).div_(temperatures.clamp(min=1e-5)[:, None]).softmax(dim=-1)  # (B, V)
-    return probs.div_(noise).argmax(dim=-1)  # (B,)
+    return sampling_probs(logits, temperatures).div_(noise).argmax(dim=-1)  # (B,)
 
 
 # eager this is ~6 kernels over (B, V) float32 buffers (V = 151,936 for Qwen3); compiled, inductor fuses the
@@ -119,12 +142,11 @@ def sample_seeded_row(
     logits: torch.Tensor, temperature: float, top_k: int, top_p: float, generator: torch.Generator
 ) -> torch.Tensor:
     """logits: (V,) -> a 0-d id, from this request's own generator: the same whatever else is in the batch."""
-    scaled = logits.float()[None, :] / temperature  # (1, V)
-    if top_k > 0 or top_p < 1.0:
-        device = logits.device
-        top_k_t, top_p_t = torch.tensor([top_k], device=device), torch.tensor([top_p], device=device)
-        scaled = seam("apply_top_k_top_p", apply_top_k_top_p)(scaled, top_k_t, top_p_t)
-    probs = scaled.softmax(dim=-1)[0]  # (V,)
+    device = logits.device
+    filtered = top_k > 0 or top_p < 1.0
+    top_k_t = torch.tensor([top_k], device=device) if filtered else None
+    top_p_t = torch.tensor([top_p], device=device) if filtered else None
+    probs = sampling_probs(logits[None, :], torch.tensor([temperature], device=device), top_k_t, top_p_t)[0]  # (V,)
     noise = torch.empty_like(probs).exponential_(generator=generator)  # (V,)
     return (probs / noise).argmax()
 
@@ -163,8 +185,7 @@ class Sampler(nn.Module):
         noise = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)  # (B, V)
         noise.exponential_(generator=batch.generator)
         if batch.any_filtered:  # the general path: a sort per row
-            scaled = logits.float() / batch.temperatures.clamp(min=1e-5)[:, None]  # (B, V)
-            probs = seam("apply_top_k_top_p", apply_top_k_top_p)(scaled, batch.top_k, batch.top_p).softmax(dim=-1)
+            probs = sampling_probs(logits, batch.temperatures, batch.top_k, batch.top_p)  # (B, V)
             sampled_ids = probs.div_(noise).argmax(dim=-1)  # (B,)
         else:
             sampled_ids = sample_with_temperature_cuda(logits, batch.temperatures, noise)

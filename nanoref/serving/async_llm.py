@@ -3,7 +3,7 @@
 Offline, `LLM.generate` takes every prompt at once and returns when the last one is done. A server cannot wait
 like that: requests arrive while others run, each caller wants its tokens as they are made, and a caller that
 goes away must stop costing KV blocks. The engine already has what this needs (`add_request`, `step`,
-`abort_request`, a streamed `seq.detokenizer.text`); this module drives it from asyncio.
+`abort_request`, a sample's text as it grows from its `output_processor`); this module drives it from asyncio.
 
 A request's life online:
 

@@ -21,7 +21,7 @@ Per token the loop does little (see async_llm.py's docstring for why that matter
   stream's tokens of a step in one batched decode). In the process form that is the server's process, so the
   engine's process spends nothing on text: on an H200 with 256 streams, decoding every delta here took a quarter
   of the engine process's time, Python that offline `generate` never pays, and the GPU waited for it. Only a
-  request with stop strings has its text grown here, token by token, in the engine (its `seq.detokenizer`),
+  request with stop strings has its text grown here, token by token, in the engine (its `seq.output.detokenizer`),
   where the stop strings are matched and end the sequence; its deltas carry that text.
 """
 
@@ -182,10 +182,13 @@ class EngineLoop:
                 self.verified_rows += record.num_seqs
             # a server runs for days: keep no step history (the last record may be a step in flight)
             del self.llm.metrics.steps[:-1]
-        except Exception as error:  # fail what was in flight, keep serving what comes next
-            self.llm.abort_all()
-            self.errors.extend((key, error) for key in self.requests)
-            self.requests.clear()
+        except Exception as error:  # fail the requests the step aborted (`failed`), keep serving the others
+            failed = set(self.llm.failed)
+            for key, active in list(self.requests.items()):
+                if any(sample.seq in failed for sample in active.samples):
+                    self.abort(active)  # (its other samples too)
+                    self.errors.append((key, error))
+                    del self.requests[key]
 
     def deliver(self) -> None:
         """Send each sample what it made since its last delta, with the errors and the stats, as one message
@@ -212,21 +215,22 @@ class EngineLoop:
         tokens = seq.completion_token_ids
         if len(tokens) == sample.num_sent_tokens and not seq.is_finished:
             return None
-        text = None if seq.detokenizer is None else seq.detokenizer.text  # (the final text once finished)
+        streamed = seq.output.detokenizer is not None
+        text = self.llm.output_processor.text_so_far(seq) if streamed else None  # (the final text once finished)
         metrics = self.llm.metrics.requests.pop(seq.seq_id, None) if seq.is_finished else None
         if metrics is not None:
             self.queried_tokens += metrics.num_prompt_tokens
             self.hit_tokens += metrics.num_cached_tokens
         delta = SampleDelta(
             key=key,
-            index=seq.index,
+            index=seq.output.index,
             token_ids=tokens[sample.num_sent_tokens :],
             text=None if text is None else text[sample.num_sent_chars :],
             num_prompt_tokens=seq.num_prompt_tokens,
             finished=seq.is_finished,
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,
-            logprobs=seq.logprobs[sample.num_sent_tokens : len(tokens)],
+            logprobs=seq.output.logprobs[sample.num_sent_tokens : len(tokens)],
             metrics=metrics,
         )
         sample.num_sent_tokens, sample.done = len(tokens), seq.is_finished

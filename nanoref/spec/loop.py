@@ -19,13 +19,13 @@ KV rollback costs nothing to do, only to get right. The forward wrote K/V for al
 counts as computed only up to its accepted tokens (num_computed_tokens = num_tokens - 1, as after any decode step),
 so the K/V of rejected positions is never read (attention reads up to the context length) and is overwritten when
 the sequence really reaches those positions. The prefix cache hashes only blocks full of computed tokens, so it
-never sees a rejected one. The blocks the scheduler reserved for proposals (`Scheduler.num_lookahead_tokens`)
-beyond what the kept tokens need go back to the free list (`BlockManager.trim`).
+never sees a rejected one. The blocks the scheduler reserved for proposals (the engine's `num_lookahead_tokens`)
+beyond what the kept tokens need go back to the free list (`trim`).
 
 A sequence near its max_tokens also checks k tokens (it could keep fewer): the step keeps one shape, and what lies
 past the sequence's end is never appended. A draft model's own decode steps replay its graphs.
 
-Attached by `nanoref/llm.py`: `SpeculativeLoop(engine)` takes the place of the engine's `run_step`.
+Given to the engine by `nanoref/llm.py` as its step loop (`SpeculativeLoop`), with k as its lookahead.
 """
 
 from __future__ import annotations
@@ -35,11 +35,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from nanoref.engine.block_manager import BlockManager
 from nanoref.engine.metrics import StepRecord
 from nanoref.engine.model_runner import PrefillMetadata, StepInputs, prefill_metadata
+from nanoref.engine.sampling_inputs import row_processing
 from nanoref.engine.sequence import Sequence
 from nanoref.layers.logits_processors import LogitsProcessing, TokenLogprobs, raw_logprobs, to_device, token_logprobs
-from nanoref.layers.sampler import apply_top_k_top_p
+from nanoref.layers.sampler import sampling_probs
 from nanoref.spec.acceptance import accept_greedy, emitted_tokens, rejection_sample
 from nanoref.spec.proposers import DraftProposer, NgramProposer
 from nanoref.utils import seams
@@ -109,7 +111,6 @@ class SpeculativeLoop:
         else:
             runner.draft.block_tables = runner.block_tables  # the draft's K/V lives in the target's blocks
             self.proposer = DraftProposer(runner.draft)
-        engine.scheduler.num_lookahead_tokens = self.k
         # totals over the engine's life (the server's /metrics)
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
@@ -119,20 +120,15 @@ class SpeculativeLoop:
         scheduler, metrics, runner = engine.scheduler, engine.metrics, engine.model_runner
         seqs, is_prefill = scheduler.schedule()
         record = metrics.begin_step(scheduler, seqs, is_prefill)
-        try:
-            if is_prefill:
-                interruptibly(self.proposer.prefill, seqs)
-                token_ids = interruptibly(runner.run, seqs, True)
-            else:
-                verified = interruptibly(self.verify, seqs)
-        except BaseException:
-            engine.undo_step(seqs, is_prefill, record)
-            raise
         if is_prefill:
-            finished = scheduler.postprocess(seqs, token_ids)
+            interruptibly(self.proposer.prefill, seqs)
+            finished = scheduler.postprocess(seqs, interruptibly(runner.run, seqs, True))
         else:
-            finished = self.postprocess(seqs, verified, record)
+            finished = self.postprocess(seqs, interruptibly(self.verify, seqs), record)
         return finished, metrics.end_step(record, seqs)
+
+    def in_step(self) -> list[Sequence]:
+        return self.engine.scheduler.scheduled
 
     # -- the verify step ------------------------------------------------------------------------
     def limit(self, seq: Sequence) -> int:
@@ -150,7 +146,14 @@ class SpeculativeLoop:
         # Every sequence checks k tokens where it has room for them (a sequence that may keep fewer, near its
         # max_tokens, still checks k: it stops at its end), so the step has one shape. The proposals a proposer
         # could not make are filled with its last one (or the last token), a guess like any other.
-        fits = all(seq.num_tokens + self.k <= self.engine.config.max_model_len for seq in seqs)
+        # A sequence near its own end has blocks only up to it (the scheduler reserves no more): it takes blocks for
+        # the rest of the k rows where some are free (given back after the step), else the step takes the varlen path
+        manager = self.engine.scheduler.block_manager
+        for seq in seqs:
+            if manager.blocks_to_append(seq, seq.num_tokens + self.k) <= manager.num_free_blocks:
+                manager.may_append(seq, min(seq.num_tokens + self.k, self.engine.config.max_model_len))
+        room = [min(self.engine.config.max_model_len, len(seq.block_table) * runner.block_size) for seq in seqs]
+        fits = all(seq.num_tokens + self.k <= end for seq, end in zip(seqs, room))
         # a learner's decode attention (notebook 04) answers one query per sequence, what its exercise asks for:
         # with one in place, verify steps take the varlen path; a learner's graph padding sees one token per row
         replaced = seams.active().keys()
@@ -189,12 +192,12 @@ class SpeculativeLoop:
         starts = np.cumsum([0] + [1 + len(d) for d in drafts])  # sequence b's rows: starts[b] .. starts[b + 1] - 1
         rows_of = [range(starts[b], starts[b + 1]) for b in range(len(seqs))]
         # penalties and min_tokens masks, per row: row i of sequence b follows its tokens plus d_1..d_i
-        penalised, masked = [], []
+        penalised, masked, vocab = [], [], runner.config.hf_config.vocab_size
         for seq, draft, rows in zip(seqs, drafts, rows_of):
             if seq.sampling_params.processes_logits:
                 for i, row in enumerate(rows):
-                    runner.row_processing(row, seq, draft[:i], 0, penalised, masked)
-        processing = LogitsProcessing.build(penalised, masked, runner.config.hf_config.vocab_size, device)
+                    row_processing(row, seq, draft[:i], 0, penalised, masked, vocab, runner.eos_token_ids)
+        processing = LogitsProcessing.build(penalised, masked, vocab, device)
         scores = logits.float() if processing is None else processing.apply(logits)  # (T, V)
         argmax = scores.argmax(dim=-1)  # (T,)
         sampled = [seq.sampling_params.temperature > 0 for seq in seqs]
@@ -221,15 +224,13 @@ class SpeculativeLoop:
         num_rows, vocab = scores.shape
         device = scores.device
         per_row = [(seq.sampling_params, len(rows)) for seq, rows in zip(seqs, rows_of)]
-        temperatures = torch.tensor(
-            [max(p.temperature, 1e-5) for p, n in per_row for _ in range(n)], device=device
-        )  # (T,): greedy rows too (their result is not used)
-        scaled = scores / temperatures[:, None]
+        # (T,): greedy rows too (their result is not used)
+        temperatures = torch.tensor([p.temperature for p, n in per_row for _ in range(n)], device=device)
+        top_k = top_p = None
         if any(p.top_k > 0 or p.top_p < 1.0 for p, _ in per_row):
             top_k = torch.tensor([p.top_k for p, n in per_row for _ in range(n)], device=device)
             top_p = torch.tensor([p.top_p for p, n in per_row for _ in range(n)], device=device)
-            scaled = seam("apply_top_k_top_p", apply_top_k_top_p)(scaled, top_k, top_p)
-        p = scaled.softmax(dim=-1)  # (T, V)
+        p = sampling_probs(scores, temperatures, top_k, top_p)  # (T, V)
         # the rows past a sequence's counted proposals are bonus rows (-1), so its tokens are the same whether its
         # step had k rows per sequence or only as many as it could keep (the varlen path)
         draft_rows = [row for draft, rows in zip(counted, rows_of) for row in rows[: len(draft)]]
@@ -297,24 +298,19 @@ class SpeculativeLoop:
             seq.num_scheduled_tokens = 0
             first_position = seq.num_tokens - 1
             accepted = len(v.token_ids) - 1
-            seq.num_draft_tokens += len(v.draft_ids)
-            seq.num_accepted_tokens += accepted
-            seq.num_verify_steps += 1
+            self.engine.metrics.count_verified(seq, len(v.draft_ids), accepted)
             record.num_draft_tokens += len(v.draft_ids)
             record.num_accepted_tokens += accepted
             for index, token_id in enumerate(v.token_ids):
                 seq.num_computed_tokens += 1  # the token before this one (the last token, then each kept proposal)
                 manager.commit(seq)
-                seq.append_token(token_id)
                 if v.logprobs is not None:
-                    seq.logprobs.append(v.logprobs[index])
-                reason = scheduler.finish_reason(seq, token_id)
-                if reason is not None:
-                    scheduler.finish(seq, reason)
+                    seq.output.logprobs.append(v.logprobs[index])
+                if scheduler.append(seq, token_id):
                     finished.append(seq)
                     break
             else:
-                manager.trim(seq)  # the blocks only rejected proposals used
+                trim(manager, seq)  # the blocks only rejected proposals used
                 if isinstance(self.proposer, DraftProposer):
                     self.proposer.after_verify(seq, first_position, len(v.draft_ids))
         self.num_draft_tokens += record.num_draft_tokens
@@ -328,8 +324,18 @@ def pad(draft: list[int], seq: Sequence, width: int) -> list[int]:
     return (draft + [filler] * width)[:width]
 
 
-def attach_speculative_loop(engine) -> SpeculativeLoop:
-    """Make `engine.step()` run the speculative loop; returns the loop (its proposer and acceptance totals)."""
-    loop = SpeculativeLoop(engine)
-    engine.run_step = loop.step
-    return loop
+def trim(manager: BlockManager, seq: Sequence) -> None:
+    """Give back the blocks past the ones seq's tokens need: those a speculative step took for proposed tokens
+    that were rejected. They are seq's alone and carry no hash (nothing past its last token is committed)."""
+    keep = seq.num_blocks
+    if len(seq.block_table) <= keep:
+        return
+    for block_id in seq.block_table[keep:]:
+        block = manager.blocks[block_id]
+        assert block.ref_count == 1 and block.hash == -1, f"{block} past the end of {seq} is shared or hashed"
+        block.ref_count = 0
+        manager.used_block_ids.remove(block_id)
+        manager.free_block_ids[block_id] = None
+    manager.tables.array[seq.table_row, keep : len(seq.block_table)] = -1
+    del seq.block_table[keep:]
+    manager.tables.num_blocks[seq.table_row] = keep

@@ -15,9 +15,8 @@ import torch
 
 from nanoref.engine.model_runner import StepInputs, prefill_metadata
 from nanoref.engine.sequence import Sequence
-from nanoref.layers.sampler import apply_top_k_top_p
+from nanoref.layers.sampler import sampling_probs
 from nanoref.utils.context import reset_context
-from nanoref.utils.seams import seam
 
 
 def propose_ngram(token_ids: list[int], min_n: int, max_n: int, k: int) -> list[int]:
@@ -67,13 +66,12 @@ def draft_probabilities(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Ten
     greedy requests are one-hot at the argmax."""
     params = [seq.sampling_params for seq in seqs]
     device = logits.device
-    temperatures = torch.tensor([max(p.temperature, 1e-5) for p in params], device=device)  # (B,)
-    scaled = logits.float() / temperatures[:, None]  # (B, V)
+    temperatures = torch.tensor([p.temperature for p in params], device=device)  # (B,)
+    top_k = top_p = None
     if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
         top_k = torch.tensor([p.top_k for p in params], device=device)
         top_p = torch.tensor([p.top_p for p in params], device=device)
-        scaled = seam("apply_top_k_top_p", apply_top_k_top_p)(scaled, top_k, top_p)
-    probs = scaled.softmax(dim=-1)
+    probs = sampling_probs(logits, temperatures, top_k, top_p)  # (B, V)
     greedy = torch.tensor([p.temperature == 0 for p in params], device=device)
     if bool(greedy.any()):
         one_hot = torch.zeros_like(probs).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -56,3 +57,15 @@ def set_context(context: Context) -> None:
 
 def reset_context() -> None:
     _CURRENT.context = Context()
+
+
+def upload_arrays(arrays: dict[str, np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:
+    """A step's int arrays as int32 device tensors of the same shapes: views into one buffer, copied in one go (on
+    CUDA from fresh pinned memory, so the copy does not block)."""
+    host = torch.from_numpy(np.concatenate([a.ravel() for a in arrays.values()]).astype(np.int32))
+    flat = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
+    tensors, start = {}, 0
+    for name, array in arrays.items():
+        tensors[name] = flat[start : start + array.size].view(array.shape)
+        start += array.size
+    return tensors

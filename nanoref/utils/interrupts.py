@@ -1,16 +1,16 @@
-"""Hold Ctrl-C back while the engine's bookkeeping runs, so an interrupt lands only where a step can be undone.
+"""Hold Ctrl-C back while the engine's bookkeeping runs, so an interrupt lands only where a step can fail.
 
 Python raises KeyboardInterrupt wherever it happens to be when SIGINT arrives. Between two lines of the scheduler's
 or the block manager's bookkeeping that leaves a sequence in no queue, or a block counted twice, and every later
 step fails. So the engine runs a step inside `held_interrupts()`: SIGINT is only noted there, and raised when the
 block ends, with the bookkeeping complete. Two kinds of work inside a step are run through `interruptibly(fn, ...)`
 instead, where an interrupt acts at once (and one noted earlier is raised before fn starts): the forward pass,
-which can take seconds on a CPU, and a learner's exercise function, which may loop forever. The engine undoes the
-step when either raises (see LLMEngine.step and Scheduler.unschedule).
+which can take seconds on a CPU, and a learner's exercise function, which may loop forever. The engine aborts the
+step's requests when either raises (see LLMEngine.step).
 
     with held_interrupts():
         decide_and_apply()                  # Ctrl-C here waits for the block's end
-        result = interruptibly(forward)     # Ctrl-C here raises at once; the caller undoes the step
+        result = interruptibly(forward)     # Ctrl-C here raises at once; the caller aborts the step
 
 Holding happens only in the main thread (the one Python raises KeyboardInterrupt in) and only while SIGINT has
 Python's default handler; a caller's own handler is left to do what it does. The outermost block puts the default

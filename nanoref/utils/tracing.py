@@ -119,7 +119,7 @@ def trace_step_index(index: int, scheduled: bool = True) -> None:
 
     scheduled (metrics.begin_step): step `index` was just scheduled. The plain loop launches it next; the
     overlapped loop records a step it launched ahead only after launching it, and then the next launch is index + 1.
-    scheduled=False (metrics.clear, and drop_step, whose step is retried): the next step launched is `index`.
+    scheduled=False (metrics.clear): the next step launched is `index`.
     """
     global _next_index, _last_index
     if not scheduled:

@@ -1,0 +1,156 @@
+"""The output stage: what a caller sees of the tokens the engine samples (as vLLM v1's output processor).
+
+The core appends tokens and decides EOS, stop ids and lengths; everything else a caller reads is built here:
+each sample's place among its request's n (`index`) and the caller's name for it (`request_id`), its text as it
+grows (an `IncrementalDetokenizer`, only where something reads it as it grows: a stream, or stop strings), the
+stop strings matched on that text, its logprobs, and the outputs themselves: `generate`'s dicts, `stream`'s
+pieces and the engine loop's deltas. Each sequence carries its `SampleOutput` as `seq.output`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from nanoref.engine.detokenizer import IncrementalDetokenizer, decode
+from nanoref.engine.sequence import Sequence
+from nanoref.layers.logits_processors import StepLogprobs, TokenLogprobs
+
+
+@dataclass(eq=False)
+class SampleOutput:
+    """What the output stage keeps for one sample."""
+
+    index: int = 0  # which of its request's n samples it is
+    request_id: str | None = None  # the caller's name for the request (the server's id), if it gave one
+    # its completion as text, kept up to date token by token where something reads it as it grows (None: offline
+    # generate decodes each completion once, at the end)
+    detokenizer: IncrementalDetokenizer | None = None
+    # one entry per completion token where SamplingParams.logprobs asks for them; the step that sampled the next
+    # token leaves its (step's logprobs, row index, N) in `pending_logprobs` for `on_token` to read
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    pending_logprobs: tuple[StepLogprobs, int, int] | None = None
+
+
+@dataclass
+class StreamPiece:
+    """What one step added to one sample of a streamed request (`LLMEngine.stream`)."""
+
+    text: str  # the new text ("" while a character, or a possible stop string, is still incomplete)
+    token_ids: list[int]  # the new tokens
+    finished: bool
+    finish_reason: str | None  # "stop", "length" or "abort" once finished
+    index: int = 0  # which of the request's n samples
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer, model_folder) -> None:
+        self.tokenizer = tokenizer
+        self.model_folder = model_folder
+        # the samples 1..n-1 of a request with n > 1, by its sample 0, queued once sample 0's prompt is computed
+        # (then its full prompt blocks are in the prefix cache, and they share them instead of prefilling again)
+        self.held_samples: dict[Sequence, list[Sequence]] = {}
+
+    # -- n samples ------------------------------------------------------------------------------
+    def hold(self, samples: list[Sequence]) -> None:
+        """Hold a request's samples 1..n-1 until its sample 0 (queued now) has computed its prompt."""
+        if len(samples) > 1:
+            self.held_samples[samples[0]] = samples[1:]
+
+    def ready_samples(self) -> list[Sequence]:
+        """The held samples to queue now: those whose sample 0 has computed its prompt (or finished: then there is
+        nothing to wait for)."""
+        ready = [first for first in self.held_samples if first.num_completion_tokens or first.is_finished]
+        return [seq for first in ready for seq in self.held_samples.pop(first)]
+
+    def drop_held(self, seqs: list[Sequence] | None = None) -> list[Sequence]:
+        """Drop these samples (None: all) from the held ones -> those that were held (never queued)."""
+        dropped = []
+        for first, held in list(self.held_samples.items()):
+            dropped += [seq for seq in held if seqs is None or seq in seqs]
+            held[:] = [seq for seq in held if seqs is not None and seq not in seqs]
+            if not held:
+                del self.held_samples[first]
+        return dropped
+
+    def attach(self, samples: list[Sequence], request_id: str | None, stream: bool) -> None:
+        """Give a request's samples their outputs. stream: keep each one's text up to date after every step (for a
+        caller that shows it as it grows); a request with stop strings gets that either way."""
+        stop = samples[0].sampling_params.stop_strings
+        if (stream or stop) and self.tokenizer is None:
+            need = "a stream of text" if stream else "stop strings"
+            raise ValueError(f"{self.model_folder} has no tokenizer: {need} needs one")
+        for index, seq in enumerate(samples):
+            include = seq.sampling_params.include_stop_str_in_output
+            detokenizer = IncrementalDetokenizer(self.tokenizer, stop, include) if stream or stop else None
+            seq.output = SampleOutput(index, request_id, detokenizer)
+
+    @staticmethod
+    def on_token(seq: Sequence) -> bool:
+        """seq just appended a token: take its logprobs and text -> whether a stop string ends it there (then its
+        text is cut before it, and the string is `seq.stop_reason`). Stop strings count from min_tokens on, as in
+        vLLM (find_stop looks only at the text this token brought)."""
+        out = seq.output
+        if out is None:
+            return False
+        if out.pending_logprobs is not None:
+            step, index, num_top = out.pending_logprobs
+            out.pending_logprobs = None
+            out.logprobs.append(step.entry(index, num_top))
+        if out.detokenizer is None:
+            return False
+        out.detokenizer.add([seq.last_token])
+        if seq.num_completion_tokens >= seq.sampling_params.min_tokens and out.detokenizer.find_stop() is not None:
+            seq.stop_reason = out.detokenizer.stop_reason
+            return True
+        return False
+
+    @staticmethod
+    def text_so_far(seq: Sequence) -> str:
+        """A streamed sample's text so far (its final text once it finished: whatever was held back is released)."""
+        detokenizer = seq.output.detokenizer
+        if seq.is_finished:
+            detokenizer.finish()  # (again, if it was already: nothing is held back any more)
+        return detokenizer.text
+
+    def output(self, seq: Sequence, metrics=None) -> dict:
+        """A finished sample as `generate` returns it; metrics: its RequestMetrics, if asked for."""
+        token_ids = seq.completion_token_ids
+        if seq.output.detokenizer is not None:  # its text as it grew, so the stream and generate agree
+            text = self.text_so_far(seq)  # (cut at its stop string, if one matched)
+        else:
+            text = None if self.tokenizer is None else decode(self.tokenizer, token_ids)
+        output = {"text": text, "token_ids": token_ids, "finish_reason": seq.finish_reason}
+        if seq.sampling_params.stop is not None:
+            output["stop_reason"] = seq.stop_reason
+        if seq.sampling_params.logprobs is not None:
+            output["logprobs"] = seq.output.logprobs  # one TokenLogprobs per completion token
+        if metrics is not None:
+            output["metrics"] = metrics
+        return output
+
+    def request_output(self, samples: list[Sequence], metrics: dict | None = None) -> dict:
+        """A finished request as `generate` returns it: sample 0's output, with "outputs" when n > 1. metrics: the
+        engine's RequestMetrics by seq_id, to include them."""
+
+        def one(seq: Sequence) -> dict:
+            return self.output(seq, None if metrics is None else metrics[seq.seq_id])
+
+        output = one(samples[0])
+        if len(samples) > 1:
+            output["outputs"] = [{"index": seq.output.index, **one(seq)} for seq in samples]
+        return output
+
+    def pieces(self, sent: dict[Sequence, list[int]]) -> list[StreamPiece]:
+        """What each streamed sample added since its last piece; sent: seq -> [tokens, characters] already given
+        (updated here; a finished sample leaves it with its last piece)."""
+        pieces = []
+        for seq, counts in list(sent.items()):
+            tokens = seq.token_ids[seq.num_prompt_tokens + counts[0] :]
+            text = self.text_so_far(seq)[counts[1] :]
+            if tokens or text or seq.is_finished:
+                counts[0] += len(tokens)
+                counts[1] += len(text)
+                if seq.is_finished:
+                    del sent[seq]
+                pieces.append(StreamPiece(text, tokens, seq.is_finished, seq.finish_reason, seq.output.index))
+        return pieces

@@ -1,0 +1,102 @@
+"""A step's sampling inputs, built in one place from its sequences' SamplingParams: temperatures, top-k / top-p,
+the seeded rows' generators, penalties, min_tokens masks and which rows want logprobs.
+
+The model runner asks for them (`sampling_batch`) while the forward runs; a step loop that samples several rows per
+sequence (a verify step) builds each row's penalties and masks with `row_processing`. Logprobs come from the model's
+raw logits (`step_logprobs`), before penalties, masks and temperature (vLLM's default "raw_logprobs").
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from nanoref.engine.sequence import Sequence
+from nanoref.layers.logits_processors import LogitsProcessing, StepLogprobs, raw_logprobs, to_device, token_logprobs
+from nanoref.layers.sampler import SamplingBatch
+
+
+def sampling_batch(
+    seqs: list[Sequence],
+    is_prefill: bool,
+    num_unknown: int,
+    device: torch.device,
+    generator: torch.Generator,
+    vocab: int,
+    eos_token_ids: set[int] | frozenset[int],
+) -> SamplingBatch:
+    """Each row's settings, plus the host facts (all greedy? any top-k/top-p? which rows seeded?) that let the
+    sampler choose its path without reading the device. generator: what unseeded rows draw from.
+
+    A prefill row that ends mid-prompt emits no token (Scheduler.postprocess drops it): it is sampled greedily, so
+    it draws nothing from its request's generator, and a seeded request's draws are the same however its prompt
+    was chunked (and when every row is greedy or mid-prompt, nothing is drawn from the engine's either). It gets no
+    penalties, masks or logprobs either. num_unknown: tokens each sequence has that only the device holds yet (1
+    where a step was launched before the previous one's tokens came back; see row_processing).
+    """
+    params = [seq.sampling_params for seq in seqs]
+    temperatures = [p.temperature for p in params]
+    generators = [seq.generator for seq in seqs]
+    emits = [True] * len(seqs)
+    if is_prefill:
+        for row, seq in enumerate(seqs):
+            if seq.num_computed_tokens + seq.num_scheduled_tokens < seq.num_tokens:
+                temperatures[row], generators[row], emits[row] = 0.0, None, False
+    top_k, top_p = [p.top_k for p in params], [p.top_p for p in params]
+    batch = SamplingBatch.from_host(temperatures, top_k, top_p, generators, device, generator)
+    if not any(p.processes_logits for p in params):  # the one check a batch that asks for none of it pays
+        return batch
+    penalised, masked = [], []
+    for row, seq in enumerate(seqs):
+        if emits[row]:
+            assert not (num_unknown and seq.sampling_params.has_penalties), "penalties need every token's value"
+            row_processing(row, seq, [], num_unknown, penalised, masked, vocab, eos_token_ids)
+            if seq.sampling_params.logprobs is not None:
+                batch.logprob_rows.append((row, seq.sampling_params.logprobs))
+    batch.processing = LogitsProcessing.build(penalised, masked, vocab, device)
+    return batch
+
+
+def row_processing(
+    row: int,
+    seq: Sequence,
+    more: list[int],
+    num_unknown: int,
+    penalised: list,
+    masked: list,
+    vocab: int,
+    eos_token_ids: set[int] | frozenset[int],
+) -> None:
+    """Row `row`'s penalties and min_tokens mask, appended to `penalised` and `masked` (LogitsProcessing.build's
+    inputs), for the token after seq's tokens plus `more` (known ids: proposed tokens before this row) plus
+    `num_unknown` more tokens whose values only the device holds."""
+    p = seq.sampling_params
+    if p.has_penalties:
+        prompt, completion = seq.token_ids[: seq.num_prompt_tokens], seq.completion_token_ids + more
+        penalised.append((row, prompt, completion, p.presence_penalty, p.frequency_penalty, p.repetition_penalty))
+    if seq.num_completion_tokens + len(more) + num_unknown < p.min_tokens:
+        eos = [] if p.ignore_eos else sorted(t for t in eos_token_ids if t < vocab)  # (a tokenizer's may not be)
+        stop_ids = list(p.stop_token_ids) + eos
+        if stop_ids:
+            masked.append((row, stop_ids))
+
+
+def step_logprobs(seqs: list[Sequence], batch: SamplingBatch, logits: torch.Tensor) -> torch.Tensor | None:
+    """The raw log-probabilities (R, V) of the rows that asked, from the model's logits (None: no row asked)."""
+    if not batch.logprob_rows:
+        return None
+    if len(batch.logprob_rows) == len(seqs):
+        return raw_logprobs(logits)
+    index = np.asarray([row for row, _ in batch.logprob_rows], dtype=np.int64)
+    return raw_logprobs(logits[to_device(index, logits.device)])  # (R, V)
+
+
+def attach_logprobs(seqs: list[Sequence], batch: SamplingBatch, logprobs: torch.Tensor, sampled: torch.Tensor) -> None:
+    """logprobs: step_logprobs' (R, V); sampled: (num_seqs,) the step's ids. Each asking row's sequence gets its
+    entry to take when its token is appended (still on the device until then)."""
+    rows = [row for row, _ in batch.logprob_rows]
+    chosen = sampled if len(rows) == len(seqs) else sampled[to_device(np.asarray(rows, dtype=np.int64), sampled.device)]
+    num_top = max(n for _, n in batch.logprob_rows)
+    step = StepLogprobs(chosen, token_logprobs(logprobs, chosen, num_top))
+    for index, (row, n) in enumerate(batch.logprob_rows):
+        seqs[row].output.pending_logprobs = (step, index, n)  # (read by the output stage's on_token)
