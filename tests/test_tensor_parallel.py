@@ -12,6 +12,7 @@ import json
 import multiprocessing
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -459,6 +460,55 @@ def test_ctrl_c_reaches_rank_0_waiting_for_a_hung_worker(tp_models):
     assert time.monotonic() - start < 10
     assert all(not proc.is_alive() for proc in workers)
     with pytest.raises(TensorParallelError, match="KeyboardInterrupt"):
+        llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
+
+
+@pytest.fixture
+def stopped_worker_engine(tp_models):
+    """A two-rank engine whose rank 1 is stopped (SIGSTOP: hung, deaf to SIGTERM, its sockets open). A 30 s
+    collective timeout, so that the old cleanup (SIGTERM, then gloo's timeout) took ~35 s instead of 600."""
+    llm = LLM(tp_models["gqa2"], device="cpu", tensor_parallel_size=2, tensor_parallel_timeout=30)
+    workers = list(llm.model_runner.followers.procs)
+    os.kill(workers[0].pid, signal.SIGSTOP)
+    yield llm, workers
+    for proc in workers:  # (only if the engine left it behind)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5)
+
+
+def test_ctrl_c_with_a_stopped_worker_returns_within_seconds_and_leaves_no_process(stopped_worker_engine):
+    """Ctrl-C reaches rank 0 waiting for a stopped rank 1, and the cleanup after it neither waits for SIGTERM to take
+    (a stopped process never acts on it: SIGKILL follows) nor for gloo's collective with the dead rank to time out."""
+    llm, workers = stopped_worker_engine
+    fired = []
+
+    def ctrl_c():
+        fired.append(time.monotonic())
+        _thread.interrupt_main()
+
+    timer = threading.Timer(1.0, ctrl_c)
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate([[1, 2, 3, 4]], GREEDY, use_tqdm=False)
+        returned = time.monotonic()
+    finally:
+        timer.cancel()
+    assert returned - fired[0] < 5, f"Ctrl-C's cleanup took {returned - fired[0]:.1f} s"
+    assert not any(proc.is_alive() for proc in workers) and alive_workers() == []
+    with pytest.raises(TensorParallelError, match="KeyboardInterrupt"):
+        llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
+
+
+def test_close_with_a_stopped_worker_returns_within_seconds_and_leaves_no_process(stopped_worker_engine):
+    """close() on an idle engine whose rank 1 is stopped: the exit handshake is bounded, the worker is killed."""
+    llm, workers = stopped_worker_engine
+    start = time.monotonic()
+    llm.close()
+    assert time.monotonic() - start < 8, f"close() took {time.monotonic() - start:.1f} s"
+    assert not any(proc.is_alive() for proc in workers) and alive_workers() == []
+    with pytest.raises(TensorParallelError, match="this LLM was closed"):
         llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
 
 
