@@ -313,7 +313,8 @@ class Followers:
         """Drop this process's groups and store, once no follower is left to use them: their listening sockets
         close with them."""
         if self.group is not None:
-            self.group.close(self.broken or CLOSED)
+            peers_gone = bool(self.procs) and not any(proc.is_alive() for proc in self.procs)
+            self.group.close(self.broken or CLOSED, peers_gone=peers_gone)
         self._store = None
 
 

@@ -75,19 +75,20 @@ class RankGroup:
         # a collective left unfinished (rank 0 timed out, or was interrupted, waiting for it): gloo still runs it
         self._in_flight = False
 
-    def close(self, reason: str) -> None:
+    def close(self, reason: str, peers_gone: bool = False) -> None:
         """Drop this process's groups (their connections and listening socket close with them): every later
         collective raises `reason`.
 
         A group with a collective still in flight does not go at once: its destructor waits for gloo to end that
-        collective, which takes until the other ranks join it, their connections close (a killed worker), or
-        gloo's own timeout (up to tensor_parallel_timeout + 5 s). So the groups are dropped on a thread of their
-        own, and close waits for it a short while only: a peer that is gone frees it in milliseconds; one that
-        hangs on another host (torchrun) leaves the thread behind, blocked until gloo gives up."""
+        collective, which takes until the other ranks join it, their connections close, or gloo's own timeout (up
+        to tensor_parallel_timeout + 5 s). peers_gone: every other rank's process has ended (rank 0 killed its
+        spawned workers), so gloo fails that collective at once and the groups go here. Otherwise (torchrun: a rank
+        on another host may hang) they are dropped on a thread of their own, which close waits for a short while
+        only: a hung peer leaves the thread behind, blocked until gloo gives up."""
         self.closed = self.closed or reason
         groups = [self._gloo, self._nccl]
         self._gloo = self._nccl = None
-        if not self._in_flight:
+        if not self._in_flight or peers_gone:
             return
         dropping = threading.Thread(target=groups.clear, name="nanoref-tp-close", daemon=True)
         del groups  # the thread's list holds the last references: the destructors run there
