@@ -12,6 +12,8 @@ import json
 import multiprocessing
 import os
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -253,6 +255,64 @@ def test_torchrun_one_host_two_processes(tp_models, tmp_path):
     assert json.loads((tmp_path / "tokens.json.rank0").read_text()) == 0, "rank 0 spawned workers under torchrun"
 
 
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+TWO_HOSTS = {
+    # each host names its node rank, node 0's address is the master (torchrun's static rendezvous)
+    "node-rank": lambda port, node: [f"--node-rank={node}", "--master-addr=127.0.0.1", f"--master-port={port}"],
+    # the form docs/usage.md gives: the same command on both hosts, a c10d rendezvous on the first host
+    "c10d": lambda port, node: ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=nanoref-test"],
+}
+
+
+@pytest.mark.parametrize("rendezvous", list(TWO_HOSTS))
+def test_torchrun_two_hosts_give_one_ranks_tokens(tp_models, tmp_path, rendezvous):
+    """Two torchrun launches with --nnodes=2, one process each, as two hosts start them (here both on this host,
+    meeting on 127.0.0.1; gloo on the CPU): the rank on the second node follows, rank 0 serves generate, and the
+    tokens equal one rank's. Each launch has its own LOCAL_RANK 0, so nothing may take LOCAL_RANK for the rank."""
+    folder = tp_models["gqa4-bias"]
+    prompts = random_prompts(seed=10, lengths=[4, 13, 29])
+    out = tmp_path / "tokens.json"
+    script = tmp_path / "serve.py"
+    script.write_text(
+        "import json, os, sys\n"
+        "from nanoref import LLM, SamplingParams\n"
+        "llm = LLM(sys.argv[1], device='cpu', tensor_parallel_size=2)\n"
+        "json.dump(os.environ['LOCAL_RANK'], open(sys.argv[3] + '.rank' + os.environ['RANK'], 'w'))\n"
+        "params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)\n"
+        "outputs = llm.generate(json.loads(sys.argv[2]), params, use_tqdm=False)\n"
+        "json.dump([o['token_ids'] for o in outputs], open(sys.argv[3], 'w'))\n"
+        "llm.close()\n"
+    )
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    hosts = []
+    try:
+        for node in (0, 1):
+            command = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1"]
+            command += [*TWO_HOSTS[rendezvous](port, node), str(script), str(folder), json.dumps(prompts), str(out)]
+            with open(tmp_path / f"host{node}.log", "w") as log:
+                hosts.append(subprocess.Popen(command, env=env, stdout=log, stderr=log, start_new_session=True))
+        deadline = time.monotonic() + 240
+        for host in hosts:
+            host.wait(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        for host in hosts:  # a launch that failed or hangs takes its workers with it (a session of its own)
+            if host.poll() is None:
+                os.killpg(host.pid, signal.SIGKILL)
+                host.wait()
+    logs = [(tmp_path / f"host{node}.log").read_text()[-3000:] for node in (0, 1)]
+    assert [host.returncode for host in hosts] == [0, 0], "\n".join(logs)
+    expected = LLM(folder, device="cpu").generate(prompts, GREEDY, use_tqdm=False)
+    assert json.loads(out.read_text()) == [o["token_ids"] for o in expected]
+    returned = sorted(path.name for path in tmp_path.glob("tokens.json.rank*"))
+    assert returned == ["tokens.json.rank0"], f"LLM(...) returned on {returned}: a follower must serve, not return"
+
+
 def test_a_triton_kernel_seam_that_cannot_travel_stays_on_rank_0_under_the_torch_backend(tp_models):
     """On a GPU machine a learner's @triton.jit kernel holds locks once compiled, and cannot be pickled: an engine
     whose backend never calls the Triton seams does not send them, and serves (the capstone runs every exercise at
@@ -459,6 +519,55 @@ def test_ctrl_c_reaches_rank_0_waiting_for_a_hung_worker(tp_models):
     assert time.monotonic() - start < 10
     assert all(not proc.is_alive() for proc in workers)
     with pytest.raises(TensorParallelError, match="KeyboardInterrupt"):
+        llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
+
+
+@pytest.fixture
+def stopped_worker_engine(tp_models):
+    """A two-rank engine whose rank 1 is stopped (SIGSTOP: hung, deaf to SIGTERM, its sockets open). A 30 s
+    collective timeout, so that the old cleanup (SIGTERM, then gloo's timeout) took ~35 s instead of 600."""
+    llm = LLM(tp_models["gqa2"], device="cpu", tensor_parallel_size=2, tensor_parallel_timeout=30)
+    workers = list(llm.model_runner.followers.procs)
+    os.kill(workers[0].pid, signal.SIGSTOP)
+    yield llm, workers
+    for proc in workers:  # (only if the engine left it behind)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(5)
+
+
+def test_ctrl_c_with_a_stopped_worker_returns_within_seconds_and_leaves_no_process(stopped_worker_engine):
+    """Ctrl-C reaches rank 0 waiting for a stopped rank 1, and the cleanup after it neither waits for SIGTERM to take
+    (a stopped process never acts on it: SIGKILL follows) nor for gloo's collective with the dead rank to time out."""
+    llm, workers = stopped_worker_engine
+    fired = []
+
+    def ctrl_c():
+        fired.append(time.monotonic())
+        _thread.interrupt_main()
+
+    timer = threading.Timer(1.0, ctrl_c)
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate([[1, 2, 3, 4]], GREEDY, use_tqdm=False)
+        returned = time.monotonic()
+    finally:
+        timer.cancel()
+    assert returned - fired[0] < 5, f"Ctrl-C's cleanup took {returned - fired[0]:.1f} s"
+    assert not any(proc.is_alive() for proc in workers) and alive_workers() == []
+    with pytest.raises(TensorParallelError, match="KeyboardInterrupt"):
+        llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
+
+
+def test_close_with_a_stopped_worker_returns_within_seconds_and_leaves_no_process(stopped_worker_engine):
+    """close() on an idle engine whose rank 1 is stopped: the exit handshake is bounded, the worker is killed."""
+    llm, workers = stopped_worker_engine
+    start = time.monotonic()
+    llm.close()
+    assert time.monotonic() - start < 8, f"close() took {time.monotonic() - start:.1f} s"
+    assert not any(proc.is_alive() for proc in workers) and alive_workers() == []
+    with pytest.raises(TensorParallelError, match="this LLM was closed"):
         llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
 
 

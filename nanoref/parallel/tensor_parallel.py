@@ -25,7 +25,9 @@ and rank 0 raises the worker's error. A worker that hangs makes rank 0's collect
 (`tensor_parallel_timeout`); rank 0 waits in short slices, so Ctrl-C reaches it meanwhile. Any error or Ctrl-C
 in the middle of a step stops the workers: half a forward cannot be resumed, so the engine refuses further steps
 and says why. `close()` stops the workers and closes every socket the engine opened; the engine then refuses
-every call.
+every call. Stopping is bounded, whatever state a worker is in: a short grace, SIGTERM, a short grace, SIGKILL
+(a stopped or hung worker never acts on SIGTERM), and no wait on a collective whose peer is gone (see
+`RankGroup.close`): Ctrl-C or `close()` with a hung worker returns within a few seconds and leaves no process.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -61,6 +64,10 @@ __all__ = ["TensorParallelError", "CollectiveTimeout", "Followers", "start_tenso
 # bounds each of its own collectives by tensor_parallel_timeout instead)
 _GROUP_TIMEOUT = timedelta(days=7)
 _STARTUP_TIMEOUT_S = 300.0  # spawning a worker imports torch and nanoref: seconds, not minutes
+# close(): idle followers answer the exit message in milliseconds; one that does not within this is stopped
+_CLOSE_HANDSHAKE_S = 3.0
+_EXIT_GRACE_S = 5.0  # close(): for followers that met the exit barrier to end on their own
+_TERMINATE_GRACE_S = 1.0  # between SIGTERM and SIGKILL
 _TORCHRUN_VARS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
 CLOSED = "this LLM was closed; create a new LLM"
 # a spawned worker that re-imported a script without a main guard exits with this code (see refuse_reimported_main)
@@ -253,7 +260,9 @@ class Followers:
     # -- stopping -------------------------------------------------------------------------------
     def close(self) -> None:
         """Tell every follower to exit, wait for them, then close the engine's groups and rendezvous store (their
-        sockets close now, not at some later garbage collection). Every later call raises `CLOSED`."""
+        sockets close now, not at some later garbage collection). Every later call raises `CLOSED`. Bounded: the
+        exit handshake waits `_CLOSE_HANDSHAKE_S` at most, and a follower that does not exit is stopped (see
+        `_stop_processes`), so a hung follower costs a few seconds, never the collectives' timeout."""
         with self._lock:
             if self.closed:
                 return
@@ -261,15 +270,16 @@ class Followers:
             try:
                 if self.broken is None and self.group is not None:
                     try:
-                        self.group.broadcast_bytes(pickle.dumps(("exit",)))
-                        self.group.barrier()  # the followers leave once all ranks are here (runner.py: serve)
+                        with self.group.bounded(_CLOSE_HANDSHAKE_S):
+                            self.group.broadcast_bytes(pickle.dumps(("exit",)))
+                            self.group.barrier()  # the followers leave once all ranks are here (runner.py: serve)
                         met = True
                     except Exception:
                         pass
             finally:  # (also after Ctrl-C in the barrier)
                 self.closed = True
                 self.broken = self.broken or CLOSED
-                self._stop_processes(grace_s=10.0 if met else 0.5)
+                self._stop_processes(grace_s=_EXIT_GRACE_S if met else 0.5)
                 self._release()
 
     def shutdown(self, reason: str) -> None:
@@ -278,17 +288,24 @@ class Followers:
             self.broken = self.broken or f"{reason}; the engine cannot run more steps: create a new LLM"
             self.closed = True
             # the followers wait in a collective rank 0 will not join (or for a message it will not send): nothing
-            # would end them but a signal, so a short grace for any that are exiting already, then SIGTERM
+            # would end them but a signal, so a short grace for any that are exiting already, then the signals
             self._stop_processes(grace_s=0.5)
             self._release()
 
     def _stop_processes(self, grace_s: float) -> None:
-        for proc in self.procs:
-            proc.join(grace_s)
+        """End every spawned follower within about grace_s + `_TERMINATE_GRACE_S`: those still running after grace_s
+        get SIGTERM, those still running after that SIGKILL. A follower that is stopped (SIGSTOP, a debugger) or
+        stuck in C code never acts on SIGTERM, and rank 0 must not wait for it: its connections close when it
+        dies, which also frees gloo's work still waiting on it (`RankGroup.close`)."""
+        _join_all(self.procs, grace_s)
         for proc in self.procs:
             if proc.is_alive():
                 proc.terminate()
-                proc.join(5.0)
+        _join_all(self.procs, _TERMINATE_GRACE_S)
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.kill()
+        _join_all(self.procs, 5.0)  # (SIGKILL ends even a stopped process at once: this is the kernel's reaping)
         for conn in self.conns:
             conn.close()
 
@@ -296,8 +313,16 @@ class Followers:
         """Drop this process's groups and store, once no follower is left to use them: their listening sockets
         close with them."""
         if self.group is not None:
-            self.group.close(self.broken or CLOSED)
+            peers_gone = bool(self.procs) and not any(proc.is_alive() for proc in self.procs)
+            self.group.close(self.broken or CLOSED, peers_gone=peers_gone)
         self._store = None
+
+
+def _join_all(procs: list, timeout_s: float) -> None:
+    """Wait for every process to end, for timeout_s in all (not each)."""
+    deadline = time.monotonic() + timeout_s
+    for proc in procs:
+        proc.join(max(0.0, deadline - time.monotonic()))
 
 
 def start_tensor_parallel(config: EngineConfig, runner: Callable) -> tuple[ParallelState, Followers | None]:

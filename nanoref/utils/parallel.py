@@ -19,6 +19,7 @@ one process each have theirs, and closing one closes its group alone; a closed g
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -50,6 +51,8 @@ class CollectiveTimeout(TensorParallelError):
 # how often rank 0, waiting for the other ranks, comes back to Python: Ctrl-C is delivered only between two waits
 _POLL = timedelta(milliseconds=100)
 _GLOO_SLACK_S = 5.0
+# how long close() waits for the groups to go when a collective is still in flight (see RankGroup.close)
+_DROP_WAIT_S = 2.0
 
 
 class RankGroup:
@@ -69,12 +72,40 @@ class RankGroup:
         # gloo's own bound, a little later than rank 0's: it only frees gloo's thread; the error is rank 0's
         self._timeout = None if timeout_s is None else timedelta(seconds=timeout_s + _GLOO_SLACK_S)
         self.closed: str | None = None  # why collectives are refused, once the group is closed
+        # a collective left unfinished (rank 0 timed out, or was interrupted, waiting for it): gloo still runs it
+        self._in_flight = False
 
-    def close(self, reason: str) -> None:
+    def close(self, reason: str, peers_gone: bool = False) -> None:
         """Drop this process's groups (their connections and listening socket close with them): every later
-        collective raises `reason`."""
+        collective raises `reason`.
+
+        A group with a collective still in flight does not go at once: its destructor waits for gloo to end that
+        collective, which takes until the other ranks join it, their connections close, or gloo's own timeout (up
+        to tensor_parallel_timeout + 5 s). peers_gone: every other rank's process has ended (rank 0 killed its
+        spawned workers), so gloo fails that collective at once and the groups go here. Otherwise (torchrun: a rank
+        on another host may hang) they are dropped on a thread of their own, which close waits for a short while
+        only: a hung peer leaves the thread behind, blocked until gloo gives up."""
         self.closed = self.closed or reason
+        groups = [self._gloo, self._nccl]
         self._gloo = self._nccl = None
+        if not self._in_flight or peers_gone:
+            return
+        dropping = threading.Thread(target=groups.clear, name="nanoref-tp-close", daemon=True)
+        del groups  # the thread's list holds the last references: the destructors run there
+        dropping.start()
+        dropping.join(_DROP_WAIT_S)
+
+    @contextmanager
+    def bounded(self, timeout_s: float) -> Iterator[None]:
+        """Within: rank 0 waits at most timeout_s (or its usual bound, if shorter) for each collective. For the
+        exit handshake: idle followers answer in milliseconds, and one that does not is stopped, not waited for."""
+        saved = self.timeout_s, self._timeout
+        self.timeout_s = timeout_s if saved[0] is None else min(timeout_s, saved[0])
+        self._timeout = timedelta(seconds=self.timeout_s + _GLOO_SLACK_S)
+        try:
+            yield
+        finally:
+            self.timeout_s, self._timeout = saved
 
     def abort(self) -> None:
         """Fail the pending NCCL work at once (kernels waiting for a dead rank would spin forever)."""
@@ -98,6 +129,9 @@ class RankGroup:
                 self._wait(work)
             else:
                 work.wait()
+        except BaseException:
+            self._in_flight = self._in_flight or not work.is_completed()
+            raise
         finally:
             work = None
 
