@@ -4,9 +4,10 @@
     POST /v1/chat/completions   {"model", "messages": [{"role", "content"}, ...], ...}
     GET  /v1/models, /health, /metrics (Prometheus text)
 
-A request's life here: its JSON is checked field by field into `SamplingParams` (a bad field is a 400 that names
-it, in OpenAI's error body, before anything reaches the engine), the prompt is checked by the engine
-(`AsyncLLM.generate` raises at once for an empty, too long or out-of-vocabulary prompt: a 400 too), then the
+A request's life here: its body is read within limits (a size, a time), its JSON is checked field by field into
+`SamplingParams` (a bad field is a 400 that names it, in OpenAI's error body, before anything reaches the engine),
+the prompt is checked by the engine (`AsyncLLM.generate` raises at once for an empty, too long or out-of-vocabulary
+prompt: a 400 too; a long body is decoded and tokenized in a worker thread, never on the event loop), then the
 outputs are either collected into one response or sent as server-sent events (`data: {...}\\n\\n` per piece, then
 `data: [DONE]`), as OpenAI's API and vLLM's server do. A client that goes away mid-stream cancels the response;
 closing its output stream aborts the request, so its KV blocks go back at the next step boundary. A client that
@@ -90,13 +91,19 @@ BODY_TIMEOUT = 30.0  # seconds to receive a request's body once its headers are 
 OFFLOAD_BYTES = 16 * 1024
 
 
-class BadRequest(Exception):
-    """A request the server refuses: answered with HTTP `status` (400 unless said) and OpenAI's error body naming
-    `param`."""
+class APIError(Exception):
+    """A request the server answers with HTTP `status` and OpenAI's error body naming `param`."""
 
     def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
         super().__init__(message)
         self.message, self.param, self.status = message, param, status
+
+
+class BadRequest(APIError):
+    """A request the server refuses: HTTP 400, naming the field at fault."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message, param, 400)
 
 
 class ClientGone(Exception):
@@ -485,8 +492,8 @@ def build_app(
     app.state.metrics = metrics = ServerMetrics(engine)
     tokenizer, folder = engine.tokenizer, engine.config.model_folder
 
-    @app.exception_handler(BadRequest)
-    async def bad_request(_: Request, error: BadRequest) -> JSONResponse:
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, error: APIError) -> JSONResponse:
         # a body left unread (too large, too slow) must not be read as the connection's next request
         headers = {"Connection": "close"} if error.status in (408, 413) else None
         return JSONResponse(error_body(error.message, error.param, error.status), error.status, headers=headers)
@@ -520,17 +527,13 @@ def build_app(
         """The request's body, up to max_body_bytes (a longer one is a 413 as soon as that is known)."""
         length = request.headers.get("content-length", "")
         if length.isdigit() and int(length) > max_body_bytes:
-            raise BadRequest(
-                f"the request body has {length} bytes; this server takes at most {max_body_bytes}", status=413
-            )
+            raise APIError(f"the request body of {length} bytes is over the limit of {max_body_bytes}", status=413)
         chunks, size = [], 0
         try:
             async for chunk in request.stream():
                 size += len(chunk)
                 if size > max_body_bytes:
-                    raise BadRequest(
-                        f"the request body is over {max_body_bytes} bytes, the most this server takes", status=413
-                    )
+                    raise APIError(f"the request body is over the limit of {max_body_bytes} bytes", status=413)
                 chunks.append(chunk)
         except ClientDisconnect:  # (a client that resets its connection while sending: an error of nobody's)
             raise ClientGone from None
@@ -541,7 +544,7 @@ def build_app(
         try:  # a client that announces more than it sends would hold the connection (and its memory) forever
             raw = await asyncio.wait_for(receive_body(request), body_timeout)
         except TimeoutError:
-            raise BadRequest(f"the request body did not arrive within {body_timeout:g} s", status=408) from None
+            raise APIError(f"the request body did not arrive within {body_timeout:g} s", status=408) from None
         heavy = len(raw) >= OFFLOAD_BYTES
         try:
             body = await asyncio.to_thread(json.loads, raw) if heavy else json.loads(raw)
@@ -561,28 +564,28 @@ def build_app(
 
     token_text = TokenTexts(tokenizer)
 
-    def engine_stopped(why: object = None) -> BadRequest:
+    def engine_stopped(why: object = None) -> APIError:
         """What a request gets once the engine is gone (as /health says): a 503, not a 500 and a traceback."""
-        return BadRequest("the engine has stopped" + (f" ({why})" if why else "") + "; restart the server", status=503)
+        return APIError("the engine has stopped" + (f" ({why})" if why else "") + "; restart the server", status=503)
 
     def start(
-        prompt: str | list[int], params: SamplingParams, blame: dict[str, str], request_id: str, where: str = ""
+        prompt: str | list[int], params: SamplingParams, blamed: dict[str, str], request_id: str, where: str = ""
     ) -> AsyncIterator[RequestOutput]:
-        """engine.generate, its errors as the request's: `blame` maps a word of the engine's message to the request
+        """engine.generate, its errors as the request's: `blamed` maps a word of the engine's message to the request
         field it names (its last entry, "": the field of the prompt)."""
         if not engine.is_running:
             raise engine_stopped()
         try:  # the engine's checks of the prompt (empty, too long, outside the vocabulary) and of the KV budget
             return engine.generate(prompt, params, request_id)
         except (ValueError, TypeError) as error:
-            param = next(field for word, field in blame.items() if word in str(error))
+            param = next(name for word, name in blamed.items() if word in str(error))
             raise BadRequest(where + str(error), param) from None
         except RuntimeError as error:
             if engine.is_running:
                 raise
             raise engine_stopped(error) from None
 
-    def blame(body: dict, prompt_field: str) -> dict[str, str]:
+    def blamed_fields(body: dict, prompt_field: str) -> dict[str, str]:
         tokens = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
         return {"stop_token_ids": "stop_token_ids", "max_tokens": tokens, "": prompt_field}
 
@@ -715,7 +718,7 @@ def build_app(
                             yield event(chunk(choice, out.text, out.finished))
                 except Exception as error:  # the step serving it failed or it was aborted: say so, then end
                     error = failure(error)
-                    if isinstance(error, BadRequest):
+                    if isinstance(error, APIError):
                         yield event(error_body(error.message, None, error.status))
                     else:
                         status = 503 if isinstance(error, RequestAborted) else 500
@@ -735,13 +738,13 @@ def build_app(
         prompts = prompt_batch(body.get("prompt"))
         params = sampling_params(body, COMPLETION_FIELDS)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        fields = blame(body, "prompt")
+        blamed = blamed_fields(body, "prompt")
 
         def open_streams() -> list[AsyncIterator[RequestOutput]]:
             streams = []
             for i, prompt in enumerate(prompts):  # every prompt checked before any is queued (at the first output)
                 where = f"prompt {i}: " if len(prompts) > 1 else ""
-                streams.append(start(prompt, params, fields, f"{request_id}-{i}", where))
+                streams.append(start(prompt, params, blamed, f"{request_id}-{i}", where))
             return streams
 
         streams = await off_the_loop(open_streams, heavy)
@@ -758,7 +761,7 @@ def build_app(
                 prompt = chat_prompt(tokenizer, body.get("messages"), folder)
             except (ValueError, TypeError) as error:
                 raise BadRequest(str(error), "messages") from None
-            return [start(prompt, params, blame(body, "messages"), request_id)]
+            return [start(prompt, params, blamed_fields(body, "messages"), request_id)]
 
         streams = await off_the_loop(open_stream, heavy)
         return await respond(request, body, params, streams, request_id, chat=True)
