@@ -80,8 +80,8 @@ CHAT_FIELDS = {**SAMPLING_FIELDS, "max_completion_tokens": "max_tokens"}  # (+ l
 # Limits of one request (vLLM's server has none of these; OpenAI's API caps n at 128 and stop at 4 strings). Each
 # refused with a 400 naming its field, or a 413 for the body.
 MAX_N = 128  # samples per prompt: each holds KV blocks and a slot of the running batch
-# stop strings are matched on every new token of the request's text, in the engine's loop: 2,000 strings of 500
-# characters made each step of every request batched with it 33x slower
+# stop strings are matched against every new token's text in the engine's loop: their number and length cost every
+# step of every request batched with them
 MAX_STOP_STRINGS = 32
 MAX_STOP_STRING_CHARS = 256
 MAX_BODY_BYTES = 16 * 2**20  # a request body (the longest prompt a model takes is a small part of it)
