@@ -168,6 +168,27 @@ def test_an_error_names_the_field_it_is_about(server, path, body, param):
     assert server.blocks_used() == 0 and server.engine.llm.is_finished()
 
 
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("completions", {"prompt": "Flat \ud800 is"}, "prompt"),
+        ("completions", {"prompt": ["Flat is", "\udfff"]}, "prompt"),
+        ("chat/completions", {"messages": [{"role": "user", "content": "\ud83d"}]}, "messages"),
+    ],
+    ids=["prompt", "batch", "chat"],
+)
+def test_a_lone_surrogate_is_a_400_that_says_so(server, path, body, param):
+    content = json.dumps({"max_tokens": 2, **body}).encode()  # ("\\ud800": JSON's escape, as a client sends it)
+    response = httpx.post(f"{server.url}/v1/{path}", content=content, timeout=TIMEOUT)
+    assert "lone UTF-16 surrogate" in assert_openai_error(response, 400, param)["message"]
+
+
+def test_include_usage_that_is_no_bool_is_a_400(server):
+    body = {"prompt": PROMPT, "max_tokens": 2, "stream": True, "stream_options": {"include_usage": "yes"}}
+    response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=TIMEOUT)
+    assert "include_usage" in assert_openai_error(response, 400, "stream_options")["message"]
+
+
 def test_the_limits_themselves_are_served(server):
     stop = ["x" * MAX_STOP_STRING_CHARS] + [f"zz{i}" for i in range(MAX_STOP_STRINGS - 1)]
     body = {"prompt": PROMPT, "max_tokens": 2, "n": 4, "stop": stop}

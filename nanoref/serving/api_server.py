@@ -560,6 +560,11 @@ def build_app(
             expected = bool if name == "stream" else dict
             if body.get(name) is not None and not isinstance(body[name], expected):
                 raise BadRequest(f"{name} must be {'true or false' if expected is bool else 'an object'}", name)
+        include_usage = (body.get("stream_options") or {}).get("include_usage")
+        if include_usage is not None and not isinstance(include_usage, bool):
+            raise BadRequest(
+                f"stream_options.include_usage must be true or false, got {include_usage!r}", "stream_options"
+            )
         return body, heavy
 
     token_text = TokenTexts(tokenizer)
@@ -575,6 +580,13 @@ def build_app(
         field it names (its last entry, "": the field of the prompt)."""
         if not engine.is_running:
             raise engine_stopped()
+        if isinstance(prompt, str) and not prompt.isascii():
+            try:  # JSON can spell half of a UTF-16 pair ("\ud800"): no text, and the tokenizer's error says nothing
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as error:
+                bad = f"\\u{ord(error.object[error.start]):04x}"
+                message = f"{where}the text holds a lone UTF-16 surrogate ({bad}): it is not text"
+                raise BadRequest(message, blamed[""]) from None
         try:  # the engine's checks of the prompt (empty, too long, outside the vocabulary) and of the KV budget
             return engine.generate(prompt, params, request_id)
         except (ValueError, TypeError) as error:
