@@ -13,6 +13,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -30,6 +32,7 @@ from nanoref.serving.api_server import (  # noqa: E402
     Choice,
     TokenTexts,
     completion_logprobs,
+    serve_in_background,
 )
 from nanoref.serving.async_llm import AsyncLLM  # noqa: E402
 
@@ -89,6 +92,18 @@ def serves_on(server) -> None:
     assert answer.usage.completion_tokens >= 1
 
 
+@contextmanager
+def server_with(server, **options) -> Iterator[str]:
+    """A second server on the module server's engine, with build_app's `options` -> its URL."""
+    with serve_in_background(server.engine, MODEL, **options) as url:
+        yield url
+
+
+def serves_on_url(url: str) -> None:
+    body = {"prompt": "Flat is", "max_tokens": 1}
+    assert httpx.post(f"{url}/v1/completions", json=body, timeout=TIMEOUT).status_code == 200
+
+
 # -- 1. a huge prompt is tokenized off the event loop --------------------------------------------------------------
 
 
@@ -117,7 +132,7 @@ def test_health_stays_responsive_while_a_huge_prompt_is_tokenized(server):
 
 
 def test_a_body_over_the_size_limit_is_a_413_before_it_is_read(server):
-    with running_server_options(server, max_body_bytes=1000) as url:
+    with server_with(server, max_body_bytes=1000) as url:
         response = httpx.post(f"{url}/v1/completions", json={"prompt": "x" * 2000, "max_tokens": 1}, timeout=TIMEOUT)
         assert_openai_error(response, 413)
         small = httpx.post(f"{url}/v1/completions", json={"prompt": "Flat is", "max_tokens": 1}, timeout=TIMEOUT)
@@ -213,7 +228,7 @@ def test_a_wrong_method_or_path_gets_openai_error_body(server):
 
 
 def test_a_body_shorter_than_its_content_length_is_a_408_within_the_timeout(server):
-    with running_server_options(server, body_timeout=0.5) as url:
+    with server_with(server, body_timeout=0.5) as url:
         port = int(url.rsplit(":", 1)[1])
         with socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT) as sock:
             head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -353,29 +368,6 @@ def test_clients_that_reset_mid_request_or_mid_stream_log_nothing(server, monkey
     time.sleep(0.3)  # (a response's cleanup runs after its abort)
     assert uvicorn_log.errors() == []
     serves_on(server)
-
-
-# -- helpers for servers with other options -------------------------------------------------------------------
-
-
-class running_server_options:
-    """A second server on the module server's engine, with build_app's options."""
-
-    def __init__(self, server, **options) -> None:
-        from nanoref.serving.api_server import serve_in_background
-
-        self.context = serve_in_background(server.engine, MODEL, **options)
-
-    def __enter__(self) -> str:
-        return self.context.__enter__()
-
-    def __exit__(self, *exc) -> None:
-        self.context.__exit__(*exc)
-
-
-def serves_on_url(url: str) -> None:
-    body = {"prompt": "Flat is", "max_tokens": 1}
-    assert httpx.post(f"{url}/v1/completions", json=body, timeout=TIMEOUT).status_code == 200
 
 
 # -- 7. a dead engine ----------------------------------------------------------------------------------------------
