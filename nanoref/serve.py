@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import socket
 import sys
 
@@ -55,11 +56,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class Terminated(Exception):
+    """SIGTERM arrived (and uvicorn, which had it first, has shut the server down)."""
+
+
+def _terminated(signum, frame) -> None:
+    raise Terminated
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Exit status: 0 after a clean stop (Ctrl-C), 2 bad input (arguments, model folder, an address in use)."""
+    """Exit status: 0 after a clean stop (Ctrl-C), 2 bad input (arguments, model folder, an address in use). On
+    SIGTERM it stops as on Ctrl-C (the server, then the engine), then ends by that signal, as uvicorn does."""
     args = build_parser().parse_args(argv)
     if not 0 < args.switch_interval <= 1:
         print(f"error: --switch-interval must be in (0, 1] seconds, got {args.switch_interval}", file=sys.stderr)
+        return 2
+    if not 0 <= args.port <= 65535:  # (checked before the model loads, as every argument is)
+        print(f"error: --port must be in [0, 65535] (0: any free port), got {args.port}", file=sys.stderr)
         return 2
     try:
         import uvicorn
@@ -78,16 +91,17 @@ def main(argv: list[str] | None = None) -> int:
         **({"num_kvcache_blocks": args.num_kvcache_blocks} if args.num_kvcache_blocks is not None else {}),
     }
     try:
-        engine = AsyncLLM.from_model(args.model, engine_process=ENGINE_PROCESS[args.engine_process], **settings)
-    except (ValueError, TypeError, RuntimeError) as error:  # (ModelFolderError is a ValueError)
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    try:
-        # bind first, so that an address in use is a clear error and --port 0 can say which port it got
+        # bind first, before the model loads: an address in use (or a host that is none of this machine's) is a
+        # clear error at once, and --port 0 can say which port it got
         sock = socket.create_server((args.host, args.port))
     except OSError as error:
-        engine.close()
         print(f"error: cannot listen on {args.host}:{args.port}: {error}", file=sys.stderr)
+        return 2
+    try:
+        engine = AsyncLLM.from_model(args.model, engine_process=ENGINE_PROCESS[args.engine_process], **settings)
+    except (ValueError, TypeError, RuntimeError) as error:  # (ModelFolderError is a ValueError)
+        sock.close()
+        print(f"error: {error}", file=sys.stderr)
         return 2
     name = args.served_model_name or ("nanoref/default_model" if args.model == str(DEFAULT_MODEL) else args.model)
     host, port = sock.getsockname()[:2]
@@ -99,13 +113,24 @@ def main(argv: list[str] | None = None) -> int:
     # after every wait for the device.
     sys.setswitchinterval(args.switch_interval)
     freeze_heap()  # what start-up made (the app, the tokenizer; the model too with the engine thread): heap.py
+    # uvicorn takes SIGINT and SIGTERM while it runs, shuts down, then raises the signal again with the handlers
+    # it found: Ctrl-C as KeyboardInterrupt, SIGTERM as Terminated (by default SIGTERM would end the process here,
+    # the engine left unclosed)
+    previous = signal.signal(signal.SIGTERM, _terminated)
+    terminated = False
     try:
         server.run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn hands Ctrl-C back once it has shut down: that is the clean stop
         pass
+    except Terminated:
+        terminated = True
     finally:
+        signal.signal(signal.SIGTERM, previous)
         engine.close()
         sock.close()
+    if terminated:  # end by the signal, as uvicorn does (a supervisor reads the exit status; a shell says 143)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.raise_signal(signal.SIGTERM)
     return 0
 
 

@@ -4,9 +4,10 @@
     POST /v1/chat/completions   {"model", "messages": [{"role", "content"}, ...], ...}
     GET  /v1/models, /health, /metrics (Prometheus text)
 
-A request's life here: its JSON is checked field by field into `SamplingParams` (a bad field is a 400 that names
-it, in OpenAI's error body, before anything reaches the engine), the prompt is checked by the engine
-(`AsyncLLM.generate` raises at once for an empty, too long or out-of-vocabulary prompt: a 400 too), then the
+A request's life here: its body is read within limits (a size, a time), its JSON is checked field by field into
+`SamplingParams` (a bad field is a 400 that names it, in OpenAI's error body, before anything reaches the engine),
+the prompt is checked by the engine (`AsyncLLM.generate` raises at once for an empty, too long or out-of-vocabulary
+prompt: a 400 too; a long body is decoded and tokenized in a worker thread, never on the event loop), then the
 outputs are either collected into one response or sent as server-sent events (`data: {...}\\n\\n` per piece, then
 `data: [DONE]`), as OpenAI's API and vLLM's server do. A client that goes away mid-stream cancels the response;
 closing its output stream aborts the request, so its KV blocks go back at the next step boundary. A client that
@@ -36,7 +37,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import AsyncIterator, Coroutine, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from contextlib import aclosing, suppress
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -45,11 +46,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from nanoref.engine.chat import chat_prompt
 from nanoref.engine.detokenizer import REPLACEMENT_CHAR
 from nanoref.layers.logits_processors import TokenLogprobs
-from nanoref.sampling_params import SamplingParams
+from nanoref.sampling_params import SamplingParams, stop_strings
 from nanoref.serving.async_llm import AsyncLLM, RequestOutput
 
 # request field -> SamplingParams field, as vLLM maps them. Fields SamplingParams lacks in this build are
@@ -74,12 +77,39 @@ COMPLETION_FIELDS = {**SAMPLING_FIELDS, "logprobs": "logprobs"}  # completions: 
 CHAT_FIELDS = {**SAMPLING_FIELDS, "max_completion_tokens": "max_tokens"}  # (+ logprobs/top_logprobs, below)
 
 
-class BadRequest(Exception):
-    """A request the server refuses: answered with HTTP 400 and OpenAI's error body naming `param`."""
+# Limits of one request (vLLM's server has none of these; OpenAI's API caps n at 128 and stop at 4 strings). Each
+# refused with a 400 naming its field, or a 413 for the body.
+MAX_N = 128  # samples per prompt: each holds KV blocks and a slot of the running batch
+# stop strings are matched against every new token's text in the engine's loop, at a cost that grows with their
+# number and length, paid in every step of every request batched with them (measured on this CPU, per token of
+# the request: 3 us without stop strings, 0.3 ms with 16 of 128 characters, 1.2 ms with 32 of 256, 118 ms with
+# 2,000 of 500)
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 128
+MAX_BODY_BYTES = 16 * 2**20  # a request body (the longest prompt a model takes is a small part of it)
+BODY_TIMEOUT = 30.0  # seconds to receive a request's body once its headers are in (then a 408)
+# a body at least this long has its JSON parsed and its prompts tokenized in a worker thread, not on the event
+# loop: tokenizing takes ~0.75 us per character here, a 4 MB prompt 3 s of every other client's time
+OFFLOAD_BYTES = 16 * 1024
+
+
+class APIError(Exception):
+    """A request the server answers with HTTP `status` and OpenAI's error body naming `param`."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
+        super().__init__(message)
+        self.message, self.param, self.status = message, param, status
+
+
+class BadRequest(APIError):
+    """A request the server refuses: HTTP 400, naming the field at fault."""
 
     def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.message, self.param = message, param
+        super().__init__(message, param, 400)
+
+
+class ClientGone(Exception):
+    """The client went away before its request was read: nobody is left to answer (and nothing to log)."""
 
 
 class RequestAborted(Exception):
@@ -87,7 +117,14 @@ class RequestAborted(Exception):
     gets an error (HTTP 503, or an error event in a stream), never a choice that looks finished."""
 
 
-ERROR_TYPES = {400: "BadRequestError", 503: "ServiceUnavailableError"}
+ERROR_TYPES = {
+    400: "BadRequestError",
+    404: "NotFoundError",
+    405: "MethodNotAllowedError",
+    408: "RequestTimeoutError",
+    413: "RequestTooLargeError",
+    503: "ServiceUnavailableError",
+}
 
 
 def error_body(message: str, param: str | None, status: int) -> dict:
@@ -181,16 +218,34 @@ def chat_logprob(token_text: TokenTexts, entry: TokenLogprobs) -> dict:
 
 def completion_logprobs(token_text: TokenTexts, entries: list[TokenLogprobs], choice: Choice) -> dict:
     """Tokens in completions' format. text_offset: where in the choice's text each token starts, counted on its
-    bytes (a token that ends half-way through a character has it start with the next one)."""
+    bytes: a character belongs to the token that holds its last byte (a token that ends half-way through a
+    character has it start with the next one), and the U+FFFD that stands for bytes no later byte completes belongs
+    to the token that holds those bytes."""
     tokens, values, tops, offsets = [], [], [], []
     for entry in entries:
         text, raw = token_text(entry.token_id)
+        pending, _ = choice.decoder.getstate()
+        piece = choice.decoder.decode(bytes(raw))
+        if pending and raw and _breaks(pending, raw[0]):  # the earlier token's U+FFFD comes out now: its own
+            choice.num_chars += 1
+            piece = piece[1:]
         offsets.append(choice.num_chars)
-        choice.num_chars += len(choice.decoder.decode(bytes(raw)))
+        choice.num_chars += len(piece)
         tokens.append(text)
         values.append(_logprob(entry.logprob))
         tops.append({token_text(token_id)[0]: _logprob(logprob) for token_id, logprob in entry.top.items()})
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _breaks(pending: bytes, byte: int) -> bool:
+    """Whether `byte` cannot continue the incomplete UTF-8 character `pending` (then `pending` decodes to U+FFFD)."""
+    decoder = codecs.getincrementaldecoder("utf-8")("strict")
+    decoder.setstate((pending, 0))
+    try:
+        decoder.decode(bytes([byte]))
+    except UnicodeDecodeError:
+        return True
+    return False
 
 
 @dataclass
@@ -284,14 +339,32 @@ def sampling_params(body: dict, mapping: dict[str, str]) -> SamplingParams:
         except (ValueError, TypeError) as error:
             raise BadRequest(str(error) if name == target else f"{name}: {error}", name) from None
         values[target] = body[name]
-    try:  # then together: checks across fields (e.g. min_tokens above max_tokens)
+        check_limit(name, target, body[name])
+    try:  # then together: checks across fields (e.g. min_tokens above max_tokens): the error names the field
         return SamplingParams(**values)
     except (ValueError, TypeError) as error:
-        raise BadRequest(str(error)) from None
+        named = [name for name, target in mapping.items() if str(error).startswith(target) and name in body]
+        raise BadRequest(str(error), named[0] if named else None) from None
+
+
+def check_limit(name: str, target: str, value: Any) -> None:
+    """The server's limits on a field SamplingParams accepted (see MAX_N and MAX_STOP_STRINGS)."""
+    if target == "n" and value > MAX_N:
+        raise BadRequest(f"n must be at most {MAX_N} (completions per prompt), got {value}", name)
+    if target == "stop":
+        stops = stop_strings(value)
+        if len(stops) > MAX_STOP_STRINGS:
+            raise BadRequest(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(stops)}", name)
+        longest = max(stops, key=len, default="")
+        if len(longest) > MAX_STOP_STRING_CHARS:
+            raise BadRequest(
+                f"a stop string has at most {MAX_STOP_STRING_CHARS} characters, got one of {len(longest)}", name
+            )
 
 
 def chat_sampling_params(body: dict) -> SamplingParams:
-    """Chat's logprobs is a switch and top_logprobs the count (vLLM: logprobs=top_logprobs if logprobs)."""
+    """Chat's logprobs is a switch and top_logprobs the count (vLLM: logprobs=top_logprobs if logprobs); an error
+    in the count names top_logprobs."""
     body = dict(body)
     logprobs, top = body.pop("logprobs", None), body.pop("top_logprobs", None)
     if logprobs is not None and not isinstance(logprobs, bool):
@@ -299,8 +372,8 @@ def chat_sampling_params(body: dict) -> SamplingParams:
     if top is not None and not logprobs:
         raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
     if logprobs:
-        body["logprobs"] = 0 if top is None else top
-        return sampling_params(body, {**CHAT_FIELDS, "logprobs": "logprobs"})
+        body["top_logprobs"] = 0 if top is None else top
+        return sampling_params(body, {**CHAT_FIELDS, "top_logprobs": "logprobs"})
     return sampling_params(body, CHAT_FIELDS)
 
 
@@ -406,29 +479,79 @@ class ClosingStreamingResponse(StreamingResponse):
             await self.body_iterator.aclose()
 
 
-def build_app(engine: AsyncLLM, served_model_name: str) -> FastAPI:
-    """The FastAPI app serving `engine` as the model `served_model_name` (the app does not close the engine)."""
+def build_app(
+    engine: AsyncLLM,
+    served_model_name: str,
+    *,
+    max_body_bytes: int = MAX_BODY_BYTES,
+    body_timeout: float = BODY_TIMEOUT,
+) -> FastAPI:
+    """The FastAPI app serving `engine` as the model `served_model_name` (the app does not close the engine).
+    max_body_bytes: a longer request body is a 413; body_timeout: seconds a request's body may take to arrive
+    (then a 408)."""
     app = FastAPI(title="nanoref")
     app.state.engine = engine
     app.state.metrics = metrics = ServerMetrics(engine)
     tokenizer, folder = engine.tokenizer, engine.config.model_folder
 
-    @app.exception_handler(BadRequest)
-    async def bad_request(_: Request, error: BadRequest) -> JSONResponse:
-        return JSONResponse(error_body(error.message, error.param, 400), status_code=400)
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, error: APIError) -> JSONResponse:
+        # a body left unread (too large, too slow) must not be read as the connection's next request
+        headers = {"Connection": "close"} if error.status in (408, 413) else None
+        return JSONResponse(error_body(error.message, error.param, error.status), error.status, headers=headers)
+
+    @app.exception_handler(ClientGone)
+    async def client_gone(_: Request, error: ClientGone) -> Response:
+        return Response(status_code=499)  # (nginx's "client closed request": nobody reads it)
 
     @app.exception_handler(RequestAborted)
     async def aborted(_: Request, error: RequestAborted) -> JSONResponse:
         return JSONResponse(error_body(str(error), None, 503), status_code=503)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        """Starlette's own errors (an unknown path, a wrong method) in OpenAI's error body, not {"detail": ...}."""
+        where = f"{request.method} {request.url.path}"
+        allowed = (error.headers or {}).get("Allow")
+        if error.status_code == 404:
+            message = f"{where}: no such endpoint"
+        elif error.status_code == 405 and allowed:
+            message = f"{where}: method not allowed (this endpoint takes {allowed})"
+        else:
+            message = f"{where}: {error.detail}"
+        return JSONResponse(error_body(message, None, error.status_code), error.status_code, headers=error.headers)
+
     @app.exception_handler(Exception)
     async def internal_error(_: Request, error: Exception) -> JSONResponse:
         return JSONResponse(error_body(f"{type(error).__name__}: {error}", None, 500), status_code=500)
 
-    async def read_body(request: Request) -> dict:
+    async def receive_body(request: Request) -> bytes:
+        """The request's body, up to max_body_bytes (a longer one is a 413 as soon as that is known)."""
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > max_body_bytes:
+            raise APIError(f"the request body of {length} bytes is over the limit of {max_body_bytes}", status=413)
+        chunks, size = [], 0
         try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > max_body_bytes:
+                    raise APIError(f"the request body is over the limit of {max_body_bytes} bytes", status=413)
+                chunks.append(chunk)
+        except ClientDisconnect:  # (a client that resets its connection while sending: an error of nobody's)
+            raise ClientGone from None
+        return b"".join(chunks)
+
+    async def read_body(request: Request) -> tuple[dict, bool]:
+        """The request's JSON object -> (it, whether it is long enough to be worked on off the event loop)."""
+        try:  # a client that announces more than it sends would hold the connection (and its memory) forever
+            raw = await asyncio.wait_for(receive_body(request), body_timeout)
+        except TimeoutError:
+            raise APIError(f"the request body did not arrive within {body_timeout:g} s", status=408) from None
+        heavy = len(raw) >= OFFLOAD_BYTES
+        try:
+            body = await asyncio.to_thread(json.loads, raw) if heavy else json.loads(raw)
+        # (a number of over 4,300 digits is a ValueError; an array nested a few thousand deep, a RecursionError)
+        except (ValueError, RecursionError) as error:
             raise BadRequest(f"the request body is not valid JSON: {error}") from None
         if not isinstance(body, dict):
             raise BadRequest(f"the request body must be a JSON object, got {type(body).__name__}")
@@ -439,17 +562,50 @@ def build_app(engine: AsyncLLM, served_model_name: str) -> FastAPI:
             expected = bool if name == "stream" else dict
             if body.get(name) is not None and not isinstance(body[name], expected):
                 raise BadRequest(f"{name} must be {'true or false' if expected is bool else 'an object'}", name)
-        return body
+        include_usage = (body.get("stream_options") or {}).get("include_usage")
+        if include_usage is not None and not isinstance(include_usage, bool):
+            raise BadRequest(
+                f"stream_options.include_usage must be true or false, got {include_usage!r}", "stream_options"
+            )
+        return body, heavy
 
     token_text = TokenTexts(tokenizer)
 
+    def engine_stopped(why: object = None) -> APIError:
+        """What a request gets once the engine is gone (as /health says): a 503, not a 500 and a traceback."""
+        return APIError("the engine has stopped" + (f" ({why})" if why else "") + "; restart the server", status=503)
+
     def start(
-        prompt: str | list[int], params: SamplingParams, param: str, request_id: str, where: str = ""
+        prompt: str | list[int], params: SamplingParams, blamed: dict[str, str], request_id: str, where: str = ""
     ) -> AsyncIterator[RequestOutput]:
+        """engine.generate, its errors as the request's: `blamed` maps a word of the engine's message to the request
+        field it names (its last entry, "": the field of the prompt)."""
+        if not engine.is_running:
+            raise engine_stopped()
+        if isinstance(prompt, str) and not prompt.isascii():
+            try:  # JSON can spell half of a UTF-16 pair ("\ud800"): no text, and the tokenizer's error says nothing
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as error:
+                bad = f"\\u{ord(error.object[error.start]):04x}"
+                message = f"{where}the text holds a lone UTF-16 surrogate ({bad}): it is not text"
+                raise BadRequest(message, blamed[""]) from None
         try:  # the engine's checks of the prompt (empty, too long, outside the vocabulary) and of the KV budget
             return engine.generate(prompt, params, request_id)
         except (ValueError, TypeError) as error:
-            raise BadRequest(where + str(error), "max_tokens" if "max_tokens" in str(error) else param) from None
+            param = next(name for word, name in blamed.items() if word in str(error))
+            raise BadRequest(where + str(error), param) from None
+        except RuntimeError as error:
+            if engine.is_running:
+                raise
+            raise engine_stopped(error) from None
+
+    def blamed_fields(body: dict, prompt_field: str) -> dict[str, str]:
+        tokens = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+        return {"stop_token_ids": "stop_token_ids", "max_tokens": tokens, "": prompt_field}
+
+    async def off_the_loop(work: Callable[[], Any], heavy: bool) -> Any:
+        """work() in a worker thread when the request is long (tokenizing it would stall every stream), else here."""
+        return await asyncio.to_thread(work) if heavy else work()
 
     async def respond(
         request: Request,
@@ -475,11 +631,22 @@ def build_app(engine: AsyncLLM, served_model_name: str) -> FastAPI:
             """Book one output on its choice (and in the metrics) -> that choice."""
             metrics.observe(out, prompt not in seen_prompts)
             seen_prompts.add(prompt)
-            if out.finished and out.finish_reason == "abort":  # never shown to a client as if it had finished
-                raise RequestAborted(f"request {request_id} was aborted before it finished")
             choice = choices[prompt * n + out.index]
             choice.take(out)
+            if out.finished and out.finish_reason == "abort":  # never shown to a client as if it had finished
+                raise RequestAborted(f"request {request_id} was aborted before it finished")
             return choice
+
+        def count_unfinished() -> None:
+            """Each sample that ended without its last output (its client went away, the request failed) counts
+            once as finish_reason "abort", as one that the engine aborted does (in `take`), streamed or not."""
+            unfinished = sum(choice.finish_reason is None for choice in choices)
+            if unfinished:
+                metrics.requests.labels(finish_reason="abort").inc(unfinished)
+
+        def failure(error: Exception) -> Exception:
+            """A request's error as the client gets it: a 503 when the engine is gone, else as it is."""
+            return error if engine.is_running or isinstance(error, RequestAborted) else engine_stopped(error)
 
         def logprobs(choice: Choice) -> dict | None:
             """The logprobs of the choice's tokens not yet sent, in the endpoint's format (then they are sent)."""
@@ -503,8 +670,13 @@ def build_app(engine: AsyncLLM, served_model_name: str) -> FastAPI:
                     async for prompt, out in merged:
                         take(prompt, out)
 
-            if not await until_done_or_disconnected(request, collect()):
-                return Response(status_code=499)  # nobody reads it; the request is aborted
+            try:
+                if not await until_done_or_disconnected(request, collect()):
+                    return Response(status_code=499)  # nobody reads it; the request is aborted
+            except Exception as error:
+                raise failure(error) from None
+            finally:
+                count_unfinished()
             result = []
             for choice in choices:
                 ending = {"logprobs": logprobs(choice), "finish_reason": choice.finish_reason}
@@ -551,7 +723,6 @@ def build_app(engine: AsyncLLM, served_model_name: str) -> FastAPI:
                                 ],
                             }
                         )
-                finished = False
                 try:
                     async for prompt, out in merged:
                         choice = take(prompt, out)
@@ -559,43 +730,54 @@ def build_app(engine: AsyncLLM, served_model_name: str) -> FastAPI:
                         # nothing to show: its tokens' logprobs wait and go with the next chunk that is sent
                         if out.text or out.finished:
                             yield event(chunk(choice, out.text, out.finished))
-                    finished = True
                 except Exception as error:  # the step serving it failed or it was aborted: say so, then end
-                    status = 503 if isinstance(error, RequestAborted) else 500
-                    yield event(error_body(f"{type(error).__name__}: {error}", None, status))
-                    finished = True
+                    error = failure(error)
+                    if isinstance(error, APIError):
+                        yield event(error_body(error.message, None, error.status))
+                    else:
+                        status = 503 if isinstance(error, RequestAborted) else 500
+                        yield event(error_body(f"{type(error).__name__}: {error}", None, status))
                 else:
                     if include_usage:
                         yield event({**head, "choices": [], "usage": usage()})
-                finally:
-                    if not finished:  # the client went away: closing `merged` aborts the request
-                        metrics.requests.labels(finish_reason="abort").inc()
+                finally:  # (a client that went away: closing `merged` aborts the request)
+                    count_unfinished()
             yield "data: [DONE]\n\n"
 
         return ClosingStreamingResponse(events(), media_type="text/event-stream")
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        body = await read_body(request)
+        body, heavy = await read_body(request)
         prompts = prompt_batch(body.get("prompt"))
         params = sampling_params(body, COMPLETION_FIELDS)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        streams = []
-        for i, prompt in enumerate(prompts):  # every prompt checked before any is queued (at the first output)
-            where = f"prompt {i}: " if len(prompts) > 1 else ""
-            streams.append(start(prompt, params, "prompt", f"{request_id}-{i}", where))
+        blamed = blamed_fields(body, "prompt")
+
+        def open_streams() -> list[AsyncIterator[RequestOutput]]:
+            streams = []
+            for i, prompt in enumerate(prompts):  # every prompt checked before any is queued (at the first output)
+                where = f"prompt {i}: " if len(prompts) > 1 else ""
+                streams.append(start(prompt, params, blamed, f"{request_id}-{i}", where))
+            return streams
+
+        streams = await off_the_loop(open_streams, heavy)
         return await respond(request, body, params, streams, request_id, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        body = await read_body(request)
-        try:
-            prompt = chat_prompt(tokenizer, body.get("messages"), folder)
-        except (ValueError, TypeError) as error:
-            raise BadRequest(str(error), "messages") from None
+        body, heavy = await read_body(request)
         params = chat_sampling_params(body)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        streams = [start(prompt, params, "messages", request_id)]
+
+        def open_stream() -> list[AsyncIterator[RequestOutput]]:
+            try:
+                prompt = chat_prompt(tokenizer, body.get("messages"), folder)
+            except (ValueError, TypeError) as error:
+                raise BadRequest(str(error), "messages") from None
+            return [start(prompt, params, blamed_fields(body, "messages"), request_id)]
+
+        streams = await off_the_loop(open_stream, heavy)
         return await respond(request, body, params, streams, request_id, chat=True)
 
     @app.get("/v1/models")
@@ -617,15 +799,18 @@ def build_app(engine: AsyncLLM, served_model_name: str) -> FastAPI:
 
 
 @contextlib.contextmanager
-def serve_in_background(engine: AsyncLLM, served_model_name: str = "nanoref", timeout: float = 30.0) -> Iterator[str]:
+def serve_in_background(
+    engine: AsyncLLM, served_model_name: str = "nanoref", timeout: float = 30.0, **app_options
+) -> Iterator[str]:
     """The OpenAI-compatible server on `engine` (an AsyncLLM), in this process: uvicorn in a background thread on a
     free 127.0.0.1 port, up when the block begins (its /health answers) -> its base URL; stopped when the block
     ends. Every wait is bounded by `timeout` seconds (a server that does not come up or stop raises RuntimeError).
-    The engine stays the caller's to close. A notebook's way to serve; `python -m nanoref.serve` is a shell's."""
+    The engine stays the caller's to close. app_options: build_app's limits. A notebook's way to serve;
+    `python -m nanoref.serve` is a shell's."""
     import uvicorn
 
     sock = socket.create_server(("127.0.0.1", 0))  # a free port, held from now on: no race with another process
-    server = uvicorn.Server(uvicorn.Config(build_app(engine, served_model_name), log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(build_app(engine, served_model_name, **app_options), log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="nanoref-server", daemon=True)
     thread.start()
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"

@@ -1,0 +1,450 @@
+"""The server under hostile or careless clients: huge and malformed bodies, wrong paths, slow bodies, disconnects,
+a dead engine, SIGTERM. Every server runs on 127.0.0.1; every call and loop is bounded."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+pytest.importorskip("uvicorn")
+
+from nanoref import LLM  # noqa: E402
+from nanoref.layers.logits_processors import TokenLogprobs  # noqa: E402
+from nanoref.serving.api_server import (  # noqa: E402
+    MAX_N,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    Choice,
+    TokenTexts,
+    completion_logprobs,
+    serve_in_background,
+)
+from nanoref.serving.async_llm import AsyncLLM  # noqa: E402
+
+from .helpers import SERVER_TIMEOUT as TIMEOUT  # noqa: E402
+from .helpers import running_server  # noqa: E402
+from .test_server import children_of, scrape  # noqa: E402
+
+MODEL = "nanoref-test"
+SETTINGS = dict(device="cpu", num_kvcache_blocks=256)
+PROMPT = "Beautiful is better than"
+
+
+@pytest.fixture(scope="module")
+def server():
+    with running_server(AsyncLLM(LLM(**SETTINGS), owns_llm=True), MODEL) as running:
+        yield running
+
+
+class Records(logging.Handler):
+    """What uvicorn logs while a test runs (its loggers do not reach pytest's caplog: they do not propagate). A
+    server started later configures uvicorn's logging again, which removes this handler: `attach` it again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+    def errors(self) -> list[str]:
+        return [r.getMessage() for r in self.records if r.levelno >= logging.ERROR]
+
+    def attach(self) -> None:
+        logging.getLogger("uvicorn.error").addHandler(self)
+
+
+@pytest.fixture
+def uvicorn_log():
+    records = Records()
+    records.attach()
+    try:
+        yield records
+    finally:
+        logging.getLogger("uvicorn.error").removeHandler(records)
+
+
+def assert_openai_error(response, status: int, param: str | None = None) -> dict:
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
+    assert body["error"]["code"] == status and body["error"]["param"] == param, body
+    return body["error"]
+
+
+def serves_on(server) -> None:
+    answer = server.client().completions.create(model=MODEL, prompt="Flat is", max_tokens=2)
+    assert answer.usage.completion_tokens >= 1
+
+
+@contextmanager
+def server_with(server, **options) -> Iterator[str]:
+    """A second server on the module server's engine, with build_app's `options` -> its URL."""
+    with serve_in_background(server.engine, MODEL, **options) as url:
+        yield url
+
+
+def serves_on_url(url: str) -> None:
+    body = {"prompt": "Flat is", "max_tokens": 1}
+    assert httpx.post(f"{url}/v1/completions", json=body, timeout=TIMEOUT).status_code == 200
+
+
+# -- 1. a huge prompt is tokenized off the event loop --------------------------------------------------------------
+
+
+def test_health_stays_responsive_while_a_huge_prompt_is_tokenized(server):
+    prompt = "Beautiful is better than ugly. " * 130_000  # 4 MB: ~3 s of tokenizing on this CPU
+    answer = {}
+
+    def huge() -> None:
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 2}
+        answer["response"] = httpx.post(f"{server.url}/v1/completions", json=body, timeout=TIMEOUT)
+
+    thread = threading.Thread(target=huge)
+    thread.start()
+    waits = []
+    with httpx.Client(timeout=TIMEOUT) as client:
+        while thread.is_alive():
+            start = time.monotonic()
+            assert client.get(f"{server.url}/health").status_code == 200
+            waits.append(time.monotonic() - start)
+            time.sleep(0.05)
+    thread.join(TIMEOUT)
+    error = assert_openai_error(answer["response"], 400, "prompt")
+    assert "max_model_len" in error["message"]
+    assert max(waits) < 1.0, f"/health waited {max(waits):.2f} s behind the tokenizer"
+    assert len(waits) >= 5, "the huge request was answered before /health was asked: nothing was tested"
+
+
+def test_a_body_over_the_size_limit_is_a_413_before_it_is_read(server):
+    with server_with(server, max_body_bytes=1000) as url:
+        response = httpx.post(f"{url}/v1/completions", json={"prompt": "x" * 2000, "max_tokens": 1}, timeout=TIMEOUT)
+        assert_openai_error(response, 413)
+        small = httpx.post(f"{url}/v1/completions", json={"prompt": "Flat is", "max_tokens": 1}, timeout=TIMEOUT)
+        assert small.status_code == 200, small.text
+
+
+# -- 2. malformed JSON is a 400 --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",  # RecursionError in the JSON decoder
+        b'{"prompt": "x", "max_tokens": 1' + b"0" * 5000 + b"}",  # int() refuses over 4,300 digits
+    ],
+    ids=["nested-100k-deep", "integer-of-5001-digits"],
+)
+def test_json_too_deep_or_with_a_huge_integer_is_a_400_not_a_500(server, content, uvicorn_log):
+    response = httpx.post(f"{server.url}/v1/completions", content=content, timeout=TIMEOUT)
+    assert "not valid JSON" in assert_openai_error(response, 400)["message"]
+    assert uvicorn_log.errors() == []
+    serves_on(server)
+
+
+# -- 3 and 6. errors name their field; the server's limits -----------------------------------------------------
+
+MESSAGES = [{"role": "user", "content": "What is better?"}]
+BLAMED = [
+    ("completions", {"prompt": PROMPT, "stop_token_ids": [10**6]}, "stop_token_ids"),
+    ("chat/completions", {"messages": MESSAGES, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ("chat/completions", {"messages": MESSAGES, "logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+    ("chat/completions", {"messages": MESSAGES, "stop_token_ids": [10**6]}, "stop_token_ids"),
+    ("completions", {"prompt": PROMPT, "max_tokens": 2, "min_tokens": 5}, "min_tokens"),
+    ("chat/completions", {"messages": MESSAGES, "max_completion_tokens": 2, "min_tokens": 5}, "min_tokens"),
+    ("completions", {"prompt": PROMPT, "n": MAX_N + 1}, "n"),
+    ("completions", {"prompt": PROMPT, "stop": [f"s{i}" for i in range(MAX_STOP_STRINGS + 1)]}, "stop"),
+    ("completions", {"prompt": PROMPT, "stop": "x" * (MAX_STOP_STRING_CHARS + 1)}, "stop"),
+    ("chat/completions", {"messages": MESSAGES, "n": MAX_N + 1}, "n"),
+]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"), BLAMED, ids=[f"{p}-{param}-{i}" for i, (p, _, param) in enumerate(BLAMED)]
+)
+def test_an_error_names_the_field_it_is_about(server, path, body, param):
+    response = httpx.post(f"{server.url}/v1/{path}", json={"max_tokens": 2, **body}, timeout=TIMEOUT)
+    assert_openai_error(response, 400, param)
+    assert server.blocks_used() == 0 and server.engine.llm.is_finished()
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("completions", {"prompt": "Flat \ud800 is"}, "prompt"),
+        ("completions", {"prompt": ["Flat is", "\udfff"]}, "prompt"),
+        ("chat/completions", {"messages": [{"role": "user", "content": "\ud83d"}]}, "messages"),
+    ],
+    ids=["prompt", "batch", "chat"],
+)
+def test_a_lone_surrogate_is_a_400_that_says_so(server, path, body, param):
+    content = json.dumps({"max_tokens": 2, **body}).encode()  # ("\\ud800": JSON's escape, as a client sends it)
+    response = httpx.post(f"{server.url}/v1/{path}", content=content, timeout=TIMEOUT)
+    assert "lone UTF-16 surrogate" in assert_openai_error(response, 400, param)["message"]
+
+
+def test_include_usage_that_is_no_bool_is_a_400(server):
+    body = {"prompt": PROMPT, "max_tokens": 2, "stream": True, "stream_options": {"include_usage": "yes"}}
+    response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=TIMEOUT)
+    assert "include_usage" in assert_openai_error(response, 400, "stream_options")["message"]
+
+
+def test_the_limits_themselves_are_served(server):
+    stop = ["x" * MAX_STOP_STRING_CHARS] + [f"zz{i}" for i in range(MAX_STOP_STRINGS - 1)]
+    body = {"prompt": PROMPT, "max_tokens": 2, "n": 4, "stop": stop}
+    response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=TIMEOUT)
+    assert response.status_code == 200 and len(response.json()["choices"]) == 4, response.text
+
+
+# -- 4. wrong paths and methods ----------------------------------------------------------------------------------
+
+
+def test_a_wrong_method_or_path_gets_openai_error_body(server):
+    response = httpx.get(f"{server.url}/v1/completions", timeout=TIMEOUT)
+    assert "POST" in assert_openai_error(response, 405)["message"]
+    assert response.headers["allow"] == "POST"
+    assert_openai_error(httpx.post(f"{server.url}/v1/nothing", json={}, timeout=TIMEOUT), 404)
+    assert_openai_error(httpx.get(f"{server.url}/v2/models", timeout=TIMEOUT), 404)
+    with pytest.raises(openai.NotFoundError):  # as OpenAI's client reports it
+        server.client().embeddings.create(model=MODEL, input="x")
+
+
+# -- 10. a body that never arrives ---------------------------------------------------------------------------------
+
+
+def test_a_body_shorter_than_its_content_length_is_a_408_within_the_timeout(server):
+    with server_with(server, body_timeout=0.5) as url:
+        port = int(url.rsplit(":", 1)[1])
+        with socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT) as sock:
+            head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            sock.sendall(head + b'Content-Length: 1000\r\n\r\n{"prompt": "x"')  # 986 bytes short
+            start = time.monotonic()
+            reply = b""
+            while b"\r\n\r\n" not in reply or not reply.rstrip().endswith(b"}"):
+                chunk = sock.recv(65536)
+                if not chunk:
+                    break
+                reply += chunk
+            waited = time.monotonic() - start
+            assert reply.startswith(b"HTTP/1.1 408"), reply
+            assert b"connection: close" in reply.lower()
+            body = json.loads(reply.split(b"\r\n\r\n", 1)[1])
+            assert body["error"]["code"] == 408 and "0.5 s" in body["error"]["message"]
+            assert 0.4 < waited < 5
+        serves_on_url(url)
+
+
+# -- 11. text_offset -------------------------------------------------------------------------------------------
+
+
+def offsets(tokenizer, ids: list[int], pieces: list[int]) -> list[int]:
+    """completion_logprobs' text_offset for `ids`, sent in chunks of `pieces` tokens (as a stream sends them)."""
+    choice, found, start = Choice(0), [], 0
+    texts = TokenTexts(tokenizer)
+    for size in pieces:
+        entries = [TokenLogprobs(token_id, 0.0, 1, {}) for token_id in ids[start : start + size]]
+        found += completion_logprobs(texts, entries, choice)["text_offset"]
+        start += size
+    return found
+
+
+def test_text_offset_indexes_the_final_text_around_broken_characters(server):
+    tokenizer = server.engine.tokenizer
+    e_first, e_second = tokenizer.encode("é")  # (the built-in vocabulary splits it in its two bytes)
+    (ugly,) = tokenizer.encode(" ugly")
+    cases = [
+        [e_first, ugly, ugly],  # half a character, never finished: U+FFFD in the text, the first token's
+        [ugly, e_first, e_first, e_second, ugly],  # one broken by the start of the next
+        [e_first, e_second, ugly, e_first],  # whole, then a half at the end
+    ]
+    for ids in cases:
+        text = tokenizer.decode(ids)
+        # where each token's text starts in the final text: what the tokens before it decode to, up to where
+        # it stops agreeing with the final text (a half character decodes to U+FFFD alone, and is no character
+        # of the text until its other half comes)
+        expected = [len(os.path.commonprefix([tokenizer.decode(ids[:i]), text])) for i in range(len(ids))]
+        assert "\ufffd" in text or ids[-1] == e_first
+        for pieces in ([len(ids)], [1] * len(ids)):
+            assert offsets(tokenizer, ids, pieces) == expected, (ids, text, pieces)
+
+
+# -- 12. the "abort" counter counts samples, streamed or not -----------------------------------------------------
+
+
+def slow_steps(server, monkeypatch) -> None:
+    runner = server.engine.llm.model_runner
+    real_run = runner.run
+    monkeypatch.setattr(runner, "run", lambda *args, **kwargs: time.sleep(0.02) or real_run(*args, **kwargs))
+
+
+ABORTS = "nanoref_requests_total{finish_reason=abort}"
+LONG = {"model": MODEL, "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True}
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_client_that_leaves_counts_one_abort_per_sample(server, monkeypatch, stream):
+    slow_steps(server, monkeypatch)
+    before = scrape(server).get(ABORTS, 0)
+    body = {**LONG, "n": 3, "stream": stream}
+    if stream:
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=TIMEOUT) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["text"]:
+                    break  # leave after the first piece of text
+    else:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{server.url}/v1/completions", json=body, timeout=1.0)
+    server.wait_until_idle(seconds=5)
+    deadline = time.monotonic() + 5  # (the count is booked when the response's cleanup runs)
+    while scrape(server).get(ABORTS, 0) < before + 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert scrape(server).get(ABORTS, 0) == before + 3
+
+
+def test_an_aborted_n_request_counts_each_sample_once(server, monkeypatch):
+    import asyncio
+
+    slow_steps(server, monkeypatch)
+    before = scrape(server).get(ABORTS, 0)
+    caught = []
+
+    def call():
+        try:
+            httpx.post(f"{server.url}/v1/completions", json={**LONG, "n": 3}, timeout=TIMEOUT).raise_for_status()
+        except httpx.HTTPStatusError as error:
+            caught.append(error.response.status_code)
+
+    thread = threading.Thread(target=call)
+    thread.start()
+    deadline = time.monotonic() + TIMEOUT
+    while not server.engine._requests:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    (request_id,) = server.engine._requests
+    asyncio.run(server.engine.abort(request_id))
+    thread.join(TIMEOUT)
+    assert caught == [503]
+    server.wait_until_idle(seconds=5)
+    assert scrape(server).get(ABORTS, 0) == before + 3
+
+
+# -- 9. a client that resets its connection mid-stream ---------------------------------------------------------
+
+
+def test_clients_that_reset_mid_request_or_mid_stream_log_nothing(server, monkeypatch, uvicorn_log):
+    slow_steps(server, monkeypatch)
+    port = int(server.url.rsplit(":", 1)[1])
+    for i in range(12):  # whole and streamed, one prompt and several, n 1 and 2, reset at various points
+        prompt = [PROMPT, "Simple is"][: 1 + i % 2]
+        body = json.dumps({**LONG, "prompt": prompt, "n": 1 + (i // 2) % 2, "stream": i % 3 != 2}).encode()
+        with socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT) as sock:
+            head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            sock.sendall(head + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+            if i % 4:
+                sock.recv(1 + 300 * (i % 4))
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close = reset
+    for _ in range(3):  # and while the body is on its way (the server waits for the rest of it)
+        with socket.create_connection(("127.0.0.1", port), timeout=TIMEOUT) as sock:
+            head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            sock.sendall(head + b'Content-Length: 100\r\n\r\n{"prompt": ')
+            time.sleep(0.1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    server.wait_until_idle(seconds=10)
+    time.sleep(0.3)  # (a response's cleanup runs after its abort)
+    assert uvicorn_log.errors() == []
+    serves_on(server)
+
+
+# -- 7. a dead engine ----------------------------------------------------------------------------------------------
+
+
+def test_requests_after_the_engine_process_died_are_503s_without_tracebacks(uvicorn_log):
+    with running_server(AsyncLLM.from_model(engine_process=True, **SETTINGS), MODEL) as server:
+        uvicorn_log.attach()
+        with httpx.stream("POST", f"{server.url}/v1/completions", json={**LONG, "stream": True}, timeout=TIMEOUT) as r:
+            events = []
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    if len(events) == 1:
+                        os.kill(server.engine._engine.process.pid, signal.SIGKILL)
+        assert events[-1] == "[DONE]"
+        last = json.loads(events[-2])
+        assert last["error"]["code"] == 503 and "engine" in last["error"]["message"], last
+        deadline = time.monotonic() + TIMEOUT
+        while httpx.get(f"{server.url}/health", timeout=TIMEOUT).status_code != 503:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        for stream in (False, True):
+            body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "stream": stream}
+            response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=TIMEOUT)
+            assert "engine has stopped" in assert_openai_error(response, 503)["message"]
+        chat = {"messages": MESSAGES, "max_completion_tokens": 2}
+        assert_openai_error(httpx.post(f"{server.url}/v1/chat/completions", json=chat, timeout=TIMEOUT), 503)
+    assert uvicorn_log.errors() == []
+
+
+# -- 5 and 8. the serve command ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("port", ["70000", "-1", "65536"])
+def test_the_serve_command_refuses_a_port_out_of_range_before_loading_the_model(port, capsys, monkeypatch):
+    from nanoref.serve import main
+
+    def never(*args, **kwargs):
+        raise AssertionError("the model was loaded before the port was checked")
+
+    monkeypatch.setattr(AsyncLLM, "from_model", never)
+    assert main(["--device", "cpu", "--port", port]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --port") and err.count("\n") == 1, err
+
+
+def test_the_serve_command_refuses_an_address_in_use_before_loading_the_model(capsys, monkeypatch):
+    from nanoref.serve import main
+
+    monkeypatch.setattr(AsyncLLM, "from_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        assert main(["--device", "cpu", "--port", str(taken.getsockname()[1])]) == 2
+    assert capsys.readouterr().err.startswith("error: cannot listen on 127.0.0.1:")
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the engine process through /proc")
+def test_the_serve_command_stops_the_engine_on_sigterm_and_ends_by_it():
+    command = [sys.executable, "-m", "nanoref.serve", "--device", "cpu", "--port", "0", "--engine-process", "on"]
+    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ)
+    try:
+        line = server.stdout.readline()
+        assert " on http://" in line, line + server.stderr.read()
+        url = line.split(" on ", 1)[1].split()[0]
+        engine = {
+            pid for pid in children_of(server.pid) if "resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_text()
+        }
+        assert len(engine) == 1
+        body = {"prompt": PROMPT, "max_tokens": 2}
+        assert httpx.post(f"{url}/completions", json=body, timeout=TIMEOUT).status_code == 200
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(TIMEOUT) == -signal.SIGTERM  # as uvicorn ends on SIGTERM, after its shutdown
+        assert "Traceback" not in server.stderr.read()
+        for pid in engine:  # stopped and reaped by the server before it ended: engine.close() ran
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
