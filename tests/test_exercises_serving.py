@@ -54,9 +54,34 @@ def shorter_on_ties(text, stops, start):  # of two that end at the same place, t
     return (-min(found)[1], min(found)[2]) if found else None
 
 
+def begins_first(text, stops, start):  # the stop string that begins first, not the one that ends first
+    found = [(i, s) for s in stops if (i := text.find(s, max(start - len(s) + 1, 0))) >= 0]
+    return min(found, key=lambda pair: pair[0]) if found else None
+
+
+def test_a_find_stop_string_that_returns_the_one_beginning_first_is_caught_on_every_seed_with_its_hint():
+    """A short stop string that ends inside a longer one that begins earlier is a worked case: no seed lets the
+    begins-first mistake through, and the hint names it (not the list's order)."""
+    for seed in range(40):
+        with pytest.raises(ExerciseFailure) as failure:
+            check_find_stop_string(begins_first, seed=seed, engine=False)
+        message = str(failure.value).replace("\n", " ")
+        assert "the stop string that begins first" in message, (seed, message)
+        assert "first of `stops`" not in message, (seed, message)
+
+
+def test_a_find_stop_string_that_takes_the_first_of_the_list_is_told_so_on_every_seed():
+    for seed in range(40):
+        with pytest.raises(ExerciseFailure) as failure:
+            check_find_stop_string(first_in_list, seed=seed, engine=False)
+        message = str(failure.value).replace("\n", " ")
+        assert "the first of `stops` that occurs" in message and "begins first" not in message, (seed, message)
+
+
 @pytest.mark.parametrize(
     "wrong, hint",
     [
+        (begins_first, "return the one that ends first"),
         (first_in_list, "return the stop string that ends first, whatever its place in the list"),
         (from_start_only, "a stop string can straddle start, so search from start - len(stop) + 1"),
         (whole_text, "find only stop strings that end after it"),
@@ -65,7 +90,16 @@ def shorter_on_ties(text, stops, start):  # of two that end at the same place, t
         (lambda text, stops, start: [0, stops[0]] if stops else None, "return the index where the stop string"),
         (lambda text, stops, start: "STOP", "return None or a pair (index, stop string)"),
     ],
-    ids=["first_in_list", "from_start", "whole_text", "end_index", "ties", "always_first", "not_a_pair"],
+    ids=[
+        "begins_first",
+        "first_in_list",
+        "from_start",
+        "whole_text",
+        "end_index",
+        "ties",
+        "always_first",
+        "not_a_pair",
+    ],
 )
 def test_a_wrong_find_stop_string_fails_with_its_hint(wrong, hint):
     with pytest.raises(ExerciseFailure, match=None) as failure:

@@ -37,6 +37,9 @@ def _stops(rng: random.Random) -> list[str]:
 def _find_cases(rng: random.Random) -> Iterator[tuple[str, str, list[str], int]]:
     """(description, text, stops, start): the situations that trip answers up, then random ones."""
     yield "the second stop string of the list ends first in the text", "say hello, then END. STOP", ["STOP", "END"], 0
+    # a short stop string inside a longer one that begins earlier: the short one ends first (either list order)
+    yield "a short stop string ends inside a longer one that begins before it", "one two three", ["tw", "e two"], 0
+    yield "a short stop string, second in the list, ends inside a longer one", "a big cat", ["a big", "b"], 0
     yield "a stop string that begins before start and ends after it", "one two thr|ee END", ["thr|ee", "END"], 13
     yield "a stop string that ended before start (an earlier call found it), and a later one", "x END y END", ["END"], 6
     yield "no stop string in the text", "nothing to see here", ["STOP", "END"], 0
@@ -51,6 +54,12 @@ def _find_cases(rng: random.Random) -> Iterator[tuple[str, str, list[str], int]]
 
 def _ends_by(found: tuple[int, str]) -> int:
     return found[0] + len(found[1])
+
+
+def _occurrences(text: str, stops: list[str], start: int) -> list[tuple[int, str]]:
+    """Each stop string's first occurrence that ends after `start`, in the order of `stops` (those that occur)."""
+    found = [(text.find(stop, max(start - len(stop) + 1, 0)), stop) for stop in stops]
+    return [(index, stop) for index, stop in found if index >= 0]
 
 
 def _find_hint(text: str, stops: list[str], start: int, got: Any, want: tuple[int, str] | None) -> str:
@@ -76,10 +85,24 @@ def _find_hint(text: str, stops: list[str], start: int, got: Any, want: tuple[in
     if want is None:
         return "no stop string ends after start"  # (unreachable: got is a valid later match)
     if _ends_by(got) > _ends_by(want):
-        if stop != want[1] and stops.index(stop) < stops.index(want[1]):
+        found = _occurrences(text, stops, start)
+        begins_first = got in found and index == min(begin for begin, _ in found)
+        first_listed = got == found[0]
+        ends = f"{want[1]!r} at {want[0]} ends first in the text (at {_ends_by(want)}, yours at {_ends_by(got)})"
+        if begins_first and first_listed:
             return (
-                f"you returned {stop!r}, the first of `stops` that occurs, but {want[1]!r} ends first in the text "
-                f"(at {_ends_by(want)}): return the stop string that ends first, whatever its place in the list"
+                f"you returned {stop!r}, the first of `stops` and the one that begins first, but {ends}: return the "
+                "stop string that ends first, whatever its place in the list or where it begins"
+            )
+        if begins_first:
+            return (
+                f"you returned {stop!r}, the stop string that begins first, but {ends}: return the one that ends "
+                "first (the text is cut where the first stop string is complete), not the one that begins first"
+            )
+        if first_listed:
+            return (
+                f"you returned {stop!r}, the first of `stops` that occurs, but {ends}: return the stop string that "
+                "ends first, whatever its place in the list"
             )
         return (
             f"{want[1]!r} at {want[0]} ends at {_ends_by(want)}, before your {stop!r} at {index}: return the first "
