@@ -174,9 +174,47 @@ def keeps_every_proposal(p, q, draft_ids, uniforms, noise):
     return draft_ids >= 0, recovered
 
 
+def own_draws(p, q, draft_ids, uniforms, noise):  # ignores the given draws: uniforms and noise of its own
+    return rejection_sample(p, q, draft_ids, torch.rand(uniforms.shape), torch.empty(noise.shape).exponential_())
+
+
+def own_seeded_uniforms(p, q, draft_ids, uniforms, noise):  # a Generator of its own for u: repeatable, still wrong
+    generator = torch.Generator().manual_seed(0)
+    return rejection_sample(p, q, draft_ids, torch.rand(uniforms.shape, generator=generator), noise)
+
+
+@pytest.mark.parametrize("wrong", [own_draws, own_seeded_uniforms])
+def test_a_rejection_sample_that_ignores_the_given_draws_is_told_so_on_every_seed(wrong):
+    """A worked case where only the given uniforms decide (one proposal many times, u spread over [0, 1)) comes
+    first: whatever the seed (of the check and of the learner's own draws), the hint names the ignored uniforms,
+    never the bonus row."""
+    for seed in range(30):
+        torch.manual_seed(1000 + seed)
+        with pytest.raises(ExerciseFailure) as failure:
+            check_rejection_sample(wrong, seed=seed, engine=False)
+        message = str(failure.value).replace("\n", " ")
+        assert "you ignored the given uniform draws" in message, (seed, message)
+        assert "bonus" not in message, (seed, message)
+
+
+def own_noise(p, q, draft_ids, uniforms, noise):  # the given uniforms, but noise of its own
+    return rejection_sample(p, q, draft_ids, uniforms, torch.empty(noise.shape).exponential_())
+
+
+def test_a_rejection_sample_that_ignores_the_given_noise_is_told_so_on_every_seed():
+    for seed in range(30):
+        torch.manual_seed(2000 + seed)
+        with pytest.raises(ExerciseFailure) as failure:
+            check_rejection_sample(own_noise, seed=seed, engine=False)
+        message = str(failure.value).replace("\n", " ")
+        assert "draw the token with the given noise" in message, (seed, message)
+        assert "bonus" not in message, (seed, message)
+
+
 @pytest.mark.parametrize(
     "wrong, hint",
     [
+        (own_draws, "you ignored the given uniform draws"),
         (accepts_bonus_rows, "a bonus row .* never accept it"),
         (residual_on_bonus_rows, "a bonus row .* draws from p itself"),
         (reversed_ratio, "the ratio is reversed"),
@@ -188,7 +226,7 @@ def keeps_every_proposal(p, q, draft_ids, uniforms, noise):
         (own_randomness, r"draw the token with the given noise: argmax\(residual / noise\)"),
         (in_place, "changed p in place"),
         (int_accepted, "accepted should be a .* bool tensor"),
-        (keeps_every_proposal, "should be rejected"),
+        (keeps_every_proposal, "should be rejected: you kept every proposal"),
     ],
 )
 def test_a_wrong_rejection_sample_fails_with_its_hint(wrong, hint):
