@@ -303,7 +303,44 @@ def test_a_rebuild_replaces_what_the_build_made(tmp_path):
     assert sorted(p.name for p in (tmp_path / "source" / "nanoref").glob("*.ipynb")) == ["01_varlen_flattening.ipynb"]
     assert (tmp_path / "grades.csv").read_text() == "alice,10\n"
     released = tmp_path / "release" / "nanoref"
-    assert not (released / ".nanoref-build").exists(), "the build's marker is not for students"
+    # the build marks the release folder too, listing what it holds; nbgrader's exchange leaves the marker out
+    assert "01_varlen_flattening.ipynb" in (released / ".nanoref-build").read_text().splitlines()
+    assert "'.nanoref-build'" in (tmp_path / "nbgrader_config.py").read_text().split("c.CourseDirectory.ignore")[1]
+
+
+def test_a_release_folder_the_build_did_not_make_is_not_replaced(tmp_path):
+    mine = tmp_path / "release" / "nanoref" / "my_answers.ipynb"
+    mine.parent.mkdir(parents=True)
+    mine.write_text("keep me")
+    status, err = classroom("build", "--out", str(tmp_path), "--only", "00")
+    assert_one_error_line(status, err, str(mine.parent), "was not made by", ".nanoref-build")
+    assert mine.read_text() == "keep me"
+    assert not (tmp_path / "source").exists(), "refused before anything was written"
+
+
+@pytest.mark.parametrize("folder", ["release", "source"])
+def test_a_users_file_in_a_folder_the_build_made_survives_a_rebuild(tmp_path, folder):
+    build(tmp_path, select=["00"])
+    mine = tmp_path / folder / "nanoref" / "notes" / "mine.md"
+    mine.parent.mkdir()
+    mine.write_text("keep me")
+    status, err = classroom("build", "--out", str(tmp_path), "--only", "00")
+    assert_one_error_line(status, err, str(mine.parents[1]), "holds files the build did not write (notes/mine.md)")
+    assert mine.read_text() == "keep me"
+    mine.unlink()
+    mine.parent.rmdir()
+    assert [p.name for p in build(tmp_path, select=["00"])] == ["00_tour.ipynb"]  # without it, a rebuild goes on
+
+
+def test_check_keeps_each_line_of_a_checks_message(capsys):
+    """A check's hint and the case it failed on are lines of their own: the report wraps each, never joins them."""
+    from nanoref.classroom import CellResult, _report
+
+    hint = "ExerciseFailure: random text: you returned 'b. ', the one that begins first"
+    case = "text='bb. ', stops=['.', 'b. '], start=0: you returned (1, 'b. '), expected (2, '.')"
+    _report(Path("11_serving.ipynb"), [CellResult("ex_find_stop_string_test", 2, False, f"{hint}\n{case}")])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1:3] == ["      " + hint, "      " + case], lines
 
 
 def test_build_errors_are_one_line(tmp_path):
