@@ -83,6 +83,41 @@ def test_a_wrong_accept_greedy_fails_in_the_engine_too():
         check_speculative_greedy({"accept_greedy": no_bonus})
 
 
+def without_any_bonus(draft_ids, target_ids):  # the kept proposals and the target's token at a disagreement only
+    out = []
+    for draft, target in zip(draft_ids, target_ids):
+        out.append(target)
+        if draft != target:
+            break
+    return out  # [] without proposals: the sequence gains nothing, and its next step proposes none again
+
+
+def test_a_speculative_run_that_stops_making_progress_fails_naming_it():
+    """Without a bonus token a sequence with one token left gains none in a step: with a learner's decode attention
+    in place (as in the capstone) verify steps take the varlen path, where that sequence checks no proposal, and
+    the run would never end. The harness's step budget ends it with a message that names the learner's functions,
+    so the capstone's later runs still run."""
+    from nanoref.exercises.speculative import check_speculative_greedy
+    from nanoref.ops.attention_torch import paged_decode_attention
+
+    yours = {"accept_greedy": without_any_bonus, "paged_decode_attention": paged_decode_attention}
+    with pytest.raises(ExerciseFailure, match=r"with your `accept_greedy`, .* in the engine, the run stopped making"):
+        check_speculative_greedy(yours)
+
+
+def test_the_step_budget_leaves_the_engine_as_it_was():
+    from nanoref import LLM, SamplingParams
+    from nanoref.exercises.common import limited_steps, run_with, step_budget, tiny_model
+
+    llm = LLM(tiny_model(), num_kvcache_blocks=16)
+    params = SamplingParams(temperature=0, max_tokens=6)
+    assert step_budget([[1, 2, 3]], params) == 4 * (3 + 6) + 64
+    with pytest.raises(ExerciseFailure, match="stopped making progress"), limited_steps(llm, 2, "your `f`"):
+        llm.generate([[1, 2, 3]], params, use_tqdm=False)
+    assert "step" not in vars(llm) and llm.is_finished()
+    assert run_with(llm, {}, [[1, 2, 3]], params)[0]["token_ids"] == llm.generate([[1, 2, 3]], params)[0]["token_ids"]
+
+
 def test_a_greedy_answer_that_raises_names_the_learners_line():
     def broken(draft_ids, target_ids):
         return [target_ids[len(draft_ids) + 1]]

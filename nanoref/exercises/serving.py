@@ -14,7 +14,15 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from nanoref.engine.detokenizer import find_stop_string, stop_hold_back
-from nanoref.exercises.common import ExerciseFailure, call_learner, describe, describe_error, input_generator
+from nanoref.exercises.common import (
+    ExerciseFailure,
+    call_learner,
+    describe,
+    describe_error,
+    input_generator,
+    limited_steps,
+    step_budget,
+)
 from nanoref.utils.seams import use
 
 SERVER_TIMEOUT = 30.0  # seconds: every wait on the server is bounded, a bug fails the check, never hangs it
@@ -274,7 +282,9 @@ def check_served(functions: dict[str, Callable]) -> None:
     try:
         with use(**_counted(functions, calls)):
             for (prompt, settings), want in zip(requests, reference):
-                pieces = [piece.text for piece in llm.stream(prompt, SamplingParams(**settings))]
+                params = SamplingParams(**settings)
+                with limited_steps(llm, step_budget([prompt], params), names):
+                    pieces = [piece.text for piece in llm.stream(prompt, params)]
                 _compare("in the engine", names, prompt, settings["stop"], pieces, want)
     except ExerciseFailure:
         raise
