@@ -152,6 +152,14 @@ def test_a_hold_back_that_shows_a_stop_strings_beginning_fails_in_the_engine():
         check_served({"stop_hold_back": lambda text, stops: 0})
 
 
+@pytest.mark.parametrize("wrong", [begins_first, first_in_list])
+def test_the_engine_run_catches_a_find_stop_string_that_returns_another_than_the_first_to_end(wrong):
+    """The engine's requests hold a short stop string and a longer one that begins before it, both completed by one
+    token: the engine run alone (as the capstone runs it) cuts the text elsewhere with either mistake."""
+    with pytest.raises(ExerciseFailure, match="the stop string cut the text elsewhere"):
+        check_served({"find_stop_string": wrong})
+
+
 # -- the engine and the server run the learner's function --------------------------------------------------------
 def test_the_engine_calls_each_stop_seam_only_inside_use():
     llm = LLM(device="cpu", num_kvcache_blocks=64)

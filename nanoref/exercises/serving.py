@@ -213,16 +213,29 @@ def check_stop_hold_back(fn: Callable, *, seed: int | None = None, engine: bool 
 ZEN = ["Beautiful is better than", "Errors should never pass", "Namespaces are one"]
 
 
-def _requests(llm: Any) -> list[tuple[str, dict]]:
-    """(prompt, sampling settings) with stop strings cut from nanoref's own greedy texts, so that each one matches:
-    one that straddles tokens, two where the second in the list ends first, one kept in the output."""
+def stop_requests(llm: Any) -> list[tuple[str, dict]]:
+    """(prompt, sampling settings) with stop strings cut from nanoref's own greedy texts, where its tokens end, so
+    that each one matches where it is meant to: one that straddles two tokens; a short one and a longer one that
+    begins before it, both completed by one token (the short one ends first: it cuts the text); one kept in the
+    output."""
     from nanoref import SamplingParams
 
-    texts = [out["text"] for out in llm.generate(ZEN, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)]
+    outputs = llm.generate(ZEN, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
     requests = []
-    for number, (prompt, text) in enumerate(zip(ZEN, texts)):
-        middle = len(text) // 2
-        stops = [text[middle : middle + 3]] + ([text[middle // 2 : middle // 2 + 4]] if number != 1 else [])
+    for number, (prompt, out) in enumerate(zip(ZEN, outputs)):
+        text, ids = out["text"], out["token_ids"]
+        ends = [len(llm.tokenizer.decode(ids[: i + 1])) for i in range(len(ids))]  # where each token's text ends
+        starts = [0, *ends[:-1]]
+        if number == 0:  # across the boundary after a token: its last character and the next token's first two
+            stops = next([text[a - 1 : a + 2]] for a in starts[2:] if text.find(text[a - 1 : a + 2]) == a - 1)
+        elif number == 1:  # one token of 2+ characters completes both; the longer begins before the short one
+            stops = next(
+                [text[a - 2 : b], text[a - 1 : a + 1]]
+                for a, b in zip(starts[2:], ends[2:])
+                if b - a >= 2 and text.find(text[a - 1 : a + 1]) == a - 1 and text.find(text[a - 2 : b]) == a - 2
+            )
+        else:
+            stops = [text[len(text) // 4 : len(text) // 4 + 4]]
         requests.append((prompt, {"temperature": 0, "max_tokens": 16, "stop": stops,
                                   "include_stop_str_in_output": number == 2}))  # fmt: skip
     return requests
@@ -263,7 +276,7 @@ def _built_in() -> tuple[Any, list[tuple[str, dict]], list[str]]:
 
     if not _BUILT_IN:
         llm = LLM(num_kvcache_blocks=64)
-        requests = _requests(llm)
+        requests = stop_requests(llm)
         reference = ["".join(piece.text for piece in llm.stream(prompt, SamplingParams(**settings)))
                      for prompt, settings in requests]  # fmt: skip
         _BUILT_IN.append((llm, requests, reference))
