@@ -532,6 +532,53 @@ def test_the_capstone_counts_calls_during_the_pressure_run():
         assert int(calls["choose_preemption_victim"]) > 0, lines[i + 1]
 
 
+def capstone_section_3(yours: dict) -> list[RunResult]:
+    """The capstone's section 3 (text with the built-in model), run as the notebook runs it but with `yours` only:
+    its helpers from the cell that defines them (not that cell's engine runs), then the section's own cell."""
+    import ast
+
+    nb = nbformat.read(NOTEBOOKS_DIR / "10_capstone.ipynb", as_version=4)
+    [helpers] = [c.source for c in nb.cells if c.cell_type == "code" and "def counting(" in c.source]
+    [section] = [c.source for c in nb.cells if c.cell_type == "code" and "stop_requests(llm)" in c.source]
+    tree = ast.parse(helpers)
+    kept = [node for node in tree.body if isinstance(node, (ast.FunctionDef, ast.Assign, ast.Import, ast.ImportFrom))]
+    kept = [node for node in kept if not (isinstance(node, ast.Assign) and "model(" in ast.unparse(node))]
+    namespace = {"yours": yours}
+    exec(
+        "from nanoref import LLM, SamplingParams\nfrom nanoref.classroom import Runs\n"
+        "from nanoref.exercises.common import run_with, stream_with\nimport importlib.util\n",
+        namespace,
+    )
+    exec(ast.unparse(ast.Module(body=kept, type_ignores=[])), namespace)
+    exec(section, namespace)
+    return namespace["runs"].results, namespace["calls"]
+
+
+def test_the_capstone_compares_text_and_streamed_pieces_and_counts_the_stop_seams():
+    from nanoref.engine.detokenizer import find_stop_string, stop_hold_back
+
+    [result], calls = capstone_section_3({"find_stop_string": find_stop_string, "stop_hold_back": stop_hold_back})
+    assert result.passed, result
+    assert calls["find_stop_string"] > 0 and calls["stop_hold_back"] > 0, calls
+
+
+def begins_first(text, stops, start):  # the stop string that begins first, not the one that ends first
+    found = [(i, s) for s in stops if (i := text.find(s, max(start - len(s) + 1, 0))) >= 0]
+    return min(found, key=lambda pair: pair[0]) if found else None
+
+
+@pytest.mark.parametrize(
+    "seam, wrong, what",
+    [
+        ("find_stop_string", begins_first, "yours ' silently'"),  # the same tokens, another text
+        ("stop_hold_back", lambda text, stops: 0, "nanoref streams"),  # the same text, other pieces
+    ],
+)
+def test_the_capstone_fails_notebook_11s_text_level_mistakes(seam, wrong, what):
+    [result], _ = capstone_section_3({seam: wrong})
+    assert not result.passed and what in result.message, result
+
+
 def test_the_capstone_ends_with_one_pass_or_fail_line():
     nb = nbformat.read(NOTEBOOKS_DIR / "10_capstone.ipynb", as_version=4)
     last = nb.cells[-1]

@@ -255,6 +255,20 @@ def run_with(llm: Any, functions: dict[str, Callable], prompts: list, params: An
         raise ExerciseFailure(f"the engine failed while running {names}: {summary}\n{details}") from error
 
 
+def stream_with(llm: Any, functions: dict[str, Callable], prompt: Any, params: Any) -> list[Any]:
+    """`llm.stream`'s pieces of one request with the learner's `functions` in place, within a step budget and with
+    an engine error named as in run_with."""
+    names = describe(functions)
+    try:
+        with use(**functions), limited_steps(llm, step_budget([prompt], params), names):
+            return list(llm.stream(prompt, params))
+    except ExerciseFailure:
+        raise
+    except Exception as error:
+        summary, details = describe_error(error).split("\n", 1)
+        raise ExerciseFailure(f"the engine failed while running {names}: {summary}\n{details}") from error
+
+
 def generate_with(llm: Any, functions: dict[str, Callable], prompts: list[list[int]], params: Any) -> list[list[int]]:
     """The engine's output ids with the learner's `functions` in place (see run_with)."""
     return [out["token_ids"] for out in run_with(llm, functions, prompts, params)]
