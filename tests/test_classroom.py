@@ -303,7 +303,44 @@ def test_a_rebuild_replaces_what_the_build_made(tmp_path):
     assert sorted(p.name for p in (tmp_path / "source" / "nanoref").glob("*.ipynb")) == ["01_varlen_flattening.ipynb"]
     assert (tmp_path / "grades.csv").read_text() == "alice,10\n"
     released = tmp_path / "release" / "nanoref"
-    assert not (released / ".nanoref-build").exists(), "the build's marker is not for students"
+    # the build marks the release folder too, listing what it holds; nbgrader's exchange leaves the marker out
+    assert "01_varlen_flattening.ipynb" in (released / ".nanoref-build").read_text().splitlines()
+    assert "'.nanoref-build'" in (tmp_path / "nbgrader_config.py").read_text().split("c.CourseDirectory.ignore")[1]
+
+
+def test_a_release_folder_the_build_did_not_make_is_not_replaced(tmp_path):
+    mine = tmp_path / "release" / "nanoref" / "my_answers.ipynb"
+    mine.parent.mkdir(parents=True)
+    mine.write_text("keep me")
+    status, err = classroom("build", "--out", str(tmp_path), "--only", "00")
+    assert_one_error_line(status, err, str(mine.parent), "was not made by", ".nanoref-build")
+    assert mine.read_text() == "keep me"
+    assert not (tmp_path / "source").exists(), "refused before anything was written"
+
+
+@pytest.mark.parametrize("folder", ["release", "source"])
+def test_a_users_file_in_a_folder_the_build_made_survives_a_rebuild(tmp_path, folder):
+    build(tmp_path, select=["00"])
+    mine = tmp_path / folder / "nanoref" / "notes" / "mine.md"
+    mine.parent.mkdir()
+    mine.write_text("keep me")
+    status, err = classroom("build", "--out", str(tmp_path), "--only", "00")
+    assert_one_error_line(status, err, str(mine.parents[1]), "holds files the build did not write (notes/mine.md)")
+    assert mine.read_text() == "keep me"
+    mine.unlink()
+    mine.parent.rmdir()
+    assert [p.name for p in build(tmp_path, select=["00"])] == ["00_tour.ipynb"]  # without it, a rebuild goes on
+
+
+def test_check_keeps_each_line_of_a_checks_message(capsys):
+    """A check's hint and the case it failed on are lines of their own: the report wraps each, never joins them."""
+    from nanoref.classroom import CellResult, _report
+
+    hint = "ExerciseFailure: random text: you returned 'b. ', the one that begins first"
+    case = "text='bb. ', stops=['.', 'b. '], start=0: you returned (1, 'b. '), expected (2, '.')"
+    _report(Path("11_serving.ipynb"), [CellResult("ex_find_stop_string_test", 2, False, f"{hint}\n{case}")])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1:3] == ["      " + hint, "      " + case], lines
 
 
 def test_build_errors_are_one_line(tmp_path):
@@ -493,6 +530,53 @@ def test_the_capstone_counts_calls_during_the_pressure_run():
         assert " 0 preemptions" not in lines[i]
         calls = dict(item.split(" x") for item in lines[i + 1].removeprefix("  its calls: ").split(", "))
         assert int(calls["choose_preemption_victim"]) > 0, lines[i + 1]
+
+
+def capstone_section_3(yours: dict) -> list[RunResult]:
+    """The capstone's section 3 (text with the built-in model), run as the notebook runs it but with `yours` only:
+    its helpers from the cell that defines them (not that cell's engine runs), then the section's own cell."""
+    import ast
+
+    nb = nbformat.read(NOTEBOOKS_DIR / "10_capstone.ipynb", as_version=4)
+    [helpers] = [c.source for c in nb.cells if c.cell_type == "code" and "def counting(" in c.source]
+    [section] = [c.source for c in nb.cells if c.cell_type == "code" and "stop_requests(llm)" in c.source]
+    tree = ast.parse(helpers)
+    kept = [node for node in tree.body if isinstance(node, (ast.FunctionDef, ast.Assign, ast.Import, ast.ImportFrom))]
+    kept = [node for node in kept if not (isinstance(node, ast.Assign) and "model(" in ast.unparse(node))]
+    namespace = {"yours": yours}
+    exec(
+        "from nanoref import LLM, SamplingParams\nfrom nanoref.classroom import Runs\n"
+        "from nanoref.exercises.common import run_with, stream_with\nimport importlib.util\n",
+        namespace,
+    )
+    exec(ast.unparse(ast.Module(body=kept, type_ignores=[])), namespace)
+    exec(section, namespace)
+    return namespace["runs"].results, namespace["calls"]
+
+
+def test_the_capstone_compares_text_and_streamed_pieces_and_counts_the_stop_seams():
+    from nanoref.engine.detokenizer import find_stop_string, stop_hold_back
+
+    [result], calls = capstone_section_3({"find_stop_string": find_stop_string, "stop_hold_back": stop_hold_back})
+    assert result.passed, result
+    assert calls["find_stop_string"] > 0 and calls["stop_hold_back"] > 0, calls
+
+
+def begins_first(text, stops, start):  # the stop string that begins first, not the one that ends first
+    found = [(i, s) for s in stops if (i := text.find(s, max(start - len(s) + 1, 0))) >= 0]
+    return min(found, key=lambda pair: pair[0]) if found else None
+
+
+@pytest.mark.parametrize(
+    "seam, wrong, what",
+    [
+        ("find_stop_string", begins_first, "yours ' silently'"),  # the same tokens, another text
+        ("stop_hold_back", lambda text, stops: 0, "nanoref streams"),  # the same text, other pieces
+    ],
+)
+def test_the_capstone_fails_notebook_11s_text_level_mistakes(seam, wrong, what):
+    [result], _ = capstone_section_3({seam: wrong})
+    assert not result.passed and what in result.message, result
 
 
 def test_the_capstone_ends_with_one_pass_or_fail_line():

@@ -56,9 +56,34 @@ def shorter_on_ties(text, stops, start):  # of two that end at the same place, t
     return (-min(found)[1], min(found)[2]) if found else None
 
 
+def begins_first(text, stops, start):  # the stop string that begins first, not the one that ends first
+    found = [(i, s) for s in stops if (i := text.find(s, max(start - len(s) + 1, 0))) >= 0]
+    return min(found, key=lambda pair: pair[0]) if found else None
+
+
+def test_a_find_stop_string_that_returns_the_one_beginning_first_is_caught_on_every_seed_with_its_hint():
+    """A short stop string that ends inside a longer one that begins earlier is a worked case: no seed lets the
+    begins-first mistake through, and the hint names it (not the list's order)."""
+    for seed in range(40):
+        with pytest.raises(ExerciseFailure) as failure:
+            check_find_stop_string(begins_first, seed=seed, engine=False)
+        message = str(failure.value).replace("\n", " ")
+        assert "the stop string that begins first" in message, (seed, message)
+        assert "first of `stops`" not in message, (seed, message)
+
+
+def test_a_find_stop_string_that_takes_the_first_of_the_list_is_told_so_on_every_seed():
+    for seed in range(40):
+        with pytest.raises(ExerciseFailure) as failure:
+            check_find_stop_string(first_in_list, seed=seed, engine=False)
+        message = str(failure.value).replace("\n", " ")
+        assert "the first of `stops` that occurs" in message and "begins first" not in message, (seed, message)
+
+
 @pytest.mark.parametrize(
     "wrong, hint",
     [
+        (begins_first, "return the one that ends first"),
         (first_in_list, "return the stop string that ends first, whatever its place in the list"),
         (from_start_only, "a stop string can straddle start, so search from start - len(stop) + 1"),
         (whole_text, "find only stop strings that end after it"),
@@ -67,7 +92,16 @@ def shorter_on_ties(text, stops, start):  # of two that end at the same place, t
         (lambda text, stops, start: [0, stops[0]] if stops else None, "return the index where the stop string"),
         (lambda text, stops, start: "STOP", "return None or a pair (index, stop string)"),
     ],
-    ids=["first_in_list", "from_start", "whole_text", "end_index", "ties", "always_first", "not_a_pair"],
+    ids=[
+        "begins_first",
+        "first_in_list",
+        "from_start",
+        "whole_text",
+        "end_index",
+        "ties",
+        "always_first",
+        "not_a_pair",
+    ],
 )
 def test_a_wrong_find_stop_string_fails_with_its_hint(wrong, hint):
     with pytest.raises(ExerciseFailure, match=None) as failure:
@@ -118,6 +152,14 @@ def test_a_hold_back_that_shows_a_stop_strings_beginning_fails_in_the_engine():
     """Alone it would fail first; here straight to the engine, which streams pieces that the stop string takes back."""
     with pytest.raises(ExerciseFailure, match="a piece showed the beginning of the stop string"):
         check_served({"stop_hold_back": lambda text, stops: 0})
+
+
+@pytest.mark.parametrize("wrong", [begins_first, first_in_list])
+def test_the_engine_run_catches_a_find_stop_string_that_returns_another_than_the_first_to_end(wrong):
+    """The engine's requests hold a short stop string and a longer one that begins before it, both completed by one
+    token: the engine run alone (as the capstone runs it) cuts the text elsewhere with either mistake."""
+    with pytest.raises(ExerciseFailure, match="the stop string cut the text elsewhere"):
+        check_served({"find_stop_string": wrong})
 
 
 # -- the engine and the server run the learner's function --------------------------------------------------------

@@ -83,6 +83,41 @@ def test_a_wrong_accept_greedy_fails_in_the_engine_too():
         check_speculative_greedy({"accept_greedy": no_bonus})
 
 
+def without_any_bonus(draft_ids, target_ids):  # the kept proposals and the target's token at a disagreement only
+    out = []
+    for draft, target in zip(draft_ids, target_ids):
+        out.append(target)
+        if draft != target:
+            break
+    return out  # [] without proposals: the sequence gains nothing, and its next step proposes none again
+
+
+def test_a_speculative_run_that_stops_making_progress_fails_naming_it():
+    """Without a bonus token a sequence with one token left gains none in a step: with a learner's decode attention
+    in place (as in the capstone) verify steps take the varlen path, where that sequence checks no proposal, and
+    the run would never end. The harness's step budget ends it with a message that names the learner's functions,
+    so the capstone's later runs still run."""
+    from nanoref.exercises.speculative import check_speculative_greedy
+    from nanoref.ops.attention_torch import paged_decode_attention
+
+    yours = {"accept_greedy": without_any_bonus, "paged_decode_attention": paged_decode_attention}
+    with pytest.raises(ExerciseFailure, match=r"with your `accept_greedy`, .* in the engine, the run stopped making"):
+        check_speculative_greedy(yours)
+
+
+def test_the_step_budget_leaves_the_engine_as_it_was():
+    from nanoref import LLM, SamplingParams
+    from nanoref.exercises.common import limited_steps, run_with, step_budget, tiny_model
+
+    llm = LLM(tiny_model(), num_kvcache_blocks=16)
+    params = SamplingParams(temperature=0, max_tokens=6)
+    assert step_budget([[1, 2, 3]], params) == 4 * (3 + 6) + 64
+    with pytest.raises(ExerciseFailure, match="stopped making progress"), limited_steps(llm, 2, "your `f`"):
+        llm.generate([[1, 2, 3]], params, use_tqdm=False)
+    assert "step" not in vars(llm) and llm.is_finished()
+    assert run_with(llm, {}, [[1, 2, 3]], params)[0]["token_ids"] == llm.generate([[1, 2, 3]], params)[0]["token_ids"]
+
+
 def test_a_greedy_answer_that_raises_names_the_learners_line():
     def broken(draft_ids, target_ids):
         return [target_ids[len(draft_ids) + 1]]
@@ -174,9 +209,47 @@ def keeps_every_proposal(p, q, draft_ids, uniforms, noise):
     return draft_ids >= 0, recovered
 
 
+def own_draws(p, q, draft_ids, uniforms, noise):  # ignores the given draws: uniforms and noise of its own
+    return rejection_sample(p, q, draft_ids, torch.rand(uniforms.shape), torch.empty(noise.shape).exponential_())
+
+
+def own_seeded_uniforms(p, q, draft_ids, uniforms, noise):  # a Generator of its own for u: repeatable, still wrong
+    generator = torch.Generator().manual_seed(0)
+    return rejection_sample(p, q, draft_ids, torch.rand(uniforms.shape, generator=generator), noise)
+
+
+@pytest.mark.parametrize("wrong", [own_draws, own_seeded_uniforms])
+def test_a_rejection_sample_that_ignores_the_given_draws_is_told_so_on_every_seed(wrong):
+    """A worked case where only the given uniforms decide (one proposal many times, u spread over [0, 1)) comes
+    first: whatever the seed (of the check and of the learner's own draws), the hint names the ignored uniforms,
+    never the bonus row."""
+    for seed in range(30):
+        torch.manual_seed(1000 + seed)
+        with pytest.raises(ExerciseFailure) as failure:
+            check_rejection_sample(wrong, seed=seed, engine=False)
+        message = str(failure.value).replace("\n", " ")
+        assert "you ignored the given uniform draws" in message, (seed, message)
+        assert "bonus" not in message, (seed, message)
+
+
+def own_noise(p, q, draft_ids, uniforms, noise):  # the given uniforms, but noise of its own
+    return rejection_sample(p, q, draft_ids, uniforms, torch.empty(noise.shape).exponential_())
+
+
+def test_a_rejection_sample_that_ignores_the_given_noise_is_told_so_on_every_seed():
+    for seed in range(30):
+        torch.manual_seed(2000 + seed)
+        with pytest.raises(ExerciseFailure) as failure:
+            check_rejection_sample(own_noise, seed=seed, engine=False)
+        message = str(failure.value).replace("\n", " ")
+        assert "draw the token with the given noise" in message, (seed, message)
+        assert "bonus" not in message, (seed, message)
+
+
 @pytest.mark.parametrize(
     "wrong, hint",
     [
+        (own_draws, "you ignored the given uniform draws"),
         (accepts_bonus_rows, "a bonus row .* never accept it"),
         (residual_on_bonus_rows, "a bonus row .* draws from p itself"),
         (reversed_ratio, "the ratio is reversed"),
@@ -188,7 +261,7 @@ def keeps_every_proposal(p, q, draft_ids, uniforms, noise):
         (own_randomness, r"draw the token with the given noise: argmax\(residual / noise\)"),
         (in_place, "changed p in place"),
         (int_accepted, "accepted should be a .* bool tensor"),
-        (keeps_every_proposal, "should be rejected"),
+        (keeps_every_proposal, "should be rejected: you kept every proposal"),
     ],
 )
 def test_a_wrong_rejection_sample_fails_with_its_hint(wrong, hint):

@@ -316,7 +316,10 @@ def run_nbgrader(args: list[str], course: Path) -> subprocess.CompletedProcess:
 
 
 ASSIGNMENT_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]*")  # a folder name of its own: no '.', '..' or '/'
-BUILT_MARKER = ".nanoref-build"  # written into every source folder build makes: the only folders it replaces
+# written into every folder build makes (source/<assignment>, and release/<assignment> after nbgrader made it for
+# the build), with the files it wrote there: the only folders it replaces, and only while they hold nothing else
+BUILT_MARKER = ".nanoref-build"
+MARKER_HEADER = "made by `python -m nanoref.classroom build`; a rebuild replaces it. The files it wrote:"
 
 
 def _read_notebook(path: Path) -> dict:
@@ -338,6 +341,39 @@ def _inside(path: Path, folder: Path) -> bool:
     return path == folder or folder in path.parents
 
 
+def _files_in(folder: Path) -> list[str]:
+    """Every file under `folder` (not the marker), as paths relative to it, sorted."""
+    return sorted(str(path.relative_to(folder)) for path in folder.rglob("*") if path.is_file() or path.is_symlink()
+                  if path.name != BUILT_MARKER or path.parent != folder)  # fmt: skip
+
+
+def _mark(folder: Path) -> None:
+    """Mark `folder` as the build's, listing the files in it now (all the build's: it made the folder)."""
+    (folder / BUILT_MARKER).write_text("\n".join([MARKER_HEADER, *_files_in(folder)]) + "\n")
+
+
+def _check_replaceable(folder: Path) -> None:
+    """A ClassroomError unless `folder` is absent, or made by an earlier build and holding only the files it wrote."""
+    if not folder.exists() and not folder.is_symlink():
+        return
+    marker = folder / BUILT_MARKER
+    if not folder.is_dir() or folder.is_symlink() or not marker.is_file():
+        raise ClassroomError(
+            f"{folder} exists and was not made by `python -m nanoref.classroom build` (it has no {BUILT_MARKER}), "
+            "so the build will not replace it: move it away, or pass another --out or --assignment"
+        )
+    header, *written = marker.read_text(errors="replace").splitlines() or [""]
+    if header != MARKER_HEADER:
+        return  # a build stopped half-way, or an earlier version's marker: no list, the folder is the build's whole
+    others = [name for name in _files_in(folder) if name not in set(written)]
+    if others:
+        shown = ", ".join(others[:3]) + (f" and {len(others) - 3} more" if len(others) > 3 else "")
+        raise ClassroomError(
+            f"{folder} holds files the build did not write ({shown}), which a rebuild would delete: move them away, "
+            "or pass another --out or --assignment"
+        )
+
+
 def _check_course_folder(out: Path, source: Path, release: Path, notebooks_dir: Path) -> None:
     """Refuse, before anything is written or deleted, a course folder the build cannot or must not write."""
     for replaced in (source, release):
@@ -350,11 +386,8 @@ def _check_course_folder(out: Path, source: Path, release: Path, notebooks_dir: 
     for folder in (out, *out.parents):
         if folder.exists() and not folder.is_dir():
             raise ClassroomError(f"--out {out}: {folder} is a file, not a folder")
-    if source.exists() and not (source / BUILT_MARKER).is_file():
-        raise ClassroomError(
-            f"{source} exists and was not made by `python -m nanoref.classroom build` (it has no {BUILT_MARKER}), "
-            "so the build will not replace it: move it away, or pass another --out or --assignment"
-        )
+    for replaced in (source, release):
+        _check_replaceable(replaced)
     config = out / "nbgrader_config.py"
     if config.exists() and not config.read_text(errors="replace").startswith(NBGRADER_CONFIG.splitlines()[0]):
         raise ClassroomError(f"{config} is not the one the build writes; move it away or pass another --out")
@@ -396,7 +429,8 @@ def build(
         if source.exists():
             shutil.rmtree(source)
         source.mkdir(parents=True)
-        (source / BUILT_MARKER).write_text("made by `python -m nanoref.classroom build`; a rebuild replaces it\n")
+        # marked at once, as the build's whole (its files are listed at the end): a build stopped half-way is redone
+        (source / BUILT_MARKER).write_text("being written by `python -m nanoref.classroom build`\n")
         (out / "nbgrader_config.py").write_text(NBGRADER_CONFIG.format(course_id=COURSE_ID, marker=BUILT_MARKER))
         (source / "README.md").write_text(HANDOUT)
         for name, content in contents.items():
@@ -404,10 +438,15 @@ def build(
         for folder in SUPPORT_FOLDERS:
             if (root / folder).is_dir():
                 shutil.copytree(root / folder, source / folder)
+        _mark(source)
     except OSError as error:
         where = f": {error.filename}" if error.filename else ""
         raise ClassroomError(f"cannot write the course in {out}: {error.strerror or error}{where}") from None
-    run_nbgrader(["generate_assignment", assignment, "--force", "--log-level=WARN"], out)
+    try:
+        run_nbgrader(["generate_assignment", assignment, "--force", "--log-level=WARN"], out)
+    finally:
+        if release.is_dir():  # nbgrader made it for this build (nbgrader's exchange leaves the marker out)
+            _mark(release)
     return sorted(release.glob("*.ipynb"))
 
 
@@ -653,12 +692,18 @@ def _report_runs(notebook: Path, results: list[RunResult]) -> int:
     return 0 if passed == len(results) else 1
 
 
+def _wrapped(message: str, width: int = 110) -> str:
+    """`message` with each of its lines wrapped to `width` on its own: a check puts its hint and the case it failed
+    on lines of their own, and they stay there."""
+    return "\n".join(piece for line in message.splitlines() for piece in textwrap.wrap(line, width) or [""])
+
+
 def _report(notebook: Path, results: list[CellResult]) -> int:
     for result in results:
         verdict = "pass" if result.passed else "FAIL"
         print(f"{verdict}  {result.grade_id} ({result.points:g} points)" + ("" if result.passed else ":"))
         if not result.passed:
-            print(textwrap.indent(textwrap.fill(result.message, 110), "      "))
+            print(textwrap.indent(_wrapped(result.message), "      "))
     score = sum(r.points for r in results if r.passed)
     total = sum(r.points for r in results)
     print(f"{notebook.name}: {score:g} / {total:g} points")

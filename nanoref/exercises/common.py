@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import linecache
 import sysconfig
 import tempfile
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -198,18 +199,79 @@ def describe(functions: dict[str, Callable]) -> str:
     return ", ".join(f"your `{name}`" for name in functions)
 
 
-def generate_with(llm: Any, functions: dict[str, Callable], prompts: list[list[int]], params: Any) -> list[list[int]]:
-    """The engine's output ids with the learner's `functions` in place; an engine error becomes an
-    ExerciseFailure that names them (the learner's code raised, or returned something the engine cannot use)."""
+STEPS_PER_TOKEN = 4  # a step budget: steps a run may take per prompt and output token (a correct one takes <= 1)
+SPARE_STEPS = 64  # and a few more, for preemptions and their recomputation
+
+
+def step_budget(prompts: list, params: Any) -> int:
+    """The most steps a run of `prompts` with `params` (one SamplingParams or one per prompt) may take: a correct
+    engine adds at least one token to some sequence in every step, so it needs at most one per prompt and output
+    token, plus recomputations after preemptions; a run past this many has stopped making progress."""
+    prompts = list(prompts)
+    each = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+    # a text prompt's characters: at least its tokens
+    tokens = sum(len(prompt) + one.max_tokens * one.n for prompt, one in zip(prompts, each))
+    return STEPS_PER_TOKEN * tokens + SPARE_STEPS
+
+
+@contextlib.contextmanager
+def limited_steps(llm: Any, budget: int, names: str) -> Iterator[None]:
+    """Inside: the engine's step() fails with an ExerciseFailure naming `names` once it has run `budget` times (a
+    wrong answer can leave a sequence gaining no token: the run would never end). The engine aborts its requests
+    then, as after any failed step; on leaving, `llm.step` is the engine's own again."""
+    engine_step = llm.step
+    steps = [0]
+
+    def step() -> Any:
+        steps[0] += 1
+        if steps[0] > budget:
+            raise ExerciseFailure(
+                f"with {names} in the engine, the run stopped making progress: {budget} steps (more than "
+                f"{STEPS_PER_TOKEN} per prompt and output token) and its requests had not finished: every step must "
+                "add at least one token to each sequence it runs (a speculative step: the kept proposals and then "
+                "the target's token, at the first disagreement or the bonus row)"
+            )
+        return engine_step()
+
+    llm.step = step  # this engine object only: its class, and every other engine, are left as they are
     try:
-        with use(**functions):
-            outputs = llm.generate(prompts, params, use_tqdm=False)
+        yield
+    finally:
+        del llm.step
+
+
+def run_with(llm: Any, functions: dict[str, Callable], prompts: list, params: Any) -> list[dict]:
+    """`llm.generate`'s outputs with the learner's `functions` in place, within a step budget (a run that stops
+    making progress fails, naming them); an engine error becomes an ExerciseFailure that names them (the learner's
+    code raised, or returned something the engine cannot use)."""
+    names = describe(functions)
+    try:
+        with use(**functions), limited_steps(llm, step_budget(prompts, params), names):
+            return llm.generate(prompts, params, use_tqdm=False)
     except ExerciseFailure:
         raise
     except Exception as error:
         summary, details = describe_error(error).split("\n", 1)
-        raise ExerciseFailure(f"the engine failed while running {describe(functions)}: {summary}\n{details}") from error
-    return [out["token_ids"] for out in outputs]
+        raise ExerciseFailure(f"the engine failed while running {names}: {summary}\n{details}") from error
+
+
+def stream_with(llm: Any, functions: dict[str, Callable], prompt: Any, params: Any) -> list[Any]:
+    """`llm.stream`'s pieces of one request with the learner's `functions` in place, within a step budget and with
+    an engine error named as in run_with."""
+    names = describe(functions)
+    try:
+        with use(**functions), limited_steps(llm, step_budget([prompt], params), names):
+            return list(llm.stream(prompt, params))
+    except ExerciseFailure:
+        raise
+    except Exception as error:
+        summary, details = describe_error(error).split("\n", 1)
+        raise ExerciseFailure(f"the engine failed while running {names}: {summary}\n{details}") from error
+
+
+def generate_with(llm: Any, functions: dict[str, Callable], prompts: list[list[int]], params: Any) -> list[list[int]]:
+    """The engine's output ids with the learner's `functions` in place (see run_with)."""
+    return [out["token_ids"] for out in run_with(llm, functions, prompts, params)]
 
 
 def check_generation(

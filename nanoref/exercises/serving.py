@@ -14,7 +14,15 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from nanoref.engine.detokenizer import find_stop_string, stop_hold_back
-from nanoref.exercises.common import ExerciseFailure, call_learner, describe, describe_error, input_generator
+from nanoref.exercises.common import (
+    ExerciseFailure,
+    call_learner,
+    describe,
+    describe_error,
+    input_generator,
+    limited_steps,
+    step_budget,
+)
 from nanoref.utils.seams import use
 
 SERVER_TIMEOUT = 30.0  # seconds: every wait on the server is bounded, a bug fails the check, never hangs it
@@ -37,6 +45,9 @@ def _stops(rng: random.Random) -> list[str]:
 def _find_cases(rng: random.Random) -> Iterator[tuple[str, str, list[str], int]]:
     """(description, text, stops, start): the situations that trip answers up, then random ones."""
     yield "the second stop string of the list ends first in the text", "say hello, then END. STOP", ["STOP", "END"], 0
+    # a short stop string inside a longer one that begins earlier: the short one ends first (either list order)
+    yield "a short stop string ends inside a longer one that begins before it", "one two three", ["tw", "e two"], 0
+    yield "a short stop string, second in the list, ends inside a longer one", "a big cat", ["a big", "b"], 0
     yield "a stop string that begins before start and ends after it", "one two thr|ee END", ["thr|ee", "END"], 13
     yield "a stop string that ended before start (an earlier call found it), and a later one", "x END y END", ["END"], 6
     yield "no stop string in the text", "nothing to see here", ["STOP", "END"], 0
@@ -51,6 +62,12 @@ def _find_cases(rng: random.Random) -> Iterator[tuple[str, str, list[str], int]]
 
 def _ends_by(found: tuple[int, str]) -> int:
     return found[0] + len(found[1])
+
+
+def _occurrences(text: str, stops: list[str], start: int) -> list[tuple[int, str]]:
+    """Each stop string's first occurrence that ends after `start`, in the order of `stops` (those that occur)."""
+    found = [(text.find(stop, max(start - len(stop) + 1, 0)), stop) for stop in stops]
+    return [(index, stop) for index, stop in found if index >= 0]
 
 
 def _find_hint(text: str, stops: list[str], start: int, got: Any, want: tuple[int, str] | None) -> str:
@@ -76,10 +93,24 @@ def _find_hint(text: str, stops: list[str], start: int, got: Any, want: tuple[in
     if want is None:
         return "no stop string ends after start"  # (unreachable: got is a valid later match)
     if _ends_by(got) > _ends_by(want):
-        if stop != want[1] and stops.index(stop) < stops.index(want[1]):
+        found = _occurrences(text, stops, start)
+        begins_first = got in found and index == min(begin for begin, _ in found)
+        first_listed = got == found[0]
+        ends = f"{want[1]!r} at {want[0]} ends first in the text (at {_ends_by(want)}, yours at {_ends_by(got)})"
+        if begins_first and first_listed:
             return (
-                f"you returned {stop!r}, the first of `stops` that occurs, but {want[1]!r} ends first in the text "
-                f"(at {_ends_by(want)}): return the stop string that ends first, whatever its place in the list"
+                f"you returned {stop!r}, the first of `stops` and the one that begins first, but {ends}: return the "
+                "stop string that ends first, whatever its place in the list or where it begins"
+            )
+        if begins_first:
+            return (
+                f"you returned {stop!r}, the stop string that begins first, but {ends}: return the one that ends "
+                "first (the text is cut where the first stop string is complete), not the one that begins first"
+            )
+        if first_listed:
+            return (
+                f"you returned {stop!r}, the first of `stops` that occurs, but {ends}: return the stop string that "
+                "ends first, whatever its place in the list"
             )
         return (
             f"{want[1]!r} at {want[0]} ends at {_ends_by(want)}, before your {stop!r} at {index}: return the first "
@@ -182,16 +213,29 @@ def check_stop_hold_back(fn: Callable, *, seed: int | None = None, engine: bool 
 ZEN = ["Beautiful is better than", "Errors should never pass", "Namespaces are one"]
 
 
-def _requests(llm: Any) -> list[tuple[str, dict]]:
-    """(prompt, sampling settings) with stop strings cut from nanoref's own greedy texts, so that each one matches:
-    one that straddles tokens, two where the second in the list ends first, one kept in the output."""
+def stop_requests(llm: Any) -> list[tuple[str, dict]]:
+    """(prompt, sampling settings) with stop strings cut from nanoref's own greedy texts, where its tokens end, so
+    that each one matches where it is meant to: one that straddles two tokens; a short one and a longer one that
+    begins before it, both completed by one token (the short one ends first: it cuts the text); one kept in the
+    output."""
     from nanoref import SamplingParams
 
-    texts = [out["text"] for out in llm.generate(ZEN, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)]
+    outputs = llm.generate(ZEN, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
     requests = []
-    for number, (prompt, text) in enumerate(zip(ZEN, texts)):
-        middle = len(text) // 2
-        stops = [text[middle : middle + 3]] + ([text[middle // 2 : middle // 2 + 4]] if number != 1 else [])
+    for number, (prompt, out) in enumerate(zip(ZEN, outputs)):
+        text, ids = out["text"], out["token_ids"]
+        ends = [len(llm.tokenizer.decode(ids[: i + 1])) for i in range(len(ids))]  # where each token's text ends
+        starts = [0, *ends[:-1]]
+        if number == 0:  # across the boundary after a token: its last character and the next token's first two
+            stops = next([text[a - 1 : a + 2]] for a in starts[2:] if text.find(text[a - 1 : a + 2]) == a - 1)
+        elif number == 1:  # one token of 2+ characters completes both; the longer begins before the short one
+            stops = next(
+                [text[a - 2 : b], text[a - 1 : a + 1]]
+                for a, b in zip(starts[2:], ends[2:])
+                if b - a >= 2 and text.find(text[a - 1 : a + 1]) == a - 1 and text.find(text[a - 2 : b]) == a - 2
+            )
+        else:
+            stops = [text[len(text) // 4 : len(text) // 4 + 4]]
         requests.append((prompt, {"temperature": 0, "max_tokens": 16, "stop": stops,
                                   "include_stop_str_in_output": number == 2}))  # fmt: skip
     return requests
@@ -232,7 +276,7 @@ def _built_in() -> tuple[Any, list[tuple[str, dict]], list[str]]:
 
     if not _BUILT_IN:
         llm = LLM(num_kvcache_blocks=64)
-        requests = _requests(llm)
+        requests = stop_requests(llm)
         reference = ["".join(piece.text for piece in llm.stream(prompt, SamplingParams(**settings)))
                      for prompt, settings in requests]  # fmt: skip
         _BUILT_IN.append((llm, requests, reference))
@@ -251,7 +295,9 @@ def check_served(functions: dict[str, Callable]) -> None:
     try:
         with use(**_counted(functions, calls)):
             for (prompt, settings), want in zip(requests, reference):
-                pieces = [piece.text for piece in llm.stream(prompt, SamplingParams(**settings))]
+                params = SamplingParams(**settings)
+                with limited_steps(llm, step_budget([prompt], params), names):
+                    pieces = [piece.text for piece in llm.stream(prompt, params)]
                 _compare("in the engine", names, prompt, settings["stop"], pieces, want)
     except ExerciseFailure:
         raise

@@ -223,6 +223,18 @@ def _random_case(g: torch.Generator, rows: int, vocab: int, deterministic: bool,
 
 
 def _rejection_cases(g: torch.Generator) -> Iterator[_Case]:
+    # first, the draws decide: 32 copies of a proposal with p(d) / q(d) = 0.5 and u spread over [0, 1) (kept
+    # exactly where u < 0.5) beside 32 of one with p(d) / q(d) = 4 (always kept), then 32 rejected copies (p(d) = 0)
+    # with noise that crowns a different token in turn: a rule that draws uniforms or noise of its own cannot match
+    # them on any seed
+    rows = 32
+    u = [(row + 0.5) / rows for row in range(rows)]
+    yield _Case("the given uniforms decide: proposals with p(d) / q(d) = 0.5 (and 4) 32 times each, u from 0.016 to "
+                "0.98", [[0.35, 0.15, 0.25, 0.25]] * 2 * rows, [[0.0875, 0.3, 0.3, 0.3125]] * 2 * rows,
+                [1] * rows + [0] * rows, u * 2, [[1.0] * 4] * 2 * rows)  # fmt: skip
+    race = [[1.0 if token == row % 3 else 4.0 for token in range(4)] for row in range(rows)]  # row's winner: row % 3
+    yield _Case("the given noise decides: one rejected proposal (p(d) = 0) 32 times, the noise varies",
+                [[0.3, 0.3, 0.4, 0.0]] * rows, None, [3] * rows, u, race)  # fmt: skip
     ones = [[1.0] * 4] * 2
     yield _Case("a bonus row (draft id -1) with u = 0, after a kept proposal", [[0.1, 0.6, 0.2, 0.1], [0.7, 0.1, 0.1,
                 0.1]], None, [1, -1], [0.0, 0.0], ones)  # fmt: skip
@@ -300,6 +312,21 @@ def _acceptance_hint(case: _Case, row: int, got: bool, accepted: torch.Tensor) -
         return "the ratio is reversed: keep the proposal when u < p(d) / q(d) (u * q(d) < p(d)), not u < q(d) / p(d)"
     if torch.equal(accepted & has, has & (case.uniforms > p_all / q_all)):
         return "the comparison is reversed: keep the proposal when u < p(d) / q(d), i.e. with probability min(1, p/q)"
+    if torch.equal(accepted & has, has):
+        return (
+            "you kept every proposal: keep one only when u < p(d) / q(d) (u * q(d) < p(d)), so that a proposal the "
+            f"target finds less likely than the draft did is sometimes rejected (here row {row}: p(d) = {p_d:.4g}, "
+            f"q(d) = {q_d:.4g}, u = {u:.4g})"
+        )
+    unordered = _not_decided_by_u(case, accepted)
+    if unordered is not None:
+        low, high = unordered
+        return (
+            f"you ignored the given uniform draws: rows {low} and {high} hold the same proposal, p and q, yet you "
+            f"kept the one with u = {float(case.uniforms[high]):.4g} and rejected the one with u = "
+            f"{float(case.uniforms[low]):.4g}; keep row i when uniforms[i] * q(d) < p(d), with the uniforms given "
+            "(a draw of your own, torch.rand or a Generator, would not follow the request's seed)"
+        )
     if p_d == 0.0:
         return f"p(d) = 0: the target never makes token {d}, so it is never kept, whatever u (u * q(d) < p(d) is False)"
     verdict = "keep" if p_d > u * q_d else "reject"
@@ -307,6 +334,26 @@ def _acceptance_hint(case: _Case, row: int, got: bool, accepted: torch.Tensor) -
         f"p(d) = {p_d:.4g}, q(d) = {q_d:.4g}{' (q None: one-hot at d)' if case.q is None else ''}, u = {u:.4g}: "
         f"{verdict} it (keep when u < p(d) / q(d), i.e. u * q(d) < p(d)); you {'kept' if got else 'rejected'} it"
     )
+
+
+def _not_decided_by_u(case: _Case, accepted: torch.Tensor) -> tuple[int, int] | None:
+    """Two rows with the same proposal, p and q where the learner kept the one with the larger u and rejected the
+    one with the smaller (a rule that reads u keeps a prefix of them in u's order), else None."""
+    rows: dict[tuple, list[int]] = {}
+    for row in range(len(case.draft_ids)):
+        d = int(case.draft_ids[row])
+        if d >= 0:
+            q_row = None if case.q is None else tuple(case.q[row].tolist())
+            rows.setdefault((d, tuple(case.p[row].tolist()), q_row), []).append(row)
+    for same in rows.values():
+        ordered = sorted(same, key=lambda row: float(case.uniforms[row]))
+        kept = [bool(accepted[row]) for row in ordered]
+        # a threshold in u either way: kept rows first (u < p/q), or last (a reversed comparison, hinted above)
+        if kept != sorted(kept, reverse=True) and kept != sorted(kept):
+            low = next(row for row in ordered if not accepted[row])
+            high = next(row for row in ordered if accepted[row] and case.uniforms[row] > case.uniforms[low])
+            return low, high
+    return None
 
 
 def _recovered_hint(case: _Case, row: int, token: int, want: int) -> str:
