@@ -137,3 +137,41 @@ def make_tiny_qwen3_moe(
         moe=True,
         save_original_format=save_original_format,
     )
+
+
+def make_random_lora(
+    folder: str | Path,
+    base_folder: str | Path,
+    rank: int = 8,
+    alpha: float = 16,
+    targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+    seed: int = 0,
+    use_rslora: bool = False,
+    scale: float = 0.3,
+) -> Path:
+    """Save a random PEFT LoRA adapter for the model in `base_folder` to `folder` (with `peft`); return the path.
+
+    Both A and B are random (a freshly initialised adapter has B = 0 and changes nothing), B scaled by `scale` so
+    that the adapted model's greedy tokens differ from the base model's without being noise."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    bar_was_on = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        base = AutoModelForCausalLM.from_pretrained(base_folder, dtype=torch.float32)
+        config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets), use_rslora=use_rslora)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = get_peft_model(base, config)
+            for name, param in model.named_parameters():
+                if "lora_A" in name:
+                    param.data.normal_(0, 1 / param.shape[1] ** 0.5)
+                elif "lora_B" in name:
+                    param.data.normal_(0, scale / param.shape[1] ** 0.5)
+        model.save_pretrained(folder)
+    finally:
+        if bar_was_on:
+            hf_logging.enable_progress_bar()
+    return Path(folder)

@@ -1,0 +1,166 @@
+"""LoRA adapters as PEFT saves them, read and checked against the model they adapt.
+
+A PEFT folder holds `adapter_config.json` (r, lora_alpha, target_modules, use_rslora, ...) and
+`adapter_model.safetensors` with, per adapted projection, `...layers.{i}.self_attn.q_proj.lora_A.weight` (r, in)
+and `...lora_B.weight` (out, r). nanoref fuses q/k/v into `qkv_proj` and gate/up into `gate_up_proj`
+(layers/linear.py), so each checkpoint projection lands on a (fused module, piece) of the flat model; a piece keeps
+its own A and B. Everything that can be wrong with a folder is found here, before any slot is touched.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+# checkpoint projection -> (nanoref module inside a decoder layer, piece of a fused module or None)
+TARGETS: dict[str, tuple[str, int | None]] = {
+    "q_proj": ("self_attn.qkv_proj", 0),
+    "k_proj": ("self_attn.qkv_proj", 1),
+    "v_proj": ("self_attn.qkv_proj", 2),
+    "o_proj": ("self_attn.o_proj", None),
+    "gate_proj": ("mlp.gate_up_proj", 0),
+    "up_proj": ("mlp.gate_up_proj", 1),
+    "down_proj": ("mlp.down_proj", None),
+}
+# adapter_config.json settings nanoref does not serve, with the value that means "not used"
+UNSUPPORTED = {
+    "use_dora": False,
+    "fan_in_fan_out": False,
+    "modules_to_save": None,
+    "rank_pattern": {},
+    "alpha_pattern": {},
+    "layer_replication": None,
+    "trainable_token_indices": None,
+    "lora_bias": False,
+    "target_parameters": None,
+}
+
+
+class LoRAAdapterError(ValueError):
+    """A LoRA adapter folder that nanoref cannot serve; the message names the folder and the problem."""
+
+
+@dataclass
+class LoRAAdapter:
+    """One adapter's weights on the host: (layer, module, piece) -> (A (r, in), B (out, r))."""
+
+    name: str
+    int_id: int
+    rank: int
+    scaling: float  # lora_alpha / r, or lora_alpha / sqrt(r) with rsLoRA
+    weights: dict[tuple[int, str, int | None], tuple[torch.Tensor, torch.Tensor]] = field(repr=False)
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(a.nbytes + b.nbytes for a, b in self.weights.values())
+
+
+def expected_shapes(config, module: str, piece: int | None) -> tuple[int, int]:
+    """(in, out) of one checkpoint projection of a Qwen3 decoder layer with this config."""
+    q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    hidden, inter = config.hidden_size, config.intermediate_size
+    return {
+        ("self_attn.qkv_proj", 0): (hidden, q),
+        ("self_attn.qkv_proj", 1): (hidden, kv),
+        ("self_attn.qkv_proj", 2): (hidden, kv),
+        ("self_attn.o_proj", None): (q, hidden),
+        ("mlp.gate_up_proj", 0): (hidden, inter),
+        ("mlp.gate_up_proj", 1): (hidden, inter),
+        ("mlp.down_proj", None): (inter, hidden),
+    }[module, piece]
+
+
+def load_adapter(path: str | Path, name: str, int_id: int, config, max_lora_rank: int) -> LoRAAdapter:
+    """Read and check the PEFT adapter in `path` for a model with this (parsed) config; LoRAAdapterError naming
+    the problem otherwise."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    folder = Path(path)
+    where = f"LoRA adapter {name!r} ({folder})"
+    if not folder.is_dir():
+        raise LoRAAdapterError(f"{where}: no such folder")
+    config_file, weights_file = folder / "adapter_config.json", folder / "adapter_model.safetensors"
+    if not config_file.is_file():
+        raise LoRAAdapterError(f"{where}: adapter_config.json is missing (a PEFT adapter folder has one)")
+    if not weights_file.is_file():
+        also = (
+            " (adapter_model.bin is not read: save with safe_serialization=True)"
+            if (folder / "adapter_model.bin").exists()
+            else ""
+        )
+        raise LoRAAdapterError(f"{where}: adapter_model.safetensors is missing{also}")
+    try:
+        settings = json.loads(config_file.read_text())
+    except (OSError, ValueError) as error:
+        raise LoRAAdapterError(f"{where}: adapter_config.json is not valid JSON ({error})") from None
+    if not isinstance(settings, dict):
+        raise LoRAAdapterError(f"{where}: adapter_config.json must hold an object")
+    if settings.get("peft_type", "LORA") != "LORA":
+        raise LoRAAdapterError(f"{where}: peft_type is {settings['peft_type']!r}; only LORA adapters are served")
+    for key, neutral in UNSUPPORTED.items():
+        value = settings.get(key, neutral)
+        if value not in (neutral, None) and value != {} and value != []:
+            raise LoRAAdapterError(f"{where}: {key}={value!r} is not supported")
+    if settings.get("bias", "none") != "none":
+        raise LoRAAdapterError(f"{where}: bias={settings['bias']!r} is not supported (only 'none')")
+    rank, alpha = settings.get("r"), settings.get("lora_alpha", settings.get("r"))
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank <= 0:
+        raise LoRAAdapterError(f"{where}: r must be a positive integer, got {rank!r}")
+    if rank > max_lora_rank:
+        raise LoRAAdapterError(f"{where}: its rank r={rank} is above max_lora_rank={max_lora_rank}")
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
+        raise LoRAAdapterError(f"{where}: lora_alpha must be a number, got {alpha!r}")
+    targets = settings.get("target_modules") or []
+    for target in [targets] if isinstance(targets, str) else targets:
+        if isinstance(targets, list) and target not in TARGETS:
+            raise LoRAAdapterError(
+                f"{where}: target module {target!r} is not one nanoref adapts (it adapts {', '.join(TARGETS)})"
+            )
+    try:
+        tensors = load_file(weights_file)
+    except (SafetensorError, OSError) as error:
+        raise LoRAAdapterError(f"{where}: adapter_model.safetensors cannot be read ({error})") from None
+    weights = _collect(tensors, where, config, rank)
+    if not weights:
+        raise LoRAAdapterError(f"{where}: adapter_model.safetensors holds no lora_A/lora_B weights")
+    scaling = alpha / math.sqrt(rank) if settings.get("use_rslora") else alpha / rank
+    return LoRAAdapter(name, int_id, rank, float(scaling), weights)
+
+
+def _collect(tensors: dict, where: str, config, rank: int) -> dict:
+    """The checkpoint's lora_A/lora_B pairs by (layer, module, piece), every shape checked."""
+    pairs: dict[tuple[int, str, int | None], dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        parts = key.split(".")
+        if len(parts) < 4 or parts[-1] != "weight" or parts[-2] not in ("lora_A", "lora_B"):
+            raise LoRAAdapterError(f"{where}: unexpected tensor {key!r} (only lora_A / lora_B weights are served)")
+        projection = parts[-3]
+        if projection not in TARGETS or "layers" not in parts:
+            raise LoRAAdapterError(f"{where}: tensor {key!r} adapts {projection!r}, which nanoref does not adapt")
+        layer = int(parts[parts.index("layers") + 1])
+        if not 0 <= layer < config.num_hidden_layers:
+            raise LoRAAdapterError(
+                f"{where}: tensor {key!r} names layer {layer}; the model has {config.num_hidden_layers}"
+            )
+        module, piece = TARGETS[projection]
+        pairs.setdefault((layer, module, piece), {})[parts[-2]] = tensor
+    weights = {}
+    for (layer, module, piece), pair in sorted(pairs.items(), key=str):
+        if set(pair) != {"lora_A", "lora_B"}:
+            raise LoRAAdapterError(
+                f"{where}: layer {layer} {module} has only {sorted(pair)}, not both lora_A and lora_B"
+            )
+        size_in, size_out = expected_shapes(config, module, piece)
+        a, b = pair["lora_A"], pair["lora_B"]
+        if tuple(a.shape) != (rank, size_in) or tuple(b.shape) != (size_out, rank):
+            raise LoRAAdapterError(
+                f"{where}: layer {layer} {module} piece {piece}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)} "
+                f"do not fit this model (expected ({rank}, {size_in}) and ({size_out}, {rank}))"
+            )
+        weights[layer, module, piece] = (a.float(), b.float())
+    return weights

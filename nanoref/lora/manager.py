@@ -1,0 +1,161 @@
+"""Adapters in device slots, and the per-row slot index every adapted projection reads.
+
+`LoRAManager` gives each adapted projection of the model (qkv, o, gate_up, down of every decoder layer) stacked
+weights for `max_loras` slots, `lora_a (S, R, in)` and `lora_b (S, R, out)` per piece of a fused projection, and
+adds `ops/lora.lora_delta` to the projection's output through a forward hook: the model's own code is untouched,
+and base-model rows (slot -1) get W alone. Before each step the engine writes every token row's slot into
+`row_slots`, a persistent buffer (so a CUDA graph replays with the new values), from the adapters of the
+sequences scheduled in that step.
+
+Adapters come in from disk once (checked, into a host cache of `max_cpu_loras`, least recently used out first)
+and move into a device slot when a step needs them: a free slot, else the least recently used slot that this step
+does not need. A step never needs more distinct adapters than `max_loras`; the scheduler keeps to that.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+
+import numpy as np
+import torch
+from torch import nn
+
+from nanoref.lora.adapters import LoRAAdapter, expected_shapes, load_adapter
+from nanoref.lora.request import LoRARequest
+from nanoref.ops.lora import lora_delta
+
+MODULES = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+PIECES = {"self_attn.qkv_proj": (0, 1, 2), "mlp.gate_up_proj": (0, 1)}  # fused modules' pieces, in output order
+
+
+class LoRASlots:
+    """One adapted projection's slots: per piece, A (S, R, in) and B (S, R, out), zero where no adapter is."""
+
+    def __init__(self, module: nn.Module, sizes: list[tuple[int, int]], max_loras: int, max_rank: int) -> None:
+        like = dict(dtype=module.weight.dtype, device=module.weight.device)
+        self.lora_a = [torch.zeros(max_loras, max_rank, size_in, **like) for size_in, _ in sizes]
+        self.lora_b = [torch.zeros(max_loras, max_rank, size_out, **like) for _, size_out in sizes]
+        self.offsets = np.cumsum([0] + [size_out for _, size_out in sizes]).tolist()  # where each piece's rows start
+
+
+class LoRAManager:
+    def __init__(
+        self,
+        model: nn.Module,
+        hf_config,
+        *,
+        max_loras: int,
+        max_lora_rank: int,
+        max_cpu_loras: int,
+        max_num_tokens: int,
+    ) -> None:
+        self.config = hf_config
+        self.max_loras, self.max_lora_rank, self.max_cpu_loras = max_loras, max_lora_rank, max_cpu_loras
+        layers = model.model.layers
+        device = next(model.parameters()).device
+        self.slots: dict[tuple[int, str], LoRASlots] = {}
+        self.hooks = []
+        for index, layer in enumerate(layers):
+            for name in MODULES:
+                module = layer.get_submodule(name)
+                sizes = [expected_shapes(hf_config, name, piece) for piece in PIECES.get(name, (None,))]
+                slots = self.slots[index, name] = LoRASlots(module, sizes, max_loras, max_lora_rank)
+                self.hooks.append(module.register_forward_hook(self._hook(slots)))
+        self.scalings = torch.zeros(max_loras, dtype=torch.float32, device=device)  # (S,)
+        self.row_slots = torch.full((max_num_tokens,), -1, dtype=torch.int64, device=device)  # (N_max,)
+        self.slot_ids: list[int | None] = [None] * max_loras  # the adapter (lora_int_id) in each slot
+        self.slot_order: OrderedDict[int, None] = OrderedDict()  # slots, least recently used first
+        self.host: OrderedDict[int, LoRAAdapter] = OrderedDict()  # checked adapters, least recently used first
+        self.requests: dict[int, LoRARequest] = {}
+
+    # -- the forward --------------------------------------------------------------------------------
+    def _hook(self, slots: LoRASlots):
+        def add_delta(module: nn.Module, inputs: tuple[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+            x = inputs[0]  # (N, in)
+            rows = self.row_slots[: x.shape[0]]  # (N,)
+            for piece, (a, b) in enumerate(zip(slots.lora_a, slots.lora_b)):
+                start, end = slots.offsets[piece], slots.offsets[piece + 1]
+                out[:, start:end] += lora_delta(x, a, b, rows, self.scalings)  # (N, out_piece)
+            return out
+
+        return add_delta
+
+    def set_row_slots(self, row_slots: np.ndarray) -> None:
+        """Every token row's slot for the next forward, (N,) with -1 for base-model rows."""
+        n = len(row_slots)
+        self.row_slots[:n].copy_(torch.from_numpy(np.asarray(row_slots, dtype=np.int64)), non_blocking=True)
+        self.row_slots[n:].fill_(-1)
+
+    # -- adapters -----------------------------------------------------------------------------------
+    def add_lora(self, request: LoRARequest) -> LoRAAdapter:
+        """Read and check `request`'s adapter into the host cache (a no-op if it is there): errors leave nothing."""
+        known = self.requests.get(request.lora_int_id)
+        if known is not None and known != request:
+            raise ValueError(f"lora_int_id {request.lora_int_id} already names {known.lora_name!r} ({known.lora_path})")
+        adapter = self.host.get(request.lora_int_id)
+        if adapter is None:
+            adapter = load_adapter(
+                request.lora_path, request.lora_name, request.lora_int_id, self.config, self.max_lora_rank
+            )
+            self.host[request.lora_int_id] = adapter
+            self.requests[request.lora_int_id] = request
+            while len(self.host) > self.max_cpu_loras:  # the least recently used one not in a slot leaves
+                victim = next((i for i in self.host if i not in self.slot_ids), None)
+                if victim is None:
+                    break
+                del self.host[victim], self.requests[victim]
+        self.host.move_to_end(request.lora_int_id)
+        return adapter
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter (its slot is cleared); False if it was not loaded."""
+        if lora_int_id not in self.host:
+            return False
+        if lora_int_id in self.slot_ids:
+            self._clear(self.slot_ids.index(lora_int_id))
+        del self.host[lora_int_id], self.requests[lora_int_id]
+        return True
+
+    def assign_slots(self, requests: Iterable[LoRARequest]) -> dict[int, int]:
+        """Slots for the adapters one step needs -> {lora_int_id: slot}, loading those not in a slot yet."""
+        needed = list(dict.fromkeys(r.lora_int_id for r in requests))
+        if len(needed) > self.max_loras:
+            raise ValueError(f"one step needs {len(needed)} adapters, but max_loras is {self.max_loras}")
+        for request in requests:
+            self.add_lora(request)
+        assigned = {}
+        for lora_id in needed:
+            if lora_id in self.slot_ids:
+                slot = self.slot_ids.index(lora_id)
+            else:
+                slot = self._free_slot(set(needed))
+                self._load(slot, self.host[lora_id])
+            self.slot_order.pop(slot, None)
+            self.slot_order[slot] = None  # the most recently used
+            assigned[lora_id] = slot
+        return assigned
+
+    def _free_slot(self, keep: set[int]) -> int:
+        if None in self.slot_ids:
+            return self.slot_ids.index(None)
+        return next(slot for slot in self.slot_order if self.slot_ids[slot] not in keep)
+
+    def _load(self, slot: int, adapter: LoRAAdapter) -> None:
+        self._clear(slot)
+        for (layer, module, piece), (a, b) in adapter.weights.items():
+            slots = self.slots[layer, module]
+            index = 0 if piece is None else piece
+            slots.lora_a[index][slot, : adapter.rank].copy_(a)  # (r, in)
+            slots.lora_b[index][slot, : adapter.rank].copy_(b.T)  # (r, out)
+        self.scalings[slot] = adapter.scaling
+        self.slot_ids[slot] = adapter.int_id
+
+    def _clear(self, slot: int) -> None:
+        for slots in self.slots.values():
+            for a, b in zip(slots.lora_a, slots.lora_b):
+                a[slot].zero_()
+                b[slot].zero_()
+        self.scalings[slot] = 0.0
+        self.slot_ids[slot] = None
+        self.slot_order.pop(slot, None)
