@@ -372,8 +372,8 @@ LAYERS = [
     ("models",),
     ("config",),
     ("engine",),  # the core: sequence, block manager, scheduler, model runner, the plain loop
-    ("fast", "parallel", "spec"),  # features attached to the core from outside: graphs and overlap; tensor
-    # parallelism; speculative decoding
+    ("fast", "parallel", "spec", "lora"),  # features attached to the core from outside: graphs and overlap;
+    # tensor parallelism; speculative decoding; LoRA adapters
     ("llm",),  # the one wiring point
     ("serving", "serve"),  # the online front on an LLM: the async loop, the OpenAI-compatible server
     ("__init__", "__main__"),  # the package's face and its command line
@@ -421,7 +421,7 @@ def test_no_file_imports_a_layer_above_its_own():
     assert upward == [], "\n".join(upward)
 
 
-FEATURES = ("fast", "parallel", "spec")
+FEATURES = ("fast", "parallel", "spec", "lora")
 
 
 def test_features_are_attached_only_at_the_wiring_point():
@@ -441,7 +441,7 @@ def test_features_are_attached_only_at_the_wiring_point():
 
 
 # what a core file must not name: the features attached to it from outside (it offers hooks instead)
-FEATURE_WORDS = r"overlap|speculat|draft|cuda.?graph|tensor.?parallel|nanoref[./](fast|spec|parallel)\b"
+FEATURE_WORDS = r"overlap|speculat|draft|cuda.?graph|tensor.?parallel|lora|nanoref[./](fast|spec|parallel)\b"
 CORE_FILES = ["sequence", "block_manager", "scheduler", "model_runner", "llm_engine"]
 
 
