@@ -1,4 +1,5 @@
-"""LoRA adapters served per request: PEFT folders, device slots, the batched delta in the flat layout."""
+"""LoRA adapters: PEFT folders, device slots, the batched delta in the flat layout (not yet wired into requests:
+see manager.py)."""
 
 from nanoref.lora.request import LoRARequest
 

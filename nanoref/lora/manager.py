@@ -3,13 +3,16 @@
 `LoRAManager` gives each adapted projection of the model (qkv, o, gate_up, down of every decoder layer) stacked
 weights for `max_loras` slots, `lora_a (S, R, in)` and `lora_b (S, R, out)` per piece of a fused projection, and
 adds `ops/lora.lora_delta` to the projection's output through a forward hook: the model's own code is untouched,
-and base-model rows (slot -1) get W alone. Before each step the engine writes every token row's slot into
-`row_slots`, a persistent buffer (so a CUDA graph replays with the new values), from the adapters of the
-sequences scheduled in that step.
+and base-model rows (slot -1) get W alone. Every token row's slot is read from `row_slots`, a persistent buffer (so
+a CUDA graph replays with new values), which `set_row_slots` fills before a forward.
 
 Adapters come in from disk once (checked, into a host cache of `max_cpu_loras`, least recently used out first)
 and move into a device slot when a step needs them: a free slot, else the least recently used slot that this step
-does not need. A step never needs more distinct adapters than `max_loras`; the scheduler keeps to that.
+does not need; a step that needs more distinct adapters than `max_loras` is refused (`assign_slots`).
+
+Not yet wired into the engine: nothing fills `row_slots` from the scheduled sequences, no request carries an
+adapter, the scheduler does not yet keep a step to `max_loras` adapters, and the prefix cache is not keyed by
+adapter. `tests/test_lora.py` drives the manager directly (every row on one adapter) against HF + peft.
 """
 
 from __future__ import annotations
