@@ -14,10 +14,12 @@ import inspect
 import os
 import sys
 from dataclasses import fields
+from functools import partial
 from pathlib import Path
 
 from nanoref.config import EngineConfig
 from nanoref.engine.chat import chat_prompt
+from nanoref.engine.hooks import EngineHooks, RunnerHooks
 from nanoref.engine.llm_engine import LLMEngine, PlainLoop
 from nanoref.engine.model_runner import ModelRunner
 from nanoref.fast.cuda_graphs import DecodeGraphs
@@ -69,14 +71,9 @@ class LLM(LLMEngine):
                 f"LLM() got an unexpected keyword argument {unknown[0]!r}; its settings: {sorted(SETTINGS)}"
             )
         config = EngineConfig(model, **settings).resolved()
-        spec = config.speculative_config
-        make_step_loop = SpeculativeLoop if spec else OverlappedLoop if config.overlap_scheduling else PlainLoop
-        lookahead = spec.num_speculative_tokens if spec else 0  # a verify step's K/V slots past the last token
-        super().__init__(config, build_runner, make_step_loop, num_lookahead_tokens=lookahead)
+        super().__init__(config, build_runner, engine_hooks(config))
         self.overlapped_loop = self.step_loop if isinstance(self.step_loop, OverlappedLoop) else None
         self.speculative_loop = self.step_loop if isinstance(self.step_loop, SpeculativeLoop) else None
-        if spec and self.model_runner.decode_graphs is not None:  # graphs of the verify step too: k + 1 per row
-            self.step_loop.verify_graphs = DecodeGraphs(self.model_runner, query_len=spec.num_speculative_tokens + 1)
 
     def chat(
         self,
@@ -112,32 +109,38 @@ LLM.__init__.__signature__ = inspect.Signature(
 )
 
 
+def engine_hooks(config: EngineConfig) -> EngineHooks:
+    """The engine's hooks for a config: its step loop, and the lookahead a verify step needs."""
+    spec = config.speculative_config
+    if spec is None:
+        return EngineHooks(make_step_loop=OverlappedLoop if config.overlap_scheduling else PlainLoop)
+    # a verify step writes K/V for k slots past the last token; on CUDA it replays graphs of its own shape too
+    loop = partial(SpeculativeLoop, make_verify_graphs=DecodeGraphs)
+    return EngineHooks(make_step_loop=loop, num_lookahead_tokens=spec.num_speculative_tokens)
+
+
+def decode_graphs(runner: ModelRunner) -> DecodeGraphs | None:
+    """CUDA graphs of the runner's decode steps, where they apply: on CUDA unless enforce_eager, and not for a model
+    whose forward has data-dependent shapes (Qwen3-MoE's expert loop runs decode eagerly)."""
+    config = runner.config
+    if config.device.type != "cuda" or config.enforce_eager or not getattr(runner.model, "supports_cuda_graphs", True):
+        return None
+    return DecodeGraphs(runner)
+
+
 def build_runner(config: EngineConfig, parallel: ParallelState | None = None) -> ModelRunner:
     """The model runner with its features attached; each tensor-parallel rank makes its own with this.
 
     On the followers of a torchrun launch (ranks 1..N-1) this never returns: they follow rank 0's steps until it
     closes, then their process ends."""
     spec = config.speculative_config
+    hooks = RunnerHooks(decode_graphs=decode_graphs)
     if spec is not None and spec.method == "draft_model":
-        runner = SpeculativeRunner(config)  # (speculative decoding runs on one device)
+        runner = SpeculativeRunner(config, hooks)  # (speculative decoding runs on one device)
     elif config.tensor_parallel_size == 1:
-        runner = ModelRunner(config)
-    else:
-        runner = TensorParallelRunner(config, parallel, build=build_runner)
-    try:
-        # a model whose forward has data-dependent shapes (Qwen3-MoE's expert loop) runs decode eagerly
-        if (
-            config.device.type == "cuda"
-            and not config.enforce_eager
-            and getattr(runner.model, "supports_cuda_graphs", True)
-        ):
-            runner.decode_graphs = DecodeGraphs(runner)
-            if isinstance(runner, SpeculativeRunner):  # the draft's k decode steps per verify step
-                runner.draft.decode_graphs = DecodeGraphs(runner.draft)
-    except BaseException:
-        if isinstance(runner, TensorParallelRunner):  # the other ranks wait in a capture this one left
-            runner.close_after_failure("a rank failed while capturing CUDA graphs")
-        raise
+        runner = ModelRunner(config, hooks=hooks)
+    else:  # (a rank that fails to capture its graphs stops the others: they wait in a capture it left)
+        runner = TensorParallelRunner(config, parallel, build=build_runner, hooks=hooks)
     if parallel is None and runner.rank > 0:  # torchrun: every rank but 0 follows rank 0, then its process ends
         runner.serve()
         # End here, without the interpreter's teardown: after a model has run, a torchrun follower that exits

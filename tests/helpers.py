@@ -220,8 +220,8 @@ def own_answers() -> dict:
     Triton is installed."""
     from nanoref.engine.block_manager import find_cached_prefix
     from nanoref.engine.detokenizer import find_stop_string, stop_hold_back
-    from nanoref.engine.model_runner import prefill_metadata
     from nanoref.engine.scheduler import choose_preemption_victim
+    from nanoref.engine.step_inputs import prefill_metadata
     from nanoref.fast.cuda_graphs import pad_decode_batch
     from nanoref.layers.activation import silu_and_mul
     from nanoref.layers.embed_head import vocab_parallel_embed

@@ -30,8 +30,8 @@ import pytest
 import nanoref.exercises as exercises
 from nanoref import LLM, SamplingParams
 from nanoref.engine.block_manager import find_cached_prefix
-from nanoref.engine.model_runner import prefill_metadata
 from nanoref.engine.scheduler import choose_preemption_victim
+from nanoref.engine.step_inputs import prefill_metadata
 from nanoref.exercises.common import random_prompts
 from nanoref.fast.cuda_graphs import pad_decode_batch
 from nanoref.layers.activation import silu_and_mul_cuda

@@ -288,7 +288,7 @@ def test_the_engine_part_tells_a_rule_that_keeps_every_proposal():
 def test_a_verify_step_takes_a_learners_prefill_metadata_that_returns_a_plain_tuple():
     """Notebook 01's answer returns a plain tuple (the model runner reads it by position): the verify step, which
     builds its inputs through the same seam, must too, or the capstone's speculative runs fail with every answer."""
-    from nanoref.engine.model_runner import prefill_metadata
+    from nanoref.engine.step_inputs import prefill_metadata
     from nanoref.exercises import check_generation
 
     def as_tuple(*args):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from nanoref.engine.model_runner import prefill_metadata
+from nanoref.engine.step_inputs import prefill_metadata
 from nanoref.exercises import ExerciseFailure, check_generation, check_prefill_metadata
 
 from .helpers import assert_readable_failure

@@ -17,7 +17,8 @@ function runs in every layer. So each forward (`seams.forward_key()`) has its ow
 K/V, and a lookup searches the table of the forward about to run (the chain hashes themselves are the same for every
 forward, so a learner's `find_cached_prefix` reads any forward's table as it is). The engine tells the manager
 which forward each step runs (`use_forward`); a sequence whose K/V was started by another forward publishes nothing
-more.
+more. A sequence with a `cache_salt` (K/V that depends on more than its tokens) has a table of its own too, per
+forward and salt.
 
 Every block table is also mirrored in one persistent array (`BlockTables`), a row per sequence holding blocks:
 the model runner reads a decode step's padded tables from it with one numpy index, instead of re-padding every
@@ -52,7 +53,7 @@ class Block:
         self.ref_count = 0
         self.hash = -1  # -1: not (yet) reusable through the prefix cache
         self.token_ids: list[int] = []
-        self.forward: ForwardKey | None = None  # the forward whose table the hash is registered in (None: nanoref's)
+        self.forward: object = None  # whose table the hash is registered in (BlockManager._key; None: nanoref's)
 
     def reset(self) -> None:
         self.ref_count = 1
@@ -95,7 +96,8 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.hash_to_block_id: dict[int, int] = {}  # the prefix cache of nanoref's own forward
         # the prefix caches of other forwards (exercise functions in place of nanoref's), dropped when they empty
-        self.forward_tables: dict[ForwardKey, dict[int, int]] = {}
+        # (and of sequences with a cache_salt: keyed by (forward, salt))
+        self.forward_tables: dict[object, dict[int, int]] = {}
         # the forward the current step runs, and how many times it changed: a sequence publishes its blocks only if
         # every step since its allocation ran the forward of the same epoch
         self.forward: ForwardKey | None = None
@@ -132,11 +134,13 @@ class BlockManager:
             self.forward = forward
             self.forward_epoch += 1
 
-    def _table(self, forward: ForwardKey | None) -> dict[int, int]:
-        """The hash table of `forward`'s prefix cache (an empty one, not kept, if it has none yet)."""
-        if forward is None:
-            return self.hash_to_block_id
-        return self.forward_tables.get(forward, {})
+    def _key(self, seq: Sequence) -> object:
+        """Whose prefix cache seq reads and writes: the forward the step runs and the sequence's cache_salt."""
+        return self.forward if seq.cache_salt is None else (self.forward, seq.cache_salt)
+
+    def _table(self, key: object) -> dict[int, int]:
+        """The hash table of `key`'s prefix cache (an empty one, not kept, if it has none yet)."""
+        return self.hash_to_block_id if key is None else self.forward_tables.get(key, {})
 
     # -- allocation ---------------------------------------------------------------------------
     def _take_free_block(self) -> int:
@@ -155,7 +159,7 @@ class BlockManager:
     def _find_cached_prefix(self, seq: Sequence) -> list[int]:
         """Block ids holding the longest cached prefix of seq (see find_cached_prefix)."""
         lookup = seam("find_cached_prefix", find_cached_prefix)
-        return lookup(seq.token_ids, self.block_size, self._table(self.forward), self.blocks)
+        return lookup(seq.token_ids, self.block_size, self._table(self._key(seq)), self.blocks)
 
     def can_allocate(self, seq: Sequence) -> bool:
         return self._fits(seq, self._find_cached_prefix(seq))
@@ -245,17 +249,15 @@ class BlockManager:
             return  # no block filled up since the last commit (most decode steps)
         if seq.forward_epoch != self.forward_epoch:
             return  # part of its K/V comes from another forward: it matches no forward's cache
-        if self.forward is None:
-            table = self.hash_to_block_id
-        else:
-            table = self.forward_tables.setdefault(self.forward, {})
+        key = self._key(seq)
+        table = self.hash_to_block_id if key is None else self.forward_tables.setdefault(key, {})
         prefix_hash = self.blocks[seq.block_table[start - 1]].hash if start else -1
         for index in range(start, num_full):
             block = self.blocks[seq.block_table[index]]
             token_ids = seq.block(index)
             block.hash = chain_hash(token_ids, prefix_hash)
             block.token_ids = token_ids
-            block.forward = self.forward
+            block.forward = key
             table[block.hash] = block.block_id
             prefix_hash = block.hash
         seq.num_hashed_blocks = num_full

@@ -10,6 +10,7 @@ from typing import Protocol
 import torch
 
 from nanoref.config import EngineConfig
+from nanoref.engine.hooks import NO_ENGINE_HOOKS, EngineHooks
 from nanoref.engine.metrics import EngineMetrics, StepRecord
 from nanoref.engine.model_runner import ModelRunner
 from nanoref.engine.output_processor import OutputProcessor, StreamPiece
@@ -63,11 +64,10 @@ class LLMEngine:
         self,
         config: EngineConfig,
         make_runner: Callable[[EngineConfig], ModelRunner] = ModelRunner,
-        make_step_loop: Callable[[LLMEngine], StepLoop] = PlainLoop,
-        num_lookahead_tokens: int = 0,
+        hooks: EngineHooks = NO_ENGINE_HOOKS,
     ) -> None:
-        """config: resolved (`EngineConfig.resolved()`); make_runner builds the model runner, make_step_loop the
-        loop that runs each step (nanoref/llm.py gives its own); num_lookahead_tokens: see Scheduler."""
+        """config: resolved (`EngineConfig.resolved()`); make_runner builds the model runner; hooks: what features
+        add (engine/hooks.py; nanoref/llm.py gives them)."""
         self._lock = threading.RLock()  # held by generate, step, add_request and the aborts
         # before the model runner, which may start worker processes: a folder that fails fails before them
         self.tokenizer = load_tokenizer(config.model_folder)
@@ -82,8 +82,9 @@ class LLMEngine:
                 num_kvcache_blocks=config.num_kvcache_blocks,
                 kvcache_block_size=config.kvcache_block_size,
                 eos_token_ids=eos_token_ids(config, self.tokenizer),
-                num_lookahead_tokens=num_lookahead_tokens,
+                num_lookahead_tokens=hooks.num_lookahead_tokens,
                 on_token=self.output_processor.on_token,
+                can_admit=hooks.can_admit,
             )
         except BaseException:
             self.model_runner.close()  # (stop its workers, if any, now: not when the exception is dropped)
@@ -95,7 +96,7 @@ class LLMEngine:
         self.metrics = EngineMetrics()  # step records and per-request metrics (see engine/metrics.py)
         self._seq_ids = count()  # this engine's sequence ids: its first request is 0, whatever ran before
         self.failed: list[Sequence] = []  # the sequences the latest step that raised aborted
-        self.step_loop = make_step_loop(self)
+        self.step_loop = (hooks.make_step_loop or PlainLoop)(self)
 
     # -- requests -----------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:

@@ -3,25 +3,27 @@
 Prefill: every scheduled sequence contributes the tokens it has not computed yet (its chunk), all
 concatenated into `input_ids (N,)` and `positions (N,)`; `cu_seqlens_q` marks where each one starts.
 Decode: every sequence contributes its last token, so N == num_seqs, and `context_lens` +
-`block_tables` tell attention where each history lies in the paged cache.
+`block_tables` tell attention where each history lies in the paged cache. (The arrays themselves are built by the
+pure functions of engine/step_inputs.py.)
 
-This is the plain path, run eagerly on one device. What runs it faster or on several devices is given from outside
-(nanoref/llm.py): `decode_graphs`, a replayer of decode steps, or a subclass.
+This is the plain path, run eagerly on one device. What runs it faster, on several devices or with more per-row
+state is given from outside (nanoref/llm.py): `RunnerHooks` (engine/hooks.py), or a subclass.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import torch
 
 from nanoref.config import EngineConfig
 from nanoref.engine.block_tables import BlockTables
+from nanoref.engine.hooks import NO_RUNNER_HOOKS, RunnerHooks
 from nanoref.engine.kv_budget import kv_blocks_from_memory
 from nanoref.engine.sampling_inputs import attach_logprobs, sampling_batch, step_logprobs
 from nanoref.engine.sequence import Sequence
+from nanoref.engine.step_inputs import StepInputs, decode_arrays, prefill_arrays, prefill_metadata
 from nanoref.layers.attention import Attention
 from nanoref.layers.sampler import Sampler
 from nanoref.models import build_model
@@ -32,64 +34,13 @@ from nanoref.utils.seams import seam
 from nanoref.utils.tracing import trace_inputs
 
 
-class PrefillMetadata(NamedTuple):
-    """A prefill step's flat inputs, as Python lists (the model runner makes them tensors)."""
-
-    input_ids: list[int]  # (N,): every sequence's new tokens, one after the other
-    positions: list[int]  # (N,): each token's position inside its own sequence
-    cu_seqlens_q: list[int]  # (num_seqs + 1,): where each sequence's new tokens start in the flat stream
-    cu_seqlens_k: list[int]  # (num_seqs + 1,): the same for its keys, cached history included
-    slot_mapping: list[int]  # (N,): the cache slot each new token's K/V goes to
-
-
-def prefill_metadata(
-    token_ids: list[list[int]],
-    num_cached: list[int],
-    num_new: list[int],
-    block_tables: list[list[int]],
-    block_size: int,
-) -> PrefillMetadata:
-    """The flat inputs of a prefill step over sequences b = 0, 1, ...
-
-    Sequence b has token_ids[b]; its first num_cached[b] tokens already have K/V in the cache (prefix-cache
-    hits, earlier chunks), and this step computes the next num_new[b]. Token t of sequence b lives in cache
-    slot block_tables[b][t // block_size] * block_size + t % block_size.
-    """
-    input_ids: list[int] = []
-    positions: list[int] = []
-    slot_mapping: list[int] = []
-    cu_seqlens_q, cu_seqlens_k = [0], [0]
-    for tokens, start, count, table in zip(token_ids, num_cached, num_new, block_tables):
-        end = start + count
-        input_ids.extend(tokens[start:end])
-        positions.extend(range(start, end))
-        slot_mapping.extend(table[t // block_size] * block_size + t % block_size for t in range(start, end))
-        cu_seqlens_q.append(cu_seqlens_q[-1] + count)
-        cu_seqlens_k.append(cu_seqlens_k[-1] + end)  # keys: the history plus this chunk
-    return PrefillMetadata(input_ids, positions, cu_seqlens_q, cu_seqlens_k, slot_mapping)
-
-
-@dataclass
-class StepInputs:
-    """One step's flat inputs on the host, every one an int array: all a rank needs to run the forward."""
-
-    is_prefill: bool
-    # prefill: input_ids, positions, cu_seqlens_q, cu_seqlens_k, slot_mapping (+ block_tables with cached history)
-    # decode: input_ids, positions, slot_mapping, context_lens, block_tables
-    arrays: dict[str, np.ndarray]
-    max_seqlen_q: int = 0
-    max_seqlen_k: int = 0
-    all_logits: bool = False  # logits for every token, not only each sequence's last (a step that checks them all)
-    decode_query_len: int = 1  # decode: query tokens per sequence (more where a step checks proposed tokens)
-
-
 class ModelRunner:
     rank, world_size = 0, 1  # one device (a subclass may run the same runner as one of several ranks)
     # the model's EOS ids, masked for a request still short of its min_tokens (set by the engine: the scheduler's)
     eos_token_ids: set[int] | frozenset[int] = frozenset()
 
-    def __init__(self, config: EngineConfig, device: torch.device | None = None) -> None:
-        """config: resolved (`EngineConfig.resolved()`: a concrete backend and block size)."""
+    def __init__(self, config: EngineConfig, device: torch.device | None = None, hooks: RunnerHooks = NO_RUNNER_HOOKS):
+        """config: resolved (`EngineConfig.resolved()`: a concrete backend and block size); hooks: see RunnerHooks."""
         self.device = device or config.device
         self.block_size = config.kvcache_block_size
         self.model = build_model(config.architecture, config.hf_config, self.device, config.dtype, config.max_model_len)
@@ -111,7 +62,8 @@ class ModelRunner:
             self.config = config.with_kv_blocks(self.count_kv_blocks())
         self.num_kvcache_blocks = self.config.num_kvcache_blocks
         self.allocate_kv_cache()
-        self.decode_graphs: Any = None  # replays decode steps (`covers(batch)`, `run`), given by nanoref/llm.py
+        self.step_hooks = [hook for attach in hooks.attach if (hook := attach(self)) is not None]
+        self.decode_graphs: Any = hooks.decode_graphs(self) if hooks.decode_graphs else None  # (decode replayer)
 
     # -- the KV cache ---------------------------------------------------------------------------
     @property
@@ -132,35 +84,34 @@ class ModelRunner:
 
     # -- flat inputs ----------------------------------------------------------------------------
     def prepare_prefill(self, seqs: list[Sequence]) -> StepInputs:
-        flat = seam("prefill_metadata", prefill_metadata)(  # (a learner's may return a plain tuple)
-            [seq.token_ids for seq in seqs],
-            [seq.num_computed_tokens for seq in seqs],  # earlier chunks and prefix-cache hits are already cached
-            [seq.num_scheduled_tokens for seq in seqs],
-            [seq.block_table for seq in seqs],
-            self.block_size,
+        arrays = prefill_arrays(
+            seam("prefill_metadata", prefill_metadata)(
+                [seq.token_ids for seq in seqs],
+                [seq.num_computed_tokens for seq in seqs],  # earlier chunks and prefix-cache hits are already cached
+                [seq.num_scheduled_tokens for seq in seqs],
+                [seq.block_table for seq in seqs],
+                self.block_size,
+            )
         )
-        arrays = {name: np.asarray(values, dtype=np.int64) for name, values in zip(PrefillMetadata._fields, flat)}
         if any(seq.num_computed_tokens for seq in seqs):  # history: attention reads its keys through the tables
             arrays["block_tables"] = self.block_tables.padded(seqs)
         max_q = max(seq.num_scheduled_tokens for seq in seqs)
         max_k = max(seq.num_computed_tokens + seq.num_scheduled_tokens for seq in seqs)
         return StepInputs(True, arrays, max_q, max_k)
 
-    def prepare_decode(self, seqs: list[Sequence], ahead: bool = False) -> StepInputs:
+    def prepare_decode(self, seqs: list[Sequence], ahead: bool = False, extra: list[list[int]] = ()) -> StepInputs:
         """ahead: the input tokens are not in seq.token_ids yet (a step launched before the previous one's tokens
         came back: they were sampled in the step still on the device), so each sequence is one token longer than
-        the host sees."""
-        # Vectorised over the batch: in the plain loop this runs every decode step while the GPU waits. The padded
-        # block tables are rows of the block manager's persistent array, written only when a sequence gains blocks.
-        num_seqs, size = len(seqs), self.block_size
-        context_lens = np.fromiter((len(seq.token_ids) for seq in seqs), dtype=np.int64, count=num_seqs) + ahead
-        positions = context_lens - 1  # the new token's position
-        tables = self.block_tables.padded(seqs)  # (num_seqs, width), -1 padded
-        slots = tables[np.arange(num_seqs), positions // size] * size + positions % size  # (num_seqs,)
-        input_ids = np.fromiter((seq.token_ids[-1] for seq in seqs), dtype=np.int64, count=num_seqs)
-        arrays = dict(input_ids=input_ids, positions=positions, slot_mapping=slots, context_lens=context_lens,
-                      block_tables=tables)  # fmt: skip
-        return StepInputs(False, arrays)
+        the host sees. extra: tokens to check after each sequence's last one, as many for every sequence (a step
+        with 1 + k queries per sequence). The padded block tables are rows of the block manager's persistent
+        array, written only when a sequence gains blocks."""
+        last = np.fromiter((len(seq.token_ids) - 1 for seq in seqs), dtype=np.int64, count=len(seqs)) + ahead
+        if extra:  # (B, 1 + k)
+            input_ids = np.asarray([[seq.token_ids[-1], *more] for seq, more in zip(seqs, extra)], dtype=np.int64)
+        else:  # (B, 1)
+            input_ids = np.fromiter((seq.token_ids[-1] for seq in seqs), dtype=np.int64, count=len(seqs))[:, None]
+        arrays = decode_arrays(input_ids, last, self.block_tables.padded(seqs), self.block_size)
+        return StepInputs(False, arrays, decode_query_len=input_ids.shape[1])
 
     def upload(self, step: StepInputs, input_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Copy a step's arrays to the device in one copy, publish its Context -> (input_ids (N,), positions (N,)).
@@ -198,27 +149,33 @@ class ModelRunner:
         """
         ahead = input_ids is not None
         step = self.prepare_prefill(seqs) if is_prefill else self.prepare_decode(seqs, ahead=ahead)
+        logits = self.run_forward(seqs, step, input_ids, self.decode_graphs)  # (num_seqs, vocab)
+        # host work while the GPU runs the forward just launched
+        vocab = self.config.hf_config.vocab_size
+        batch = sampling_batch(seqs, is_prefill, int(ahead), self.device, self.generator, vocab, self.eos_token_ids)
+        logprobs = step_logprobs(seqs, batch, logits)  # (from the model's logits: before penalties and masks)
+        sampled = self.sampler(logits, batch=batch)  # (num_seqs,)
+        if logprobs is not None:
+            attach_logprobs(seqs, batch, logprobs, sampled)
+        return sampled
+
+    @torch.inference_mode()
+    def run_forward(
+        self, seqs: list[Sequence], step: StepInputs, input_ids: torch.Tensor | None = None, graphs: Any = None
+    ) -> torch.Tensor:
+        """Upload a step's inputs and run the model -> logits (rows, vocab): each sequence's last token's, or every
+        token's where the step asks (`all_logits`, several queries per sequence). graphs: a replayer of decode
+        steps of this step's shape, used where it covers the batch; input_ids: see upload."""
         try:
             input_ids, positions = self.upload(step, input_ids)
             trace_inputs(step.is_prefill, seqs, input_ids, positions)
-            logits = self.run_model(input_ids, positions, is_prefill)  # (num_seqs, vocab)
-            # host work while the GPU runs the forward just launched
-            vocab = self.config.hf_config.vocab_size
-            batch = sampling_batch(seqs, is_prefill, int(ahead), self.device, self.generator, vocab, self.eos_token_ids)
-            logprobs = step_logprobs(seqs, batch, logits)  # (from the model's logits: before penalties and masks)
-            sampled = self.sampler(logits, batch=batch)  # (num_seqs,)
-            if logprobs is not None:
-                attach_logprobs(seqs, batch, logprobs, sampled)
-            return sampled
+            for hook in self.step_hooks:
+                hook(seqs, step)
+            if not step.is_prefill and graphs is not None and graphs.covers(len(step.arrays["context_lens"])):
+                return graphs.run(input_ids, positions)
+            return self.model.compute_logits(self.model(input_ids, positions))
         finally:
             reset_context()  # also when the step raises: the next step must not see this one's metadata
-
-    @torch.inference_mode()
-    def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, is_prefill: bool) -> torch.Tensor:
-        graphs = self.decode_graphs
-        if not is_prefill and graphs is not None and graphs.covers(input_ids.shape[0]):
-            return graphs.run(input_ids, positions)
-        return self.model.compute_logits(self.model(input_ids, positions))
 
     def run_on_all_ranks(self, fn, *args) -> list:
         """fn(runner, *args) on every rank's model runner -> the results, by rank (here: the one)."""

@@ -47,10 +47,12 @@ class Scheduler:
         eos_token_ids: set[int],
         num_lookahead_tokens: int = 0,
         on_token: Callable[[Sequence], bool] = lambda seq: False,
+        can_admit: Callable[..., bool] = lambda seq, running, scheduled: True,
     ) -> None:
         """num_lookahead_tokens: decode reserves K/V slots for this many tokens past each sequence's last one (a
         step loop that computes several tokens per sequence; 0: the plain loop). on_token(seq): called after each
-        appended token (the output stage's), -> whether that token ends seq (a stop string)."""
+        appended token (the output stage's), -> whether that token ends seq (a stop string). can_admit(seq, running,
+        scheduled): whether a waiting seq may start beside them (see EngineHooks)."""
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -63,6 +65,7 @@ class Scheduler:
         self.scheduled: list[Sequence] = []  # the latest schedule()'s sequences (while it runs: so far, and the next)
         self.num_lookahead_tokens = num_lookahead_tokens
         self.on_token = on_token
+        self.can_admit = can_admit
 
     def is_finished(self) -> bool:
         return not self.waiting and not self.running
@@ -89,10 +92,11 @@ class Scheduler:
             if budget <= 0:
                 break
             scheduled.append(seq)  # (before the lookup: a failing lookup's sequence is aborted with the batch)
-            if not seq.block_table:  # not started yet: needs a slot in the batch and its blocks
-                if len(self.running) + len(scheduled) > self.max_num_seqs or not interruptibly(
-                    self.block_manager.can_allocate,
-                    seq,  # (a learner's lookup, maybe)
+            if not seq.block_table:  # not started yet: needs a slot in the batch, its blocks, and leave to join
+                if (
+                    len(self.running) + len(scheduled) > self.max_num_seqs
+                    or not interruptibly(self.block_manager.can_allocate, seq)  # (a learner's lookup, maybe)
+                    or not self.can_admit(seq, self.running, scheduled)
                 ):
                     scheduled.pop()
                     break

@@ -45,6 +45,9 @@ class Sequence:
         self.num_preemptions = 0
         # a seeded request draws its sampling noise from its own generator (set by the engine)
         self.generator: torch.Generator | None = None
+        # what its K/V depends on besides the tokens (None: nothing); the prefix cache shares blocks only between
+        # sequences of equal salt (vLLM's cache_salt; a per-request change of the weights sets it too)
+        self.cache_salt: object = None
         # why it finished: "stop" (EOS or a stop string), "length" (max_tokens or max_model_len) or "abort"; None
         # while it runs
         self.finish_reason: str | None = None

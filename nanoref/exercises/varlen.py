@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import torch
 
-from nanoref.engine.model_runner import prefill_metadata
+from nanoref.engine.step_inputs import prefill_metadata
 from nanoref.exercises.common import ExerciseFailure, call_learner, check_generation, random_prompts
 
 _FIELDS = ("input_ids", "positions", "cu_seqlens_q", "cu_seqlens_k", "slot_mapping")

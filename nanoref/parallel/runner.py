@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from nanoref.config import EngineConfig
+from nanoref.engine.hooks import NO_RUNNER_HOOKS, RunnerHooks
 from nanoref.engine.model_runner import ModelRunner, StepInputs
 from nanoref.parallel.tensor_parallel import (
     CLOSED,
@@ -29,7 +30,6 @@ from nanoref.parallel.tensor_parallel import (
     receive_next_ids,
     start_tensor_parallel,
 )
-from nanoref.utils.context import reset_context
 from nanoref.utils.parallel import ParallelState, tensor_parallel
 from nanoref.utils.seams import TRITON_SEAMS, replace_active
 
@@ -40,6 +40,7 @@ class TensorParallelRunner(ModelRunner):
         config: EngineConfig,
         parallel: ParallelState | None = None,
         build: Callable[..., ModelRunner] | None = None,
+        hooks: RunnerHooks = NO_RUNNER_HOOKS,
     ) -> None:
         """parallel: this process's rank, for a follower; None on rank 0, which starts (or, under torchrun, joins)
         the other ranks, each of which makes its runner with build(config, parallel=its state)."""
@@ -55,7 +56,7 @@ class TensorParallelRunner(ModelRunner):
             torch.cuda.set_device(device)  # a follower's process: its collectives run on its own GPU
         try:
             with tensor_parallel(parallel):  # the layers build (and later run) this rank's shard
-                super().__init__(config, device)
+                super().__init__(config, device, hooks)
         except BaseException:
             self.close_after_failure("rank 0 failed while building the engine")
             raise
@@ -124,11 +125,7 @@ class TensorParallelRunner(ModelRunner):
             if kind == "step":
                 _, step, num_next_ids = message
                 next_ids = None if num_next_ids is None else receive_next_ids(group, num_next_ids, self.device)
-                try:
-                    input_ids, positions = self.upload(step, next_ids)
-                    self.run_model(input_ids, positions, step.is_prefill)  # rank 0 alone gets the logits
-                finally:
-                    reset_context()
+                self.run_forward([], step, next_ids, self.decode_graphs)  # rank 0 alone gets the logits
             elif kind == "call":
                 self._call_here(partial(_run_call, self, message[1]))
             elif kind == "seams":  # rank 0 entered or left a `use(...)` block of exercise functions

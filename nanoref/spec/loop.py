@@ -37,18 +37,16 @@ import torch
 
 from nanoref.engine.block_manager import BlockManager
 from nanoref.engine.metrics import StepRecord
-from nanoref.engine.model_runner import PrefillMetadata, StepInputs, prefill_metadata
 from nanoref.engine.sampling_inputs import row_processing
 from nanoref.engine.sequence import Sequence
+from nanoref.engine.step_inputs import StepInputs, prefill_arrays, prefill_metadata
 from nanoref.layers.logits_processors import LogitsProcessing, TokenLogprobs, raw_logprobs, to_device, token_logprobs
 from nanoref.layers.sampler import sampling_probs
 from nanoref.spec.acceptance import accept_greedy, emitted_tokens, rejection_sample
 from nanoref.spec.proposers import DraftProposer, NgramProposer
 from nanoref.utils import seams
-from nanoref.utils.context import reset_context
 from nanoref.utils.interrupts import interruptibly
 from nanoref.utils.seams import seam
-from nanoref.utils.tracing import trace_inputs
 
 
 @dataclass
@@ -61,23 +59,6 @@ class Verified:
     logprobs: list[TokenLogprobs] | None = None  # one per gained token, where the request asked
 
 
-def verify_inputs(seqs: list[Sequence], drafts: list[list[int]], block_tables, block_size: int) -> StepInputs:
-    """A verify step's flat inputs as a decode step with k + 1 queries per sequence (`decode_query_len`): sequence
-    b's last token and its k proposals at positions num_tokens - 1 .. num_tokens - 1 + k, over its paged history.
-    Every sequence has the same k, so the step has the fixed shape a CUDA graph replays."""
-    num_seqs, query_len = len(seqs), 1 + len(drafts[0])
-    size = block_size
-    last = np.fromiter((seq.num_tokens - 1 for seq in seqs), dtype=np.int64, count=num_seqs)  # (B,)
-    positions = (last[:, None] + np.arange(query_len)).ravel()  # (B * Lq,)
-    tables = block_tables.padded(seqs)  # (B, width)
-    rows = np.repeat(np.arange(num_seqs), query_len)  # (B * Lq,): each token's sequence
-    slots = tables[rows, positions // size] * size + positions % size  # (B * Lq,)
-    input_ids = np.asarray([[seq.last_token, *draft] for seq, draft in zip(seqs, drafts)], dtype=np.int64).ravel()
-    arrays = dict(input_ids=input_ids, positions=positions, slot_mapping=slots, context_lens=last + query_len,
-                  block_tables=tables)  # fmt: skip
-    return StepInputs(False, arrays, decode_query_len=query_len)
-
-
 def varlen_verify_inputs(seqs: list[Sequence], drafts: list[list[int]], block_tables, block_size: int) -> StepInputs:
     """The same as a varlen step (the prefill path over the history, logits for every token), for proposals of
     different lengths: where a sequence near max_model_len has no room for k."""
@@ -88,7 +69,7 @@ def varlen_verify_inputs(seqs: list[Sequence], drafts: list[list[int]], block_ta
         [seq.block_table for seq in seqs],
         block_size,
     )
-    arrays = {name: np.asarray(values, dtype=np.int64) for name, values in zip(PrefillMetadata._fields, flat)}
+    arrays = prefill_arrays(flat)
     arrays["block_tables"] = block_tables.padded(seqs)  # (num_seqs, width)
     max_q = 1 + max(map(len, drafts))
     max_k = max(seq.num_tokens + len(draft) for seq, draft in zip(seqs, drafts))
@@ -98,14 +79,16 @@ def varlen_verify_inputs(seqs: list[Sequence], drafts: list[list[int]], block_ta
 class SpeculativeLoop:
     """`step` for an engine with a speculative_config."""
 
-    def __init__(self, engine) -> None:
+    def __init__(self, engine, make_verify_graphs=None) -> None:
+        """make_verify_graphs(runner, query_len): builds CUDA graphs of the verify step (nanoref/llm.py gives
+        nanoref/fast/cuda_graphs.py's DecodeGraphs), used where the model runner replays its decode steps."""
         self.engine = engine
-        # CUDA graphs of the verify step (nanoref/fast/cuda_graphs.py's DecodeGraphs with k + 1 queries per
-        # sequence), set by nanoref/llm.py where the model runner has decode graphs; None: eager
-        self.verify_graphs = None
         spec = engine.config.speculative_config
         self.k = spec.num_speculative_tokens
         runner = engine.model_runner
+        self.verify_graphs = None  # (None: eager)
+        if make_verify_graphs is not None and runner.decode_graphs is not None:
+            self.verify_graphs = make_verify_graphs(runner, query_len=self.k + 1)
         if spec.method == "ngram":
             self.proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
         else:
@@ -160,18 +143,12 @@ class SpeculativeLoop:
         fits = fits and not replaced & {"paged_decode_attention", "merge_splits"}
         width = self.k if fits else None
         drafts = [pad(draft, seq, width or limit) for draft, seq, limit in zip(proposals.draft_ids, seqs, limits)]
-        make_inputs = verify_inputs if fits else varlen_verify_inputs
-        step = make_inputs(seqs, drafts, runner.block_tables, runner.block_size)
-        try:
-            input_ids, positions = runner.upload(step)
-            trace_inputs(step.is_prefill, seqs, input_ids, positions)
-            graphs = self.verify_graphs
-            if fits and graphs is not None and "pad_decode_batch" not in replaced and graphs.covers(len(seqs)):
-                logits = graphs.run(input_ids, positions)  # (T, V): T = B * (k + 1)
-            else:  # (T, V): T = sum of 1 + kb
-                logits = runner.model.compute_logits(runner.model(input_ids, positions))
-        finally:
-            reset_context()
+        if fits:  # a decode step with k + 1 queries per sequence: its last token and its k proposals
+            step = runner.prepare_decode(seqs, extra=drafts)
+        else:
+            step = varlen_verify_inputs(seqs, drafts, runner.block_tables, runner.block_size)
+        graphs = None if "pad_decode_batch" in replaced else self.verify_graphs
+        logits = runner.run_forward(seqs, step, graphs=graphs)  # (T, V): T = B * (k + 1), or the sum of 1 + kb
         counted = [draft[:limit] for draft, limit in zip(drafts, limits)]  # the proposals that could be kept
         return self.accept(seqs, drafts, counted, proposals.probs, logits)
 

@@ -13,10 +13,9 @@ from weakref import WeakKeyDictionary
 import numpy as np
 import torch
 
-from nanoref.engine.model_runner import StepInputs, prefill_metadata
 from nanoref.engine.sequence import Sequence
+from nanoref.engine.step_inputs import StepInputs, decode_arrays, prefill_arrays, prefill_metadata
 from nanoref.layers.sampler import sampling_probs
-from nanoref.utils.context import reset_context
 
 
 def propose_ngram(token_ids: list[int], min_n: int, max_n: int, k: int) -> list[int]:
@@ -98,12 +97,7 @@ class DraftProposer:
     def prefill(self, seqs: list[Sequence]) -> None:
         """The draft's forward over a prefill step's flat inputs (its logits are not needed: only its K/V)."""
         runner = self.runner
-        step = runner.prepare_prefill(seqs)
-        try:
-            input_ids, positions = runner.upload(step)
-            runner.model(input_ids, positions)
-        finally:
-            reset_context()
+        runner.run_forward(seqs, runner.prepare_prefill(seqs))
         for seq in seqs:
             self.computed[seq] = seq.num_computed_tokens + seq.num_scheduled_tokens
 
@@ -167,28 +161,20 @@ class DraftProposer:
             [seq.block_table for seq in seqs],
             runner.block_size,
         )
-        arrays = {name: np.asarray(values, dtype=np.int64) for name, values in zip(flat._fields, flat)}
+        arrays = prefill_arrays(flat)
         arrays["block_tables"] = runner.block_tables.padded(seqs)
         step = StepInputs(
             True, arrays, max(seq.num_tokens - s for seq, s in zip(seqs, starts)), max(seq.num_tokens for seq in seqs)
         )
-        try:
-            input_ids, positions = runner.upload(step)
-            return runner.model.compute_logits(runner.model(input_ids, positions))  # (B, V)
-        finally:
-            reset_context()
+        return runner.run_forward(seqs, step)  # (B, V)
 
     def _decode(self, seqs: list[Sequence], token_ids: list[int], positions: list[int]) -> torch.Tensor:
         """One decode step of the draft: sequence b's input token_ids[b] at positions[b] -> (B, V) logits."""
         runner = self.runner
-        size = runner.block_size
-        positions = np.asarray(positions, dtype=np.int64)  # (B,)
-        tables = runner.block_tables.padded(seqs)  # (B, width)
-        slots = tables[np.arange(len(seqs)), positions // size] * size + positions % size  # (B,)
-        arrays = dict(input_ids=np.asarray(token_ids, dtype=np.int64), positions=positions, slot_mapping=slots,
-                      context_lens=positions + 1, block_tables=tables)  # fmt: skip
-        try:
-            input_ids, positions_t = runner.upload(StepInputs(False, arrays))
-            return runner.run_model(input_ids, positions_t, False)  # (B, V), through its CUDA graphs if it has them
-        finally:
-            reset_context()
+        step = StepInputs(False, decode_arrays(
+            np.asarray(token_ids, dtype=np.int64)[:, None],  # (B, 1)
+            np.asarray(positions, dtype=np.int64),  # (B,)
+            runner.block_tables.padded(seqs),  # (B, width)
+            runner.block_size,
+        ))  # fmt: skip
+        return runner.run_forward(seqs, step, graphs=runner.decode_graphs)  # (B, V), through its CUDA graphs if any

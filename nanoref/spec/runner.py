@@ -8,6 +8,7 @@ exists. The block count is measured once for both: per block, the KV bytes of th
 from __future__ import annotations
 
 from nanoref.config import EngineConfig
+from nanoref.engine.hooks import NO_RUNNER_HOOKS, RunnerHooks
 from nanoref.engine.model_runner import ModelRunner
 
 
@@ -33,10 +34,12 @@ def draft_engine_config(config: EngineConfig) -> EngineConfig:
 class SpeculativeRunner(ModelRunner):
     """The target's runner; `draft` is the draft's, whose cache is indexed by the same block tables."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, hooks: RunnerHooks = NO_RUNNER_HOOKS) -> None:
         # the draft's weights first: on a GPU the target then measures the memory both leave for their caches
         self.draft = ModelRunner(draft_engine_config(config))
-        super().__init__(config)
+        super().__init__(config, hooks=hooks)
+        if hooks.decode_graphs is not None:  # the draft's k decode steps per verify step, once its cache is real
+            self.draft.decode_graphs = hooks.decode_graphs(self.draft)
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -33,7 +33,7 @@ F = TypeVar("F", bound=Callable)
 # One line per seam, grouped by the notebook whose exercise replaces it.
 SEAMS: dict[str, str] = {
     # 01_varlen_flattening
-    "prefill_metadata": "engine/model_runner.py: a prefill step's (input_ids, positions, cu_seqlens_q/k, slot_mapping)",
+    "prefill_metadata": "engine/step_inputs.py: a prefill step's (input_ids, positions, cu_seqlens_q/k, slot_mapping)",
     # 02_rmsnorm
     "rms_norm": "layers/layernorm.py: rms_norm(x, weight, eps) -> normalised x",
     "add_rms_norm": "layers/layernorm.py: add_rms_norm(x, residual, weight, eps) -> (normalised sum, new residual)",
