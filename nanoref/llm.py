@@ -73,6 +73,7 @@ class LLM(LLMEngine):
         make_step_loop = SpeculativeLoop if spec else OverlappedLoop if config.overlap_scheduling else PlainLoop
         lookahead = spec.num_speculative_tokens if spec else 0  # a verify step's K/V slots past the last token
         super().__init__(config, build_runner, make_step_loop, num_lookahead_tokens=lookahead)
+        self.output_processor.eos_token_ids = self.scheduler.eos_token_ids  # (its config's EOS ids too)
         self.overlapped_loop = self.step_loop if isinstance(self.step_loop, OverlappedLoop) else None
         self.speculative_loop = self.step_loop if isinstance(self.step_loop, SpeculativeLoop) else None
         if spec and self.model_runner.decode_graphs is not None:  # graphs of the verify step too: k + 1 per row
@@ -83,9 +84,16 @@ class LLM(LLMEngine):
         messages: list[dict] | list[list[dict]],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict | None = None,
     ) -> list[dict]:
         """Generate the assistant's reply to one conversation ([{"role", "content"}, ...]) or to each of a list of
         them, through the model folder's chat template; returns what `generate` returns, one dict per conversation.
+        As vLLM's LLM.chat: add_generation_prompt opens the assistant's turn; continue_final_message (with
+        add_generation_prompt=False) continues the last, assistant, message instead; chat_template_kwargs are the
+        template's own variables (Qwen3's `enable_thinking`). Messages as `nanoref/engine/chat.py` takes them.
         """
         conversations = (
             messages if messages and isinstance(messages, list) and isinstance(messages[0], list) else [messages]
@@ -93,7 +101,16 @@ class LLM(LLMEngine):
         prompts = []
         for index, conversation in enumerate(conversations):
             try:
-                prompts.append(chat_prompt(self.tokenizer, conversation, self.config.model_folder))
+                prompts.append(
+                    chat_prompt(
+                        self.tokenizer,
+                        conversation,
+                        self.config.model_folder,
+                        add_generation_prompt=add_generation_prompt,
+                        continue_final_message=continue_final_message,
+                        chat_template_kwargs=chat_template_kwargs,
+                    )
+                )
             except (ValueError, TypeError) as error:
                 raise type(error)(f"conversation {index}: {error}") from None
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
