@@ -80,9 +80,16 @@ class LLM(LLMEngine):
         messages: list[dict] | list[list[dict]],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        *,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        chat_template_kwargs: dict | None = None,
     ) -> list[dict]:
         """Generate the assistant's reply to one conversation ([{"role", "content"}, ...]) or to each of a list of
         them, through the model folder's chat template; returns what `generate` returns, one dict per conversation.
+        As vLLM's LLM.chat: add_generation_prompt opens the assistant's turn; continue_final_message (with
+        add_generation_prompt=False) continues the last, assistant, message instead; chat_template_kwargs are the
+        template's own variables (Qwen3's `enable_thinking`). Messages as `nanoref/engine/chat.py` takes them.
         """
         conversations = (
             messages if messages and isinstance(messages, list) and isinstance(messages[0], list) else [messages]
@@ -90,7 +97,16 @@ class LLM(LLMEngine):
         prompts = []
         for index, conversation in enumerate(conversations):
             try:
-                prompts.append(chat_prompt(self.tokenizer, conversation, self.config.model_folder))
+                prompts.append(
+                    chat_prompt(
+                        self.tokenizer,
+                        conversation,
+                        self.config.model_folder,
+                        add_generation_prompt=add_generation_prompt,
+                        continue_final_message=continue_final_message,
+                        chat_template_kwargs=chat_template_kwargs,
+                    )
+                )
             except (ValueError, TypeError) as error:
                 raise type(error)(f"conversation {index}: {error}") from None
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)

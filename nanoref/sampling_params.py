@@ -33,6 +33,13 @@ class SamplingParams:
     stop: strings that end the completion when its text contains one ("stop"); the text is cut before it.
     include_stop_str_in_output: keep the matched stop string at the end of the text.
     n: how many completions to sample for the prompt (sample i of a seeded request uses seed + i).
+    logit_bias: {token id: bias} added to those tokens' logits before sampling (penalties and masks come after),
+        each bias in [-100, 100]: +100 makes a token all but certain, -100 all but impossible; None = off.
+    skip_special_tokens: leave the tokenizer's special tokens (EOS, ...) out of the text; False shows them, except
+        the token that ended the completion (EOS, a stop_token_ids entry), as in vLLM.
+    spaces_between_special_tokens: let the tokenizer's decoder put its spaces between added tokens that follow one
+        another (vLLM's default); False writes such a run of added tokens as their bare text (it matters only for
+        decoders that add spaces, e.g. WordPiece's; byte-level BPE's, Qwen's, adds none).
     """
 
     temperature: float = 1.0
@@ -50,6 +57,9 @@ class SamplingParams:
     stop: str | list[str] | None = None
     include_stop_str_in_output: bool = False
     n: int = 1
+    logit_bias: dict[int, float] | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         if self.stop_token_ids is None:  # (vLLM's default spelling of "none")
@@ -64,7 +74,7 @@ class SamplingParams:
     @property
     def processes_logits(self) -> bool:
         """Whether the logits need any work between model and sampler: penalties, min_tokens masks, logprobs."""
-        return self.min_tokens > 0 or self.logprobs is not None or self.has_penalties
+        return self.min_tokens > 0 or self.logprobs is not None or self.has_penalties or bool(self.logit_bias)
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field (the engine checks again: fields can be reassigned)."""
@@ -109,6 +119,10 @@ class SamplingParams:
             )
         if not _is_int(self.n) or self.n < 1:
             raise ValueError(f"n (completions per prompt) must be an integer >= 1, got {self.n!r}")
+        check_logit_bias(self.logit_bias)
+        for name in ("skip_special_tokens", "spaces_between_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.seed is not None and self.seed + self.n - 1 >= _SEED_LIMIT:
             raise ValueError(f"seed + n - 1 (the last sample's seed) must be below 2**64, got seed {self.seed!r}")
 
@@ -128,6 +142,23 @@ def stop_strings(stop: object) -> list[str]:
     if "" in items:
         raise ValueError("stop strings must be non-empty: an empty one would match before any text")
     return list(items)
+
+
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range: [-100, 100]
+
+
+def check_logit_bias(logit_bias: object) -> None:
+    """Raise ValueError unless logit_bias is None or {non-negative integer token id: a bias in [-100, 100]} (the
+    vocabulary's bound is the engine's check: `check_request`)."""
+    if logit_bias is None:
+        return
+    if not isinstance(logit_bias, dict):
+        raise ValueError(f"logit_bias must be None or a dict {{token id: bias}}, got {logit_bias!r:.80}")
+    for token_id, bias in logit_bias.items():
+        if not _is_int(token_id) or token_id < 0:
+            raise ValueError(f"logit_bias: keys must be non-negative integer token ids, got {token_id!r:.40}")
+        if not _is_real(bias) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:  # (also rejects NaN)
+            raise ValueError(f"logit_bias: the bias of token {token_id} must be in [-100, 100], got {bias!r:.40}")
 
 
 def check_seed(seed: object) -> None:

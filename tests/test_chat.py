@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 
 from nanoref import DEFAULT_MODEL, LLM, SamplingParams
 from nanoref.engine.chat import chat_prompt
 from nanoref.utils.loader import load_tokenizer
+
+# Qwen3's chat template (tools, assistant tool calls, tool responses, the enable_thinking switch)
+QWEN3_TEMPLATE = (Path(__file__).parent / "data" / "qwen3_chat_template.jinja").read_text()
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
@@ -50,10 +54,116 @@ def test_a_folder_without_a_template_or_tokenizer_names_what_is_missing(tmp_path
         ("hi", TypeError),
         ([{"role": "user"}], TypeError),
         ([{"role": "user", "content": 3}], TypeError),
-        ([{"role": "user", "content": "x", "name": "n"}], TypeError),
-        ([{"role": "tool", "content": "x"}], ValueError),
+        ([{"role": "user", "content": "x", "name": 3}], TypeError),
+        ([{"role": "user", "content": "x", "tool_call_id": "c"}], TypeError),
+        ([{"role": "tool", "content": "x"}], TypeError),  # (no tool_call_id)
+        ([{"role": "developer", "content": "x"}], ValueError),
+        ([{"role": "user", "content": [{"type": "text"}]}], TypeError),
+        ([{"role": "user", "content": None}], TypeError),
     ],
 )
 def test_bad_messages_are_refused_with_the_message_named(messages, error):
     with pytest.raises(error, match="messages"):
         chat_prompt(load_tokenizer(DEFAULT_MODEL), messages, DEFAULT_MODEL)
+
+
+def tokenizer_with(template: str):
+    tokenizer = load_tokenizer(DEFAULT_MODEL)
+    tokenizer.chat_template = template
+    return tokenizer
+
+
+def test_text_parts_are_joined_with_newlines_as_vllm_does():
+    parts = [{"type": "text", "text": "Be"}, {"type": "text", "text": "brief."}]
+    tokenizer = load_tokenizer(DEFAULT_MODEL)
+    as_parts = chat_prompt(tokenizer, [{"role": "system", "content": parts}, MESSAGES[1]], DEFAULT_MODEL)
+    assert as_parts == chat_prompt(tokenizer, [{"role": "system", "content": "Be\nbrief."}, MESSAGES[1]], DEFAULT_MODEL)
+
+
+@pytest.mark.parametrize("kind", ["image_url", "input_audio", "file"])
+def test_a_part_the_model_cannot_take_is_refused_by_its_type(kind):
+    content = [{"type": "text", "text": "What is this?"}, {"type": kind, kind: {"url": "x"}}]
+    with pytest.raises(ValueError, match=rf"messages\[0\]\['content'\]\[1\] is a '{kind}' part: this model takes text"):
+        chat_prompt(load_tokenizer(DEFAULT_MODEL), [{"role": "user", "content": content}], DEFAULT_MODEL)
+
+
+def test_a_name_reaches_the_template():
+    template = (
+        "{% for m in messages %}{{ m.role }}{% if m.name %}({{ m.name }}){% endif %}: {{ m.content }};{% endfor %}"
+    )
+    messages = [{"role": "user", "content": "hi", "name": "ada"}, {"role": "user", "content": "yo"}]
+    assert chat_prompt(tokenizer_with(template), messages, DEFAULT_MODEL) == "user(ada): hi;user: yo;"
+
+
+TOOL_TURNS = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_1", "content": "18 C"},
+]
+
+
+def test_tool_calls_and_tool_messages_render_through_qwen3s_template():
+    text = chat_prompt(tokenizer_with(QWEN3_TEMPLATE), TOOL_TURNS, DEFAULT_MODEL)
+    assert text == (
+        "<|im_start|>user\nWeather in Paris?<|im_end|>\n"
+        "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>\n'
+        "<|im_start|>user\n<tool_response>\n18 C\n</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+
+
+def test_tool_calls_a_template_never_renders_are_refused_not_dropped():
+    with pytest.raises(ValueError, match=r"messages\[1\] has tool_calls, but .* never renders tool_calls"):
+        chat_prompt(load_tokenizer(DEFAULT_MODEL), TOOL_TURNS, DEFAULT_MODEL)
+
+
+def test_tool_call_arguments_that_are_not_json_are_refused():
+    turns = [TOOL_TURNS[0], {**TOOL_TURNS[1], "tool_calls": [{"function": {"name": "f", "arguments": "{city"}}]}]
+    with pytest.raises(
+        ValueError, match=r"messages\[1\]\['tool_calls'\]\[0\]\['function'\]\['arguments'\] is not valid JSON"
+    ):
+        chat_prompt(tokenizer_with(QWEN3_TEMPLATE), turns, DEFAULT_MODEL)
+
+
+def test_add_generation_prompt_and_continue_final_message():
+    tokenizer = load_tokenizer(DEFAULT_MODEL)
+    closed = chat_prompt(tokenizer, MESSAGES, DEFAULT_MODEL, add_generation_prompt=False)
+    assert closed == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHello<|im_end|>\n"
+    started = [*MESSAGES, {"role": "assistant", "content": "Hi, I am"}]
+    text = chat_prompt(tokenizer, started, DEFAULT_MODEL, add_generation_prompt=False, continue_final_message=True)
+    assert text == closed + "<|im_start|>assistant\nHi, I am"
+    with pytest.raises(ValueError, match="cannot set both continue_final_message and add_generation_prompt"):
+        chat_prompt(tokenizer, started, DEFAULT_MODEL, continue_final_message=True)
+    with pytest.raises(ValueError, match="must be the assistant's"):
+        chat_prompt(tokenizer, MESSAGES, DEFAULT_MODEL, add_generation_prompt=False, continue_final_message=True)
+
+
+def test_chat_template_kwargs_reach_the_template_and_unknown_ones_are_refused():
+    qwen3 = tokenizer_with(QWEN3_TEMPLATE)
+    thinking = chat_prompt(qwen3, MESSAGES[1:], DEFAULT_MODEL)
+    no_thinking = chat_prompt(qwen3, MESSAGES[1:], DEFAULT_MODEL, chat_template_kwargs={"enable_thinking": False})
+    assert thinking.endswith("<|im_start|>assistant\n")
+    assert no_thinking == thinking + "<think>\n\n</think>\n\n"
+    with pytest.raises(ValueError, match="chat_template_kwargs: 'enable_thinking' is not a variable of this model's"):
+        chat_prompt(load_tokenizer(DEFAULT_MODEL), MESSAGES, DEFAULT_MODEL, chat_template_kwargs={"enable_thinking": 0})
+    with pytest.raises(ValueError, match="chat_template_kwargs: 'tokenize' is an argument of its own"):
+        chat_prompt(qwen3, MESSAGES, DEFAULT_MODEL, chat_template_kwargs={"tokenize": True})
+
+
+def test_llm_chat_takes_vllms_template_arguments():
+    llm = LLM(device="cpu", num_kvcache_blocks=32)
+    started = [*MESSAGES, {"role": "assistant", "content": "Hi, I am"}]
+    options = dict(add_generation_prompt=False, continue_final_message=True)
+    prompt = chat_prompt(llm.tokenizer, started, DEFAULT_MODEL, **options)
+    assert prompt.endswith("Hi, I am")
+    expected = llm.generate([prompt], GREEDY, use_tqdm=False)
+    assert llm.chat(started, GREEDY, use_tqdm=False, **options) == expected
+    with pytest.raises(ValueError, match="conversation 0: chat_template_kwargs: 'enable_thinking'"):
+        llm.chat(MESSAGES, GREEDY, use_tqdm=False, chat_template_kwargs={"enable_thinking": False})

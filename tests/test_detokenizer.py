@@ -171,3 +171,39 @@ def test_add_many_without_a_rust_tokenizer_and_with_two_tokenizers(tokenizer):
     assert add_many([], []) == []
     with pytest.raises(ValueError, match="share one tokenizer"):
         add_many([IncrementalDetokenizer(tokenizer), IncrementalDetokenizer(counting)], [[65], [66]])
+
+
+def wordpiece_tokenizer():
+    """A WordPiece tokenizer (BERT's kind), whose decoder puts spaces between tokens, special ones included."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[UNK]": 0, "[CLS]": 1, "[SEP]": 2, "hello": 3, "world": 4, "##s": 5}
+    rust = Tokenizer(models.WordPiece(vocab, unk_token="[UNK]"))
+    rust.pre_tokenizer, rust.decoder = pre_tokenizers.Whitespace(), decoders.WordPiece()
+    return PreTrainedTokenizerFast(tokenizer_object=rust, unk_token="[UNK]", cls_token="[CLS]", sep_token="[SEP]")
+
+
+def test_skip_special_tokens_and_spaces_between_special_tokens_decode_as_vllm():
+    tokenizer = wordpiece_tokenizer()
+    ids = [1, 3, 5, 2, 1, 4, 2, 2]
+    assert decode(tokenizer, ids) == "hellos world"
+    assert decode(tokenizer, ids, skip_special_tokens=False) == "[CLS] hellos [SEP] [CLS] world [SEP] [SEP]"
+    bare = decode(tokenizer, ids, skip_special_tokens=False, spaces_between_special_tokens=False)
+    assert bare == "[CLS]hellos[SEP][CLS]world[SEP][SEP]"
+    for skip, spaces in ((True, True), (False, True), (False, False)):  # the stream agrees with the whole decode
+        detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip, spaces_between_special_tokens=spaces)
+        pieces = [detokenizer.add([token_id]) for token_id in ids]
+        assert "".join(pieces) + detokenizer.finish() == decode(tokenizer, ids, skip, spaces)
+        batched = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip, spaces_between_special_tokens=spaces)
+        plain = IncrementalDetokenizer(tokenizer)
+        both = [add_many([batched, plain], [[token_id], [token_id]]) for token_id in ids]
+        assert "".join(b[0] for b in both) + batched.finish() == decode(tokenizer, ids, skip, spaces)
+        assert "".join(b[1] for b in both) + plain.finish() == decode(tokenizer, ids)
+
+
+def test_hidden_tokens_never_show():
+    tokenizer = wordpiece_tokenizer()
+    detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens=False, hidden=frozenset({2}))
+    text = "".join(detokenizer.add([token_id]) for token_id in [1, 3, 2]) + detokenizer.finish()
+    assert text == "[CLS] hello"

@@ -126,7 +126,6 @@ def test_metrics_parse_and_the_counters_move(server):
 
 TOO_LONG = list(range(1, 600))  # the built-in model's max_model_len is 512
 BAD = [
-    ("completions", {"model": "gpt-4", "prompt": "x"}, "model"),
     ("completions", {"prompt": "x", "max_tokens": "ten"}, "max_tokens"),
     ("completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
     ("completions", {"prompt": "x", "temperature": -1}, "temperature"),
@@ -155,6 +154,18 @@ def test_bad_input_is_a_400_that_names_the_field(server, path, body, param):
     assert error["param"] == param and error["type"] == "BadRequestError" and error["code"] == 400
     assert param in error["message"] or param in ("prompt", "messages")
     assert server.blocks_used() == 0 and server.engine.llm.is_finished()
+
+
+@pytest.mark.parametrize("path", ["completions", "chat/completions"])
+def test_an_unknown_model_is_a_404_not_found_error(server, path):
+    body = {"model": "gpt-4", "prompt": "x", "messages": MESSAGES}
+    response = httpx.post(f"{server.url}/v1/{path}", json=body, timeout=TIMEOUT)
+    assert response.status_code == 404, response.text
+    error = response.json()["error"]
+    assert (error["type"], error["param"], error["code"]) == ("NotFoundError", "model", 404)
+    assert "gpt-4" in error["message"]
+    with pytest.raises(openai.NotFoundError):  # as OpenAI's client reports it
+        server.client().completions.create(model="gpt-4", prompt="x")
 
 
 def test_malformed_json_is_a_400_and_the_server_serves_on(server):

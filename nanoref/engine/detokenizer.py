@@ -37,13 +37,37 @@ from nanoref.utils.seams import seam
 REPLACEMENT_CHAR = "\ufffd"  # what a decoder writes for bytes that are not (yet) a whole UTF-8 character
 
 
-def decode(tokenizer: Any, token_ids: list[int]) -> str:
-    """A completion's text, as offline `generate` returns it (special tokens such as EOS left out; no clean-up of
-    spaces before punctuation, which would make a text's end depend on the token after it)."""
+def decode(
+    tokenizer: Any, token_ids: list[int], skip_special_tokens: bool = True, spaces_between_special_tokens: bool = True
+) -> str:
+    """A completion's text, as offline `generate` returns it (special tokens such as EOS left out unless
+    skip_special_tokens is False; no clean-up of spaces before punctuation, which would make a text's end depend on
+    the token after it). spaces_between_special_tokens=False (with special tokens shown): the runs of ordinary
+    tokens are decoded on their own and the added tokens between them written as their bare text, joined with
+    nothing (HF's and vLLM's rule for it), so no decoder puts its spaces around them."""
+    if not skip_special_tokens and not spaces_between_special_tokens:
+        return "".join(_added_token_runs(tokenizer, token_ids))
     rust = _rust_tokenizer(tokenizer)
     if rust is not None:
-        return rust.decode(token_ids, skip_special_tokens=True)
-    return tokenizer.decode(token_ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        return rust.decode(token_ids, skip_special_tokens=skip_special_tokens)
+    return tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False)
+
+
+def _added_token_runs(tokenizer: Any, token_ids: list[int]) -> list[str]:
+    """The text of each run of ordinary tokens (decoded together) and of each added token (its content), in order."""
+    added = {token_id: token.content for token_id, token in tokenizer.added_tokens_decoder.items()}
+    pieces, run = [], []
+    for token_id in token_ids:
+        if token_id in added:
+            if run:
+                pieces.append(decode(tokenizer, run, skip_special_tokens=False))
+                run = []
+            pieces.append(added[token_id])
+        else:
+            run.append(token_id)
+    if run:
+        pieces.append(decode(tokenizer, run, skip_special_tokens=False))
+    return pieces
 
 
 @functools.cache
@@ -64,6 +88,16 @@ def _rust_tokenizer(tokenizer: Any) -> Any | None:
     if getattr(type(tokenizer), "_decode", None) is not _stock_decode():
         return None
     return getattr(tokenizer, "_tokenizer", None)
+
+
+def hidden_stop_tokens(params: Any, eos_token_ids: set[int] | frozenset[int]) -> frozenset[int]:
+    """The token ids whose text a completion never shows: where special tokens are shown (skip_special_tokens
+    False), the token that ends the completion (EOS unless ignore_eos, a stop_token_ids entry) still is not, as in
+    vLLM, unless include_stop_str_in_output. Such a token always ends its completion (it is masked before
+    min_tokens), so leaving it out of the text never hides one in the middle. params: SamplingParams."""
+    if params.skip_special_tokens or params.include_stop_str_in_output:
+        return frozenset()
+    return frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else frozenset(eos_token_ids))
 
 
 def find_stop_string(text: str, stops: Sequence[str], start: int) -> tuple[int, str] | None:
@@ -88,40 +122,65 @@ def stop_hold_back(text: str, stops: Sequence[str]) -> int:
     return 0
 
 
-def decode_many(tokenizer: Any, token_lists: list[list[int]]) -> list[str]:
+def decode_many(
+    tokenizer: Any,
+    token_lists: list[list[int]],
+    skip_special_tokens: bool = True,
+    spaces_between_special_tokens: bool = True,
+) -> list[str]:
     """`decode` of each list; through a fast tokenizer, in one Rust call that releases the GIL while it runs (a
     server's other threads go on meanwhile)."""
     rust = _rust_tokenizer(tokenizer)
-    if rust is not None:
-        return rust.decode_batch(token_lists, skip_special_tokens=True)
-    return [decode(tokenizer, token_ids) for token_ids in token_lists]
+    if rust is not None and (skip_special_tokens or spaces_between_special_tokens):
+        return rust.decode_batch(token_lists, skip_special_tokens=skip_special_tokens)
+    return [decode(tokenizer, ids, skip_special_tokens, spaces_between_special_tokens) for ids in token_lists]
 
 
 def add_many(detokenizers: list[IncrementalDetokenizer], token_lists: list[list[int]]) -> list[str]:
-    """`detokenizers[i].add(token_lists[i])` for every i -> the pieces, with two batched decodes in all (the
-    windows, then the new prefixes) rather than two per detokenizer. They must share one tokenizer."""
+    """`detokenizers[i].add(token_lists[i])` for every i -> the pieces, with two batched decodes per kind of
+    decoding (skip_special_tokens, spaces_between_special_tokens: nearly always one kind) in all (the windows, then
+    the new prefixes) rather than two per detokenizer. They must share one tokenizer."""
     if not detokenizers:
         return []
     tokenizer = detokenizers[0].tokenizer
     if any(detokenizer.tokenizer is not tokenizer for detokenizer in detokenizers):
         raise ValueError("add_many needs detokenizers that share one tokenizer")
-    for detokenizer, token_ids in zip(detokenizers, token_lists, strict=True):
-        detokenizer.token_ids.extend(token_ids)
-    windows = decode_many(tokenizer, [d.token_ids[d.prefix_offset :] for d in detokenizers])
-    advanced = [detokenizer._advance(window) for detokenizer, window in zip(detokenizers, windows)]
-    waiting = [(d, ids) for d, (_, ids) in zip(detokenizers, advanced) if ids is not None]
-    for (detokenizer, _), text in zip(waiting, decode_many(tokenizer, [ids for _, ids in waiting])):
-        detokenizer.prefix_text = text
-    return [piece for piece, _ in advanced]
+    kinds: dict[tuple[bool, bool], list[int]] = {}
+    for i, (detokenizer, token_ids) in enumerate(zip(detokenizers, token_lists, strict=True)):
+        detokenizer.token_ids.extend(t for t in token_ids if t not in detokenizer.hidden)
+        kinds.setdefault(detokenizer.decoding, []).append(i)
+    pieces = [""] * len(detokenizers)
+    for decoding, members in kinds.items():
+        group = [detokenizers[i] for i in members]
+        windows = decode_many(tokenizer, [d.token_ids[d.prefix_offset :] for d in group], *decoding)
+        advanced = [detokenizer._advance(window) for detokenizer, window in zip(group, windows)]
+        waiting = [(d, ids) for d, (_, ids) in zip(group, advanced) if ids is not None]
+        for (detokenizer, _), text in zip(waiting, decode_many(tokenizer, [ids for _, ids in waiting], *decoding)):
+            detokenizer.prefix_text = text
+        for i, (piece, _) in zip(members, advanced):
+            pieces[i] = piece
+    return pieces
 
 
 class IncrementalDetokenizer:
     """One sequence's completion text, grown token by token: `text` is what may be shown so far.
 
-    stop: strings that end the completion (see `find_stop`); include_stop: keep the matched string in the text."""
+    stop: strings that end the completion (see `find_stop`); include_stop: keep the matched string in the text.
+    skip_special_tokens, spaces_between_special_tokens: as `decode`'s. hidden: token ids whose text never shows
+    (the stop tokens, where special tokens are shown: `hidden_stop_tokens`)."""
 
-    def __init__(self, tokenizer: Any, stop: list[str] | tuple[str, ...] = (), include_stop: bool = False) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        stop: list[str] | tuple[str, ...] = (),
+        include_stop: bool = False,
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
+        hidden: frozenset[int] = frozenset(),
+    ) -> None:
         self.tokenizer = tokenizer
+        self.decoding = (skip_special_tokens, spaces_between_special_tokens)
+        self.hidden = hidden
         self.token_ids: list[int] = []
         self.stop = tuple(stop)
         self.include_stop = include_stop
@@ -135,10 +194,10 @@ class IncrementalDetokenizer:
 
     def add(self, token_ids: list[int]) -> str:
         """Append generated tokens -> the new text they let `text` show ("" while a character is half made)."""
-        self.token_ids.extend(token_ids)
-        piece, prefix_ids = self._advance(decode(self.tokenizer, self.token_ids[self.prefix_offset :]))
+        self.token_ids.extend(t for t in token_ids if t not in self.hidden)
+        piece, prefix_ids = self._advance(decode(self.tokenizer, self.token_ids[self.prefix_offset :], *self.decoding))
         if prefix_ids is not None:
-            self.prefix_text = decode(self.tokenizer, prefix_ids)
+            self.prefix_text = decode(self.tokenizer, prefix_ids, *self.decoding)
         return piece
 
     def _advance(self, window: str) -> tuple[str, list[int] | None]:
@@ -170,7 +229,7 @@ class IncrementalDetokenizer:
         """The sequence ended: whatever is held back is final now (a half character as U+FFFD, as `decode` writes
         it; a possible start of a stop string as itself) -> the last piece. After a stop string, nothing more."""
         if self.stop_reason is None:
-            window = decode(self.tokenizer, self.token_ids[self.prefix_offset :])
+            window = decode(self.tokenizer, self.token_ids[self.prefix_offset :], *self.decoding)
             self._extend(window[len(self.prefix_text) :])
             self.prefix_offset = self.read_offset = len(self.token_ids)
             self.prefix_text = ""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from nanoref.engine.detokenizer import IncrementalDetokenizer, decode
+from nanoref.engine.detokenizer import IncrementalDetokenizer, decode, hidden_stop_tokens
 from nanoref.engine.sequence import Sequence
 from nanoref.layers.logits_processors import StepLogprobs, TokenLogprobs
 
@@ -49,6 +49,10 @@ class OutputProcessor:
         # the samples 1..n-1 of a request with n > 1, by its sample 0, queued once sample 0's prompt is computed
         # (then its full prompt blocks are in the prefix cache, and they share them instead of prefilling again)
         self.held_samples: dict[Sequence, list[Sequence]] = {}
+        # the EOS ids whose text a completion that shows special tokens still leaves out (`hidden_stop_tokens`):
+        # the tokenizer's; `LLM` gives the scheduler's (its config's too)
+        eos = getattr(tokenizer, "eos_token_id", None)
+        self.eos_token_ids: set[int] | frozenset[int] = frozenset() if eos is None else frozenset([int(eos)])
 
     # -- n samples ------------------------------------------------------------------------------
     def hold(self, samples: list[Sequence]) -> None:
@@ -80,8 +84,17 @@ class OutputProcessor:
             need = "a stream of text" if stream else "stop strings"
             raise ValueError(f"{self.model_folder} has no tokenizer: {need} needs one")
         for index, seq in enumerate(samples):
-            include = seq.sampling_params.include_stop_str_in_output
-            detokenizer = IncrementalDetokenizer(self.tokenizer, stop, include) if stream or stop else None
+            params = seq.sampling_params
+            detokenizer = None
+            if stream or stop:
+                detokenizer = IncrementalDetokenizer(
+                    self.tokenizer,
+                    stop,
+                    params.include_stop_str_in_output,
+                    params.skip_special_tokens,
+                    params.spaces_between_special_tokens,
+                    hidden_stop_tokens(params, self.eos_token_ids),
+                )
             seq.output = SampleOutput(index, request_id, detokenizer)
 
     @staticmethod
@@ -112,13 +125,19 @@ class OutputProcessor:
             detokenizer.finish()  # (again, if it was already: nothing is held back any more)
         return detokenizer.text
 
+    def decode(self, params, token_ids: list[int]) -> str:
+        """A whole completion's text, decoded as its SamplingParams ask (skip_special_tokens, ...)."""
+        hidden = hidden_stop_tokens(params, self.eos_token_ids)
+        shown = [t for t in token_ids if t not in hidden] if hidden else token_ids
+        return decode(self.tokenizer, shown, params.skip_special_tokens, params.spaces_between_special_tokens)
+
     def output(self, seq: Sequence, metrics=None) -> dict:
         """A finished sample as `generate` returns it; metrics: its RequestMetrics, if asked for."""
         token_ids = seq.completion_token_ids
         if seq.output.detokenizer is not None:  # its text as it grew, so the stream and generate agree
             text = self.text_so_far(seq)  # (cut at its stop string, if one matched)
         else:
-            text = None if self.tokenizer is None else decode(self.tokenizer, token_ids)
+            text = None if self.tokenizer is None else self.decode(seq.sampling_params, token_ids)
         output = {"text": text, "token_ids": token_ids, "finish_reason": seq.finish_reason}
         if seq.sampling_params.stop is not None:
             output["stop_reason"] = seq.stop_reason

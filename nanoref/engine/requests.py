@@ -42,6 +42,9 @@ def check_request(token_ids: list[int], params: SamplingParams, config: EngineCo
     bad = [t for t in params.stop_token_ids if not t < vocab_size]
     if bad:
         raise ValueError(f"stop_token_ids: token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+    bad = sorted(t for t in params.logit_bias or {} if not t < vocab_size)
+    if bad:
+        raise ValueError(f"logit_bias: token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
     limit = config.max_model_len
     if len(token_ids) >= limit:
         raise ValueError(

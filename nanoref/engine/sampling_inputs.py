@@ -1,5 +1,5 @@
 """A step's sampling inputs, built in one place from its sequences' SamplingParams: temperatures, top-k / top-p,
-the seeded rows' generators, penalties, min_tokens masks and which rows want logprobs.
+the seeded rows' generators, logit biases, penalties, min_tokens masks and which rows want logprobs.
 
 The model runner asks for them (`sampling_batch`) while the forward runs; a step loop that samples several rows per
 sequence (a verify step) builds each row's penalties and masks with `row_processing`. Logprobs come from the model's
@@ -67,10 +67,13 @@ def row_processing(
     vocab: int,
     eos_token_ids: set[int] | frozenset[int],
 ) -> None:
-    """Row `row`'s penalties and min_tokens mask, appended to `penalised` and `masked` (LogitsProcessing.build's
-    inputs), for the token after seq's tokens plus `more` (known ids: proposed tokens before this row) plus
-    `num_unknown` more tokens whose values only the device holds."""
+    """Row `row`'s logit_bias, penalties and min_tokens mask, appended to `penalised` and `masked`
+    (LogitsProcessing.build's inputs: a bias rides in `masked` as (row, ids, biases)), for the token after seq's
+    tokens plus `more` (known ids: proposed tokens before this row) plus `num_unknown` more tokens whose values only
+    the device holds."""
     p = seq.sampling_params
+    if p.logit_bias:
+        masked.append((row, list(p.logit_bias), list(p.logit_bias.values())))
     if p.has_penalties:
         prompt, completion = seq.token_ids[: seq.num_prompt_tokens], seq.completion_token_ids + more
         penalised.append((row, prompt, completion, p.presence_penalty, p.frequency_penalty, p.repetition_penalty))

@@ -4,6 +4,7 @@
   completion so far: logit -= frequency * count + presence * (count > 0).
 - repetition penalty (HF's, as vLLM applies it), on every token of prompt or completion: a positive logit is
   divided by it, a negative one multiplied, so the token always becomes less likely (for penalties > 1).
+- logit_bias: a request's {token id: bias} added to those logits, before the penalties (as vLLM orders them).
 - min_tokens: until a request has that many completion tokens, its stop tokens (EOS, stop_token_ids) get -inf.
 - logprobs: log_softmax of the model's raw logits (before any of the above, and before temperature: vLLM's
   default "raw_logprobs"), the chosen token's value and rank, and the top N.
@@ -105,6 +106,9 @@ class LogitsProcessing:
     repetition: torch.Tensor | None = None  # (R,) float32
     mask_rows: torch.Tensor | None = None  # (M,) int64: a stop token of a row still short of min_tokens
     mask_ids: torch.Tensor | None = None  # (M,) int64
+    bias_rows: torch.Tensor | None = None  # (K,) int64: a token of a row with a logit_bias
+    bias_ids: torch.Tensor | None = None  # (K,) int64
+    bias_values: torch.Tensor | None = None  # (K,) float32
 
     @classmethod
     def build(
@@ -115,10 +119,19 @@ class LogitsProcessing:
         device: torch.device,
     ) -> LogitsProcessing | None:
         """penalised: (row, prompt ids, completion ids, presence, frequency, repetition) per penalised row;
-        masked: (row, stop ids to mask) per row short of its min_tokens. None when both are empty."""
+        masked: (row, stop ids to mask) per row short of its min_tokens, and (row, ids, biases) per row with a
+        logit_bias (the biases to add to those ids' logits). None when there is nothing to do."""
         if not penalised and not masked:
             return None
         processing = cls()
+        biased = [entry for entry in masked if len(entry) == 3]
+        masked = [entry for entry in masked if len(entry) == 2]
+        if biased:
+            ids, rows = _flat([ids for _, ids, _ in biased])
+            processing.bias_ids = to_device(ids, device)
+            processing.bias_rows = to_device(np.asarray([biased[r][0] for r in rows], dtype=np.int64), device)
+            values = np.fromiter((b for _, _, biases in biased for b in biases), dtype=np.float32, count=len(ids))
+            processing.bias_values = to_device(values, device)
         if penalised:
             rows, prompts, completions, presence, frequency, repetition = zip(*penalised)
 
@@ -141,6 +154,8 @@ class LogitsProcessing:
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """logits: (B, V) -> processed (B, V) float32, a new tensor (the model's output is left as it was)."""
         logits = logits.float()
+        if self.bias_rows is not None:
+            logits = logits.index_put((self.bias_rows, self.bias_ids), self.bias_values, accumulate=True)
         if self.rows is not None:
             penalised = apply_penalties(
                 logits[self.rows], self.output_counts, self.seen, self.presence, self.frequency, self.repetition

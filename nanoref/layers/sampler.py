@@ -1,6 +1,6 @@
 """Sampling one next token per sequence from the last-token logits.
 
-Penalties and min_tokens masks come first, where a row asks for them (`logits_processors.py`).
+Logit biases, penalties and min_tokens masks come first, where a row asks for them (`logits_processors.py`).
 temperature 0 is greedy (argmax). Otherwise: scale by 1/temperature, keep the top_k largest logits
 and the smallest set whose probability reaches top_p, then draw. The draw uses the exponential-race
 trick (argmax of p / E with E ~ Exp(1) is a sample from p), which needs no sort and lets a seeded

@@ -2,7 +2,11 @@
 
     POST /v1/completions        {"model", "prompt", "max_tokens", "temperature", ..., "stream"}
     POST /v1/chat/completions   {"model", "messages": [{"role", "content"}, ...], ...}
-    GET  /v1/models, /health, /metrics (Prometheus text)
+    GET  /v1/models, /health, /metrics (Prometheus text, nanoref's names and vLLM's), /version
+    POST /tokenize, /detokenize (vLLM's)
+
+Every request field is honoured, accepted unused (`user`, as vLLM) or refused with a 400 that names it
+(`check_fields`; docs/serving.md lists them all): nothing a client asks for is silently ignored.
 
 A request's life here: its body is read within limits (a size, a time), its JSON is checked field by field into
 `SamplingParams` (a bad field is a 400 that names it, in OpenAI's error body, before anything reaches the engine),
@@ -49,8 +53,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+import nanoref
 from nanoref.engine.chat import chat_prompt
-from nanoref.engine.detokenizer import REPLACEMENT_CHAR
+from nanoref.engine.detokenizer import REPLACEMENT_CHAR, decode
 from nanoref.layers.logits_processors import TokenLogprobs
 from nanoref.sampling_params import SamplingParams, stop_strings
 from nanoref.serving.async_llm import AsyncLLM, RequestOutput
@@ -72,9 +77,99 @@ SAMPLING_FIELDS = {
     "stop_token_ids": "stop_token_ids",
     "ignore_eos": "ignore_eos",
     "include_stop_str_in_output": "include_stop_str_in_output",
+    "logit_bias": "logit_bias",  # (token ids as JSON's string keys: see token_bias)
+    "skip_special_tokens": "skip_special_tokens",
+    "spaces_between_special_tokens": "spaces_between_special_tokens",
 }
 COMPLETION_FIELDS = {**SAMPLING_FIELDS, "logprobs": "logprobs"}  # completions: logprobs is the top-k count
 CHAT_FIELDS = {**SAMPLING_FIELDS, "max_completion_tokens": "max_tokens"}  # (+ logprobs/top_logprobs, below)
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's and vLLM's default for completions
+
+# Every request field of OpenAI's and vLLM's completion and chat APIs has one of these fates (docs/serving.md lists
+# them all); a field in none of them is a 400 that names it, so nothing a client asks for is silently ignored.
+# - honoured: read by the endpoint (its FIELDS above, and the ones below)
+COMPLETION_HONOURED = {"model", "prompt", "stream", "stream_options", "add_special_tokens", *COMPLETION_FIELDS}
+CHAT_HONOURED = {"model", "messages", "stream", "stream_options", "add_special_tokens", *CHAT_FIELDS}
+CHAT_HONOURED |= {"logprobs", "top_logprobs", "add_generation_prompt", "continue_final_message", "chat_template_kwargs"}
+# - accepted and unused, as vLLM takes them: who is asking, and a hint for a cache this server keeps by itself
+ACCEPTED_UNUSED = {"user", "safety_identifier", "prompt_cache_key"}
+# - taken as before while their support is being built (the prompt's log-probabilities)
+PENDING = {"echo", "prompt_logprobs"}
+# - not supported: a 400 naming the field unless it is null or one of these values (its default: "off")
+NOT_SUPPORTED_COMMON: dict[str, tuple] = {
+    "response_format": ({"type": "text"},),
+    "structured_outputs": (),
+    "guided_json": (),
+    "guided_regex": (),
+    "guided_choice": (),
+    "guided_grammar": (),
+    "guided_decoding_backend": (),
+    "guided_whitespace_pattern": (),
+    "structural_tag": (),
+    "use_beam_search": (False,),
+    "min_p": (0, 0.0),
+    "watermarking": (False,),
+    "length_penalty": (1, 1.0),
+    "early_stopping": (False,),
+    "truncate_prompt_tokens": (),
+    "truncation_side": (),
+    "allowed_token_ids": (),
+    "logprob_token_ids": (),
+    "bad_words": ([],),
+    "priority": (0,),
+    "request_id": (),
+    "session_id": (),
+    "return_tokens_as_token_ids": (False,),
+    "return_token_ids": (False,),
+    "return_token_offsets": (False,),
+    "return_mm_kwargs": (True,),
+    "cache_salt": (),
+    "kv_transfer_params": (),
+    "ec_transfer_params": (),
+    "vllm_xargs": (),
+    "repetition_detection": (),
+    "thinking_token_budget": (),
+    "stream_interval": (1,),
+    "routed_experts_prompt_start": (0,),
+}
+NOT_SUPPORTED_COMPLETION = {**NOT_SUPPORTED_COMMON, "suffix": (), "best_of": (1,), "prompt_embeds": ()}
+NOT_SUPPORTED_CHAT = {
+    **NOT_SUPPORTED_COMMON,
+    "tools": (),
+    "tool_choice": ("none",),
+    "parallel_tool_calls": (True,),
+    "functions": (),
+    "function_call": ("none",),
+    "reasoning_effort": (),
+    "include_reasoning": (True,),
+    "audio": (),
+    "modalities": (["text"],),
+    "prediction": (),
+    "verbosity": (),
+    "web_search_options": (),
+    "metadata": (),
+    "store": (False,),
+    "service_tier": ("auto", "default"),
+    "prompt_cache_retention": (),
+    "prompt_cache_options": (),
+    "moderation": (),
+    "documents": (),
+    "chat_template": (),
+    "media_io_kwargs": (),
+    "mm_processor_kwargs": (),
+    "return_prompt_text": (False,),
+}
+# why a field is refused, where there is more to say than "not supported"
+REFUSALS = {
+    "suffix": "suffix is not supported (as in vLLM: no fill-in-the-middle)",
+    "chat_template": (
+        "a chat template sent with the request is refused (as vLLM refuses one without "
+        "--trust-request-chat-template): the model folder's template renders the messages"
+    ),
+    "tools": "tools are not supported yet: this server does no tool calling (tool_calls in messages are rendered)",
+    "tool_choice": "tool_choice is not supported yet: this server does no tool calling (only 'none')",
+    "response_format": "response_format is not supported yet: no structured output (only {'type': 'text'})",
+}
 
 
 # Limits of one request (vLLM's server has none of these; OpenAI's API caps n at 128 and stop at 4 strings). Each
@@ -325,10 +420,51 @@ async def until_done_or_disconnected(request: Request, work: Coroutine, poll: fl
                 await task
 
 
-def sampling_params(body: dict, mapping: dict[str, str]) -> SamplingParams:
-    """The request's sampling fields as SamplingParams; a missing or null field keeps SamplingParams' default."""
+def check_fields(body: dict, honoured: set[str], not_supported: dict[str, tuple]) -> None:
+    """Refuse, with a 400 naming it, a field the endpoint neither honours nor accepts unused, and a field it does
+    not support with any value but null or its default."""
+    for name, value in body.items():
+        if name in honoured or name in ACCEPTED_UNUSED or name in PENDING:
+            continue
+        if name not in not_supported:
+            raise BadRequest(f"unknown field {name!r:.60}: this server does not know it (a typo?)", name[:60])
+        if value is None or any(type(value) is type(default) and value == default for default in not_supported[name]):
+            continue
+        allowed = "".join(f" or {default!r}" for default in not_supported[name])
+        message = REFUSALS.get(name, f"{name} is not supported by this server (only null{allowed})")
+        raise BadRequest(message, name)
+
+
+def is_utf8(text: str) -> bool:
+    """Whether the text can be UTF-8 (JSON can spell half of a UTF-16 pair, "\\ud800", which cannot)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def token_bias(body: dict) -> dict:
+    """logit_bias as SamplingParams takes it: JSON's object keys are strings ("50256"), the ids are integers."""
+    bias = body.get("logit_bias")
+    if not isinstance(bias, dict):
+        return body
+    converted = {}
+    for key, value in bias.items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            raise BadRequest(f"logit_bias: keys must be token ids (integers), got {key!r:.40}", "logit_bias") from None
+        converted[token_id] = value
+    return {**body, "logit_bias": converted}
+
+
+def sampling_params(body: dict, mapping: dict[str, str], defaults: dict | None = None) -> SamplingParams:
+    """The request's sampling fields as SamplingParams; a missing or null field keeps `defaults`' value, else
+    SamplingParams' default."""
     known = {f.name for f in fields(SamplingParams)}
-    values: dict[str, Any] = {}
+    values: dict[str, Any] = dict(defaults or {})
+    body = token_bias(body)
     for name, target in mapping.items():
         if body.get(name) is None:
             continue
@@ -380,11 +516,12 @@ def chat_sampling_params(body: dict) -> SamplingParams:
 class EngineCollector:
     """Gauges and counters read from the engine at scrape time (a prometheus_client custom collector)."""
 
-    def __init__(self, engine: AsyncLLM) -> None:
-        self.engine = engine
+    def __init__(self, engine: AsyncLLM, model_name: str) -> None:
+        self.engine, self.model_name = engine, model_name
 
     def collect(self):
         stats = self.engine.stats()
+        yield from self.collect_vllm(stats)
         gauges = {
             "nanoref_num_requests_running": ("Requests in the running batch", stats.num_running),
             "nanoref_num_requests_waiting": ("Requests queued for prefill", stats.num_waiting),
@@ -427,13 +564,38 @@ class EngineCollector:
             value=stats.spec_accepted_tokens / rows if rows else 0.0,
         )
 
+    def collect_vllm(self, stats):
+        """The same numbers under vLLM's names, labelled with the model's name as vLLM's are, so that a dashboard
+        made for vLLM reads them (vllm:kv_cache_usage_perc is a fraction in [0, 1], as vLLM's)."""
+        label = [self.model_name]
+
+        def family(kind, name: str, doc: str, value: float):
+            metric = kind(name, doc, labels=["model_name"])
+            metric.add_metric(label, value)
+            return metric
+
+        used = stats.num_kv_blocks_used / stats.num_kv_blocks if stats.num_kv_blocks else 0.0
+        yield family(GaugeMetricFamily, "vllm:num_requests_running", "Requests in the running batch", stats.num_running)
+        yield family(GaugeMetricFamily, "vllm:num_requests_waiting", "Requests queued for prefill", stats.num_waiting)
+        yield family(GaugeMetricFamily, "vllm:kv_cache_usage_perc", "Share of KV blocks held by requests", used)
+        counters = {
+            "vllm:prefix_cache_queries": ("Prompt tokens of finished requests", stats.prefix_cache_queried_tokens),
+            "vllm:prefix_cache_hits": ("Of them, tokens found in the prefix cache", stats.prefix_cache_hit_tokens),
+            "vllm:spec_decode_num_draft_tokens": ("Tokens proposed", stats.spec_draft_tokens),
+            "vllm:spec_decode_num_accepted_tokens": ("Of them, accepted", stats.spec_accepted_tokens),
+            "vllm:spec_decode_num_drafts": ("Sequences' rows in verify steps", stats.spec_verified_rows),
+        }
+        for name, (doc, value) in counters.items():
+            yield family(CounterMetricFamily, name, doc, value)
+
 
 class ServerMetrics:
-    """The server's own registry (never prometheus_client's global one: two servers in a process stay apart)."""
+    """The server's own registry (never prometheus_client's global one: two servers in a process stay apart).
+    Each number is exported under nanoref's name and under vLLM's (`vllm:...`, with a model_name label)."""
 
-    def __init__(self, engine: AsyncLLM) -> None:
+    def __init__(self, engine: AsyncLLM, model_name: str = "nanoref") -> None:
         self.registry = CollectorRegistry()
-        self.registry.register(EngineCollector(engine))
+        self.registry.register(EngineCollector(engine, model_name))
         buckets = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
         self.ttft = Histogram(
             "nanoref_time_to_first_token_seconds", "Time to first token", buckets=buckets, registry=self.registry
@@ -450,20 +612,72 @@ class ServerMetrics:
             buckets=(0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0),
             registry=self.registry,
         )
+        self.vllm = VllmMetrics(self.registry, model_name, buckets)
 
     def observe(self, out: RequestOutput, first: bool) -> None:
         """Count one output as it passes to a client (an aborted request's tokens count too)."""
         if first:
             self.prompt_tokens.inc(out.num_prompt_tokens)
+            self.vllm.prompt_tokens.inc(out.num_prompt_tokens)
         self.generation_tokens.inc(len(out.token_ids))
+        self.vllm.generation_tokens.inc(len(out.token_ids))
         if out.finished:
             self.requests.labels(finish_reason=out.finish_reason).inc()
+            self.vllm.finished(out.finish_reason)
         if out.metrics is not None:
             self.ttft.observe(out.metrics.ttft)
             if out.metrics.tpot is not None:
                 self.tpot.observe(out.metrics.tpot)
             if out.metrics.acceptance_rate is not None:
                 self.acceptance.observe(out.metrics.acceptance_rate)
+            self.vllm.observe(out.metrics)
+
+    def count_aborted(self, count: int) -> None:
+        """Samples that ended without their last output (their client left, the request failed)."""
+        self.requests.labels(finish_reason="abort").inc(count)
+        self.vllm.finished("abort", count)
+
+
+class VllmMetrics:
+    """The per-request numbers under vLLM's metric names (vllm:prompt_tokens_total, ...), labelled model_name."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str, buckets: tuple[float, ...]) -> None:
+        self.model_name = model_name
+        label = ["model_name"]
+
+        def histogram(name: str, doc: str, bucket_list: tuple[float, ...] = buckets):
+            return Histogram(name, doc, label, buckets=bucket_list, registry=registry).labels(model_name)
+
+        def counter(name: str, doc: str):
+            return Counter(name, doc, label, registry=registry).labels(model_name)
+
+        token_buckets = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens received")
+        self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated")
+        self.preemptions = counter("vllm:num_preemptions", "Times a request's K/V was dropped and recomputed")
+        self.success = Counter(
+            "vllm:request_success", "Finished requests", ["model_name", "finished_reason"], registry=registry
+        )
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token")
+        self.e2e = histogram("vllm:e2e_request_latency_seconds", "Seconds from arrival to the last token")
+        self.tpot = histogram("vllm:request_time_per_output_token_seconds", "Mean time per output token")
+        self.request_prompt = histogram("vllm:request_prompt_tokens", "Prompt tokens per request", token_buckets)
+        self.request_generation = histogram(
+            "vllm:request_generation_tokens", "Generated tokens per request", token_buckets
+        )
+
+    def finished(self, reason: str | None, count: int = 1) -> None:
+        self.success.labels(model_name=self.model_name, finished_reason=reason).inc(count)
+
+    def observe(self, metrics) -> None:
+        """A served request's RequestMetrics."""
+        self.ttft.observe(metrics.ttft)
+        self.e2e.observe(metrics.latency)
+        if metrics.tpot is not None:
+            self.tpot.observe(metrics.tpot)
+        self.request_prompt.observe(metrics.num_prompt_tokens)
+        self.request_generation.observe(metrics.num_output_tokens)
+        self.preemptions.inc(metrics.num_preemptions)
 
 
 class ClosingStreamingResponse(StreamingResponse):
@@ -491,7 +705,7 @@ def build_app(
     (then a 408)."""
     app = FastAPI(title="nanoref")
     app.state.engine = engine
-    app.state.metrics = metrics = ServerMetrics(engine)
+    app.state.metrics = metrics = ServerMetrics(engine, served_model_name)
     tokenizer, folder = engine.tokenizer, engine.config.model_folder
 
     @app.exception_handler(APIError)
@@ -556,8 +770,9 @@ def build_app(
         if not isinstance(body, dict):
             raise BadRequest(f"the request body must be a JSON object, got {type(body).__name__}")
         model = body.get("model")
-        if model is not None and model != served_model_name:
-            raise BadRequest(f"the model {model!r} does not exist; this server serves {served_model_name!r}", "model")
+        if model is not None and model != served_model_name:  # (OpenAI's and vLLM's 404: openai.NotFoundError)
+            message = f"The model `{model}` does not exist; this server serves {served_model_name!r}"
+            raise APIError(message, "model", 404)
         for name in ("stream", "stream_options"):
             expected = bool if name == "stream" else dict
             if body.get(name) is not None and not isinstance(body[name], expected):
@@ -601,7 +816,42 @@ def build_app(
 
     def blamed_fields(body: dict, prompt_field: str) -> dict[str, str]:
         tokens = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-        return {"stop_token_ids": "stop_token_ids", "max_tokens": tokens, "": prompt_field}
+        return {"logit_bias": "logit_bias", "stop_token_ids": "stop_token_ids", "max_tokens": tokens, "": prompt_field}
+
+    def check_flag(body: dict, name: str, default: bool) -> bool:
+        value = body.get(name)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise BadRequest(f"{name} must be true or false, got {value!r:.40}", name)
+        return value
+
+    def encode(text: str, add_special_tokens: bool) -> list[int] | str:
+        """A prompt's text as the engine takes it: the text itself where the engine's tokenizing (with special
+        tokens, the tokenizer's default) is what is asked for, else its ids."""
+        if add_special_tokens or not text or not (text.isascii() or is_utf8(text)):
+            return text  # (an empty or broken text: the engine's and `start`'s checks say what is wrong with it)
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    def render_chat(body: dict) -> str:
+        """The request's messages through the model's chat template (a 400 naming the field at fault)."""
+        options = {}
+        for name, default in (("add_generation_prompt", True), ("continue_final_message", False)):
+            options[name] = check_flag(body, name, default)
+        try:
+            return chat_prompt(
+                tokenizer,
+                body.get("messages"),
+                folder,
+                chat_template_kwargs=body.get("chat_template_kwargs"),
+                **options,
+            )
+        except (ValueError, TypeError) as error:
+            message = str(error)
+            named = [name for name in ("continue_final_message", "chat_template_kwargs") if message.startswith(name)]
+            if message.startswith("cannot set both"):
+                named = ["continue_final_message"]
+            raise BadRequest(message, named[0] if named else "messages") from None
 
     async def off_the_loop(work: Callable[[], Any], heavy: bool) -> Any:
         """work() in a worker thread when the request is long (tokenizing it would stall every stream), else here."""
@@ -642,7 +892,7 @@ def build_app(
             once as finish_reason "abort", as one that the engine aborted does (in `take`), streamed or not."""
             unfinished = sum(choice.finish_reason is None for choice in choices)
             if unfinished:
-                metrics.requests.labels(finish_reason="abort").inc(unfinished)
+                metrics.count_aborted(unfinished)
 
         def failure(error: Exception) -> Exception:
             """A request's error as the client gets it: a 503 when the engine is gone, else as it is."""
@@ -749,8 +999,10 @@ def build_app(
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         body, heavy = await read_body(request)
+        check_fields(body, COMPLETION_HONOURED, NOT_SUPPORTED_COMPLETION)
         prompts = prompt_batch(body.get("prompt"))
-        params = sampling_params(body, COMPLETION_FIELDS)
+        params = sampling_params(body, COMPLETION_FIELDS, {"max_tokens": DEFAULT_COMPLETION_MAX_TOKENS})
+        add_special_tokens = check_flag(body, "add_special_tokens", True)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         blamed = blamed_fields(body, "prompt")
 
@@ -758,6 +1010,8 @@ def build_app(
             streams = []
             for i, prompt in enumerate(prompts):  # every prompt checked before any is queued (at the first output)
                 where = f"prompt {i}: " if len(prompts) > 1 else ""
+                if isinstance(prompt, str):
+                    prompt = encode(prompt, add_special_tokens)
                 streams.append(start(prompt, params, blamed, f"{request_id}-{i}", where))
             return streams
 
@@ -767,14 +1021,13 @@ def build_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         body, heavy = await read_body(request)
+        check_fields(body, CHAT_HONOURED, NOT_SUPPORTED_CHAT)
         params = chat_sampling_params(body)
+        add_special_tokens = check_flag(body, "add_special_tokens", False)  # (vLLM's: the template writes them)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
 
         def open_stream() -> list[AsyncIterator[RequestOutput]]:
-            try:
-                prompt = chat_prompt(tokenizer, body.get("messages"), folder)
-            except (ValueError, TypeError) as error:
-                raise BadRequest(str(error), "messages") from None
+            prompt = encode(render_chat(body), add_special_tokens)
             return [start(prompt, params, blamed_fields(body, "messages"), request_id)]
 
         streams = await off_the_loop(open_stream, heavy)
@@ -782,8 +1035,85 @@ def build_app(
 
     @app.get("/v1/models")
     async def models() -> dict:
-        card = {"id": served_model_name, "object": "model", "created": int(time.time()), "owned_by": "nanoref"}
+        created = int(time.time())
+        permission = {  # (vLLM's card lists one, allowing what the server does)
+            "id": f"modelperm-{uuid.uuid4().hex}",
+            "object": "model_permission",
+            "created": created,
+            "allow_create_engine": False,
+            "allow_sampling": True,
+            "allow_logprobs": True,
+            "allow_search_indices": False,
+            "allow_view": True,
+            "allow_fine_tuning": False,
+            "organization": "*",
+            "group": None,
+            "is_blocking": False,
+        }
+        card = {
+            "id": served_model_name,
+            "object": "model",
+            "created": created,
+            "owned_by": "nanoref",
+            "root": str(folder),
+            "parent": None,
+            "max_model_len": engine.config.max_model_len,
+            "permission": [permission],
+        }
         return {"object": "list", "data": [card]}
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": nanoref.__version__}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict:
+        """vLLM's: {"prompt", "add_special_tokens": true} or {"messages", "add_generation_prompt": true,
+        "continue_final_message", "chat_template_kwargs", "add_special_tokens": false} (the chat template renders
+        them, as /v1/chat/completions does) -> {"count", "max_model_len", "tokens", "token_strs"}."""
+        body, heavy = await read_body(request)
+        chat = "messages" in body
+        honoured = {"model", "add_special_tokens", "return_token_strs"}
+        if chat:
+            honoured |= {"messages", "add_generation_prompt", "continue_final_message", "chat_template_kwargs"}
+            check_fields(body, honoured, {"tools": (), "chat_template": (), "mm_processor_kwargs": ()})
+        else:
+            check_fields(body, honoured | {"prompt"}, {})
+            if not isinstance(body.get("prompt"), str):
+                raise BadRequest("prompt must be a string (or send messages, as to chat)", "prompt")
+        add_special_tokens = check_flag(body, "add_special_tokens", not chat)
+        token_strs = check_flag(body, "return_token_strs", False)
+
+        def work() -> list[int]:
+            text = render_chat(body) if chat else body["prompt"]
+            if not is_utf8(text):
+                raise BadRequest(
+                    "the text holds a lone UTF-16 surrogate: it is not text", "messages" if chat else "prompt"
+                )
+            return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+        tokens = await off_the_loop(work, heavy)
+        strs = tokenizer.convert_ids_to_tokens(tokens) if token_strs else None
+        return {
+            "count": len(tokens),
+            "max_model_len": engine.config.max_model_len,
+            "tokens": tokens,
+            "token_strs": strs,
+        }
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict:
+        """vLLM's: {"tokens": [ids]} -> {"prompt": their text} (special tokens included, as vLLM decodes them)."""
+        body, heavy = await read_body(request)
+        check_fields(body, {"model", "tokens"}, {})
+        tokens, vocab = body.get("tokens"), engine.config.hf_config.vocab_size
+        if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
+            raise BadRequest("tokens must be a list of integer token ids", "tokens")
+        bad = [t for t in tokens if not 0 <= t < vocab]
+        if bad:
+            raise BadRequest(f"token id {bad[0]} is outside the vocabulary [0, {vocab})", "tokens")
+        text = await off_the_loop(lambda: decode(tokenizer, tokens, skip_special_tokens=False), heavy)
+        return {"prompt": text}
 
     @app.get("/health")
     async def health() -> Response:

@@ -51,9 +51,9 @@ from pathlib import Path
 from typing import Any
 
 from nanoref.config import EngineConfig
-from nanoref.engine.detokenizer import IncrementalDetokenizer, add_many
+from nanoref.engine.detokenizer import IncrementalDetokenizer, add_many, hidden_stop_tokens
 from nanoref.engine.metrics import RequestMetrics
-from nanoref.engine.requests import check_request, tokenize
+from nanoref.engine.requests import check_request, eos_token_ids, tokenize
 from nanoref.layers.logits_processors import TokenLogprobs
 from nanoref.llm import DEFAULT_MODEL, LLM, SETTINGS
 from nanoref.sampling_params import SamplingParams
@@ -104,6 +104,8 @@ class _Request:
     loop: asyncio.AbstractEventLoop
     num_samples: int
     tokenizer: Any
+    params: SamplingParams
+    eos_token_ids: set[int]
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     # each sample's tokens and text so far (written by the thread that receives the step messages)
     token_ids: list[list[int]] = field(default_factory=list)
@@ -114,7 +116,16 @@ class _Request:
     def __post_init__(self) -> None:
         self.token_ids = [[] for _ in range(self.num_samples)]
         self.texts = [""] * self.num_samples
-        self.detokenizers = [IncrementalDetokenizer(self.tokenizer) for _ in range(self.num_samples)]
+        p, hidden = self.params, hidden_stop_tokens(self.params, self.eos_token_ids)
+        self.detokenizers = [
+            IncrementalDetokenizer(
+                self.tokenizer,
+                skip_special_tokens=p.skip_special_tokens,
+                spaces_between_special_tokens=p.spaces_between_special_tokens,
+                hidden=hidden,
+            )
+            for _ in range(self.num_samples)
+        ]
 
     def output(self, delta: SampleDelta, text: str) -> RequestOutput:
         """The sample's next output: the delta, its new text (see `_texts`) and, around them, everything the
@@ -209,6 +220,11 @@ class AsyncLLM:
         self._closed = False
         self._failure: str | None = None  # why the engine is gone, when it died
 
+    @functools.cached_property
+    def _eos_token_ids(self) -> set[int]:
+        """The model's EOS ids (a stream that shows special tokens still leaves out the one that ends it)."""
+        return eos_token_ids(self.config, self.tokenizer)
+
     @classmethod
     def from_model(cls, model: str | Path = DEFAULT_MODEL, engine_process: bool | None = None, **settings) -> AsyncLLM:
         """An AsyncLLM on a new LLM(model, **settings), which its close() closes.
@@ -277,7 +293,8 @@ class AsyncLLM:
     async def _stream(
         self, token_ids: list[int], params: SamplingParams, request_id: str
     ) -> AsyncIterator[RequestOutput]:
-        request = _Request(next(self._keys), request_id, asyncio.get_running_loop(), params.n, self.tokenizer)
+        loop = asyncio.get_running_loop()
+        request = _Request(next(self._keys), request_id, loop, params.n, self.tokenizer, params, self._eos_token_ids)
         with self._requests_lock:  # (with _on_exit: a request is either failed by it or refused here)
             self._check_running()
             if request_id in self._requests:

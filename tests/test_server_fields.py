@@ -1,0 +1,390 @@
+"""Every request field of OpenAI's and vLLM's completion and chat APIs is honoured or refused by name; chat as
+clients send it; logit_bias, skip_special_tokens; vLLM's extra endpoints (/version, /tokenize, /detokenize, the
+model card, vLLM's metric names). A real server on 127.0.0.1."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+pytest.importorskip("uvicorn")
+parser = pytest.importorskip("prometheus_client.parser")
+
+from openai.types import completion_create_params  # noqa: E402
+from openai.types.chat import completion_create_params as chat_create_params  # noqa: E402
+
+import nanoref  # noqa: E402
+from nanoref import LLM, SamplingParams  # noqa: E402
+from nanoref.serving.api_server import (  # noqa: E402
+    ACCEPTED_UNUSED,
+    CHAT_HONOURED,
+    COMPLETION_HONOURED,
+    NOT_SUPPORTED_CHAT,
+    NOT_SUPPORTED_COMPLETION,
+)
+from nanoref.serving.async_llm import AsyncLLM  # noqa: E402
+
+from .helpers import SERVER_TIMEOUT as TIMEOUT  # noqa: E402
+from .helpers import running_server  # noqa: E402
+
+MODEL = "nanoref-fields"
+SETTINGS = dict(device="cpu", num_kvcache_blocks=256)
+MESSAGES = [{"role": "system", "content": "Answer in Zen."}, {"role": "user", "content": "What is better?"}]
+EOS = 0  # the built-in model's <|endoftext|>, its one special token
+QWEN3_TEMPLATE = (Path(__file__).parent / "data" / "qwen3_chat_template.jinja").read_text()
+
+
+@pytest.fixture(scope="module")
+def server():
+    with running_server(AsyncLLM(LLM(**SETTINGS), owns_llm=True), MODEL) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def offline():
+    return LLM(**SETTINGS)
+
+
+def post(server, path: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{server.url}{path}", json={"model": MODEL, **body}, timeout=TIMEOUT)
+
+
+def refused(server, path: str, body: dict, param: str, status: int = 400) -> str:
+    """The request is refused with `status`, naming `param` -> the error's message."""
+    response = post(server, path, body)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["param"] == param, error
+    server.wait_until_idle()
+    return error["message"]
+
+
+def choice_text(response: httpx.Response, chat: bool) -> str:
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    return choice["message"]["content"] if chat else choice["text"]
+
+
+# -- every field: honoured or refused ------------------------------------------------------------------------------
+# vLLM's own request fields (its CompletionRequest and ChatCompletionRequest, beyond OpenAI's)
+VLLM_SAMPLING = {
+    "use_beam_search", "top_k", "min_p", "repetition_penalty", "watermarking", "length_penalty", "stop_token_ids",
+    "include_stop_str_in_output", "ignore_eos", "min_tokens", "skip_special_tokens", "spaces_between_special_tokens",
+    "truncate_prompt_tokens", "truncation_side", "allowed_token_ids", "prompt_logprobs", "logprob_token_ids",
+    "bad_words",
+}  # fmt: skip
+VLLM_EXTRA = {
+    "add_special_tokens", "response_format", "structured_outputs", "priority", "request_id", "session_id",
+    "return_tokens_as_token_ids", "return_token_ids", "return_token_offsets", "return_mm_kwargs", "cache_salt",
+    "kv_transfer_params", "ec_transfer_params", "vllm_xargs", "repetition_detection", "thinking_token_budget",
+    "stream_interval", "routed_experts_prompt_start", "guided_json", "guided_regex", "guided_choice",
+    "guided_grammar", "guided_decoding_backend", "guided_whitespace_pattern", "structural_tag",
+}  # fmt: skip
+VLLM_COMPLETION = VLLM_SAMPLING | VLLM_EXTRA | {"echo", "prompt_embeds", "stream"}
+VLLM_CHAT = VLLM_SAMPLING | VLLM_EXTRA | {"stream"}
+VLLM_CHAT |= {
+    "echo", "add_generation_prompt", "continue_final_message", "documents", "chat_template", "chat_template_kwargs",
+    "media_io_kwargs", "mm_processor_kwargs", "include_reasoning", "return_prompt_text",
+}  # fmt: skip
+COMPLETION_REQUEST = set(completion_create_params.CompletionCreateParamsBase.__annotations__) | VLLM_COMPLETION
+CHAT_REQUEST = set(chat_create_params.CompletionCreateParamsBase.__annotations__) | VLLM_CHAT
+ANOTHER_CHANGE = {"echo", "prompt_logprobs"}  # the prompt's log-probabilities: being built beside this
+
+
+@pytest.mark.parametrize(
+    ("fields", "honoured", "not_supported"),
+    [
+        (COMPLETION_REQUEST, COMPLETION_HONOURED, NOT_SUPPORTED_COMPLETION),
+        (CHAT_REQUEST, CHAT_HONOURED, NOT_SUPPORTED_CHAT),
+    ],
+    ids=["completions", "chat"],
+)
+def test_every_request_field_is_honoured_accepted_or_refused(fields, honoured, not_supported):
+    unhandled = sorted(fields - honoured - ACCEPTED_UNUSED - set(not_supported) - ANOTHER_CHANGE)
+    assert not unhandled, f"request fields neither honoured nor refused: {unhandled}"
+    assert not honoured & set(not_supported)
+
+
+@pytest.mark.parametrize(
+    ("path", "fields", "not_supported"),
+    [
+        ("/v1/completions", COMPLETION_REQUEST, NOT_SUPPORTED_COMPLETION),
+        ("/v1/chat/completions", CHAT_REQUEST, NOT_SUPPORTED_CHAT),
+    ],
+    ids=["completions", "chat"],
+)
+def test_each_unsupported_field_with_a_value_is_a_400_naming_it(server, path, fields, not_supported):
+    base = {"prompt": "x", "max_tokens": 1} if "chat" not in path else {"messages": MESSAGES, "max_tokens": 1}
+    for name in sorted(fields & set(not_supported)):
+        refused(server, path, {**base, name: {"something": "asked"}}, name)
+        for default in (None, *not_supported[name]):  # null or the default: nothing is asked for
+            assert post(server, path, {**base, name: default}).status_code == 200, (name, default)
+
+
+def test_an_unknown_field_is_a_400_naming_it(server):
+    message = refused(server, "/v1/completions", {"prompt": "x", "temprature": 0}, "temprature")
+    assert "unknown field 'temprature'" in message
+
+
+def test_suffix_tools_and_response_format_are_refused_by_name(server):
+    assert "suffix is not supported" in refused(server, "/v1/completions", {"prompt": "x", "suffix": "end"}, "suffix")
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    chat = "/v1/chat/completions"
+    assert "not supported yet" in refused(server, chat, {"messages": MESSAGES, "tools": [tool]}, "tools")
+    assert "not supported yet" in refused(server, chat, {"messages": MESSAGES, "tool_choice": "auto"}, "tool_choice")
+    body = {"messages": MESSAGES, "response_format": {"type": "json_object"}}
+    assert "not supported yet" in refused(server, chat, body, "response_format")
+    for fine in ({"tool_choice": "none"}, {"response_format": {"type": "text"}}, {"tools": None}):
+        assert post(server, chat, {"messages": MESSAGES, "max_tokens": 2, **fine}).status_code == 200, fine
+
+
+def test_user_is_accepted_and_changes_nothing(server):
+    body = {"prompt": "Beautiful is", "max_tokens": 6, "temperature": 0}
+    plain = choice_text(post(server, "/v1/completions", body), chat=False)
+    assert choice_text(post(server, "/v1/completions", {**body, "user": "ada"}), chat=False) == plain
+    answer = server.client().chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, user="ada")
+    assert answer.choices[0].finish_reason in ("length", "stop")
+
+
+def test_the_completions_default_max_tokens_is_16(server):
+    response = post(server, "/v1/completions", {"prompt": "Beautiful is", "ignore_eos": True})
+    assert response.json()["usage"]["completion_tokens"] == 16
+
+
+# -- logit_bias, skip_special_tokens, spaces_between_special_tokens -------------------------------------------------
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_a_logit_bias_of_plus_100_makes_greedy_pick_that_token(server, offline, chat, stream):
+    greedy = offline.generate(["Beautiful is"], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    favourite = 500
+    assert favourite not in greedy[0]["token_ids"]  # (so the bias is what picks it)
+    args = dict(model=MODEL, max_tokens=4, temperature=0, logprobs=True if chat else 1)
+    extra = {"logit_bias": {str(favourite): 100}, "ignore_eos": True}
+    if chat:
+        call = server.client().chat.completions.create
+        args.update(messages=MESSAGES, stream=stream, logit_bias=extra.pop("logit_bias"))
+    else:
+        call = server.client().completions.create
+        args.update(prompt="Beautiful is", stream=stream, logit_bias=extra.pop("logit_bias"))
+    response = call(**args, extra_body=extra)
+    chunks = list(response) if stream else [response]
+    if chat:
+        tokens = [t.token for c in chunks for choice in c.choices if choice.logprobs for t in choice.logprobs.content]
+    else:
+        tokens = [t for c in chunks for choice in c.choices if choice.logprobs for t in choice.logprobs.tokens]
+    assert tokens == [offline.tokenizer.decode([favourite])] * 4
+
+
+def test_logit_bias_offline_steers_sampling_and_greedy(offline):
+    for params in (dict(temperature=0), dict(temperature=1.0, seed=3)):
+        out = offline.generate(
+            ["Beautiful is"], SamplingParams(max_tokens=5, ignore_eos=True, logit_bias={7: 100}, **params), False
+        )
+        assert out[0]["token_ids"] == [7] * 5
+    banned = offline.generate(["Beautiful is"], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+    first = banned[0]["token_ids"][0]
+    out = offline.generate(
+        ["Beautiful is"], SamplingParams(temperature=0, max_tokens=1, logit_bias={first: -100}), use_tqdm=False
+    )
+    assert out[0]["token_ids"] != [first]
+
+
+def test_a_logit_bias_outside_the_vocabulary_is_refused_naming_it(server, offline):
+    message = refused(server, "/v1/completions", {"prompt": "x", "logit_bias": {"5000": 5}}, "logit_bias")
+    assert "5000" in message and "vocabulary" in message
+    refused(server, "/v1/completions", {"prompt": "x", "logit_bias": {"five": 5}}, "logit_bias")
+    refused(server, "/v1/chat/completions", {"messages": MESSAGES, "logit_bias": {"5": 500}}, "logit_bias")
+    with pytest.raises(ValueError, match=r"logit_bias: token ids \[5000\] are outside the vocabulary"):
+        offline.generate(["x"], SamplingParams(logit_bias={5000: 1.0}), use_tqdm=False)
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias={-1: 1.0})
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_skip_special_tokens_false_shows_them_but_not_the_eos_that_ends(server, offline, stream):
+    """EOS biased to be every token: with ignore_eos it is generated 4 times and shown when asked; without, the
+    first one ends the completion and is never text (as in vLLM)."""
+    client = server.client()
+    base = dict(model=MODEL, prompt="Beautiful is", max_tokens=4, temperature=0, logit_bias={str(EOS): 100})
+
+    def text(**extra) -> str:
+        response = client.completions.create(**base, stream=stream, extra_body=extra)
+        return "".join(c.choices[0].text for c in response if c.choices) if stream else response.choices[0].text
+
+    assert text(ignore_eos=True) == ""
+    assert text(ignore_eos=True, skip_special_tokens=False) == "<|endoftext|>" * 4
+    assert text(skip_special_tokens=False) == ""
+    assert text(skip_special_tokens=False, include_stop_str_in_output=True) == "<|endoftext|>"
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logit_bias={EOS: 100})
+    params.skip_special_tokens = False
+    assert offline.generate(["Beautiful is"], params, use_tqdm=False)[0]["text"] == "<|endoftext|>" * 4
+    assert "".join(piece.text for piece in offline.stream("Beautiful is", params)) == "<|endoftext|>" * 4
+    refused(server, "/v1/completions", {"prompt": "x", "skip_special_tokens": "no"}, "skip_special_tokens")
+    refused(
+        server, "/v1/completions", {"prompt": "x", "spaces_between_special_tokens": 1}, "spaces_between_special_tokens"
+    )
+
+
+# -- chat as clients send it ---------------------------------------------------------------------------------------
+def test_content_parts_answer_as_the_same_text_would(server):
+    parts = [{"type": "text", "text": "What is"}, {"type": "text", "text": "better?"}]
+    as_parts = [MESSAGES[0], {"role": "user", "content": parts, "name": "ada"}]
+    as_text = [MESSAGES[0], {"role": "user", "content": "What is\nbetter?"}]
+    body = {"max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    chat = "/v1/chat/completions"
+    assert choice_text(post(server, chat, {**body, "messages": as_parts}), True) == choice_text(
+        post(server, chat, {**body, "messages": as_text}), True
+    )
+
+
+def test_an_image_part_is_a_400_that_names_it(server):
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    messages = [{"role": "user", "content": [{"type": "text", "text": "What is this?"}, image]}]
+    message = refused(server, "/v1/chat/completions", {"messages": messages}, "messages")
+    assert "'image_url' part" in message and "text only" in message
+    with pytest.raises(openai.BadRequestError, match="image_url"):
+        server.client().chat.completions.create(model=MODEL, messages=messages)
+
+
+def test_continue_final_message_continues_the_assistants_text(server, offline):
+    started = [*MESSAGES, {"role": "assistant", "content": "Beautiful is"}]
+    body = {"messages": started, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    message = refused(
+        server, "/v1/chat/completions", {**body, "continue_final_message": True}, "continue_final_message"
+    )
+    assert "cannot set both continue_final_message and add_generation_prompt" in message
+    body.update(continue_final_message=True, add_generation_prompt=False)
+    served = choice_text(post(server, "/v1/chat/completions", body), chat=True)
+    server.wait_until_idle()
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    expected = offline.chat(started, params, False, add_generation_prompt=False, continue_final_message=True)
+    assert served == expected[0]["text"]
+
+
+def test_chat_template_kwargs_the_template_does_not_read_are_a_400(server):
+    body = {"messages": MESSAGES, "chat_template_kwargs": {"enable_thinking": False}}
+    assert "not a variable of this model's chat template" in refused(
+        server, "/v1/chat/completions", body, "chat_template_kwargs"
+    )
+
+
+def test_tool_calls_the_template_cannot_render_are_a_400_naming_messages(server):
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    messages = [MESSAGES[1], {"role": "assistant", "content": None, "tool_calls": [call]}]
+    messages.append({"role": "tool", "tool_call_id": "c1", "content": "42"})
+    assert "never renders tool_calls" in refused(server, "/v1/chat/completions", {"messages": messages}, "messages")
+
+
+def test_tool_calls_render_through_qwen3s_template_on_the_server(server):
+    tokenizer = server.engine.tokenizer
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}
+    messages = [MESSAGES[1], {"role": "assistant", "content": None, "tool_calls": [call]}]
+    messages.append({"role": "tool", "tool_call_id": "c1", "content": "42"})
+    original = tokenizer.chat_template
+    tokenizer.chat_template = QWEN3_TEMPLATE
+    try:
+        tokens = post(server, "/tokenize", {"messages": messages})
+        chat = post(server, "/v1/chat/completions", {"messages": messages, "max_tokens": 2})
+        thinking_off = post(
+            server, "/tokenize", {"messages": messages, "chat_template_kwargs": {"enable_thinking": False}}
+        )
+    finally:
+        tokenizer.chat_template = original
+    text = tokenizer.decode(tokens.json()["tokens"])
+    assert '<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>' in text
+    assert "<tool_response>\n42\n</tool_response>" in text and text.endswith("<|im_start|>assistant\n")
+    assert chat.json()["usage"]["prompt_tokens"] == tokens.json()["count"]
+    assert tokenizer.decode(thinking_off.json()["tokens"]) == text + "<think>\n\n</think>\n\n"
+
+
+# -- vLLM's endpoints ----------------------------------------------------------------------------------------------
+def test_version_and_the_model_card(server):
+    assert httpx.get(f"{server.url}/version", timeout=TIMEOUT).json() == {"version": nanoref.__version__}
+    card = httpx.get(f"{server.url}/v1/models", timeout=TIMEOUT).json()["data"][0]
+    assert card["max_model_len"] == server.engine.config.max_model_len == 512
+    assert card["id"] == MODEL and card["root"] == str(server.engine.config.model_folder)
+    assert card["permission"][0]["object"] == "model_permission"
+
+
+def test_tokenize_and_detokenize_in_vllms_shapes(server, offline):
+    ids = offline.tokenizer.encode("Beautiful is better")
+    assert post(server, "/tokenize", {"prompt": "Beautiful is better"}).json() == {
+        "count": len(ids),
+        "max_model_len": 512,
+        "tokens": ids,
+        "token_strs": None,
+    }
+    strs = post(server, "/tokenize", {"prompt": "Beautiful", "return_token_strs": True}).json()["token_strs"]
+    assert strs == offline.tokenizer.convert_ids_to_tokens(offline.tokenizer.encode("Beautiful"))
+    chat = post(server, "/tokenize", {"messages": MESSAGES}).json()
+    rendered = offline.tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+    assert chat["tokens"] == offline.tokenizer.encode(rendered) and chat["count"] == len(chat["tokens"])
+    closed = post(server, "/tokenize", {"messages": MESSAGES, "add_generation_prompt": False}).json()
+    assert offline.tokenizer.decode(closed["tokens"]) + "<|im_start|>assistant\n" == rendered
+    assert post(server, "/detokenize", {"tokens": ids + [EOS]}).json() == {"prompt": "Beautiful is better<|endoftext|>"}
+    assert "5000" in refused(server, "/detokenize", {"tokens": [1, 5000]}, "tokens")
+    refused(server, "/detokenize", {"tokens": "1 2"}, "tokens")
+    refused(server, "/tokenize", {"prompt": 5}, "prompt")
+    refused(server, "/tokenize", {"prompt": "x", "messages": MESSAGES}, "prompt")
+
+
+def test_add_special_tokens_is_honoured(server):
+    """A tokenizer that writes a BOS (<|endoftext|>) before each text: completions add it by default, chat does
+    not (vLLM's defaults: the chat template writes what it needs), and each field turns that around."""
+    from tokenizers.processors import TemplateProcessing
+
+    rust = server.engine.tokenizer._tokenizer
+    original = rust.post_processor
+    rust.post_processor = TemplateProcessing(single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", EOS)])
+    try:
+        ids = post(server, "/tokenize", {"prompt": "Flat is"}).json()["tokens"]
+        plain = post(server, "/tokenize", {"prompt": "Flat is", "add_special_tokens": False}).json()["tokens"]
+        chat = post(server, "/tokenize", {"messages": MESSAGES}).json()["tokens"]
+        chat_bos = post(server, "/tokenize", {"messages": MESSAGES, "add_special_tokens": True}).json()["tokens"]
+
+        def prompt_tokens(path: str, body: dict) -> int:
+            return post(server, path, {**body, "max_tokens": 1}).json()["usage"]["prompt_tokens"]
+
+        with_bos = prompt_tokens("/v1/completions", {"prompt": "Flat is"})
+        without = prompt_tokens("/v1/completions", {"prompt": "Flat is", "add_special_tokens": False})
+        chat_plain = prompt_tokens("/v1/chat/completions", {"messages": MESSAGES})
+        chat_with = prompt_tokens("/v1/chat/completions", {"messages": MESSAGES, "add_special_tokens": True})
+    finally:
+        rust.post_processor = original
+    assert ids == [EOS, *plain] and chat_bos == [EOS, *chat]
+    assert (with_bos, chat_with) == (without + 1, chat_plain + 1)
+
+
+def test_metrics_under_vllms_names(server):
+    def scrape() -> dict[str, float]:
+        text = httpx.get(f"{server.url}/metrics", timeout=TIMEOUT).text
+        values = {}
+        for family in parser.text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.labels.get("model_name", MODEL) == MODEL and "le" not in sample.labels:
+                    key = sample.name + "".join(f"{{{v}}}" for k, v in sample.labels.items() if k != "model_name")
+                    values[key] = sample.value
+        return values
+
+    server.wait_until_idle()
+    before = scrape()
+    response = post(server, "/v1/completions", {"prompt": "Beautiful is", "max_tokens": 5, "ignore_eos": True})
+    prompt_tokens = response.json()["usage"]["prompt_tokens"]
+    server.wait_until_idle()
+    after = scrape()
+
+    def grew(name: str) -> float:
+        return after[name] - before.get(name, 0.0)
+
+    assert grew("vllm:prompt_tokens_total") == prompt_tokens == grew("nanoref_prompt_tokens_total")
+    assert grew("vllm:generation_tokens_total") == 5 == grew("nanoref_generation_tokens_total")
+    assert grew("vllm:request_success_total{length}") == 1
+    for name in ("vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds"):
+        assert grew(f"{name}_count") == 1 and after[f"{name}_sum"] > before.get(f"{name}_sum", 0.0)
+    assert grew("vllm:request_generation_tokens_sum") == 5
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
+        assert after[name] == 0.0
+    assert grew("vllm:prefix_cache_queries_total") == prompt_tokens
