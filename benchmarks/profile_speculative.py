@@ -22,9 +22,10 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
 import torch  # noqa: E402
+from speculative import make_models, random_prompts, repeat_prompts  # noqa: E402
 
 from nanoref import LLM, SamplingParams  # noqa: E402
-from speculative import make_models, random_prompts, repeat_prompts  # noqa: E402
+from nanoref.testing import EVERY_STEP  # noqa: E402
 
 
 def sync() -> None:
@@ -52,10 +53,16 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--proposer", choices=["ngram", "draft-random"], default="ngram")
     args = parser.parse_args()
     models = make_models(args.model)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": 3}
+    # every decode step verifies (the policy off): the point is what a verify step costs
+    spec = {"num_speculative_tokens": args.k, **EVERY_STEP}
+    if args.proposer == "ngram":
+        spec.update(method="ngram", prompt_lookup_max=3)
+    else:  # a draft of the target's shapes with other random weights (qwen3-0.6b-random only)
+        spec.update(model=models["random"])
     # two engines in one process: the first takes 40% of the memory, the second up to 85% in all
     plain = LLM(models["target"], device=device, gpu_memory_utilization=0.4)
     speculative = LLM(models["target"], device=device, speculative_config=spec, gpu_memory_utilization=0.85)
@@ -76,8 +83,8 @@ def main() -> None:
         return random_prompts(seed, count, args.prompt_len, vocab)
 
     seed = 10_000
-    print(f"| batch | plain decode step (ms) | verify step (ms) | propose | forward | accept | postprocess |"
-          f" tokens per step | verify / plain |")  # fmt: skip
+    print("| batch | plain decode step (ms) | verify step (ms) | propose | forward | accept | postprocess |"
+          " tokens per step | verify / plain |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|")
     for batch in [int(b) for b in args.batches.split(",")]:
         for llm in (plain, speculative):  # warm-up (compile, graphs)

@@ -224,7 +224,15 @@ class EngineConfig:
                 )
 
 
-SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "model")
+SPECULATIVE_KEYS = (
+    "method",
+    "num_speculative_tokens",
+    "prompt_lookup_max",
+    "prompt_lookup_min",
+    "model",
+    "disable_by_batch_size",
+    "min_tokens_per_step",
+)
 
 
 @dataclass(frozen=True)
@@ -237,6 +245,12 @@ class SpeculativeConfig:
     prompt_lookup_max / prompt_lookup_min: ngram: the longest and shortest tail of the sequence that is looked
         up in its earlier tokens (the longest that occurs wins); default 3 and 1.
     model: draft_model: the draft's folder.
+    disable_by_batch_size: a decode step with more running sequences than this runs plain, without proposals (a
+        verify step of B * (k + 1) tokens costs more, the larger B, than its extra tokens are worth); vLLM's name.
+        Default (None): 32 on CUDA, 4 on a CPU (measured: docs/speculative.md); 0 never disables.
+    min_tokens_per_step: while the tokens a sequence gains per verify step (a moving average over the engine's
+        steps, 1 + its accepted proposals) stay below this, decode steps run plain, verifying again every 8th step
+        to see whether the text became predictable; default 1.5, 0 never disables.
     """
 
     method: str
@@ -244,6 +258,8 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 3
     prompt_lookup_min: int = 1
     model: str | Path | None = None
+    disable_by_batch_size: int | None = None
+    min_tokens_per_step: float = 1.5
     # draft_model: the folder and its parsed config.json
     model_folder: Path | None = field(default=None, compare=False)
     architecture: str | None = field(default=None, compare=False)
@@ -273,6 +289,15 @@ class SpeculativeConfig:
         k = self.num_speculative_tokens
         if not _is_int(k) or not 1 <= k <= 16:
             raise ValueError(f"speculative_config: num_speculative_tokens must be an integer in [1, 16], got {k!r}")
+        size = self.disable_by_batch_size
+        if size is not None and (not _is_int(size) or size < 0):
+            raise ValueError(f"speculative_config: disable_by_batch_size must be an integer >= 0, got {size!r}")
+        gain = self.min_tokens_per_step
+        if isinstance(gain, bool) or not isinstance(gain, (int, float)) or not 0 <= gain <= k + 1:
+            raise ValueError(
+                f"speculative_config: min_tokens_per_step must be a number in [0, num_speculative_tokens + 1], "
+                f"got {gain!r}"
+            )
         if self.method == "ngram":
             low, high = self.prompt_lookup_min, self.prompt_lookup_max
             for name, value in (("prompt_lookup_min", low), ("prompt_lookup_max", high)):

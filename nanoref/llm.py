@@ -131,7 +131,9 @@ def engine_hooks(config: EngineConfig) -> EngineHooks:
     if spec is None:
         return EngineHooks(make_step_loop=OverlappedLoop if config.overlap_scheduling else PlainLoop)
     # a verify step writes K/V for k slots past the last token; on CUDA it replays graphs of its own shape too
-    loop = partial(SpeculativeLoop, make_verify_graphs=DecodeGraphs)
+    # its plain decode steps (where speculation would not pay) overlap with the host's work on CUDA, as without it
+    plain = OverlappedLoop if config.device.type == "cuda" else PlainLoop
+    loop = partial(SpeculativeLoop, make_verify_graphs=DecodeGraphs, make_plain_loop=plain)
     return EngineHooks(make_step_loop=loop, num_lookahead_tokens=spec.num_speculative_tokens)
 
 

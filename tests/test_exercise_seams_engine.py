@@ -41,6 +41,7 @@ from nanoref.layers.sampler import apply_top_k_top_p
 from nanoref.ops import attention_torch
 from nanoref.ops.triton_setup import triton_available
 from nanoref.spec.acceptance import accept_greedy, rejection_sample
+from nanoref.testing import EVERY_STEP
 from nanoref.utils import seams
 
 from .helpers import Counting, assert_called_every_decode_step, enable_bucketed_decode
@@ -48,7 +49,7 @@ from .helpers import Counting, assert_called_every_decode_step, enable_bucketed_
 # a shared 70-token prefix (prefix-cache hits), and contexts past one 64-key tile (so decode can split)
 PROMPTS = [list(range(5, 75)), list(range(5, 75)) + [3, 4, 5, 6, 7], [9, 8, 7]]
 GREEDY = SamplingParams(temperature=0, max_tokens=3)
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, **EVERY_STEP, "prompt_lookup_max": 3}
 REPEATING = [[7, 8, 9] * 5, [1, 2, 3, 4] * 3]  # text that repeats itself: the n-gram lookup proposes
 
 

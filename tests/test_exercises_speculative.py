@@ -8,6 +8,7 @@ import torch
 
 from nanoref.exercises import ExerciseFailure, check_accept_greedy, check_rejection_sample
 from nanoref.spec.acceptance import accept_greedy, rejection_sample
+from nanoref.testing import EVERY_STEP
 
 
 def test_nanorefs_own_rules_pass_alone_and_in_the_engine():
@@ -294,5 +295,5 @@ def test_a_verify_step_takes_a_learners_prefill_metadata_that_returns_a_plain_tu
     def as_tuple(*args):
         return tuple(prefill_metadata(*args))
 
-    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+    spec = {"method": "ngram", "num_speculative_tokens": 3, **EVERY_STEP, "prompt_lookup_max": 3}
     check_generation({"prefill_metadata": as_tuple}, prompts=[[7, 8, 9] * 5, [1, 2, 3, 4] * 3], speculative_config=spec)

@@ -13,7 +13,7 @@ from nanoref.exercises.speculative import chi_square_p_value, exact_marginals
 from nanoref.llm import DEFAULT_MODEL
 from nanoref.spec.acceptance import accept_greedy, emitted_tokens, rejection_sample
 from nanoref.spec.proposers import propose_ngram
-from nanoref.testing import make_tiny_qwen3
+from nanoref.testing import EVERY_STEP, make_tiny_qwen3
 from nanoref.utils import seams
 
 from .helpers import assert_matches_hf, assert_no_block_leaked, random_prompts, shared_prefix_prompts
@@ -28,7 +28,7 @@ def draft_folder(tmp_path_factory):
 
 
 def ngram(k: int = 3, lookup: int = 3) -> dict:
-    return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": lookup}
+    return {"method": "ngram", "num_speculative_tokens": k, **EVERY_STEP, "prompt_lookup_max": lookup}
 
 
 def repetitive_prompts(seed: int, count: int, vocab: int = 256) -> list[list[int]]:
@@ -104,7 +104,9 @@ def test_ngram_greedy_output_equals_hf(tiny_model):
 
 def test_draft_model_greedy_output_equals_hf(tiny_model, draft_folder):
     prompts = random_prompts(1, [5, 17, 33, 9])
-    llm = LLM(tiny_model, device="cpu", speculative_config={"model": draft_folder, "num_speculative_tokens": 4})
+    llm = LLM(
+        tiny_model, device="cpu", speculative_config={"model": draft_folder, "num_speculative_tokens": 4, **EVERY_STEP}
+    )
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert_matches_hf(tiny_model, prompts, outputs, GREEDY.max_tokens)
     steps = [step for step in llm.metrics.steps if step.num_draft_tokens]
@@ -114,7 +116,7 @@ def test_draft_model_greedy_output_equals_hf(tiny_model, draft_folder):
 
 @pytest.mark.parametrize("proposer", ["ngram", "draft"])
 def test_greedy_output_equals_hf_through_preemption_chunked_prefill_and_prefix_hits(tiny_model, draft_folder, proposer):
-    spec = ngram(4) if proposer == "ngram" else {"model": draft_folder, "num_speculative_tokens": 3}
+    spec = ngram(4) if proposer == "ngram" else {"model": draft_folder, "num_speculative_tokens": 3, **EVERY_STEP}
     # 12 blocks of 16 tokens for 6 sequences of ~45-70 tokens: decode must preempt; 32-token steps chunk prompts
     llm = LLM(tiny_model, device="cpu", speculative_config=spec, num_kvcache_blocks=12, max_num_batched_tokens=32)
     prompts = shared_prefix_prompts(2, 20, [3, 9, 14, 5, 11, 7])
@@ -133,7 +135,9 @@ def test_a_draft_identical_to_the_target_is_always_accepted_worked_example(tiny_
     """k = 3, max_tokens = 10: the prefill makes token 1; each verify step proposes min(3, tokens left - 1) and
     keeps them all plus one: 1 -> 5 -> 9 -> 10. Every verify step checks k tokens per sequence (one shape, for
     CUDA graphs), also the last, which may keep none of them."""
-    llm = LLM(tiny_model, device="cpu", speculative_config={"model": tiny_model, "num_speculative_tokens": 3})
+    llm = LLM(
+        tiny_model, device="cpu", speculative_config={"model": tiny_model, "num_speculative_tokens": 3, **EVERY_STEP}
+    )
     params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     output = llm.generate([[3, 1, 4, 1, 5]], params, use_tqdm=False, return_metrics=True)[0]
     steps = llm.metrics.steps
@@ -170,7 +174,9 @@ def test_eos_and_stop_ids_inside_an_accepted_run_end_the_sequence_there(tiny_mod
     stop_at = 6  # a token in the middle of a verify step's accepted run
     params = SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=[plain[stop_at]])
     expected = plain[: plain.index(plain[stop_at]) + 1]
-    llm = LLM(tiny_model, device="cpu", speculative_config={"model": tiny_model, "num_speculative_tokens": 4})
+    llm = LLM(
+        tiny_model, device="cpu", speculative_config={"model": tiny_model, "num_speculative_tokens": 4, **EVERY_STEP}
+    )
     output = llm.generate([[3, 1, 4, 1, 5]], params, use_tqdm=False)[0]
     assert output["token_ids"] == expected and output["finish_reason"] == "stop"
     assert_no_block_leaked(llm)
@@ -188,7 +194,9 @@ def test_penalties_min_tokens_and_logprobs_are_applied_per_verified_position(tin
         SamplingParams(temperature=0.0, max_tokens=20, logprobs=3, ignore_eos=True),
     ]
     plain = LLM(tiny_model, device="cpu").generate(prompts, params, use_tqdm=False)
-    spec = LLM(tiny_model, device="cpu", speculative_config={"model": tiny_model, "num_speculative_tokens": 3})
+    spec = LLM(
+        tiny_model, device="cpu", speculative_config={"model": tiny_model, "num_speculative_tokens": 3, **EVERY_STEP}
+    )
     outputs = spec.generate(prompts, params, use_tqdm=False)
     for index, (a, b) in enumerate(zip(plain, outputs)):
         assert a["token_ids"] == b["token_ids"], f"request {index} differs"
@@ -228,7 +236,7 @@ def test_sampled_tokens_follow_the_targets_distribution_at_every_position(small_
     (every proposal kept) fail the check, so it can tell."""
     target, draft = small_vocab_models
     prompt = [1, 2, 3, 1, 2, 3, 1, 2]  # repeats: the n-gram lookup proposes
-    spec = ngram(2) if proposer == "ngram" else {"model": draft, "num_speculative_tokens": 2}
+    spec = ngram(2) if proposer == "ngram" else {"model": draft, "num_speculative_tokens": 2, **EVERY_STEP}
     llm = LLM(target, device="cpu", speculative_config=spec, max_num_seqs=256, seed=0)
     exact = exact_marginals(target, prompt, 3)
 
@@ -253,7 +261,7 @@ def test_sampled_tokens_follow_the_targets_distribution_at_every_position(small_
 @pytest.mark.parametrize("proposer", ["ngram", "draft"])
 def test_a_seeded_request_samples_the_same_tokens_whatever_its_batch(tiny_model, draft_folder, proposer):
     """Also when a batch-mate near max_model_len sends the verify steps down the varlen path (fewer rows)."""
-    spec = ngram(3, 2) if proposer == "ngram" else {"model": draft_folder, "num_speculative_tokens": 3}
+    spec = ngram(3, 2) if proposer == "ngram" else {"model": draft_folder, "num_speculative_tokens": 3, **EVERY_STEP}
     params = SamplingParams(temperature=0.8, top_k=20, max_tokens=16, seed=42)
     prompt = [9, 8, 7, 9, 8, 7, 9]
     engine = dict(device="cpu", speculative_config=spec, max_model_len=64, seed=0)
@@ -275,7 +283,7 @@ def test_a_seeded_request_samples_the_same_tokens_whatever_its_batch(tiny_model,
 
 @pytest.mark.parametrize("proposer", ["ngram", "draft"])
 def test_random_workloads_with_speculation_leak_no_block(tiny_model, draft_folder, proposer):
-    spec = ngram(3, 2) if proposer == "ngram" else {"model": draft_folder, "num_speculative_tokens": 2}
+    spec = ngram(3, 2) if proposer == "ngram" else {"model": draft_folder, "num_speculative_tokens": 2, **EVERY_STEP}
     llm = LLM(tiny_model, device="cpu", speculative_config=spec, num_kvcache_blocks=16, max_num_batched_tokens=48)
     rng = random.Random(7)
     for round_ in range(3):
@@ -342,7 +350,7 @@ def test_bad_speculative_settings_are_clear_errors(tiny_model, settings, message
 def test_a_draft_with_another_vocabulary_is_a_clear_error(tiny_model, tmp_path):
     other = make_tiny_qwen3(tmp_path / "other", vocab_size=300)
     with pytest.raises(ValueError, match="vocabulary of 300 tokens .* has 256"):
-        LLM(tiny_model, device="cpu", speculative_config={"model": other, "num_speculative_tokens": 2})
+        LLM(tiny_model, device="cpu", speculative_config={"model": other, "num_speculative_tokens": 2, **EVERY_STEP})
 
 
 def test_speculation_refuses_the_overlapped_loop(tiny_model):
@@ -360,7 +368,11 @@ def test_the_server_streams_speculative_output_and_reports_acceptance_in_metrics
 
     from .helpers import running_server
 
-    spec = {"model": DEFAULT_MODEL, "num_speculative_tokens": 3}  # (the built-in model: it has a tokenizer)
+    spec = {
+        "model": DEFAULT_MODEL,
+        "num_speculative_tokens": 3,
+        **EVERY_STEP,
+    }  # (the built-in model: it has a tokenizer)
     prompt = "Beautiful is better than"
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     offline = LLM(device="cpu", speculative_config=spec)
@@ -388,9 +400,9 @@ def test_the_server_streams_speculative_output_and_reports_acceptance_in_metrics
 def test_a_request_that_exactly_fits_the_kv_budget_is_served_with_speculation(tiny_model, draft_folder, proposer):
     """One 16-token block holds a 4-token prompt and its 12 tokens: the lookahead reserves slots for the proposals
     only up to the request's own end (prompt + max_tokens), so its last steps still fit in that one block."""
-    spec = dict(method="ngram", num_speculative_tokens=4, prompt_lookup_max=2)
+    spec = dict(method="ngram", num_speculative_tokens=4, **EVERY_STEP, prompt_lookup_max=2)
     if proposer == "draft":
-        spec = dict(model=draft_folder, num_speculative_tokens=4)
+        spec = dict(model=draft_folder, num_speculative_tokens=4, **EVERY_STEP)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     prompts = [[5, 9, 5, 9]]
     llm = LLM(tiny_model, kvcache_block_size=16, num_kvcache_blocks=1, speculative_config=spec)

@@ -29,6 +29,7 @@ from nanoref.exercises.common import (
     tiny_model,
 )
 from nanoref.spec.acceptance import accept_greedy, rejection_sample
+from nanoref.testing import EVERY_STEP
 
 ALPHA = 1e-4  # each distribution check's false-alarm rate for a correct rule (its draws are seeded: fixed verdicts)
 
@@ -144,7 +145,7 @@ def check_speculative_greedy(functions: dict[str, Callable]) -> None:
             counted,
             prompts=random_prompts(seed=77, lengths=[5, 19, 11], vocab=256),
             max_tokens=10,
-            speculative_config={"model": draft, "num_speculative_tokens": 3},
+            speculative_config={"model": draft, "num_speculative_tokens": 3, **EVERY_STEP},
             prepare=engines.append,
         )
         steps = [step for step in engines[0].metrics.steps if step.num_draft_tokens]
@@ -538,8 +539,8 @@ def check_speculative_sampling(functions: dict[str, Callable], *, num_samples: i
     params = [SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, seed=i) for i in range(num_samples)]
     prompts = [_PROMPT] * num_samples
     for spec, what in (
-        ({"model": draft, "num_speculative_tokens": 2}, "a draft model"),
-        ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 3}, "n-gram lookup"),
+        ({"model": draft, "num_speculative_tokens": 2, **EVERY_STEP}, "a draft model"),
+        ({"method": "ngram", "num_speculative_tokens": 2, **EVERY_STEP, "prompt_lookup_max": 3}, "n-gram lookup"),
     ):
         llm = LLM(target, speculative_config=spec, max_num_seqs=num_samples, num_kvcache_blocks=2 * num_samples)
         reference = [out["token_ids"] for out in llm.generate(prompts, params, use_tqdm=False)]

@@ -168,7 +168,9 @@ class OverlappedLoop:
         current = self._in_flight
         return [*self.engine.scheduler.scheduled, *(current.seqs if current else []), *self.ahead]
 
-    def step(self) -> tuple[list[Sequence], StepRecord]:
+    def step(self, launch_ahead: bool = True) -> tuple[list[Sequence], StepRecord]:
+        """launch_ahead=False: complete the step in flight (or one step) and leave none on the device (a step loop
+        that runs the next step its own way)."""
         engine = self.engine
         scheduler, metrics, runner = engine.scheduler, engine.metrics, engine.model_runner
         self.ahead = []
@@ -179,7 +181,7 @@ class OverlappedLoop:
         scheduler.scheduled = []
         current = self.in_flight
         # 1. step n+1, scheduled and queued behind step n, its input ids gathered from step n's on the device
-        ahead = self.ahead = self.schedule_ahead(current.seqs)
+        ahead = self.ahead = self.schedule_ahead(current.seqs) if launch_ahead else []
         if ahead:
             next_ids = current.input_ids_for(ahead)
             next_step = InFlight.start(ahead, interruptibly(runner.launch, ahead, False, next_ids))

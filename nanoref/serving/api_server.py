@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import codecs
 import contextlib
+import importlib.metadata
 import json
 import re
 import socket
@@ -53,7 +54,6 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-import nanoref
 from nanoref.engine.chat import chat_prompt
 from nanoref.engine.detokenizer import REPLACEMENT_CHAR, decode
 from nanoref.layers.logits_processors import TokenLogprobs
@@ -1064,7 +1064,7 @@ def build_app(
 
     @app.get("/version")
     async def version() -> dict:
-        return {"version": nanoref.__version__}
+        return {"version": package_version()}
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict:
@@ -1163,3 +1163,12 @@ def serve_in_background(
         sock.close()
         if thread.is_alive():
             raise RuntimeError(f"the server did not stop within {timeout} s")
+
+
+def package_version() -> str:
+    """nanoref's version as installed (pyproject.toml's); "unknown" when it runs from a folder it was not
+    installed from. (Read from the package metadata: the package's own __init__ sits above this module.)"""
+    try:
+        return importlib.metadata.version("nanoref")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"

@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from nanoref.engine.block_manager import BlockManager
+from nanoref.engine.llm_engine import PlainLoop
 from nanoref.engine.metrics import StepRecord
 from nanoref.engine.sampling_inputs import row_processing
 from nanoref.engine.sequence import Sequence
@@ -43,6 +44,7 @@ from nanoref.engine.step_inputs import StepInputs, prefill_arrays, prefill_metad
 from nanoref.layers.logits_processors import LogitsProcessing, TokenLogprobs, raw_logprobs, to_device, token_logprobs
 from nanoref.layers.sampler import sampling_probs
 from nanoref.spec.acceptance import accept_greedy, emitted_tokens, rejection_sample
+from nanoref.spec.policy import DEFAULT_BATCH_LIMIT, SpeculationPolicy
 from nanoref.spec.proposers import DraftProposer, NgramProposer
 from nanoref.utils import seams
 from nanoref.utils.interrupts import interruptibly
@@ -79,16 +81,24 @@ def varlen_verify_inputs(seqs: list[Sequence], drafts: list[list[int]], block_ta
 class SpeculativeLoop:
     """`step` for an engine with a speculative_config."""
 
-    def __init__(self, engine, make_verify_graphs=None) -> None:
+    def __init__(self, engine, make_verify_graphs=None, make_plain_loop=PlainLoop) -> None:
         """make_verify_graphs(runner, query_len): builds CUDA graphs of the verify step (nanoref/llm.py gives
-        nanoref/fast/cuda_graphs.py's DecodeGraphs), used where the model runner replays its decode steps."""
+        nanoref/fast/cuda_graphs.py's DecodeGraphs), used where the model runner replays its decode steps.
+        make_plain_loop(engine): the step loop of the decode steps that run plain, where speculation would not pay
+        (nanoref/llm.py gives the overlapped loop on CUDA: those steps run as fast as an engine without speculation).
+        """
         self.engine = engine
+        self.plain_loop = make_plain_loop(engine)
         spec = engine.config.speculative_config
         self.k = spec.num_speculative_tokens
         runner = engine.model_runner
         self.verify_graphs = None  # (None: eager)
         if make_verify_graphs is not None and runner.decode_graphs is not None:
             self.verify_graphs = make_verify_graphs(runner, query_len=self.k + 1)
+        limit = spec.disable_by_batch_size
+        if limit is None:
+            limit = DEFAULT_BATCH_LIMIT.get(engine.config.device.type, DEFAULT_BATCH_LIMIT["cuda"])
+        self.policy = SpeculationPolicy(limit, spec.min_tokens_per_step)
         if spec.method == "ngram":
             self.proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
         else:
@@ -101,17 +111,30 @@ class SpeculativeLoop:
     def step(self) -> tuple[list[Sequence], StepRecord]:
         engine = self.engine
         scheduler, metrics, runner = engine.scheduler, engine.metrics, engine.model_runner
+        # decode steps that would not pay as verify steps (policy.py) run in the plain loop, one after another
+        plain, in_flight = self.plain_loop, getattr(self.plain_loop, "in_flight", None) is not None
+        if (in_flight or not scheduler.waiting) and not self.policy.speculate(len(scheduler.running)):
+            self.policy.ran_plain()
+            return plain.step()
+        if in_flight:  # a verify step next: first complete the plain step on the device, launching none after it
+            return plain.step(launch_ahead=False)
         seqs, is_prefill = scheduler.schedule()
         record = metrics.begin_step(scheduler, seqs, is_prefill)
         if is_prefill:
             interruptibly(self.proposer.prefill, seqs)
             finished = scheduler.postprocess(seqs, interruptibly(runner.run, seqs, True))
-        else:
+        elif self.policy.speculate(len(seqs)):
             finished = self.postprocess(seqs, interruptibly(self.verify, seqs), record)
+        else:  # a plain decode step: speculation would not pay now (policy.py)
+            finished = scheduler.postprocess(seqs, interruptibly(runner.run, seqs, False))
+            for seq in seqs:
+                if not seq.is_finished:
+                    trim(scheduler.block_manager, seq)  # (the blocks reserved for proposals)
+            self.policy.ran_plain()
         return finished, metrics.end_step(record, seqs)
 
     def in_step(self) -> list[Sequence]:
-        return self.engine.scheduler.scheduled
+        return [*self.engine.scheduler.scheduled, *self.plain_loop.in_step()]
 
     # -- the verify step ------------------------------------------------------------------------
     def limit(self, seq: Sequence) -> int:
@@ -292,6 +315,7 @@ class SpeculativeLoop:
                     self.proposer.after_verify(seq, first_position, len(v.draft_ids))
         self.num_draft_tokens += record.num_draft_tokens
         self.num_accepted_tokens += record.num_accepted_tokens
+        self.policy.verified(len(seqs), len(seqs) + record.num_accepted_tokens)
         return finished
 
 

@@ -22,15 +22,24 @@ def propose_ngram(token_ids: list[int], min_n: int, max_n: int, k: int) -> list[
     """Prompt lookup: find the sequence's last n tokens earlier in the sequence and propose the (up to) k tokens
     that followed them there, for the longest n in [min_n, max_n] that occurs (its latest occurrence); [] when
     none does. Text that repeats itself (code, a document being quoted, a list) is guessed right for free."""
+    # One vectorised comparison finds where the last token occurred before; each such place is then extended
+    # backwards while the tokens before it agree with the tail (rarely more than a few steps). Latest place first,
+    # so the first that reaches max_n is the answer, and otherwise the first with the longest match.
     tokens = np.asarray(token_ids, dtype=np.int64)
     num = len(tokens)
-    for n in range(min(max_n, num - 1), min_n - 1, -1):
-        windows = np.lib.stride_tricks.sliding_window_view(tokens[: num - 1], n)  # (num - n, n): every earlier n-gram
-        starts = np.flatnonzero((windows == tokens[num - n :]).all(axis=1))
-        if starts.size:
-            start = int(starts[-1]) + n  # the tokens after the latest occurrence
-            return tokens[start : start + k].tolist()
-    return []
+    max_n = min(max_n, num - 1)
+    best_n, best_end = 0, -1
+    for end in np.flatnonzero(tokens[: num - 1] == tokens[-1])[::-1].tolist():  # where an earlier n-gram ends
+        n = 1
+        while n < max_n and end - n >= 0 and token_ids[end - n] == token_ids[num - 1 - n]:
+            n += 1
+        if n > best_n:
+            best_n, best_end = n, end
+            if n == max_n:
+                break
+    if best_n < min_n:
+        return []
+    return token_ids[best_end + 1 : best_end + 1 + k]  # the tokens after that occurrence
 
 
 @dataclass

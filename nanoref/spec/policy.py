@@ -1,0 +1,53 @@
+"""When a decode step verifies proposals, and when it runs plain: speculation only where it pays.
+
+A verify step computes k + 1 tokens per sequence to gain 1 + (accepted proposals) of them. Where decode is
+memory-bound (a GPU at small batch), the extra k query tokens cost little, and any acceptance pays; as the batch
+grows the step turns compute-bound and the proposals' rows cost nearly what plain decode steps would, while the
+host's share (proposing, the acceptance rule) grows with the batch too. Two rules, both deterministic (the same
+requests take the same steps):
+
+- batch: a step with more running sequences than `disable_by_batch_size` runs plain (vLLM's rule and name);
+- acceptance: while the tokens gained per sequence and verify step (a moving average, 1.0 when nothing is
+  accepted) stay below `min_tokens_per_step`, steps run plain; every `probe_every`-th step still verifies, so the
+  average follows text that becomes predictable (a repeated list, code being quoted).
+
+A plain step inside the speculative loop is the engine's ordinary decode step (its CUDA graphs included); a draft
+model simply catches up on the tokens it missed at its next verify step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# measured on one H200 (benchmarks/results/speculative_h200.md) and this project's 2-core CPU: the largest batch
+# at which n-gram speculation still beat plain decoding on the benchmark's workloads
+DEFAULT_BATCH_LIMIT = {"cuda": 32, "cpu": 4}
+
+
+@dataclass
+class SpeculationPolicy:
+    disable_by_batch_size: int  # 0: never by batch size
+    min_tokens_per_step: float  # 0: never by acceptance
+    probe_every: int = 8
+    smoothing: float = 0.3  # the weight of the latest verify step in the moving average
+    tokens_per_step: float | None = None  # the moving average (None before the first verify step)
+    plain_since_verify: int = 0
+
+    def speculate(self, num_seqs: int) -> bool:
+        """Whether the decode step of num_seqs sequences about to run verifies proposals."""
+        if self.disable_by_batch_size and num_seqs > self.disable_by_batch_size:
+            return False
+        average = self.tokens_per_step
+        if average is None or average >= self.min_tokens_per_step:
+            return True
+        return self.plain_since_verify + 1 >= self.probe_every  # probe: has the text become predictable?
+
+    def verified(self, num_seqs: int, num_gained: int) -> None:
+        """A verify step of num_seqs sequences gained num_gained tokens in all."""
+        gain = num_gained / max(num_seqs, 1)
+        average = self.tokens_per_step
+        self.tokens_per_step = gain if average is None else (1 - self.smoothing) * average + self.smoothing * gain
+        self.plain_since_verify = 0
+
+    def ran_plain(self) -> None:
+        self.plain_since_verify += 1

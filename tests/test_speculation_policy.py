@@ -1,0 +1,113 @@
+"""When speculation runs (nanoref/spec/policy.py): a verify step only where it pays, by batch size and by the
+tokens it has been gaining; plain steps in between give the same greedy output and free the blocks reserved for
+proposals."""
+
+from __future__ import annotations
+
+import pytest
+
+from nanoref import LLM, SamplingParams
+from nanoref.spec.policy import DEFAULT_BATCH_LIMIT, SpeculationPolicy
+from nanoref.spec.proposers import propose_ngram
+
+from .helpers import assert_matches_hf, assert_no_block_leaked, random_prompts
+
+
+def test_the_batch_rule_runs_steps_above_the_limit_plain():
+    policy = SpeculationPolicy(disable_by_batch_size=8, min_tokens_per_step=0)
+    assert [policy.speculate(b) for b in (1, 8, 9, 300)] == [True, True, False, False]
+    assert SpeculationPolicy(0, 0).speculate(10_000), "0 never disables by batch size"
+
+
+def test_the_acceptance_rule_turns_speculation_off_and_probes_every_eighth_step():
+    policy = SpeculationPolicy(disable_by_batch_size=0, min_tokens_per_step=1.5)
+    assert policy.speculate(4), "no verify step yet: speculate"
+    policy.verified(num_seqs=4, num_gained=4)  # nothing accepted: 1.0 tokens per step
+    decisions = []
+    for _ in range(16):
+        speculate = policy.speculate(4)
+        decisions.append(speculate)
+        policy.verified(4, 4) if speculate else policy.ran_plain()
+    assert decisions == ([False] * 7 + [True]) * 2, "off, with a verify step every 8th step to probe"
+    for _ in range(8):  # the text became predictable: 4 of 4 accepted, 5 tokens per step
+        if policy.speculate(4):
+            policy.verified(4, 20)
+        else:
+            policy.ran_plain()
+    assert policy.tokens_per_step >= 1.5 and all(policy.speculate(4) for _ in range(3)), "back on once it pays"
+
+
+@pytest.mark.parametrize("setting", [{"disable_by_batch_size": -1}, {"disable_by_batch_size": 2.5},
+                                     {"min_tokens_per_step": "1"}, {"min_tokens_per_step": 7}])  # fmt: skip
+def test_bad_policy_settings_are_clear_errors(tiny_model, setting):
+    name = next(iter(setting))
+    with pytest.raises(ValueError, match=name):
+        LLM(tiny_model, device="cpu", speculative_config={"method": "ngram", "num_speculative_tokens": 4, **setting})
+
+
+def test_a_batch_above_the_limit_decodes_plain_and_equals_hf_and_the_small_one_verifies(tiny_model):
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 2, "min_tokens_per_step": 0}
+    llm = LLM(tiny_model, device="cpu", speculative_config=spec, num_kvcache_blocks=64)
+    prompts = random_prompts(5, [7, 12, 9, 20])
+    lengths = (4, 6, 24, 30)  # four sequences (plain steps), then two (verify steps)
+    outputs = llm.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths],
+                           use_tqdm=False)  # fmt: skip
+    for prompt, output, length in zip(prompts, outputs, lengths):
+        assert_matches_hf(tiny_model, [prompt], [output], length)
+    decode = [step for step in llm.metrics.steps if step.kind == "decode"]
+    big = [step for step in decode if step.num_seqs > 2]
+    small = [step for step in decode if step.num_seqs <= 2]
+    # a step's record lists (seq_id, query tokens): 1 in a plain step, 1 + k in a verify step
+    assert big and all(n == 1 for step in big for _, n in step.seqs), "batches above the limit run plain"
+    assert small and all(n == 4 for step in small for _, n in step.seqs), "batches within it verify"
+    assert_no_block_leaked(llm)
+
+
+def test_low_acceptance_switches_to_plain_steps_with_the_same_greedy_output(tiny_model):
+    """The tiny random model's text rarely repeats itself: n-gram proposals are mostly rejected, the policy runs
+    plain steps with a probe every 8th, and the output is still HF's."""
+    prompts = random_prompts(9, [6, 11])
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 0}
+    llm = LLM(tiny_model, device="cpu", speculative_config=spec)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert_matches_hf(tiny_model, prompts, outputs, 40)
+    decode = [step for step in llm.metrics.steps if step.kind == "decode"]
+    verified = [step.num_draft_tokens > 0 for step in decode]
+    gained = sum(s.num_seqs + s.num_accepted_tokens for s in decode if s.num_draft_tokens) / max(
+        1, sum(s.num_seqs for s in decode if s.num_draft_tokens)
+    )
+    assert gained < 1.5, f"this workload was meant to gain little ({gained:.2f} tokens per verify step)"
+    assert verified.count(False) > verified.count(True), "mostly plain steps where speculation does not pay"
+    assert_no_block_leaked(llm)
+
+
+def test_the_default_batch_limit_depends_on_the_device(tiny_model):
+    llm = LLM(tiny_model, device="cpu", speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    assert llm.speculative_loop.policy.disable_by_batch_size == DEFAULT_BATCH_LIMIT["cpu"]
+    assert llm.speculative_loop.policy.min_tokens_per_step == 1.5
+
+
+def test_the_faster_ngram_lookup_agrees_with_the_sliding_window_definition():
+    """propose_ngram extends matches of the last token backwards; the definition compares every window."""
+    import random
+
+    import numpy as np
+
+    def by_windows(token_ids, min_n, max_n, k):
+        tokens = np.asarray(token_ids)
+        num = len(tokens)
+        for n in range(min(max_n, num - 1), min_n - 1, -1):
+            windows = np.lib.stride_tricks.sliding_window_view(tokens[: num - 1], n)
+            starts = np.flatnonzero((windows == tokens[num - n :]).all(axis=1))
+            if starts.size:
+                return tokens[int(starts[-1]) + n :][:k].tolist()
+        return []
+
+    rng = random.Random(0)
+    for _ in range(3000):
+        vocab = rng.choice([2, 3, 5, 50])
+        tokens = [rng.randrange(vocab) for _ in range(rng.randrange(1, 60))]
+        low = rng.randrange(1, 4)
+        high, k = rng.randrange(low, 6), rng.randrange(1, 6)
+        assert propose_ngram(tokens, low, high, k) == by_windows(tokens, low, high, k), (tokens, low, high, k)
