@@ -131,6 +131,20 @@ def test_the_overlapped_loop_scores_prompts_as_the_plain_loop_does(tiny_model):
     assert_equal_to_hf(tiny_model, prompts[1], expected[1]["prompt_logprobs"], 1)
 
 
+@pytest.mark.gpu
+def test_prompt_logprobs_on_cuda_equal_hf(tiny_model):
+    """CUDA's defaults (decode graphs, the overlapped loop, pinned non-blocking copies of the rows to score), a
+    cached prompt and chunked prefill, in float32: the scores equal HF's on the CPU."""
+    prompts = random_prompts(seed=39, lengths=[50, 9, 33])
+    llm = LLM(tiny_model, device="cuda", dtype="float32", max_num_batched_tokens=32, kvcache_block_size=16)
+    plain = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    llm.generate(prompts, plain, use_tqdm=False)  # their blocks are in the prefix cache now
+    outputs = llm.generate(prompts, [scoring(2), scoring(0), scoring(5)], use_tqdm=False)
+    for prompt, output, num_top in zip(prompts, outputs, [2, 0, 5]):
+        assert_equal_to_hf(tiny_model, prompt, output["prompt_logprobs"], num_top)
+    assert_no_block_leaked(llm)
+
+
 needs_cpp = pytest.mark.skipif(
     bool(attention_cpp.missing_build_tools()), reason="the cpp attention kernel cannot be built here"
 )
