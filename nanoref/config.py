@@ -247,10 +247,11 @@ class SpeculativeConfig:
     model: draft_model: the draft's folder.
     disable_by_batch_size: a decode step with more running sequences than this runs plain, without proposals (a
         verify step of B * (k + 1) tokens costs more, the larger B, than its extra tokens are worth); vLLM's name.
-        Default (None): 32 on CUDA, 4 on a CPU (measured: docs/speculative.md); 0 never disables.
+        Default (None): 32 on CUDA, 4 on a CPU (measured: docs/benchmarks.md); 0 never disables.
     min_tokens_per_step: while the tokens a sequence gains per verify step (a moving average over the engine's
-        steps, 1 + its accepted proposals) stay below this, decode steps run plain, verifying again every 8th step
-        to see whether the text became predictable; default 1.5, 0 never disables.
+        steps, 1 + its accepted proposals) stay below this, decode steps run plain, with a verify step now and then
+        (after 8 plain steps, doubling to 64 while those do not pay) to see whether the text became predictable;
+        default 1.5, 0 never disables.
     """
 
     method: str

@@ -30,6 +30,9 @@ class SamplingParams:
     frequency_penalty: subtracted once per occurrence of a token in the completion, in [-2, 2]; 0 = off.
     repetition_penalty: HF's, on every token in prompt or completion (> 0 logits divided, others multiplied); 1 = off.
     logprobs: return the log-probabilities of the top N tokens and of the chosen one per token, N in [0, 20].
+    prompt_logprobs: return, for every prompt token after the first, its log-probability given the tokens before
+        it and the top N at its position, N in [0, 20] (an evaluation harness's score of a text); the prefix cache
+        does not serve such a request's prompt (each of its positions is computed).
     stop: strings that end the completion when its text contains one ("stop"); the text is cut before it.
     include_stop_str_in_output: keep the matched stop string at the end of the text.
     n: how many completions to sample for the prompt (sample i of a seeded request uses seed + i).
@@ -54,6 +57,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     stop: str | list[str] | None = None
     include_stop_str_in_output: bool = False
     n: int = 1
@@ -111,6 +115,19 @@ class SamplingParams:
             raise ValueError(
                 f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}] (0 = the chosen token's only), "
                 f"got {self.logprobs!r}"
+            )
+        if self.prompt_logprobs == -1 and _is_int(self.prompt_logprobs):
+            raise ValueError(
+                "prompt_logprobs=-1 asks for every token of the vocabulary at every prompt position; this engine "
+                f"returns at most the top {MAX_LOGPROBS} (vLLM's default max_logprobs): ask for N in "
+                f"[0, {MAX_LOGPROBS}]"
+            )
+        if self.prompt_logprobs is not None and (
+            not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS
+        ):
+            raise ValueError(
+                f"prompt_logprobs must be None or an integer in [0, {MAX_LOGPROBS}] (0 = each prompt token's own "
+                f"only), got {self.prompt_logprobs!r}"
             )
         stop_strings(self.stop)
         if not isinstance(self.include_stop_str_in_output, bool):

@@ -19,17 +19,18 @@ def test_the_batch_rule_runs_steps_above_the_limit_plain():
     assert SpeculationPolicy(0, 0).speculate(10_000), "0 never disables by batch size"
 
 
-def test_the_acceptance_rule_turns_speculation_off_and_probes_every_eighth_step():
+def test_the_acceptance_rule_turns_speculation_off_and_probes_less_often_while_probes_fail():
     policy = SpeculationPolicy(disable_by_batch_size=0, min_tokens_per_step=1.5)
     assert policy.speculate(4), "no verify step yet: speculate"
     policy.verified(num_seqs=4, num_gained=4)  # nothing accepted: 1.0 tokens per step
     decisions = []
-    for _ in range(16):
+    for _ in range(8 + 16 + 32 + 64 + 64):
         speculate = policy.speculate(4)
         decisions.append(speculate)
         policy.verified(4, 4) if speculate else policy.ran_plain()
-    assert decisions == ([False] * 7 + [True]) * 2, "off, with a verify step every 8th step to probe"
-    for _ in range(8):  # the text became predictable: 4 of 4 accepted, 5 tokens per step
+    probes = [i + 1 for i, speculate in enumerate(decisions) if speculate]
+    assert probes == [8, 24, 56, 120, 184], "probes after 8, 16, 32, then every 64 plain steps"
+    for _ in range(64):  # the text became predictable: 4 of 4 accepted, 5 tokens per step (seen at the next probe)
         if policy.speculate(4):
             policy.verified(4, 20)
         else:

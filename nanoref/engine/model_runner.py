@@ -21,7 +21,7 @@ from nanoref.config import EngineConfig
 from nanoref.engine.block_tables import BlockTables
 from nanoref.engine.hooks import NO_RUNNER_HOOKS, RunnerHooks
 from nanoref.engine.kv_budget import kv_blocks_from_memory
-from nanoref.engine.sampling_inputs import attach_logprobs, sampling_batch, step_logprobs
+from nanoref.engine.sampling_inputs import asks_all_logits, attach_logprobs, sampling_batch, split_logits, step_logprobs
 from nanoref.engine.sequence import Sequence
 from nanoref.engine.step_inputs import StepInputs, decode_arrays, prefill_arrays, prefill_metadata
 from nanoref.layers.attention import Attention
@@ -97,7 +97,8 @@ class ModelRunner:
             arrays["block_tables"] = self.block_tables.padded(seqs)
         max_q = max(seq.num_scheduled_tokens for seq in seqs)
         max_k = max(seq.num_computed_tokens + seq.num_scheduled_tokens for seq in seqs)
-        return StepInputs(True, arrays, max_q, max_k)
+        # a sequence may ask for every position's logits (see asks_all_logits), not only its last one's
+        return StepInputs(True, arrays, max_q, max_k, all_logits=any(map(asks_all_logits, seqs)))
 
     def prepare_decode(self, seqs: list[Sequence], ahead: bool = False, extra: list[list[int]] = ()) -> StepInputs:
         """ahead: the input tokens are not in seq.token_ids yet (a step launched before the previous one's tokens
@@ -150,6 +151,8 @@ class ModelRunner:
         ahead = input_ids is not None
         step = self.prepare_prefill(seqs) if is_prefill else self.prepare_decode(seqs, ahead=ahead)
         logits = self.run_forward(seqs, step, input_ids, self.decode_graphs)  # (num_seqs, vocab)
+        if step.all_logits:  # (N, vocab): the sequences keep the rows they asked for, the sampler gets each last one
+            logits = split_logits(seqs, step, logits)
         # host work while the GPU runs the forward just launched
         vocab = self.config.hf_config.vocab_size
         batch = sampling_batch(seqs, is_prefill, int(ahead), self.device, self.generator, vocab, self.eos_token_ids)

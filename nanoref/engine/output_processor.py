@@ -3,8 +3,14 @@
 The core appends tokens and decides EOS, stop ids and lengths; everything else a caller reads is built here:
 each sample's place among its request's n (`index`) and the caller's name for it (`request_id`), its text as it
 grows (an `IncrementalDetokenizer`, only where something reads it as it grows: a stream, or stop strings), the
-stop strings matched on that text, its logprobs, and the outputs themselves: `generate`'s dicts, `stream`'s
-pieces and the engine loop's deltas. Each sequence carries its `SampleOutput` as `seq.output`.
+stop strings matched on that text, its logprobs and its prompt's, and the outputs themselves: `generate`'s dicts,
+`stream`'s pieces and the engine loop's deltas. Each sequence carries its `SampleOutput` as `seq.output`.
+
+Prompt logprobs (`SamplingParams.prompt_logprobs`) score the tokens the model was given: prompt token t + 1 on the
+logits of the row of token t, in every prefill chunk of the prompt (engine/sampling_inputs.py's `split_logits`).
+A position the prefix cache serves is never computed, so it could not be scored: such a request's samples get a
+`cache_salt` of their own (the cache then shares blocks only among them: its samples 1..n-1 reuse sample 0's
+prompt, and sample 0 alone scores it).
 """
 
 from __future__ import annotations
@@ -29,6 +35,10 @@ class SampleOutput:
     # token leaves its (step's logprobs, row index, N) in `pending_logprobs` for `on_token` to read
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     pending_logprobs: tuple[StepLogprobs, int, int] | None = None
+    # where SamplingParams.prompt_logprobs asks (sample 0): the prompt positions scored so far (position 0 has no
+    # tokens before it to be scored on) and each prefill chunk's scores, (the step's, its first row among them, rows)
+    num_prompt_scored: int = 1
+    prompt_scores: list[tuple[StepLogprobs, int, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -83,6 +93,10 @@ class OutputProcessor:
         if (stream or stop) and self.tokenizer is None:
             need = "a stream of text" if stream else "stop strings"
             raise ValueError(f"{self.model_folder} has no tokenizer: {need} needs one")
+        if samples[0].sampling_params.prompt_logprobs is not None:  # every prompt position computed (see above)
+            salt = ("prompt_logprobs", samples[0].seq_id, samples[0].cache_salt)
+            for seq in samples:
+                seq.cache_salt = salt
         for index, seq in enumerate(samples):
             params = seq.sampling_params
             detokenizer = None
@@ -147,14 +161,35 @@ class OutputProcessor:
             output["metrics"] = metrics
         return output
 
+    @staticmethod
+    def prompt_logprobs(seq: Sequence) -> list[TokenLogprobs | None] | None:
+        """A request's prompt logprobs (seq: its sample 0), once its whole prompt is scored: None for the first
+        token (nothing before it), then one TokenLogprobs per prompt token (its logprob and rank given the tokens
+        before it, and the top N at its position). None where the request did not ask, for samples 1..n-1, and
+        for a request that ended before its prompt was computed."""
+        out = seq.output
+        asked = seq.sampling_params.prompt_logprobs is not None and out.index == 0
+        if not asked or out.num_prompt_scored < seq.num_prompt_tokens:
+            return None
+        num_top = seq.sampling_params.prompt_logprobs
+        scores = [
+            scores.entry(row, num_top)
+            for scores, first, count in out.prompt_scores
+            for row in range(first, first + count)
+        ]
+        return [None, *scores]
+
     def request_output(self, samples: list[Sequence], metrics: dict | None = None) -> dict:
-        """A finished request as `generate` returns it: sample 0's output, with "outputs" when n > 1. metrics: the
-        engine's RequestMetrics by seq_id, to include them."""
+        """A finished request as `generate` returns it: sample 0's output, with "outputs" when n > 1, and
+        "prompt_logprobs" where SamplingParams.prompt_logprobs asks (see `prompt_logprobs`). metrics: the engine's
+        RequestMetrics by seq_id, to include them."""
 
         def one(seq: Sequence) -> dict:
             return self.output(seq, None if metrics is None else metrics[seq.seq_id])
 
         output = one(samples[0])
+        if samples[0].sampling_params.prompt_logprobs is not None:
+            output["prompt_logprobs"] = self.prompt_logprobs(samples[0])
         if len(samples) > 1:
             output["outputs"] = [{"index": seq.output.index, **one(seq)} for seq in samples]
         return output

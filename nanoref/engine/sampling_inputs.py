@@ -4,6 +4,10 @@ the seeded rows' generators, logit biases, penalties, min_tokens masks and which
 The model runner asks for them (`sampling_batch`) while the forward runs; a step loop that samples several rows per
 sequence (a verify step) builds each row's penalties and masks with `row_processing`. Logprobs come from the model's
 raw logits (`step_logprobs`), before penalties, masks and temperature (vLLM's default "raw_logprobs").
+
+A prefill step can also score the tokens the model was given: where a sequence asks for every position's logits
+(`asks_all_logits`: its request asks for prompt logprobs), the step makes logits at every position, and
+`split_logits` takes each prompt token's logprob out of them before the sampler sees each sequence's last row.
 """
 
 from __future__ import annotations
@@ -12,7 +16,15 @@ import numpy as np
 import torch
 
 from nanoref.engine.sequence import Sequence
-from nanoref.layers.logits_processors import LogitsProcessing, StepLogprobs, raw_logprobs, to_device, token_logprobs
+from nanoref.engine.step_inputs import StepInputs
+from nanoref.layers.logits_processors import (
+    LogitsProcessing,
+    StepLogprobs,
+    raw_logprobs,
+    scored_logprobs,
+    to_device,
+    token_logprobs,
+)
 from nanoref.layers.sampler import SamplingBatch
 
 
@@ -103,3 +115,53 @@ def attach_logprobs(seqs: list[Sequence], batch: SamplingBatch, logprobs: torch.
     step = StepLogprobs(chosen, token_logprobs(logprobs, chosen, num_top))
     for index, (row, n) in enumerate(batch.logprob_rows):
         seqs[row].output.pending_logprobs = (step, index, n)  # (read by the output stage's on_token)
+
+
+def asks_all_logits(seq: Sequence) -> bool:
+    """Whether seq's prefill chunk needs the logits of every position it computes, not only of its last: its request
+    asks for prompt logprobs, it is the sample that takes them (sample 0: the others share its prompt's blocks)
+    and part of its prompt is not scored yet (a preempted sequence recomputes its prompt without scoring it again)."""
+    out = seq.output
+    return (
+        out is not None
+        and seq.sampling_params.prompt_logprobs is not None
+        and out.index == 0
+        and out.num_prompt_scored < seq.num_prompt_tokens
+    )
+
+
+def split_logits(seqs: list[Sequence], step: StepInputs, logits: torch.Tensor) -> torch.Tensor:
+    """A prefill step's logits at every position (N, V) -> each sequence's last row (num_seqs, V), for the sampler.
+    On the way, each sequence that asked (`asks_all_logits`) keeps the scores of the prompt tokens of its chunk.
+
+    Where a sequence's chunk starts at position `start`, its row r holds the logits after token start + r: they
+    score token start + r + 1. So the chunk scores prompt tokens start + 1 ... min(end, P - 1) (end: its last
+    position; P: its prompt's length), and its last row (position end) is the one sampled. Its scores stay on the
+    device (one `StepLogprobs` for the step) until the output stage reads them."""
+    cu_seqlens = step.arrays["cu_seqlens_q"]  # (num_seqs + 1,): where each sequence's rows start
+    rows: list[int] = []  # (R,): the flat rows that score a prompt token
+    targets: list[int] = []  # (R,): the token each of them scores
+    asked: list[tuple[Sequence, int, int]] = []  # (seq, its first entry among the R, how many)
+    for b, seq in enumerate(seqs):
+        if not asks_all_logits(seq):
+            continue
+        out, start, end = seq.output, seq.num_computed_tokens, seq.num_computed_tokens + seq.num_scheduled_tokens
+        first, last = out.num_prompt_scored, min(end, seq.num_prompt_tokens - 1)  # the tokens to score, inclusive
+        # (its earlier positions were scored when first computed: the prefix cache serves it only its own blocks)
+        assert start < first, f"prompt positions {first}..{start} were never computed: they cannot be scored"
+        if first > last:
+            continue
+        asked.append((seq, len(rows), last + 1 - first))
+        rows.extend(range(cu_seqlens[b] + first - 1 - start, cu_seqlens[b] + last - start))
+        targets.extend(seq.token_ids[first : last + 1])
+        out.num_prompt_scored = last + 1
+    if asked:
+        device = logits.device
+        index = to_device(np.asarray(rows, dtype=np.int64), device)  # (R,)
+        token_ids = to_device(np.asarray(targets, dtype=np.int64), device)  # (R,)
+        num_top = max(seq.sampling_params.prompt_logprobs for seq, _, _ in asked)
+        scores = StepLogprobs(token_ids, scored_logprobs(logits[index], token_ids, num_top))
+        for seq, first_entry, count in asked:
+            seq.output.prompt_scores.append((scores, first_entry, count))
+    last_rows = to_device(np.asarray(cu_seqlens[1:] - 1, dtype=np.int64), logits.device)  # (num_seqs,)
+    return logits[last_rows]

@@ -8,6 +8,8 @@
 - min_tokens: until a request has that many completion tokens, its stop tokens (EOS, stop_token_ids) get -inf.
 - logprobs: log_softmax of the model's raw logits (before any of the above, and before temperature: vLLM's
   default "raw_logprobs"), the chosen token's value and rank, and the top N.
+- prompt logprobs: the same for tokens the model was given rather than sampled: the logits of the row of prompt
+  token t score prompt token t + 1 (`scored_logprobs`, on many rows at once).
 
 Each is a small pure function over device tensors. Their inputs are built by the model runner from host facts,
 only for the rows that ask (`LogitsProcessing.build`): a batch where no row does so runs none of this.
@@ -68,11 +70,25 @@ def token_logprobs(
     return chosen_logprob[:, 0], rank, top_logprobs, top_ids
 
 
+def scored_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, num_top: int, rows_per_pass: int = 256
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """logits: (R, V), the model's raw logits at R positions; token_ids: (R,) int64, the token that followed each
+    -> token_logprobs' four tensors for those tokens. rows_per_pass rows at a time: a prompt's thousands of rows
+    at once would need an (R, V) float32 log-softmax (with a 150k vocabulary, 0.6 MB a row)."""
+    parts = [
+        token_logprobs(raw_logprobs(logits[i : i + rows_per_pass]), token_ids[i : i + rows_per_pass], num_top)
+        for i in range(0, len(token_ids), rows_per_pass)
+    ]
+    return tuple(torch.cat(values) for values in zip(*parts))  # (R,), (R,), (R, num_top), (R, num_top)
+
+
 class TokenLogprobs(NamedTuple):
-    """One completion token's logprobs (`seq.logprobs` holds one per token, in order)."""
+    """One token's logprobs: a completion token's (a sample's `logprobs` holds one per token, in order), or a prompt
+    token's (`prompt_logprobs`: the tokens the model was given, scored on the tokens before them)."""
 
     token_id: int
-    logprob: float  # log p(token_id), from the model's raw logits
+    logprob: float  # log p(token_id | the tokens before it), from the model's raw logits
     rank: int  # 1: the most likely token
     top: dict[int, float]  # the N most likely ids -> logprob, most likely first (N = SamplingParams.logprobs)
 

@@ -22,6 +22,11 @@ n samples and several prompts: each prompt is one AsyncLLM request of n samples;
 prompt k // n (OpenAI's numbering), every chunk names its choice's index, and usage counts every prompt once and
 every sample's tokens.
 
+Echo (completions): each choice's text starts with its prompt's, and with logprobs its tokens start with the
+prompt's, scored as `SamplingParams.prompt_logprobs` scores them (the first one null: nothing before it to score it
+on), as vLLM does; with max_tokens 0 the prompt is all there is (how an evaluation harness scores a text: the engine
+samples one token, which is not returned). In a stream the prompt comes with each choice's first chunk.
+
 Logprobs in a stream: a piece of text is held back while it ends in half a character or in a possible start of a
 stop string, so a step's tokens and the text it lets out need not line up. Each token's logprobs go out with the
 first chunk sent at or after the step that made the token (a step whose text is all held back sends no chunk; its
@@ -45,6 +50,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from contextlib import aclosing, suppress
 from dataclasses import dataclass, field, fields
+from itertools import islice
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -81,20 +87,19 @@ SAMPLING_FIELDS = {
     "skip_special_tokens": "skip_special_tokens",
     "spaces_between_special_tokens": "spaces_between_special_tokens",
 }
-COMPLETION_FIELDS = {**SAMPLING_FIELDS, "logprobs": "logprobs"}  # completions: logprobs is the top-k count
+# completions: logprobs is the top-k count; prompt_logprobs a vLLM extension (and what echo with logprobs implies)
+COMPLETION_FIELDS = {**SAMPLING_FIELDS, "logprobs": "logprobs", "prompt_logprobs": "prompt_logprobs"}
 CHAT_FIELDS = {**SAMPLING_FIELDS, "max_completion_tokens": "max_tokens"}  # (+ logprobs/top_logprobs, below)
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's and vLLM's default for completions
 
 # Every request field of OpenAI's and vLLM's completion and chat APIs has one of these fates (docs/serving.md lists
 # them all); a field in none of them is a 400 that names it, so nothing a client asks for is silently ignored.
 # - honoured: read by the endpoint (its FIELDS above, and the ones below)
-COMPLETION_HONOURED = {"model", "prompt", "stream", "stream_options", "add_special_tokens", *COMPLETION_FIELDS}
+COMPLETION_HONOURED = {"model", "prompt", "stream", "stream_options", "add_special_tokens", "echo", *COMPLETION_FIELDS}
 CHAT_HONOURED = {"model", "messages", "stream", "stream_options", "add_special_tokens", *CHAT_FIELDS}
 CHAT_HONOURED |= {"logprobs", "top_logprobs", "add_generation_prompt", "continue_final_message", "chat_template_kwargs"}
 # - accepted and unused, as vLLM takes them: who is asking, and a hint for a cache this server keeps by itself
 ACCEPTED_UNUSED = {"user", "safety_identifier", "prompt_cache_key"}
-# - taken as before while their support is being built (the prompt's log-probabilities)
-PENDING = {"echo", "prompt_logprobs"}
 # - not supported: a 400 naming the field unless it is null or one of these values (its default: "off")
 NOT_SUPPORTED_COMMON: dict[str, tuple] = {
     "response_format": ({"type": "text"},),
@@ -158,6 +163,8 @@ NOT_SUPPORTED_CHAT = {
     "media_io_kwargs": (),
     "mm_processor_kwargs": (),
     "return_prompt_text": (False,),
+    "echo": (False,),  # (vLLM's chat echo: the last message first; completions have it)
+    "prompt_logprobs": (),  # (completions have them)
 }
 # why a field is refused, where there is more to say than "not supported"
 REFUSALS = {
@@ -311,14 +318,16 @@ def chat_logprob(token_text: TokenTexts, entry: TokenLogprobs) -> dict:
     return {"token": text, "logprob": _logprob(entry.logprob), "bytes": raw, "top_logprobs": top}
 
 
-def completion_logprobs(token_text: TokenTexts, entries: list[TokenLogprobs], choice: Choice) -> dict:
-    """Tokens in completions' format. text_offset: where in the choice's text each token starts, counted on its
-    bytes: a character belongs to the token that holds its last byte (a token that ends half-way through a
-    character has it start with the next one), and the U+FFFD that stands for bytes no later byte completes belongs
-    to the token that holds those bytes."""
+def completion_logprobs(token_text: TokenTexts, entries: list[TokenLogprobs | int], choice: Choice) -> dict:
+    """Tokens in completions' format; an entry that is a bare token id is a token without a score (an echoed
+    prompt's first: null logprob and top_logprobs). text_offset: where in the choice's text each token starts,
+    counted on its bytes: a character belongs to the token that holds its last byte (a token that ends half-way
+    through a character has it start with the next one), and the U+FFFD that stands for bytes no later byte
+    completes belongs to the token that holds those bytes."""
     tokens, values, tops, offsets = [], [], [], []
     for entry in entries:
-        text, raw = token_text(entry.token_id)
+        scored = isinstance(entry, TokenLogprobs)
+        text, raw = token_text(entry.token_id if scored else entry)
         pending, _ = choice.decoder.getstate()
         piece = choice.decoder.decode(bytes(raw))
         if pending and raw and _breaks(pending, raw[0]):  # the earlier token's U+FFFD comes out now: its own
@@ -327,9 +336,76 @@ def completion_logprobs(token_text: TokenTexts, entries: list[TokenLogprobs], ch
         offsets.append(choice.num_chars)
         choice.num_chars += len(piece)
         tokens.append(text)
+        if not scored:
+            values.append(None)
+            tops.append(None)
+            continue
         values.append(_logprob(entry.logprob))
         tops.append({token_text(token_id)[0]: _logprob(logprob) for token_id, logprob in entry.top.items()})
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+
+def echoed_prompt(token_ids: list[int], scores: list[TokenLogprobs | None] | None, num_top: int) -> list:
+    """An echoed prompt's entries for `completion_logprobs`: each token's score (its top cut to the request's
+    logprobs count), or the bare token id where it has none (the first token)."""
+    scores = scores or [None] * len(token_ids)  # (none: the request ended before its prompt was computed)
+    return [
+        token_id if entry is None else entry._replace(top=dict(islice(entry.top.items(), num_top)))
+        for token_id, entry in zip(token_ids, scores)
+    ]
+
+
+def vllm_prompt_logprobs(token_text: TokenTexts, scores: list[TokenLogprobs | None]) -> list[dict | None]:
+    """A request's prompt logprobs as vLLM's `prompt_logprobs` field gives them: per prompt token None (the first),
+    or {token id: {"logprob", "rank", "decoded_token"}} for the token itself, then the top N at its position
+    (ranked 1, 2, ...)."""
+
+    def one(token_id: int, logprob: float, rank: int) -> tuple[str, dict]:
+        return str(token_id), {"logprob": _logprob(logprob), "rank": rank, "decoded_token": token_text(token_id)[0]}
+
+    result: list[dict | None] = []
+    for entry in scores:
+        if entry is None:
+            result.append(None)
+            continue
+        position = dict([one(entry.token_id, entry.logprob, entry.rank)])
+        for rank, (token_id, logprob) in enumerate(entry.top.items(), start=1):
+            position.setdefault(*one(token_id, logprob, rank))
+        result.append(position)
+    return result
+
+
+@dataclass(frozen=True)
+class Echo:
+    """A completions request's echo: each prompt's text (its choices' texts start with it) and whether anything is
+    generated after it (max_tokens 0: no)."""
+
+    texts: list[str]
+    generate: bool = True
+
+
+def echo_fields(body: dict) -> tuple[dict, bool, bool]:
+    """Completions' echo, max_tokens 0 and prompt_logprobs, as vLLM takes them -> (the body to read the sampling
+    fields from, echo, whether to generate). max_tokens 0 is legal with echo only (the engine then samples one token,
+    which is not returned); echo with logprobs scores the prompt with as many alternatives (prompt_logprobs, unless
+    the request names its own)."""
+    echo, max_tokens = body.get("echo"), body.get("max_tokens")
+    if echo is not None and not isinstance(echo, bool):
+        raise BadRequest(f"echo must be true or false, got {echo!r}", "echo")
+    body, generate = dict(body), True
+    if type(max_tokens) is int and max_tokens == 0:
+        if not echo:
+            raise BadRequest("max_tokens 0 generates nothing: it is allowed only with echo: true", "max_tokens")
+        body["max_tokens"], generate = 1, False
+    if body.get("prompt_logprobs") is not None and body.get("stream"):
+        raise BadRequest(
+            "prompt_logprobs are not available with stream: true (as in vLLM); echo with logprobs streams the "
+            "prompt's tokens with theirs",
+            "prompt_logprobs",
+        )
+    if echo and body.get("logprobs") is not None and body.get("prompt_logprobs") is None:
+        body["prompt_logprobs"] = body["logprobs"]
+    return body, bool(echo), generate
 
 
 def _breaks(pending: bytes, byte: int) -> bool:
@@ -357,12 +433,25 @@ class Choice:
     stop_reason: int | str | None = None
     num_chars: int = 0  # text_offset of the next token
     decoder: codecs.IncrementalDecoder = field(default_factory=lambda: codecs.getincrementaldecoder("utf-8")("replace"))
+    echo: str | None = None  # completions' echo: the prompt's text, which the choice's text starts with
+    generate: bool = True  # False: max_tokens 0 with echo, the prompt is all the choice holds
+    prompt_logprobs: list[TokenLogprobs | None] | None = None  # its request's, where asked
 
-    def take(self, out: RequestOutput) -> None:
-        self.text, self.num_prompt_tokens = out.cumulative_text, out.num_prompt_tokens
-        self.num_tokens = len(out.cumulative_token_ids)
-        self.logprobs.extend(out.logprobs)
+    def take(self, out: RequestOutput, prompt_logprobs: list[TokenLogprobs | None] | None = None) -> str:
+        """Book an output of the choice's sample -> the text it adds to the choice (an echo's first output's starts
+        with the prompt's). prompt_logprobs: its request's (they come with sample 0's first output)."""
+        first = self.num_prompt_tokens == 0
+        self.num_prompt_tokens = out.num_prompt_tokens
+        self.prompt_logprobs = self.prompt_logprobs or prompt_logprobs
+        if first and self.echo is not None and self.num_logprobs is not None:
+            self.logprobs.extend(echoed_prompt(out.prompt_token_ids, self.prompt_logprobs, self.num_logprobs))
+        text = out.text if self.generate else ""
+        self.text = (self.echo or "") + (out.cumulative_text if self.generate else "")
+        self.num_tokens = len(out.cumulative_token_ids) if self.generate else 0
+        if self.generate:
+            self.logprobs.extend(out.logprobs)
         self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
+        return (self.echo or "") + text if first else text
 
 
 async def merge(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -424,7 +513,7 @@ def check_fields(body: dict, honoured: set[str], not_supported: dict[str, tuple]
     """Refuse, with a 400 naming it, a field the endpoint neither honours nor accepts unused, and a field it does
     not support with any value but null or its default."""
     for name, value in body.items():
-        if name in honoured or name in ACCEPTED_UNUSED or name in PENDING:
+        if name in honoured or name in ACCEPTED_UNUSED:
             continue
         if name not in not_supported:
             raise BadRequest(f"unknown field {name!r:.60}: this server does not know it (a typo?)", name[:60])
@@ -864,9 +953,10 @@ def build_app(
         streams: list[AsyncIterator[RequestOutput]],
         request_id: str,
         chat: bool,
+        echo: Echo | None = None,
     ) -> Response:
         """Collect the outputs of the request's prompts into one response, or stream them as server-sent events.
-        Choice k is sample k % n of prompt k // n, as in OpenAI's API."""
+        Choice k is sample k % n of prompt k // n, as in OpenAI's API. echo: completions' (see Echo)."""
         n = params.n
         head = {
             "id": request_id,
@@ -875,17 +965,22 @@ def build_app(
             "model": served_model_name,
         }
         choices = [Choice(index, num_logprobs=params.logprobs) for index in range(len(streams) * n)]
+        for choice in choices if echo is not None else ():
+            choice.echo, choice.generate = echo.texts[choice.index // n], echo.generate
         seen_prompts: set[int] = set()
+        prompt_logprobs: dict[int, list] = {}  # by prompt: its request's, from its sample 0's first output
 
-        def take(prompt: int, out: RequestOutput) -> Choice:
-            """Book one output on its choice (and in the metrics) -> that choice."""
+        def take(prompt: int, out: RequestOutput) -> tuple[Choice, str]:
+            """Book one output on its choice (and in the metrics) -> that choice, and the text the output adds."""
             metrics.observe(out, prompt not in seen_prompts)
             seen_prompts.add(prompt)
+            if out.prompt_logprobs is not None:
+                prompt_logprobs[prompt] = out.prompt_logprobs
             choice = choices[prompt * n + out.index]
-            choice.take(out)
+            text = choice.take(out, prompt_logprobs.get(prompt))
             if out.finished and out.finish_reason == "abort":  # never shown to a client as if it had finished
                 raise RequestAborted(f"request {request_id} was aborted before it finished")
-            return choice
+            return choice, text
 
         def count_unfinished() -> None:
             """Each sample that ended without its last output (its client went away, the request failed) counts
@@ -936,6 +1031,8 @@ def build_app(
                     result.append({"index": choice.index, "message": message, **ending})
                 else:
                     result.append({"index": choice.index, "text": choice.text, **ending})
+                    if params.prompt_logprobs is not None:  # (vLLM's extra field)
+                        result[-1]["prompt_logprobs"] = vllm_prompt_logprobs(token_text, choice.prompt_logprobs or [])
             return JSONResponse(
                 {
                     **head,
@@ -975,11 +1072,11 @@ def build_app(
                         )
                 try:
                     async for prompt, out in merged:
-                        choice = take(prompt, out)
+                        choice, text = take(prompt, out)
                         # a piece while text is held back (half a character, a possible stop string) carries
                         # nothing to show: its tokens' logprobs wait and go with the next chunk that is sent
-                        if out.text or out.finished:
-                            yield event(chunk(choice, out.text, out.finished))
+                        if text or out.finished:
+                            yield event(chunk(choice, text, out.finished))
                 except Exception as error:  # the step serving it failed or it was aborted: say so, then end
                     error = failure(error)
                     if isinstance(error, APIError):
@@ -1001,7 +1098,8 @@ def build_app(
         body, heavy = await read_body(request)
         check_fields(body, COMPLETION_HONOURED, NOT_SUPPORTED_COMPLETION)
         prompts = prompt_batch(body.get("prompt"))
-        params = sampling_params(body, COMPLETION_FIELDS, {"max_tokens": DEFAULT_COMPLETION_MAX_TOKENS})
+        fields_body, echo, generate = echo_fields(body)
+        params = sampling_params(fields_body, COMPLETION_FIELDS, {"max_tokens": DEFAULT_COMPLETION_MAX_TOKENS})
         add_special_tokens = check_flag(body, "add_special_tokens", True)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         blamed = blamed_fields(body, "prompt")
@@ -1015,8 +1113,12 @@ def build_app(
                 streams.append(start(prompt, params, blamed, f"{request_id}-{i}", where))
             return streams
 
+        def echo_texts() -> list[str]:  # (a prompt of token ids: its decoded text)
+            return [p if isinstance(p, str) else tokenizer.decode(p) for p in prompts]
+
         streams = await off_the_loop(open_streams, heavy)
-        return await respond(request, body, params, streams, request_id, chat=False)
+        texts = Echo(await off_the_loop(echo_texts, heavy), generate) if echo else None
+        return await respond(request, body, params, streams, request_id, chat=False, echo=texts)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:

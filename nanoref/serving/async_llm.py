@@ -85,6 +85,10 @@ class RequestOutput:
     stop_reason: int | str | None = None
     # one entry per token of `token_ids` where SamplingParams.logprobs asked for them, else empty
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_token_ids: list[int] | None = None  # the request's prompt (the same list in each of its outputs)
+    # where SamplingParams.prompt_logprobs asked: the request's, on sample 0's first output (None for the first
+    # prompt token, then each prompt token's TokenLogprobs, as `LLM.generate`'s "prompt_logprobs"); else None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     def followed_by(self, later: RequestOutput) -> RequestOutput:
         """This output and the next one of the same sample as one (a consumer that fell behind reads both at once)."""
@@ -94,6 +98,7 @@ class RequestOutput:
             text=self.text + later.text,
             token_ids=self.token_ids + later.token_ids,
             logprobs=self.logprobs + later.logprobs,
+            prompt_logprobs=self.prompt_logprobs or later.prompt_logprobs,
         )
 
 
@@ -106,6 +111,7 @@ class _Request:
     tokenizer: Any
     params: SamplingParams
     eos_token_ids: set[int]
+    prompt_token_ids: list[int] | None = None
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     # each sample's tokens and text so far (written by the thread that receives the step messages)
     token_ids: list[list[int]] = field(default_factory=list)
@@ -146,6 +152,8 @@ class _Request:
             index=delta.index,
             stop_reason=delta.stop_reason,
             logprobs=delta.logprobs,
+            prompt_token_ids=self.prompt_token_ids,
+            prompt_logprobs=delta.prompt_logprobs,
         )
 
 
@@ -294,7 +302,9 @@ class AsyncLLM:
         self, token_ids: list[int], params: SamplingParams, request_id: str
     ) -> AsyncIterator[RequestOutput]:
         loop = asyncio.get_running_loop()
-        request = _Request(next(self._keys), request_id, loop, params.n, self.tokenizer, params, self._eos_token_ids)
+        request = _Request(
+            next(self._keys), request_id, loop, params.n, self.tokenizer, params, self._eos_token_ids, token_ids
+        )
         with self._requests_lock:  # (with _on_exit: a request is either failed by it or refused here)
             self._check_running()
             if request_id in self._requests:

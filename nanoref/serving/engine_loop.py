@@ -85,6 +85,9 @@ class SampleDelta(NamedTuple):
     stop_reason: int | str | None
     logprobs: list[TokenLogprobs]
     metrics: RequestMetrics | None  # on a served (not aborted) sample's last delta
+    # where SamplingParams.prompt_logprobs asks: the request's, on sample 0's first delta (OutputProcessor's
+    # prompt_logprobs: None for the first prompt token, then one entry per prompt token)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class StepMessage(NamedTuple):
@@ -232,6 +235,7 @@ class EngineLoop:
             stop_reason=seq.stop_reason,
             logprobs=seq.output.logprobs[sample.num_sent_tokens : len(tokens)],
             metrics=metrics,
+            prompt_logprobs=self.llm.output_processor.prompt_logprobs(seq) if sample.num_sent_tokens == 0 else None,
         )
         sample.num_sent_tokens, sample.done = len(tokens), seq.is_finished
         if text is not None:

@@ -8,8 +8,10 @@ requests take the same steps):
 
 - batch: a step with more running sequences than `disable_by_batch_size` runs plain (vLLM's rule and name);
 - acceptance: while the tokens gained per sequence and verify step (a moving average, 1.0 when nothing is
-  accepted) stay below `min_tokens_per_step`, steps run plain; every `probe_every`-th step still verifies, so the
-  average follows text that becomes predictable (a repeated list, code being quoted).
+  accepted) stay below `min_tokens_per_step`, steps run plain; a probe still verifies now and then, so the average
+  follows text that becomes predictable (a repeated list, code being quoted): after 8 plain steps, and twice as
+  many after each probe that did not pay (up to 64), since a probe costs a verify step (with a draft model, its
+  forwards and its catch-up on the tokens it missed).
 
 A plain step inside the speculative loop is the engine's ordinary decode step (its CUDA graphs included); a draft
 model simply catches up on the tokens it missed at its next verify step.
@@ -28,7 +30,8 @@ DEFAULT_BATCH_LIMIT = {"cuda": 32, "cpu": 4}
 class SpeculationPolicy:
     disable_by_batch_size: int  # 0: never by batch size
     min_tokens_per_step: float  # 0: never by acceptance
-    probe_every: int = 8
+    probe_every: int = 8  # plain steps before the next probe (doubled after each probe that did not pay)
+    max_probe_every: int = 64
     smoothing: float = 0.3  # the weight of the latest verify step in the moving average
     tokens_per_step: float | None = None  # the moving average (None before the first verify step)
     plain_since_verify: int = 0
@@ -46,7 +49,12 @@ class SpeculationPolicy:
         """A verify step of num_seqs sequences gained num_gained tokens in all."""
         gain = num_gained / max(num_seqs, 1)
         average = self.tokens_per_step
+        probing = average is not None and average < self.min_tokens_per_step  # (this step was a probe)
         self.tokens_per_step = gain if average is None else (1 - self.smoothing) * average + self.smoothing * gain
+        if self.tokens_per_step >= self.min_tokens_per_step:
+            self.probe_every = 8
+        elif probing:
+            self.probe_every = min(2 * self.probe_every, self.max_probe_every)
         self.plain_since_verify = 0
 
     def ran_plain(self) -> None:
