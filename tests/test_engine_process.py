@@ -298,7 +298,7 @@ def test_a_step_message_that_fails_on_the_server_side_fails_the_requests_instead
     """Turning a step message into outputs runs in the server's reader thread (its decode, a tokenizer's code): when
     it raises, the requests in flight get that error and later ones are refused, as when an engine thread dies;
     the engine process is stopped, not left behind."""
-    import nanoref.serving.async_llm as async_llm
+    import nanoref.engine.output_processor as output_processor
 
     engine = AsyncLLM.from_model(engine_process=True, **SETTINGS)
     process = engine._engine.process
@@ -309,7 +309,7 @@ def test_a_step_message_that_fails_on_the_server_side_fails_the_requests_instead
                 raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "a tokenizer that cannot decode")
             return []
 
-        monkeypatch.setattr(async_llm, "add_many", broken)
+        monkeypatch.setattr(output_processor, "add_many", broken)
         with pytest.raises(RuntimeError, match="server's side failed on a step message.*UnicodeDecodeError"):
             run(collect(engine.generate("Beautiful is better than", GREEDY)))
         assert not engine.is_running

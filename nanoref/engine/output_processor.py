@@ -4,7 +4,8 @@ The core appends tokens and decides EOS, stop ids and lengths; everything else a
 each sample's place among its request's n (`index`) and the caller's name for it (`request_id`), its text as it
 grows (an `IncrementalDetokenizer`, only where something reads it as it grows: a stream, or stop strings), the
 stop strings matched on that text, its logprobs and its prompt's, and the outputs themselves: `generate`'s dicts,
-`stream`'s pieces and the engine loop's deltas. Each sequence carries its `SampleOutput` as `seq.output`.
+`stream`'s pieces, the engine loop's deltas, and the `RequestOutput`s AsyncLLM builds from them where its caller is
+(`RequestOutputs`). Each sequence carries its `SampleOutput` as `seq.output`.
 
 Prompt logprobs (`SamplingParams.prompt_logprobs`) score the tokens the model was given: prompt token t + 1 on the
 logits of the row of token t, in every prefill chunk of the prompt (engine/sampling_inputs.py's `split_logits`).
@@ -15,11 +16,14 @@ prompt, and sample 0 alone scores it).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any, NamedTuple
 
-from nanoref.engine.detokenizer import IncrementalDetokenizer, decode, hidden_stop_tokens
+from nanoref.engine.detokenizer import IncrementalDetokenizer, add_many, decode, hidden_stop_tokens
+from nanoref.engine.metrics import RequestMetrics
 from nanoref.engine.sequence import Sequence
 from nanoref.layers.logits_processors import StepLogprobs, TokenLogprobs
+from nanoref.sampling_params import SamplingParams
 
 
 @dataclass(eq=False)
@@ -208,3 +212,126 @@ class OutputProcessor:
                     del sent[seq]
                 pieces.append(StreamPiece(text, tokens, seq.is_finished, seq.finish_reason, seq.output.index))
         return pieces
+
+
+# -- the engine loop's deltas, and the outputs its caller builds from them ----------------------------------
+class SampleDelta(NamedTuple):
+    """What one sample of a request made since its previous delta (a tuple: cheap to pickle, hundreds a step)."""
+
+    key: int
+    index: int  # which of the request's n samples
+    token_ids: list[int]
+    # with stop strings: the engine's new text ("" while a character or a possible stop string is held back);
+    # None without: the receiver decodes token_ids itself
+    text: str | None
+    num_prompt_tokens: int
+    finished: bool
+    finish_reason: str | None
+    stop_reason: int | str | None
+    logprobs: list[TokenLogprobs]
+    metrics: RequestMetrics | None  # on a served (not aborted) sample's last delta
+    # where SamplingParams.prompt_logprobs asks: the request's, on sample 0's first delta (OutputProcessor's
+    # prompt_logprobs: None for the first prompt token, then one entry per prompt token)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+
+
+@dataclass
+class RequestOutput:
+    """What one sample of a request made since its previous output (the delta), and everything it made so far.
+
+    A request with n > 1 streams its samples' outputs interleaved, each with its `index`; `finished` is that
+    sample's, and the request is done when each of its n samples has sent a finished output."""
+
+    request_id: str
+    text: str  # new text since the previous output ("" while a character or a possible stop string is held back)
+    token_ids: list[int]  # new token ids since the previous output
+    cumulative_text: str
+    cumulative_token_ids: list[int]
+    num_prompt_tokens: int
+    finished: bool = False
+    finish_reason: str | None = None  # "stop", "length" or "abort" on the last output
+    metrics: RequestMetrics | None = None  # on the last output of a request that was served (not aborted)
+    index: int = 0  # which of the request's n samples
+    # the stop string or stop_token_ids entry that ended it ("stop"); None for EOS, length and abort
+    stop_reason: int | str | None = None
+    # one entry per token of `token_ids` where SamplingParams.logprobs asked for them, else empty
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_token_ids: list[int] | None = None  # the request's prompt (the same list in each of its outputs)
+    # where SamplingParams.prompt_logprobs asked: the request's, on sample 0's first output (None for the first
+    # prompt token, then each prompt token's TokenLogprobs, as `LLM.generate`'s "prompt_logprobs"); else None
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+
+    def followed_by(self, later: RequestOutput) -> RequestOutput:
+        """This output and the next one of the same sample as one (a consumer that fell behind reads both at once)."""
+        # the later one's state (cumulative text, finish, metrics), with both deltas
+        return replace(
+            later,
+            text=self.text + later.text,
+            token_ids=self.token_ids + later.token_ids,
+            logprobs=self.logprobs + later.logprobs,
+            prompt_logprobs=self.prompt_logprobs or later.prompt_logprobs,
+        )
+
+
+class RequestOutputs:
+    """One request's outputs where its caller reads them (AsyncLLM's receiving thread, which may be in another
+    process than the engine): each sample's tokens and text so far, grown from the engine's deltas. A delta without
+    text (a request without stop strings) is decoded here, in `delta_texts`: the engine's step never waits for it."""
+
+    def __init__(
+        self,
+        request_id: str,
+        num_samples: int,
+        tokenizer: Any,
+        params: SamplingParams,
+        eos_token_ids: set[int],
+        prompt_token_ids: list[int] | None = None,
+    ) -> None:
+        self.request_id, self.prompt_token_ids = request_id, prompt_token_ids
+        self.token_ids: list[list[int]] = [[] for _ in range(num_samples)]  # each sample's tokens so far
+        self.texts = [""] * num_samples  # and its text
+        hidden = hidden_stop_tokens(params, eos_token_ids)
+        self.detokenizers = [
+            IncrementalDetokenizer(
+                tokenizer,
+                skip_special_tokens=params.skip_special_tokens,
+                spaces_between_special_tokens=params.spaces_between_special_tokens,
+                hidden=hidden,
+            )
+            for _ in range(num_samples)
+        ]
+
+    def output(self, delta: SampleDelta, text: str) -> RequestOutput:
+        """The sample's next output: the delta, its new text (see `delta_texts`) and, around them, everything the
+        sample made so far."""
+        tokens = self.token_ids[delta.index]
+        tokens.extend(delta.token_ids)
+        self.texts[delta.index] += text
+        return RequestOutput(
+            request_id=self.request_id,
+            text=text,
+            token_ids=delta.token_ids,
+            cumulative_text=self.texts[delta.index],
+            cumulative_token_ids=list(tokens),
+            num_prompt_tokens=delta.num_prompt_tokens,
+            finished=delta.finished,
+            finish_reason=delta.finish_reason,
+            metrics=delta.metrics,
+            index=delta.index,
+            stop_reason=delta.stop_reason,
+            logprobs=delta.logprobs,
+            prompt_token_ids=self.prompt_token_ids,
+            prompt_logprobs=delta.prompt_logprobs,
+        )
+
+
+def delta_texts(live: list[tuple[RequestOutputs, SampleDelta]]) -> list[str]:
+    """Each delta's new text: the engine's (a request with stop strings), else decoded here, every stream's new
+    tokens in one batched decode (`add_many`: a Rust call that lets the event loop run meanwhile)."""
+    texts = [delta.text for _, delta in live]
+    undecoded = [i for i, text in enumerate(texts) if text is None]
+    detokenizers = [live[i][0].detokenizers[live[i][1].index] for i in undecoded]
+    pieces = add_many(detokenizers, [live[i][1].token_ids for i in undecoded])
+    for i, detokenizer, piece in zip(undecoded, detokenizers, pieces):
+        texts[i] = piece + detokenizer.finish() if live[i][1].finished else piece  # (finish: the held-back rest)
+    return texts

@@ -46,115 +46,32 @@ import queue
 import threading
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from nanoref.config import EngineConfig
-from nanoref.engine.detokenizer import IncrementalDetokenizer, add_many, hidden_stop_tokens
-from nanoref.engine.metrics import RequestMetrics
+from nanoref.engine.output_processor import RequestOutput, RequestOutputs, delta_texts
 from nanoref.engine.requests import check_request, eos_token_ids, tokenize
-from nanoref.layers.logits_processors import TokenLogprobs
 from nanoref.llm import DEFAULT_MODEL, LLM, SETTINGS
 from nanoref.sampling_params import SamplingParams
-from nanoref.serving.engine_loop import EngineLoop, EngineStats, SampleDelta, StepMessage, drain
+from nanoref.serving.engine_loop import EngineLoop, EngineStats, StepMessage, drain
 from nanoref.utils import seams
 from nanoref.utils.loader import load_tokenizer
 
 __all__ = ["AsyncLLM", "EngineStats", "RequestOutput", "coalesce"]
 
 
-@dataclass
-class RequestOutput:
-    """What one sample of a request made since its previous output (the delta), and everything it made so far.
-
-    A request with n > 1 streams its samples' outputs interleaved, each with its `index`; `finished` is that
-    sample's, and the request is done when each of its n samples has sent a finished output."""
-
-    request_id: str
-    text: str  # new text since the previous output ("" while a character or a possible stop string is held back)
-    token_ids: list[int]  # new token ids since the previous output
-    cumulative_text: str
-    cumulative_token_ids: list[int]
-    num_prompt_tokens: int
-    finished: bool = False
-    finish_reason: str | None = None  # "stop", "length" or "abort" on the last output
-    metrics: RequestMetrics | None = None  # on the last output of a request that was served (not aborted)
-    index: int = 0  # which of the request's n samples
-    # the stop string or stop_token_ids entry that ended it ("stop"); None for EOS, length and abort
-    stop_reason: int | str | None = None
-    # one entry per token of `token_ids` where SamplingParams.logprobs asked for them, else empty
-    logprobs: list[TokenLogprobs] = field(default_factory=list)
-    prompt_token_ids: list[int] | None = None  # the request's prompt (the same list in each of its outputs)
-    # where SamplingParams.prompt_logprobs asked: the request's, on sample 0's first output (None for the first
-    # prompt token, then each prompt token's TokenLogprobs, as `LLM.generate`'s "prompt_logprobs"); else None
-    prompt_logprobs: list[TokenLogprobs | None] | None = None
-
-    def followed_by(self, later: RequestOutput) -> RequestOutput:
-        """This output and the next one of the same sample as one (a consumer that fell behind reads both at once)."""
-        # the later one's state (cumulative text, finish, metrics), with both deltas
-        return replace(
-            later,
-            text=self.text + later.text,
-            token_ids=self.token_ids + later.token_ids,
-            logprobs=self.logprobs + later.logprobs,
-            prompt_logprobs=self.prompt_logprobs or later.prompt_logprobs,
-        )
-
-
 @dataclass(eq=False)  # compared by identity: two requests are never the same one
 class _Request:
     key: int  # this submission's number in the engine's messages
-    request_id: str
-    loop: asyncio.AbstractEventLoop
-    num_samples: int
-    tokenizer: Any
-    params: SamplingParams
-    eos_token_ids: set[int]
-    prompt_token_ids: list[int] | None = None
+    loop: asyncio.AbstractEventLoop  # its consumer's
+    outputs: RequestOutputs  # what it made so far (written by the thread that receives the step messages)
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    # each sample's tokens and text so far (written by the thread that receives the step messages)
-    token_ids: list[list[int]] = field(default_factory=list)
-    texts: list[str] = field(default_factory=list)
-    # each sample's text, grown from its deltas' tokens (a request without stop strings: see SampleDelta.text)
-    detokenizers: list[IncrementalDetokenizer] = field(default_factory=list)
 
-    def __post_init__(self) -> None:
-        self.token_ids = [[] for _ in range(self.num_samples)]
-        self.texts = [""] * self.num_samples
-        p, hidden = self.params, hidden_stop_tokens(self.params, self.eos_token_ids)
-        self.detokenizers = [
-            IncrementalDetokenizer(
-                self.tokenizer,
-                skip_special_tokens=p.skip_special_tokens,
-                spaces_between_special_tokens=p.spaces_between_special_tokens,
-                hidden=hidden,
-            )
-            for _ in range(self.num_samples)
-        ]
-
-    def output(self, delta: SampleDelta, text: str) -> RequestOutput:
-        """The sample's next output: the delta, its new text (see `_texts`) and, around them, everything the
-        sample made so far."""
-        tokens = self.token_ids[delta.index]
-        tokens.extend(delta.token_ids)
-        self.texts[delta.index] += text
-        return RequestOutput(
-            request_id=self.request_id,
-            text=text,
-            token_ids=delta.token_ids,
-            cumulative_text=self.texts[delta.index],
-            cumulative_token_ids=list(tokens),
-            num_prompt_tokens=delta.num_prompt_tokens,
-            finished=delta.finished,
-            finish_reason=delta.finish_reason,
-            metrics=delta.metrics,
-            index=delta.index,
-            stop_reason=delta.stop_reason,
-            logprobs=delta.logprobs,
-            prompt_token_ids=self.prompt_token_ids,
-            prompt_logprobs=delta.prompt_logprobs,
-        )
+    @property
+    def request_id(self) -> str:
+        return self.outputs.request_id
 
 
 class EngineThread:
@@ -302,9 +219,8 @@ class AsyncLLM:
         self, token_ids: list[int], params: SamplingParams, request_id: str
     ) -> AsyncIterator[RequestOutput]:
         loop = asyncio.get_running_loop()
-        request = _Request(
-            next(self._keys), request_id, loop, params.n, self.tokenizer, params, self._eos_token_ids, token_ids
-        )
+        outputs = RequestOutputs(request_id, params.n, self.tokenizer, params, self._eos_token_ids, token_ids)
+        request = _Request(next(self._keys), loop, outputs)
         with self._requests_lock:  # (with _on_exit: a request is either failed by it or refused here)
             self._check_running()
             if request_id in self._requests:
@@ -391,8 +307,9 @@ class AsyncLLM:
         by_key = self._by_key
         # (a delta whose request is gone: its consumer left, and the engine's abort is on its way)
         live = [(by_key[delta.key], delta) for delta in message.deltas if delta.key in by_key]
-        for (request, delta), text in zip(live, _texts(live)):
-            outbox.setdefault(request.loop, []).append((request, request.output(delta, text)))
+        texts = delta_texts([(request.outputs, delta) for request, delta in live])
+        for (request, delta), text in zip(live, texts):
+            outbox.setdefault(request.loop, []).append((request, request.outputs.output(delta, text)))
         for key, error in message.errors:
             request = by_key.get(key)
             if request is not None:
@@ -417,18 +334,6 @@ class AsyncLLM:
         if pending:
             error = RuntimeError(why)
             self._on_message(StepMessage([], [(request.key, error) for request in pending], self._stats))
-
-
-def _texts(live: list[tuple[_Request, SampleDelta]]) -> list[str]:
-    """Each delta's new text: the engine's (a request with stop strings), else decoded here, every stream's new
-    tokens in one batched decode (`add_many`: a Rust call that lets the event loop run meanwhile)."""
-    texts = [delta.text for _, delta in live]
-    undecoded = [i for i, text in enumerate(texts) if text is None]
-    detokenizers = [live[i][0].detokenizers[live[i][1].index] for i in undecoded]
-    pieces = add_many(detokenizers, [live[i][1].token_ids for i in undecoded])
-    for i, detokenizer, piece in zip(undecoded, detokenizers, pieces):
-        texts[i] = piece + detokenizer.finish() if live[i][1].finished else piece  # (finish: the held-back rest)
-    return texts
 
 
 def _publish(items: list[tuple[_Request, RequestOutput | BaseException]]) -> None:

@@ -17,8 +17,8 @@ Per token the loop does little (see async_llm.py's docstring for why that matter
 - a request gets a new delta only once its consumer read the previous one ("read"); a consumer that falls behind
   gets several tokens in one delta later, and costs nothing meanwhile (a finished sample's last delta is always
   sent: it carries everything not sent yet);
-- a delta carries token ids, not text: the receiving side decodes them (`async_llm.py`'s `_texts`: every
-  stream's tokens of a step in one batched decode). In the process form that is the server's process, so the
+- a delta carries token ids, not text: the receiving side decodes them (the output stage's `delta_texts`, in
+  AsyncLLM's receiving thread: every stream's tokens of a step in one batched decode). In the process form that is the server's process, so the
   engine's process spends nothing on text: on an H200 with 256 streams, decoding every delta here took a quarter
   of the engine process's time, Python that offline `generate` never pays, and the GPU waited for it. Only a
   request with stop strings has its text grown here, token by token, in the engine (its `seq.output.detokenizer`),
@@ -32,9 +32,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from nanoref.engine.metrics import RequestMetrics
+from nanoref.engine.output_processor import SampleDelta
 from nanoref.engine.sequence import Sequence
-from nanoref.layers.logits_processors import TokenLogprobs
 from nanoref.llm import LLM
 
 
@@ -68,26 +67,6 @@ class EngineStats:
         return (
             self.prefix_cache_hit_tokens / self.prefix_cache_queried_tokens if self.prefix_cache_queried_tokens else 0.0
         )
-
-
-class SampleDelta(NamedTuple):
-    """What one sample of a request made since its previous delta (a tuple: cheap to pickle, hundreds a step)."""
-
-    key: int
-    index: int  # which of the request's n samples
-    token_ids: list[int]
-    # with stop strings: the engine's new text ("" while a character or a possible stop string is held back);
-    # None without: the receiver decodes token_ids itself
-    text: str | None
-    num_prompt_tokens: int
-    finished: bool
-    finish_reason: str | None
-    stop_reason: int | str | None
-    logprobs: list[TokenLogprobs]
-    metrics: RequestMetrics | None  # on a served (not aborted) sample's last delta
-    # where SamplingParams.prompt_logprobs asks: the request's, on sample 0's first delta (OutputProcessor's
-    # prompt_logprobs: None for the first prompt token, then one entry per prompt token)
-    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
 
 class StepMessage(NamedTuple):
