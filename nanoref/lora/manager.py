@@ -91,8 +91,10 @@ class LoRAManager:
         self.row_slots[n:].fill_(-1)
 
     # -- adapters -----------------------------------------------------------------------------------
-    def add_lora(self, request: LoRARequest) -> LoRAAdapter:
-        """Read and check `request`'s adapter into the host cache (a no-op if it is there): errors leave nothing."""
+    def add_lora(self, request: LoRARequest, keep: Iterable[int] = ()) -> LoRAAdapter:
+        """Read and check `request`'s adapter into the host cache (a no-op if it is there): errors leave nothing.
+        Beyond max_cpu_loras the least recently used adapter leaves the host, never one in a slot, this one or
+        those in `keep` (a step's others)."""
         known = self.requests.get(request.lora_int_id)
         if known is not None and known != request:
             raise ValueError(f"lora_int_id {request.lora_int_id} already names {known.lora_name!r} ({known.lora_path})")
@@ -103,13 +105,16 @@ class LoRAManager:
             )
             self.host[request.lora_int_id] = adapter
             self.requests[request.lora_int_id] = request
-            while len(self.host) > self.max_cpu_loras:  # the least recently used one not in a slot leaves
-                victim = next((i for i in self.host if i not in self.slot_ids), None)
-                if victim is None:
-                    break
-                del self.host[victim], self.requests[victim]
         self.host.move_to_end(request.lora_int_id)
+        self._trim_host({request.lora_int_id, *keep})
         return adapter
+
+    def _trim_host(self, keep: set[int]) -> None:
+        while len(self.host) > self.max_cpu_loras:  # the least recently used one that may leave
+            victim = next((i for i in self.host if i not in self.slot_ids and i not in keep), None)
+            if victim is None:
+                return
+            del self.host[victim], self.requests[victim]
 
     def remove_lora(self, lora_int_id: int) -> bool:
         """Forget an adapter (its slot is cleared); False if it was not loaded."""
@@ -122,21 +127,22 @@ class LoRAManager:
 
     def assign_slots(self, requests: Iterable[LoRARequest]) -> dict[int, int]:
         """Slots for the adapters one step needs -> {lora_int_id: slot}, loading those not in a slot yet."""
-        needed = list(dict.fromkeys(r.lora_int_id for r in requests))
-        if len(needed) > self.max_loras:
-            raise ValueError(f"one step needs {len(needed)} adapters, but max_loras is {self.max_loras}")
-        for request in requests:
-            self.add_lora(request)
+        by_id = {r.lora_int_id: r for r in requests}
+        if len(by_id) > self.max_loras:
+            raise ValueError(f"one step needs {len(by_id)} adapters, but max_loras is {self.max_loras}")
+        for request in by_id.values():
+            self.add_lora(request, keep=by_id)
         assigned = {}
-        for lora_id in needed:
+        for lora_id in by_id:
             if lora_id in self.slot_ids:
                 slot = self.slot_ids.index(lora_id)
             else:
-                slot = self._free_slot(set(needed))
+                slot = self._free_slot(set(by_id))
                 self._load(slot, self.host[lora_id])
             self.slot_order.pop(slot, None)
             self.slot_order[slot] = None  # the most recently used
             assigned[lora_id] = slot
+        self._trim_host(set(by_id))
         return assigned
 
     def _free_slot(self, keep: set[int]) -> int:
