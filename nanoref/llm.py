@@ -26,7 +26,8 @@ from nanoref.engine.model_runner import ModelRunner
 from nanoref.engine.requests import prompt_list
 from nanoref.fast.cuda_graphs import DecodeGraphs
 from nanoref.fast.overlap import OverlappedLoop
-from nanoref.lora.hooks import LoRAHooks, check_lora_request, lora_request_list
+from nanoref.lora.adapters import load_adapter
+from nanoref.lora.hooks import LoRAHooks, check_lora_request, lora_request_list  # (re-exported: the server)
 from nanoref.lora.request import LoRARequest
 from nanoref.parallel.runner import TensorParallelRunner
 from nanoref.sampling_params import SamplingParams
@@ -167,6 +168,13 @@ LLM.__init__.__signature__ = inspect.Signature(
         if f.name in SETTINGS
     ]
 )
+
+
+def check_lora_adapter(config: EngineConfig, lora_request: LoRARequest) -> None:
+    """Read and check a LoRA adapter's folder against the model of `config` (LoRAAdapterError, a ValueError, naming
+    the problem): what a server does before it lists an adapter."""
+    r = lora_request
+    load_adapter(r.lora_path, r.lora_name, r.lora_int_id, config.hf_config, config.max_lora_rank)
 
 
 def engine_hooks(config: EngineConfig, lora: LoRAHooks | None = None) -> EngineHooks:

@@ -126,7 +126,6 @@ def test_metrics_parse_and_the_counters_move(server):
 
 TOO_LONG = list(range(1, 600))  # the built-in model's max_model_len is 512
 BAD = [
-    ("completions", {"model": "gpt-4", "prompt": "x"}, "model"),
     ("completions", {"prompt": "x", "max_tokens": "ten"}, "max_tokens"),
     ("completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
     ("completions", {"prompt": "x", "temperature": -1}, "temperature"),

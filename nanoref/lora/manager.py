@@ -10,9 +10,9 @@ Adapters come in from disk once (checked, into a host cache of `max_cpu_loras`, 
 and move into a device slot when a step needs them: a free slot, else the least recently used slot that this step
 does not need; a step that needs more distinct adapters than `max_loras` is refused (`assign_slots`).
 
-Not yet wired into the engine: nothing fills `row_slots` from the scheduled sequences, no request carries an
-adapter, the scheduler does not yet keep a step to `max_loras` adapters, and the prefix cache is not keyed by
-adapter. `tests/test_lora.py` drives the manager directly (every row on one adapter) against HF + peft.
+The engine drives it through `hooks.py` (`LLM(enable_lora=True)`): each step's slots and rows before every forward,
+at most `max_loras` adapters per step (the scheduler's admission rule). `tests/test_lora.py` also drives it directly
+(every row on one adapter) against HF + peft.
 """
 
 from __future__ import annotations

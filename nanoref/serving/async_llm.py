@@ -55,7 +55,7 @@ from nanoref.engine.detokenizer import IncrementalDetokenizer, add_many
 from nanoref.engine.metrics import RequestMetrics
 from nanoref.engine.requests import check_request, tokenize
 from nanoref.layers.logits_processors import TokenLogprobs
-from nanoref.llm import DEFAULT_MODEL, LLM, SETTINGS
+from nanoref.llm import DEFAULT_MODEL, LLM, SETTINGS, LoRARequest, check_lora_request
 from nanoref.sampling_params import SamplingParams
 from nanoref.serving.engine_loop import EngineLoop, EngineStats, SampleDelta, StepMessage, drain
 from nanoref.utils import seams
@@ -255,18 +255,24 @@ class AsyncLLM:
 
     # -- the caller's side (the event loop) -------------------------------------------------------
     def generate(
-        self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Outputs of one request as it is served, those of its `params.n` samples interleaved (each output names
         its sample's `index`); the iteration ends once every sample has sent its finished output. A bad request
         (ValueError/TypeError) raises here, before anything is queued; the request is queued when the first output
         is awaited, and a duplicate request_id raises ValueError there. Leaving the iteration early (break,
-        aclose, cancellation) aborts every sample of the request."""
+        aclose, cancellation) aborts every sample of the request. lora_request: the LoRA adapter it runs under
+        (LLM.generate's; the engine reads its folder when the request is queued)."""
         self._check_running()
         params = SamplingParams() if params is None else params
         token_ids = tokenize(prompt, self.tokenizer, self.config)
         check_request(token_ids, params, self.config)  # (the engine's own checks, on its config)
-        return self._stream(token_ids, params, request_id or f"req-{uuid.uuid4().hex}")
+        check_lora_request(lora_request, self.config.enable_lora)
+        return self._stream(token_ids, params, request_id or f"req-{uuid.uuid4().hex}", lora_request)
 
     def _check_running(self) -> None:
         if self._failure is not None:
@@ -275,7 +281,7 @@ class AsyncLLM:
             raise RuntimeError("this AsyncLLM is closed")
 
     async def _stream(
-        self, token_ids: list[int], params: SamplingParams, request_id: str
+        self, token_ids: list[int], params: SamplingParams, request_id: str, lora_request: LoRARequest | None = None
     ) -> AsyncIterator[RequestOutput]:
         request = _Request(next(self._keys), request_id, asyncio.get_running_loop(), params.n, self.tokenizer)
         with self._requests_lock:  # (with _on_exit: a request is either failed by it or refused here)
@@ -286,7 +292,7 @@ class AsyncLLM:
         unfinished = params.n  # samples whose finished output has not arrived yet
         finished = False
         try:
-            self._engine.send(("add", request.key, request_id, token_ids, params))
+            self._engine.send(("add", request.key, request_id, token_ids, params, lora_request))
             while not finished:
                 items = [await request.queue.get()]
                 while not request.queue.empty():  # what queued up while the consumer was busy: sent as one
