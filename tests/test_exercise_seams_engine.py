@@ -39,6 +39,7 @@ from nanoref.layers.layernorm import add_rms_norm, rms_norm
 from nanoref.layers.rotary import apply_rotary
 from nanoref.layers.sampler import apply_top_k_top_p
 from nanoref.ops import attention_torch
+from nanoref.ops.lora import lora_delta
 from nanoref.ops.triton_setup import triton_available
 from nanoref.spec.acceptance import accept_greedy, rejection_sample
 from nanoref.utils import seams
@@ -107,6 +108,8 @@ CASES: dict[str, Callable[[], Case]] = {
         params=SamplingParams(temperature=1.0, seed=3, max_tokens=6),
         prompts=REPEATING,
     ),
+    # every adapted projection of an engine with enable_lora calls it, on base-model rows too (their slot is -1)
+    "lora_delta": lambda: Case(lora_delta, {"enable_lora": True}),
 }
 
 # seam -> (the test module and test that check it on an engine that reaches it, why not here)

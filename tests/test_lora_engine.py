@@ -88,6 +88,7 @@ def test_one_lora_request_serves_every_prompt_and_a_list_may_mix_in_the_base_mod
     assert_exact(tiny_model, prompts, [lora, lora], llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=lora))
     loras = [None, lora]
     assert_exact(tiny_model, prompts, loras, llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras))
+    assert llm.lora.num_requests == {"all-r8": 3}  # requests per adapter name (the base model's are not counted)
 
 
 def test_the_same_prompt_under_each_adapter_never_reads_another_ones_kv(tiny_model, adapters):
@@ -277,3 +278,21 @@ def test_lora_settings_have_vllms_defaults(tiny_model):
     config = EngineConfig(tiny_model, device="cpu")
     assert (config.enable_lora, config.max_loras, config.max_lora_rank, config.max_cpu_loras) == (False, 1, 16, 1)
     assert EngineConfig(tiny_model, device="cpu", max_loras=3).max_cpu_loras == 3
+
+
+# -- on a GPU: decode CUDA graphs, the overlapped loop and verify graphs record each row's slot ------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("speculative", [False, True], ids=["decode-graphs+overlap", "verify-graphs"])
+def test_cuda_graphs_replay_every_rows_adapter(tiny_model, adapters, speculative):
+    """The decode graphs are captured after the slots exist and read `row_slots` as an input: replays of one graph
+    serve batches of different adapter mixes (and a verify graph its k + 1 rows per sequence), token-exact with HF
+    + peft (float32, as the reference)."""
+    spec = {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}} if speculative else {}
+    llm = LLM(tiny_model, device="cuda", dtype="float32", enable_lora=True, max_loras=4, num_kvcache_blocks=64, **spec)
+    assert llm.model_runner.decode_graphs is not None
+    assert (llm.speculative_loop is not None) if speculative else (llm.overlapped_loop is not None)
+    prompts = shared_prefix_prompts(seed=9, prefix_len=16, suffix_lens=[3, 7, 1, 12, 5])
+    for loras in ([adapters["all-r8"], None, adapters["o-r16"], adapters["mlp-r2"], adapters["attn-r4-rs"]],
+                  [None, adapters["mlp-r2"], adapters["mlp-r2"], None, adapters["all-r8"]]):  # fmt: skip
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras)
+        assert_exact(tiny_model, prompts, loras, outputs)
