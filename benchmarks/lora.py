@@ -1,7 +1,7 @@
 """LoRA adapters' cost: tokens per second of the base model beside every request on one adapter and requests spread
 over four adapters in one batch.
 
-    python benchmarks/lora.py                                   # this CPU, the built-in model
+    OMP_NUM_THREADS=1 python benchmarks/lora.py                 # this CPU, the built-in model
     python benchmarks/lora.py --model path/to/Qwen3-0.6B --device cuda --batch 64 --max-tokens 128
 
 Configurations (each its own engine, built once; requests greedy, `ignore_eos`, exactly `--max-tokens` output

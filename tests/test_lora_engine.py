@@ -9,6 +9,7 @@ import torch
 
 from nanoref import LLM, LoRARequest, SamplingParams
 from nanoref.lora import LoRAAdapterError
+from nanoref.ops.lora import lora_delta
 
 from .helpers import assert_no_block_leaked, hf_greedy, shared_prefix_prompts
 
@@ -137,6 +138,25 @@ def test_more_adapters_than_slots_wait_their_turn_and_are_swapped_in_lru(tiny_mo
     assert len(loads) > 4, f"four adapters through two slots must swap: {loads}"
     assert len(manager.host) <= 3
     assert_exact(tiny_model, prompts, loras, outputs)
+
+
+def test_a_step_of_base_model_rows_alone_skips_the_delta_and_stays_exact(tiny_model, adapters):
+    """An eager step whose rows are all base-model rows adds nothing (every row's delta is zero): the delta is not
+    computed at all; a step with one adapted row computes it for every adapted projection."""
+    from nanoref.utils import seams
+
+    from .helpers import Counting
+
+    llm = lora_llm(tiny_model, num_kvcache_blocks=32)
+    counting = Counting(lora_delta)
+    prompts = [[1, 2, 3, 4], [5, 6, 7]]
+    with seams.use(lora_delta=counting):
+        assert_exact(tiny_model, prompts, [None, None], llm.generate(prompts, GREEDY, use_tqdm=False))
+        assert counting.calls == 0
+        loras = [None, adapters["all-r8"]]
+        assert_exact(tiny_model, prompts, loras, llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras))
+    layers, pieces_per_layer = llm.config.hf_config.num_hidden_layers, 3 + 1 + 2 + 1  # q, k, v, o, gate, up, down
+    assert counting.calls == MAX_TOKENS * layers * pieces_per_layer  # every step: every piece of every layer
 
 
 def test_one_slot_and_one_host_place_serve_adapters_one_after_another(tiny_model, adapters):

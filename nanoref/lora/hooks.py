@@ -70,6 +70,7 @@ class LoRAHooks:
         """Every token row's adapter slot for this forward, into the manager's row_slots."""
         adapters = [adapter_of(seq) for seq in seqs]
         used = [adapter for adapter in adapters if adapter is not None]
+        self.manager.base_only = not used
         if not used and self.rows_are_base:
             return
         slots = self.manager.assign_slots(used)  # {lora_int_id: slot}
