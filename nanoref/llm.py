@@ -134,6 +134,17 @@ class LLM(LLMEngine):
                 self.lora.unload(lora_int_id)
             raise
 
+    def stream(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        lora_request: LoRARequest | None = None,
+    ):
+        """LLMEngine.stream, under the request's LoRA adapter (None: the base model)."""
+        params = SamplingParams() if params is None else params
+        return self._stream(self.make_samples(prompt, params, request_id, stream=True, lora_request=lora_request))
+
     def chat(
         self,
         messages: list[dict] | list[list[dict]],

@@ -183,7 +183,7 @@ def test_samples_streams_chat_and_add_request_carry_the_adapter(tiny_model, adap
     assert seq.completion_token_ids == want
 
 
-def test_chat_takes_a_lora_request(tmp_path):
+def test_chat_and_stream_take_a_lora_request(tmp_path):
     from nanoref import DEFAULT_MODEL
     from nanoref.engine.chat import chat_prompt
 
@@ -194,6 +194,8 @@ def test_chat_takes_a_lora_request(tmp_path):
     prompt = llm.tokenize(chat_prompt(llm.tokenizer, conversation, llm.config.model_folder))
     assert got == expected(DEFAULT_MODEL, lora, prompt)
     assert got != expected(DEFAULT_MODEL, None, prompt)
+    pieces = list(llm.stream(prompt, GREEDY, lora_request=lora))  # (a stream needs the tokenizer this model has)
+    assert [token for piece in pieces for token in piece.token_ids] == got
 
 
 # -- speculative decoding ---------------------------------------------------------------------------------------
