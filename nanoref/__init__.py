@@ -1,7 +1,7 @@
 """nanoref: a small, tested, notebook-taught reference of a Nano-vLLM-style inference engine."""
 
 from nanoref.engine.metrics import EngineMetrics, RequestMetrics, StepRecord
-from nanoref.llm import DEFAULT_MODEL, LLM
+from nanoref.llm import DEFAULT_MODEL, LLM, LoRARequest
 from nanoref.sampling_params import SamplingParams
 from nanoref.utils.loader import ModelFolderError
 from nanoref.utils.tracing import trace_shapes
@@ -11,6 +11,7 @@ __version__ = "0.1.0"
 __all__ = [
     "DEFAULT_MODEL",
     "LLM",
+    "LoRARequest",
     "EngineMetrics",
     "ModelFolderError",
     "RequestMetrics",

@@ -102,6 +102,13 @@ class EngineConfig:
     # "prompt_lookup_max": 3} or {"model": DRAFT_FOLDER, "num_speculative_tokens": 4}; parsed into a
     # SpeculativeConfig. None: off
     speculative_config: dict | SpeculativeConfig | None = None
+    # LoRA adapters (nanoref/lora/), vLLM's names: requests may name a PEFT adapter (LoRARequest); one batch mixes
+    # at most max_loras adapters (the device slots, each of rank max_lora_rank), and max_cpu_loras stay read and
+    # checked on the host (None: max_loras). Off by default: the slots' delta costs every forward a little
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
     # filled in by __post_init__: the folder and its parsed config.json (read once, here)
     model_folder: Path = field(init=False)
     architecture: str = field(init=False)  # the HF class name the model is built from
@@ -155,6 +162,7 @@ class EngineConfig:
             self._check_tensor_parallel()
         if self.speculative_config is not None:
             self._check_speculative()
+        self._check_lora()
 
     def resolved(self) -> EngineConfig:
         """This config with the concrete attention backend and KV block size. "auto" may run a tiny flash-attn
@@ -197,6 +205,26 @@ class EngineConfig:
                     f"tensor_parallel_size={size} needs {size} GPUs from {self.device}, but this machine has "
                     f"{torch.cuda.device_count()}"
                 )
+
+    def _check_lora(self) -> None:
+        if not isinstance(self.enable_lora, bool):
+            raise ValueError(f"enable_lora must be True or False, got {self.enable_lora!r}")
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if not _is_int(value) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_cpu_loras is None:
+            _set(self, max_cpu_loras=self.max_loras)
+        if not _is_int(self.max_cpu_loras) or self.max_cpu_loras < self.max_loras:
+            raise ValueError(
+                f"max_cpu_loras ({self.max_cpu_loras!r}) must be an integer >= max_loras ({self.max_loras}): the "
+                "adapters in the device slots are kept on the host too"
+            )
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise ValueError(
+                "enable_lora runs on one device: LoRA adapters are not split across tensor-parallel ranks; use "
+                "tensor_parallel_size=1"
+            )
 
     def _check_speculative(self) -> None:
         spec = self.speculative_config

@@ -4,8 +4,9 @@ The core (`nanoref/engine/`) runs the plain offline path eagerly on one device. 
 attached here, from outside, once the config is resolved: decode CUDA graphs (`nanoref/fast/cuda_graphs.py`) on
 the model runner, tensor parallelism (`nanoref/parallel/`) as the runner's subclass, and the overlapped loop
 (`nanoref/fast/overlap.py`) or the speculative loop (`nanoref/spec/`, with a draft model's runner beside the
-target's) as the engine's step loop. `torch.compile` applies itself: the element-wise
-layers compile on their first CUDA call (`nanoref/utils/compile.py`).
+target's) as the engine's step loop, and LoRA adapters (`nanoref/lora/hooks.py`: slots on the runner's model, an
+admission rule for the scheduler, each request's adapter as its sequences' cache salt). `torch.compile` applies
+itself: the element-wise layers compile on their first CUDA call (`nanoref/utils/compile.py`).
 """
 
 from __future__ import annotations
@@ -22,8 +23,12 @@ from nanoref.engine.chat import chat_prompt
 from nanoref.engine.hooks import EngineHooks, RunnerHooks
 from nanoref.engine.llm_engine import LLMEngine, PlainLoop
 from nanoref.engine.model_runner import ModelRunner
+from nanoref.engine.requests import prompt_list
 from nanoref.fast.cuda_graphs import DecodeGraphs
 from nanoref.fast.overlap import OverlappedLoop
+from nanoref.lora.adapters import load_adapter
+from nanoref.lora.hooks import LoRAHooks, check_lora_request, lora_request_list  # (re-exported: the server)
+from nanoref.lora.request import LoRARequest
 from nanoref.parallel.runner import TensorParallelRunner
 from nanoref.sampling_params import SamplingParams
 from nanoref.spec.loop import SpeculativeLoop
@@ -62,6 +67,11 @@ class LLM(LLMEngine):
     seed: seeds the generator that requests without their own `SamplingParams.seed` draw from, so the same seed
         and the same requests give the same tokens (a request's own seed still wins); None (default): fresh
         entropy, so runs differ. Either way the global RNGs (torch, random, numpy) are left alone.
+    enable_lora: serve LoRA adapters (PEFT folders) per request, as vLLM: `generate(..., lora_request=
+        LoRARequest(name, int_id, path))`; max_loras: adapters one batch mixes (the device slots; default 1),
+        max_lora_rank: the largest rank r they take (default 16), max_cpu_loras: adapters kept read on the host
+        (default max_loras). One device only (not with tensor_parallel_size > 1); with speculative decoding the
+        target verifies under each request's adapter and a draft model proposes without one.
     """
 
     def __init__(self, model: str | Path = DEFAULT_MODEL, **settings) -> None:
@@ -71,15 +81,76 @@ class LLM(LLMEngine):
                 f"LLM() got an unexpected keyword argument {unknown[0]!r}; its settings: {sorted(SETTINGS)}"
             )
         config = EngineConfig(model, **settings).resolved()
-        super().__init__(config, build_runner, engine_hooks(config))
+        self.lora = LoRAHooks(config) if config.enable_lora else None  # (nanoref/lora/hooks.py)
+        super().__init__(config, partial(build_runner, lora=self.lora), engine_hooks(config, self.lora))
         self.overlapped_loop = self.step_loop if isinstance(self.step_loop, OverlappedLoop) else None
         self.speculative_loop = self.step_loop if isinstance(self.step_loop, SpeculativeLoop) else None
+
+    def make_samples(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str | None = None,
+        stream: bool = False,
+        lora_request: LoRARequest | None = None,
+    ) -> list:
+        """LLMEngine.make_samples, with the request's LoRA adapter (None: the base model) read and checked first
+        (LoRAAdapterError names the folder and the problem); a request that fails leaves no adapter loaded."""
+        lora_request = check_lora_request(lora_request, self.lora is not None)
+        if lora_request is None:
+            return super().make_samples(prompt, params, request_id, stream)
+        new = self.lora.load(lora_request)
+        try:
+            samples = super().make_samples(prompt, params, request_id, stream)
+        except BaseException:
+            if new:
+                self.lora.unload(lora_request.lora_int_id)
+            raise
+        self.lora.bind(samples, lora_request)
+        return samples
+
+    def generate(
+        self,
+        prompts: list[str] | list[list[int]],
+        sampling_params: SamplingParams | list[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        lora_request: LoRARequest | list[LoRARequest | None] | None = None,
+        return_metrics: bool = False,
+    ) -> list[dict]:
+        """LLMEngine.generate, with vLLM's lora_request: one adapter for every prompt, or a list with one per
+        prompt (None entries run on the base model); needs enable_lora. A call that fails leaves none of the
+        adapters it loaded behind."""
+        prompts = prompt_list(prompts)
+        loras = lora_request_list(lora_request, len(prompts), self.lora is not None)
+        if not any(loras):
+            return super().generate(prompts, sampling_params, use_tqdm, return_metrics)
+        before = set(self.lora.manager.host)
+        try:
+            return super().generate(
+                prompts, sampling_params, use_tqdm, return_metrics, [{"lora_request": r} for r in loras]
+            )
+        except BaseException:
+            for lora_int_id in set(self.lora.manager.host) - before:
+                self.lora.unload(lora_int_id)
+            raise
+
+    def stream(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        lora_request: LoRARequest | None = None,
+    ):
+        """LLMEngine.stream, under the request's LoRA adapter (None: the base model)."""
+        params = SamplingParams() if params is None else params
+        return self._stream(self.make_samples(prompt, params, request_id, stream=True, lora_request=lora_request))
 
     def chat(
         self,
         messages: list[dict] | list[list[dict]],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | list[LoRARequest | None] | None = None,
         *,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
@@ -87,9 +158,10 @@ class LLM(LLMEngine):
     ) -> list[dict]:
         """Generate the assistant's reply to one conversation ([{"role", "content"}, ...]) or to each of a list of
         them, through the model folder's chat template; returns what `generate` returns, one dict per conversation.
-        As vLLM's LLM.chat: add_generation_prompt opens the assistant's turn; continue_final_message (with
-        add_generation_prompt=False) continues the last, assistant, message instead; chat_template_kwargs are the
-        template's own variables (Qwen3's `enable_thinking`). Messages as `nanoref/engine/chat.py` takes them.
+        lora_request: as generate's, per conversation. As vLLM's LLM.chat: add_generation_prompt opens the
+        assistant's turn; continue_final_message (with add_generation_prompt=False) continues the last, assistant,
+        message instead; chat_template_kwargs are the template's own variables (Qwen3's `enable_thinking`).
+        Messages as `nanoref/engine/chat.py` takes them.
         """
         conversations = (
             messages if messages and isinstance(messages, list) and isinstance(messages[0], list) else [messages]
@@ -109,7 +181,7 @@ class LLM(LLMEngine):
                 )
             except (ValueError, TypeError) as error:
                 raise type(error)(f"conversation {index}: {error}") from None
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
 
 SETTINGS = {f.name for f in fields(EngineConfig) if f.init and f.name != "model"}
@@ -125,16 +197,25 @@ LLM.__init__.__signature__ = inspect.Signature(
 )
 
 
-def engine_hooks(config: EngineConfig) -> EngineHooks:
-    """The engine's hooks for a config: its step loop, and the lookahead a verify step needs."""
+def check_lora_adapter(config: EngineConfig, lora_request: LoRARequest) -> None:
+    """Read and check a LoRA adapter's folder against the model of `config` (LoRAAdapterError, a ValueError, naming
+    the problem): what a server does before it lists an adapter."""
+    r = lora_request
+    load_adapter(r.lora_path, r.lora_name, r.lora_int_id, config.hf_config, config.max_lora_rank)
+
+
+def engine_hooks(config: EngineConfig, lora: LoRAHooks | None = None) -> EngineHooks:
+    """The engine's hooks for a config: its step loop, the lookahead a verify step needs, and with LoRA adapters
+    the rule that keeps a batch's adapters to max_loras."""
+    admission = {"can_admit": lora.can_admit} if lora is not None else {}
     spec = config.speculative_config
     if spec is None:
-        return EngineHooks(make_step_loop=OverlappedLoop if config.overlap_scheduling else PlainLoop)
+        return EngineHooks(make_step_loop=OverlappedLoop if config.overlap_scheduling else PlainLoop, **admission)
     # a verify step writes K/V for k slots past the last token; on CUDA it replays graphs of its own shape too
     # its plain decode steps (where speculation would not pay) overlap with the host's work on CUDA, as without it
     plain = OverlappedLoop if config.device.type == "cuda" else PlainLoop
     loop = partial(SpeculativeLoop, make_verify_graphs=DecodeGraphs, make_plain_loop=plain)
-    return EngineHooks(make_step_loop=loop, num_lookahead_tokens=spec.num_speculative_tokens)
+    return EngineHooks(make_step_loop=loop, num_lookahead_tokens=spec.num_speculative_tokens, **admission)
 
 
 def decode_graphs(runner: ModelRunner) -> DecodeGraphs | None:
@@ -146,13 +227,17 @@ def decode_graphs(runner: ModelRunner) -> DecodeGraphs | None:
     return DecodeGraphs(runner)
 
 
-def build_runner(config: EngineConfig, parallel: ParallelState | None = None) -> ModelRunner:
-    """The model runner with its features attached; each tensor-parallel rank makes its own with this.
+def build_runner(
+    config: EngineConfig, parallel: ParallelState | None = None, lora: LoRAHooks | None = None
+) -> ModelRunner:
+    """The model runner with its features attached; each tensor-parallel rank makes its own with this. lora: the
+    adapters' hooks (their slots go on the target model; a draft model runs without them).
 
     On the followers of a torchrun launch (ranks 1..N-1) this never returns: they follow rank 0's steps until it
     closes, then their process ends."""
     spec = config.speculative_config
-    hooks = RunnerHooks(decode_graphs=decode_graphs)
+    # (LoRA's slots exist before the decode graphs are recorded: the graphs read each row's slot as an input)
+    hooks = RunnerHooks(attach=(lora.attach,) if lora is not None else (), decode_graphs=decode_graphs)
     if spec is not None and spec.method == "draft_model":
         runner = SpeculativeRunner(config, hooks)  # (speculative decoding runs on one device)
     elif config.tensor_parallel_size == 1:

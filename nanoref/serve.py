@@ -3,6 +3,9 @@
     python -m nanoref.serve --device cpu --port 8000
     curl http://127.0.0.1:8000/v1/completions -H 'Content-Type: application/json' \\
         -d '{"prompt": "Beautiful is better than", "max_tokens": 16, "temperature": 0}'
+
+LoRA adapters (vLLM's flags): `--enable-lora --lora-modules sql=/adapters/sql chat=/adapters/chat`; a request's
+"model" then names an adapter (or the base model), and /v1/models lists them all.
 """
 
 from __future__ import annotations
@@ -53,6 +56,18 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument(
         "--attention-backend", default="auto", help="auto, torch, triton, cpp, flash_attn or flash_attn+triton"
     )
+    lora = parser.add_argument_group("LoRA adapters")
+    lora.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (PEFT folders) per request")
+    lora.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=[],
+        metavar="NAME=PATH",
+        help='adapters to serve, each under its name (a request\'s "model"); needs --enable-lora',
+    )
+    lora.add_argument("--max-loras", type=int, default=None, help="adapters one batch mixes (default 1)")
+    lora.add_argument("--max-lora-rank", type=int, default=None, help="the largest adapter rank (default 16)")
+    lora.add_argument("--max-cpu-loras", type=int, default=None, help="adapters kept on the host (default max-loras)")
     return parser
 
 
@@ -79,11 +94,24 @@ def main(argv: list[str] | None = None) -> int:
 
         from nanoref.serving.api_server import build_app
         from nanoref.serving.async_llm import AsyncLLM
+        from nanoref.serving.lora_modules import LoRAModules, parse_lora_modules
         from nanoref.utils.heap import freeze_heap
     except ImportError as error:
         print(f"error: {error.name} is missing: pip install 'nanoref[serve]'", file=sys.stderr)
         return 2
+    try:
+        lora_modules = parse_lora_modules(args.lora_modules)
+        if lora_modules and not args.enable_lora:
+            raise ValueError("--lora-modules needs --enable-lora")
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    lora_settings = {"enable_lora": True} if args.enable_lora else {}
+    for name in ("max_loras", "max_lora_rank", "max_cpu_loras"):
+        if getattr(args, name) is not None:
+            lora_settings[name] = getattr(args, name)
     settings = {
+        **lora_settings,
         "device": args.device,
         "dtype": args.dtype,
         "attention_backend": args.attention_backend,
@@ -104,9 +132,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     name = args.served_model_name or ("nanoref/default_model" if args.model == str(DEFAULT_MODEL) else args.model)
+    try:  # every adapter's folder checked against the model before the server listens
+        adapters = LoRAModules(engine.config, name, lora_modules)
+    except ValueError as error:  # (LoRAAdapterError too)
+        engine.close()
+        sock.close()
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     host, port = sock.getsockname()[:2]
     print(f"nanoref serves {name!r} on http://{host}:{port}/v1 (Ctrl-C stops it)", flush=True)
-    server = uvicorn.Server(uvicorn.Config(build_app(engine, name), log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(build_app(engine, name, lora_modules=adapters), log_level="warning"))
     # This process is the server's own: threads share its GIL, the event loop streaming responses and the engine
     # thread stepping (or, with the engine in its own process, the thread reading its messages). A thread that
     # wants the GIL waits up to the switch interval for the other to let go, and the engine thread wants it back

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -160,17 +161,20 @@ def make_random_lora(
     bar_was_on = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:
-        base = AutoModelForCausalLM.from_pretrained(base_folder, dtype=torch.float32)
-        config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets), use_rslora=use_rslora)
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            model = get_peft_model(base, config)
-            for name, param in model.named_parameters():
-                if "lora_A" in name:
-                    param.data.normal_(0, 1 / param.shape[1] ** 0.5)
-                elif "lora_B" in name:
-                    param.data.normal_(0, scale / param.shape[1] ** 0.5)
-        model.save_pretrained(folder)
+        with warnings.catch_warnings():
+            # (peft asks transformers' deprecated `is_gradient_checkpointing`: a FutureWarning naming site-packages)
+            warnings.simplefilter("ignore", FutureWarning)
+            base = AutoModelForCausalLM.from_pretrained(base_folder, dtype=torch.float32)
+            config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets), use_rslora=use_rslora)
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                model = get_peft_model(base, config)
+                for name, param in model.named_parameters():
+                    if "lora_A" in name:
+                        param.data.normal_(0, 1 / param.shape[1] ** 0.5)
+                    elif "lora_B" in name:
+                        param.data.normal_(0, scale / param.shape[1] ** 0.5)
+            model.save_pretrained(folder)
     finally:
         if bar_was_on:
             hf_logging.enable_progress_bar()

@@ -230,6 +230,7 @@ def own_answers() -> dict:
     from nanoref.layers.sampler import apply_top_k_top_p
     from nanoref.models.qwen3_moe import moe_experts, route
     from nanoref.ops import attention_torch
+    from nanoref.ops.lora import lora_delta
     from nanoref.ops.triton_setup import triton_available
     from nanoref.spec.acceptance import accept_greedy, rejection_sample
 
@@ -251,6 +252,7 @@ def own_answers() -> dict:
         stop_hold_back=stop_hold_back,
         accept_greedy=accept_greedy,
         rejection_sample=rejection_sample,
+        lora_delta=lora_delta,
     )
     if triton_available():  # the two Triton seams (Linux only)
         from nanoref.ops import attention_triton

@@ -39,6 +39,7 @@ from nanoref.layers.layernorm import add_rms_norm, rms_norm
 from nanoref.layers.rotary import apply_rotary
 from nanoref.layers.sampler import apply_top_k_top_p
 from nanoref.ops import attention_torch
+from nanoref.ops.lora import lora_delta
 from nanoref.ops.triton_setup import triton_available
 from nanoref.spec.acceptance import accept_greedy, rejection_sample
 from nanoref.testing import EVERY_STEP
@@ -51,6 +52,20 @@ PROMPTS = [list(range(5, 75)), list(range(5, 75)) + [3, 4, 5, 6, 7], [9, 8, 7]]
 GREEDY = SamplingParams(temperature=0, max_tokens=3)
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, **EVERY_STEP, "prompt_lookup_max": 3}
 REPEATING = [[7, 8, 9] * 5, [1, 2, 3, 4] * 3]  # text that repeats itself: the n-gram lookup proposes
+
+
+def on_an_adapter(llm) -> None:
+    """Every request this engine makes runs under one random LoRA adapter (a step of base-model rows alone skips the
+    delta)."""
+    from nanoref import LoRARequest
+    from nanoref.exercises.common import scratch_folder
+    from nanoref.testing import make_random_lora
+
+    adapter = LoRARequest("a", 1, str(make_random_lora(scratch_folder("lora"), llm.config.model_folder, rank=4)))
+    make_samples = llm.make_samples
+    llm.make_samples = lambda prompt, params, *args, **options: make_samples(
+        prompt, params, *args, **{**options, "lora_request": adapter}
+    )
 
 
 @dataclass(frozen=True)
@@ -108,6 +123,8 @@ CASES: dict[str, Callable[[], Case]] = {
         params=SamplingParams(temperature=1.0, seed=3, max_tokens=6),
         prompts=REPEATING,
     ),
+    # every adapted projection of an engine with enable_lora calls it, in every step with an adapted row
+    "lora_delta": lambda: Case(lora_delta, {"enable_lora": True}, prepare=on_an_adapter),
 }
 
 # seam -> (the test module and test that check it on an engine that reaches it, why not here)

@@ -121,19 +121,22 @@ class LLMEngine:
         return samples
 
     def add_request(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None, stream: bool = False
-    ) -> Sequence:
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None, stream: bool = False,
+        **options,
+    ) -> Sequence:  # fmt: skip
         """Check one request and queue it; a bad request raises and queues nothing. request_id: the caller's name
-        for it (kept as `seq.output.request_id`); stream: see make_samples. For n > 1, add_samples."""
+        for it (kept as `seq.output.request_id`); stream: see make_samples; options: more of a subclass's
+        make_samples. For n > 1, add_samples."""
         if isinstance(params, SamplingParams) and params.n != 1:
             raise ValueError(f"one sequence is one sample, but n is {params.n}: use make_samples or add_samples")
-        return self.add_samples(prompt, params, request_id, stream)[0]
+        return self.add_samples(prompt, params, request_id, stream, **options)[0]
 
     def add_samples(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None, stream: bool = False
-    ) -> list[Sequence]:
+        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None, stream: bool = False,
+        **options,
+    ) -> list[Sequence]:  # fmt: skip
         """add_request for all `params.n` samples of a request -> the n sequences (see enqueue_samples)."""
-        samples = self.make_samples(prompt, params, request_id, stream)
+        samples = self.make_samples(prompt, params, request_id, stream, **options)
         self.enqueue_samples(samples)
         return samples
 
@@ -223,6 +226,7 @@ class LLMEngine:
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
         return_metrics: bool = False,
+        request_options: list[dict] | None = None,
     ) -> list[dict]:
         """Generate for every prompt; returns, in input order, dicts with "text", "token_ids" and "finish_reason"
         ("stop": EOS or a stop string; "length": max_tokens or max_model_len); with stop strings also
@@ -230,13 +234,15 @@ class LLMEngine:
         lists every sample's ("index", "text", "token_ids", "finish_reason"[, "stop_reason"]).
 
         return_metrics: each dict also gets "metrics", the request's `RequestMetrics`. Either way
-        `self.metrics.steps` holds a `StepRecord` per step of this call.
+        `self.metrics.steps` holds a `StepRecord` per step of this call. request_options: per prompt, more keyword
+        arguments of a subclass's make_samples.
         """
         prompts = prompt_list(prompts)
+        options = request_options or [{}] * len(prompts)
         requests = []  # every request checked before any is queued, so one bad prompt leaves nothing queued
         for index, (prompt, params) in enumerate(zip(prompts, params_list(sampling_params, len(prompts)))):
             try:
-                requests.append(self.make_samples(prompt, params))
+                requests.append(self.make_samples(prompt, params, **options[index]))
             except (ValueError, TypeError) as error:
                 raise type(error)(f"prompt {index}: {error}") from None
         # One generate at a time: concurrent callers wait. Ctrl-C is held for the whole call (one handler swap, not

@@ -13,6 +13,7 @@ from nanoref.exercises.common import ExerciseFailure, check_generation, tiny_mod
 from nanoref.exercises.cuda_graphs import check_pad_decode_batch
 from nanoref.exercises.integrity import seal
 from nanoref.exercises.kv_store import check_store_kvcache_kernel
+from nanoref.exercises.lora import check_lora_delta
 from nanoref.exercises.model import (
     check_apply_rotary,
     check_apply_top_k_top_p,
@@ -40,6 +41,7 @@ __all__ = [
     "check_find_cached_prefix",
     "check_find_stop_string",
     "check_generation",
+    "check_lora_delta",
     "check_merge_splits",
     "check_moe_experts",
     "check_moe_route",

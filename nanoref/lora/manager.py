@@ -10,9 +10,9 @@ Adapters come in from disk once (checked, into a host cache of `max_cpu_loras`, 
 and move into a device slot when a step needs them: a free slot, else the least recently used slot that this step
 does not need; a step that needs more distinct adapters than `max_loras` is refused (`assign_slots`).
 
-Not yet wired into the engine: nothing fills `row_slots` from the scheduled sequences, no request carries an
-adapter, the scheduler does not yet keep a step to `max_loras` adapters, and the prefix cache is not keyed by
-adapter. `tests/test_lora.py` drives the manager directly (every row on one adapter) against HF + peft.
+The engine drives it through `hooks.py` (`LLM(enable_lora=True)`): each step's slots and rows before every forward,
+at most `max_loras` adapters per step (the scheduler's admission rule). `tests/test_lora.py` also drives it directly
+(every row on one adapter) against HF + peft.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from torch import nn
 from nanoref.lora.adapters import LoRAAdapter, expected_shapes, load_adapter
 from nanoref.lora.request import LoRARequest
 from nanoref.ops.lora import lora_delta
+from nanoref.utils.seams import seam
 
 MODULES = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 PIECES = {"self_attn.qkv_proj": (0, 1, 2), "mlp.gate_up_proj": (0, 1)}  # fused modules' pieces, in output order
@@ -67,6 +68,9 @@ class LoRAManager:
                 self.hooks.append(module.register_forward_hook(self._hook(slots)))
         self.scalings = torch.zeros(max_loras, dtype=torch.float32, device=device)  # (S,)
         self.row_slots = torch.full((max_num_tokens,), -1, dtype=torch.int64, device=device)  # (N_max,)
+        # the next forward's rows are all base-model rows (set with them by the engine's step hook): an eager forward
+        # skips the delta, whose every row would be zero
+        self.base_only = False
         self.slot_ids: list[int | None] = [None] * max_loras  # the adapter (lora_int_id) in each slot
         self.slot_order: OrderedDict[int, None] = OrderedDict()  # slots, least recently used first
         self.host: OrderedDict[int, LoRAAdapter] = OrderedDict()  # checked adapters, least recently used first
@@ -76,10 +80,13 @@ class LoRAManager:
     def _hook(self, slots: LoRASlots):
         def add_delta(module: nn.Module, inputs: tuple[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
             x = inputs[0]  # (N, in)
+            if self.base_only and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+                return out  # an eager step of base-model rows alone: W alone (a graph records the delta always)
             rows = self.row_slots[: x.shape[0]]  # (N,)
             for piece, (a, b) in enumerate(zip(slots.lora_a, slots.lora_b)):
                 start, end = slots.offsets[piece], slots.offsets[piece + 1]
-                out[:, start:end] += lora_delta(x, a, b, rows, self.scalings)  # (N, out_piece)
+                # (a seam: notebook 14's exercise runs here in place of ops/lora.py's)
+                out[:, start:end] += seam("lora_delta", lora_delta)(x, a, b, rows, self.scalings)  # (N, out_piece)
             return out
 
         return add_delta
@@ -91,8 +98,10 @@ class LoRAManager:
         self.row_slots[n:].fill_(-1)
 
     # -- adapters -----------------------------------------------------------------------------------
-    def add_lora(self, request: LoRARequest) -> LoRAAdapter:
-        """Read and check `request`'s adapter into the host cache (a no-op if it is there): errors leave nothing."""
+    def add_lora(self, request: LoRARequest, keep: Iterable[int] = ()) -> LoRAAdapter:
+        """Read and check `request`'s adapter into the host cache (a no-op if it is there): errors leave nothing.
+        Beyond max_cpu_loras the least recently used adapter leaves the host, never one in a slot, this one or
+        those in `keep` (a step's others)."""
         known = self.requests.get(request.lora_int_id)
         if known is not None and known != request:
             raise ValueError(f"lora_int_id {request.lora_int_id} already names {known.lora_name!r} ({known.lora_path})")
@@ -103,13 +112,16 @@ class LoRAManager:
             )
             self.host[request.lora_int_id] = adapter
             self.requests[request.lora_int_id] = request
-            while len(self.host) > self.max_cpu_loras:  # the least recently used one not in a slot leaves
-                victim = next((i for i in self.host if i not in self.slot_ids), None)
-                if victim is None:
-                    break
-                del self.host[victim], self.requests[victim]
         self.host.move_to_end(request.lora_int_id)
+        self._trim_host({request.lora_int_id, *keep})
         return adapter
+
+    def _trim_host(self, keep: set[int]) -> None:
+        while len(self.host) > self.max_cpu_loras:  # the least recently used one that may leave
+            victim = next((i for i in self.host if i not in self.slot_ids and i not in keep), None)
+            if victim is None:
+                return
+            del self.host[victim], self.requests[victim]
 
     def remove_lora(self, lora_int_id: int) -> bool:
         """Forget an adapter (its slot is cleared); False if it was not loaded."""
@@ -122,21 +134,22 @@ class LoRAManager:
 
     def assign_slots(self, requests: Iterable[LoRARequest]) -> dict[int, int]:
         """Slots for the adapters one step needs -> {lora_int_id: slot}, loading those not in a slot yet."""
-        needed = list(dict.fromkeys(r.lora_int_id for r in requests))
-        if len(needed) > self.max_loras:
-            raise ValueError(f"one step needs {len(needed)} adapters, but max_loras is {self.max_loras}")
-        for request in requests:
-            self.add_lora(request)
+        by_id = {r.lora_int_id: r for r in requests}
+        if len(by_id) > self.max_loras:
+            raise ValueError(f"one step needs {len(by_id)} adapters, but max_loras is {self.max_loras}")
+        for request in by_id.values():
+            self.add_lora(request, keep=by_id)
         assigned = {}
-        for lora_id in needed:
+        for lora_id in by_id:
             if lora_id in self.slot_ids:
                 slot = self.slot_ids.index(lora_id)
             else:
-                slot = self._free_slot(set(needed))
+                slot = self._free_slot(set(by_id))
                 self._load(slot, self.host[lora_id])
             self.slot_order.pop(slot, None)
             self.slot_order[slot] = None  # the most recently used
             assigned[lora_id] = slot
+        self._trim_host(set(by_id))
         return assigned
 
     def _free_slot(self, keep: set[int]) -> int:

@@ -7,10 +7,10 @@ past an adapter's own rank r <= R, which adds nothing. Each token row carries it
 
 `lora_delta` computes the delta of every row against every slot at once, then keeps only the row's own slot:
 two matmuls of fixed shape, whatever mix of adapters the batch holds (so a CUDA graph can record it, with the
-slots as an input). It costs N x S x R x (in + out) multiply-adds, next to N x in x out for W: a few percent at
-S = 4, R = 16 on Qwen3-0.6B's projections. Punica's kernels (BGMV, SGMV) do only the row's own slot's work; with
-a handful of slots the masked product is as fast on a GPU and far simpler to read. `lora_delta_reference` is the
-per-adapter loop it must equal.
+slots as an input). It costs N x S x R x (in + out) multiply-adds, next to N x in x out for W: about 9% more at
+S = 4, R = 16 on Qwen3-0.6B's projections (q: 64 x 3,072 against 1,024 x 2,048). Punica's kernels (BGMV, SGMV)
+do only the row's own slot's work; with a handful of slots the masked product is as fast on a GPU and far simpler
+to read. `lora_delta_reference` is the per-adapter loop it must equal.
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@
     POST /v1/chat/completions   {"model", "messages": [{"role", "content"}, ...], ...}
     GET  /v1/models, /health, /metrics (Prometheus text, nanoref's names and vLLM's), /version
     POST /tokenize, /detokenize (vLLM's)
+    POST /v1/load_lora_adapter, /v1/unload_lora_adapter   (LoRA adapters, where allowed: lora_modules.py)
 
 Every request field is honoured, accepted unused (`user`, as vLLM) or refused with a 400 that names it
 (`check_fields`; docs/serving.md lists them all): nothing a client asks for is silently ignored.
@@ -65,6 +66,7 @@ from nanoref.engine.detokenizer import REPLACEMENT_CHAR, decode
 from nanoref.layers.logits_processors import TokenLogprobs
 from nanoref.sampling_params import SamplingParams, stop_strings
 from nanoref.serving.async_llm import AsyncLLM, RequestOutput
+from nanoref.serving.lora_modules import LoRAModules, lora_routes
 
 # request field -> SamplingParams field, as vLLM maps them. Fields SamplingParams lacks in this build are
 # refused with a 400 naming them (rather than silently ignored: the client asked for something)
@@ -788,13 +790,15 @@ def build_app(
     *,
     max_body_bytes: int = MAX_BODY_BYTES,
     body_timeout: float = BODY_TIMEOUT,
+    lora_modules: LoRAModules | None = None,
 ) -> FastAPI:
     """The FastAPI app serving `engine` as the model `served_model_name` (the app does not close the engine).
     max_body_bytes: a longer request body is a 413; body_timeout: seconds a request's body may take to arrive
-    (then a 408)."""
+    (then a 408); lora_modules: the LoRA adapters a request's `model` may name (lora_modules.py)."""
     app = FastAPI(title="nanoref")
     app.state.engine = engine
     app.state.metrics = metrics = ServerMetrics(engine, served_model_name)
+    adapters = lora_modules or LoRAModules(engine.config, served_model_name)
     tokenizer, folder = engine.tokenizer, engine.config.model_folder
 
     @app.exception_handler(APIError)
@@ -858,10 +862,9 @@ def build_app(
             raise BadRequest(f"the request body is not valid JSON: {error}") from None
         if not isinstance(body, dict):
             raise BadRequest(f"the request body must be a JSON object, got {type(body).__name__}")
-        model = body.get("model")
-        if model is not None and model != served_model_name:  # (OpenAI's and vLLM's 404: openai.NotFoundError)
-            message = f"The model `{model}` does not exist; this server serves {served_model_name!r}"
-            raise APIError(message, "model", 404)
+        if adapters.resolve(body.get("model")) is False:  # (a 404, as vLLM's)
+            known = ", ".join(map(repr, [served_model_name, *adapters.adapters]))
+            raise APIError(f"the model {body['model']!r} does not exist; this server serves {known}", "model", 404)
         for name in ("stream", "stream_options"):
             expected = bool if name == "stream" else dict
             if body.get(name) is not None and not isinstance(body[name], expected):
@@ -880,10 +883,16 @@ def build_app(
         return APIError("the engine has stopped" + (f" ({why})" if why else "") + "; restart the server", status=503)
 
     def start(
-        prompt: str | list[int], params: SamplingParams, blamed: dict[str, str], request_id: str, where: str = ""
+        prompt: str | list[int],
+        params: SamplingParams,
+        blamed: dict[str, str],
+        request_id: str,
+        where: str = "",
+        model: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """engine.generate, its errors as the request's: `blamed` maps a word of the engine's message to the request
-        field it names (its last entry, "": the field of the prompt)."""
+        field it names (its last entry, "": the field of the prompt); model: the request's (an adapter's name, or
+        the base model's)."""
         if not engine.is_running:
             raise engine_stopped()
         if isinstance(prompt, str) and not prompt.isascii():
@@ -894,7 +903,7 @@ def build_app(
                 message = f"{where}the text holds a lone UTF-16 surrogate ({bad}): it is not text"
                 raise BadRequest(message, blamed[""]) from None
         try:  # the engine's checks of the prompt (empty, too long, outside the vocabulary) and of the KV budget
-            return engine.generate(prompt, params, request_id)
+            return engine.generate(prompt, params, request_id, adapters.lora_request(model))
         except (ValueError, TypeError) as error:
             param = next(name for word, name in blamed.items() if word in str(error))
             raise BadRequest(where + str(error), param) from None
@@ -962,7 +971,7 @@ def build_app(
             "id": request_id,
             "object": "chat.completion.chunk" if chat else "text_completion",
             "created": int(time.time()),
-            "model": served_model_name,
+            "model": body.get("model") or served_model_name,
         }
         choices = [Choice(index, num_logprobs=params.logprobs) for index in range(len(streams) * n)]
         for choice in choices if echo is not None else ():
@@ -1110,7 +1119,7 @@ def build_app(
                 where = f"prompt {i}: " if len(prompts) > 1 else ""
                 if isinstance(prompt, str):
                     prompt = encode(prompt, add_special_tokens)
-                streams.append(start(prompt, params, blamed, f"{request_id}-{i}", where))
+                streams.append(start(prompt, params, blamed, f"{request_id}-{i}", where, body.get("model")))
             return streams
 
         def echo_texts() -> list[str]:  # (a prompt of token ids: its decoded text)
@@ -1130,7 +1139,7 @@ def build_app(
 
         def open_stream() -> list[AsyncIterator[RequestOutput]]:
             prompt = encode(render_chat(body), add_special_tokens)
-            return [start(prompt, params, blamed_fields(body, "messages"), request_id)]
+            return [start(prompt, params, blamed_fields(body, "messages"), request_id, model=body.get("model"))]
 
         streams = await off_the_loop(open_stream, heavy)
         return await respond(request, body, params, streams, request_id, chat=True)
@@ -1162,7 +1171,9 @@ def build_app(
             "max_model_len": engine.config.max_model_len,
             "permission": [permission],
         }
-        return {"object": "list", "data": [card]}
+        return {"object": "list", "data": adapters.cards(card)}
+
+    lora_routes(app, adapters, read_body, APIError, metrics.registry)
 
     @app.get("/version")
     async def version() -> dict:

@@ -53,7 +53,7 @@ from typing import Any
 from nanoref.config import EngineConfig
 from nanoref.engine.output_processor import RequestOutput, RequestOutputs, delta_texts
 from nanoref.engine.requests import check_request, eos_token_ids, tokenize
-from nanoref.llm import DEFAULT_MODEL, LLM, SETTINGS
+from nanoref.llm import DEFAULT_MODEL, LLM, SETTINGS, LoRARequest, check_lora_request
 from nanoref.sampling_params import SamplingParams
 from nanoref.serving.engine_loop import EngineLoop, EngineStats, StepMessage, drain
 from nanoref.utils import seams
@@ -196,18 +196,24 @@ class AsyncLLM:
 
     # -- the caller's side (the event loop) -------------------------------------------------------
     def generate(
-        self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Outputs of one request as it is served, those of its `params.n` samples interleaved (each output names
         its sample's `index`); the iteration ends once every sample has sent its finished output. A bad request
         (ValueError/TypeError) raises here, before anything is queued; the request is queued when the first output
         is awaited, and a duplicate request_id raises ValueError there. Leaving the iteration early (break,
-        aclose, cancellation) aborts every sample of the request."""
+        aclose, cancellation) aborts every sample of the request. lora_request: the LoRA adapter it runs under
+        (LLM.generate's; the engine reads its folder when the request is queued)."""
         self._check_running()
         params = SamplingParams() if params is None else params
         token_ids = tokenize(prompt, self.tokenizer, self.config)
         check_request(token_ids, params, self.config)  # (the engine's own checks, on its config)
-        return self._stream(token_ids, params, request_id or f"req-{uuid.uuid4().hex}")
+        check_lora_request(lora_request, self.config.enable_lora)
+        return self._stream(token_ids, params, request_id or f"req-{uuid.uuid4().hex}", lora_request)
 
     def _check_running(self) -> None:
         if self._failure is not None:
@@ -216,7 +222,7 @@ class AsyncLLM:
             raise RuntimeError("this AsyncLLM is closed")
 
     async def _stream(
-        self, token_ids: list[int], params: SamplingParams, request_id: str
+        self, token_ids: list[int], params: SamplingParams, request_id: str, lora_request: LoRARequest | None = None
     ) -> AsyncIterator[RequestOutput]:
         loop = asyncio.get_running_loop()
         outputs = RequestOutputs(request_id, params.n, self.tokenizer, params, self._eos_token_ids, token_ids)
@@ -229,7 +235,7 @@ class AsyncLLM:
         unfinished = params.n  # samples whose finished output has not arrived yet
         finished = False
         try:
-            self._engine.send(("add", request.key, request_id, token_ids, params))
+            self._engine.send(("add", request.key, request_id, token_ids, params, lora_request))
             while not finished:
                 items = [await request.queue.get()]
                 while not request.queue.empty():  # what queued up while the consumer was busy: sent as one

@@ -3,7 +3,7 @@
 The same loop runs in a thread of the server's process or in a process of its own (engine_process.py); it knows
 neither. It takes commands from `receive` and hands what each step made to `send`, ONE `StepMessage` per step:
 
-    in:  ("add", key, request_id, prompt_token_ids, params)   # checked by the caller already (check_request)
+    in:  ("add", key, request_id, prompt_token_ids, params, lora_request)   # checked by the caller already
          ("abort", key)
          ("read", [key, ...])    # these requests' consumers took their last output: they may get the next one
          ("stop",)               # every request in flight ends with "abort", then the loop returns
@@ -18,11 +18,11 @@ Per token the loop does little (see async_llm.py's docstring for why that matter
   gets several tokens in one delta later, and costs nothing meanwhile (a finished sample's last delta is always
   sent: it carries everything not sent yet);
 - a delta carries token ids, not text: the receiving side decodes them (the output stage's `delta_texts`, in
-  AsyncLLM's receiving thread: every stream's tokens of a step in one batched decode). In the process form that is the server's process, so the
-  engine's process spends nothing on text: on an H200 with 256 streams, decoding every delta here took a quarter
-  of the engine process's time, Python that offline `generate` never pays, and the GPU waited for it. Only a
-  request with stop strings has its text grown here, token by token, in the engine (its `seq.output.detokenizer`),
-  where the stop strings are matched and end the sequence; its deltas carry that text.
+  AsyncLLM's receiving thread: every stream's tokens of a step in one batched decode). In the process form that is
+  the server's process, so the engine's process spends nothing on text: on an H200 with 256 streams, decoding every
+  delta here took a quarter of the engine process's time, Python that offline `generate` never pays, and the GPU
+  waited for it. Only a request with stop strings has its text grown here, token by token, in the engine (its
+  `seq.output.detokenizer`), where the stop strings are matched and end the sequence; its deltas carry that text.
 """
 
 from __future__ import annotations
@@ -131,9 +131,10 @@ class EngineLoop:
                     if active is not None:
                         active.unread = False
             elif kind == "add":
-                _, key, request_id, token_ids, params = command
-                try:  # (checked by the caller: this raises only if the caller's checks fell behind the engine's)
-                    seqs = self.llm.make_samples(token_ids, params, request_id)
+                _, key, request_id, token_ids, params, lora_request = command
+                try:  # (checked by the caller: this raises only if the caller's checks fell behind the engine's, or
+                    # an adapter's folder changed since the server checked it)
+                    seqs = self.llm.make_samples(token_ids, params, request_id, lora_request=lora_request)
                 except Exception as error:
                     self.errors.append((key, error))
                     continue

@@ -71,6 +71,9 @@ SEAMS: dict[str, str] = {
     "from its k proposals and the target's k + 1 argmax ids",
     "rejection_sample": "spec/acceptance.py: rejection_sample(p, q, draft_ids, uniforms, noise) -> (accepted, "
     "recovered) per verify row: keep a proposal with probability min(1, p/q), else draw from max(0, p - q)",
+    # 14_lora
+    "lora_delta": "ops/lora.py: lora_delta(x, lora_a, lora_b, row_slots, scalings) -> (N, out): each token row's "
+    "s (x A^T) B^T under its own adapter slot, zero for rows of slot -1",
 }
 
 # seams whose function runs on the host beside the forward, never inside it: replacing one changes which blocks are

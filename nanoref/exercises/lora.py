@@ -1,0 +1,168 @@
+"""Checks for notebook 14's exercise: the batched LoRA delta of a flat batch, each row under its own adapter slot.
+
+`lora_delta(x, lora_a, lora_b, row_slots, scalings)` -> (N, out): row i gets s (x_i A^T) B^T with the A, B and s
+of slot row_slots[i], and nothing where the slot is -1 (a base-model row). The check runs the learner's function
+on fresh random flat batches against `lora_delta_reference` (the per-adapter loop), naming the usual mistakes,
+then runs the engine with it in place on a batch of two adapters and a base-model row, token for token against HF
+transformers + peft.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from nanoref.exercises.common import (
+    ExerciseFailure,
+    call_learner,
+    describe,
+    describe_error,
+    input_generator,
+    limited_steps,
+    random_prompts,
+    scratch_folder,
+    step_budget,
+    tiny_model,
+)
+from nanoref.exercises.tensors import expect_tensor, worst_element
+from nanoref.ops.lora import lora_delta_reference
+from nanoref.utils.seams import use
+
+_ADAPTERS: dict[str, Path] = {}
+_PEFT_OUTPUTS: dict[tuple, list[int]] = {}
+
+
+def _case(generator: torch.Generator, num_rows: int, num_slots: int, rank: int, dtype: torch.dtype) -> tuple:
+    """A flat batch: x (N, in), slots of A (S, R, in) and B (S, R, out) (each adapter zero past its own rank, as the
+    engine pads them), row slots in [-1, S) with a base row and a row under every slot, scalings (S,)."""
+    size_in, size_out = 24, 40
+    x = torch.randn(num_rows, size_in, generator=generator).to(dtype)
+    lora_a = (torch.randn(num_slots, rank, size_in, generator=generator) / size_in**0.5).to(dtype)  # x A^T: O(1)
+    lora_b = (torch.randn(num_slots, rank, size_out, generator=generator) / rank**0.5).to(dtype)
+    lora_b[0, rank // 2 :] = 0  # slot 0 holds an adapter of half the slots' rank
+    row_slots = torch.randint(-1, num_slots, (num_rows,), generator=generator)
+    row_slots[0] = -1
+    row_slots[1 : 1 + num_slots] = torch.randperm(num_slots, generator=generator)
+    scalings = 0.5 + 2 * torch.rand(num_slots, generator=generator)  # float32, as the engine keeps them
+    return x, lora_a, lora_b, row_slots, scalings
+
+
+def _hint(x, lora_a, lora_b, row_slots, scalings, got: torch.Tensor) -> str | None:
+    """The usual mistake behind a wrong answer, when it is one of them."""
+    base = row_slots < 0
+    if got[base].abs().sum() > 0:
+        return "a base-model row (slot -1) got a delta: rows of slot -1 must get zeros (W alone serves them)"
+    unscaled = lora_delta_reference(x, lora_a, lora_b, row_slots, torch.ones_like(scalings))
+    if torch.allclose(got.float(), unscaled.float(), rtol=1e-3, atol=1e-3):
+        return "every row's delta is off by its adapter's scaling: multiply by scalings[slot] (lora_alpha / r)"
+    zero = row_slots.clamp(min=0)
+    every_slot_zero = lora_delta_reference(x, lora_a, lora_b, torch.where(base, -1, zero * 0), scalings)
+    if len(scalings) > 1 and torch.allclose(got.float(), every_slot_zero.float(), rtol=1e-3, atol=1e-3):
+        return "every row used slot 0's adapter: each row must use its own slot, row_slots[i]"
+    return None
+
+
+def check_lora_delta(fn: Callable, *, seed: int | None = None, engine: bool = True) -> None:
+    """`fn` against the per-adapter loop on random flat batches, then in the engine against HF + peft."""
+    generator = input_generator(seed)
+    shapes = [(9, 3, 4), (1, 1, 8), (16, 4, 2), (5, 2, 6)]  # (rows, slots, rank)
+    for dtype in (torch.float32, torch.bfloat16):
+        for num_rows, num_slots, rank in shapes:
+            x, lora_a, lora_b, row_slots, scalings = _case(generator, num_rows, num_slots, rank, dtype)
+            case = f"{num_rows} rows, {num_slots} slots of rank {rank}, {dtype}; row_slots {row_slots.tolist()}"
+            got = call_learner(fn, "lora_delta", x, lora_a, lora_b, row_slots.clone(), scalings.clone(), case=case)
+            want = lora_delta_reference(x, lora_a, lora_b, row_slots, scalings)
+            expect_tensor(got, f"lora_delta on {case}", want.shape, want.dtype)
+            # bfloat16 keeps 8 bits: x A^T rounded before B (as the engine does) moves a value by about 1% of the
+            # largest in its product, so compare against the scale of the answer
+            scale = float(want.abs().max()) if want.numel() else 1.0
+            tolerance = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2 * scale)
+            if torch.allclose(got.float(), want.float(), **tolerance):
+                continue
+            hint = _hint(x, lora_a, lora_b, row_slots, scalings, got)
+            row, col = worst_element(got, want)
+            raise ExerciseFailure(
+                (f"{hint}; " if hint else "")
+                + f"lora_delta differs at row {row} (slot {int(row_slots[row])}), column {col}: got "
+                f"{got[row, col].item():.4g}, expected {want[row, col].item():.4g} (on {case})"
+            )
+    if engine:
+        check_lora_generation({"lora_delta": fn})
+
+
+def _adapters(model: Path) -> dict[str, Path]:
+    """Two random PEFT adapters for the tiny model (made once per process): rank 8 on every projection, and rank 4
+    on attention's q and v with rsLoRA."""
+    from nanoref.testing import make_random_lora
+
+    if not _ADAPTERS:
+        _ADAPTERS["all-r8"] = make_random_lora(scratch_folder("all-r8"), model, rank=8, seed=1)
+        _ADAPTERS["qv-r4"] = make_random_lora(
+            scratch_folder("qv-r4"), model, rank=4, targets=("q_proj", "v_proj"), seed=2, use_rslora=True
+        )
+    return _ADAPTERS
+
+
+def _peft_greedy(model: Path, adapter: Path | None, prompt: list[int], max_tokens: int) -> list[int]:
+    key = (str(model), str(adapter), tuple(prompt), max_tokens)
+    if key not in _PEFT_OUTPUTS:
+        from transformers import AutoModelForCausalLM
+        from transformers.utils import logging as hf_logging
+
+        bar_was_on = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)  # (peft on a newer transformers: nothing to act on)
+                hf = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32)
+                if adapter is not None:
+                    from peft import PeftModel
+
+                    hf = PeftModel.from_pretrained(hf, str(adapter))
+        finally:
+            if bar_was_on:
+                hf_logging.enable_progress_bar()
+        ids = torch.tensor([prompt])
+        with torch.no_grad():
+            out = hf.eval().generate(
+                input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_tokens
+            )
+        _PEFT_OUTPUTS[key] = out[0, len(prompt) :].tolist()
+    return _PEFT_OUTPUTS[key]
+
+
+def check_lora_generation(functions: dict[str, Callable], max_tokens: int = 8) -> list[list[int]]:
+    """Greedy generation of one batch (two adapters and a base-model row) with the learner's `functions` in place,
+    token for token against HF transformers + peft; returns the generated ids."""
+    from nanoref import LLM, LoRARequest, SamplingParams
+
+    model = tiny_model()
+    adapters = _adapters(model)
+    requests = [LoRARequest(name, i + 1, str(path)) for i, (name, path) in enumerate(adapters.items())]
+    prompts = random_prompts(seed=1234, lengths=[5, 23, 17], vocab=256)
+    loras = [requests[0], None, requests[1]]
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    names = describe(functions)
+    llm = LLM(model, device="cpu", dtype="float32", enable_lora=True, max_loras=2, num_kvcache_blocks=64)
+    try:
+        with use(**functions), limited_steps(llm, step_budget(prompts, params), names):
+            outputs = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
+    except ExerciseFailure:
+        raise
+    except Exception as error:
+        summary, details = describe_error(error).split("\n", 1)
+        raise ExerciseFailure(f"the engine failed while running {names}: {summary}\n{details}") from error
+    got = [out["token_ids"] for out in outputs]
+    for index, (mine, lora, prompt) in enumerate(zip(got, loras, prompts)):
+        under = "the base model" if lora is None else f"adapter {lora.lora_name!r}"
+        reference = _peft_greedy(model, None if lora is None else adapters[lora.lora_name], prompt, max_tokens)
+        if mine != reference:
+            position = next((i for i, (a, b) in enumerate(zip(mine, reference)) if a != b), len(reference))
+            raise ExerciseFailure(
+                f"with {names} in the engine, prompt {index} (under {under}) generates {mine} where HF + peft "
+                f"generates {reference}: they part at output position {position}"
+            )
+    return got

@@ -1,0 +1,127 @@
+"""What `enable_lora` attaches to the engine, through the hooks the core offers (engine/hooks.py).
+
+- A request's adapter is read and checked when the request is made (`bind`), before anything is queued, and
+  becomes the `cache_salt` of each of its sequences: the prefix cache shares K/V only between sequences of equal
+  salt, so a prompt under adapter A never reads K/V computed under B or under the base model. The salt is the
+  `LoRARequest` itself (name, id and folder), which is also how a step finds a sequence's adapter (`adapter_of`).
+- The scheduler admits a waiting sequence only while the running and admitted sequences name at most `max_loras`
+  adapters (`can_admit`): every step's adapters then fit in the device slots. Base-model requests always fit.
+- Before every forward of the target model (prefill, decode, a speculative verify step), `set_step_slots` gives
+  the step's adapters their slots (`LoRAManager.assign_slots`: LRU) and writes every token row's slot into the
+  manager's `row_slots`: a prefill sequence's slot repeated over its chunk's tokens (`cu_seqlens_q`), a decode
+  sequence's over its `decode_query_len` rows, -1 for base-model rows. A draft model runs without adapters (its
+  proposals are only guesses: the target, with the adapter, decides every token).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from itertools import chain
+
+import numpy as np
+
+from nanoref.engine.hooks import StepHook
+from nanoref.engine.sequence import Sequence
+from nanoref.engine.step_inputs import StepInputs
+from nanoref.lora.manager import LoRAManager
+from nanoref.lora.request import LoRARequest
+
+
+def adapter_of(seq: Sequence) -> LoRARequest | None:
+    """The adapter a sequence runs under (None: the base model)."""
+    salt = seq.cache_salt
+    return salt if isinstance(salt, LoRARequest) else None
+
+
+def max_forward_rows(config) -> int:
+    """The most token rows one forward can have: a prefill step's tokens, or a decode (verify) step's rows."""
+    spec = config.speculative_config
+    query_len = 1 + (spec.num_speculative_tokens if spec is not None else 0)
+    return max(config.max_num_batched_tokens, config.max_num_seqs * query_len)
+
+
+class LoRAHooks:
+    """The adapters of one engine: the manager on its model (built by `attach`), the admission rule, requests'
+    adapters. Made by nanoref/llm.py for a config with enable_lora."""
+
+    def __init__(self, config) -> None:
+        self.config = config
+        self.max_loras = config.max_loras
+        self.manager: LoRAManager | None = None  # (once the runner's model exists)
+        self.rows_are_base = True  # row_slots holds -1 everywhere (a base-only step has nothing to write)
+        # requests and generated tokens per adapter name, over the engine's life
+        self.num_requests: dict[str, int] = {}
+
+    # -- the runner's hook ----------------------------------------------------------------------
+    def attach(self, runner) -> StepHook:
+        """RunnerHooks.attach: slots on the runner's model, filled before each of its forwards."""
+        c = self.config
+        self.manager = LoRAManager(
+            runner.model,
+            c.hf_config,
+            max_loras=c.max_loras,
+            max_lora_rank=c.max_lora_rank,
+            max_cpu_loras=c.max_cpu_loras,
+            max_num_tokens=max_forward_rows(c),
+        )
+        return self.set_step_slots
+
+    def set_step_slots(self, seqs: list[Sequence], step: StepInputs) -> None:
+        """Every token row's adapter slot for this forward, into the manager's row_slots."""
+        adapters = [adapter_of(seq) for seq in seqs]
+        used = [adapter for adapter in adapters if adapter is not None]
+        self.manager.base_only = not used
+        if not used and self.rows_are_base:
+            return
+        slots = self.manager.assign_slots(used)  # {lora_int_id: slot}
+        seq_slots = np.array([-1 if a is None else slots[a.lora_int_id] for a in adapters], dtype=np.int64)  # (B,)
+        rows_per_seq = np.diff(step.arrays["cu_seqlens_q"]) if step.is_prefill else step.decode_query_len
+        self.manager.set_row_slots(np.repeat(seq_slots, rows_per_seq))  # (N,)
+        self.rows_are_base = not used
+
+    # -- the scheduler's hook -------------------------------------------------------------------
+    def can_admit(self, seq: Sequence, running: Iterable[Sequence], scheduled: list[Sequence]) -> bool:
+        """EngineHooks.can_admit: at most max_loras distinct adapters among the running and admitted sequences."""
+        if adapter_of(seq) is None:
+            return True
+        names = {a.lora_int_id for s in chain(running, scheduled) if (a := adapter_of(s)) is not None}
+        return len(names) <= self.max_loras
+
+    # -- requests -------------------------------------------------------------------------------
+    def load(self, lora_request: LoRARequest) -> bool:
+        """Read and check a request's adapter into the host cache (LoRAAdapterError, ValueError: nothing is left
+        loaded) -> whether it was not there before (the caller may `unload` it if the request fails later)."""
+        new = lora_request.lora_int_id not in self.manager.host
+        self.manager.add_lora(lora_request)
+        return new
+
+    def unload(self, lora_int_id: int) -> bool:
+        return self.manager.remove_lora(lora_int_id)
+
+    def bind(self, samples: list[Sequence], lora_request: LoRARequest) -> None:
+        """A request's sequences run under this (loaded) adapter, and keep their own prefix cache."""
+        for seq in samples:
+            seq.cache_salt = lora_request
+        self.num_requests[lora_request.lora_name] = self.num_requests.get(lora_request.lora_name, 0) + 1
+
+
+def check_lora_request(lora_request: object, enabled: bool) -> LoRARequest | None:
+    if lora_request is None:
+        return None
+    if not isinstance(lora_request, LoRARequest):
+        raise TypeError(f"lora_request must be a LoRARequest or None, got {type(lora_request).__name__}")
+    if not enabled:
+        raise ValueError(
+            f"lora_request names the adapter {lora_request.lora_name!r}, but this engine has no adapters: "
+            "use LLM(..., enable_lora=True)"
+        )
+    return lora_request
+
+
+def lora_request_list(lora_request: object, num_prompts: int, enabled: bool) -> list[LoRARequest | None]:
+    """generate's lora_request: one for every prompt, or a list with one per prompt (None: the base model)."""
+    if isinstance(lora_request, (list, tuple)):
+        if len(lora_request) != num_prompts:
+            raise ValueError(f"lora_request has {len(lora_request)} entries for {num_prompts} prompts")
+        return [check_lora_request(r, enabled) for r in lora_request]
+    return [check_lora_request(lora_request, enabled)] * num_prompts

@@ -1,0 +1,138 @@
+"""The server's LoRA adapters, by name: what `--lora-modules name=path` serves and a request's `model` picks.
+
+As in vLLM: the request's `model` is the base model's served name (no adapter) or an adapter's name; any other is
+a 404. `/v1/models` lists the base model, then one card per adapter (`root`: its folder, `parent`: the base
+model). With the environment variable VLLM_ALLOW_RUNTIME_LORA_UPDATING=True (vLLM's opt-in; NANOREF_ALLOW_...
+works too) `POST /v1/load_lora_adapter {"lora_name", "lora_path"}` and `POST /v1/unload_lora_adapter
+{"lora_name"}` change the list while the server runs: off by default, because whoever can reach the server could
+then make it read any folder on its machine.
+
+Every adapter is read and checked here against the engine's model before it is listed (a bad folder is a clear
+error at start-up, or a 400 from load_lora_adapter), so requests never meet a folder the engine cannot serve. The
+engine reads it again when a request first needs it (its own host cache, `max_cpu_loras`). Each name gets a new
+`lora_int_id` (never reused), so an adapter unloaded and loaded again from another folder is another adapter to
+the engine and its prefix cache. Unloading removes the name: requests in flight finish under the adapter.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Callable
+from itertools import count
+
+from fastapi import Request
+from fastapi.responses import PlainTextResponse
+from prometheus_client import Counter
+
+from nanoref.config import EngineConfig
+from nanoref.llm import LoRARequest, check_lora_adapter
+
+RUNTIME_UPDATES = ("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "NANOREF_ALLOW_RUNTIME_LORA_UPDATING")
+
+
+def runtime_updates_allowed() -> bool:
+    return any(os.environ.get(name, "").strip().lower() in ("1", "true") for name in RUNTIME_UPDATES)
+
+
+def parse_lora_modules(values: list[str]) -> dict[str, str]:
+    """--lora-modules' `name=path` entries -> {name: path}; ValueError naming a malformed or repeated one."""
+    modules: dict[str, str] = {}
+    for value in values:
+        name, sep, path = value.partition("=")
+        if not sep or not name.strip() or not path.strip():
+            raise ValueError(f"--lora-modules takes name=path entries, got {value!r}")
+        if name in modules:
+            raise ValueError(f"--lora-modules names {name!r} twice")
+        modules[name] = path
+    return modules
+
+
+class LoRAModules:
+    """name -> LoRARequest, each checked against the engine's model when added."""
+
+    def __init__(self, config: EngineConfig, served_model_name: str, modules: dict[str, str] | None = None) -> None:
+        self.config, self.base = config, served_model_name
+        self.adapters: dict[str, LoRARequest] = {}
+        self.created: dict[str, int] = {}
+        self._ids = count(1)
+        self.num_requests = None  # the server's per-adapter request counter (`lora_routes` makes it)
+        for name, path in (modules or {}).items():
+            self.add(name, path)
+
+    def add(self, name: str, path: str) -> LoRARequest:
+        """Check the folder and list it under `name` (ValueError: a name in use, LoRAAdapterError: the folder)."""
+        if not self.config.enable_lora:
+            raise ValueError("LoRA adapters need the engine's enable_lora (--enable-lora)")
+        if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
+            raise ValueError("lora_name and lora_path must be non-empty strings")
+        if name == self.base or name in self.adapters:
+            raise ValueError(f"the LoRA adapter {name!r} has already been loaded")
+        request = LoRARequest(name, next(self._ids), path)
+        check_lora_adapter(self.config, request)
+        self.adapters[name], self.created[name] = request, int(time.time())
+        return request
+
+    def remove(self, name: str) -> LoRARequest | None:
+        self.created.pop(name, None)
+        return self.adapters.pop(name, None)
+
+    def resolve(self, model: object) -> LoRARequest | None | bool:
+        """A request's `model` -> its adapter (None: the base model, or no model given); False: no such model."""
+        if model is None or model == self.base:
+            return None
+        return self.adapters.get(model, False) if isinstance(model, str) else False
+
+    def lora_request(self, model: str | None) -> LoRARequest | None:
+        """The adapter a (checked) request's `model` names, counted in /metrics; None: the base model."""
+        request = self.resolve(model) or None
+        if request is not None and self.num_requests is not None:
+            self.num_requests.labels(lora_name=request.lora_name).inc()
+        return request
+
+    def cards(self, base_card: dict) -> list[dict]:
+        """/v1/models' data: the base model's card, then each adapter's."""
+        adapters = [
+            {**base_card, "id": name, "created": self.created[name], "root": request.lora_path, "parent": self.base}
+            for name, request in self.adapters.items()
+        ]
+        return [base_card, *adapters]
+
+
+def lora_routes(app, adapters: LoRAModules, read_body: Callable, api_error: type[Exception], registry) -> None:
+    """The per-adapter request counter in `registry`, and, where runtime updates are allowed, vLLM's
+    /v1/load_lora_adapter and /v1/unload_lora_adapter on `app` (else they do not exist: a 404).
+    read_body: the app's reader of a request's JSON object; api_error(message, param, status): its error."""
+    adapters.num_requests = Counter(
+        "nanoref_lora_requests", "Requests served under each LoRA adapter", ["lora_name"], registry=registry
+    )
+    if not runtime_updates_allowed():
+        return
+    lock = asyncio.Lock()  # one change at a time: a name is checked and listed as one step
+
+    def field(body: dict, name: str) -> str:
+        value = body.get(name)
+        if not isinstance(value, str) or not value:
+            raise api_error(f"{name} must be a non-empty string, got {value!r}", name, 400)
+        return value
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request) -> PlainTextResponse:
+        body, _ = await read_body(request)
+        name, path = field(body, "lora_name"), field(body, "lora_path")
+        async with lock:
+            try:  # (reading the folder is file work: off the event loop)
+                await asyncio.to_thread(adapters.add, name, path)
+            except ValueError as error:  # (LoRAAdapterError too)
+                raise api_error(str(error), "lora_path" if "LoRA adapter" in str(error) else "lora_name", 400) from None
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request) -> PlainTextResponse:
+        body, _ = await read_body(request)
+        name = field(body, "lora_name")
+        async with lock:
+            if adapters.remove(name) is None:
+                raise api_error(f"the LoRA adapter {name!r} cannot be found", "lora_name", 404)
+        return PlainTextResponse(f"Success: LoRA adapter '{name}' removed successfully.")

@@ -1,0 +1,54 @@
+"""Notebook 14's exercise check: nanoref's own batched delta passes, the usual mistakes fail with a hint that names
+them, and a function wrong in the engine fails the generation against HF + peft."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nanoref.exercises import ExerciseFailure, check_lora_delta
+from nanoref.exercises.lora import check_lora_generation
+from nanoref.ops.lora import lora_delta, lora_delta_reference
+
+pytest.importorskip("peft", reason="peft is not installed (the LoRA oracle; pip install peft)")
+
+
+def test_nanorefs_own_lora_delta_and_the_loop_pass():
+    check_lora_delta(lora_delta)
+    for seed in range(3):
+        check_lora_delta(lora_delta_reference, seed=seed, engine=False)
+
+
+def unscaled(x, lora_a, lora_b, row_slots, scalings):
+    return lora_delta(x, lora_a, lora_b, row_slots, torch.ones_like(scalings))
+
+
+def base_rows_on_slot_0(x, lora_a, lora_b, row_slots, scalings):
+    return lora_delta(x, lora_a, lora_b, row_slots.clamp(min=0), scalings)
+
+
+def every_row_on_slot_0(x, lora_a, lora_b, row_slots, scalings):
+    return lora_delta(x, lora_a, lora_b, torch.where(row_slots < 0, row_slots, 0), scalings)
+
+
+def in_float32(x, lora_a, lora_b, row_slots, scalings):
+    return lora_delta(x.float(), lora_a.float(), lora_b.float(), row_slots, scalings)
+
+
+@pytest.mark.parametrize(
+    ("wrong", "hint"),
+    [
+        (unscaled, "multiply by scalings"),
+        (base_rows_on_slot_0, "a base-model row \\(slot -1\\) got a delta"),
+        (every_row_on_slot_0, "each row must use its own slot"),
+        (in_float32, "dtype torch.float32, expected torch.bfloat16"),
+    ],
+)
+def test_a_wrong_lora_delta_fails_with_its_hint(wrong, hint):
+    with pytest.raises(ExerciseFailure, match=hint):
+        check_lora_delta(wrong, engine=False)
+
+
+def test_a_wrong_lora_delta_fails_in_the_engine_too():
+    with pytest.raises(ExerciseFailure, match="where HF \\+ peft generates"):
+        check_lora_generation({"lora_delta": unscaled})
