@@ -9,7 +9,7 @@ Configurations (each its own engine, all built once in this process; requests gr
 `--max-tokens` output tokens):
 - `none`: no speculation (the baseline);
 - `ngram`: n-gram prompt lookup, k = `--k`, lookup tails of up to 3 tokens, with the default policy (verify steps
-  only where they pay: `nanoref/spec/policy.py`);
+  only where they pay: `nanoref/speculative/policy.py`);
 - `ngram-every-step`: the same with every decode step a verify step;
 - `draft-same`: a draft model identical to the target (every proposal accepted: the mechanism's ceiling);
 - `draft-random`: a draft with the target's shapes but other random weights (acceptance near 0: its overhead).
@@ -86,7 +86,7 @@ def make_models(name: str) -> dict[str, Path]:
 def speculative_config(config: str, models: dict, k: int) -> dict | None:
     if config == "none":
         return None
-    if config == "ngram":  # (the default policy: speculation only where it pays, nanoref/spec/policy.py)
+    if config == "ngram":  # (the default policy: speculation only where it pays, nanoref/speculative/policy.py)
         return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3}
     if config == "ngram-every-step":  # every decode step verifies, whatever the batch and the acceptance
         return {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": 3, **EVERY_STEP}

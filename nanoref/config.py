@@ -91,14 +91,14 @@ class EngineConfig:
     # worker that hangs. Generous, because the first step of a big model (loading its shard, compiling, capturing
     # graphs) may keep one rank busy for minutes while another waits
     tensor_parallel_timeout: float = 600.0
-    # schedule and launch decode step n+1 while the device runs step n (fast/overlap.py). None: on for CUDA, where
+    # schedule and launch decode step n+1 while the device runs step n (overlap.py). None: on for CUDA, where
     # it takes the host's ~1-2 ms per step off the critical path (measured on an H200, benchmarks/results/); off
     # on a CPU, where the "device" is the host itself and nothing can overlap
     overlap_scheduling: bool | None = None
     # the engine's generator for unseeded requests: the same seed and requests give the same tokens (as vLLM's
     # LLM(seed=...)); None: fresh entropy per engine. Never the global RNG, either way
     seed: int | None = None
-    # speculative decoding (nanoref/spec/), vLLM's dict: {"method": "ngram", "num_speculative_tokens": 4,
+    # speculative decoding (nanoref/speculative/), vLLM's dict: {"method": "ngram", "num_speculative_tokens": 4,
     # "prompt_lookup_max": 3} or {"model": DRAFT_FOLDER, "num_speculative_tokens": 4}; parsed into a
     # SpeculativeConfig. None: off
     speculative_config: dict | SpeculativeConfig | None = None

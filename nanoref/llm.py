@@ -1,9 +1,9 @@
 """`LLM`: the user-facing entry point, with vLLM's argument names, and the one place features attach.
 
 The core (`nanoref/engine/`) runs the plain offline path eagerly on one device. What makes it fast or wide is
-attached here, from outside, once the config is resolved: decode CUDA graphs (`nanoref/fast/cuda_graphs.py`) on
+attached here, from outside, once the config is resolved: decode CUDA graphs (`nanoref/cuda_graphs.py`) on
 the model runner, tensor parallelism (`nanoref/parallel/`) as the runner's subclass, and the overlapped loop
-(`nanoref/fast/overlap.py`) or the speculative loop (`nanoref/spec/`, with a draft model's runner beside the
+(`nanoref/overlap.py`) or the speculative loop (`nanoref/speculative/`, with a draft model's runner beside the
 target's) as the engine's step loop, and LoRA adapters (`nanoref/lora/hooks.py`: slots on the runner's model, an
 admission rule for the scheduler, each request's adapter as its sequences' cache salt). `torch.compile` applies
 itself: the element-wise layers compile on their first CUDA call (`nanoref/utils/compile.py`).
@@ -19,21 +19,21 @@ from functools import partial
 from pathlib import Path
 
 from nanoref.config import EngineConfig
+from nanoref.cuda_graphs import DecodeGraphs
 from nanoref.engine.chat import chat_prompt
 from nanoref.engine.hooks import EngineHooks, RunnerHooks
 from nanoref.engine.llm_engine import LLMEngine, PlainLoop
 from nanoref.engine.model_runner import ModelRunner
 from nanoref.engine.requests import prompt_list
-from nanoref.fast.cuda_graphs import DecodeGraphs
-from nanoref.fast.overlap import OverlappedLoop
 from nanoref.lora.adapters import load_adapter
 from nanoref.lora.hooks import LoRAHooks, check_lora_request, lora_request_list  # (re-exported: the server)
 from nanoref.lora.request import LoRARequest
+from nanoref.overlap import OverlappedLoop
 from nanoref.parallel.runner import TensorParallelRunner
+from nanoref.parallel.state import ParallelState
 from nanoref.sampling_params import SamplingParams
-from nanoref.spec.loop import SpeculativeLoop
-from nanoref.spec.runner import SpeculativeRunner
-from nanoref.utils.parallel import ParallelState
+from nanoref.speculative.loop import SpeculativeLoop
+from nanoref.speculative.runner import SpeculativeRunner
 
 DEFAULT_MODEL = Path(__file__).parent / "default_model"
 
@@ -59,7 +59,7 @@ class LLM(LLMEngine):
         and raises (a hung worker; one that dies is reported within seconds anyway).
     overlap_scheduling: schedule and launch each decode step while the device still runs the one before.
         None (default): on for CUDA, off on a CPU (where nothing can overlap and the plain loop is simpler).
-    speculative_config: speculative decoding (nanoref/spec/), as in vLLM: {"method": "ngram",
+    speculative_config: speculative decoding (nanoref/speculative/), as in vLLM: {"method": "ngram",
         "num_speculative_tokens": 4, "prompt_lookup_max": 3} proposes the tokens that followed the sequence's
         last n tokens earlier in it; {"model": DRAFT_FOLDER, "num_speculative_tokens": 4} has a smaller model with
         the same vocabulary propose them. The target checks the k proposals of every sequence in one forward;

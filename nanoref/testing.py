@@ -182,5 +182,6 @@ def make_random_lora(
 
 
 # speculative_config settings that verify proposals in every decode step, whatever the batch size and acceptance
-# (nanoref/spec/policy.py turns speculation off where it would not pay): for tests and lessons about the mechanism
+# (nanoref/speculative/policy.py turns speculation off where it would not pay): for tests and lessons about the
+# mechanism
 EVERY_STEP = {"disable_by_batch_size": 0, "min_tokens_per_step": 0}

@@ -130,7 +130,7 @@ def assert_a_failing_worker_is_reported(folder, within_s: float, **engine) -> No
 def enable_bucketed_decode(llm) -> None:
     """Decode the way CUDA graphs do (each batch padded to its bucket in the static buffers, through the
     `pad_decode_batch` seam), run eagerly: on a CPU too. The one place the tests switch it on."""
-    from nanoref.fast.cuda_graphs import enable_bucketed_decode as enable
+    from nanoref.cuda_graphs import enable_bucketed_decode as enable
 
     enable(llm.model_runner)
 
@@ -218,11 +218,11 @@ def listening_sockets() -> set[tuple[str, str]]:
 def own_answers() -> dict:
     """Exercise seam -> nanoref's own function for it (what every check must accept); the Triton seams only where
     Triton is installed."""
+    from nanoref.cuda_graphs import pad_decode_batch
     from nanoref.engine.block_manager import find_cached_prefix
     from nanoref.engine.detokenizer import find_stop_string, stop_hold_back
     from nanoref.engine.scheduler import choose_preemption_victim
     from nanoref.engine.step_inputs import prefill_metadata
-    from nanoref.fast.cuda_graphs import pad_decode_batch
     from nanoref.layers.activation import silu_and_mul
     from nanoref.layers.embed_head import vocab_parallel_embed
     from nanoref.layers.layernorm import add_rms_norm, rms_norm
@@ -232,7 +232,7 @@ def own_answers() -> dict:
     from nanoref.ops import attention_torch
     from nanoref.ops.lora import lora_delta
     from nanoref.ops.triton_setup import triton_available
-    from nanoref.spec.acceptance import accept_greedy, rejection_sample
+    from nanoref.speculative.acceptance import accept_greedy, rejection_sample
 
     answers = dict(
         prefill_metadata=prefill_metadata,

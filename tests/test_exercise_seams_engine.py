@@ -29,11 +29,11 @@ import pytest
 
 import nanoref.exercises as exercises
 from nanoref import LLM, SamplingParams
+from nanoref.cuda_graphs import pad_decode_batch
 from nanoref.engine.block_manager import find_cached_prefix
 from nanoref.engine.scheduler import choose_preemption_victim
 from nanoref.engine.step_inputs import prefill_metadata
 from nanoref.exercises.common import random_prompts
-from nanoref.fast.cuda_graphs import pad_decode_batch
 from nanoref.layers.activation import silu_and_mul_cuda
 from nanoref.layers.layernorm import add_rms_norm, rms_norm
 from nanoref.layers.rotary import apply_rotary
@@ -41,7 +41,7 @@ from nanoref.layers.sampler import apply_top_k_top_p
 from nanoref.ops import attention_torch
 from nanoref.ops.lora import lora_delta
 from nanoref.ops.triton_setup import triton_available
-from nanoref.spec.acceptance import accept_greedy, rejection_sample
+from nanoref.speculative.acceptance import accept_greedy, rejection_sample
 from nanoref.testing import EVERY_STEP
 from nanoref.utils import seams
 

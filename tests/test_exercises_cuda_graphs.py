@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from nanoref import LLM, SamplingParams, exercises
+from nanoref.cuda_graphs import pad_decode_batch
 from nanoref.exercises import ExerciseFailure, check_pad_decode_batch
-from nanoref.fast.cuda_graphs import pad_decode_batch
 
 from .helpers import Counting, assert_called_every_decode_step, enable_bucketed_decode, hf_greedy, random_prompts
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from nanoref.exercises import ExerciseFailure, check_accept_greedy, check_rejection_sample
-from nanoref.spec.acceptance import accept_greedy, rejection_sample
+from nanoref.speculative.acceptance import accept_greedy, rejection_sample
 from nanoref.testing import EVERY_STEP
 
 

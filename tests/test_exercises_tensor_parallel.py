@@ -10,10 +10,10 @@ import torch.nn.functional as F
 from nanoref import LLM, SamplingParams
 from nanoref.exercises import ExerciseFailure, check_vocab_parallel_embed
 from nanoref.layers.embed_head import vocab_parallel_embed
+from nanoref.parallel.state import shard_range
 from nanoref.parallel.tensor_parallel import rank_layout
 from nanoref.testing import make_tiny_qwen3
 from nanoref.utils import seams
-from nanoref.utils.parallel import shard_range
 
 from .helpers import assert_readable_failure, random_prompts
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from nanoref import LLM, SamplingParams
+from nanoref.cuda_graphs import pad_decode_batch
 from nanoref.exercises import use
-from nanoref.fast.cuda_graphs import pad_decode_batch
 
 from .helpers import (
     Counting,

@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 
 from nanoref import LLM, SamplingParams
+from nanoref.cuda_graphs import batch_buckets
 from nanoref.engine.block_manager import chain_hash
-from nanoref.fast.cuda_graphs import batch_buckets
 
 from .helpers import hf_greedy, random_prompts
 

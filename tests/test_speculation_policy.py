@@ -1,4 +1,4 @@
-"""When speculation runs (nanoref/spec/policy.py): a verify step only where it pays, by batch size and by the
+"""When speculation runs (nanoref/speculative/policy.py): a verify step only where it pays, by batch size and by the
 tokens it has been gaining; plain steps in between give the same greedy output and free the blocks reserved for
 proposals."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from nanoref import LLM, SamplingParams
-from nanoref.spec.policy import DEFAULT_BATCH_LIMIT, SpeculationPolicy
-from nanoref.spec.proposers import propose_ngram
+from nanoref.speculative.policy import DEFAULT_BATCH_LIMIT, SpeculationPolicy
+from nanoref.speculative.proposers import propose_ngram
 
 from .helpers import assert_matches_hf, assert_no_block_leaked, random_prompts
 

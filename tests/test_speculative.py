@@ -11,8 +11,8 @@ import torch
 from nanoref import LLM, SamplingParams
 from nanoref.exercises.speculative import chi_square_p_value, exact_marginals
 from nanoref.llm import DEFAULT_MODEL
-from nanoref.spec.acceptance import accept_greedy, emitted_tokens, rejection_sample
-from nanoref.spec.proposers import propose_ngram
+from nanoref.speculative.acceptance import accept_greedy, emitted_tokens, rejection_sample
+from nanoref.speculative.proposers import propose_ngram
 from nanoref.testing import EVERY_STEP, make_tiny_qwen3
 from nanoref.utils import seams
 
@@ -155,7 +155,7 @@ def test_a_draft_identical_to_the_target_is_always_accepted_worked_example(tiny_
 def test_verify_steps_in_graph_buckets_and_the_varlen_path_near_max_model_len_equal_hf(tiny_model):
     """The verify step as CUDA graphs run it (padded to a bucket of B sequences x (k + 1) tokens; run eagerly
     here), and, near max_model_len, where k proposals no longer fit, as one varlen step of shorter proposals."""
-    from nanoref.fast.cuda_graphs import DecodeGraphs
+    from nanoref.cuda_graphs import DecodeGraphs
 
     llm = LLM(tiny_model, device="cpu", max_model_len=48, speculative_config=ngram(4))
     llm.speculative_loop.verify_graphs = DecodeGraphs(llm.model_runner, record=False, query_len=5)

@@ -21,12 +21,11 @@ from collections import defaultdict
 import pytest
 import torch
 
-from nanoref import LLM, SamplingParams
+from nanoref import LLM, SamplingParams, overlap
 from nanoref.engine import block_manager, llm_engine, metrics, model_runner, scheduler, sequence
 from nanoref.engine.block_manager import find_cached_prefix
 from nanoref.engine.sequence import Sequence, SequenceStatus
 from nanoref.exercises import use
-from nanoref.fast import overlap
 from nanoref.models import qwen3
 from nanoref.utils.interrupts import held_interrupts, interruptibly
 

@@ -34,7 +34,7 @@ class StepRecord:
     preempted: list[int]  # seq_ids preempted while scheduling this step (their K/V was dropped)
     num_waiting: int  # sequences still queued after scheduling
     elapsed: float = 0.0  # wall seconds for the forward pass, sampling and postprocess
-    # speculative decoding (nanoref/spec/), a verify step: the tokens proposed, and how many the target accepted
+    # speculative decoding (nanoref/speculative/), a verify step: the tokens proposed, and how many the target accepted
     # (each sequence also gains one token of the target's own); 0 in other steps
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0

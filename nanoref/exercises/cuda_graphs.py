@@ -4,7 +4,7 @@ The check fills the buffers with what an earlier, larger step left there (live-l
 and block ids), runs the learner's function on a bucket's views of them, and says what is wrong: a row not
 copied, a padding row that would write into the cache or attend to something, a buffer replaced instead of
 written (a graph replays on the recorded addresses), rows written past the bucket. Then the real engine runs
-greedy generation with it, decode padded to buckets (`enable_bucketed_decode` in `nanoref/fast/cuda_graphs.py`,
+greedy generation with it, decode padded to buckets (`enable_bucketed_decode` in `nanoref/cuda_graphs.py`,
 the graphs' path without the graphs, so it runs on a CPU too), against HF transformers.
 """
 
@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 import torch
 
+from nanoref.cuda_graphs import STATIC_INPUTS, enable_bucketed_decode, pad_decode_batch
 from nanoref.exercises.common import (
     ExerciseFailure,
     call_learner,
@@ -22,7 +23,6 @@ from nanoref.exercises.common import (
     random_prompts,
     tiny_model,
 )
-from nanoref.fast.cuda_graphs import STATIC_INPUTS, enable_bucketed_decode, pad_decode_batch
 
 
 def _stale_buffers(max_rows: int, max_blocks: int, generator: torch.Generator) -> dict[str, torch.Tensor]:

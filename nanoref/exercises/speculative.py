@@ -28,7 +28,7 @@ from nanoref.exercises.common import (
     random_prompts,
     tiny_model,
 )
-from nanoref.spec.acceptance import accept_greedy, rejection_sample
+from nanoref.speculative.acceptance import accept_greedy, rejection_sample
 from nanoref.testing import EVERY_STEP
 
 ALPHA = 1e-4  # each distribution check's false-alarm rate for a correct rule (its draws are seeded: fixed verdicts)

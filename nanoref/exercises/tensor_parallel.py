@@ -22,7 +22,7 @@ from nanoref.exercises.common import (
     tiny_model,
 )
 from nanoref.exercises.tensors import refuse_nan
-from nanoref.utils.parallel import shard_range
+from nanoref.parallel.state import shard_range
 
 # the engine check's model: a vocabulary that does not split evenly, so the last rank's table has a padding row
 ENGINE_VOCAB = 251

@@ -16,8 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nanoref.parallel.state import all_reduce, gather_last_dim, get_parallel_state, shard_range
 from nanoref.utils.context import get_context
-from nanoref.utils.parallel import all_reduce, gather_last_dim, get_parallel_state, shard_range
 from nanoref.utils.seams import seam
 from nanoref.utils.tracing import trace
 

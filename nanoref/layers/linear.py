@@ -4,7 +4,7 @@ HF checkpoints store q_proj, k_proj, v_proj (and gate_proj, up_proj) separately;
 group into one weight so a layer does one matmul instead of three. Each parameter carries a
 `weight_loader(param, loaded_weight, shard_id)` that copies a checkpoint tensor into its rows.
 
-Under tensor parallelism (utils/parallel.py) a checkpoint tensor is always read whole and each rank keeps
+Under tensor parallelism (parallel/state.py) a checkpoint tensor is always read whole and each rank keeps
 its slice: column-parallel layers keep some output rows (their heads, their part of the intermediate),
 row-parallel layers keep the matching input columns and all-reduce their partial outputs. The loaders
 check the whole tensor's shape first, so a wrong checkpoint fails the same way on one rank or many.
@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nanoref.utils.parallel import all_reduce, get_parallel_state, tp_rank, tp_size
+from nanoref.parallel.state import all_reduce, get_parallel_state, tp_rank, tp_size
 
 
 def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor) -> None:

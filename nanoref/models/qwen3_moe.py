@@ -35,7 +35,7 @@ from nanoref.layers.linear import Linear
 from nanoref.models.configs import Qwen3MoeConfig
 from nanoref.models.qwen3 import Qwen3ForCausalLM, Qwen3MLP
 from nanoref.ops.moe_grouped import grouped_path_serves, moe_experts_grouped
-from nanoref.utils.parallel import all_reduce, get_parallel_state
+from nanoref.parallel.state import all_reduce, get_parallel_state
 from nanoref.utils.seams import seam
 from nanoref.utils.tracing import trace, tracing_enabled
 

@@ -3,7 +3,7 @@
 Rank 0 prepares every step as usual (`prepare_prefill` / `prepare_decode`), sends the host inputs to the other
 ranks right before uploading them (`upload`), and runs its shard; each follower receives the same inputs, uploads
 them and runs its shard (`serve`); the layers' all-reduces meet in the middle. The core runner
-(`nanoref/engine/model_runner.py`) knows none of this: only the layers do, through `utils/parallel.py`.
+(`nanoref/engine/model_runner.py`) knows none of this: only the layers do, through `parallel/state.py`.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import torch.distributed as dist
 from nanoref.config import EngineConfig
 from nanoref.engine.hooks import NO_RUNNER_HOOKS, RunnerHooks
 from nanoref.engine.model_runner import ModelRunner, StepInputs
+from nanoref.parallel.state import ParallelState, tensor_parallel
 from nanoref.parallel.tensor_parallel import (
     CLOSED,
     TensorParallelError,
@@ -30,7 +31,6 @@ from nanoref.parallel.tensor_parallel import (
     receive_next_ids,
     start_tensor_parallel,
 )
-from nanoref.utils.parallel import ParallelState, tensor_parallel
 from nanoref.utils.seams import TRITON_SEAMS, replace_active
 
 

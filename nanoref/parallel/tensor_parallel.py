@@ -7,7 +7,7 @@ with its share of the weights, the layers' all-reduces meet in the middle, and t
 rank 0 alone, which samples. The followers never see a `Sequence`.
 
 Transport: torch.distributed's process groups, made by each engine on its own rendezvous store and called
-directly (`RankGroup`, nanoref/utils/parallel.py): gloo for CPU tensors (the step messages, pickled) and, on GPUs,
+directly (`RankGroup`, nanoref/parallel/state.py): gloo for CPU tensors (the step messages, pickled) and, on GPUs,
 NCCL for CUDA tensors (the layers' collectives). torch.distributed's default group is never created or used, so
 two tensor-parallel engines live side by side in one process, and closing one leaves the other alone.
 
@@ -51,9 +51,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from nanoref.parallel.state import CollectiveTimeout, ParallelState, RankGroup, TensorParallelError
 from nanoref.utils import seams
 from nanoref.utils.heap import freeze_heap
-from nanoref.utils.parallel import CollectiveTimeout, ParallelState, RankGroup, TensorParallelError
 
 if TYPE_CHECKING:
     from nanoref.config import EngineConfig

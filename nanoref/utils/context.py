@@ -33,7 +33,7 @@ class Context:
     # physical block ids per sequence, padded with -1; set in decode and in prefill with cached history
     block_tables: torch.Tensor | None = None  # (num_seqs, max_blocks) int32
     # prefill: the LM head makes logits for every token, not only each sequence's last (a speculative verify step
-    # checks every proposed token: nanoref/spec/)
+    # checks every proposed token: nanoref/speculative/)
     all_logits: bool = False
     # decode: query tokens per sequence, each sequence's new tokens one after the other in the flat batch (1; k + 1
     # in a speculative verify step, which checks the last token and k proposals against the paged history)

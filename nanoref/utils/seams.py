@@ -47,7 +47,7 @@ SEAMS: dict[str, str] = {
     "find_cached_prefix": "engine/block_manager.py: the block ids of a prompt's longest cached prefix",
     "choose_preemption_victim": "engine/scheduler.py: the sequence to preempt when seq needs a block and none is free",
     # 06_cuda_graphs
-    "pad_decode_batch": "fast/cuda_graphs.py: pad_decode_batch(buffers, input_ids, positions, slot_mapping, "
+    "pad_decode_batch": "cuda_graphs.py: pad_decode_batch(buffers, input_ids, positions, slot_mapping, "
     "context_lens, block_tables) -> None: a decode batch into its graph bucket's static buffers, padding harmless",
     # 07_model_and_sampling
     "apply_rotary": "layers/rotary.py: apply_rotary(x, cos, sin) -> x rotated by RoPE (neox halves)",
@@ -67,9 +67,9 @@ SEAMS: dict[str, str] = {
     "stop_hold_back": "engine/detokenizer.py: stop_hold_back(text, stops) -> how many characters at the end of text "
     "a stop string could begin with",
     # 12_speculative_decoding
-    "accept_greedy": "spec/acceptance.py: accept_greedy(draft_ids, target_ids) -> the tokens a greedy sequence gains "
-    "from its k proposals and the target's k + 1 argmax ids",
-    "rejection_sample": "spec/acceptance.py: rejection_sample(p, q, draft_ids, uniforms, noise) -> (accepted, "
+    "accept_greedy": "speculative/acceptance.py: accept_greedy(draft_ids, target_ids) -> the tokens a greedy "
+    "sequence gains from its k proposals and the target's k + 1 argmax ids",
+    "rejection_sample": "speculative/acceptance.py: rejection_sample(p, q, draft_ids, uniforms, noise) -> (accepted, "
     "recovered) per verify row: keep a proposal with probability min(1, p/q), else draw from max(0, p - q)",
     # 14_lora
     "lora_delta": "ops/lora.py: lora_delta(x, lora_a, lora_b, row_slots, scalings) -> (N, out): each token row's "

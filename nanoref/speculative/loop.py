@@ -43,9 +43,9 @@ from nanoref.engine.sequence import Sequence
 from nanoref.engine.step_inputs import StepInputs, prefill_arrays, prefill_metadata
 from nanoref.layers.logits_processors import LogitsProcessing, TokenLogprobs, raw_logprobs, to_device, token_logprobs
 from nanoref.layers.sampler import sampling_probs
-from nanoref.spec.acceptance import accept_greedy, emitted_tokens, rejection_sample
-from nanoref.spec.policy import DEFAULT_BATCH_LIMIT, SpeculationPolicy
-from nanoref.spec.proposers import DraftProposer, NgramProposer
+from nanoref.speculative.acceptance import accept_greedy, emitted_tokens, rejection_sample
+from nanoref.speculative.policy import DEFAULT_BATCH_LIMIT, SpeculationPolicy
+from nanoref.speculative.proposers import DraftProposer, NgramProposer
 from nanoref.utils import seams
 from nanoref.utils.interrupts import interruptibly
 from nanoref.utils.seams import seam
@@ -83,7 +83,7 @@ class SpeculativeLoop:
 
     def __init__(self, engine, make_verify_graphs=None, make_plain_loop=PlainLoop) -> None:
         """make_verify_graphs(runner, query_len): builds CUDA graphs of the verify step (nanoref/llm.py gives
-        nanoref/fast/cuda_graphs.py's DecodeGraphs), used where the model runner replays its decode steps.
+        nanoref/cuda_graphs.py's DecodeGraphs), used where the model runner replays its decode steps.
         make_plain_loop(engine): the step loop of the decode steps that run plain, where speculation would not pay
         (nanoref/llm.py gives the overlapped loop on CUDA: those steps run as fast as an engine without speculation).
         """

@@ -67,7 +67,7 @@ class DecodeGraphs:
     def __init__(self, runner, record: bool = True, query_len: int = 1) -> None:
         """runner: a model runner with its model and KV cache. record: capture the graphs (CUDA); False runs
         the padded buckets eagerly instead. query_len: tokens per sequence (k + 1 for a speculative verify step,
-        nanoref/spec/)."""
+        nanoref/speculative/)."""
         self.model, device, config = runner.model, runner.device, runner.config
         self.buckets = batch_buckets(config.max_num_seqs)
         self.query_len = query_len
