@@ -408,18 +408,19 @@ FAKE_CHECK = "lambda *args, **kwargs: None"
 @pytest.mark.parametrize(
     "replace",
     [
-        f"nanoref.exercises.check_silu_and_mul = nanoref.exercises.model.check_silu_and_mul = {FAKE_CHECK}",
-        f'vars(nanoref.exercises)["check_silu_and_mul"] = vars(nanoref.exercises.model)["check_silu_and_mul"] = '
+        "nanoref.exercises.check_silu_and_mul = nanoref.exercises.model_and_sampling.check_silu_and_mul = "
         f"{FAKE_CHECK}",
+        'vars(nanoref.exercises)["check_silu_and_mul"] = '
+        f'vars(nanoref.exercises.model_and_sampling)["check_silu_and_mul"] = {FAKE_CHECK}',
         # the reference the check compares with becomes the identity, which the answer below is
-        'vars(nanoref.exercises.model)["silu_and_mul"] = lambda x: x',
+        'vars(nanoref.exercises.model_and_sampling)["silu_and_mul"] = lambda x: x',
     ],
     ids=["setattr", "module-dict", "the-reference"],
 )
 def test_a_solution_cell_that_replaces_the_check_gets_no_points(tmp_path, replace):
     path = exercise_notebook(tmp_path / "cheat.ipynb", "return x")
     nb = nbformat.read(path, as_version=4)
-    cheat = f"import nanoref.exercises\nimport nanoref.exercises.model\n\n{replace}\n\n\n"
+    cheat = f"import nanoref.exercises\nimport nanoref.exercises.model_and_sampling\n\n{replace}\n\n\n"
     nb.cells[0].source = cheat + nb.cells[0].source
     nbformat.write(nb, path)
     [result] = check(path)

@@ -78,7 +78,7 @@ def test_a_wrong_accept_greedy_fails_with_its_hint(wrong, hint):
 
 def test_a_wrong_accept_greedy_fails_in_the_engine_too():
     """The engine run alone (as the capstone runs it) catches a missing bonus token against HF."""
-    from nanoref.exercises.speculative import check_speculative_greedy
+    from nanoref.exercises.speculative_decoding import check_speculative_greedy
 
     with pytest.raises(ExerciseFailure, match="HF transformers|proposals were kept"):
         check_speculative_greedy({"accept_greedy": no_bonus})
@@ -98,7 +98,7 @@ def test_a_speculative_run_that_stops_making_progress_fails_naming_it():
     in place (as in the capstone) verify steps take the varlen path, where that sequence checks no proposal, and
     the run would never end. The harness's step budget ends it with a message that names the learner's functions,
     so the capstone's later runs still run."""
-    from nanoref.exercises.speculative import check_speculative_greedy
+    from nanoref.exercises.speculative_decoding import check_speculative_greedy
     from nanoref.ops.attention_torch import paged_decode_attention
 
     yours = {"accept_greedy": without_any_bonus, "paged_decode_attention": paged_decode_attention}
@@ -272,7 +272,7 @@ def test_a_wrong_rejection_sample_fails_with_its_hint(wrong, hint):
 
 def test_the_distribution_check_alone_tells_a_rule_that_keeps_every_proposal():
     """The chi-square test has power: keeping every proposal emits q, not p (the false-alarm rate is ALPHA)."""
-    from nanoref.exercises.speculative import _check_distribution
+    from nanoref.exercises.speculative_decoding import _check_distribution
 
     _check_distribution(rejection_sample)
     with pytest.raises(ExerciseFailure, match="the emitted tokens do not follow p"):
@@ -280,7 +280,7 @@ def test_the_distribution_check_alone_tells_a_rule_that_keeps_every_proposal():
 
 
 def test_the_engine_part_tells_a_rule_that_keeps_every_proposal():
-    from nanoref.exercises.speculative import check_speculative_sampling
+    from nanoref.exercises.speculative_decoding import check_speculative_sampling
 
     with pytest.raises(ExerciseFailure, match="do not follow the target's distribution|nanoref's own rule samples"):
         check_speculative_sampling({"rejection_sample": keeps_every_proposal})

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from nanoref import LLM, SamplingParams
-from nanoref.exercises.speculative import chi_square_p_value, exact_marginals
+from nanoref.exercises.speculative_decoding import chi_square_p_value, exact_marginals
 from nanoref.llm import DEFAULT_MODEL
 from nanoref.speculative.acceptance import accept_greedy, emitted_tokens, rejection_sample
 from nanoref.speculative.proposers import propose_ngram

@@ -1,4 +1,4 @@
-"""python -m nanoref.classroom {build,check}: see nanoref/classroom/__init__.py and docs/teaching.md."""
+"""python -m nanoref.classroom {build,check}: see nanoref/classroom/ (build.py, check.py) and docs/teaching.md."""
 
 from __future__ import annotations
 
