@@ -2,7 +2,7 @@
 
 from nanoref.engine.metrics import EngineMetrics, RequestMetrics, StepRecord
 from nanoref.llm import DEFAULT_MODEL, LLM, LoRARequest
-from nanoref.sampling_params import SamplingParams
+from nanoref.sampling_params import SamplingParams, StructuredOutputsParams
 from nanoref.utils.loader import ModelFolderError
 from nanoref.utils.tracing import trace_shapes
 
@@ -17,6 +17,7 @@ __all__ = [
     "RequestMetrics",
     "SamplingParams",
     "StepRecord",
+    "StructuredOutputsParams",
     "__version__",
     "trace_shapes",
 ]

@@ -4,9 +4,10 @@ The core (`nanoref/engine/`) runs the plain offline path eagerly on one device. 
 attached here, from outside, once the config is resolved: decode CUDA graphs (`nanoref/cuda_graphs.py`) on
 the model runner, tensor parallelism (`nanoref/parallel/`) as the runner's subclass, and the overlapped loop
 (`nanoref/overlap.py`) or the speculative loop (`nanoref/speculative/`, with a draft model's runner beside the
-target's) as the engine's step loop, and LoRA adapters (`nanoref/lora/hooks.py`: slots on the runner's model, an
-admission rule for the scheduler, each request's adapter as its sequences' cache salt). `torch.compile` applies
-itself: the element-wise layers compile on their first CUDA call (`nanoref/utils/compile.py`).
+target's) as the engine's step loop, LoRA adapters (`nanoref/lora/hooks.py`: slots on the runner's model, an
+admission rule for the scheduler, each request's adapter as its sequences' cache salt), and structured output
+(`nanoref/structured_output.py`: each constrained sample's grammar matcher as its output's constraint).
+`torch.compile` applies itself: the element-wise layers compile on their first CUDA call (`nanoref/utils/compile.py`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import inspect
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import fields
 from functools import partial
 from pathlib import Path
@@ -34,6 +36,7 @@ from nanoref.parallel.state import ParallelState
 from nanoref.sampling_params import SamplingParams
 from nanoref.speculative.loop import SpeculativeLoop
 from nanoref.speculative.runner import SpeculativeRunner
+from nanoref.structured_output import Grammars
 
 DEFAULT_MODEL = Path(__file__).parent / "default_model"
 
@@ -85,6 +88,31 @@ class LLM(LLMEngine):
         super().__init__(config, partial(build_runner, lora=self.lora), engine_hooks(config, self.lora))
         self.overlapped_loop = self.step_loop if isinstance(self.step_loop, OverlappedLoop) else None
         self.speculative_loop = self.step_loop if isinstance(self.step_loop, SpeculativeLoop) else None
+        self.grammars: Grammars | None = None  # made on the first request with structured_outputs
+
+    def constrain(self, params: SamplingParams) -> Callable[[list], None]:
+        """Check a request's structured_outputs and compile its grammar (cached) before anything is made ->
+        what gives its samples their matchers (ValueError naming the problem: nothing is queued)."""
+        if params.structured_outputs is None:
+            return lambda samples: None
+        params.structured_outputs.validate()
+        if self.speculative_loop is not None:
+            raise ValueError(
+                "structured_outputs is not supported with speculative decoding (speculative_config): a grammar's "
+                "matcher would have to follow proposals it may reject; use an LLM without speculative_config"
+            )
+        if self.tokenizer is None:
+            raise ValueError(f"{self.config.model_folder} has no tokenizer: structured_outputs needs one")
+        if self.grammars is None:
+            stop = sorted(t for t in self.scheduler.eos_token_ids if t < self.config.hf_config.vocab_size)
+            self.grammars = Grammars(self.tokenizer, self.config.hf_config.vocab_size, stop)
+        compiled = self.grammars.compile(params.structured_outputs)
+
+        def attach(samples: list) -> None:
+            for seq in samples:
+                seq.output.constraint = self.grammars.constraint(compiled)
+
+        return attach
 
     def make_samples(
         self,
@@ -95,10 +123,14 @@ class LLM(LLMEngine):
         lora_request: LoRARequest | None = None,
     ) -> list:
         """LLMEngine.make_samples, with the request's LoRA adapter (None: the base model) read and checked first
-        (LoRAAdapterError names the folder and the problem); a request that fails leaves no adapter loaded."""
+        (LoRAAdapterError names the folder and the problem), and its structured_outputs' grammar compiled (a
+        matcher per sample); a request that fails leaves no adapter loaded."""
         lora_request = check_lora_request(lora_request, self.lora is not None)
+        constrain = self.constrain(params) if isinstance(params, SamplingParams) else lambda samples: None
         if lora_request is None:
-            return super().make_samples(prompt, params, request_id, stream)
+            samples = super().make_samples(prompt, params, request_id, stream)
+            constrain(samples)
+            return samples
         new = self.lora.load(lora_request)
         try:
             samples = super().make_samples(prompt, params, request_id, stream)
@@ -107,6 +139,7 @@ class LLM(LLMEngine):
                 self.lora.unload(lora_request.lora_int_id)
             raise
         self.lora.bind(samples, lora_request)
+        constrain(samples)
         return samples
 
     def generate(

@@ -91,8 +91,9 @@ def schedule_ahead(scheduler: Scheduler, in_flight: list[Sequence]) -> list[Sequ
     - a running sequence is not in flight, or one in flight is mid-prompt;
     - the blocks for every row do not fit: schedule() may have to preempt, which needs finished sequences
       gone first (this keeps preemption decisions the same as the plain loop's);
-    - a sequence in flight asks for penalties or logprobs: penalties read the token values, and logprobs are
-      read back per step (min_tokens needs only the count, which the host knows: it overlaps).
+    - a sequence in flight asks for penalties, logprobs or structured output: penalties and a grammar's matcher
+      read the token values, and logprobs are read back per step (min_tokens needs only the count, which the host
+      knows: it overlaps).
     A sequence whose token count alone ends it (max_tokens, max_model_len) gets no row. One that will sample
     EOS cannot be known here: it gets a row, and the loop drops that row's token (`commit_ahead`).
     """
@@ -100,7 +101,12 @@ def schedule_ahead(scheduler: Scheduler, in_flight: list[Sequence]) -> list[Sequ
         return []
     if any(seq.num_computed_tokens + seq.num_scheduled_tokens < seq.num_tokens for seq in in_flight):
         return []  # a prompt chunk samples no token: there is nothing to feed forward
-    if any(seq.sampling_params.has_penalties or seq.sampling_params.logprobs is not None for seq in in_flight):
+    if any(
+        seq.sampling_params.has_penalties
+        or seq.sampling_params.logprobs is not None
+        or seq.sampling_params.structured_outputs is not None
+        for seq in in_flight
+    ):
         return []
     ahead = [seq for seq in in_flight if not ends_by_count(scheduler, seq)]
     manager = scheduler.block_manager

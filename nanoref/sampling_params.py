@@ -15,6 +15,67 @@ MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 
 
 @dataclass
+class StructuredOutputsParams:
+    """What a request's output must be, as vLLM spells it: exactly one of
+
+    json: a JSON schema (a dict, its JSON text, or a pydantic model class: its schema) the output is an instance of.
+    regex: a regular expression the whole output matches.
+    choice: a list of strings; the output is exactly one of them.
+    grammar: an EBNF grammar (GBNF style, its start rule `root`) the output is a sentence of.
+    json_object: True: the output is any JSON object.
+
+    disable_any_whitespace: JSON (json, json_object) without the optional whitespace between its tokens.
+    The constraint is a mask on each step's logits (nanoref/structured_output.py): tokens that would leave the
+    grammar get -inf, and the request ends ("stop") once the grammar is complete.
+    """
+
+    json: str | dict | type | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def kind(self) -> str:
+        """Which constraint it is: "json", "regex", "choice", "grammar" or "json_object"."""
+        return next(name for name in CONSTRAINTS if getattr(self, name) not in (None, False))
+
+    def validate(self) -> None:
+        """Raise ValueError unless exactly one constraint is given, each of its type (whether the library accepts
+        the schema, regex or grammar is checked when the request is made: `LLM.make_samples`)."""
+        given = [name for name in CONSTRAINTS if getattr(self, name) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError(
+                f"structured_outputs needs exactly one of {', '.join(CONSTRAINTS)}, got "
+                f"{', '.join(given) if given else 'none'}"
+            )
+        value = getattr(self, given[0])
+        if given[0] == "json" and not (
+            isinstance(value, (str, dict)) or (isinstance(value, type) and hasattr(value, "model_json_schema"))
+        ):
+            raise ValueError(f"structured_outputs.json must be a JSON schema (dict or str), got {value!r:.80}")
+        if given[0] in ("regex", "grammar") and (not isinstance(value, str) or not value):
+            raise ValueError(f"structured_outputs.{given[0]} must be a non-empty string, got {value!r:.80}")
+        if given[0] == "choice" and (
+            not isinstance(value, (list, tuple)) or not value or not all(isinstance(c, str) and c for c in value)
+        ):
+            raise ValueError(f"structured_outputs.choice must be a list of non-empty strings, got {value!r:.80}")
+        if given[0] == "json_object" and value is not True:
+            raise ValueError(f"structured_outputs.json_object must be True, got {value!r:.80}")
+        if not isinstance(self.disable_any_whitespace, bool):
+            raise ValueError(
+                f"structured_outputs.disable_any_whitespace must be True or False, got {self.disable_any_whitespace!r}"
+            )
+
+
+CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass
 class SamplingParams:
     """One request's sampling settings, spelled and meaning what they mean in vLLM.
 
@@ -43,6 +104,8 @@ class SamplingParams:
     spaces_between_special_tokens: let the tokenizer's decoder put its spaces between added tokens that follow one
         another (vLLM's default); False writes such a run of added tokens as their bare text (it matters only for
         decoders that add spaces, e.g. WordPiece's; byte-level BPE's, Qwen's, adds none).
+    structured_outputs: a StructuredOutputsParams the output must follow (JSON schema, regex, choice, grammar);
+        None = free text.
     """
 
     temperature: float = 1.0
@@ -64,6 +127,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self) -> None:
         if self.stop_token_ids is None:  # (vLLM's default spelling of "none")
@@ -77,8 +141,14 @@ class SamplingParams:
 
     @property
     def processes_logits(self) -> bool:
-        """Whether the logits need any work between model and sampler: penalties, min_tokens masks, logprobs."""
-        return self.min_tokens > 0 or self.logprobs is not None or self.has_penalties or bool(self.logit_bias)
+        """Whether the logits need any work between model and sampler: penalties, masks, logprobs."""
+        return (
+            self.min_tokens > 0
+            or self.logprobs is not None
+            or self.has_penalties
+            or bool(self.logit_bias)
+            or self.structured_outputs is not None
+        )
 
     def validate(self) -> None:
         """Raise ValueError naming the first bad field (the engine checks again: fields can be reassigned)."""
@@ -140,6 +210,12 @@ class SamplingParams:
         for name in ("skip_special_tokens", "spaces_between_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                raise ValueError(
+                    f"structured_outputs must be None or a StructuredOutputsParams, got {self.structured_outputs!r:.80}"
+                )
+            self.structured_outputs.validate()
         if self.seed is not None and self.seed + self.n - 1 >= _SEED_LIMIT:
             raise ValueError(f"seed + n - 1 (the last sample's seed) must be below 2**64, got seed {self.seed!r}")
 

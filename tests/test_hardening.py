@@ -373,8 +373,9 @@ LAYERS = [
     ("models",),
     ("config",),
     ("engine",),  # the core: sequence, block manager, scheduler, model runner, the plain loop
-    ("cuda_graphs", "overlap", "parallel", "speculative", "lora"),  # features attached to the core from outside:
-    # decode graphs, the overlapped loop, tensor parallelism, speculative decoding, LoRA adapters
+    ("cuda_graphs", "overlap", "parallel", "speculative", "lora", "structured_output"),  # features attached to the
+    # core from outside: decode graphs, the overlapped loop, tensor parallelism, speculative decoding, LoRA adapters,
+    # grammars
     ("llm",),  # the one wiring point
     ("serving", "serve"),  # the online front on an LLM: the async loop, the OpenAI-compatible server
     ("__init__", "__main__"),  # the package's face and its command line
@@ -422,7 +423,7 @@ def test_no_file_imports_a_layer_above_its_own():
     assert upward == [], "\n".join(upward)
 
 
-FEATURES = ("cuda_graphs", "overlap", "parallel", "speculative", "lora")
+FEATURES = ("cuda_graphs", "overlap", "parallel", "speculative", "lora", "structured_output")
 
 
 def test_features_are_attached_only_at_the_wiring_point():

@@ -43,6 +43,10 @@ class SampleOutput:
     # tokens before it to be scored on) and each prefill chunk's scores, (the step's, its first row among them, rows)
     num_prompt_scored: int = 1
     prompt_scores: list[tuple[StepLogprobs, int, int]] = field(default_factory=list)
+    # a constraint on which tokens may come next, given by whoever made the request (LLM: a grammar's matcher):
+    # `allowed()` -> the tokens it allows next as a packed bitmask, (ceil(V / 32),) int32, read by the sampling
+    # inputs; `accept(token_id)` -> whether the sample is complete after it, called here on every token
+    constraint: Any = None
 
 
 @dataclass
@@ -117,9 +121,9 @@ class OutputProcessor:
 
     @staticmethod
     def on_token(seq: Sequence) -> bool:
-        """seq just appended a token: take its logprobs and text -> whether a stop string ends it there (then its
-        text is cut before it, and the string is `seq.stop_reason`). Stop strings count from min_tokens on, as in
-        vLLM (find_stop looks only at the text this token brought)."""
+        """seq just appended a token: take its logprobs and text, advance its constraint -> whether a stop string ends
+        it there (then its text is cut before it, and the string is `seq.stop_reason`) or its constraint is complete.
+        Stop strings count from min_tokens on, as in vLLM (find_stop looks only at the text this token brought)."""
         out = seq.output
         if out is None:
             return False
@@ -127,13 +131,14 @@ class OutputProcessor:
             step, index, num_top = out.pending_logprobs
             out.pending_logprobs = None
             out.logprobs.append(step.entry(index, num_top))
+        complete = out.constraint is not None and out.constraint.accept(seq.last_token)
         if out.detokenizer is None:
-            return False
+            return complete
         out.detokenizer.add([seq.last_token])
         if seq.num_completion_tokens >= seq.sampling_params.min_tokens and out.detokenizer.find_stop() is not None:
             seq.stop_reason = out.detokenizer.stop_reason
             return True
-        return False
+        return complete
 
     @staticmethod
     def text_so_far(seq: Sequence) -> str:

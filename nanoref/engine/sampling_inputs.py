@@ -79,11 +79,14 @@ def row_processing(
     vocab: int,
     eos_token_ids: set[int] | frozenset[int],
 ) -> None:
-    """Row `row`'s logit_bias, penalties and min_tokens mask, appended to `penalised` and `masked`
-    (LogitsProcessing.build's inputs: a bias rides in `masked` as (row, ids, biases)), for the token after seq's
-    tokens plus `more` (known ids: proposed tokens before this row) plus `num_unknown` more tokens whose values only
-    the device holds."""
+    """Row `row`'s logit_bias, penalties, min_tokens mask and its sample's constraint, appended to `penalised` and
+    `masked` (LogitsProcessing.build's inputs: a bias rides in `masked` as (row, ids, biases), a constraint's
+    allowed tokens as (row, packed bitmask)), for the token after seq's tokens plus `more` (known ids: proposed
+    tokens before this row) plus `num_unknown` more tokens whose values only the device holds."""
     p = seq.sampling_params
+    if seq.output is not None and seq.output.constraint is not None:
+        assert not more and not num_unknown, "a constraint's matcher follows the sample's known tokens only"
+        masked.append((row, seq.output.constraint.allowed()))
     if p.logit_bias:
         masked.append((row, list(p.logit_bias), list(p.logit_bias.values())))
     if p.has_penalties:

@@ -6,6 +6,8 @@
   divided by it, a negative one multiplied, so the token always becomes less likely (for penalties > 1).
 - logit_bias: a request's {token id: bias} added to those logits, before the penalties (as vLLM orders them).
 - min_tokens: until a request has that many completion tokens, its stop tokens (EOS, stop_token_ids) get -inf.
+- allowed tokens: a row whose sample follows a grammar (nanoref/structured_output.py) keeps only the tokens its
+  packed bitmask allows (bit t % 32 of word t // 32); every other token of that row gets -inf, after all the above.
 - logprobs: log_softmax of the model's raw logits (before any of the above, and before temperature: vLLM's
   default "raw_logprobs"), the chosen token's value and rank, and the top N.
 - prompt logprobs: the same for tokens the model was given rather than sampled: the logits of the row of prompt
@@ -50,6 +52,20 @@ def apply_penalties(
 def mask_tokens(logits: torch.Tensor, rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """logits: (B, V); rows, ids: (M,) int64 -> (B, V), a copy with -inf at each (rows[m], ids[m])."""
     return logits.index_put((rows, ids), logits.new_full((), float("-inf")))  # (a fill: no copy from the host)
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """bitmask: (A, W) int32, bit b of word w set where token 32 * w + b is allowed -> (A, vocab) bool."""
+    bits = torch.arange(32, dtype=torch.int32, device=bitmask.device)  # (32,)
+    allowed = (bitmask[:, :, None] >> bits) & 1  # (A, W, 32): an arithmetic shift, so bit 31 reads right too
+    return allowed.reshape(bitmask.shape[0], -1)[:, :vocab] != 0
+
+
+def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """logits: (B, V); rows: (A,) int64; bitmask: (A, W) int32 -> (B, V), a copy where each of these rows keeps only
+    the tokens its bitmask allows (the others -inf); the other rows are left as they were."""
+    allowed = unpack_bitmask(bitmask, logits.shape[1])  # (A, V)
+    return logits.index_put((rows,), logits[rows].masked_fill(~allowed, float("-inf")))
 
 
 def raw_logprobs(logits: torch.Tensor) -> torch.Tensor:
@@ -125,6 +141,8 @@ class LogitsProcessing:
     bias_rows: torch.Tensor | None = None  # (K,) int64: a token of a row with a logit_bias
     bias_ids: torch.Tensor | None = None  # (K,) int64
     bias_values: torch.Tensor | None = None  # (K,) float32
+    allowed_rows: torch.Tensor | None = None  # (A,) int64: a row whose sample follows a grammar
+    allowed_bitmask: torch.Tensor | None = None  # (A, W) int32: the tokens each may take, packed
 
     @classmethod
     def build(
@@ -136,10 +154,16 @@ class LogitsProcessing:
     ) -> LogitsProcessing | None:
         """penalised: (row, prompt ids, completion ids, presence, frequency, repetition) per penalised row;
         masked: (row, stop ids to mask) per row short of its min_tokens, and (row, ids, biases) per row with a
-        logit_bias (the biases to add to those ids' logits). None when there is nothing to do."""
+        logit_bias (the biases to add to those ids' logits), and (row, packed bitmask (W,) int32 tensor) per row
+        that may take only the tokens the bitmask allows. None when there is nothing to do."""
         if not penalised and not masked:
             return None
         processing = cls()
+        allowed = [entry for entry in masked if isinstance(entry[1], torch.Tensor)]
+        masked = [entry for entry in masked if not isinstance(entry[1], torch.Tensor)]
+        if allowed:
+            processing.allowed_rows = to_device(np.asarray([row for row, _ in allowed], dtype=np.int64), device)
+            processing.allowed_bitmask = to_device(torch.stack([bits for _, bits in allowed]).numpy(), device)
         biased = [entry for entry in masked if len(entry) == 3]
         masked = [entry for entry in masked if len(entry) == 2]
         if biased:
@@ -179,6 +203,8 @@ class LogitsProcessing:
             logits = logits.index_put((self.rows,), penalised)
         if self.mask_rows is not None:
             logits = mask_tokens(logits, self.mask_rows, self.mask_ids)
+        if self.allowed_rows is not None:
+            logits = apply_token_bitmask(logits, self.allowed_rows, self.allowed_bitmask)
         return logits
 
 

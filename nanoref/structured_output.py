@@ -1,0 +1,119 @@
+"""Structured output: a request's grammar as a mask on its row of each step's logits (xgrammar does the grammar).
+
+A grammar (from a JSON schema, a regex, a list of choices or EBNF) is compiled once per distinct constraint against
+the tokenizer's vocabulary (`Grammars`, cached): the compiled form knows, for each state of the grammar's pushdown
+automaton, which tokens may follow. Each sample gets its own matcher (`GrammarConstraint`, kept as
+`seq.output.constraint` by the output stage), which
+
+- before a step: writes the tokens its grammar allows next as a packed bitmask, (ceil(V / 32),) int32, bit t of
+  word t // 32 set for an allowed token t (`allowed`); the sampling inputs carry it beside the min_tokens masks and
+  the sampler's logits processing puts -inf on every other token of that row only (`apply_token_bitmask`);
+- after the step: is advanced by the token sampled (`accept`, from the output stage's on_token), and says when the
+  grammar is complete: then the request ends with finish_reason "stop".
+
+The matcher's state follows the sample's tokens: a preempted sample keeps its tokens, so its matcher stays right
+when it is recomputed. A verify step (speculative decoding) would need the matcher rolled back over rejected
+proposals: LLM refuses constrained requests there.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+from nanoref.sampling_params import StructuredOutputsParams
+
+try:  # (an optional dependency: `pip install nanoref[structured]`; the rest of the engine runs without it)
+    import xgrammar as xgr
+except ImportError:  # pragma: no cover - the dev environment has it
+    xgr = None
+
+
+class GrammarConstraint:
+    """One sample's matcher on a compiled grammar."""
+
+    def __init__(self, compiled: Any, vocab: int) -> None:
+        self.matcher = xgr.GrammarMatcher(compiled)
+        self.bitmask = xgr.allocate_token_bitmask(1, vocab)  # (1, ceil(V / 32)) int32, reused every step
+
+    def allowed(self) -> torch.Tensor:
+        """The tokens the grammar allows next, packed: (ceil(V / 32),) int32 (a copy: the step keeps it)."""
+        self.matcher.fill_next_token_bitmask(self.bitmask, 0)
+        return self.bitmask[0].clone()
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by a sampled token -> whether the sample is done: its grammar is complete, or the token left it
+        (only possible where every allowed token was masked by something else, e.g. a logit_bias of -100)."""
+        if not self.matcher.accept_token(token_id):
+            return True
+        return self.matcher.is_terminated()
+
+
+class Grammars:
+    """Compiles a request's StructuredOutputsParams once per distinct constraint, against one tokenizer."""
+
+    def __init__(self, tokenizer, vocab: int, stop_token_ids: list[int], cache_size: int = 256) -> None:
+        """vocab: the model's logits width (may exceed the tokenizer's); stop_token_ids: the tokens that end a
+        completion (EOS): the only ones a complete grammar allows."""
+        if xgr is None:
+            raise ValueError("structured_outputs needs the xgrammar package: pip install 'nanoref[structured]'")
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab, stop_token_ids=stop_token_ids)
+        self.compiler = xgr.GrammarCompiler(info)
+        self.vocab = vocab
+        self.cache: OrderedDict[tuple, Any] = OrderedDict()
+        self.cache_size = cache_size
+
+    def compile(self, params: StructuredOutputsParams) -> Any:
+        """The compiled grammar of params (from the cache when compiled before); ValueError naming what the grammar
+        library refused (a bad schema, regex or grammar)."""
+        key = constraint_key(params)
+        if key in self.cache:
+            self.cache.move_to_end(key)
+            return self.cache[key]
+        kind, text = key[0], key[1]
+        whitespace = not params.disable_any_whitespace
+        try:
+            if kind == "json":
+                compiled = self.compiler.compile_json_schema(text, any_whitespace=whitespace)
+            elif kind == "json_object":
+                compiled = self.compiler.compile_json_schema('{"type": "object"}', any_whitespace=whitespace)
+            elif kind == "regex":
+                compiled = self.compiler.compile_regex(text)
+            else:  # "grammar", and "choice" as the grammar root ::= "a" | "b" | ...
+                compiled = self.compiler.compile_grammar(text)
+        except (RuntimeError, ValueError, TypeError) as error:
+            raise ValueError(f"structured_outputs.{params.kind}: {library_message(error)}") from None
+        self.cache[key] = compiled
+        if len(self.cache) > self.cache_size:
+            self.cache.popitem(last=False)
+        return compiled
+
+    def constraint(self, compiled: Any) -> GrammarConstraint:
+        """A fresh matcher (one per sample) at the grammar's start."""
+        return GrammarConstraint(compiled, self.vocab)
+
+
+def constraint_key(params: StructuredOutputsParams) -> tuple:
+    """(kind, the constraint as text, whitespace): what the compiled grammar depends on, hashable."""
+    kind, value = params.kind, getattr(params, params.kind)
+    if kind == "json":
+        if isinstance(value, type):  # a pydantic model class
+            value = value.model_json_schema()
+        text = value if isinstance(value, str) else json.dumps(value, sort_keys=True)
+    elif kind == "choice":  # each choice a string literal (JSON's escapes are EBNF's)
+        text = "root ::= " + " | ".join(json.dumps(choice) for choice in value)
+    elif kind == "json_object":
+        text = ""
+    else:
+        text = value
+    return kind, text, params.disable_any_whitespace
+
+
+def library_message(error: Exception) -> str:
+    """The grammar library's error without its log prefix ("[time] file.cc:line: Check failed: (...) is false: ")."""
+    message = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", str(error).strip())
+    return re.sub(r"^Check failed: \(.*?\) is false: ", "", message)

@@ -1,0 +1,193 @@
+"""Structured output: a grammar's token mask on the constrained rows of the flat batch (nanoref/structured_output.py).
+
+The built-in model cannot write JSON unaided: every output here that parses and validates does so because of the
+mask, and the unconstrained requests beside the constrained ones must produce what they produce alone."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+import torch
+
+from nanoref import LLM, SamplingParams, StructuredOutputsParams
+from nanoref.layers.logits_processors import apply_token_bitmask
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "pet": {"enum": ["cat", "dog", "none"]},
+    },
+    "required": ["name", "age", "pet"],
+    "additionalProperties": False,
+}
+PROMPTS = ["Hello, my name is", "The capital of France", "1 2 3 4", "Once upon a time, in a land far away,"]
+
+
+def json_params(**settings) -> SamplingParams:
+    # compact JSON: the built-in model would otherwise spend its tokens on the whitespace a schema allows
+    constraint = StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)
+    return SamplingParams(max_tokens=80, structured_outputs=constraint, **settings)
+
+
+constrained = StructuredOutputsParams
+
+
+def assert_valid(output: dict) -> None:
+    assert output["finish_reason"] == "stop", output
+    jsonschema.validate(json.loads(output["text"]), SCHEMA)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(device="cpu", seed=0)
+
+
+def test_the_bitmask_keeps_only_allowed_tokens_of_constrained_rows():
+    """apply_token_bitmask against a readable reference: bit t % 32 of word t // 32, bit 31 included (a negative
+    int32), a vocabulary that is not a multiple of 32, and rows without a mask left exactly as they were."""
+    generator = torch.Generator().manual_seed(0)
+    vocab, rows = 70, torch.tensor([2, 0])
+    logits = torch.randn(4, vocab, generator=generator)
+    bitmask = torch.randint(-(2**31), 2**31, (2, 3), generator=generator, dtype=torch.int64).to(torch.int32)
+    bitmask[0, 0] = -(2**31)  # only token 31 of the first word
+    expected = logits.clone()
+    for a, row in enumerate(rows.tolist()):
+        for token in range(vocab):
+            if not (int(bitmask[a, token // 32]) >> (token % 32)) & 1:
+                expected[row, token] = float("-inf")
+    masked = apply_token_bitmask(logits, rows, bitmask)
+    assert torch.equal(masked, expected)
+    assert torch.equal(masked[[1, 3]], logits[[1, 3]])
+    assert masked[2, :32].isfinite().tolist() == [t == 31 for t in range(32)]
+
+
+def test_json_schema_outputs_validate_greedy_and_sampled_with_n(llm):
+    outputs = llm.generate(
+        PROMPTS[:2] + PROMPTS[2:],
+        [json_params(temperature=0)] * 2 + [json_params(temperature=1.0, seed=7, n=3)] * 2,
+        use_tqdm=False,
+    )
+    samples = outputs[:2] + [sample for output in outputs[2:] for sample in output["outputs"]]
+    assert len(samples) == 8
+    for sample in samples:
+        assert_valid(sample)
+    # unconstrained, the same model writes no JSON at all: the mask is what makes these valid
+    free = llm.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=80), use_tqdm=False)
+    for output in free:
+        with pytest.raises(json.JSONDecodeError):
+            json.loads(output["text"])
+
+
+def test_unconstrained_requests_beside_constrained_ones_produce_what_they_produce_alone(llm):
+    plain = [SamplingParams(temperature=0, max_tokens=24), SamplingParams(temperature=0.9, seed=3, max_tokens=24)]
+    alone = llm.generate(PROMPTS[:2], plain, use_tqdm=False)
+    mixed = llm.generate(
+        PROMPTS[:2] + PROMPTS[2:],
+        plain + [json_params(temperature=0), json_params(temperature=0.9, seed=5)],
+        use_tqdm=False,
+    )
+    assert [o["token_ids"] for o in mixed[:2]] == [o["token_ids"] for o in alone]
+    for output in mixed[2:]:
+        assert_valid(output)
+
+
+def test_regex_and_choice_outputs_match(llm):
+    regex = r"[a-z]{2,5}-\d{2}"
+    choices = ["yes", "no", "it depends"]
+    params = [
+        SamplingParams(temperature=0.8, seed=1, n=4, max_tokens=40, structured_outputs=constrained(regex=regex)),
+        SamplingParams(temperature=1.0, seed=2, n=6, max_tokens=40, structured_outputs=constrained(choice=choices)),
+    ]
+    by_regex, by_choice = llm.generate(PROMPTS[:2], params, use_tqdm=False)
+    for sample in by_regex["outputs"]:
+        assert re.fullmatch(regex, sample["text"]) and sample["finish_reason"] == "stop", sample
+    for sample in by_choice["outputs"]:
+        assert sample["text"] in choices and sample["finish_reason"] == "stop", sample
+
+
+def test_a_grammar_and_a_json_object_are_followed(llm):
+    grammar = 'root ::= "(" item ("," item)* ")"\nitem ::= [0-9] | "x"'
+    by_grammar, by_object = llm.generate(
+        PROMPTS[:2],
+        [
+            SamplingParams(temperature=0.7, seed=4, max_tokens=40, structured_outputs=constrained(grammar=grammar)),
+            SamplingParams(
+                temperature=0,
+                max_tokens=60,
+                structured_outputs=constrained(json_object=True, disable_any_whitespace=True),
+            ),
+        ],
+        use_tqdm=False,
+    )
+    assert re.fullmatch(r"\(([0-9x])(,[0-9x])*\)", by_grammar["text"]) and by_grammar["finish_reason"] == "stop"
+    if by_object["finish_reason"] == "stop":  # (an object may outgrow 60 tokens: then it is cut, as any text)
+        assert isinstance(json.loads(by_object["text"]), dict)
+
+
+def test_constrained_outputs_are_the_same_under_preemption_and_chunked_prefill(llm):
+    """A preempted sample keeps its tokens and its matcher: recomputed, it goes on where it was. Prompts prefilled
+    in chunks sample only at their last chunk. Both give the tokens an unhurried engine gives."""
+    prompts = [prompt * 6 for prompt in PROMPTS]
+    params = [json_params(temperature=0), json_params(temperature=0.9, seed=11)] * 2
+    expected = llm.generate(prompts, params, use_tqdm=False)
+    tight = LLM(device="cpu", seed=0, kvcache_block_size=16, num_kvcache_blocks=14, max_num_batched_tokens=16)
+    outputs = tight.generate(prompts, params, use_tqdm=False)
+    assert any(step.preempted for step in tight.metrics.steps), "the KV budget was meant to force preemption"
+    assert min(len(tight.tokenize(prompt)) for prompt in prompts) > 16, "each prompt was meant to take 2+ chunks"
+    assert [o["token_ids"] for o in outputs] == [o["token_ids"] for o in expected]
+    for output in outputs:
+        assert_valid(output)
+
+
+@pytest.mark.parametrize(
+    ("constraint", "named"),
+    [
+        ({"json": '{"type": 5}'}, "structured_outputs.json: Type should be a string"),
+        ({"json": "{not json"}, "structured_outputs.json"),
+        ({"regex": "(ab"}, "structured_outputs.regex: Regex parsing error"),
+        (
+            {"grammar": "root ::= missing"},
+            'structured_outputs.grammar: EBNF parser error at line 1, column 10: Rule "missing',
+        ),
+    ],
+)
+def test_a_constraint_the_library_refuses_is_a_clear_error_and_queues_nothing(llm, constraint, named):
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(**constraint))
+    with pytest.raises(ValueError, match=re.escape(named)):
+        llm.add_request("Hello", params)
+    assert llm.is_finished() and not llm.scheduler.waiting and not llm.scheduler.running
+
+
+@pytest.mark.parametrize(
+    ("fields", "named"),
+    [
+        ({}, "exactly one of json, regex, choice, grammar, json_object, got none"),
+        ({"json": SCHEMA, "regex": "a"}, "exactly one of json, regex, choice, grammar, json_object, got json, regex"),
+        ({"choice": []}, "structured_outputs.choice must be a list of non-empty strings"),
+        ({"choice": "yes"}, "structured_outputs.choice must be a list of non-empty strings"),
+        ({"regex": ""}, "structured_outputs.regex must be a non-empty string"),
+        ({"json": 3}, "structured_outputs.json must be a JSON schema"),
+    ],
+)
+def test_structured_outputs_params_name_a_bad_field(fields, named):
+    with pytest.raises(ValueError, match=re.escape(named)):
+        StructuredOutputsParams(**fields)
+
+
+def test_a_grammar_is_compiled_once_per_constraint(llm):
+    first = llm.grammars.compile(StructuredOutputsParams(json=SCHEMA))
+    again = llm.grammars.compile(StructuredOutputsParams(json=json.dumps(SCHEMA, sort_keys=True)))
+    other = llm.grammars.compile(StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True))
+    assert first is again and other is not first
+
+
+def test_speculative_decoding_refuses_constrained_requests():
+    llm = LLM(device="cpu", speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2})
+    with pytest.raises(ValueError, match="structured_outputs is not supported with speculative decoding"):
+        llm.add_request("Hello", json_params(temperature=0))
+    assert llm.is_finished()
