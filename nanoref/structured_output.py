@@ -33,6 +33,11 @@ except ImportError:  # pragma: no cover - the dev environment has it
     xgr = None
 
 
+# JSON's optional whitespace, at most this many characters in a row: valid JSON either way, but a model that favours
+# whitespace (the built-in one does) would otherwise spend its max_tokens on it and be cut before the JSON ends
+MAX_WHITESPACE = 8
+
+
 class GrammarConstraint:
     """One sample's matcher on a compiled grammar."""
 
@@ -75,12 +80,12 @@ class Grammars:
             self.cache.move_to_end(key)
             return self.cache[key]
         kind, text = key[0], key[1]
-        whitespace = not params.disable_any_whitespace
+        whitespace = {"any_whitespace": not params.disable_any_whitespace, "max_whitespace_cnt": MAX_WHITESPACE}
         try:
             if kind == "json":
-                compiled = self.compiler.compile_json_schema(text, any_whitespace=whitespace)
+                compiled = self.compiler.compile_json_schema(text, **whitespace)
             elif kind == "json_object":
-                compiled = self.compiler.compile_json_schema('{"type": "object"}', any_whitespace=whitespace)
+                compiled = self.compiler.compile_json_schema('{"type": "object"}', **whitespace)
             elif kind == "regex":
                 compiled = self.compiler.compile_regex(text)
             else:  # "grammar", and "choice" as the grammar root ::= "a" | "b" | ...

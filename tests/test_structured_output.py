@@ -191,3 +191,12 @@ def test_speculative_decoding_refuses_constrained_requests():
     with pytest.raises(ValueError, match="structured_outputs is not supported with speculative decoding"):
         llm.add_request("Hello", json_params(temperature=0))
     assert llm.is_finished()
+
+
+def test_penalties_and_stop_strings_apply_to_constrained_rows(llm):
+    penalised = json_params(temperature=0.7, seed=9, repetition_penalty=1.3, presence_penalty=0.5, n=2)
+    cut = SamplingParams(temperature=0, max_tokens=20, stop=[";"], structured_outputs=constrained(regex="ab;cd"))
+    by_penalties, by_stop = llm.generate(PROMPTS[:2], [penalised, cut], use_tqdm=False)
+    for sample in by_penalties["outputs"]:
+        assert_valid(sample)
+    assert (by_stop["text"], by_stop["finish_reason"], by_stop["stop_reason"]) == ("ab", "stop", ";")

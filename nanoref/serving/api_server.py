@@ -64,7 +64,7 @@ from starlette.requests import ClientDisconnect
 from nanoref.engine.chat import chat_prompt
 from nanoref.engine.detokenizer import REPLACEMENT_CHAR, decode
 from nanoref.layers.logits_processors import TokenLogprobs
-from nanoref.sampling_params import SamplingParams, stop_strings
+from nanoref.sampling_params import SamplingParams, StructuredOutputsParams, stop_strings
 from nanoref.serving.async_llm import AsyncLLM, RequestOutput
 from nanoref.serving.lora_modules import LoRAModules, lora_routes
 
@@ -98,14 +98,14 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's and vLLM's default for completion
 # them all); a field in none of them is a 400 that names it, so nothing a client asks for is silently ignored.
 # - honoured: read by the endpoint (its FIELDS above, and the ones below)
 COMPLETION_HONOURED = {"model", "prompt", "stream", "stream_options", "add_special_tokens", "echo", *COMPLETION_FIELDS}
+COMPLETION_HONOURED |= {"response_format", "structured_outputs"}  # (both: `structured_outputs` below)
 CHAT_HONOURED = {"model", "messages", "stream", "stream_options", "add_special_tokens", *CHAT_FIELDS}
+CHAT_HONOURED |= {"response_format", "structured_outputs"}
 CHAT_HONOURED |= {"logprobs", "top_logprobs", "add_generation_prompt", "continue_final_message", "chat_template_kwargs"}
 # - accepted and unused, as vLLM takes them: who is asking, and a hint for a cache this server keeps by itself
 ACCEPTED_UNUSED = {"user", "safety_identifier", "prompt_cache_key"}
 # - not supported: a 400 naming the field unless it is null or one of these values (its default: "off")
 NOT_SUPPORTED_COMMON: dict[str, tuple] = {
-    "response_format": ({"type": "text"},),
-    "structured_outputs": (),
     "guided_json": (),
     "guided_regex": (),
     "guided_choice": (),
@@ -177,7 +177,6 @@ REFUSALS = {
     ),
     "tools": "tools are not supported yet: this server does no tool calling (tool_calls in messages are rendered)",
     "tool_choice": "tool_choice is not supported yet: this server does no tool calling (only 'none')",
-    "response_format": "response_format is not supported yet: no structured output (only {'type': 'text'})",
 }
 
 
@@ -550,11 +549,52 @@ def token_bias(body: dict) -> dict:
     return {**body, "logit_bias": converted}
 
 
+def structured_outputs(body: dict) -> StructuredOutputsParams | None:
+    """What the request's output must follow: vLLM's `structured_outputs` ({"json": schema} or regex, choice,
+    grammar, json_object), or OpenAI's `response_format` ({"type": "json_object"}, or {"type": "json_schema",
+    "json_schema": {"name": ..., "schema": {...}}}; {"type": "text"} is free text). Whether the grammar library
+    takes the schema is the engine's check, when the request is made."""
+    given, response_format = body.get("structured_outputs"), body.get("response_format")
+    if response_format is not None and response_format != {"type": "text"}:
+        if given is not None:
+            raise BadRequest("send response_format or structured_outputs, not both", "structured_outputs")
+        kind = response_format.get("type") if isinstance(response_format, dict) else None
+        schema = response_format.get("json_schema") if kind == "json_schema" else None
+        if kind == "json_object":
+            given = {"json_object": True}
+        elif isinstance(schema, dict) and isinstance(schema.get("schema"), dict):
+            given = {"json": schema["schema"]}
+        elif kind == "json_schema":
+            message = 'response_format {"type": "json_schema"} needs "json_schema": {"name": ..., "schema": {...}}'
+            raise BadRequest(message, "response_format")
+        else:
+            message = (
+                f"response_format's type must be 'text', 'json_object' or 'json_schema', got {response_format!r:.80}"
+            )
+            raise BadRequest(message, "response_format")
+    if given is None:
+        return None
+    if not isinstance(given, dict):
+        raise BadRequest(f"structured_outputs must be an object, got {given!r:.80}", "structured_outputs")
+    known = {f.name for f in fields(StructuredOutputsParams)}
+    unknown = sorted(set(given) - known)
+    if unknown:
+        message = f"structured_outputs: unknown field {unknown[0]!r:.60} (this server takes {', '.join(sorted(known))})"
+        raise BadRequest(message, "structured_outputs")
+    try:
+        return StructuredOutputsParams(**given)
+    except (ValueError, TypeError) as error:
+        raise BadRequest(str(error), "response_format" if response_format else "structured_outputs") from None
+
+
 def sampling_params(body: dict, mapping: dict[str, str], defaults: dict | None = None) -> SamplingParams:
-    """The request's sampling fields as SamplingParams; a missing or null field keeps `defaults`' value, else
-    SamplingParams' default."""
+    """The request's sampling fields as SamplingParams (and its `structured_outputs`); a missing or null field keeps
+    `defaults`' value, else SamplingParams' default."""
     known = {f.name for f in fields(SamplingParams)}
     values: dict[str, Any] = dict(defaults or {})
+    constraint = structured_outputs(body)
+    if constraint is not None:
+        values["structured_outputs"] = constraint
     body = token_bias(body)
     for name, target in mapping.items():
         if body.get(name) is None:
@@ -914,7 +954,14 @@ def build_app(
 
     def blamed_fields(body: dict, prompt_field: str) -> dict[str, str]:
         tokens = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-        return {"logit_bias": "logit_bias", "stop_token_ids": "stop_token_ids", "max_tokens": tokens, "": prompt_field}
+        constraint = "structured_outputs" if body.get("structured_outputs") is not None else "response_format"
+        return {
+            "logit_bias": "logit_bias",
+            "stop_token_ids": "stop_token_ids",
+            "max_tokens": tokens,
+            "structured_outputs": constraint,
+            "": prompt_field,
+        }
 
     def check_flag(body: dict, name: str, default: bool) -> bool:
         value = body.get(name)

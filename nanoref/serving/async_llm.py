@@ -213,6 +213,8 @@ class AsyncLLM:
         token_ids = tokenize(prompt, self.tokenizer, self.config)
         check_request(token_ids, params, self.config)  # (the engine's own checks, on its config)
         check_lora_request(lora_request, self.config.enable_lora)
+        if params.structured_outputs is not None:  # its grammar compiled here (cached): a bad one raises now
+            self.llm.constrain(params)
         return self._stream(token_ids, params, request_id or f"req-{uuid.uuid4().hex}", lora_request)
 
     def _check_running(self) -> None:
