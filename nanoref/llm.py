@@ -103,7 +103,7 @@ class LLM(LLMEngine):
             )
         if self.tokenizer is None:
             raise ValueError(f"{self.config.model_folder} has no tokenizer: structured_outputs needs one")
-        if self.grammars is None:
+        if self.grammars is None:  # (two threads may both make one: either serves)
             stop = sorted(t for t in self.scheduler.eos_token_ids if t < self.config.hf_config.vocab_size)
             self.grammars = Grammars(self.tokenizer, self.config.hf_config.vocab_size, stop)
         compiled = self.grammars.compile(params.structured_outputs)

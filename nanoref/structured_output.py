@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import re
+import threading
 from collections import OrderedDict
 from typing import Any
 
@@ -71,14 +72,16 @@ class Grammars:
         self.vocab = vocab
         self.cache: OrderedDict[tuple, Any] = OrderedDict()
         self.cache_size = cache_size
+        self.lock = threading.Lock()  # (a server compiles in its request thread while the engine's thread may too)
 
     def compile(self, params: StructuredOutputsParams) -> Any:
         """The compiled grammar of params (from the cache when compiled before); ValueError naming what the grammar
         library refused (a bad schema, regex or grammar)."""
         key = constraint_key(params)
-        if key in self.cache:
-            self.cache.move_to_end(key)
-            return self.cache[key]
+        with self.lock:
+            if key in self.cache:
+                self.cache.move_to_end(key)
+                return self.cache[key]
         kind, text = key[0], key[1]
         whitespace = {"any_whitespace": not params.disable_any_whitespace, "max_whitespace_cnt": MAX_WHITESPACE}
         try:
@@ -92,9 +95,10 @@ class Grammars:
                 compiled = self.compiler.compile_grammar(text)
         except (RuntimeError, ValueError, TypeError) as error:
             raise ValueError(f"structured_outputs.{params.kind}: {library_message(error)}") from None
-        self.cache[key] = compiled
-        if len(self.cache) > self.cache_size:
-            self.cache.popitem(last=False)
+        with self.lock:
+            self.cache[key] = compiled
+            if len(self.cache) > self.cache_size:
+                self.cache.popitem(last=False)
         return compiled
 
     def constraint(self, compiled: Any) -> GrammarConstraint:

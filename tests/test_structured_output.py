@@ -180,6 +180,7 @@ def test_structured_outputs_params_name_a_bad_field(fields, named):
 
 
 def test_a_grammar_is_compiled_once_per_constraint(llm):
+    llm.constrain(json_params())  # (the engine's grammars exist from its first constrained request on)
     first = llm.grammars.compile(StructuredOutputsParams(json=SCHEMA))
     again = llm.grammars.compile(StructuredOutputsParams(json=json.dumps(SCHEMA, sort_keys=True)))
     other = llm.grammars.compile(StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True))
@@ -200,3 +201,23 @@ def test_penalties_and_stop_strings_apply_to_constrained_rows(llm):
     for sample in by_penalties["outputs"]:
         assert_valid(sample)
     assert (by_stop["text"], by_stop["finish_reason"], by_stop["stop_reason"]) == ("ab", "stop", ";")
+
+
+def test_a_pydantic_model_and_a_stream(llm):
+    """json takes a pydantic model class (its schema); a streamed constrained request's pieces concatenate to the
+    text generate gives it."""
+    pydantic = pytest.importorskip("pydantic")
+
+    class Pet(pydantic.BaseModel):
+        kind: str = pydantic.Field(max_length=6)
+        legs: int = pydantic.Field(ge=0, le=8)
+
+    params = SamplingParams(
+        temperature=0.8, seed=13, max_tokens=60,
+        structured_outputs=constrained(json=Pet, disable_any_whitespace=True),
+    )  # fmt: skip
+    pieces = list(llm.stream(PROMPTS[0], params))
+    text = "".join(piece.text for piece in pieces)
+    assert pieces[-1].finished and pieces[-1].finish_reason == "stop"
+    assert text == llm.generate([PROMPTS[0]], params, use_tqdm=False)[0]["text"]
+    Pet.model_validate_json(text)
