@@ -24,7 +24,7 @@ class StructuredOutputsParams:
     grammar: an EBNF grammar (GBNF style, its start rule `root`) the output is a sentence of.
     json_object: True: the output is any JSON object.
 
-    disable_any_whitespace: JSON (json, json_object) without the optional whitespace between its tokens.
+    disable_any_whitespace: JSON (json, json_object) with fixed separators (", ", ": ") and no other whitespace.
     The constraint is a mask on each step's logits (nanoref/structured_output.py): tokens that would leave the
     grammar get -inf, and the request ends ("stop") once the grammar is complete.
     """

@@ -221,3 +221,19 @@ def test_a_pydantic_model_and_a_stream(llm):
     assert pieces[-1].finished and pieces[-1].finish_reason == "stop"
     assert text == llm.generate([PROMPTS[0]], params, use_tqdm=False)[0]["text"]
     Pet.model_validate_json(text)
+
+
+def test_the_overlapped_loop_waits_for_constrained_rows_tokens(llm):
+    """A constrained row's matcher needs its last token before the next step's mask: the overlapped loop runs those
+    steps as the plain loop does, and gives the same tokens."""
+    overlapped = LLM(device="cpu", seed=0, overlap_scheduling=True)
+    params = [
+        json_params(temperature=0),
+        SamplingParams(temperature=0, max_tokens=30),
+        json_params(temperature=0.9, seed=2),
+    ]
+    expected = llm.generate(PROMPTS[:3], params, use_tqdm=False)
+    outputs = overlapped.generate(PROMPTS[:3], params, use_tqdm=False)
+    assert [o["token_ids"] for o in outputs] == [o["token_ids"] for o in expected]
+    assert_valid(outputs[0])
+    assert_valid(outputs[2])
