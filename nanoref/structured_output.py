@@ -28,10 +28,16 @@ import torch
 
 from nanoref.sampling_params import StructuredOutputsParams
 
-try:  # (an optional dependency: `pip install nanoref[structured]`; the rest of the engine runs without it)
-    import xgrammar as xgr
-except ImportError:  # pragma: no cover - the dev environment has it
-    xgr = None
+
+def xgrammar() -> Any:
+    """The xgrammar module, imported at the first constrained request: an optional dependency (`pip install
+    nanoref[structured]`; the rest of the engine runs without it), and one that imports transformers (seconds, and in
+    a notebook without ipywidgets a tqdm warning) that `import nanoref` must not pay."""
+    try:
+        import xgrammar as xgr
+    except ImportError:  # pragma: no cover - the dev environment has it
+        raise ValueError("structured_outputs needs the xgrammar package: pip install 'nanoref[structured]'") from None
+    return xgr
 
 
 # JSON's optional whitespace, at most this many characters in a row: valid JSON either way, but a model that favours
@@ -43,6 +49,7 @@ class GrammarConstraint:
     """One sample's matcher on a compiled grammar."""
 
     def __init__(self, compiled: Any, vocab: int) -> None:
+        xgr = xgrammar()
         self.matcher = xgr.GrammarMatcher(compiled)
         self.bitmask = xgr.allocate_token_bitmask(1, vocab)  # (1, ceil(V / 32)) int32, reused every step
 
@@ -65,8 +72,7 @@ class Grammars:
     def __init__(self, tokenizer, vocab: int, stop_token_ids: list[int], cache_size: int = 256) -> None:
         """vocab: the model's logits width (may exceed the tokenizer's); stop_token_ids: the tokens that end a
         completion (EOS): the only ones a complete grammar allows."""
-        if xgr is None:
-            raise ValueError("structured_outputs needs the xgrammar package: pip install 'nanoref[structured]'")
+        xgr = xgrammar()
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab, stop_token_ids=stop_token_ids)
         self.compiler = xgr.GrammarCompiler(info)
         self.vocab = vocab
