@@ -237,3 +237,20 @@ def test_the_overlapped_loop_waits_for_constrained_rows_tokens(llm):
     assert [o["token_ids"] for o in outputs] == [o["token_ids"] for o in expected]
     assert_valid(outputs[0])
     assert_valid(outputs[2])
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_mask_rides_beside_decode_graphs_and_the_overlapped_loop(llm):
+    """On a GPU (decode graphs and the overlapped loop on): constrained rows validate and are the CPU engine's tokens,
+    and the plain rows of the same batch are what they are alone (float32, so batch shape changes no rounding)."""
+    cuda = LLM(device="cuda", dtype="float32", seed=0, num_kvcache_blocks=64)
+    assert cuda.model_runner.decode_graphs is not None
+    plain = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    params = [json_params(temperature=0), plain, json_params(temperature=0.9, seed=3), plain]
+    outputs = cuda.generate(PROMPTS, params, use_tqdm=False)
+    for index in (0, 2):
+        assert_valid(outputs[index])
+    assert outputs[0]["token_ids"] == llm.generate(PROMPTS[:1], params[:1], use_tqdm=False)[0]["token_ids"]
+    for index in (1, 3):
+        alone = cuda.generate([PROMPTS[index]], plain, use_tqdm=False)[0]
+        assert outputs[index]["token_ids"] == alone["token_ids"]
