@@ -96,6 +96,7 @@ def main() -> None:
                 tokens = sum(len(o["token_ids"]) for o in outputs)
                 assert tokens == sum(p.max_tokens for p in params)
                 rates[name].append(tokens / (time.perf_counter() - start))
+                print(f"run {run}, {name}: {rates[name][-1]:,.0f} output tok/s", flush=True)
     base_rate = statistics.median(rates["base"])
     shape = "Nano-vLLM's bench.py workload" if args.workload == "nano-vllm" else (
         f"batch {args.batch}, prompt {args.prompt_len}, {args.max_tokens} output tokens")  # fmt: skip
