@@ -182,9 +182,10 @@ def test_structured_outputs_params_name_a_bad_field(fields, named):
 def test_a_grammar_is_compiled_once_per_constraint(llm):
     llm.constrain(json_params())  # (the engine's grammars exist from its first constrained request on)
     first = llm.grammars.compile(StructuredOutputsParams(json=SCHEMA))
-    again = llm.grammars.compile(StructuredOutputsParams(json=json.dumps(SCHEMA, sort_keys=True)))
+    again = llm.grammars.compile(StructuredOutputsParams(json=json.dumps(SCHEMA)))  # the dict as text: the same
     other = llm.grammars.compile(StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True))
-    assert first is again and other is not first
+    reordered = llm.grammars.compile(StructuredOutputsParams(json=json.dumps(SCHEMA, sort_keys=True)))
+    assert first is again and other is not first and reordered is not first  # (properties come out in their order)
 
 
 def test_speculative_decoding_refuses_constrained_requests():
@@ -254,3 +255,30 @@ def test_on_cuda_the_mask_rides_beside_decode_graphs_and_the_overlapped_loop(llm
     for index in (1, 3):
         alone = cuda.generate([PROMPTS[index]], plain, use_tqdm=False)[0]
         assert outputs[index]["token_ids"] == alone["token_ids"]
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_a_steps_bitmasks_filled_together_equal_each_rows_own(llm, monkeypatch, threads):
+    """The rows of a step fill their bitmasks in one call (in parallel threads where the machine has cores to spare):
+    each row's words are those its own matcher gives alone, whatever state each matcher is in."""
+    from nanoref import structured_output
+
+    monkeypatch.setattr(structured_output, "FILL_THREADS", threads)
+    tokenizer = llm.tokenizer
+    grammars = structured_output.Grammars(tokenizer, llm.config.hf_config.vocab_size, [tokenizer.eos_token_id])
+    compiled = grammars.compile(StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True))
+    constraints = [grammars.constraint(compiled) for _ in range(5)]
+    answer = llm.generate(PROMPTS[:1], json_params(temperature=0), use_tqdm=False)[0]["token_ids"]
+    for steps, constraint in enumerate(constraints):  # matcher i has taken the first i * 3 tokens of a valid answer
+        for token in answer[: steps * 3]:
+            assert not constraint.accept(token)
+    alone = torch.stack([constraint.allowed() for constraint in constraints])
+    assert len({tuple(row.tolist()) for row in alone}) > 2  # the matchers are in different states
+    together = structured_output.GrammarConstraint.allowed_batch(constraints)
+    assert torch.equal(together, alone)
+
+
+def test_an_objects_properties_come_out_in_the_schemas_order(llm):
+    """The schema is compiled as given (vLLM's order): `name, age, pet`, not sorted."""
+    output = llm.generate(PROMPTS[:1], json_params(temperature=0), use_tqdm=False)[0]
+    assert list(json.loads(output["text"])) == list(SCHEMA["properties"]) == ["name", "age", "pet"]

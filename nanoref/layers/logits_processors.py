@@ -154,16 +154,16 @@ class LogitsProcessing:
     ) -> LogitsProcessing | None:
         """penalised: (row, prompt ids, completion ids, presence, frequency, repetition) per penalised row;
         masked: (row, stop ids to mask) per row short of its min_tokens, and (row, ids, biases) per row with a
-        logit_bias (the biases to add to those ids' logits), and (row, packed bitmask (W,) int32 tensor) per row
-        that may take only the tokens the bitmask allows. None when there is nothing to do."""
+        logit_bias (the biases to add to those ids' logits), and (row, constraint) per row that may take only the
+        tokens its constraint allows (see packed_allowed). None when there is nothing to do."""
         if not penalised and not masked:
             return None
         processing = cls()
-        allowed = [entry for entry in masked if isinstance(entry[1], torch.Tensor)]
-        masked = [entry for entry in masked if not isinstance(entry[1], torch.Tensor)]
+        allowed = [entry for entry in masked if not isinstance(entry[1], list)]
+        masked = [entry for entry in masked if isinstance(entry[1], list)]
         if allowed:
             processing.allowed_rows = to_device(np.asarray([row for row, _ in allowed], dtype=np.int64), device)
-            processing.allowed_bitmask = to_device(torch.stack([bits for _, bits in allowed]).numpy(), device)
+            processing.allowed_bitmask = to_device(packed_allowed([c for _, c in allowed]).numpy(), device)
         biased = [entry for entry in masked if len(entry) == 3]
         masked = [entry for entry in masked if len(entry) == 2]
         if biased:
@@ -206,6 +206,16 @@ class LogitsProcessing:
         if self.allowed_rows is not None:
             logits = apply_token_bitmask(logits, self.allowed_rows, self.allowed_bitmask)
         return logits
+
+
+def packed_allowed(constraints: list) -> torch.Tensor:
+    """The allowed tokens of each row's constraint (anything with `allowed()` -> a packed (W,) int32 tensor, or a
+    packed tensor itself), stacked: (A, W) int32 on the host. Where every constraint is of one class that can fill
+    many at once (`allowed_batch`), it does: a grammar library fills its matchers in parallel."""
+    kind = type(constraints[0])
+    if hasattr(kind, "allowed_batch") and all(type(c) is kind for c in constraints):
+        return kind.allowed_batch(constraints)
+    return torch.stack([c if isinstance(c, torch.Tensor) else c.allowed() for c in constraints])
 
 
 def _flat(lists: list[list[int]] | tuple[list[int], ...]) -> tuple[np.ndarray, np.ndarray]:
