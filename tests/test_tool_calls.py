@@ -210,6 +210,8 @@ def test_tool_choice_defaults_and_modes_as_vllm():
     required = tool_choice({"tools": [WEATHER], "tool_choice": "required", "parallel_tool_calls": False}, False)
     assert required.constraint().json == required_schema([WEATHER], parallel=False) and not required.parallel
     assert tool_choice({"tools": [], "tool_choice": "required"}, False).mode == "none"  # (vLLM's: as "none")
+    strict = {"type": "function", "function": {"name": "f", "strict": True}}
+    assert tool_choice({"tools": [strict], "tool_choice": "required"}, False).mode == "required"  # (kept)
 
 
 def test_finish_reasons_and_content_follow_vllm():
@@ -244,11 +246,12 @@ def test_finish_reasons_and_content_follow_vllm():
         ({"tools": [{"function": {"name": "f", "params": {}}}]}, "tools", "has 'params', which a function does not"),
         ({"tools": [WEATHER, WEATHER]}, "tools", "tools[1]: a second function named 'get_weather'"),
         ({"tools": [WEATHER], "parallel_tool_calls": "no"}, "parallel_tool_calls", "must be true or false"),
+        ({"tools": [{"function": {"name": "f", "strict": True}}], "tool_choice": "auto"}, "tools", "strict: true"),
     ],
 )  # fmt: skip
 def test_bad_tools_and_tool_choices_name_their_field(body, param, message):
     with pytest.raises(ToolRequestError) as refused:
-        tool_choice(body, auto_tool_choice=False)
+        tool_choice(body, auto_tool_choice="strict" in message)  # (strict: past the flags' check)
     assert refused.value.param == param and message in str(refused.value)
 
 

@@ -19,6 +19,10 @@ closing its output stream aborts the request, so its KV blocks go back at the ne
 goes away while waiting for a whole response is noticed within a quarter second (`until_done_or_disconnected`),
 and its request is aborted the same way.
 
+Tool calls (chat's `tools`, `tool_choice`, `parallel_tool_calls`): tool_calls.py checks them and makes the grammar of
+"required" and a named function; each chat choice's text then goes through its mode's reader, piece by piece in a
+stream and at once in a whole response, so that both show the same message.
+
 n samples and several prompts: each prompt is one AsyncLLM request of n samples; choice k is sample k % n of
 prompt k // n (OpenAI's numbering), every chunk names its choice's index, and usage counts every prompt once and
 every sample's tokens.

@@ -17,6 +17,9 @@ OpenAI's API and vLLM):
   --tool-call-parser hermes` for this; "required" and named functions need no flag (vLLM's documentation: "enabled by
   default"), since the grammar, not a parser, makes the call.
 
+A function's `strict: true` is kept by "required" and a named function (their grammar always follows the schema) and
+refused under "auto", whose text nothing constrains.
+
 finish_reason (vLLM's, which is OpenAI's): "tool_calls" when "auto" read a call, and for "required" when the array was
 completed ("stop"); a named function keeps the engine's ("stop"), since OpenAI's API says "tool_calls" only when the
 model chose to call.
@@ -150,6 +153,13 @@ def tool_choice(
         return ToolChoice("none", None, parallel=parallel is not False)
     if mode == "auto" and not auto_tool_choice:
         raise ToolRequestError(AUTO_NEEDS_FLAGS, "tool_choice")
+    strict = [tool["function"]["name"] for tool in tools if tool["function"].get("strict")]
+    if mode == "auto" and strict:  # ("required" and named functions always follow the schema: strict or not)
+        raise ToolRequestError(
+            f"tools: function {strict[0]!r:.60} asks for strict: true, which tool_choice 'auto' cannot keep (the "
+            "model writes freely): send tool_choice 'required' or the function's name, or strict: false",
+            "tools",
+        )
     rendered = None if mode == "none" and exclude_tools_when_tool_choice_none else tools
     return ToolChoice(mode, rendered, function, parallel is not False)
 
