@@ -663,8 +663,8 @@ def tool_constraint(
     blamed fields). A request that constrains its output itself too is refused with vLLM's words."""
     try:
         constraint = tools.constraint() if tools else None
-    except (ToolRequestError, ValueError) as error:
-        raise BadRequest(str(error), "tools") from None
+    except ToolRequestError as error:  # (two tools' $defs that disagree)
+        raise BadRequest(str(error), error.param) from None
     if constraint is None:
         return params, blamed
     if params.structured_outputs is not None:
