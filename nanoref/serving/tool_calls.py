@@ -25,9 +25,9 @@ completed ("stop"); a named function keeps the engine's ("stop"), since OpenAI's
 model chose to call.
 
 Each mode's reader takes the text piece by piece (`feed`, then `finish` at the end) and returns what each piece adds to
-the message (`Delta`: content and OpenAI's tool call deltas). A stream's chunks come from the pieces; a whole response
-is the same reader fed the whole text at once. So a stream always adds up to the whole response, which a reader split
-anywhere (unit-tested on random splits) guarantees.
+the message (`Delta`: content and OpenAI's tool call deltas). A stream's chunks come from the pieces, and a whole
+response from the same reader fed the whole text at once: the two agree because a reader's result does not depend on
+where its text is split (unit-tested on random splits).
 """
 
 from __future__ import annotations
