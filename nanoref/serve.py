@@ -6,6 +6,9 @@
 
 LoRA adapters (vLLM's flags): `--enable-lora --lora-modules sql=/adapters/sql chat=/adapters/chat`; a request's
 "model" then names an adapter (or the base model), and /v1/models lists them all.
+
+Tool calls (vLLM's flags): `tools` with tool_choice "required" or a named function need none; the model's own choice,
+tool_choice "auto" (the default when tools are given), needs `--enable-auto-tool-choice --tool-call-parser hermes`.
 """
 
 from __future__ import annotations
@@ -68,6 +71,24 @@ def build_parser() -> argparse.ArgumentParser:
     lora.add_argument("--max-loras", type=int, default=None, help="adapters one batch mixes (default 1)")
     lora.add_argument("--max-lora-rank", type=int, default=None, help="the largest adapter rank (default 16)")
     lora.add_argument("--max-cpu-loras", type=int, default=None, help="adapters kept on the host (default max-loras)")
+    tools = parser.add_argument_group("tool calls")
+    tools.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='let the model choose whether to call a tool (tool_choice "auto", the default with tools); needs '
+        "--tool-call-parser",
+    )
+    tools.add_argument(
+        "--tool-call-parser",
+        default=None,
+        metavar="NAME",
+        help="how tool calls are read out of the model's text: hermes (Qwen3's <tool_call> blocks)",
+    )
+    tools.add_argument(
+        "--exclude-tools-when-tool-choice-none",
+        action="store_true",
+        help='leave the tools out of the prompt of a request with tool_choice "none" (default: rendered, as vLLM)',
+    )
     return parser
 
 
@@ -95,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         from nanoref.serving.api_server import build_app
         from nanoref.serving.async_llm import AsyncLLM
         from nanoref.serving.lora_modules import LoRAModules, parse_lora_modules
+        from nanoref.serving.tool_calls import check_tool_settings
         from nanoref.utils.heap import freeze_heap
     except ImportError as error:
         print(f"error: {error.name} is missing: pip install 'nanoref[serve]'", file=sys.stderr)
@@ -103,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
         lora_modules = parse_lora_modules(args.lora_modules)
         if lora_modules and not args.enable_lora:
             raise ValueError("--lora-modules needs --enable-lora")
+        check_tool_settings(args.enable_auto_tool_choice, args.tool_call_parser)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -141,7 +164,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     host, port = sock.getsockname()[:2]
     print(f"nanoref serves {name!r} on http://{host}:{port}/v1 (Ctrl-C stops it)", flush=True)
-    server = uvicorn.Server(uvicorn.Config(build_app(engine, name, lora_modules=adapters), log_level="warning"))
+    tool_settings = {
+        "enable_auto_tool_choice": args.enable_auto_tool_choice,
+        "tool_call_parser": args.tool_call_parser,
+        "exclude_tools_when_tool_choice_none": args.exclude_tools_when_tool_choice_none,
+    }
+    app = build_app(engine, name, lora_modules=adapters, **tool_settings)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     # This process is the server's own: threads share its GIL, the event loop streaming responses and the engine
     # thread stepping (or, with the engine in its own process, the thread reading its messages). A thread that
     # wants the GIL waits up to the switch interval for the other to let go, and the engine thread wants it back

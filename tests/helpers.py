@@ -418,13 +418,14 @@ class Server:
 
 
 @contextmanager
-def running_server(engine, model_name: str):
+def running_server(engine, model_name: str, **app_options):
     """Serve `engine` (an AsyncLLM) on a free port of 127.0.0.1 in a thread, until the block ends (the engine is
-    closed then too): the package's own `serve_in_background`, with this file's `Server` handle."""
+    closed then too): the package's own `serve_in_background`, with this file's `Server` handle. app_options:
+    build_app's settings (e.g. enable_auto_tool_choice)."""
     from nanoref.serving.api_server import serve_in_background
 
     try:
-        with serve_in_background(engine, model_name) as url:
+        with serve_in_background(engine, model_name, **app_options) as url:
             yield Server(url, engine)
     finally:
         engine.close()

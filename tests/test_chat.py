@@ -15,6 +15,11 @@ from nanoref.utils.loader import load_tokenizer
 # Qwen3's chat template (tools, assistant tool calls, tool responses, the enable_thinking switch)
 QWEN3_TEMPLATE = (Path(__file__).parent / "data" / "qwen3_chat_template.jinja").read_text()
 
+# a ChatML template that knows no tools (the built-in model's before it rendered them)
+PLAIN_CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
@@ -121,7 +126,14 @@ def test_tool_calls_and_tool_messages_render_through_qwen3s_template():
 
 def test_tool_calls_a_template_never_renders_are_refused_not_dropped():
     with pytest.raises(ValueError, match=r"messages\[1\] has tool_calls, but .* never renders tool_calls"):
-        chat_prompt(load_tokenizer(DEFAULT_MODEL), TOOL_TURNS, DEFAULT_MODEL)
+        chat_prompt(tokenizer_with(PLAIN_CHATML), TOOL_TURNS, DEFAULT_MODEL)
+
+
+def test_the_built_in_template_renders_tool_calls_and_results_as_qwen3s_does_without_thinking():
+    text = chat_prompt(load_tokenizer(DEFAULT_MODEL), TOOL_TURNS, DEFAULT_MODEL)
+    assert text == chat_prompt(tokenizer_with(QWEN3_TEMPLATE), TOOL_TURNS, DEFAULT_MODEL).replace(
+        "<think>\n\n</think>\n\n", ""
+    )
 
 
 def test_tool_call_arguments_that_are_not_json_are_refused():

@@ -35,6 +35,10 @@ SETTINGS = dict(device="cpu", num_kvcache_blocks=256)
 MESSAGES = [{"role": "system", "content": "Answer in Zen."}, {"role": "user", "content": "What is better?"}]
 EOS = 0  # the built-in model's <|endoftext|>, its one special token
 QWEN3_TEMPLATE = (Path(__file__).parent / "data" / "qwen3_chat_template.jinja").read_text()
+PLAIN_CHATML = (  # a ChatML template that knows no tools
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
 
 
 @pytest.fixture(scope="module")
@@ -128,12 +132,12 @@ def test_an_unknown_field_is_a_400_naming_it(server):
     assert "unknown field 'temprature'" in message
 
 
-def test_suffix_and_tools_are_refused_by_name(server):
+def test_suffix_and_the_deprecated_functions_are_refused_by_name(server):
     assert "suffix is not supported" in refused(server, "/v1/completions", {"prompt": "x", "suffix": "end"}, "suffix")
-    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
     chat = "/v1/chat/completions"
-    assert "not supported yet" in refused(server, chat, {"messages": MESSAGES, "tools": [tool]}, "tools")
-    assert "not supported yet" in refused(server, chat, {"messages": MESSAGES, "tool_choice": "auto"}, "tool_choice")
+    function = {"name": "f", "parameters": {"type": "object"}}
+    assert "send tools" in refused(server, chat, {"messages": MESSAGES, "functions": [function]}, "functions")
+    assert "send tool_choice" in refused(server, chat, {"messages": MESSAGES, "function_call": "auto"}, "function_call")
     for fine in ({"tool_choice": "none"}, {"response_format": {"type": "text"}}, {"tools": None}):
         assert post(server, chat, {"messages": MESSAGES, "max_tokens": 2, **fine}).status_code == 200, fine
 
@@ -272,7 +276,14 @@ def test_tool_calls_the_template_cannot_render_are_a_400_naming_messages(server)
     call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
     messages = [MESSAGES[1], {"role": "assistant", "content": None, "tool_calls": [call]}]
     messages.append({"role": "tool", "tool_call_id": "c1", "content": "42"})
-    assert "never renders tool_calls" in refused(server, "/v1/chat/completions", {"messages": messages}, "messages")
+    tokenizer = server.engine.tokenizer
+    original = tokenizer.chat_template
+    tokenizer.chat_template = PLAIN_CHATML  # (the built-in model's template renders them)
+    try:
+        message = refused(server, "/v1/chat/completions", {"messages": messages}, "messages")
+    finally:
+        tokenizer.chat_template = original
+    assert "never renders tool_calls" in message
 
 
 def test_tool_calls_render_through_qwen3s_template_on_the_server(server):

@@ -13,6 +13,9 @@ Messages arrive as OpenAI's clients send them, and reach the template as vLLM pa
 - an assistant message may carry `tool_calls` (its `content` then may be null), each call's JSON `arguments`
   parsed into a dict (as vLLM does: Qwen3's template writes them with `tojson`); a `tool` message answers one, with
   its `tool_call_id`. A template that never mentions `tool_calls` would drop them without a word: that is an error.
+- `tools` (OpenAI's [{"type": "function", "function": {"name", "description", "parameters"}}]) reach the template as
+  apply_chat_template's `tools`, as vLLM passes them (Qwen3's template lists them in its system turn); a template that
+  never mentions `tools` would leave them out of the prompt: an error too.
 - `continue_final_message=True` leaves the last message open, so the model continues it (a prefilled answer);
   it cannot be combined with `add_generation_prompt=True` (vLLM's rule, and transformers').
 - `chat_template_kwargs` are the template's own variables (Qwen3's `enable_thinking`); one the template never
@@ -45,9 +48,10 @@ def chat_prompt(
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
     chat_template_kwargs: dict | None = None,
+    tools: list[dict] | None = None,
 ) -> str:
-    """messages ([{"role": ..., "content": ...}, ...]) as the prompt text the model's template makes of them.
-    ValueError/TypeError naming the first bad message or argument."""
+    """messages ([{"role": ..., "content": ...}, ...]) as the prompt text the model's template makes of them (and the
+    tools the model may call, when given). ValueError/TypeError naming the first bad message or argument."""
     conversation = check_messages(messages)
     for name, value in (
         ("add_generation_prompt", add_generation_prompt),
@@ -80,12 +84,21 @@ def chat_prompt(
                 f"messages[{index}] has tool_calls, but {folder}'s chat template never renders tool_calls (they would "
                 "be left out of the prompt): use a model whose template does, such as Qwen3's"
             )
+    if tools is not None:
+        if not isinstance(tools, list) or not all(isinstance(tool, dict) for tool in tools):
+            raise TypeError(f"tools must be a list of tool dicts, got {tools!r:.80}")
+        if "tools" not in source:
+            raise ValueError(
+                f"tools are given, but {folder}'s chat template never renders tools (the model would not see them): "
+                "use a model whose template does, such as Qwen3's"
+            )
     kwargs = check_template_kwargs(chat_template_kwargs, source)
     return tokenizer.apply_chat_template(
         conversation,
         tokenize=False,
         add_generation_prompt=add_generation_prompt,
         continue_final_message=continue_final_message,
+        **({"tools": tools} if tools is not None else {}),
         **kwargs,
     )
 

@@ -19,6 +19,10 @@ closing its output stream aborts the request, so its KV blocks go back at the ne
 goes away while waiting for a whole response is noticed within a quarter second (`until_done_or_disconnected`),
 and its request is aborted the same way.
 
+Tool calls (chat's `tools`, `tool_choice`, `parallel_tool_calls`): tool_calls.py checks them and makes the grammar of
+"required" and a named function; each chat choice's text then goes through its mode's reader, piece by piece in a
+stream and at once in a whole response, so that both show the same message.
+
 n samples and several prompts: each prompt is one AsyncLLM request of n samples; choice k is sample k % n of
 prompt k // n (OpenAI's numbering), every chunk names its choice's index, and usage counts every prompt once and
 every sample's tokens.
@@ -50,7 +54,7 @@ import urllib.request
 import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from contextlib import aclosing, suppress
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from itertools import islice
 from typing import Any
 
@@ -67,6 +71,15 @@ from nanoref.layers.logits_processors import TokenLogprobs
 from nanoref.sampling_params import SamplingParams, StructuredOutputsParams, stop_strings
 from nanoref.serving.async_llm import AsyncLLM, RequestOutput
 from nanoref.serving.lora_modules import LoRAModules, lora_routes
+from nanoref.serving.tool_calls import (
+    Delta,
+    ToolChoice,
+    ToolRequestError,
+    assemble,
+    check_tool_settings,
+    check_tools,
+    tool_choice,
+)
 
 # request field -> SamplingParams field, as vLLM maps them. Fields SamplingParams lacks in this build are
 # refused with a 400 naming them (rather than silently ignored: the client asked for something)
@@ -101,6 +114,7 @@ COMPLETION_HONOURED = {"model", "prompt", "stream", "stream_options", "add_speci
 COMPLETION_HONOURED |= {"response_format", "structured_outputs"}  # (both: `structured_outputs` below)
 CHAT_HONOURED = {"model", "messages", "stream", "stream_options", "add_special_tokens", *CHAT_FIELDS}
 CHAT_HONOURED |= {"response_format", "structured_outputs"}
+CHAT_HONOURED |= {"tools", "tool_choice", "parallel_tool_calls"}  # (tool_calls.py)
 CHAT_HONOURED |= {"logprobs", "top_logprobs", "add_generation_prompt", "continue_final_message", "chat_template_kwargs"}
 # - accepted and unused, as vLLM takes them: who is asking, and a hint for a cache this server keeps by itself
 ACCEPTED_UNUSED = {"user", "safety_identifier", "prompt_cache_key"}
@@ -142,9 +156,6 @@ NOT_SUPPORTED_COMMON: dict[str, tuple] = {
 NOT_SUPPORTED_COMPLETION = {**NOT_SUPPORTED_COMMON, "suffix": (), "best_of": (1,), "prompt_embeds": ()}
 NOT_SUPPORTED_CHAT = {
     **NOT_SUPPORTED_COMMON,
-    "tools": (),
-    "tool_choice": ("none",),
-    "parallel_tool_calls": (True,),
     "functions": (),
     "function_call": ("none",),
     "reasoning_effort": (),
@@ -175,8 +186,8 @@ REFUSALS = {
         "a chat template sent with the request is refused (as vLLM refuses one without "
         "--trust-request-chat-template): the model folder's template renders the messages"
     ),
-    "tools": "tools are not supported yet: this server does no tool calling (tool_calls in messages are rendered)",
-    "tool_choice": "tool_choice is not supported yet: this server does no tool calling (only 'none')",
+    "functions": "functions (OpenAI's deprecated form) is not supported: send tools",
+    "function_call": "function_call (OpenAI's deprecated form) is not supported (only 'none'): send tool_choice",
 }
 
 
@@ -644,6 +655,27 @@ def chat_sampling_params(body: dict) -> SamplingParams:
     return sampling_params(body, CHAT_FIELDS)
 
 
+def tool_constraint(
+    body: dict, params: SamplingParams, tools: ToolChoice | None, blamed: dict[str, str]
+) -> tuple[SamplingParams, dict[str, str]]:
+    """tool_choice "required" or a named function: the grammar that makes the call becomes the request's
+    structured_outputs (as in vLLM), and the engine's refusal of its schema is blamed on `tools` -> (the params, the
+    blamed fields). A request that constrains its output itself too is refused with vLLM's words."""
+    try:
+        constraint = tools.constraint() if tools else None
+    except ToolRequestError as error:  # (two tools' $defs that disagree)
+        raise BadRequest(str(error), error.param) from None
+    if constraint is None:
+        return params, blamed
+    if params.structured_outputs is not None:
+        message = (
+            "You can only either use constraints for structured outputs or tools, not both: tool_choice "
+            f"{body['tool_choice']!r:.60} constrains the output itself (drop response_format / structured_outputs)"
+        )
+        raise BadRequest(message, "tool_choice")
+    return replace(params, structured_outputs=constraint), {**blamed, "structured_outputs": "tools"}
+
+
 class EngineCollector:
     """Gauges and counters read from the engine at scrape time (a prometheus_client custom collector)."""
 
@@ -831,10 +863,17 @@ def build_app(
     max_body_bytes: int = MAX_BODY_BYTES,
     body_timeout: float = BODY_TIMEOUT,
     lora_modules: LoRAModules | None = None,
+    enable_auto_tool_choice: bool = False,
+    tool_call_parser: str | None = None,
+    exclude_tools_when_tool_choice_none: bool = False,
 ) -> FastAPI:
     """The FastAPI app serving `engine` as the model `served_model_name` (the app does not close the engine).
     max_body_bytes: a longer request body is a 413; body_timeout: seconds a request's body may take to arrive
-    (then a 408); lora_modules: the LoRA adapters a request's `model` may name (lora_modules.py)."""
+    (then a 408); lora_modules: the LoRA adapters a request's `model` may name (lora_modules.py). Tool calls
+    (tool_calls.py), vLLM's settings: enable_auto_tool_choice lets the model choose ("auto") and needs
+    tool_call_parser ("hermes"); exclude_tools_when_tool_choice_none leaves the tools out of a "none" request's prompt.
+    ValueError naming a bad setting."""
+    check_tool_settings(enable_auto_tool_choice, tool_call_parser)
     app = FastAPI(title="nanoref")
     app.state.engine = engine
     app.state.metrics = metrics = ServerMetrics(engine, served_model_name)
@@ -978,8 +1017,8 @@ def build_app(
             return text  # (an empty or broken text: the engine's and `start`'s checks say what is wrong with it)
         return tokenizer.encode(text, add_special_tokens=False)
 
-    def render_chat(body: dict) -> str:
-        """The request's messages through the model's chat template (a 400 naming the field at fault)."""
+    def render_chat(body: dict, tools: list[dict] | None = None) -> str:
+        """The request's messages (and tools) through the model's chat template (a 400 naming the field at fault)."""
         options = {}
         for name, default in (("add_generation_prompt", True), ("continue_final_message", False)):
             options[name] = check_flag(body, name, default)
@@ -989,11 +1028,14 @@ def build_app(
                 body.get("messages"),
                 folder,
                 chat_template_kwargs=body.get("chat_template_kwargs"),
+                tools=tools,
                 **options,
             )
         except (ValueError, TypeError) as error:
             message = str(error)
-            named = [name for name in ("continue_final_message", "chat_template_kwargs") if message.startswith(name)]
+            named = [
+                name for name in ("continue_final_message", "chat_template_kwargs", "tools") if message.startswith(name)
+            ]
             if message.startswith("cannot set both"):
                 named = ["continue_final_message"]
             raise BadRequest(message, named[0] if named else "messages") from None
@@ -1010,9 +1052,11 @@ def build_app(
         request_id: str,
         chat: bool,
         echo: Echo | None = None,
+        tools: ToolChoice | None = None,
     ) -> Response:
         """Collect the outputs of the request's prompts into one response, or stream them as server-sent events.
-        Choice k is sample k % n of prompt k // n, as in OpenAI's API. echo: completions' (see Echo)."""
+        Choice k is sample k % n of prompt k // n, as in OpenAI's API. echo: completions' (see Echo); tools: chat's
+        tool calls (each choice's text read by its own reader, whole or piece by piece: tool_calls.py)."""
         n = params.n
         head = {
             "id": request_id,
@@ -1025,6 +1069,7 @@ def build_app(
             choice.echo, choice.generate = echo.texts[choice.index // n], echo.generate
         seen_prompts: set[int] = set()
         prompt_logprobs: dict[int, list] = {}  # by prompt: its request's, from its sample 0's first output
+        readers = {choice.index: tools.reader() for choice in choices} if tools else {}
 
         def take(prompt: int, out: RequestOutput) -> tuple[Choice, str]:
             """Book one output on its choice (and in the metrics) -> that choice, and the text the output adds."""
@@ -1084,6 +1129,12 @@ def build_app(
                 ending["stop_reason"] = choice.stop_reason
                 if chat:
                     message = {"role": "assistant", "content": choice.text}
+                    reader = readers.get(choice.index)
+                    if reader is not None:  # the whole text through the reader a stream's pieces go through
+                        read = reader.feed(choice.text) + reader.finish()
+                        message["content"] = tools.content(read.content, reader.called)
+                        message["tool_calls"] = assemble(read)
+                        ending["finish_reason"] = tools.finish_reason(choice.finish_reason, reader.called)
                     result.append({"index": choice.index, "message": message, **ending})
                 else:
                     result.append({"index": choice.index, "text": choice.text, **ending})
@@ -1103,10 +1154,22 @@ def build_app(
         def event(payload: dict) -> str:
             return f"data: {json.dumps(payload)}\n\n"
 
-        def chunk(choice: Choice, text: str, finished: bool) -> dict:
-            ending = {"finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason} if finished else {}
-            if chat:
+        def chunk(choice: Choice, text: str, finished: bool) -> dict | None:
+            """The chunk a piece of a choice's text makes; None when it shows nothing (text held back: half a
+            character, a possible stop string, a possible tool call tag), whose tokens' logprobs then wait and go
+            with the next chunk that is sent."""
+            finish_reason, reader = choice.finish_reason, readers.get(choice.index)
+            if reader is not None:
+                read = reader.feed(text) + (reader.finish() if finished else Delta())
+                delta = {"content": read.content} if read.content else {}
+                delta |= {"tool_calls": read.tool_calls} if read.tool_calls else {}
+                finish_reason = tools.finish_reason(finish_reason, reader.called) if finished else None
+            else:
                 delta = {"content": text} if text else {}
+            if not (delta if chat else text) and not finished:
+                return None
+            ending = {"finish_reason": finish_reason, "stop_reason": choice.stop_reason} if finished else {}
+            if chat:
                 body = {"index": choice.index, "delta": delta, "logprobs": logprobs(choice)}
             else:
                 body = {"index": choice.index, "text": text, "logprobs": logprobs(choice)}
@@ -1129,10 +1192,9 @@ def build_app(
                 try:
                     async for prompt, out in merged:
                         choice, text = take(prompt, out)
-                        # a piece while text is held back (half a character, a possible stop string) carries
-                        # nothing to show: its tokens' logprobs wait and go with the next chunk that is sent
-                        if text or out.finished:
-                            yield event(chunk(choice, text, out.finished))
+                        payload = chunk(choice, text, out.finished)
+                        if payload is not None:
+                            yield event(payload)
                 except Exception as error:  # the step serving it failed or it was aborted: say so, then end
                     error = failure(error)
                     if isinstance(error, APIError):
@@ -1181,15 +1243,25 @@ def build_app(
         body, heavy = await read_body(request)
         check_fields(body, CHAT_HONOURED, NOT_SUPPORTED_CHAT)
         params = chat_sampling_params(body)
+        try:
+            tools = tool_choice(body, enable_auto_tool_choice, exclude_tools_when_tool_choice_none)
+        except ToolRequestError as error:
+            raise BadRequest(str(error), error.param) from None
+        params, blamed = tool_constraint(body, params, tools, blamed_fields(body, "messages"))
         add_special_tokens = check_flag(body, "add_special_tokens", False)  # (vLLM's: the template writes them)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
 
         def open_stream() -> list[AsyncIterator[RequestOutput]]:
-            prompt = encode(render_chat(body), add_special_tokens)
-            return [start(prompt, params, blamed_fields(body, "messages"), request_id, model=body.get("model"))]
+            prompt = encode(render_chat(body, tools.tools if tools else None), add_special_tokens)
+            try:
+                return [start(prompt, params, blamed, request_id, model=body.get("model"))]
+            except BadRequest as error:  # (the grammar library refused the schema made of the tools)
+                if error.param != "tools" or tools is None:
+                    raise
+                raise BadRequest(tools.refused(error.message), "tools") from None
 
         streams = await off_the_loop(open_stream, heavy)
-        return await respond(request, body, params, streams, request_id, chat=True)
+        return await respond(request, body, params, streams, request_id, chat=True, tools=tools)
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -1235,17 +1307,21 @@ def build_app(
         chat = "messages" in body
         honoured = {"model", "add_special_tokens", "return_token_strs"}
         if chat:
-            honoured |= {"messages", "add_generation_prompt", "continue_final_message", "chat_template_kwargs"}
-            check_fields(body, honoured, {"tools": (), "chat_template": (), "mm_processor_kwargs": ()})
+            honoured |= {"messages", "add_generation_prompt", "continue_final_message", "chat_template_kwargs", "tools"}
+            check_fields(body, honoured, {"chat_template": (), "mm_processor_kwargs": ()})
         else:
             check_fields(body, honoured | {"prompt"}, {})
             if not isinstance(body.get("prompt"), str):
                 raise BadRequest("prompt must be a string (or send messages, as to chat)", "prompt")
         add_special_tokens = check_flag(body, "add_special_tokens", not chat)
         token_strs = check_flag(body, "return_token_strs", False)
+        try:
+            tools = check_tools(body["tools"]) if body.get("tools") is not None else None
+        except ToolRequestError as error:
+            raise BadRequest(str(error), error.param) from None
 
         def work() -> list[int]:
-            text = render_chat(body) if chat else body["prompt"]
+            text = render_chat(body, tools) if chat else body["prompt"]
             if not is_utf8(text):
                 raise BadRequest(
                     "the text holds a lone UTF-16 surrogate: it is not text", "messages" if chat else "prompt"
