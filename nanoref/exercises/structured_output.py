@@ -159,8 +159,7 @@ def check_apply_token_bitmask(fn: Callable, *, seed: int | None = None, engine: 
     """`fn(logits, rows, bitmask)` against nanoref's on worked and fresh random cases, then the built-in model with
     it in place on constrained and unconstrained requests (`engine=False`: the first part only)."""
     generator = input_generator(seed)
-    for description, logits, rows, bitmask in _cases(generator):
-        case = description
+    for case, logits, rows, bitmask in _cases(generator):
         given = logits.clone(), rows.clone(), bitmask.clone()
         got = call_learner(fn, "apply_token_bitmask", *given, case=case, hint=_error_hint)
         for name, before, after in zip(("logits", "rows", "bitmask"), (logits, rows, bitmask), given):
@@ -235,7 +234,7 @@ def _built_in() -> tuple[Any, list, list[list[list[int]]]]:
     from nanoref import LLM, SamplingParams
 
     if not _BUILT_IN:
-        llm = LLM(device="cpu", dtype="float32", num_kvcache_blocks=64, seed=0)
+        llm = LLM(dtype="float32", num_kvcache_blocks=64, seed=0)  # (on a GPU the learner's function runs there)
         requests = structured_requests()
         outputs = llm.generate([p for _, p, _ in requests], [SamplingParams(**s) for *_, s in requests], use_tqdm=False)
         for (what, _, _), output in zip(requests, outputs):
@@ -275,9 +274,10 @@ def check_structured_generation(functions: dict[str, Callable]) -> None:
                     (i for i, (a, b) in enumerate(zip(got, expected)) if a != b), min(len(got), len(expected))
                 )
                 which = f" (sample {index})" if len(want) > 1 else ""
+                theirs = tokenizer.decode(expected, skip_special_tokens=True)
                 raise ExerciseFailure(
                     f"with {names} in the engine, {prompt!r} under {what}{which} writes {sample['text']!r} where "
-                    f"nanoref's own mask writes {tokenizer.decode(expected)!r}: they part at output position {position}"
+                    f"nanoref's own mask writes {theirs!r}: they part at output position {position}"
                 )
     if mask is not None and not calls[0]:
         raise AssertionError("the engine never called apply_token_bitmask: the check's setup is wrong, not yours")
