@@ -226,6 +226,7 @@ def own_answers() -> dict:
     from nanoref.layers.activation import silu_and_mul
     from nanoref.layers.embed_head import vocab_parallel_embed
     from nanoref.layers.layernorm import add_rms_norm, rms_norm
+    from nanoref.layers.logits_processors import apply_token_bitmask
     from nanoref.layers.rotary import apply_rotary
     from nanoref.layers.sampler import apply_top_k_top_p
     from nanoref.models.qwen3_moe import moe_experts, route
@@ -252,6 +253,7 @@ def own_answers() -> dict:
         stop_hold_back=stop_hold_back,
         accept_greedy=accept_greedy,
         rejection_sample=rejection_sample,
+        apply_token_bitmask=apply_token_bitmask,
         lora_delta=lora_delta,
     )
     if triton_available():  # the two Triton seams (Linux only)

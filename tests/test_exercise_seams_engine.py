@@ -1,6 +1,6 @@
 """Every exercise seam is consulted by the engine inside `use(...)`, and only there; each has its checker.
 
-`test_the_engine_calls_a_seam_only_inside_use` covers each seam in `CASES`. Five seams are left to the test of
+`test_the_engine_calls_a_seam_only_inside_use` covers each seam in `CASES`. Six seams are left to the test of
 their notebook (`LEFT`), because this file's engine (the tiny dense Qwen3 on one rank) never reaches them:
 
 - `vocab_parallel_embed`: only a tensor-parallel engine calls it (two ranks, a worker process each).
@@ -12,6 +12,8 @@ their notebook (`LEFT`), because this file's engine (the tiny dense Qwen3 on one
   call per sparse layer and step.
 - `find_stop_string` and `stop_hold_back`: only stop strings call them, and stop strings need a tokenizer, which the
   tiny random Qwen3 lacks. test_exercises_serving.py makes this file's check on the built-in model.
+- `apply_token_bitmask`: only requests with structured_outputs call it, and a grammar needs a tokenizer too.
+  test_exercises_structured_output.py makes this file's check on the built-in model.
 
 The Triton seams (`store_kvcache_kernel`, `merge_splits`) are covered here where Triton is installed (slow: the
 interpreter on a CPU) and skipped elsewhere. `test_every_seam_is_covered_here_or_left_to_a_named_test` fails when
@@ -153,6 +155,11 @@ LEFT: dict[str, tuple[str, str, str]] = {
         "test_exercises_serving",
         "test_the_engine_calls_each_stop_seam_only_inside_use",
         "only stop strings call it, which need a tokenizer: the tiny random Qwen3 has none",
+    ),
+    "apply_token_bitmask": (
+        "test_exercises_structured_output",
+        "test_the_engine_calls_the_bitmask_seam_only_inside_use",
+        "only structured_outputs call it, whose grammar needs a tokenizer: the tiny random Qwen3 has none",
     ),
 }
 

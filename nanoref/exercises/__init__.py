@@ -8,8 +8,8 @@ token with HF transformers (`check_generation`). The checks cannot be replaced f
 
 One module per notebook, named after it: varlen_flattening (01), rmsnorm (02), triton_kv_store (03),
 paged_decode_attention (04), scheduler (05), cuda_graphs (06), model_and_sampling (07), tensor_parallel (08), moe
-(09), serving (11), speculative_decoding (12), lora (14); common.py (the engine run every check ends with),
-tensors.py (comparing a learner's tensors), integrity.py (sealing the checks).
+(09), serving (11), speculative_decoding (12), structured_output (13), lora (14); common.py (the engine run every
+check ends with), tensors.py (comparing a learner's tensors), integrity.py (sealing the checks).
 """
 
 import sys
@@ -30,6 +30,7 @@ from nanoref.exercises.rmsnorm import check_add_rms_norm, check_rms_norm
 from nanoref.exercises.scheduler import check_choose_preemption_victim, check_find_cached_prefix
 from nanoref.exercises.serving import check_find_stop_string, check_stop_hold_back
 from nanoref.exercises.speculative_decoding import check_accept_greedy, check_rejection_sample
+from nanoref.exercises.structured_output import check_apply_token_bitmask
 from nanoref.exercises.tensor_parallel import check_vocab_parallel_embed
 from nanoref.exercises.triton_kv_store import check_store_kvcache_kernel
 from nanoref.exercises.varlen_flattening import check_prefill_metadata
@@ -40,6 +41,7 @@ __all__ = [
     "ExerciseFailure",
     "check_accept_greedy",
     "check_add_rms_norm",
+    "check_apply_token_bitmask",
     "check_apply_rotary",
     "check_apply_top_k_top_p",
     "check_choose_preemption_victim",

@@ -7,7 +7,8 @@
 - logit_bias: a request's {token id: bias} added to those logits, before the penalties (as vLLM orders them).
 - min_tokens: until a request has that many completion tokens, its stop tokens (EOS, stop_token_ids) get -inf.
 - allowed tokens: a row whose sample follows a grammar (nanoref/structured_output.py) keeps only the tokens its
-  packed bitmask allows (bit t % 32 of word t // 32); every other token of that row gets -inf, after all the above.
+  packed bitmask allows (bit t % 32 of word t // 32); every other token of that row gets -inf, after all the above
+  (`apply_token_bitmask`, behind an exercise seam: notebook 13 has a learner write it).
 - logprobs: log_softmax of the model's raw logits (before any of the above, and before temperature: vLLM's
   default "raw_logprobs"), the chosen token's value and rank, and the top N.
 - prompt logprobs: the same for tokens the model was given rather than sampled: the logits of the row of prompt
@@ -24,6 +25,8 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
+
+from nanoref.utils.seams import seam
 
 
 def token_counts(ids: torch.Tensor, rows: torch.Tensor, num_rows: int, vocab: int) -> torch.Tensor:
@@ -66,6 +69,17 @@ def apply_token_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch
     the tokens its bitmask allows (the others -inf); the other rows are left as they were."""
     allowed = unpack_bitmask(bitmask, logits.shape[1])  # (A, V)
     return logits.index_put((rows,), logits[rows].masked_fill(~allowed, float("-inf")))
+
+
+def apply_token_bitmask_reference(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
+    """apply_token_bitmask one token at a time, as its definition reads (slow: for checks and for reading)."""
+    masked = logits.clone()
+    for a, row in enumerate(rows.tolist()):
+        for token in range(logits.shape[1]):
+            word = int(bitmask[a, token // 32])  # a Python int: >> is arithmetic, so bit 31 of a negative word is 1
+            if not (word >> (token % 32)) & 1:
+                masked[row, token] = float("-inf")
+    return masked
 
 
 def raw_logprobs(logits: torch.Tensor) -> torch.Tensor:
@@ -204,7 +218,7 @@ class LogitsProcessing:
         if self.mask_rows is not None:
             logits = mask_tokens(logits, self.mask_rows, self.mask_ids)
         if self.allowed_rows is not None:
-            logits = apply_token_bitmask(logits, self.allowed_rows, self.allowed_bitmask)
+            logits = seam("apply_token_bitmask", apply_token_bitmask)(logits, self.allowed_rows, self.allowed_bitmask)
         return logits
 
 

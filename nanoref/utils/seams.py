@@ -71,6 +71,9 @@ SEAMS: dict[str, str] = {
     "sequence gains from its k proposals and the target's k + 1 argmax ids",
     "rejection_sample": "speculative/acceptance.py: rejection_sample(p, q, draft_ids, uniforms, noise) -> (accepted, "
     "recovered) per verify row: keep a proposal with probability min(1, p/q), else draw from max(0, p - q)",
+    # 13_structured_output
+    "apply_token_bitmask": "layers/logits_processors.py: apply_token_bitmask(logits, rows, bitmask) -> (B, V), a new "
+    "tensor where each row rows[a] keeps only the tokens bitmask[a] allows (bit t % 32 of word t // 32), others -inf",
     # 14_lora
     "lora_delta": "ops/lora.py: lora_delta(x, lora_a, lora_b, row_slots, scalings) -> (N, out): each token row's "
     "s (x A^T) B^T under its own adapter slot, zero for rows of slot -1",
@@ -83,6 +86,7 @@ HOST_SEAMS = frozenset(
         "find_cached_prefix",
         "choose_preemption_victim",
         "apply_top_k_top_p",
+        "apply_token_bitmask",
         "find_stop_string",
         "stop_hold_back",
         "accept_greedy",
