@@ -15,7 +15,7 @@ Workloads: `fixed` (`--batch` greedy requests of `--prompt-len` random ids and `
 `nano-vllm` (Nano-vLLM's bench.py: 256 requests, 100-1024 prompt ids, 100-1024 output tokens, temperature 0.6;
 see beside_peer.py). Every timed run sends prompts that engine has not served (fresh seeds: the prefix cache
 answers nothing); each configuration runs `--runs` times, their order reversed on every other run; the table gives
-medians. On a GPU both engines get the same number of KV blocks (`--kv-blocks`).
+medians. Both engines get the same number of KV blocks.
 """
 
 from __future__ import annotations
@@ -61,7 +61,6 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--kv-blocks", type=int, default=1800, help="KV blocks of each engine on a GPU")
     args = parser.parse_args()
     sys.path.insert(0, str(REPO / "benchmarks"))
     with tempfile.TemporaryDirectory() as root:
@@ -69,9 +68,13 @@ def main() -> None:
             LoRARequest(f"a{i}", i + 1, str(make_random_lora(Path(root) / f"a{i}", args.model, rank=args.rank, seed=i)))
             for i in range(4)
         ]
-        common = dict(device=args.device, num_kvcache_blocks=args.kv_blocks if args.device == "cuda" else 512)
-        base = LLM(args.model, **common)
-        lora = LLM(args.model, **common, enable_lora=True, max_loras=4, max_lora_rank=args.rank)
+        # both engines get the same KV cache: the first sizes its own (its share of the GPU, or 512 blocks on a CPU),
+        # the second takes as many blocks (a GPU's memory fraction counts for the whole process, not per engine)
+        first = dict(gpu_memory_utilization=0.45) if args.device == "cuda" else dict(num_kvcache_blocks=512)
+        base = LLM(args.model, device=args.device, **first)
+        blocks = base.model_runner.config.num_kvcache_blocks
+        lora = LLM(args.model, device=args.device, num_kvcache_blocks=blocks, enable_lora=True, max_loras=4,
+                   max_lora_rank=args.rank)  # fmt: skip
         engines = {"base": base, "lora-off-rows": lora, "1-adapter": lora, "4-adapters": lora}
 
         def adapters_for(name: str, count: int) -> LoRARequest | list | None:
