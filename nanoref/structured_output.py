@@ -60,30 +60,34 @@ def batch_matcher(threads: int) -> Any:
 class GrammarConstraint:
     """One sample's matcher on a compiled grammar."""
 
-    def __init__(self, compiled: Any, vocab: int) -> None:
+    def __init__(self, compiled: Any, vocab: int, grammar_vocab: int) -> None:
+        """vocab: the model's logits width; grammar_vocab: the tokens the grammar knows (the tokenizer's, at most
+        vocab): the rest are the model's padding rows, never allowed."""
         xgr = xgrammar()
         self.matcher = xgr.GrammarMatcher(compiled)
-        self.bitmask = xgr.allocate_token_bitmask(1, vocab)  # (1, ceil(V / 32)) int32, reused every step
+        self.vocab, self.grammar_vocab = vocab, grammar_vocab
+        self.bitmask = xgr.allocate_token_bitmask(1, grammar_vocab)  # (1, ceil(G / 32)) int32, reused every step
 
     def allowed(self) -> torch.Tensor:
-        """The tokens the grammar allows next, packed: (ceil(V / 32),) int32 (a copy: the step keeps it)."""
+        """The tokens the grammar allows next, packed: (ceil(V / 32),) int32 (a new tensor: the step keeps it)."""
         self.matcher.fill_next_token_bitmask(self.bitmask, 0)
-        return self.bitmask[0].clone()
+        return widen(self.bitmask, self.grammar_vocab, self.vocab)[0]
 
     @staticmethod
     def allowed_batch(constraints: list[GrammarConstraint]) -> torch.Tensor:
         """`allowed` of many samples at once -> (A, ceil(V / 32)) int32. One state of a grammar can take the matcher
-        hundreds of microseconds over a 150k vocabulary (a sample at a regex's character class: tens of thousands
+        hundreds of microseconds over a large vocabulary (a sample at a regex's character class: tens of thousands
         of tokens each checked), and a step asks every constrained row: the library fills the rows in parallel
         threads, outside the GIL, while the forward runs on the GPU (vLLM fills its bitmasks the same way)."""
-        bitmask = xgrammar().allocate_token_bitmask(len(constraints), constraints[0].bitmask.shape[1] * 32)
+        first = constraints[0]
+        bitmask = xgrammar().allocate_token_bitmask(len(constraints), first.grammar_vocab)
         threads = min(len(constraints), FILL_THREADS)
         if threads > 1:
             batch_matcher(threads).batch_fill_next_token_bitmask([c.matcher for c in constraints], bitmask)
         else:  # (one thread: the plain calls cost less than the batch call's setup)
             for index, constraint in enumerate(constraints):
                 constraint.matcher.fill_next_token_bitmask(bitmask, index)
-        return bitmask
+        return widen(bitmask, first.grammar_vocab, first.vocab)
 
     def accept(self, token_id: int) -> bool:
         """Advance by a sampled token -> whether the sample is done: its grammar is complete, or the token left it
@@ -93,6 +97,23 @@ class GrammarConstraint:
         return self.matcher.is_terminated()
 
 
+def widen(bitmask: torch.Tensor, grammar_vocab: int, vocab: int) -> torch.Tensor:
+    """(A, ceil(G / 32)) words over the grammar's G tokens -> (A, ceil(V / 32)) over the model's V >= G: tokens
+    from G on (the padding rows of a model whose vocabulary outgrows its tokenizer) are not allowed. The grammar
+    library is given only the tokenizer's tokens: over a model padded far past its tokenizer (the random models
+    the benchmarks run, with the built-in tokenizer's 1,024 tokens and Qwen3's 151,936 rows), a matcher otherwise
+    spends most of its time rejecting the padding one token at a time."""
+    words = (vocab + 31) // 32
+    if bitmask.shape[1] == words and grammar_vocab == vocab:
+        return bitmask.clone()
+    wide = torch.zeros(bitmask.shape[0], words, dtype=torch.int32)
+    wide[:, : bitmask.shape[1]] = bitmask
+    if grammar_vocab % 32:  # the grammar's last word: bits past G belong to no token of the grammar
+        last = grammar_vocab // 32
+        wide[:, last] &= (1 << (grammar_vocab % 32)) - 1
+    return wide
+
+
 class Grammars:
     """Compiles a request's StructuredOutputsParams once per distinct constraint, against one tokenizer."""
 
@@ -100,9 +121,10 @@ class Grammars:
         """vocab: the model's logits width (may exceed the tokenizer's); stop_token_ids: the tokens that end a
         completion (EOS): the only ones a complete grammar allows."""
         xgr = xgrammar()
-        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab, stop_token_ids=stop_token_ids)
+        self.vocab, self.grammar_vocab = vocab, min(vocab, len(tokenizer))  # (see widen)
+        stops = [t for t in stop_token_ids if t < self.grammar_vocab]
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.grammar_vocab, stop_token_ids=stops)
         self.compiler = xgr.GrammarCompiler(info)
-        self.vocab = vocab
         self.cache: OrderedDict[tuple, Any] = OrderedDict()
         self.cache_size = cache_size
         self.lock = threading.Lock()  # (a server compiles in its request thread while the engine's thread may too)
@@ -136,7 +158,7 @@ class Grammars:
 
     def constraint(self, compiled: Any) -> GrammarConstraint:
         """A fresh matcher (one per sample) at the grammar's start."""
-        return GrammarConstraint(compiled, self.vocab)
+        return GrammarConstraint(compiled, self.vocab, self.grammar_vocab)
 
 
 def constraint_key(params: StructuredOutputsParams) -> tuple:

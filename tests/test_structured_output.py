@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from nanoref import LLM, SamplingParams, StructuredOutputsParams
-from nanoref.layers.logits_processors import apply_token_bitmask
+from nanoref.layers.logits_processors import apply_token_bitmask, unpack_bitmask
 
 SCHEMA = {
     "type": "object",
@@ -282,3 +282,42 @@ def test_an_objects_properties_come_out_in_the_schemas_order(llm):
     """The schema is compiled as given (vLLM's order): `name, age, pet`, not sorted."""
     output = llm.generate(PROMPTS[:1], json_params(temperature=0), use_tqdm=False)[0]
     assert list(json.loads(output["text"])) == list(SCHEMA["properties"]) == ["name", "age", "pet"]
+
+
+def test_a_model_padded_past_its_tokenizer_never_gets_a_padding_token(tmp_path):
+    """The grammar library knows the tokenizer's tokens only (a matcher over a model's padding rows costs time, not
+    answers): each step's words equal the library's over the whole padded vocabulary, the padding bits are 0, and
+    sampled constrained outputs follow the regex (a vocabulary that is not a multiple of 32: the last word is cut)."""
+    import shutil
+
+    import xgrammar as xgr
+
+    from nanoref.structured_output import Grammars
+    from nanoref.testing import make_random_qwen3
+
+    folder = tmp_path / "padded"
+    settings = dict(vocab_size=1024 + 70, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                    num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=512)  # fmt: skip
+    make_random_qwen3(folder, settings)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"nanoref/default_model/{name}", folder / name)
+    llm = LLM(str(folder), device="cpu", num_kvcache_blocks=64)
+    tokenizer, vocab = llm.tokenizer, 1024 + 70
+    assert len(tokenizer) == 1024
+    regex = "[a-z ]{4,12}"
+    grammars = Grammars(tokenizer, vocab, [tokenizer.eos_token_id])
+    constraint = grammars.constraint(grammars.compile(StructuredOutputsParams(regex=regex)))
+    padded = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab, stop_token_ids=[tokenizer.eos_token_id])
+    matcher = xgr.GrammarMatcher(xgr.GrammarCompiler(padded).compile_regex(regex))
+    whole = xgr.allocate_token_bitmask(1, vocab)
+    for token in tokenizer.encode("ab cd", add_special_tokens=False):
+        matcher.fill_next_token_bitmask(whole, 0)
+        # (the library sets the unused bits past V of its last word: only tokens < V count)
+        assert torch.equal(unpack_bitmask(constraint.allowed()[None], vocab), unpack_bitmask(whole, vocab))
+        assert not unpack_bitmask(constraint.allowed()[None], vocab)[0, 1024:].any()
+        assert not constraint.accept(token) and matcher.accept_token(token)
+    params = SamplingParams(
+        temperature=1.0, seed=4, n=4, max_tokens=20, structured_outputs=StructuredOutputsParams(regex=regex)
+    )
+    for sample in llm.generate(["hello"], params, use_tqdm=False)[0]["outputs"]:
+        assert max(sample["token_ids"]) < 1024 and re.fullmatch(regex, sample["text"]), sample
