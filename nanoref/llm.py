@@ -96,11 +96,6 @@ class LLM(LLMEngine):
         if params.structured_outputs is None:
             return lambda samples: None
         params.structured_outputs.validate()
-        if self.speculative_loop is not None:
-            raise ValueError(
-                "structured_outputs is not supported with speculative decoding (speculative_config): a grammar's "
-                "matcher would have to follow proposals it may reject; use an LLM without speculative_config"
-            )
         if self.tokenizer is None:
             raise ValueError(f"{self.config.model_folder} has no tokenizer: structured_outputs needs one")
         if self.grammars is None:  # (two threads may both make one: either serves)

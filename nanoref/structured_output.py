@@ -13,7 +13,7 @@ automaton, which tokens may follow. Each sample gets its own matcher (`GrammarCo
 
 The matcher's state follows the sample's tokens: a preempted sample keeps its tokens, so its matcher stays right
 when it is recomputed. A verify step (speculative decoding) would need the matcher rolled back over rejected
-proposals: LLM refuses constrained requests there.
+proposals: a speculative engine runs the decode steps that hold a constrained sample plain (speculative/loop.py).
 """
 
 from __future__ import annotations

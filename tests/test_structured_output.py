@@ -188,11 +188,24 @@ def test_a_grammar_is_compiled_once_per_constraint(llm):
     assert first is again and other is not first and reordered is not first  # (properties come out in their order)
 
 
-def test_speculative_decoding_refuses_constrained_requests():
-    llm = LLM(device="cpu", speculative_config={"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2})
-    with pytest.raises(ValueError, match="structured_outputs is not supported with speculative decoding"):
-        llm.add_request("Hello", json_params(temperature=0))
-    assert llm.is_finished()
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_a_speculative_engine_runs_constrained_samples_in_plain_steps(llm, method, tmp_path):
+    """With speculative_config, a decode step with a constrained sample verifies nothing (its matcher cannot follow
+    proposals that may be rejected): every output, constrained or not, is the plain engine's, the constrained ones
+    valid, and speculation resumes once the constrained samples are done."""
+    spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2}
+    if method == "draft":
+        spec = {"method": "draft_model", "model": str(llm.config.model_folder), "num_speculative_tokens": 2}
+    speculative = LLM(device="cpu", seed=0, speculative_config={**spec, "disable_by_batch_size": 0})
+    repeat = "1 2 3 4 1 2 3 4 1 2 3 4 1 2 3 4"  # (n-gram lookup finds proposals here)
+    params = [json_params(temperature=0), SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)]
+    expected = llm.generate([PROMPTS[0], repeat], params, use_tqdm=False)
+    outputs = speculative.generate([PROMPTS[0], repeat], params, use_tqdm=False)
+    assert [o["token_ids"] for o in outputs] == [o["token_ids"] for o in expected]
+    assert_valid(outputs[0])
+    constrained_steps = len(expected[0]["token_ids"])  # (the constrained sample runs in every step until it ends)
+    assert all(s.num_draft_tokens == 0 for s in speculative.metrics.steps[1:constrained_steps])
+    assert sum(s.num_draft_tokens for s in speculative.metrics.steps) > 0  # speculation came back after it
 
 
 def test_penalties_and_stop_strings_apply_to_constrained_rows(llm):

@@ -113,7 +113,7 @@ class SpeculativeLoop:
         scheduler, metrics, runner = engine.scheduler, engine.metrics, engine.model_runner
         # decode steps that would not pay as verify steps (policy.py) run in the plain loop, one after another
         plain, in_flight = self.plain_loop, getattr(self.plain_loop, "in_flight", None) is not None
-        if (in_flight or not scheduler.waiting) and not self.policy.speculate(len(scheduler.running)):
+        if (in_flight or not scheduler.waiting) and not self.speculates(scheduler.running):
             self.policy.ran_plain()
             return plain.step()
         if in_flight:  # a verify step next: first complete the plain step on the device, launching none after it
@@ -123,7 +123,7 @@ class SpeculativeLoop:
         if is_prefill:
             interruptibly(self.proposer.prefill, seqs)
             finished = scheduler.postprocess(seqs, interruptibly(runner.run, seqs, True))
-        elif self.policy.speculate(len(seqs)):
+        elif self.speculates(seqs):
             finished = self.postprocess(seqs, interruptibly(self.verify, seqs), record)
         else:  # a plain decode step: speculation would not pay now (policy.py)
             finished = scheduler.postprocess(seqs, interruptibly(runner.run, seqs, False))
@@ -135,6 +135,14 @@ class SpeculativeLoop:
 
     def in_step(self) -> list[Sequence]:
         return [*self.engine.scheduler.scheduled, *self.plain_loop.in_step()]
+
+    def speculates(self, seqs: list[Sequence]) -> bool:
+        """Whether a decode step of seqs verifies proposals: where the policy says it pays, and no sample in it
+        follows a constraint (structured output: its matcher takes each token as it is sampled and cannot follow
+        proposals that may be rejected, so those steps run plain, proposals and all)."""
+        if any(seq.output is not None and seq.output.constraint is not None for seq in seqs):
+            return False
+        return self.policy.speculate(len(seqs))
 
     # -- the verify step ------------------------------------------------------------------------
     def limit(self, seq: Sequence) -> int:
