@@ -183,12 +183,15 @@ class LLM(LLMEngine):
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict | None = None,
+        tools: list[dict] | None = None,
     ) -> list[dict]:
         """Generate the assistant's reply to one conversation ([{"role", "content"}, ...]) or to each of a list of
         them, through the model folder's chat template; returns what `generate` returns, one dict per conversation.
         lora_request: as generate's, per conversation. As vLLM's LLM.chat: add_generation_prompt opens the
         assistant's turn; continue_final_message (with add_generation_prompt=False) continues the last, assistant,
         message instead; chat_template_kwargs are the template's own variables (Qwen3's `enable_thinking`).
+        tools: the functions the model may call, OpenAI's `[{"type": "function", "function": {...}}]`, laid out by
+        the template (as vLLM's LLM.chat: the reply is text; the server's `tool_choice` parses and constrains calls).
         Messages as `nanoref/engine/chat.py` takes them.
         """
         conversations = (
@@ -205,6 +208,7 @@ class LLM(LLMEngine):
                         add_generation_prompt=add_generation_prompt,
                         continue_final_message=continue_final_message,
                         chat_template_kwargs=chat_template_kwargs,
+                        tools=tools,
                     )
                 )
             except (ValueError, TypeError) as error:

@@ -179,3 +179,14 @@ def test_llm_chat_takes_vllms_template_arguments():
     assert llm.chat(started, GREEDY, use_tqdm=False, **options) == expected
     with pytest.raises(ValueError, match="conversation 0: chat_template_kwargs: 'enable_thinking'"):
         llm.chat(MESSAGES, GREEDY, use_tqdm=False, chat_template_kwargs={"enable_thinking": False})
+
+
+def test_llm_chat_lays_out_tools_through_the_template():
+    """LLM.chat(tools=) as vLLM's: the tools reach the template (the prompt names them), the reply is generate's on
+    that prompt."""
+    llm = LLM(device="cpu", num_kvcache_blocks=32)
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    prompt = chat_prompt(llm.tokenizer, MESSAGES, DEFAULT_MODEL, tools=tools)
+    assert "get_weather" in prompt and prompt != chat_prompt(llm.tokenizer, MESSAGES, DEFAULT_MODEL)
+    expected = llm.generate([prompt], GREEDY, use_tqdm=False)
+    assert llm.chat(MESSAGES, GREEDY, use_tqdm=False, tools=tools) == expected
