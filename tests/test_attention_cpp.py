@@ -1,7 +1,9 @@
-"""The cpp backend: nanoref's C++ paged decode kernel against the naive padded oracle, and end to end against HF.
+"""The cpp backend: nanoref's C++ kernels (paged decode attention against the naive padded oracle; the KV store and
+the element-wise layers against their torch references), end to end against HF, and the CPU default's build and
+fallback.
 
-The kernel is built on first use (`torch.utils.cpp_extension.load_inline`); these tests skip where this machine
-cannot build it (no C++ compiler or no ninja), and say so.
+The kernels are built on first use (`torch.utils.cpp_extension`); these tests skip where this machine cannot build
+them (no C++ compiler or no ninja), and say so.
 """
 
 from __future__ import annotations
@@ -13,7 +15,10 @@ import pytest
 import torch
 
 from nanoref import LLM, SamplingParams
-from nanoref.ops import attention_cpp, naive_padded_attention
+from nanoref.layers.layernorm import add_rms_norm, rms_norm
+from nanoref.layers.rotary import RotaryEmbedding, norm_rotary
+from nanoref.ops import attention_cpp, backends, naive_padded_attention, store_kvcache_torch
+from nanoref.ops.activation import silu_and_mul
 from nanoref.ops.backends import choose_backend
 
 from .helpers import TINY_CONFIGS, cu, hf_greedy, random_paged_cache, random_prompts, shared_prefix_prompts
@@ -140,3 +145,154 @@ def test_loading_the_kernel_leaves_sys_path_alone():
     )
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
+
+
+@needs_build
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_kvcache_matches_the_torch_store(dtype):
+    g = torch.Generator().manual_seed(3)
+    key, value = (torch.randn(7, 2, 32, generator=g).to(dtype) for _ in range(2))
+    caches = [torch.randn(5, 16, 2, 32, generator=g).to(dtype) for _ in range(2)]
+    slots = torch.tensor([3, -1, 16 * 4 + 15, 16, -1, 0, 33])  # -1: not stored
+    expected = [cache.clone() for cache in caches]
+    store_kvcache_torch(key, value, *expected, slots)
+    attention_cpp.store_kvcache(key, value, *caches, slots)
+    assert all(torch.equal(got, want) for got, want in zip(caches, expected))
+    with pytest.raises(RuntimeError, match="past the cache"):
+        attention_cpp.store_kvcache(key, value, *caches, torch.full((7,), 16 * 5))
+
+
+# the element-wise kernels against the torch functions the layers run elsewhere: float32 to rounding, half types
+# with the reference's casts (hidden sizes that are and are not a multiple of the vector width)
+TOLERANCES = {torch.float32: dict(atol=2e-6, rtol=2e-6), torch.bfloat16: dict(atol=1e-2, rtol=1e-2)}
+TOLERANCES[torch.float16] = dict(atol=2e-3, rtol=2e-3)
+
+
+@needs_build
+@pytest.mark.parametrize("dtype", list(TOLERANCES))
+@pytest.mark.parametrize("hidden", [128, 48, 7])
+def test_norms_and_swiglu_match_the_torch_functions(dtype, hidden):
+    g = torch.Generator().manual_seed(hidden)
+    x, residual = (torch.randn(33, hidden, generator=g).to(dtype) for _ in range(2))
+    weight = (torch.rand(hidden, generator=g) + 0.5).to(dtype)
+    torch.testing.assert_close(attention_cpp.rms_norm(x, weight, 1e-6), rms_norm(x, weight, 1e-6), **TOLERANCES[dtype])
+    for got, want in zip(
+        attention_cpp.add_rms_norm(x, residual, weight, 1e-6), add_rms_norm(x, residual, weight, 1e-6)
+    ):
+        torch.testing.assert_close(got, want, **TOLERANCES[dtype])
+    gate_up = torch.randn(5, 3, 2 * hidden, generator=g).to(dtype) * 6  # large |gate| too: silu's both tails
+    torch.testing.assert_close(attention_cpp.silu_and_mul(gate_up), silu_and_mul(gate_up), **TOLERANCES[dtype])
+
+
+@needs_build
+@pytest.mark.parametrize("dtype", list(TOLERANCES))
+@pytest.mark.parametrize("head_dim", [16, 32, 128])
+def test_norm_rotary_matches_the_torch_function_on_a_view_of_qkv(dtype, head_dim):
+    """As the model calls it: the query and key heads of the fused projection's output, a strided view."""
+    g = torch.Generator().manual_seed(head_dim)
+    tokens, heads, kv_heads = 9, 4, 2
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)
+    qk = qkv[:, : (heads + kv_heads) * head_dim].view(tokens, heads + kv_heads, head_dim)
+    q_weight, k_weight = (torch.rand(head_dim, generator=g) + 0.5 for _ in range(2))
+    weight = torch.cat([q_weight.expand(heads, head_dim), k_weight.expand(kv_heads, head_dim)]).to(dtype)
+    rope = RotaryEmbedding(head_dim, 256, 10_000.0)
+    positions = torch.randint(0, 256, (tokens,), generator=g)
+    args = (qk, weight, 1e-6, positions, rope.cos_cache, rope.sin_cache)
+    torch.testing.assert_close(attention_cpp.norm_rotary(*args), norm_rotary(*args), **TOLERANCES[dtype])
+    with pytest.raises(RuntimeError, match="outside the tables"):
+        attention_cpp.norm_rotary(qk, weight, 1e-6, positions + 256, rope.cos_cache, rope.sin_cache)
+
+
+@needs_build
+def test_the_cpp_engine_runs_the_cpp_kernels_in_every_layer(tiny_model):
+    llm = LLM(tiny_model, device="cpu", num_kvcache_blocks=32)
+    assert llm.model_runner.backend.name == "cpp"  # the CPU default where the kernels build
+    norms = [m for m in llm.model_runner.model.modules() if type(m).__name__ in ("RMSNorm", "SiluAndMul")]
+    assert norms and all(m.backend is llm.model_runner.backend for m in norms)
+    assert llm.model_runner.backend.rms_norm is attention_cpp.rms_norm
+
+
+def test_auto_falls_back_to_torch_quietly_without_build_tools(monkeypatch, recwarn):
+    monkeypatch.setattr(attention_cpp, "missing_build_tools", lambda: ["a C++ compiler (c++, g++ or clang++)"])
+    assert choose_backend("auto", torch.device("cpu"), torch.float32, None, 32) == "torch"
+    assert not recwarn.list  # no compiler is a normal machine, not a problem to warn about
+    assert choose_backend("auto", torch.device("cpu"), torch.float32, None, 48) == "torch"  # a head_dim it lacks
+
+
+def test_a_build_that_failed_warns_once_falls_back_to_torch_and_is_not_retried(monkeypatch):
+    failure = attention_cpp.CppKernelUnavailableError("building the cpp backend's kernels failed: no such header")
+    monkeypatch.setattr(attention_cpp, "missing_build_tools", lambda: [])
+    monkeypatch.setattr(attention_cpp, "_failure", failure)
+    monkeypatch.setattr(backends, "_warned_cpp_failure", False)
+    with pytest.warns(RuntimeWarning, match="no such header.*torch backend instead") as record:
+        for _ in range(3):
+            assert choose_backend("auto", torch.device("cpu"), torch.float32, None, 32) == "torch"
+    assert len(record) == 1
+    assert choose_backend("cpp", torch.device("cpu"), torch.float32, None, 32) == "cpp"  # asked for by name:
+    with pytest.raises(attention_cpp.CppKernelUnavailableError, match="no such header"):  # the engine says why not
+        backends.resolve_backend("cpp", torch.device("cpu"))
+
+
+def run_python(script: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    import os
+
+    return subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})}
+    )
+
+
+@needs_build
+def test_a_failed_build_leaves_an_engine_on_the_torch_backend_with_its_tokens(tiny_model, tmp_path):
+    """A real failed build (a header the compiler cannot find), in a fresh interpreter: two engines, one warning, one
+    build attempt; both engines generate HF's greedy tokens on the torch backend."""
+    script = (
+        "import warnings\n"
+        "from nanoref import LLM, SamplingParams\n"
+        "from nanoref.ops import attention_cpp\n"
+        "attention_cpp.CPP_SOURCE = '#include <nanoref_no_such_header.h>\\n' + attention_cpp.CPP_SOURCE\n"
+        "builds = []\n"
+        "build = attention_cpp._build\n"
+        "attention_cpp._build = lambda *a: builds.append(a) or build(*a)\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        f"    engines = [LLM({str(tiny_model)!r}, device='cpu', num_kvcache_blocks=16) for _ in range(2)]\n"
+        "assert [e.model_runner.backend.name for e in engines] == ['torch', 'torch']\n"
+        "assert len(builds) == 1, builds\n"
+        "messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]\n"
+        "assert len(messages) == 1 and 'nanoref_no_such_header' in messages[0], messages\n"
+        "params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)\n"
+        "print(engines[1].generate([[5, 6, 7, 8, 9]], params, use_tqdm=False)[0]['token_ids'])\n"
+    )
+    result = run_python(script, {"TORCH_EXTENSIONS_DIR": str(tmp_path)})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split("\n")[-2] == str(hf_greedy(tiny_model, [5, 6, 7, 8, 9], 6))
+
+
+@needs_build
+def test_a_built_kernel_loads_from_the_cache_without_the_build_tools_or_a_message():
+    """The second process on a machine loads the cached library directly: no compiler run, no torch.utils.cpp_extension
+    import (a second of setuptools), nothing printed; and importing nanoref builds and loads nothing."""
+    attention_cpp.load()  # (built here if this is the first use on this machine)
+    script = (
+        "import sys\n"
+        "import torch\n"
+        "import nanoref\n"
+        "from nanoref.ops import attention_cpp\n"
+        "assert not attention_cpp._loaded and not hasattr(torch.ops.nanoref_cpp, 'rms_norm')\n"
+        "attention_cpp.load()\n"
+        "assert 'torch.utils.cpp_extension' not in sys.modules\n"
+        "print(attention_cpp.rms_norm(torch.ones(2, 16), torch.ones(16), 1e-6).sum().item())\n"
+    )
+    result = run_python(script)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == "" and float(result.stdout) == pytest.approx(32.0)
+
+
+def test_the_build_folder_is_named_after_everything_the_build_depends_on(monkeypatch):
+    name = attention_cpp.build_name()
+    assert name.startswith("nanoref_cpp_") and attention_cpp.build_name() == name
+    monkeypatch.setattr(attention_cpp, "CPP_SOURCE", attention_cpp.CPP_SOURCE + "// another version\n")
+    assert attention_cpp.build_name() != name  # another checkout's source: a build of its own, not a rebuild of ours
+    monkeypatch.undo()
+    monkeypatch.setattr(attention_cpp, "cpu_signature", lambda: "flags : fpu sse2")
+    assert attention_cpp.build_name() != name  # another CPU (a home folder shared between machines)

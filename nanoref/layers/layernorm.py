@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from nanoref.ops.backends import resolve_backend
 from nanoref.utils.compile import on_cuda
 from nanoref.utils.seams import seam
 
@@ -48,10 +49,13 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size))
+        # the engine's kernels (ops/backends.py: the model runner hands its own down): the functions above, compiled
+        # on CUDA, or a backend's fused kernels (cpp)
+        self.backend = resolve_backend("torch", torch.device("cpu"))
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
-            return seam("rms_norm", rms_norm_cuda)(x, self.weight, self.eps)
-        return seam("add_rms_norm", add_rms_norm_cuda)(x, residual, self.weight, self.eps)
+            return seam("rms_norm", self.backend.rms_norm)(x, self.weight, self.eps)
+        return seam("add_rms_norm", self.backend.add_rms_norm)(x, residual, self.weight, self.eps)

@@ -18,7 +18,7 @@ from nanoref.layers.attention import Attention
 from nanoref.layers.embed_head import LMHead, VocabEmbedding
 from nanoref.layers.layernorm import RMSNorm, rms_norm_cuda
 from nanoref.layers.linear import MergedLinear, QKVLinear, RowParallelLinear
-from nanoref.layers.rotary import RotaryEmbedding, apply_rotary, norm_rotary_cuda
+from nanoref.layers.rotary import RotaryEmbedding, apply_rotary
 from nanoref.models.configs import Qwen3Config
 from nanoref.utils.seams import seam
 from nanoref.utils.tracing import trace, trace_layer
@@ -85,7 +85,8 @@ class Qwen3Attention(nn.Module):
         weight = torch.cat([self.q_norm.weight.expand(heads, dim), self.k_norm.weight.expand(kv_heads, dim)])
         rope = self.rotary_emb
         eps = self.q_norm.eps  # (k_norm's too: both are config.rms_norm_eps)
-        qk = norm_rotary_cuda(qk, weight, eps, positions, rope.cos_cache, rope.sin_cache)
+        # norm_rotary_cuda, or the backend's fused kernel (cpp)
+        qk = self.attn.backend.norm_rotary(qk, weight, eps, positions, rope.cos_cache, rope.sin_cache)
         q, k = qk.split([heads, kv_heads], dim=1)  # (N, H, D), (N, Hk, D): views
         return q, k
 
