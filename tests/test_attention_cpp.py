@@ -21,7 +21,16 @@ from nanoref.ops import attention_cpp, backends, naive_padded_attention, store_k
 from nanoref.ops.activation import silu_and_mul
 from nanoref.ops.backends import choose_backend
 
-from .helpers import TINY_CONFIGS, cu, hf_greedy, random_paged_cache, random_prompts, shared_prefix_prompts
+from .helpers import (
+    TINY_CONFIGS,
+    cu,
+    hf_greedy,
+    random_paged_cache,
+    random_paged_varlen,
+    random_prompts,
+    random_qkv,
+    shared_prefix_prompts,
+)
 
 needs_build = pytest.mark.skipif(
     bool(attention_cpp.missing_build_tools()),
@@ -78,6 +87,44 @@ def test_query_as_strided_view_of_fused_projection():
     out = attention_cpp.paged_decode_attention(q, k_cache, v_cache, torch.tensor(lens, dtype=torch.int32), block_table)
     ref = naive_padded_attention(q.squeeze(1).contiguous(), k_flat, v_flat, cu([1, 1]), cu(lens))
     torch.testing.assert_close(out.squeeze(1), ref, atol=2e-5, rtol=2e-5)
+
+
+@needs_build
+@pytest.mark.parametrize("head_dim", attention_cpp.HEAD_DIMS)
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (6, 1)])
+def test_varlen_prefill_matches_naive(head_dim, heads, kv_heads):
+    """Prefill without history: flat q, k, v of several sequences (1 token, page edges, longer than a 64-row run)."""
+    g = torch.Generator().manual_seed(head_dim * heads)
+    lens = [1, 16, 17, 40, 75]
+    q, k, v = random_qkv(lens, heads, kv_heads, head_dim, torch.float32, g)
+    out = attention_cpp.varlen_attention(q, k, v, cu(lens), cu(lens), max(lens), max(lens))
+    torch.testing.assert_close(out, naive_padded_attention(q, k, v, cu(lens), cu(lens)), atol=2e-5, rtol=2e-5)
+
+
+@needs_build
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_varlen_prefill_over_cached_history_matches_naive(causal, dtype):
+    """Prefix-cache hits and chunked prefill: each sequence's queries are the last of its keys, which the kernel
+    reads through the block table from the paged cache. A view of a wider tensor as q, as in the model."""
+    g = torch.Generator().manual_seed(9)
+    x = random_paged_varlen([3, 1, 20, 64], [3, 30, 33, 100], 16, 8, 2, 32, dtype, g)
+    wide = torch.cat([x.q, torch.zeros_like(x.q)], dim=1)  # (N, 2H, D)
+    q = wide[:, : x.q.shape[1]]  # (N, H, D), its token axis striding past the other half
+    out = attention_cpp.varlen_attention(
+        q, x.k_cache, x.v_cache, x.cu_q, x.cu_k, max(x.q_lens), max(x.k_lens), causal=causal, block_table=x.block_table
+    )
+    tolerance = dict(atol=2e-5, rtol=2e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out.float(), x.oracle(causal).float(), **tolerance)
+
+
+@needs_build
+def test_varlen_rejects_lengths_past_the_keys():
+    q, k, v = random_qkv([4, 6], 4, 2, 32, torch.float32, torch.Generator().manual_seed(0))
+    with pytest.raises(RuntimeError, match="past the keys"):
+        attention_cpp.varlen_attention(q, k, v, cu([4, 6]), cu([4, 7]), 6, 7)
+    with pytest.raises(RuntimeError, match="no more than its keys"):
+        attention_cpp.varlen_attention(q, k, v, cu([4, 6]), cu([3, 7]), 6, 7)
 
 
 @needs_build

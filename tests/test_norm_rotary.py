@@ -90,12 +90,11 @@ def test_the_readable_and_the_fused_norm_rotary_of_a_layer_give_the_same_numbers
     g = torch.Generator().manual_seed(0)
     num_tokens = 9
     qkv = torch.randn(num_tokens, attn.q_size + 2 * attn.kv_size, generator=g)  # (N, (H + 2 Hk) * D)
-    q, k, _ = qkv.split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
     positions = torch.randint(0, 64, (num_tokens,), generator=g)
     with torch.no_grad():
-        fused = attn.norm_rotary(positions, q, k, qkv)
+        fused = attn.norm_rotary(positions, qkv)
         with seams.use(apply_rotary=lambda x, cos, sin: apply_rotary(x, cos, sin)):  # not nanoref's own object
-            readable = attn.norm_rotary(positions, q, k, qkv)
+            readable = attn.norm_rotary(positions, qkv)
     assert [tuple(t.shape) for t in fused] == [
         (num_tokens, attn.num_heads, attn.head_dim),
         (num_tokens, attn.num_kv_heads, attn.head_dim),

@@ -52,10 +52,12 @@ CPP_SOURCE = r"""
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -208,41 +210,64 @@ void by_dtype(at::ScalarType dtype, const char* name, const F& f) {
   }
 }
 
-struct Problem {  // the shapes and strides every task reads
-  int64_t batch, len_q, group, num_kv_heads, page, stride_bt, max_len;
-  int64_t sq0, sq1, sq2, sk0, sk1, sk2, sv0, sv1, sv2, so0, so1, so2;
+// One task: a sequence's query rows for one KV head, against that KV head's keys and values. Its rows are the GQA
+// group's query heads for each of its Lq query tokens (row i: query token i / group, query head kv_head * group +
+// i % group); its keys are read through a block table (key t: row t % page of block blocks[t / page]), the paged
+// cache's layout. Flat keys (prefill without history) are one page of the whole sequence.
+template <typename T>
+struct Task {
+  const T* q;  // the sequence's first query token, head 0
+  int64_t sq_token, sq_head;
+  T* out;  // (the same layout as q's)
+  int64_t so_token, so_head;
+  const T *k, *v;  // block 0, this KV head
+  const int32_t* blocks;
+  int64_t page, sk_block, sk_row, sv_block, sv_row;
+  int64_t len_q, len, group, kv_head;  // query tokens, keys (the queries are the last len_q of them)
   float scale;
   bool causal;
 };
 
-// R query rows of one task (sequence b, KV head kv_head), from its row `first` on, against the history. The task's
-// rows are its GQA group's query heads for each of its Lq query tokens: row i is query token i / group, query head
-// kv_head * group + i % group. Each key and value row is loaded once for the R rows, whose scores and weighted sums
-// sit side by side in registers. A tile that runs past the task's last row repeats that row (and writes nothing of
-// it). scores: R rows of max_len + W floats.
+// Ask the memory system for the rows of the page after t0 (pass 1: keys, pass 2: values) while this page's are used.
+// Pages lie wherever the block manager put them, so the hardware prefetcher, which follows addresses, cannot guess
+// the next one: without this each page starts with a wait for memory (measured: 3x slower once a step's K/V outgrow
+// the cache, as they do here from four layers of a 32-sequence batch on).
+template <typename T>
+inline void prefetch_next_page(const T* base, const int32_t* blocks, int64_t t0, int64_t page, int64_t end,
+                               int64_t block_stride, int64_t row_stride, int64_t row_bytes) {
+  const int64_t next = t0 + page;
+  if (next >= end) return;
+  const char* rows = reinterpret_cast<const char*>(base + blocks[next / page] * block_stride);
+  for (int64_t s = 0, n = std::min(page, end - next); s < n; ++s)
+    for (int64_t byte = 0; byte < row_bytes; byte += 64) __builtin_prefetch(rows + s * row_stride * sizeof(T) + byte);
+}
+
+// R rows of a task, from row `first` on. Each key and value row is loaded once for the R rows, whose scores and
+// weighted sums sit side by side in registers. A tile that runs past the task's last row repeats that row (and
+// writes nothing of it). scores: R rows of `stride` >= len + W floats.
 template <typename T, int NV, int R>
-void attend_tile(const Problem& p, const T* q, const T* k_cache, const T* v_cache, const int32_t* blocks,
-                 int64_t len, int64_t b, int64_t kv_head, int64_t first, T* out, float* scores) {
+void attend_tile(const Task<T>& task, int64_t first, float* scores, int64_t stride) {
   constexpr int64_t D = W * NV;
-  const int64_t rows = p.len_q * p.group, stride = p.max_len + W;
+  const int64_t rows = task.len_q * task.group, page = task.page;
   float buffer[D];  // one half-precision row as float32
   int64_t token[R], head[R], seen[R], end = 0;
   vec qv[R][NV];  // the R query rows, pre-scaled, in registers
   for (int r = 0; r < R; ++r) {
     const int64_t row = std::min(first + r, rows - 1);
-    token[r] = row / p.group;
-    head[r] = kv_head * p.group + row % p.group;
-    // causal: query token i is the history's token len - len_q + i and sees the keys up to it
-    seen[r] = p.causal ? std::clamp<int64_t>(len - p.len_q + token[r] + 1, 0, len) : len;
+    token[r] = row / task.group;
+    head[r] = task.kv_head * task.group + row % task.group;
+    // causal: query token i is the sequence's token len - len_q + i and sees the keys up to it
+    seen[r] = task.causal ? std::clamp<int64_t>(task.len - task.len_q + token[r] + 1, 0, task.len) : task.len;
     end = std::max(end, seen[r]);
-    const float* q_row = as_float(q + b * p.sq0 + token[r] * p.sq1 + head[r] * p.sq2, buffer, D);
-    for (int j = 0; j < NV; ++j) qv[r][j] = load(q_row + W * j) * p.scale;
+    const float* q_row = as_float(task.q + token[r] * task.sq_token + head[r] * task.sq_head, buffer, D);
+    for (int j = 0; j < NV; ++j) qv[r][j] = load(q_row + W * j) * task.scale;
   }
   // pass 1: each row's score against each key, walking the pages through the block table
-  for (int64_t t0 = 0; t0 < end; t0 += p.page) {
-    const T* page_keys = k_cache + blocks[t0 / p.page] * p.sk0 + kv_head * p.sk2;
-    for (int64_t s = 0, n = std::min(p.page, end - t0); s < n; ++s) {
-      const float* key = as_float(page_keys + s * p.sk1, buffer, D);
+  for (int64_t t0 = 0; t0 < end; t0 += page) {
+    prefetch_next_page(task.k, task.blocks, t0, page, end, task.sk_block, task.sk_row, D * sizeof(T));
+    const T* page_keys = task.k + task.blocks[t0 / page] * task.sk_block;
+    for (int64_t s = 0, n = std::min(page, end - t0); s < n; ++s) {
+      const float* key = as_float(page_keys + s * task.sk_row, buffer, D);
       vec kv[NV];
       for (int j = 0; j < NV; ++j) kv[j] = load(key + W * j);
       for (int r = 0; r < R; ++r) {
@@ -255,10 +280,11 @@ void attend_tile(const Problem& p, const T* q, const T* k_cache, const T* v_cach
   for (int r = 0; r < R; ++r) softmax_row(scores + r * stride, seen[r], end);
   // pass 2: out[r] = sum_t p[r, t] v[t], in R * NV independent accumulators (no chain of dependent FMAs)
   vec acc[R][NV] = {};
-  for (int64_t t0 = 0; t0 < end; t0 += p.page) {
-    const T* page_values = v_cache + blocks[t0 / p.page] * p.sv0 + kv_head * p.sv2;
-    for (int64_t s = 0, n = std::min(p.page, end - t0); s < n; ++s) {
-      const float* value = as_float(page_values + s * p.sv1, buffer, D);
+  for (int64_t t0 = 0; t0 < end; t0 += page) {
+    prefetch_next_page(task.v, task.blocks, t0, page, end, task.sv_block, task.sv_row, D * sizeof(T));
+    const T* page_values = task.v + task.blocks[t0 / page] * task.sv_block;
+    for (int64_t s = 0, n = std::min(page, end - t0); s < n; ++s) {
+      const float* value = as_float(page_values + s * task.sv_row, buffer, D);
       vec vv[NV];
       for (int j = 0; j < NV; ++j) vv[j] = load(value + W * j);
       for (int r = 0; r < R; ++r) {
@@ -268,7 +294,7 @@ void attend_tile(const Problem& p, const T* q, const T* k_cache, const T* v_cach
     }
   }
   for (int r = 0; r < R && first + r < rows; ++r) {
-    T* dst = out + b * p.so0 + token[r] * p.so1 + head[r] * p.so2;
+    T* dst = task.out + token[r] * task.so_token + head[r] * task.so_head;
     for (int j = 0; j < NV; ++j) {
       if constexpr (std::is_same_v<T, float>) {
         store(dst + W * j, acc[r][j]);
@@ -279,78 +305,146 @@ void attend_tile(const Problem& p, const T* q, const T* k_cache, const T* v_cach
   }
 }
 
-template <typename T, int NV, int R>
-void decode_tasks(const Problem& p, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                  const at::Tensor& cache_seqlens, const at::Tensor& block_table, at::Tensor& out) {
-  const int32_t* lens = cache_seqlens.data_ptr<int32_t>();
-  const int32_t* table = block_table.data_ptr<int32_t>();
-  const int64_t rows = p.len_q * p.group;
-  // one task per (sequence, KV head), spread over torch's intra-op threads
-  at::parallel_for(0, p.batch * p.num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores(R * (p.max_len + W));  // a tile's scores, then its softmax weights
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / p.num_kv_heads, kv_head = task % p.num_kv_heads;
-      const int64_t len = std::min<int64_t>(lens[b], p.max_len);
-      for (int64_t first = 0; first < rows; first += R)
-        attend_tile<T, NV, R>(p, q.data_ptr<T>(), k_cache.data_ptr<T>(), v_cache.data_ptr<T>(),
-                              table + b * p.stride_bt, len, b, kv_head, first, out.data_ptr<T>(), scores.data());
+// Rows [first, first + count) of a task, in tiles of R: as many rows as the registers hold (R * NV accumulators)
+template <typename T, int NV>
+void attend_rows(const Task<T>& task, int64_t first, int64_t count, float* scores, int64_t stride) {
+  constexpr int most = NV >= 8 ? 1 : NV >= 4 ? 2 : 4;
+  const int64_t end = first + count;
+  if constexpr (most >= 4)
+    for (; first + 4 <= end; first += 4) attend_tile<T, NV, 4>(task, first, scores, stride);
+  if constexpr (most >= 2)
+    for (; first + 2 <= end; first += 2) attend_tile<T, NV, 2>(task, first, scores, stride);
+  for (; first < end; ++first) attend_tile<T, NV, 1>(task, first, scores, stride);
+}
+
+// f(T{}, std::integral_constant<int, NV>{}) for q's dtype and head dim (NV = head_dim / W vectors per row)
+template <typename F>
+void by_dtype_and_head_dim(const at::Tensor& q, const char* name, const F& f) {
+  by_dtype(q.scalar_type(), name, [&](auto zero) {
+    switch (q.size(-1)) {
+      case 16: return f(zero, std::integral_constant<int, 16 / W>{});
+      case 32: return f(zero, std::integral_constant<int, 32 / W>{});
+      case 64: return f(zero, std::integral_constant<int, 64 / W>{});
+      case 128: return f(zero, std::integral_constant<int, 128 / W>{});
+      case 256: return f(zero, std::integral_constant<int, 256 / W>{});
+      default: TORCH_CHECK(false, name, " is built for head_dim 16, 32, 64, 128 or 256, not ", q.size(-1));
     }
   });
 }
 
-// R, the rows of a tile: as many as the registers hold (R * NV accumulators), and no more than the task has
-template <typename T, int NV>
-void dispatch_rows(const Problem& p, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                   const at::Tensor& cache_seqlens, const at::Tensor& block_table, at::Tensor& out) {
-  constexpr int most = NV >= 8 ? 1 : NV >= 4 ? 2 : 4;
-  const int64_t rows = p.len_q * p.group;
-  if constexpr (most >= 4) {
-    if (rows >= 4) return decode_tasks<T, NV, 4>(p, q, k_cache, v_cache, cache_seqlens, block_table, out);
-  }
-  if constexpr (most >= 2) {
-    if (rows >= 2) return decode_tasks<T, NV, 2>(p, q, k_cache, v_cache, cache_seqlens, block_table, out);
-  }
-  return decode_tasks<T, NV, 1>(p, q, k_cache, v_cache, cache_seqlens, block_table, out);
-}
-
-template <typename T>
-void dispatch_head_dim(const Problem& p, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                       const at::Tensor& cache_seqlens, const at::Tensor& block_table, at::Tensor& out) {
-  switch (q.size(3)) {  // NV = head_dim / W vectors per row
-    case 16: return dispatch_rows<T, 16 / W>(p, q, k_cache, v_cache, cache_seqlens, block_table, out);
-    case 32: return dispatch_rows<T, 32 / W>(p, q, k_cache, v_cache, cache_seqlens, block_table, out);
-    case 64: return dispatch_rows<T, 64 / W>(p, q, k_cache, v_cache, cache_seqlens, block_table, out);
-    case 128: return dispatch_rows<T, 128 / W>(p, q, k_cache, v_cache, cache_seqlens, block_table, out);
-    case 256: return dispatch_rows<T, 256 / W>(p, q, k_cache, v_cache, cache_seqlens, block_table, out);
-    default: TORCH_CHECK(false, "the cpp kernel is built for head_dim 16, 32, 64, 128 or 256, not ", q.size(3));
-  }
+void check_attention_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(),
+              "the cpp backend runs on the CPU only");
+  TORCH_CHECK(k.sizes() == v.sizes(), "k and v (or k_cache and v_cache) must have the same shape");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
+              "q, k and v (or the caches) must share one dtype");
+  TORCH_CHECK(q.size(-1) == k.size(-1), "q's head_dim differs from the keys'");
+  TORCH_CHECK(q.size(-2) % k.size(-2) == 0, "the query heads must share the KV heads evenly");
+  TORCH_CHECK(q.stride(-1) == 1 && k.stride(-1) == 1 && v.stride(-1) == 1, "q, k and v need a contiguous last axis");
 }
 
 at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                   const at::Tensor& cache_seqlens, const at::Tensor& block_table, double scale,
                                   bool causal) {
-  TORCH_CHECK(q.device().is_cpu() && k_cache.device().is_cpu(), "the cpp backend runs on the CPU only");
   TORCH_CHECK(q.dim() == 4 && k_cache.dim() == 4, "q must be (B, Lq, H, D) and the caches (blocks, page, Hk, D)");
-  TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "k_cache and v_cache must have the same shape");
-  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type(),
-              "q and the caches must share one dtype");
-  TORCH_CHECK(q.size(3) == k_cache.size(3), "q's head_dim differs from the cache's");
-  TORCH_CHECK(q.size(2) % k_cache.size(2) == 0, "the query heads must share the KV heads evenly");
-  TORCH_CHECK(q.stride(3) == 1 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
-              "q and the caches need a contiguous last axis");
+  check_attention_inputs(q, k_cache, v_cache);
   TORCH_CHECK(cache_seqlens.scalar_type() == at::kInt && block_table.scalar_type() == at::kInt,
               "cache_seqlens and block_table must be int32");
   TORCH_CHECK(block_table.dim() == 2 && block_table.stride(1) == 1 && block_table.size(0) == q.size(0),
               "block_table must be (B, max_blocks) with contiguous rows");
   const at::Tensor lens = cache_seqlens.contiguous();
   at::Tensor out = q.new_empty(q.sizes());
-  const Problem p{q.size(0), q.size(1), q.size(2) / k_cache.size(2), k_cache.size(2), k_cache.size(1),
-                  block_table.stride(0), block_table.size(1) * k_cache.size(1),
-                  q.stride(0), q.stride(1), q.stride(2), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-                  v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), out.stride(0), out.stride(1),
-                  out.stride(2), static_cast<float>(scale), causal};
-  by_dtype(q.scalar_type(), "paged_decode_attention", [&](auto zero) {
-    dispatch_head_dim<decltype(zero)>(p, q, k_cache, v_cache, lens, block_table, out);
+  const int64_t batch = q.size(0), num_kv_heads = k_cache.size(2), page = k_cache.size(1);
+  const int64_t max_len = block_table.size(1) * page;  // what a table row can reach
+  by_dtype_and_head_dim(q, "paged_decode_attention", [&](auto zero, auto nv) {
+    using T = decltype(zero);
+    constexpr int NV = decltype(nv)::value;
+    const int32_t *len_of = lens.data_ptr<int32_t>(), *table = block_table.data_ptr<int32_t>();
+    // one task per (sequence, KV head), spread over torch's intra-op threads
+    at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores(4 * (max_len + W));  // a tile's scores, then its softmax weights
+      for (int64_t index = begin; index < end; ++index) {
+        const int64_t b = index / num_kv_heads, kv_head = index % num_kv_heads;
+        const Task<T> task{q.data_ptr<T>() + b * q.stride(0), q.stride(1), q.stride(2),
+                           out.data_ptr<T>() + b * out.stride(0), out.stride(1), out.stride(2),
+                           k_cache.data_ptr<T>() + kv_head * k_cache.stride(2),
+                           v_cache.data_ptr<T>() + kv_head * v_cache.stride(2), table + b * block_table.stride(0),
+                           page, k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+                           q.size(1), std::clamp<int64_t>(len_of[b], 0, max_len), q.size(2) / num_kv_heads, kv_head,
+                           static_cast<float>(scale), causal};
+        attend_rows<T, NV>(task, 0, task.len_q * task.group, scores.data(), max_len + W);
+      }
+    });
+  });
+  return out;
+}
+
+// Prefill: flat queries of many sequences (N, H, D), cu_seqlens_q marking where each starts; keys flat (N_k, Hk, D)
+// by cu_seqlens_k, or, with a block table, the paged caches (prefix-cache hits and chunked prefill). Sequence b's
+// queries are the last of its keys, causal among themselves.
+at::Tensor varlen_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, double scale, bool causal,
+                            const std::optional<at::Tensor>& block_table) {
+  const bool paged = block_table.has_value() && block_table->defined();
+  TORCH_CHECK(q.dim() == 3 && k.dim() == (paged ? 4 : 3),
+              "q must be (N, H, D) and k, v (N_k, Hk, D), or the caches (blocks, page, Hk, D) with a block table");
+  check_attention_inputs(q, k, v);
+  TORCH_CHECK(cu_seqlens_q.scalar_type() == at::kInt && cu_seqlens_k.scalar_type() == at::kInt &&
+                  cu_seqlens_q.dim() == 1 && cu_seqlens_q.sizes() == cu_seqlens_k.sizes(),
+              "cu_seqlens_q and cu_seqlens_k must be int32 (B + 1,)");
+  const at::Tensor cu_q = cu_seqlens_q.contiguous(), cu_k = cu_seqlens_k.contiguous();
+  const int32_t *starts_q = cu_q.data_ptr<int32_t>(), *starts_k = cu_k.data_ptr<int32_t>();
+  const int64_t batch = cu_q.size(0) - 1, num_kv_heads = k.size(-2), group = q.size(1) / num_kv_heads;
+  const int64_t page = paged ? k.size(1) : 0, width = paged ? block_table->size(1) : 0;
+  if (paged)
+    TORCH_CHECK(block_table->scalar_type() == at::kInt && block_table->dim() == 2 && block_table->size(0) == batch &&
+                    block_table->stride(1) == 1,
+                "block_table must be int32 (B, max_blocks) with contiguous rows");
+  int64_t max_len = 0;
+  for (int64_t b = 0; b < batch; ++b) {  // the bounds every read relies on
+    const int64_t len_q = starts_q[b + 1] - starts_q[b], len = starts_k[b + 1] - starts_k[b];
+    TORCH_CHECK(0 <= len_q && len_q <= len && starts_q[0] == 0 && starts_q[batch] <= q.size(0),
+                "cu_seqlens_q must rise from 0 within q's tokens, each sequence's queries no more than its keys");
+    TORCH_CHECK(paged ? len <= width * page : starts_k[0] >= 0 && starts_k[batch] <= k.size(0),
+                "cu_seqlens_k runs past the keys (or a sequence past its block table)");
+    max_len = std::max(max_len, len);
+  }
+  at::Tensor out = q.new_empty(q.sizes());
+  // units of work: a sequence's rows for one KV head, cut into runs of at most 64 rows, so that one long prompt still
+  // spreads over the threads
+  constexpr int64_t run = 64;
+  std::vector<std::array<int64_t, 3>> units;  // (sequence, KV head, first row)
+  for (int64_t b = 0; b < batch; ++b)
+    for (int64_t kv_head = 0; kv_head < num_kv_heads; ++kv_head)
+      for (int64_t first = 0; first < (starts_q[b + 1] - starts_q[b]) * group; first += run)
+        units.push_back({b, kv_head, first});
+  const int32_t zero_block = 0;  // flat keys: one page, block 0 at the sequence's first key
+  by_dtype_and_head_dim(q, "varlen_attention", [&](auto zero, auto nv) {
+    using T = decltype(zero);
+    constexpr int NV = decltype(nv)::value;
+    at::parallel_for(0, static_cast<int64_t>(units.size()), 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores(4 * (max_len + W));
+      for (int64_t index = begin; index < end; ++index) {
+        const auto [b, kv_head, first] = units[index];
+        const int64_t len_q = starts_q[b + 1] - starts_q[b], len = starts_k[b + 1] - starts_k[b];
+        Task<T> task{q.data_ptr<T>() + starts_q[b] * q.stride(0), q.stride(0), q.stride(1),
+                     out.data_ptr<T>() + starts_q[b] * out.stride(0), out.stride(0), out.stride(1),
+                     nullptr, nullptr, &zero_block, std::max<int64_t>(len, 1), 0, k.stride(0), 0, v.stride(0),
+                     len_q, len, group, kv_head, static_cast<float>(scale), causal};
+        if (paged) {
+          task.k = k.data_ptr<T>() + kv_head * k.stride(2);
+          task.v = v.data_ptr<T>() + kv_head * v.stride(2);
+          task.blocks = block_table->data_ptr<int32_t>() + b * block_table->stride(0);
+          task.page = page;
+          task.sk_block = k.stride(0), task.sk_row = k.stride(1);
+          task.sv_block = v.stride(0), task.sv_row = v.stride(1);
+        } else {
+          task.k = k.data_ptr<T>() + starts_k[b] * k.stride(0) + kv_head * k.stride(1);
+          task.v = v.data_ptr<T>() + starts_k[b] * v.stride(0) + kv_head * v.stride(1);
+        }
+        attend_rows<T, NV>(task, first, std::min(run, len_q * group - first), scores.data(), max_len + W);
+      }
+    });
   });
   return out;
 }
@@ -558,6 +652,8 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
 TORCH_LIBRARY(nanoref_cpp, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor cache_seqlens, "
         "Tensor block_table, float scale, bool causal) -> Tensor");
+  m.def("varlen_attention(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, float scale, "
+        "bool causal, Tensor? block_table) -> Tensor");
   m.def("store_kvcache(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
@@ -568,6 +664,7 @@ TORCH_LIBRARY(nanoref_cpp, m) {
 
 TORCH_LIBRARY_IMPL(nanoref_cpp, CPU, m) {
   m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("varlen_attention", &varlen_attention);
   m.impl("store_kvcache", &store_kvcache);
   m.impl("rms_norm", &rms_norm);
   m.impl("add_rms_norm", &add_rms_norm);
@@ -688,6 +785,29 @@ def paged_decode_attention(
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     return torch.ops.nanoref_cpp.paged_decode_attention.default(
         q, k_cache, v_cache, cache_seqlens, block_table, scale, causal
+    )
+
+
+def varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float | None = None,
+    causal: bool = True,
+    block_table: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """q: (N, H, D). Without block_table k, v: (N_k, Hk, D) flat; with it, the paged caches. cu_seqlens: (B + 1,)
+    int32. -> (N, H, D). The arguments and meaning of `attention_torch`'s version (max_seqlen_*: unused, the kernel
+    reads the lengths from cu_seqlens)."""
+    if not _loaded:
+        load()
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    return torch.ops.nanoref_cpp.varlen_attention.default(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal, block_table
     )
 
 

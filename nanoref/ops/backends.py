@@ -12,9 +12,9 @@ hands its backend to every layer that holds one (`use_backend`); nothing else in
 - torch: `attention_torch` + `store_kvcache_torch`, plain PyTorch: the reference, and the CPU's fallback.
 - triton: `attention_triton` + `store_kvcache_triton`, compiled on a GPU, interpreted on a CPU.
 - flash_attn: flash-attn's kernels (CUDA, half precision), with the Triton KV store where Triton is installed.
-- cpp: nanoref's C++ kernels for the CPU (`attention_cpp`, built on first use): paged decode attention, the KV
-  store and the element-wise layers, beside the torch reference's prefill; CPU only, and the CPU default
-  wherever it builds (a C++ compiler and ninja). On a CPU the torch reference pays per op, not per byte: per
+- cpp: nanoref's C++ kernels for the CPU (`attention_cpp`, built on first use): paged decode and varlen prefill
+  attention, the KV store and the element-wise layers; CPU only, and the CPU default wherever it builds (a C++
+  compiler and ninja). On a CPU the torch reference pays per op, not per byte: per
   (sequence, head) pair in decode attention, and ~50 small ops per layer elsewhere (benchmarks/results/cpu_vs_hf.md).
 - flash_attn+triton: flash-attn's varlen kernel for prefill, nanoref's Triton kernel for decode. Each is
   the faster of the two in its phase on an H200 (benchmarks/results/): flash-attn's prefill is ahead of
@@ -113,7 +113,7 @@ def _cpp_backend() -> AttentionBackend:
     return AttentionBackend(
         name="cpp",
         store_kvcache=attention_cpp.store_kvcache,
-        varlen=attention_torch.varlen_attention,
+        varlen=attention_cpp.varlen_attention,
         decode=attention_cpp.paged_decode_attention,
         rms_norm=attention_cpp.rms_norm,
         add_rms_norm=attention_cpp.add_rms_norm,
