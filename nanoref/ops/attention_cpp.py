@@ -60,6 +60,7 @@ CPP_SOURCE = r"""
 #include <optional>
 #include <tuple>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -88,10 +89,12 @@ inline vec load(const float* p) {
   return v;
 }
 inline void store(float* p, vec v) { std::memcpy(p, &v, sizeof v); }
+template <size_t... lane>
+inline vec splat(float x, std::index_sequence<lane...>) {
+  return vec{((void)lane, x)...};
+}
 inline vec splat(float x) {  // x in every lane: one broadcast instruction (vec{} + x would add 0 first)
-  vec v;
-  for (int i = 0; i < W; ++i) v[i] = x;
-  return v;
+  return splat(x, std::make_index_sequence<W>{});
 }
 inline vec select(ivec mask, vec a, vec b) { return (vec)((mask & (ivec)a) | (~mask & (ivec)b)); }  // mask ? a : b
 
