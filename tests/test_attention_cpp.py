@@ -119,6 +119,28 @@ def test_varlen_prefill_over_cached_history_matches_naive(causal, dtype):
 
 
 @needs_build
+def test_a_block_table_that_does_not_cover_a_length_is_an_error_not_a_read_outside_the_cache():
+    """A -1 (padding) or an id past the cache where a sequence's length reaches: the torch reference would read block
+    0 there; unchecked, the kernel would read outside the cache."""
+    g = torch.Generator().manual_seed(1)
+    k_cache, v_cache, table, _, _ = random_paged_cache([20, 5], 16, 2, 32, torch.float32, g)
+    q = torch.randn(2, 1, 4, 32, generator=g)
+    lens = torch.tensor([20, 5], dtype=torch.int32)
+    padded = table.clone()
+    padded[0, 1] = -1  # sequence 0's second block, which its 20 tokens reach
+    with pytest.raises(RuntimeError, match=r"block_table\[0, 1\] is -1"):
+        attention_cpp.paged_decode_attention(q, k_cache, v_cache, lens, padded)
+    with pytest.raises(RuntimeError, match="more than its block table"):
+        attention_cpp.paged_decode_attention(q, k_cache, v_cache, lens, table[:, :1])
+    bad = table.clone()
+    bad[1, 0] = k_cache.shape[0]
+    with pytest.raises(RuntimeError, match="not one of the cache's"):
+        attention_cpp.paged_decode_attention(q, k_cache, v_cache, lens, bad)
+    with pytest.raises(RuntimeError, match="not one of the cache's"):
+        attention_cpp.varlen_attention(q[:, 0], k_cache, v_cache, cu([1, 1]), cu([20, 5]), 1, 20, block_table=bad)
+
+
+@needs_build
 def test_varlen_rejects_lengths_past_the_keys():
     q, k, v = random_qkv([4, 6], 4, 2, 32, torch.float32, torch.Generator().manual_seed(0))
     with pytest.raises(RuntimeError, match="past the keys"):

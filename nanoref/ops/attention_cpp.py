@@ -335,6 +335,23 @@ void by_dtype_and_head_dim(const at::Tensor& q, const char* name, const F& f) {
   });
 }
 
+// Every block a sequence's length reaches must be one of the cache's: a -1 (padding) or a stale id there would
+// read outside the cache. lens[b] (or ends[b + 1] - ends[b], from cu_seqlens) tokens per sequence.
+void check_block_tables(const at::Tensor& block_table, const int32_t* lens, const int32_t* ends, int64_t max_len,
+                        int64_t page, int64_t num_blocks) {
+  const int32_t* table = block_table.data_ptr<int32_t>();
+  for (int64_t b = 0; b < block_table.size(0); ++b) {
+    const int64_t len = lens ? lens[b] : ends[b + 1] - ends[b];
+    TORCH_CHECK(0 <= len && len <= max_len, "sequence ", b, " has ", len, " tokens: more than its block table's ",
+                block_table.size(1), " blocks hold (or fewer than 0)");
+    for (int64_t i = 0; i < (len + page - 1) / page; ++i) {
+      const int32_t block = table[b * block_table.stride(0) + i];
+      TORCH_CHECK(0 <= block && block < num_blocks, "block_table[", b, ", ", i, "] is ", block,
+                  ", not one of the cache's ", num_blocks, " blocks, but sequence ", b, "'s ", len, " tokens reach it");
+    }
+  }
+}
+
 void check_attention_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
   TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(),
               "the cpp backend runs on the CPU only");
@@ -355,10 +372,12 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
               "cache_seqlens and block_table must be int32");
   TORCH_CHECK(block_table.dim() == 2 && block_table.stride(1) == 1 && block_table.size(0) == q.size(0),
               "block_table must be (B, max_blocks) with contiguous rows");
+  TORCH_CHECK(cache_seqlens.dim() == 1 && cache_seqlens.size(0) == q.size(0), "cache_seqlens must be (B,)");
   const at::Tensor lens = cache_seqlens.contiguous();
   at::Tensor out = q.new_empty(q.sizes());
   const int64_t batch = q.size(0), num_kv_heads = k_cache.size(2), page = k_cache.size(1);
   const int64_t max_len = block_table.size(1) * page;  // what a table row can reach
+  check_block_tables(block_table, lens.data_ptr<int32_t>(), nullptr, max_len, page, k_cache.size(0));
   by_dtype_and_head_dim(q, "paged_decode_attention", [&](auto zero, auto nv) {
     using T = decltype(zero);
     constexpr int NV = decltype(nv)::value;
@@ -399,10 +418,12 @@ at::Tensor varlen_attention(const at::Tensor& q, const at::Tensor& k, const at::
   const int32_t *starts_q = cu_q.data_ptr<int32_t>(), *starts_k = cu_k.data_ptr<int32_t>();
   const int64_t batch = cu_q.size(0) - 1, num_kv_heads = k.size(-2), group = q.size(1) / num_kv_heads;
   const int64_t page = paged ? k.size(1) : 0, width = paged ? block_table->size(1) : 0;
-  if (paged)
+  if (paged) {
     TORCH_CHECK(block_table->scalar_type() == at::kInt && block_table->dim() == 2 && block_table->size(0) == batch &&
                     block_table->stride(1) == 1,
                 "block_table must be int32 (B, max_blocks) with contiguous rows");
+    check_block_tables(*block_table, nullptr, starts_k, width * page, page, k.size(0));
+  }
   int64_t max_len = 0;
   for (int64_t b = 0; b < batch; ++b) {  // the bounds every read relies on
     const int64_t len_q = starts_q[b + 1] - starts_q[b], len = starts_k[b + 1] - starts_k[b];
