@@ -365,3 +365,36 @@ def test_the_build_folder_is_named_after_everything_the_build_depends_on(monkeyp
     monkeypatch.undo()
     monkeypatch.setattr(attention_cpp, "cpu_signature", lambda: "flags : fpu sse2")
     assert attention_cpp.build_name() != name  # another CPU (a home folder shared between machines)
+
+
+def test_a_damaged_cached_library_is_reported_with_its_path_and_not_loaded_again(tmp_path, monkeypatch):
+    monkeypatch.setattr(attention_cpp, "missing_build_tools", lambda: [])
+    monkeypatch.setattr(attention_cpp, "extensions_root", lambda: tmp_path)
+    monkeypatch.setattr(attention_cpp, "_failure", None)
+    folder = tmp_path / attention_cpp.build_name()
+    folder.mkdir()
+    (folder / f"{folder.name}.so").write_bytes(b"not a shared library")
+    with pytest.raises(attention_cpp.CppKernelUnavailableError, match=f"loading .* from {folder}.*failed"):
+        attention_cpp._load.__wrapped__()  # (the uncached body: this process may have loaded the real build)
+    with pytest.raises(attention_cpp.CppKernelUnavailableError, match="loading"):
+        attention_cpp.load()  # remembered: no second attempt
+
+
+def test_a_lock_left_by_a_killed_build_is_removed_before_building(tmp_path, monkeypatch):
+    """torch's build lock makes every later process wait for the build that holds it: forever, when that process was
+    killed mid-build (a Jupyter kernel restarted during the first build)."""
+    import os
+    import time
+
+    monkeypatch.setattr(attention_cpp, "missing_build_tools", lambda: [])
+    monkeypatch.setattr(attention_cpp, "extensions_root", lambda: tmp_path)
+    folder = tmp_path / attention_cpp.build_name()
+    folder.mkdir()
+    lock = folder / "lock"
+    lock.touch()
+    hour_ago = time.time() - 3600
+    os.utime(lock, (hour_ago, hour_ago))
+    builds = []
+    monkeypatch.setattr(attention_cpp, "_build", lambda name, where: builds.append(lock.exists()))
+    attention_cpp._load.__wrapped__()
+    assert builds == [False]  # built, with the stale lock gone

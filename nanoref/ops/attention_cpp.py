@@ -755,6 +755,9 @@ def load() -> None:
     _loaded = True
 
 
+STALE_LOCK_SECONDS = 600  # a build lock this old was left by a process killed mid-build (a build takes ~20-60 s)
+
+
 @functools.cache
 def _load() -> None:
     global _failure
@@ -763,12 +766,21 @@ def _load() -> None:
         raise CppKernelUnavailableError("the cpp backend needs " + " and ".join(missing))
     name = build_name()
     folder = extensions_root() / name
-    library = folder / f"{name}.so"
-    if library.exists() and not (folder / "lock").exists():  # built before (and no build under way): just load it
-        torch.ops.load_library(str(library))
-        return
+    library, lock = folder / f"{name}.so", folder / "lock"
+    try:
+        if library.exists() and not lock.exists():  # built before (and no build under way): just load it
+            torch.ops.load_library(str(library))
+            return
+        if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_SECONDS:
+            lock.unlink(missing_ok=True)  # torch would wait for it forever
+    except OSError as error:  # a damaged library: say where it is (deleting the folder makes the next use rebuild it)
+        _failure = CppKernelUnavailableError(f"loading the cpp backend's kernels from {library} failed: {error}")
+        raise _failure from error
     path_before = list(sys.path)
-    print(f"nanoref: compiling the cpp backend's kernels into {folder} (once, about 20 s)...", file=sys.stderr)
+    print(
+        f"nanoref: compiling the cpp backend's C++ kernels into {folder} (once per machine, about 20 s)...",
+        file=sys.stderr,
+    )
     start = time.perf_counter()
     try:
         _build(name, folder)
