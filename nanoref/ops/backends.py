@@ -4,10 +4,10 @@ A backend is three functions: `store_kvcache(key, value, k_cache, v_cache, slot_
 `varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
 block_table)` (as `flash_attn_varlen_func`) and `decode(q, k_cache, v_cache, cache_seqlens,
 block_table, softmax_scale, causal)` (as `flash_attn_with_kvcache`). The attention layer calls
-whichever the engine picked. A backend also names the element-wise layers' functions: `rms_norm`,
-`add_rms_norm`, `norm_rotary` (Qwen3's q/k norm and RoPE) and `silu_and_mul`; the layers' own torch functions
-(compiled on CUDA: utils/compile.py) unless the backend brings fused kernels of its own (cpp). The model runner
-hands its backend to every layer that holds one (`use_backend`); nothing else in the model knows which one runs.
+whichever the engine picked. A backend may also bring kernels of its own for the element-wise layers: `rms_norm`,
+`add_rms_norm`, `norm_rotary` (Qwen3's q/k norm and RoPE) and `silu_and_mul` (cpp does; the others leave the
+layers their own torch functions, compiled on CUDA: utils/compile.py). The model runner hands its backend to every
+layer that holds one (`use_backend`); nothing else in the model knows which one runs.
 
 - torch: `attention_torch` + `store_kvcache_torch`, plain PyTorch: the reference, and the CPU's fallback.
 - triton: `attention_triton` + `store_kvcache_triton`, compiled on a GPU, interpreted on a CPU.
@@ -47,27 +47,13 @@ class AttentionBackend:
     store_kvcache: Callable[..., None]
     varlen: Callable[..., torch.Tensor]
     decode: Callable[..., torch.Tensor]
-    # the element-wise layers' functions, with the layers' arguments (see layers/layernorm.py, rotary.py, activation.py)
-    rms_norm: Callable[..., torch.Tensor]  # (x, weight, eps)
-    add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]  # (x, residual, weight, eps)
-    norm_rotary: Callable[..., torch.Tensor]  # (x, weight, eps, positions, cos_cache, sin_cache)
-    silu_and_mul: Callable[..., torch.Tensor]  # (x)
-
-
-def layer_functions() -> dict[str, Callable]:
-    """The element-wise layers' own torch functions (each compiled on its first CUDA call): what a backend without
-    kernels of its own for them runs."""
-    # imported here: the layers import this module for their default backend
-    from nanoref.layers.activation import silu_and_mul_cuda
-    from nanoref.layers.layernorm import add_rms_norm_cuda, rms_norm_cuda
-    from nanoref.layers.rotary import norm_rotary_cuda
-
-    return dict(
-        rms_norm=rms_norm_cuda,
-        add_rms_norm=add_rms_norm_cuda,
-        norm_rotary=norm_rotary_cuda,
-        silu_and_mul=silu_and_mul_cuda,
-    )
+    # the element-wise layers' fused kernels, where the backend brings its own (cpp), with the arguments of the layers'
+    # torch functions they replace (layers/layernorm.py, rotary.py, activation.py). None: the layer runs its own
+    # function (compiled on CUDA: utils/compile.py)
+    rms_norm: Callable[..., torch.Tensor] | None = None  # (x, weight, eps)
+    add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None  # (x, residual, weight, eps)
+    norm_rotary: Callable[..., torch.Tensor] | None = None  # (x, weight, eps, positions, cos_cache, sin_cache)
+    silu_and_mul: Callable[..., torch.Tensor] | None = None  # (x)
 
 
 def use_backend(model: torch.nn.Module, backend: AttentionBackend) -> None:
@@ -92,7 +78,6 @@ def _triton_backend() -> AttentionBackend:
         store_kvcache=store_kvcache_triton,
         varlen=attention_triton.varlen_attention,
         decode=attention_triton.paged_decode_attention,
-        **layer_functions(),
     )
 
 
@@ -102,7 +87,6 @@ def _torch_backend() -> AttentionBackend:
         store_kvcache=store_kvcache_torch,
         varlen=attention_torch.varlen_attention,
         decode=attention_torch.paged_decode_attention,
-        **layer_functions(),
     )
 
 
@@ -145,7 +129,6 @@ def _flash_attn_backend() -> AttentionBackend:
         store_kvcache=store,
         varlen=flash_attn_varlen_func,
         decode=decode,
-        **layer_functions(),
     )
 
 
