@@ -17,8 +17,16 @@ Two passes over the pages (scores, then the weighted sum of values) with the sco
 history's length: on a CPU that buffer sits in L1, so the online softmax of the GPU kernels would buy nothing
 here. Arithmetic is float32 whatever the cache dtype, in vectors as wide as the machine's registers (8 floats
 with AVX2, 16 with AVX-512): a vector type wider than the registers would be split and spilled through the stack
-(measured: 4x slower on an AVX2 CPU). Tasks run on torch's intra-op thread pool (`torch.set_num_threads`).
-The KV store is here too: one row copy per token, where the torch reference spends a dozen small ops.
+(measured: 4x slower on an AVX2 CPU). Each page asks the memory system for the next page's rows while it is used:
+a step's K/V outgrow a small CPU's caches, and pages lie where the block manager put them, out of the hardware
+prefetcher's sight. Tasks run on torch's intra-op thread pool (`torch.set_num_threads`).
+
+Prefill (`varlen_attention`) runs the same tiles over each sequence's query rows, its keys flat or, with cached
+history, read through the block table; SDPA's CPU path does not take GQA and fell back to its math kernel per
+sequence. The rest of the backend are the layers around attention, each one pass where the torch reference runs a
+dozen small ops that each cost microseconds on a CPU whatever their size: the KV store (one row copy per token),
+RMSNorm and its fused residual add, Qwen3's q/k norm + RoPE, and SwiGLU's gate, with the torch functions' float32
+arithmetic and their casts to the model's dtype.
 
 The C++ source is below. `load()` compiles it with `torch.utils.cpp_extension` the first time it is needed (a C++
 compiler and ninja must be installed; about 20 s, once per machine) and registers `torch.ops.nanoref_cpp`. The
@@ -38,6 +46,7 @@ import os
 import platform
 import shutil
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -758,8 +767,16 @@ def load() -> None:
 STALE_LOCK_SECONDS = 600  # a build lock this old was left by a process killed mid-build (a build takes ~20-60 s)
 
 
+_lock = threading.Lock()  # two threads making their first engines at once load (or build) once
+
+
 @functools.cache
 def _load() -> None:
+    with _lock:
+        _load_or_build()
+
+
+def _load_or_build() -> None:
     global _failure
     missing = missing_build_tools()
     if missing:
