@@ -3,10 +3,12 @@
 The model is the built-in tiny Qwen3 (nanoref/default_model) in float32; every request is greedy and produces
 `--tokens` tokens (ignore_eos for nanoref, min_new_tokens for HF). HF runs the batch as one left-padded
 `generate` call with its dynamic KV cache; nanoref runs `LLM.generate` on the same prompts, once per attention
-backend named by `--backends` (default: torch, the CPU default, and cpp, the C++ decode kernel, where this
-machine can build it). Each engine runs `--runs` times after one warm-up, the engines in turn and the order
-reversed every other round; the script prints every run, the medians, each nanoref's ratio to HF, and whether
-the backends produced the same tokens.
+backend named by `--backends` (default: torch, the plain PyTorch reference, and cpp, nanoref's C++ kernels and the
+CPU default, where this machine can build them). Each engine runs `--runs` times after one warm-up, the engines in
+turn and the order reversed every other round; the script prints every run, the medians, each nanoref's ratio to
+HF, and whether the backends produced the same tokens. Each run's CPU time is measured too (the process's, which
+with one thread is the engine's): on a machine shared with other work the wall-clock ratio moves with how much of
+a core each run happened to get, the CPU-time ratio much less. The load average is printed before and after.
 
     python benchmarks/cpu_vs_hf.py [--seqs 32] [--tokens 64] [--runs 3] [--threads 1] [--backends torch cpp]
 """
@@ -14,6 +16,7 @@ the backends produced the same tokens.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from random import Random
@@ -61,18 +64,14 @@ def main() -> None:
     tokens_of: dict[str, list[list[int]]] = {}
 
     def nanoref_run(name: str, llm: LLM):
-        def run() -> float:
-            start = time.perf_counter()
+        def run() -> None:
             outputs = llm.generate(prompts, params, use_tqdm=False)
-            elapsed = time.perf_counter() - start
             tokens_of[name] = [o["token_ids"] for o in outputs]
             assert all(len(ids) == args.tokens for ids in tokens_of[name])
-            return elapsed
 
         return run
 
-    def run_hf() -> float:
-        start = time.perf_counter()
+    def run_hf() -> None:
         with torch.no_grad():
             out = hf.generate(
                 ids,
@@ -82,31 +81,39 @@ def main() -> None:
                 min_new_tokens=args.tokens,
                 pad_token_id=0,
             )
-        elapsed = time.perf_counter() - start
         assert out.shape[1] == width + args.tokens
-        return elapsed
 
     runs = {name: nanoref_run(name, llm) for name, llm in engines.items()} | {"hf": run_hf}
     for run in runs.values():  # warm-up
         run()
-    times: dict[str, list[float]] = {name: [] for name in runs}
+    load_before = os.getloadavg()
+    times: dict[str, list[float]] = {name: [] for name in runs}  # wall clock
+    cpu_times: dict[str, list[float]] = {name: [] for name in runs}  # the process's CPU time
     order = list(runs)
     for index in range(args.runs):
         for name in order if index % 2 == 0 else order[::-1]:
-            times[name].append(runs[name]())
+            start, cpu_start = time.perf_counter(), time.process_time()
+            runs[name]()
+            times[name].append(time.perf_counter() - start)
+            cpu_times[name].append(time.process_time() - cpu_start)
     tokens = args.seqs * args.tokens
     for name, values in times.items():
         each = ", ".join(f"{tokens / t:,.0f}" for t in values)
-        print(f"{name:14s} output tok/s per run: {each}; median {tokens / statistics.median(values):,.0f}")
+        cpu = tokens / statistics.median(cpu_times[name])
+        print(f"{name:14s} output tok/s per run: {each}; median {tokens / statistics.median(values):,.0f} "
+              f"(per CPU second: {cpu:,.0f})")  # fmt: skip
     for name in engines:
         ratio = statistics.median(times["hf"]) / statistics.median(times[name])
-        print(f"{name} / HF: {ratio:.2f}x")
+        cpu_ratio = statistics.median(cpu_times["hf"]) / statistics.median(cpu_times[name])
+        print(f"{name} / HF: {ratio:.2f}x (CPU time: {cpu_ratio:.2f}x)")
     if len(engines) > 1:
         same = len({str(t) for t in tokens_of.values()}) == 1
         print(f"nanoref backends produced {'the same' if same else 'DIFFERENT'} greedy tokens")
+    load_after = os.getloadavg()
     print(
         f"({args.seqs} prompts of 8-128 tokens, {args.tokens} tokens each, {torch.get_num_threads()} threads, "
-        f"torch {torch.__version__})"
+        f"torch {torch.__version__}; load average {load_before[0]:.2f} before the timed runs, "
+        f"{load_after[0]:.2f} after)"
     )
 
 

@@ -166,8 +166,9 @@ class EngineConfig:
 
     def resolved(self) -> EngineConfig:
         """This config with the concrete attention backend and KV block size. "auto" may run a tiny flash-attn
-        kernel to learn whether the installed build serves this model, so it is a step of its own, taken once
-        before the engine builds anything (an EngineConfig itself runs no kernel)."""
+        kernel to learn whether the installed build serves this model, or on a CPU build (or load) nanoref's C++
+        kernels, so it is a step of its own, taken once before the engine builds anything (an EngineConfig itself
+        runs and builds nothing)."""
         backend = choose_backend(
             self.attention_backend, self.device, self.dtype, self.kvcache_block_size, self.hf_config.head_dim
         )

@@ -53,9 +53,9 @@ class LLM(LLMEngine):
         prefilled in chunks); default 512 and 16,384 on CUDA (what a GPU needs to be busy), 64 and 4,096 on a CPU.
     num_kvcache_blocks: an explicit count overrides the one derived from memory.
     attention_backend: "torch" (reference), "triton" (GPU; CPU through the interpreter), "cpp" (CPU: nanoref's
-        C++ decode kernel, built on first use; needs a C++ compiler and ninja), "flash_attn" (CUDA,
+        C++ kernels, built on first use; needs a C++ compiler and ninja), "flash_attn" (CUDA,
         when installed), "flash_attn+triton" (flash-attn's prefill, nanoref's Triton decode) or "auto"
-        (flash_attn+triton where flash-attn serves, else Triton on CUDA; torch on CPU).
+        (flash_attn+triton where flash-attn serves, else Triton on CUDA; on CPU cpp where it builds, else torch).
     kvcache_block_size: tokens per KV block; default 16, or 256 when flash-attn serves.
     enforce_eager: on CUDA, skip capturing decode CUDA graphs.
     tensor_parallel_timeout: seconds rank 0 waits for the other ranks to join a collective before it stops them

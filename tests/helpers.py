@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from nanoref.ops import gather_paged
+from nanoref.ops import attention_cpp, gather_paged
 
 # name -> overrides of nanoref.testing.TINY_QWEN3: tied/untied heads, GQA ratios 1, 2 and 4, q/k/v bias
 TINY_CONFIGS = {
@@ -20,6 +20,9 @@ TINY_CONFIGS = {
     ),
 }
 
+
+# what attention_backend="auto" gives on a CPU: nanoref's C++ kernels where this machine can build them
+CPU_DEFAULT_BACKEND = "torch" if attention_cpp.missing_build_tools() else "cpp"
 
 _HF_CACHE: dict = {}
 

@@ -14,7 +14,7 @@ from nanoref import LLM, ModelFolderError, SamplingParams
 from nanoref.config import EngineConfig
 from nanoref.layers.sampler import Sampler
 
-from .helpers import copy_with_config, random_prompts
+from .helpers import CPU_DEFAULT_BACKEND, copy_with_config, random_prompts
 
 
 def test_unknown_keyword_raises_type_error(tiny_model):
@@ -41,7 +41,7 @@ def test_the_config_is_frozen_and_resolved_before_the_engine_is_built(tiny_model
 
     llm = LLM(tiny_model, device="cpu")
     config = llm.config
-    assert (config.attention_backend, config.kvcache_block_size) == ("torch", 16)
+    assert (config.attention_backend, config.kvcache_block_size) == (CPU_DEFAULT_BACKEND, 16)
     assert config.num_kvcache_blocks == llm.scheduler.block_manager.num_blocks == llm.model_runner.kv_cache.shape[2]
     assert llm.model_runner.config is config
     with pytest.raises(dataclasses.FrozenInstanceError):
@@ -52,14 +52,14 @@ def test_the_config_is_frozen_and_resolved_before_the_engine_is_built(tiny_model
         None,
         None,
     )
-    assert unresolved.resolved().attention_backend == "torch" and unresolved.attention_backend == "auto"
+    assert unresolved.resolved().attention_backend == CPU_DEFAULT_BACKEND and unresolved.attention_backend == "auto"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the defaults of a machine without a GPU")
 def test_defaults_on_cpu(tiny_model):
     llm = LLM(tiny_model, device="cpu", num_kvcache_blocks=8)
     assert llm.config.device.type == "cpu" and llm.config.dtype == torch.float32
-    assert llm.model_runner.backend.name == "torch"
+    assert llm.model_runner.backend.name == CPU_DEFAULT_BACKEND  # cpp where its kernels build, else torch
     assert llm.model_runner.kv_cache.shape == (2, 2, 8, 16, 2, 16)  # (2, layers, blocks, block, Hk, D)
 
 

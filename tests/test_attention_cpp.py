@@ -1,7 +1,9 @@
-"""The cpp backend: nanoref's C++ paged decode kernel against the naive padded oracle, and end to end against HF.
+"""The cpp backend: nanoref's C++ kernels (paged decode attention against the naive padded oracle; the KV store and
+the element-wise layers against their torch references), end to end against HF, and the CPU default's build and
+fallback.
 
-The kernel is built on first use (`torch.utils.cpp_extension.load_inline`); these tests skip where this machine
-cannot build it (no C++ compiler or no ninja), and say so.
+The kernels are built on first use (`torch.utils.cpp_extension`); these tests skip where this machine cannot build
+them (no C++ compiler or no ninja), and say so.
 """
 
 from __future__ import annotations
@@ -13,10 +15,22 @@ import pytest
 import torch
 
 from nanoref import LLM, SamplingParams
-from nanoref.ops import attention_cpp, naive_padded_attention
+from nanoref.layers.layernorm import add_rms_norm, rms_norm
+from nanoref.layers.rotary import RotaryEmbedding, norm_rotary
+from nanoref.ops import attention_cpp, backends, naive_padded_attention, store_kvcache_torch
+from nanoref.ops.activation import silu_and_mul
 from nanoref.ops.backends import choose_backend
 
-from .helpers import TINY_CONFIGS, cu, hf_greedy, random_paged_cache, random_prompts, shared_prefix_prompts
+from .helpers import (
+    TINY_CONFIGS,
+    cu,
+    hf_greedy,
+    random_paged_cache,
+    random_paged_varlen,
+    random_prompts,
+    random_qkv,
+    shared_prefix_prompts,
+)
 
 needs_build = pytest.mark.skipif(
     bool(attention_cpp.missing_build_tools()),
@@ -73,6 +87,66 @@ def test_query_as_strided_view_of_fused_projection():
     out = attention_cpp.paged_decode_attention(q, k_cache, v_cache, torch.tensor(lens, dtype=torch.int32), block_table)
     ref = naive_padded_attention(q.squeeze(1).contiguous(), k_flat, v_flat, cu([1, 1]), cu(lens))
     torch.testing.assert_close(out.squeeze(1), ref, atol=2e-5, rtol=2e-5)
+
+
+@needs_build
+@pytest.mark.parametrize("head_dim", attention_cpp.HEAD_DIMS)
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (8, 2), (6, 1)])
+def test_varlen_prefill_matches_naive(head_dim, heads, kv_heads):
+    """Prefill without history: flat q, k, v of several sequences (1 token, page edges, longer than a 64-row run)."""
+    g = torch.Generator().manual_seed(head_dim * heads)
+    lens = [1, 16, 17, 40, 75]
+    q, k, v = random_qkv(lens, heads, kv_heads, head_dim, torch.float32, g)
+    out = attention_cpp.varlen_attention(q, k, v, cu(lens), cu(lens), max(lens), max(lens))
+    torch.testing.assert_close(out, naive_padded_attention(q, k, v, cu(lens), cu(lens)), atol=2e-5, rtol=2e-5)
+
+
+@needs_build
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_varlen_prefill_over_cached_history_matches_naive(causal, dtype):
+    """Prefix-cache hits and chunked prefill: each sequence's queries are the last of its keys, which the kernel
+    reads through the block table from the paged cache. A view of a wider tensor as q, as in the model."""
+    g = torch.Generator().manual_seed(9)
+    x = random_paged_varlen([3, 1, 20, 64], [3, 30, 33, 100], 16, 8, 2, 32, dtype, g)
+    wide = torch.cat([x.q, torch.zeros_like(x.q)], dim=1)  # (N, 2H, D)
+    q = wide[:, : x.q.shape[1]]  # (N, H, D), its token axis striding past the other half
+    out = attention_cpp.varlen_attention(
+        q, x.k_cache, x.v_cache, x.cu_q, x.cu_k, max(x.q_lens), max(x.k_lens), causal=causal, block_table=x.block_table
+    )
+    tolerance = dict(atol=2e-5, rtol=2e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(out.float(), x.oracle(causal).float(), **tolerance)
+
+
+@needs_build
+def test_a_block_table_that_does_not_cover_a_length_is_an_error_not_a_read_outside_the_cache():
+    """A -1 (padding) or an id past the cache where a sequence's length reaches: the torch reference would read block
+    0 there; unchecked, the kernel would read outside the cache."""
+    g = torch.Generator().manual_seed(1)
+    k_cache, v_cache, table, _, _ = random_paged_cache([20, 5], 16, 2, 32, torch.float32, g)
+    q = torch.randn(2, 1, 4, 32, generator=g)
+    lens = torch.tensor([20, 5], dtype=torch.int32)
+    padded = table.clone()
+    padded[0, 1] = -1  # sequence 0's second block, which its 20 tokens reach
+    with pytest.raises(RuntimeError, match=r"block_table\[0, 1\] is -1"):
+        attention_cpp.paged_decode_attention(q, k_cache, v_cache, lens, padded)
+    with pytest.raises(RuntimeError, match="more than its block table"):
+        attention_cpp.paged_decode_attention(q, k_cache, v_cache, lens, table[:, :1])
+    bad = table.clone()
+    bad[1, 0] = k_cache.shape[0]
+    with pytest.raises(RuntimeError, match="not one of the cache's"):
+        attention_cpp.paged_decode_attention(q, k_cache, v_cache, lens, bad)
+    with pytest.raises(RuntimeError, match="not one of the cache's"):
+        attention_cpp.varlen_attention(q[:, 0], k_cache, v_cache, cu([1, 1]), cu([20, 5]), 1, 20, block_table=bad)
+
+
+@needs_build
+def test_varlen_rejects_lengths_past_the_keys():
+    q, k, v = random_qkv([4, 6], 4, 2, 32, torch.float32, torch.Generator().manual_seed(0))
+    with pytest.raises(RuntimeError, match="past the keys"):
+        attention_cpp.varlen_attention(q, k, v, cu([4, 6]), cu([4, 7]), 6, 7)
+    with pytest.raises(RuntimeError, match="no more than its keys"):
+        attention_cpp.varlen_attention(q, k, v, cu([4, 6]), cu([3, 7]), 6, 7)
 
 
 @needs_build
@@ -140,3 +214,187 @@ def test_loading_the_kernel_leaves_sys_path_alone():
     )
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
+
+
+@needs_build
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_store_kvcache_matches_the_torch_store(dtype):
+    g = torch.Generator().manual_seed(3)
+    key, value = (torch.randn(7, 2, 32, generator=g).to(dtype) for _ in range(2))
+    caches = [torch.randn(5, 16, 2, 32, generator=g).to(dtype) for _ in range(2)]
+    slots = torch.tensor([3, -1, 16 * 4 + 15, 16, -1, 0, 33])  # -1: not stored
+    expected = [cache.clone() for cache in caches]
+    store_kvcache_torch(key, value, *expected, slots)
+    attention_cpp.store_kvcache(key, value, *caches, slots)
+    assert all(torch.equal(got, want) for got, want in zip(caches, expected))
+    with pytest.raises(RuntimeError, match="past the cache"):
+        attention_cpp.store_kvcache(key, value, *caches, torch.full((7,), 16 * 5))
+
+
+# the element-wise kernels against the torch functions the layers run elsewhere: float32 to rounding, half types
+# with the reference's casts (hidden sizes that are and are not a multiple of the vector width)
+TOLERANCES = {torch.float32: dict(atol=2e-6, rtol=2e-6), torch.bfloat16: dict(atol=1e-2, rtol=1e-2)}
+TOLERANCES[torch.float16] = dict(atol=2e-3, rtol=2e-3)
+
+
+@needs_build
+@pytest.mark.parametrize("dtype", list(TOLERANCES))
+@pytest.mark.parametrize("hidden", [128, 48, 7])
+def test_norms_and_swiglu_match_the_torch_functions(dtype, hidden):
+    g = torch.Generator().manual_seed(hidden)
+    x, residual = (torch.randn(33, hidden, generator=g).to(dtype) for _ in range(2))
+    weight = (torch.rand(hidden, generator=g) + 0.5).to(dtype)
+    torch.testing.assert_close(attention_cpp.rms_norm(x, weight, 1e-6), rms_norm(x, weight, 1e-6), **TOLERANCES[dtype])
+    for got, want in zip(
+        attention_cpp.add_rms_norm(x, residual, weight, 1e-6), add_rms_norm(x, residual, weight, 1e-6)
+    ):
+        torch.testing.assert_close(got, want, **TOLERANCES[dtype])
+    gate_up = torch.randn(5, 3, 2 * hidden, generator=g).to(dtype) * 6  # large |gate| too: silu's both tails
+    torch.testing.assert_close(attention_cpp.silu_and_mul(gate_up), silu_and_mul(gate_up), **TOLERANCES[dtype])
+
+
+@needs_build
+@pytest.mark.parametrize("dtype", list(TOLERANCES))
+@pytest.mark.parametrize("head_dim", [16, 32, 128])
+def test_norm_rotary_matches_the_torch_function_on_a_view_of_qkv(dtype, head_dim):
+    """As the model calls it: the query and key heads of the fused projection's output, a strided view."""
+    g = torch.Generator().manual_seed(head_dim)
+    tokens, heads, kv_heads = 9, 4, 2
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)
+    qk = qkv[:, : (heads + kv_heads) * head_dim].view(tokens, heads + kv_heads, head_dim)
+    q_weight, k_weight = (torch.rand(head_dim, generator=g) + 0.5 for _ in range(2))
+    weight = torch.cat([q_weight.expand(heads, head_dim), k_weight.expand(kv_heads, head_dim)]).to(dtype)
+    rope = RotaryEmbedding(head_dim, 256, 10_000.0)
+    positions = torch.randint(0, 256, (tokens,), generator=g)
+    args = (qk, weight, 1e-6, positions, rope.cos_cache, rope.sin_cache)
+    torch.testing.assert_close(attention_cpp.norm_rotary(*args), norm_rotary(*args), **TOLERANCES[dtype])
+    with pytest.raises(RuntimeError, match="outside the tables"):
+        attention_cpp.norm_rotary(qk, weight, 1e-6, positions + 256, rope.cos_cache, rope.sin_cache)
+
+
+@needs_build
+def test_the_cpp_engine_runs_the_cpp_kernels_in_every_layer(tiny_model):
+    llm = LLM(tiny_model, device="cpu", num_kvcache_blocks=32)
+    assert llm.model_runner.backend.name == "cpp"  # the CPU default where the kernels build
+    norms = [m for m in llm.model_runner.model.modules() if type(m).__name__ in ("RMSNorm", "SiluAndMul")]
+    assert norms and all(m.backend is llm.model_runner.backend for m in norms)
+    assert llm.model_runner.backend.rms_norm is attention_cpp.rms_norm
+
+
+def test_auto_falls_back_to_torch_quietly_without_build_tools(monkeypatch, recwarn):
+    monkeypatch.setattr(attention_cpp, "missing_build_tools", lambda: ["a C++ compiler (c++, g++ or clang++)"])
+    assert choose_backend("auto", torch.device("cpu"), torch.float32, None, 32) == "torch"
+    assert not recwarn.list  # no compiler is a normal machine, not a problem to warn about
+    assert choose_backend("auto", torch.device("cpu"), torch.float32, None, 48) == "torch"  # a head_dim it lacks
+
+
+def test_a_build_that_failed_warns_once_falls_back_to_torch_and_is_not_retried(monkeypatch):
+    failure = attention_cpp.CppKernelUnavailableError("building the cpp backend's kernels failed: no such header")
+    monkeypatch.setattr(attention_cpp, "missing_build_tools", lambda: [])
+    monkeypatch.setattr(attention_cpp, "_failure", failure)
+    monkeypatch.setattr(backends, "_warned_cpp_failure", False)
+    with pytest.warns(RuntimeWarning, match="no such header.*torch backend instead") as record:
+        for _ in range(3):
+            assert choose_backend("auto", torch.device("cpu"), torch.float32, None, 32) == "torch"
+    assert len(record) == 1
+    assert choose_backend("cpp", torch.device("cpu"), torch.float32, None, 32) == "cpp"  # asked for by name:
+    with pytest.raises(attention_cpp.CppKernelUnavailableError, match="no such header"):  # the engine says why not
+        backends.resolve_backend("cpp", torch.device("cpu"))
+
+
+def run_python(script: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    import os
+
+    return subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})}
+    )
+
+
+@needs_build
+def test_a_failed_build_leaves_an_engine_on_the_torch_backend_with_its_tokens(tiny_model, tmp_path):
+    """A real failed build (a header the compiler cannot find), in a fresh interpreter: two engines, one warning, one
+    build attempt; both engines generate HF's greedy tokens on the torch backend."""
+    script = (
+        "import warnings\n"
+        "from nanoref import LLM, SamplingParams\n"
+        "from nanoref.ops import attention_cpp\n"
+        "attention_cpp.CPP_SOURCE = '#include <nanoref_no_such_header.h>\\n' + attention_cpp.CPP_SOURCE\n"
+        "builds = []\n"
+        "build = attention_cpp._build\n"
+        "attention_cpp._build = lambda *a: builds.append(a) or build(*a)\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        f"    engines = [LLM({str(tiny_model)!r}, device='cpu', num_kvcache_blocks=16) for _ in range(2)]\n"
+        "assert [e.model_runner.backend.name for e in engines] == ['torch', 'torch']\n"
+        "assert len(builds) == 1, builds\n"
+        "messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]\n"
+        "assert len(messages) == 1 and 'nanoref_no_such_header' in messages[0], messages\n"
+        "params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)\n"
+        "print(engines[1].generate([[5, 6, 7, 8, 9]], params, use_tqdm=False)[0]['token_ids'])\n"
+    )
+    result = run_python(script, {"TORCH_EXTENSIONS_DIR": str(tmp_path)})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split("\n")[-2] == str(hf_greedy(tiny_model, [5, 6, 7, 8, 9], 6))
+
+
+@needs_build
+def test_a_built_kernel_loads_from_the_cache_without_the_build_tools_or_a_message():
+    """The second process on a machine loads the cached library directly: no compiler run, no torch.utils.cpp_extension
+    import (a second of setuptools), nothing printed; and importing nanoref builds and loads nothing."""
+    attention_cpp.load()  # (built here if this is the first use on this machine)
+    script = (
+        "import sys\n"
+        "import torch\n"
+        "import nanoref\n"
+        "from nanoref.ops import attention_cpp\n"
+        "assert not attention_cpp._loaded and not hasattr(torch.ops.nanoref_cpp, 'rms_norm')\n"
+        "attention_cpp.load()\n"
+        "assert 'torch.utils.cpp_extension' not in sys.modules\n"
+        "print(attention_cpp.rms_norm(torch.ones(2, 16), torch.ones(16), 1e-6).sum().item())\n"
+    )
+    result = run_python(script)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == "" and float(result.stdout) == pytest.approx(32.0)
+
+
+def test_the_build_folder_is_named_after_everything_the_build_depends_on(monkeypatch):
+    name = attention_cpp.build_name()
+    assert name.startswith("nanoref_cpp_") and attention_cpp.build_name() == name
+    monkeypatch.setattr(attention_cpp, "CPP_SOURCE", attention_cpp.CPP_SOURCE + "// another version\n")
+    assert attention_cpp.build_name() != name  # another checkout's source: a build of its own, not a rebuild of ours
+    monkeypatch.undo()
+    monkeypatch.setattr(attention_cpp, "cpu_signature", lambda: "flags : fpu sse2")
+    assert attention_cpp.build_name() != name  # another CPU (a home folder shared between machines)
+
+
+def test_a_damaged_cached_library_is_reported_with_its_path_and_not_loaded_again(tmp_path, monkeypatch):
+    monkeypatch.setattr(attention_cpp, "missing_build_tools", lambda: [])
+    monkeypatch.setattr(attention_cpp, "extensions_root", lambda: tmp_path)
+    monkeypatch.setattr(attention_cpp, "_failure", None)
+    folder = tmp_path / attention_cpp.build_name()
+    folder.mkdir()
+    (folder / f"{folder.name}.so").write_bytes(b"not a shared library")
+    with pytest.raises(attention_cpp.CppKernelUnavailableError, match=f"loading .* from {folder}.*failed"):
+        attention_cpp._load_or_build()  # (not through load: this process may have loaded the real build)
+    with pytest.raises(attention_cpp.CppKernelUnavailableError, match="loading"):
+        attention_cpp.load()  # remembered: no second attempt
+
+
+def test_a_lock_left_by_a_killed_build_is_removed_before_building(tmp_path, monkeypatch):
+    """torch's build lock makes every later process wait for the build that holds it: forever, when that process was
+    killed mid-build (a Jupyter kernel restarted during the first build)."""
+    import os
+    import time
+
+    monkeypatch.setattr(attention_cpp, "missing_build_tools", lambda: [])
+    monkeypatch.setattr(attention_cpp, "extensions_root", lambda: tmp_path)
+    folder = tmp_path / attention_cpp.build_name()
+    folder.mkdir()
+    lock = folder / "lock"
+    lock.touch()
+    hour_ago = time.time() - 3600
+    os.utime(lock, (hour_ago, hour_ago))
+    builds = []
+    monkeypatch.setattr(attention_cpp, "_build", lambda name, where: builds.append(lock.exists()))
+    attention_cpp._load_or_build()
+    assert builds == [False]  # built, with the stale lock gone

@@ -27,7 +27,7 @@ from nanoref.engine.step_inputs import StepInputs, decode_arrays, prefill_arrays
 from nanoref.layers.attention import Attention
 from nanoref.layers.sampler import Sampler
 from nanoref.models import build_model
-from nanoref.ops.backends import resolve_backend
+from nanoref.ops.backends import resolve_backend, use_backend
 from nanoref.utils.context import Context, reset_context, set_context, upload_arrays
 from nanoref.utils.loader import load_weights
 from nanoref.utils.seams import seam
@@ -47,8 +47,7 @@ class ModelRunner:
         load_weights(self.model, config.model_folder)
         self.backend = resolve_backend(config.attention_backend, self.device)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
-        for layer in self.attention_layers:
-            layer.backend = self.backend
+        use_backend(self.model, self.backend)  # (attention and the element-wise layers run the backend's kernels)
         self.sampler = Sampler()
         # unseeded requests draw from this (seeded requests from their own): never from (or into) the global RNG.
         # LLM(seed=N) makes their draws repeat from one engine to the next; None: fresh entropy

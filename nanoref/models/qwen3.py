@@ -48,18 +48,15 @@ class Qwen3Attention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden)  # (N, (H + 2 Hk) * D)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)  # (N, H * D), (N, Hk * D) twice
-        q, k = self.norm_rotary(positions, q, k, qkv)  # (N, H, D), (N, Hk, D)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)  # (N, Hk, D)
+        qkv = self.qkv_proj(hidden)  # (N, (H + 2 Hk) * D) = [q | k | v]
+        q, k = self.norm_rotary(positions, qkv)  # (N, H, D), (N, Hk, D)
+        v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)  # (N, Hk, D), a view
         trace("qkv_proj", hidden=hidden, qkv=qkv, q=q, k=k, v=v)
         out = self.attn(q, k, v)  # (N, H, D)
         return self.o_proj(out.flatten(1, 2))  # (N, H * D) -> (N, hidden)
 
-    def norm_rotary(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, qkv: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Qwen3's per-head RMSNorm of q and k, then RoPE. q (N, H * D), k (N, Hk * D) -> (N, H, D), (N, Hk, D).
+    def norm_rotary(self, positions: torch.Tensor, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Qwen3's per-head RMSNorm of q and k, then RoPE. qkv (N, (H + 2 Hk) * D) -> q (N, H, D), k (N, Hk, D).
 
         Readable version (below): q_norm and k_norm, each an RMSNorm over one head's D channels, then
         `rotary_emb` rotates both by each token's position. Fused version (`_norm_rotary_qk`): the same math
@@ -70,6 +67,7 @@ class Qwen3Attention(nn.Module):
             seam("rms_norm", rms_norm_cuda) is not rms_norm_cuda
             or seam("apply_rotary", apply_rotary) is not apply_rotary
         ):
+            q, k, _ = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)  # (N, H * D), (N, Hk * D)
             q = q.view(-1, self.num_heads, self.head_dim)  # (N, H, D)
             k = k.view(-1, self.num_kv_heads, self.head_dim)  # (N, Hk, D)
             q, k = self.q_norm(q), self.k_norm(k)  # (N, H, D), (N, Hk, D): each head's vector normalised
@@ -78,14 +76,15 @@ class Qwen3Attention(nn.Module):
 
     def _norm_rotary_qk(self, positions: torch.Tensor, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The fused version of `norm_rotary`: q_norm, k_norm and RoPE with nanoref's own functions, the query and
-        key heads side by side in one pass (on a CPU each small op costs microseconds whatever its size; on CUDA
-        one compiled kernel)."""
+        key heads side by side in one pass (on a CPU each small op costs microseconds whatever its size):
+        `layers.rotary.norm_rotary` (on CUDA one compiled kernel), or the backend's own kernel (cpp's C++ one)."""
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
         qk = qkv[:, : self.q_size + self.kv_size].view(-1, heads + kv_heads, dim)  # (N, H + Hk, D), a view
         weight = torch.cat([self.q_norm.weight.expand(heads, dim), self.k_norm.weight.expand(kv_heads, dim)])
         rope = self.rotary_emb
         eps = self.q_norm.eps  # (k_norm's too: both are config.rms_norm_eps)
-        qk = norm_rotary_cuda(qk, weight, eps, positions, rope.cos_cache, rope.sin_cache)
+        fused = self.attn.backend.norm_rotary or norm_rotary_cuda  # the backend's kernel (cpp), else nanoref's function
+        qk = fused(qk, weight, eps, positions, rope.cos_cache, rope.sin_cache)
         q, k = qk.split([heads, kv_heads], dim=1)  # (N, H, D), (N, Hk, D): views
         return q, k
 

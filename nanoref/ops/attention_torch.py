@@ -1,4 +1,5 @@
-"""Torch reference attention with flash-attn's argument names: the CPU default backend.
+"""Torch reference attention with flash-attn's argument names: the torch backend (the reference, and the CPU's
+fallback where nanoref's C++ kernels cannot be built).
 
 Two entry points mirror flash-attn:
 - `varlen_attention` ~ `flash_attn_varlen_func`: flat queries of many sequences, causal within each.

@@ -4,14 +4,18 @@ A backend is three functions: `store_kvcache(key, value, k_cache, v_cache, slot_
 `varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
 block_table)` (as `flash_attn_varlen_func`) and `decode(q, k_cache, v_cache, cache_seqlens,
 block_table, softmax_scale, causal)` (as `flash_attn_with_kvcache`). The attention layer calls
-whichever the engine picked; nothing else in the model knows which one runs.
+whichever the engine picked. A backend may also bring kernels of its own for the element-wise layers: `rms_norm`,
+`add_rms_norm`, `norm_rotary` (Qwen3's q/k norm and RoPE) and `silu_and_mul` (cpp does; the others leave the
+layers their own torch functions, compiled on CUDA: utils/compile.py). The model runner hands its backend to every
+layer that holds one (`use_backend`); nothing else in the model knows which one runs.
 
-- torch: `attention_torch` + `store_kvcache_torch`, plain PyTorch, the CPU default.
+- torch: `attention_torch` + `store_kvcache_torch`, plain PyTorch: the reference, and the CPU's fallback.
 - triton: `attention_triton` + `store_kvcache_triton`, compiled on a GPU, interpreted on a CPU.
 - flash_attn: flash-attn's kernels (CUDA, half precision), with the Triton KV store where Triton is installed.
-- cpp: nanoref's C++ paged decode kernel (`attention_cpp`, built on first use) beside the torch reference's
-  prefill and KV store; CPU only, opt-in. Decode attention is most of what a CPU step spends beyond the
-  linear layers, and the torch reference pays per (sequence, head) pair there (benchmarks/results/cpu_vs_hf.md).
+- cpp: nanoref's C++ kernels for the CPU (`attention_cpp`, built on first use): paged decode and varlen prefill
+  attention, the KV store and the element-wise layers; CPU only, and the CPU default wherever it builds (a C++
+  compiler and ninja). On a CPU the torch reference pays per op, not per byte: per
+  (sequence, head) pair in decode attention, and ~50 small ops per layer elsewhere (benchmarks/results/cpu_vs_hf.md).
 - flash_attn+triton: flash-attn's varlen kernel for prefill, nanoref's Triton kernel for decode. Each is
   the faster of the two in its phase on an H200 (benchmarks/results/): flash-attn's prefill is ahead of
   nanoref's Triton prefill, while at a decode step of 256 sequences nanoref's paged decode kernel took
@@ -20,8 +24,10 @@ whichever the engine picked; nothing else in the model knows which one runs.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -41,6 +47,21 @@ class AttentionBackend:
     store_kvcache: Callable[..., None]
     varlen: Callable[..., torch.Tensor]
     decode: Callable[..., torch.Tensor]
+    # the element-wise layers' fused kernels, where the backend brings its own (cpp), with the arguments of the layers'
+    # torch functions they replace (layers/layernorm.py, rotary.py, activation.py). None: the layer runs its own
+    # function (compiled on CUDA: utils/compile.py)
+    rms_norm: Callable[..., torch.Tensor] | None = None  # (x, weight, eps)
+    add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None  # (x, residual, weight, eps)
+    norm_rotary: Callable[..., torch.Tensor] | None = None  # (x, weight, eps, positions, cos_cache, sin_cache)
+    silu_and_mul: Callable[..., torch.Tensor] | None = None  # (x)
+
+
+def use_backend(model: torch.nn.Module, backend: AttentionBackend) -> None:
+    """Hand the engine's backend to every layer of `model` that runs its kernels: each holds one as `.backend`
+    (attention, RMSNorm, SiluAndMul; a layer made outside an engine holds the torch backend)."""
+    for module in model.modules():
+        if isinstance(getattr(module, "backend", None), AttentionBackend):
+            module.backend = backend
 
 
 def flash_attn_available() -> bool:
@@ -75,9 +96,13 @@ def _cpp_backend() -> AttentionBackend:
     attention_cpp.load()  # build now, so that a missing compiler is reported when the engine starts
     return AttentionBackend(
         name="cpp",
-        store_kvcache=store_kvcache_torch,
-        varlen=attention_torch.varlen_attention,
+        store_kvcache=attention_cpp.store_kvcache,
+        varlen=attention_cpp.varlen_attention,
         decode=attention_cpp.paged_decode_attention,
+        rms_norm=attention_cpp.rms_norm,
+        add_rms_norm=attention_cpp.add_rms_norm,
+        norm_rotary=attention_cpp.norm_rotary,
+        silu_and_mul=attention_cpp.silu_and_mul,
     )
 
 
@@ -109,8 +134,8 @@ def _flash_attn_backend() -> AttentionBackend:
 
 def _flash_attn_triton_backend() -> AttentionBackend:
     flash, triton = _flash_attn_backend(), _triton_backend()
-    return AttentionBackend(
-        name="flash_attn+triton", store_kvcache=triton.store_kvcache, varlen=flash.varlen, decode=triton.decode
+    return dataclasses.replace(
+        flash, name="flash_attn+triton", store_kvcache=triton.store_kvcache, decode=triton.decode
     )
 
 
@@ -128,21 +153,48 @@ def flash_attn_serves(head_dim: int, dtype: torch.dtype) -> bool:
         return False
 
 
+_warned_cpp_failure = False
+
+
+def cpp_builds(head_dim: int) -> bool:
+    """Whether the cpp backend can serve a CPU model of this head_dim here: its kernels are built (the first call on
+    a machine compiles them, then they are loaded from the cache). No compiler or ninja: False, quietly (the torch
+    backend serves); a build that fails: False, with one warning per process saying why."""
+    global _warned_cpp_failure
+    from nanoref.ops import attention_cpp
+
+    if head_dim not in attention_cpp.HEAD_DIMS or attention_cpp.missing_build_tools():
+        return False
+    try:
+        attention_cpp.load()
+    except attention_cpp.CppKernelUnavailableError as error:
+        if not _warned_cpp_failure:
+            _warned_cpp_failure = True
+            warnings.warn(
+                f"nanoref: {error}. The CPU runs the torch backend instead (slower decode; same tokens). "
+                "attention_backend='torch' skips the build.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        return False
+    return True
+
+
 def choose_backend(name: str, device: torch.device, dtype: torch.dtype, block_size: int | None, head_dim: int) -> str:
     """The concrete backend for a request; "auto" takes the fastest one that can serve the setup.
 
     auto: on CUDA, flash-attn for prefill when it imports, the dtype is half precision, the block size (if
     one was asked for) is a multiple of 256 and the build runs this head_dim, with nanoref's Triton decode
-    kernel beside it where Triton is installed ("flash_attn+triton"); else Triton alone; else torch, which is
-    also the CPU default (the Triton interpreter is for reading kernels, not speed). An explicit choice that
-    cannot work raises.
+    kernel beside it where Triton is installed ("flash_attn+triton"); else Triton alone; else torch. On a CPU,
+    cpp where its kernels build (see `cpp_builds`), else torch (the Triton interpreter is for reading kernels,
+    not speed). An explicit choice that cannot work raises.
     """
     if name not in BACKEND_NAMES:
         raise ValueError(f"attention_backend must be one of {BACKEND_NAMES}, got {name!r}")
     half = dtype in (torch.float16, torch.bfloat16)
     if name == "auto":
         if device.type != "cuda":
-            return "torch"
+            return "cpp" if cpp_builds(head_dim) else "torch"
         fits = block_size is None or block_size % 256 == 0
         if half and fits and flash_attn_available() and flash_attn_serves(head_dim, dtype):
             return "flash_attn+triton" if triton_available() else "flash_attn"
