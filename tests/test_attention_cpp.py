@@ -398,3 +398,19 @@ def test_a_lock_left_by_a_killed_build_is_removed_before_building(tmp_path, monk
     monkeypatch.setattr(attention_cpp, "_build", lambda name, where: builds.append(lock.exists()))
     attention_cpp._load_or_build()
     assert builds == [False]  # built, with the stale lock gone
+
+
+def test_the_build_finds_a_pip_installed_ninja_off_path_and_leaves_path_as_it_was(tmp_path, monkeypatch):
+    """A Jupyter kernel started by its interpreter's full path may lack the environment's bin folder on PATH, where
+    `pip install ninja` put the binary torch runs by name."""
+    import os
+
+    import torch.utils.cpp_extension
+
+    ninja = pytest.importorskip("ninja")
+    seen = []
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", lambda *args, **kwargs: seen.append(os.environ["PATH"]))
+    monkeypatch.setattr(attention_cpp.shutil, "which", lambda name: None)
+    monkeypatch.setenv("PATH", "/nowhere")
+    attention_cpp._build("nanoref_cpp_test", tmp_path / "build")
+    assert seen == [ninja.BIN_DIR + os.pathsep + "/nowhere"] and os.environ["PATH"] == "/nowhere"

@@ -818,8 +818,21 @@ def _build(name: str, folder: Path) -> None:
     source = folder / "nanoref_cpp.cpp"
     if not source.exists() or source.read_text() != CPP_SOURCE:  # (rewritten only when it differs: ninja's mtimes)
         source.write_text(CPP_SOURCE)
-    # is_python_module=False: torch.ops.load_library registers torch.ops.nanoref_cpp; nothing is imported by name
-    build_and_load(name, [str(source)], extra_cflags=CFLAGS, build_directory=str(folder), is_python_module=False)
+    path = os.environ.get("PATH")
+    if shutil.which("ninja") is None and importlib.util.find_spec("ninja") is not None:
+        # `pip install ninja` put it in the environment's bin folder, which a Jupyter kernel started by its full path
+        # may not have on PATH: torch runs `ninja` by name. Put the folder on PATH for the build, and take it off after
+        import ninja
+
+        os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, *([path] if path else [])])
+    try:
+        # is_python_module=False: torch.ops.load_library registers torch.ops.nanoref_cpp; nothing is imported by name
+        build_and_load(name, [str(source)], extra_cflags=CFLAGS, build_directory=str(folder), is_python_module=False)
+    finally:
+        if path is None:
+            os.environ.pop("PATH", None)
+        else:
+            os.environ["PATH"] = path
 
 
 def paged_decode_attention(

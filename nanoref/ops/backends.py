@@ -14,8 +14,8 @@ layer that holds one (`use_backend`); nothing else in the model knows which one 
 - flash_attn: flash-attn's kernels (CUDA, half precision), with the Triton KV store where Triton is installed.
 - cpp: nanoref's C++ kernels for the CPU (`attention_cpp`, built on first use): paged decode and varlen prefill
   attention, the KV store and the element-wise layers; CPU only, and the CPU default wherever it builds (a C++
-  compiler and ninja). On a CPU the torch reference pays per op, not per byte: per
-  (sequence, head) pair in decode attention, and ~50 small ops per layer elsewhere (benchmarks/results/cpu_vs_hf.md).
+  compiler and ninja). On a CPU the torch reference pays per op, not per byte: per (sequence, head) pair in decode
+  attention, and for ~70 small ops per decoder layer around it (benchmarks/results/cpu_vs_hf.md).
 - flash_attn+triton: flash-attn's varlen kernel for prefill, nanoref's Triton kernel for decode. Each is
   the faster of the two in its phase on an H200 (benchmarks/results/): flash-attn's prefill is ahead of
   nanoref's Triton prefill, while at a decode step of 256 sequences nanoref's paged decode kernel took
