@@ -18,6 +18,20 @@ torch.set_num_threads(min(2, os.cpu_count() or 1))
 os.environ.setdefault("OMP_NUM_THREADS", str(min(2, os.cpu_count() or 1)))
 
 
+def pytest_sessionstart(session):
+    """Build the cpp backend's kernels (the CPU engines' default) before the first test, where this machine can: the
+    first engine of a fresh machine would otherwise build them inside whichever test makes it, perhaps in a server
+    process that a test gives a startup deadline. A build that fails is left for the engines to report (they fall
+    back to the torch backend, with a warning); xdist's workers each run this, the first one builds, the rest wait."""
+    from nanoref.ops import attention_cpp
+
+    if not attention_cpp.missing_build_tools():
+        try:
+            attention_cpp.load()
+        except attention_cpp.CppKernelUnavailableError:
+            pass
+
+
 @pytest.fixture(autouse=True)
 def cpu_unless_marked_gpu(request, monkeypatch):
     """Tests not marked `gpu` are CPU tests: an engine made without `device=` runs on the CPU there too, as on CI
