@@ -6,7 +6,7 @@ CUDA extension's sources down to those six plus the API file, switches on the li
 DISABLE_* switches (backward, dropout, alibi, softcap, uneven K, local attention), narrows the
 dtype and head-dim dispatch so anything else raises, and installs the result with pip.
 
-    python benchmarks/build_flash_attn.py path/to/flash_attn-2.8.3.tar.gz [--arch 90] [--jobs 16]
+    python benchmarks/build_flash_attn.py path/to/flash_attn-2.8.3.tar.gz [--arch 90] [--jobs 16] [--target DIR]
 
 The resulting wheel serves head_dim 128 in bf16, forward only.
 """
@@ -85,6 +85,7 @@ def main() -> None:
     parser.add_argument("tarball", type=Path)
     parser.add_argument("--arch", default="90", help="CUDA architectures, e.g. 90 for Hopper")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 4)
+    parser.add_argument("--target", type=Path, help="install here (pip's --target), not into site-packages")
     args = parser.parse_args()
     work = Path(tempfile.mkdtemp(prefix="flash_attn_build_"))
     with tarfile.open(args.tarball) as tar:
@@ -99,6 +100,8 @@ def main() -> None:
         NVCC_THREADS="2",
     )
     cmd = [sys.executable, "-m", "pip", "install", "--no-build-isolation", "--no-deps", "--no-index", "."]
+    if args.target:
+        cmd += ["--target", str(args.target.resolve())]
     subprocess.run(cmd, cwd=root, env=env, check=True)
 
 

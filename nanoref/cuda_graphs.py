@@ -74,8 +74,17 @@ class DecodeGraphs:
         rows, width = config.max_num_seqs, runner.max_blocks_per_seq
         tokens = rows * query_len
         # the buffers every replay reads: max_num_seqs rows (of query_len tokens) each; a bucket of size S uses the
-        # first S (S * query_len tokens)
-        self.buffers = dict(
+        # first S (S * query_len tokens). Recorded, they are inference tensors, as every step's inputs are: a compiled
+        # layer that saw a plain tensor in capture (positions) would recompile at the first real step
+        with torch.inference_mode(record):
+            self.buffers = self.make_buffers(tokens, rows, width, config, device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        if record:
+            self.capture(device)
+
+    @staticmethod
+    def make_buffers(tokens: int, rows: int, width: int, config, device: torch.device) -> dict[str, torch.Tensor]:
+        return dict(
             input_ids=torch.zeros(tokens, dtype=torch.int64, device=device),
             positions=torch.zeros(tokens, dtype=torch.int64, device=device),
             slot_mapping=torch.full((tokens,), -1, dtype=torch.int64, device=device),
@@ -83,9 +92,6 @@ class DecodeGraphs:
             block_tables=torch.zeros(rows, width, dtype=torch.int32, device=device),
             hidden=torch.zeros(tokens, config.hf_config.hidden_size, dtype=config.dtype, device=device),
         )
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        if record:
-            self.capture(device)
 
     @torch.inference_mode()
     def capture(self, device: torch.device) -> None:

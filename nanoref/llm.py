@@ -8,6 +8,7 @@ target's) as the engine's step loop, LoRA adapters (`nanoref/lora/hooks.py`: slo
 admission rule for the scheduler, each request's adapter as its sequences' cache salt), and structured output
 (`nanoref/structured_output.py`: each constrained sample's grammar matcher as its output's constraint).
 `torch.compile` applies itself: the element-wise layers compile on their first CUDA call (`nanoref/utils/compile.py`).
+On CUDA the prefill's kernels are compiled while the engine is built (`nanoref/warmup.py`), not by its first requests.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from nanoref.sampling_params import SamplingParams
 from nanoref.speculative.loop import SpeculativeLoop
 from nanoref.speculative.runner import SpeculativeRunner
 from nanoref.structured_output import Grammars
+from nanoref.warmup import warm_up_prefill
 
 DEFAULT_MODEL = Path(__file__).parent / "default_model"
 
@@ -269,7 +271,9 @@ def build_runner(
     closes, then their process ends."""
     spec = config.speculative_config
     # (LoRA's slots exist before the decode graphs are recorded: the graphs read each row's slot as an input)
-    hooks = RunnerHooks(attach=(lora.attach,) if lora is not None else (), decode_graphs=decode_graphs)
+    # (the prefill warm-up runs first, on the plain model; one device only: ranks would have to warm up in step)
+    warm_up = (warm_up_prefill,) if config.device.type == "cuda" and config.tensor_parallel_size == 1 else ()
+    hooks = RunnerHooks(attach=(*warm_up, *((lora.attach,) if lora is not None else ())), decode_graphs=decode_graphs)
     if spec is not None and spec.method == "draft_model":
         runner = SpeculativeRunner(config, hooks)  # (speculative decoding runs on one device)
     elif config.tensor_parallel_size == 1:

@@ -373,7 +373,15 @@ LAYERS = [
     ("models",),
     ("config",),
     ("engine",),  # the core: sequence, block manager, scheduler, model runner, the plain loop
-    ("cuda_graphs", "overlap", "parallel", "speculative", "lora", "structured_output"),  # features attached to the
+    (
+        "cuda_graphs",
+        "overlap",
+        "parallel",
+        "speculative",
+        "lora",
+        "structured_output",
+        "warmup",
+    ),  # features attached to the
     # core from outside: decode graphs, the overlapped loop, tensor parallelism, speculative decoding, LoRA adapters,
     # grammars
     ("llm",),  # the one wiring point
@@ -423,7 +431,7 @@ def test_no_file_imports_a_layer_above_its_own():
     assert upward == [], "\n".join(upward)
 
 
-FEATURES = ("cuda_graphs", "overlap", "parallel", "speculative", "lora", "structured_output")
+FEATURES = ("cuda_graphs", "overlap", "parallel", "speculative", "lora", "structured_output", "warmup")
 
 
 def test_features_are_attached_only_at_the_wiring_point():

@@ -1,0 +1,58 @@
+"""Prefill warm-up: compile the prefill's kernels when the engine is built, not in the middle of a run.
+
+A prefill step runs one of two attention variants: a prompt seen for the first time reads its keys from the
+step's own flat k and v (unpaged); a prompt with history (a later chunk of a chunked prefill, or a prefix-cache
+hit) reads every key through its block table from the paged cache (paged). Each variant is its own Triton
+kernel, compiled on its first call; the compiled element-wise layers likewise compile on their first prefill.
+Compiled mid-run, each costs a step of a second or more (measured on one H200: ~50 ms prefill steps took
+1.3-1.7 s), so a server's first chunked request, or a benchmark's first timed run, pays it. `warm_up_prefill`
+runs both variants once on a few dummy tokens that write nothing to the cache (slot -1) and read blocks of it
+that no sequence holds yet.
+
+Attached by `nanoref/llm.py` on CUDA (on a CPU nothing compiles per shape).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nanoref.utils.context import Context, reset_context, set_context
+
+
+@torch.inference_mode()
+def warm_up_prefill(runner) -> None:
+    """Run one unpaged and one paged prefill forward of dummy tokens through the runner's model, writing nothing.
+
+    The dummy sequence has 2 blocks of tokens: the unpaged step computes its first block; the paged step its
+    second, with the first read back as history through the block table [0, 1] (whatever those blocks hold: the
+    logits are thrown away). Returns None (no per-step hook).
+    """
+    device, block = runner.device, runner.block_size
+    tokens = block  # per step: one block
+    if 2 * tokens > runner.config.max_model_len or runner.num_kvcache_blocks < 2:
+        return None  # (a toy configuration: its first prefills compile what they need)
+
+    def forward(first_position: int, block_tables: torch.Tensor | None) -> None:
+        history = first_position
+        set_context(
+            Context(
+                is_prefill=True,
+                cu_seqlens_q=torch.tensor([0, tokens], dtype=torch.int32, device=device),
+                cu_seqlens_k=torch.tensor([0, history + tokens], dtype=torch.int32, device=device),
+                max_seqlen_q=tokens,
+                max_seqlen_k=history + tokens,
+                slot_mapping=torch.full((tokens,), -1, dtype=torch.int64, device=device),  # store nothing
+                block_tables=block_tables,
+            )
+        )
+        try:
+            input_ids = torch.zeros(tokens, dtype=torch.int64, device=device)
+            positions = torch.arange(first_position, first_position + tokens, device=device)
+            runner.model.compute_logits(runner.model(input_ids, positions))
+        finally:
+            reset_context()
+
+    forward(0, None)  # unpaged
+    forward(tokens, torch.arange(2, dtype=torch.int32, device=device)[None])  # paged: (1, 2)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
