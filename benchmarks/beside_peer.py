@@ -53,6 +53,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 # -- the workload, as plain host data (each engine builds its own SamplingParams) ---------------------
 HF_SUBSET_SEED = 1000  # the HF subset's stream: prompts no timed run has served
+SHARED_PREFIX_SEED = 5000  # run r's shared system prompt (--shared-prefix-runs) draws from stream 5000 + r
+SHARED_PREFIX: dict[int, int] = {}  # timed run index -> tokens of the system prompt shared by all its requests
 
 
 def workload(
@@ -63,6 +65,10 @@ def workload(
     seed(run)
     prompts = [[randint(0, 10000) for _ in range(randint(100, max_input_len))] for _ in range(num_seqs)]
     max_tokens = [randint(100, max_output_len) for _ in range(num_seqs)]
+    if SHARED_PREFIX.get(run):  # one system prompt of its own for every request of this run
+        seed(SHARED_PREFIX_SEED + run)
+        system = [randint(0, 10000) for _ in range(SHARED_PREFIX[run])]
+        prompts = [system + prompt for prompt in prompts]
     return prompts, max_tokens
 
 
@@ -186,6 +192,7 @@ def run_hf(folder: str, subset: tuple[int, int]) -> dict:
 
 def worker(args: argparse.Namespace) -> None:
     subset = (args.hf_seqs, args.hf_tokens)
+    SHARED_PREFIX.update((run, args.shared_prefix_len) for run in args.shared_prefix_runs)
     if args.worker.startswith("nanoref"):
         variant = args.worker.removeprefix("nanoref").lstrip("-")
         result = run_nanoref(args.model, variant, args.runs_per_process, subset)
@@ -246,7 +253,8 @@ def launch(name: str, path: str, args: argparse.Namespace, folder: Path) -> dict
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [path, os.environ.get("PYTHONPATH")])))
     command = [sys.executable, __file__, "--worker", name, "--model", str(folder)]
     command += ["--runs-per-process", str(args.runs_per_process), "--hf-seqs", str(args.hf_seqs)]
-    command += ["--hf-tokens", str(args.hf_tokens)]
+    command += ["--hf-tokens", str(args.hf_tokens), "--shared-prefix-len", str(args.shared_prefix_len)]
+    command += ["--shared-prefix-runs", *map(str, args.shared_prefix_runs)]
     print(f"-- {name} ({path})", flush=True)
     start = time.perf_counter()
     proc = subprocess.run(command, env=env, capture_output=True, text=True)
@@ -302,8 +310,11 @@ def medians(runs: list[dict], subset_tokens: int) -> dict:
     their median."""
     by_engine: dict[str, dict] = {}
     for run in runs:
-        entry = by_engine.setdefault(run["engine"], dict(tok_per_s=[], subset_times=[], decode_step_ms=[]))
-        entry["tok_per_s"] += [round(n / t) for n, t in zip(run.get("output_tokens", []), run.get("times", []))]
+        entry = by_engine.setdefault(run["engine"], dict(tok_per_s=[], subset_times=[], decode_step_ms=[], by_run={}))
+        rates = [round(n / t) for n, t in zip(run.get("output_tokens", []), run.get("times", []))]
+        entry["tok_per_s"] += rates
+        for index, rate in enumerate(rates):  # timed run r of every process serves the same workload
+            entry["by_run"].setdefault(str(index), []).append(rate)
         entry["decode_step_ms"] += run.get("decode_step_ms", [])
         if run.get("subset_time"):
             entry["subset_times"].append(run["subset_time"])
@@ -314,6 +325,7 @@ def medians(runs: list[dict], subset_tokens: int) -> dict:
             entry["subset_tok_per_s"] = round(subset_tokens / statistics.median(entry["subset_times"]))
         if entry["decode_step_ms"]:
             entry["median_decode_step_ms"] = round(statistics.median(entry["decode_step_ms"]), 2)
+        entry["median_by_run"] = {index: round(statistics.median(rates)) for index, rates in entry["by_run"].items()}
     return by_engine
 
 
@@ -328,6 +340,16 @@ def table(summary: dict) -> str:
             f"| {name} | {each} | {entry.get('median_tok_per_s', '')} | {entry.get('median_decode_step_ms', '')} "
             f"| {entry.get('subset_tok_per_s', '')} |"
         )
+    runs = sorted({index for entry in summary["medians"].values() for index in entry.get("median_by_run", {})}, key=int)
+    if len(runs) > 1:  # each timed run index is one workload: its median per engine, and the ratio to the first engine
+        rows += [
+            "",
+            "| timed run (workload) | " + " | ".join(summary["medians"]) + " |",
+            "|---|" + "---|" * len(summary["medians"]),
+        ]
+        for index in runs:
+            values = [entry.get("median_by_run", {}).get(index) for entry in summary["medians"].values()]
+            rows.append(f"| {index} | " + " | ".join(f"{v:,}" if v else "" for v in values) + " |")
     return "\n".join(rows)
 
 
@@ -377,6 +399,14 @@ def main() -> None:
     parser.add_argument("--hf-seqs", type=int, default=32, help="HF subset size (0: skip HF)")
     parser.add_argument("--hf-tokens", type=int, default=128)
     parser.add_argument("--out-dir", type=Path, default=Path("."))
+    parser.add_argument(
+        "--shared-prefix-runs",
+        type=int,
+        nargs="*",
+        default=[],
+        help="timed run indices whose requests all start with one random system prompt of their own",
+    )
+    parser.add_argument("--shared-prefix-len", type=int, default=1024, help="that system prompt's tokens")
     parser.add_argument("--plot", nargs=2, type=Path, metavar=("JSON", "PNG"))
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
