@@ -297,6 +297,8 @@ def parent(args: argparse.Namespace) -> None:
             copy_bandwidth=bandwidth,
             floor=floor,
             subset=dict(seqs=args.hf_seqs, tokens=args.hf_tokens),
+            shared_prefix_runs=args.shared_prefix_runs,
+            shared_prefix_len=args.shared_prefix_len,
             runs=runs,
             medians=medians(runs, args.hf_seqs * args.hf_tokens),
         )
@@ -360,23 +362,46 @@ LABELS = {  # engine names as a figure shows them
 }
 
 
+WORKLOADS = {  # a timed run index's workload as a figure names it (runs past these: "run r")
+    "0": "bench.py's prompts",
+    "1": "fresh prompts, same distribution",
+}
+
+
 def plot(source: Path, target: Path) -> None:
+    """Bars: each engine's median output tok/s, one group per timed run index (one workload each) when the runs
+    differ by workload, else one bar per engine; dots: the single runs."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     summary = json.loads(source.read_text())
+    shared = set(map(str, summary.get("shared_prefix_runs", [])))
     entries = [(name, e) for name, e in summary["medians"].items() if e.get("median_tok_per_s")]
     entries.sort(key=lambda item: item[1]["median_tok_per_s"])
-    fig, ax = plt.subplots(figsize=(8, 0.6 * len(entries) + 1.9))
-    names = [LABELS.get(name, name) for name, _ in entries]
-    ax.barh(names, [e["median_tok_per_s"] for _, e in entries], color="#4c72b0")
-    for row, (_, entry) in enumerate(entries):
-        ax.scatter(entry["tok_per_s"], [row] * len(entry["tok_per_s"]), color="black", s=12, zorder=3)
+    runs = sorted({index for _, e in entries for index in e.get("by_run", {})}, key=int) or ["all"]
+    fig, ax = plt.subplots(figsize=(8, 0.45 * len(entries) * len(runs) + 0.5 * len(runs) + 1.6))
+    colors = ["#4c72b0", "#dd8452", "#55a868", "#8172b3"]
+    ticks, labels, row = [], [], 0.0
+    for group, index in enumerate(runs):
+        for color, (name, entry) in zip(colors, entries):
+            rates = entry["tok_per_s"] if index == "all" else entry["by_run"].get(index, [])
+            if not rates:
+                continue
+            ax.barh(row, statistics.median(rates), color=color, label=LABELS.get(name, name) if group == 0 else None)
+            ax.scatter(rates, [row] * len(rates), color="black", s=12, zorder=3)
+            row += 1
+        workload = "every run" if index == "all" else WORKLOADS.get(index, f"run {index}")
+        if index in shared:
+            workload = f"run {index}: one shared {summary.get('shared_prefix_len', '')}-token system prompt"
+        ticks.append(row - (len(entries) + 1) / 2)
+        labels.append(workload)
+        row += 0.6
+    ax.set_yticks(ticks, labels, fontsize=8)
     floor = summary["floor"]["tok_per_s"]
-    ax.axvline(floor, color="#c44e52", linestyle="--", label=f"bytes-moved floor ({floor:,.0f} tok/s)")
-    ax.set_xlabel("output tokens/s (bar: median; dots: the timed runs)")
+    ax.axvline(floor, color="#c44e52", linestyle="--", label=f"bytes-moved floor, run 0 ({floor:,.0f} tok/s)")
+    ax.set_xlabel("output tokens/s (bar: median over processes; dots: the timed runs)")
     ax.set_title(
         f"Nano-vLLM's benchmark, random Qwen3-0.6B bf16, one {summary['device']}\n"
         "every timed run on prompts its engine had not served",
