@@ -49,7 +49,7 @@ class EngineHooks:
     num_lookahead_tokens: int = 0
     # can_admit(seq, running, scheduled): whether a waiting sequence may start beside the running ones and those
     # this prefill step has scheduled so far (seq last among them): a limit on what one batch may mix, beyond
-    # tokens, sequences and blocks
+    # tokens, sequences and blocks. A sequence refused keeps its place in the queue; the ones behind it may start
     can_admit: Callable[[Sequence, Iterable[Sequence], list[Sequence]], bool] = admit_any
 
 

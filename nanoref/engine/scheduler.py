@@ -93,22 +93,24 @@ class Scheduler:
                 break
             scheduled.append(seq)  # (before the lookup: a failing lookup's sequence is aborted with the batch)
             if not seq.block_table:  # not started yet: needs a slot in the batch, its blocks, and leave to join
-                if (
-                    len(self.running) + len(scheduled) > self.max_num_seqs
-                    or not interruptibly(self.block_manager.can_allocate, seq)  # (a learner's lookup, maybe)
-                    or not self.can_admit(seq, self.running, scheduled)
+                if len(self.running) + len(scheduled) > self.max_num_seqs or not interruptibly(
+                    self.block_manager.can_allocate,
+                    seq,  # (a learner's lookup, maybe)
                 ):
                     scheduled.pop()
                     break
+                if not self.can_admit(seq, self.running, scheduled):  # (as vLLM: it keeps its place, the next may go)
+                    scheduled.pop()
+                    continue
                 self.block_manager.allocate(seq)
             seq.num_scheduled_tokens = chunk = min(seq.num_tokens - seq.num_computed_tokens, budget)
             budget -= chunk
             if seq.num_computed_tokens + chunk < seq.num_tokens:
                 break  # a chunk of a longer prompt: it stays first in line for the next step
-        for seq in scheduled:  # the whole prompts leave the queue; a partial chunk stays first
+        for seq in scheduled:  # the whole prompts leave the queue; a partial chunk stays in line
             if seq.num_computed_tokens + seq.num_scheduled_tokens < seq.num_tokens:
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)  # (the first, unless a sequence not admitted stays before it)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
         return scheduled
