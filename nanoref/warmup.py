@@ -7,7 +7,9 @@ kernel, compiled on its first call; the compiled element-wise layers likewise co
 Compiled mid-run, each costs a step of a second or more (measured on one H200: ~50 ms prefill steps took
 1.3-1.7 s), so a server's first chunked request, or a benchmark's first timed run, pays it. `warm_up_prefill`
 runs both variants once on a few dummy tokens that write nothing to the cache (slot -1) and read blocks of it
-that no sequence holds yet.
+that no sequence holds yet, at two token counts (the compiled layers' first two sizes compile a kernel for every
+size), then the compiled sampler at batch 1 and 2 (the same: the first real prefill of 30 prompts recompiled it,
+0.3-0.4 s).
 
 Attached by `nanoref/llm.py` on CUDA (on a CPU nothing compiles per shape).
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from nanoref.layers.sampler import sample_with_temperature_cuda
 from nanoref.utils.context import Context, reset_context, set_context
 
 
@@ -23,16 +26,16 @@ from nanoref.utils.context import Context, reset_context, set_context
 def warm_up_prefill(runner) -> None:
     """Run one unpaged and one paged prefill forward of dummy tokens through the runner's model, writing nothing.
 
-    The dummy sequence has 2 blocks of tokens: the unpaged step computes its first block; the paged step its
-    second, with the first read back as history through the block table [0, 1] (whatever those blocks hold: the
-    logits are thrown away). Returns None (no per-step hook).
+    The dummy sequence has 2 blocks of tokens: the unpaged step computes its first block; the paged step most of
+    its second, with the first read back as history through the block table [0, 1] (whatever those blocks hold: the
+    logits are only handed to the compiled sampler, whose draws are thrown away). Returns None (no per-step hook).
     """
     device, block = runner.device, runner.block_size
     tokens = block  # per step: one block
     if 2 * tokens > runner.config.max_model_len or runner.num_kvcache_blocks < 2:
         return None  # (a toy configuration: its first prefills compile what they need)
 
-    def forward(first_position: int, block_tables: torch.Tensor | None) -> None:
+    def forward(first_position: int, tokens: int, block_tables: torch.Tensor | None) -> torch.Tensor:
         history = first_position
         set_context(
             Context(
@@ -48,11 +51,17 @@ def warm_up_prefill(runner) -> None:
         try:
             input_ids = torch.zeros(tokens, dtype=torch.int64, device=device)
             positions = torch.arange(first_position, first_position + tokens, device=device)
-            runner.model.compute_logits(runner.model(input_ids, positions))
+            return runner.model.compute_logits(runner.model(input_ids, positions))  # (1, V)
         finally:
             reset_context()
 
-    forward(0, None)  # unpaged
-    forward(tokens, torch.arange(2, dtype=torch.int32, device=device)[None])  # paged: (1, 2)
+    logits = forward(0, tokens, None)  # unpaged
+    # paged, one token fewer: a second token count makes the compiled layers' copy dynamic in it (an engine without
+    # decode graphs would otherwise recompile at its first real prefill)
+    forward(tokens, tokens - 1, torch.arange(2, dtype=torch.int32, device=device)[None])  # block table (1, 2)
+    for rows in (1, 2):  # the compiled sampler likewise: batch 1, then any batch
+        batch = logits.expand(rows, -1).contiguous()  # (rows, V)
+        temperatures = torch.ones(rows, dtype=torch.float32, device=device)
+        sample_with_temperature_cuda(batch, temperatures, torch.ones(batch.shape, dtype=torch.float32, device=device))
     if device.type == "cuda":
         torch.cuda.synchronize(device)
