@@ -252,12 +252,15 @@ def engine_hooks(config: EngineConfig, lora: LoRAHooks | None = None) -> EngineH
     return EngineHooks(make_step_loop=loop, num_lookahead_tokens=spec.num_speculative_tokens, **admission)
 
 
-def decode_graphs(runner: ModelRunner) -> DecodeGraphs | None:
+def decode_graphs(runner: ModelRunner, lora: LoRAHooks | None = None) -> DecodeGraphs | None:
     """CUDA graphs of the runner's decode steps, where they apply: on CUDA unless enforce_eager, and not for a model
-    whose forward has data-dependent shapes (Qwen3-MoE's expert loop runs decode eagerly)."""
+    whose forward has data-dependent shapes (Qwen3-MoE's expert loop runs decode eagerly). With adapters: recorded
+    with and without their delta, for steps with and without adapted rows."""
     config = runner.config
     if config.device.type != "cuda" or config.enforce_eager or not getattr(runner.model, "supports_cuda_graphs", True):
         return None
+    if lora is not None:
+        return lora.decode_graphs(runner, lambda: DecodeGraphs(runner))
     return DecodeGraphs(runner)
 
 
@@ -273,7 +276,10 @@ def build_runner(
     # (LoRA's slots exist before the decode graphs are recorded: the graphs read each row's slot as an input)
     # (the prefill warm-up runs first, on the plain model; one device only: ranks would have to warm up in step)
     warm_up = (warm_up_prefill,) if config.device.type == "cuda" and config.tensor_parallel_size == 1 else ()
-    hooks = RunnerHooks(attach=(*warm_up, *((lora.attach,) if lora is not None else ())), decode_graphs=decode_graphs)
+    hooks = RunnerHooks(
+        attach=(*warm_up, *((lora.attach,) if lora is not None else ())),
+        decode_graphs=partial(decode_graphs, lora=lora),
+    )
     if spec is not None and spec.method == "draft_model":
         runner = SpeculativeRunner(config, hooks)  # (speculative decoding runs on one device)
     elif config.tensor_parallel_size == 1:

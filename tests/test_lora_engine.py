@@ -180,6 +180,33 @@ def test_a_step_of_base_model_rows_alone_skips_the_delta_and_stays_exact(tiny_mo
     assert counting.calls == MAX_TOKENS * layers * pieces_per_layer  # every step: every piece of every layer
 
 
+def test_decode_replayer_runs_the_recording_without_the_delta_for_steps_of_base_rows(tiny_model, adapters):
+    """With adapters, decode graphs are recorded twice (GraphsByRowMix): a step whose rows are all base-model rows
+    replays the recording without the delta, any other step the one with it, token-exact either way. On a CPU the
+    recordings are the bucketed eager mode, so this checks the choice; the GPU test below the capture."""
+    from nanoref.cuda_graphs import DecodeGraphs
+    from nanoref.lora.hooks import GraphsByRowMix
+
+    llm = lora_llm(tiny_model, num_kvcache_blocks=64)
+    runner, manager = llm.model_runner, llm.lora.manager
+    replayer = runner.decode_graphs = llm.lora.decode_graphs(runner, lambda: DecodeGraphs(runner, record=False))
+    assert isinstance(replayer, GraphsByRowMix) and manager.record_base_only is False
+    assert llm.lora.decode_graphs(object(), lambda: "one recording") == "one recording"  # another runner's (a draft)
+    ran = []
+
+    def counted(name: str, run):
+        return lambda *args: ran.append(name) or run(*args)
+
+    for name in ("mixed", "base"):
+        recording = getattr(replayer, name)
+        recording.run = counted(name, recording.run)
+    prompts = [[1, 2, 3, 4], [5, 6, 7]]
+    for loras, recording in (([None, None], "base"), ([None, adapters["all-r8"]], "mixed")):
+        ran.clear()
+        assert_exact(tiny_model, prompts, loras, llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras))
+        assert ran == [recording] * (MAX_TOKENS - 1), f"{loras}: decode steps ran {ran}"
+
+
 def test_one_slot_and_one_host_place_serve_adapters_one_after_another(tiny_model, adapters):
     """vLLM's defaults (max_loras = max_cpu_loras = 1): each new adapter takes the host place of the one before
     (never its own place: the adapter just read must stay until it is in its slot)."""
@@ -335,7 +362,12 @@ def test_cuda_graphs_replay_every_rows_adapter(tiny_model, adapters, speculative
     assert llm.model_runner.decode_graphs is not None
     assert (llm.speculative_loop is not None) if speculative else (llm.overlapped_loop is not None)
     prompts = shared_prefix_prompts(seed=9, prefix_len=16, suffix_lens=[3, 7, 1, 12, 5])
-    for loras in ([adapters["all-r8"], None, adapters["o-r16"], adapters["mlp-r2"], adapters["attn-r4-rs"]],
-                  [None, adapters["mlp-r2"], adapters["mlp-r2"], None, adapters["all-r8"]]):  # fmt: skip
+    for loras in (
+        [adapters["all-r8"], None, adapters["o-r16"], adapters["mlp-r2"], adapters["attn-r4-rs"]],
+        [None, adapters["mlp-r2"], adapters["mlp-r2"], None, adapters["all-r8"]],
+        [None] * 5,
+    ):  # fmt: skip  (the last: steps of base rows, through the recording without the delta)
         outputs = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras)
         assert_exact(tiny_model, prompts, loras, outputs)
+    graphs = llm.model_runner.decode_graphs
+    assert graphs.base.graphs and graphs.mixed.graphs, "both recordings were meant to be captured"

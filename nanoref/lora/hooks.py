@@ -11,12 +11,16 @@
   manager's `row_slots`: a prefill sequence's slot repeated over its chunk's tokens (`cu_seqlens_q`), a decode
   sequence's over its `decode_query_len` rows, -1 for base-model rows. A draft model runs without adapters (its
   proposals are only guesses: the target, with the adapter, decides every token).
+- On CUDA the decode graphs are recorded twice (`GraphsByRowMix`): with the delta, for steps where any row has an
+  adapter, and without it, for steps of base-model rows alone, which then cost what they cost without LoRA (a
+  graph replays what it recorded: one recorded with the delta computes it for every row, adapter or not).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from itertools import chain
+from typing import Any
 
 import numpy as np
 
@@ -48,6 +52,7 @@ class LoRAHooks:
         self.config = config
         self.max_loras = config.max_loras
         self.manager: LoRAManager | None = None  # (once the runner's model exists)
+        self.runner = None  # the runner whose model has the slots
         self.rows_are_base = True  # row_slots holds -1 everywhere (a base-only step has nothing to write)
         # requests and generated tokens per adapter name, over the engine's life
         self.num_requests: dict[str, int] = {}
@@ -56,6 +61,7 @@ class LoRAHooks:
     def attach(self, runner) -> StepHook:
         """RunnerHooks.attach: slots on the runner's model, filled before each of its forwards."""
         c = self.config
+        self.runner = runner
         self.manager = LoRAManager(
             runner.model,
             c.hf_config,
@@ -78,6 +84,13 @@ class LoRAHooks:
         rows_per_seq = np.diff(step.arrays["cu_seqlens_q"]) if step.is_prefill else step.decode_query_len
         self.manager.set_row_slots(np.repeat(seq_slots, rows_per_seq))  # (N,)
         self.rows_are_base = not used
+
+    def decode_graphs(self, runner, make: Callable[[], Any]) -> Any:
+        """The runner's decode replayer: for the runner whose model has the slots (`attach`), `make()` recorded with
+        and without the delta (see GraphsByRowMix); for another (a speculative draft's), `make()` once."""
+        if self.manager is None or runner is not self.runner:
+            return make()
+        return GraphsByRowMix(self.manager, make)
 
     # -- the scheduler's hook -------------------------------------------------------------------
     def can_admit(self, seq: Sequence, running: Iterable[Sequence], scheduled: list[Sequence]) -> bool:
@@ -103,6 +116,31 @@ class LoRAHooks:
         for seq in samples:
             seq.cache_salt = lora_request
         self.num_requests[lora_request.lora_name] = self.num_requests.get(lora_request.lora_name, 0) + 1
+
+
+class GraphsByRowMix:
+    """A decode replayer of two recordings, picked per step: `base` (W alone) when the step's rows are all
+    base-model rows, `mixed` (W plus each row's delta) otherwise. Made by `LoRAHooks.decode_graphs`."""
+
+    def __init__(self, manager: LoRAManager, make: Callable[[], Any]) -> None:
+        """make: records one set of decode graphs (`DecodeGraphs(runner)`; nanoref/llm.py passes it)."""
+        self.manager = manager
+        self.mixed = make()
+        manager.record_base_only = True
+        try:
+            self.base = make()
+        finally:
+            manager.record_base_only = False
+
+    def covers(self, batch: int) -> bool:
+        return self.mixed.covers(batch)
+
+    def run(self, input_ids, positions):
+        """As DecodeGraphs.run, through the recording for this step's rows (the step hook set `base_only`)."""
+        return (self.base if self.manager.base_only else self.mixed).run(input_ids, positions)
+
+    def __getattr__(self, name: str) -> Any:  # buckets, buffers, graphs: the mixed recording's
+        return getattr(self.mixed, name)
 
 
 def check_lora_request(lora_request: object, enabled: bool) -> LoRARequest | None:

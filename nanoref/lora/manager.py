@@ -71,6 +71,9 @@ class LoRAManager:
         # the next forward's rows are all base-model rows (set with them by the engine's step hook): an eager forward
         # skips the delta, whose every row would be zero
         self.base_only = False
+        # what a CUDA graph being recorded holds: the delta (False: any row may have an adapter) or W alone (True: a
+        # graph for steps of base-model rows, see hooks.GraphsByRowMix)
+        self.record_base_only = False
         self.slot_ids: list[int | None] = [None] * max_loras  # the adapter (lora_int_id) in each slot
         self.slot_order: OrderedDict[int, None] = OrderedDict()  # slots, least recently used first
         self.host: OrderedDict[int, LoRAAdapter] = OrderedDict()  # checked adapters, least recently used first
@@ -80,8 +83,9 @@ class LoRAManager:
     def _hook(self, slots: LoRASlots):
         def add_delta(module: nn.Module, inputs: tuple[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
             x = inputs[0]  # (N, in)
-            if self.base_only and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
-                return out  # an eager step of base-model rows alone: W alone (a graph records the delta always)
+            capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+            if self.record_base_only if capturing else self.base_only:
+                return out  # a step of base-model rows alone: W alone (a graph: what it was recorded for)
             rows = self.row_slots[: x.shape[0]]  # (N,)
             for piece, (a, b) in enumerate(zip(slots.lora_a, slots.lora_b)):
                 start, end = slots.offsets[piece], slots.offsets[piece + 1]
