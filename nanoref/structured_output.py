@@ -23,6 +23,7 @@ import json
 import os
 import re
 import threading
+import warnings
 from collections import OrderedDict
 from typing import Any
 
@@ -91,8 +92,14 @@ class GrammarConstraint:
 
     def accept(self, token_id: int) -> bool:
         """Advance by a sampled token -> whether the sample is done: its grammar is complete, or the token left it
-        (only possible where every allowed token was masked by something else, e.g. a logit_bias of -100)."""
+        (only possible where something masked every token the grammar allowed: the sample ends there, warned)."""
         if not self.matcher.accept_token(token_id):
+            warnings.warn(
+                f"a constrained sample took token {token_id}, which its grammar does not allow (every token it allowed "
+                "was masked): it ends here, its text short of the grammar",
+                RuntimeWarning,
+                stacklevel=2,
+            )
             return True
         return self.matcher.is_terminated()
 

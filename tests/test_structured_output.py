@@ -9,11 +9,12 @@ import json
 import re
 
 import jsonschema
+import numpy as np
 import pytest
 import torch
 
 from nanoref import LLM, SamplingParams, StructuredOutputsParams
-from nanoref.layers.logits_processors import apply_token_bitmask, unpack_bitmask
+from nanoref.layers.logits_processors import LogitsProcessing, apply_token_bitmask, unpack_bitmask
 
 SCHEMA = {
     "type": "object",
@@ -64,6 +65,42 @@ def test_the_bitmask_keeps_only_allowed_tokens_of_constrained_rows():
     assert torch.equal(masked, expected)
     assert torch.equal(masked[[1, 3]], logits[[1, 3]])
     assert masked[2, :32].isfinite().tolist() == [t == 31 for t in range(32)]
+
+
+def packed(tokens: list[int], words: int, tail: int = 0) -> torch.Tensor:
+    """A packed (W,) int32 bitmask allowing `tokens`, with the bits of the last word from `tail` on also set (as
+    the grammar library leaves the bits past the vocabulary)."""
+    bits = np.zeros(words, dtype=np.uint32)
+    for token in tokens:
+        bits[token // 32] |= np.uint32(1 << (token % 32))
+    if tail:
+        bits[-1] |= np.uint32(~((1 << tail) - 1) & 0xFFFFFFFF)
+    return torch.from_numpy(bits.view(np.int32))
+
+
+def test_min_tokens_never_masks_the_only_tokens_a_grammar_allows():
+    """A constrained row short of its min_tokens whose grammar allows only a stop token (it is complete) keeps that
+    token, with a warning: masking it left the row all -inf and the sampler took token 0 whatever it was. A row
+    whose grammar allows more keeps its min_tokens mask; an unconstrained row always does."""
+    vocab, words = 70, 3  # (the bits of tokens 70..95 set in the last word: not tokens of this vocabulary)
+    only_stop, stop_or_other = packed([37], words, tail=vocab % 32), packed([37, 40], words, tail=vocab % 32)
+    masked = [(0, [37]), (1, [37]), (2, [37])]
+    with pytest.warns(RuntimeWarning, match="its grammar is complete and allows only a stop token"):
+        processing = LogitsProcessing.build(
+            [], [*masked, (0, only_stop), (1, stop_or_other)], vocab, torch.device("cpu")
+        )
+    logits = processing.apply(torch.zeros(3, vocab))
+    assert logits[0].isfinite().nonzero().flatten().tolist() == [37], "the grammar's stop token was masked"
+    assert logits[1].isfinite().nonzero().flatten().tolist() == [40]
+    assert not logits[2, 37].isfinite() and logits[2].isfinite().sum() == vocab - 1
+
+
+def test_a_grammar_complete_before_min_tokens_ends_with_its_stop_token(llm):
+    params = SamplingParams(temperature=0, max_tokens=12, min_tokens=8, structured_outputs=constrained(choice=["yes"]))
+    with pytest.warns(RuntimeWarning, match="ends before its min_tokens"):
+        output = llm.generate(["Answer:"], params, use_tqdm=False)[0]
+    assert (output["text"], output["finish_reason"]) == ("yes", "stop")
+    assert output["token_ids"][-1] in llm.scheduler.eos_token_ids
 
 
 def test_json_schema_outputs_validate_greedy_and_sampled_with_n(llm):

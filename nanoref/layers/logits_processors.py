@@ -5,7 +5,9 @@
 - repetition penalty (HF's, as vLLM applies it), on every token of prompt or completion: a positive logit is
   divided by it, a negative one multiplied, so the token always becomes less likely (for penalties > 1).
 - logit_bias: a request's {token id: bias} added to those logits, before the penalties (as vLLM orders them).
-- min_tokens: until a request has that many completion tokens, its stop tokens (EOS, stop_token_ids) get -inf.
+- min_tokens: until a request has that many completion tokens, its stop tokens (EOS, stop_token_ids) get -inf;
+  except on a row whose grammar allows nothing else (the grammar is complete: it can only end, and does, with a
+  warning), which would otherwise leave the row no token at all.
 - allowed tokens: a row whose sample follows a grammar (nanoref/structured_output.py) keeps only the tokens its
   packed bitmask allows (bit t % 32 of word t // 32); every other token of that row gets -inf, after all the above
   (`apply_token_bitmask`, behind an exercise seam: notebook 13 has a learner write it).
@@ -20,6 +22,7 @@ only for the rows that ask (`LogitsProcessing.build`): a batch where no row does
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -175,11 +178,13 @@ class LogitsProcessing:
         processing = cls()
         allowed = [entry for entry in masked if not isinstance(entry[1], list)]
         masked = [entry for entry in masked if isinstance(entry[1], list)]
-        if allowed:
-            processing.allowed_rows = to_device(np.asarray([row for row, _ in allowed], dtype=np.int64), device)
-            processing.allowed_bitmask = to_device(packed_allowed([c for _, c in allowed]).numpy(), device)
         biased = [entry for entry in masked if len(entry) == 3]
         masked = [entry for entry in masked if len(entry) == 2]
+        if allowed:
+            bitmask = packed_allowed([c for _, c in allowed])  # (A, W) int32, host
+            processing.allowed_rows = to_device(np.asarray([row for row, _ in allowed], dtype=np.int64), device)
+            processing.allowed_bitmask = to_device(bitmask.numpy(), device)
+            masked = unmask_grammar_ends(masked, {row: bitmask[a] for a, (row, _) in enumerate(allowed)}, vocab)
         if biased:
             ids, rows = _flat([ids for _, ids, _ in biased])
             processing.bias_ids = to_device(ids, device)
@@ -220,6 +225,29 @@ class LogitsProcessing:
         if self.allowed_rows is not None:
             logits = seam("apply_token_bitmask", apply_token_bitmask)(logits, self.allowed_rows, self.allowed_bitmask)
         return logits
+
+
+def unmask_grammar_ends(masked: list[tuple[int, list[int]]], allowed: dict[int, torch.Tensor], vocab: int) -> list:
+    """masked: (row, stop ids) per row short of its min_tokens; allowed: a constrained row's packed (W,) bitmask ->
+    the masks to apply: without those of rows whose grammar allows no token but those stop ids (its grammar is
+    complete; masking them would leave the row nothing to sample), with a warning."""
+    kept = []
+    for row, ids in masked:
+        if row in allowed:
+            words = allowed[row].numpy().view(np.uint32).copy()  # (W,)
+            words[vocab // 32 :] &= np.uint32((1 << (vocab % 32)) - 1) if vocab % 32 else np.uint32(0)  # < vocab only
+            for token in ids:
+                words[token // 32] &= ~np.uint32(1 << (token % 32))
+            if not words.any():
+                warnings.warn(
+                    "a constrained sample ends before its min_tokens: its grammar is complete and allows only a stop "
+                    "token",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+                continue
+        kept.append((row, ids))
+    return kept
 
 
 def packed_allowed(constraints: list) -> torch.Tensor:
