@@ -16,10 +16,12 @@ Attached by `nanoref/llm.py` on CUDA (on a CPU nothing compiles per shape).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
+from nanoref.engine.step_inputs import StepInputs, prefill_arrays, prefill_metadata
 from nanoref.layers.sampler import sample_with_temperature_cuda
-from nanoref.utils.context import Context, reset_context, set_context
+from nanoref.utils.context import reset_context
 
 
 @torch.inference_mode()
@@ -35,30 +37,23 @@ def warm_up_prefill(runner) -> None:
     if 2 * tokens > runner.config.max_model_len or runner.num_kvcache_blocks < 2:
         return None  # (a toy configuration: its first prefills compile what they need)
 
-    def forward(first_position: int, tokens: int, block_tables: torch.Tensor | None) -> torch.Tensor:
-        history = first_position
-        set_context(
-            Context(
-                is_prefill=True,
-                cu_seqlens_q=torch.tensor([0, tokens], dtype=torch.int32, device=device),
-                cu_seqlens_k=torch.tensor([0, history + tokens], dtype=torch.int32, device=device),
-                max_seqlen_q=tokens,
-                max_seqlen_k=history + tokens,
-                slot_mapping=torch.full((tokens,), -1, dtype=torch.int64, device=device),  # store nothing
-                block_tables=block_tables,
-            )
-        )
+    def forward(cached: int, new: int) -> torch.Tensor:
+        """Prefill `new` dummy tokens after `cached` ones (paged where cached > 0: blocks 0 and 1 as history), built
+        and uploaded as a real step's are -> logits (1, V)."""
+        arrays = prefill_arrays(prefill_metadata([[0] * (cached + new)], [cached], [new], [[0, 1]], block))
+        arrays["slot_mapping"][:] = -1  # store nothing
+        if cached:
+            arrays["block_tables"] = np.array([[0, 1]], dtype=np.int64)  # (1, 2)
         try:
-            input_ids = torch.zeros(tokens, dtype=torch.int64, device=device)
-            positions = torch.arange(first_position, first_position + tokens, device=device)
-            return runner.model.compute_logits(runner.model(input_ids, positions))  # (1, V)
+            input_ids, positions = runner.upload(StepInputs(True, arrays, max_seqlen_q=new, max_seqlen_k=cached + new))
+            return runner.model.compute_logits(runner.model(input_ids, positions))
         finally:
             reset_context()
 
-    logits = forward(0, tokens, None)  # unpaged
+    logits = forward(0, tokens)  # unpaged
     # paged, one token fewer: a second token count makes the compiled layers' copy dynamic in it (an engine without
     # decode graphs would otherwise recompile at its first real prefill)
-    forward(tokens, tokens - 1, torch.arange(2, dtype=torch.int32, device=device)[None])  # block table (1, 2)
+    forward(tokens, tokens - 1)
     for rows in (1, 2):  # the compiled sampler likewise: batch 1, then any batch
         batch = logits.expand(rows, -1).contiguous()  # (rows, V)
         temperatures = torch.ones(rows, dtype=torch.float32, device=device)

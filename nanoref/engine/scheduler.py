@@ -93,10 +93,8 @@ class Scheduler:
                 break
             scheduled.append(seq)  # (before the lookup: a failing lookup's sequence is aborted with the batch)
             if not seq.block_table:  # not started yet: needs a slot in the batch, its blocks, and leave to join
-                if len(self.running) + len(scheduled) > self.max_num_seqs or not interruptibly(
-                    self.block_manager.can_allocate,
-                    seq,  # (a learner's lookup, maybe)
-                ):
+                fits = len(self.running) + len(scheduled) <= self.max_num_seqs
+                if not fits or not interruptibly(self.block_manager.can_allocate, seq):  # (a learner's lookup, maybe)
                     scheduled.pop()
                     break
                 if not self.can_admit(seq, self.running, scheduled):  # (as vLLM: it keeps its place, the next may go)

@@ -234,11 +234,9 @@ def unmask_grammar_ends(masked: list[tuple[int, list[int]]], allowed: dict[int, 
     kept = []
     for row, ids in masked:
         if row in allowed:
-            words = allowed[row].numpy().view(np.uint32).copy()  # (W,)
-            words[vocab // 32 :] &= np.uint32((1 << (vocab % 32)) - 1) if vocab % 32 else np.uint32(0)  # < vocab only
-            for token in ids:
-                words[token // 32] &= ~np.uint32(1 << (token % 32))
-            if not words.any():
+            others = unpack_bitmask(allowed[row][None], vocab)[0]  # (V,) bool
+            others[ids] = False
+            if not others.any():
                 warnings.warn(
                     "a constrained sample ends before its min_tokens: its grammar is complete and allows only a stop "
                     "token",
