@@ -12,6 +12,10 @@ profiler. Per engine it prints:
     python benchmarks/profile_step.py --engine nanoref=. --engine nano-vllm=/tmp/nano-vllm \\
         --engine nanoref-plain=. --out results/profile_step.json
 
+`--phase prefill` profiles prefill steps instead: every request asks for one token, so each step is a prefill of
+up to the engine's token budget; one stream of the workload is timed step by step (the device synchronized after
+each: the first step of a process shows its one-time costs), then a second, fresh stream is profiled.
+
 `nanoref-FLAG-FLAG` names pick nanoref's options with beside_peer.py's flags (`plain`, `triton`, `flash`,
 `hybrid`, `eager`, `blockN`, ...).
 """
@@ -47,7 +51,7 @@ def nanoref_engine(folder: str, flags: list[str]):
         _, record = llm.step()
         return record.kind == "decode"
 
-    return add, step
+    return add, step, llm.is_finished
 
 
 def nano_vllm_engine(folder: str):
@@ -63,7 +67,7 @@ def nano_vllm_engine(folder: str):
         _, num_tokens = llm.step()
         return num_tokens < 0
 
-    return add, step
+    return add, step, llm.is_finished
 
 
 def watch_garbage_collection() -> tuple[list[float], Callable]:
@@ -85,14 +89,16 @@ def watch_garbage_collection() -> tuple[list[float], Callable]:
 SYNC_NAMES = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsync")
 
 
-def measure(name: str, folder: str, steps: int, profile_steps: int) -> dict:
+def measure(name: str, folder: str, steps: int, profile_steps: int, phase: str = "decode") -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     if name.startswith("nanoref"):
-        add, step = nanoref_engine(folder, name.split("-")[1:])
+        add, step, finished = nanoref_engine(folder, name.split("-")[1:])
     else:
-        add, step = nano_vllm_engine(folder)
+        add, step, finished = nano_vllm_engine(folder)
+    if phase == "prefill":
+        return measure_prefill(add, step, finished)
     prompts, _ = workload()
     for prompt in prompts:  # every request long enough to stay in the batch throughout
         add(prompt, 1024)
@@ -118,6 +124,20 @@ def measure(name: str, folder: str, steps: int, profile_steps: int) -> dict:
         for _ in range(profile_steps):
             step()
         torch.cuda.synchronize()
+    return dict(
+        wall_ms=round(wall_ms, 3),
+        windows_ms=windows,
+        process_cpu_ms=round(cpu_ms, 3),
+        load_average=os.getloadavg(),
+        gc_pauses_ms=[round(p, 1) for p in gc_pauses if p >= 1.0],  # collections of 1 ms or more while timing
+        **profile_summary(prof, profile_steps),
+    )
+
+
+def profile_summary(prof, per_step: int) -> dict:
+    """The profiler's events -> GPU busy time, kernel time, host waits and the top kernels and host calls, per step."""
+    import torch
+
     kernels: dict[str, float] = defaultdict(float)
     intervals = []
     sync_us = 0.0
@@ -137,14 +157,8 @@ def measure(name: str, folder: str, steps: int, profile_steps: int) -> dict:
         if end > reach:
             busy += end - max(begin, reach)
             reach = end
-    per_step = profile_steps
     top = sorted(kernels.items(), key=lambda item: -item[1])[:18]
     return dict(
-        wall_ms=round(wall_ms, 3),
-        windows_ms=windows,
-        process_cpu_ms=round(cpu_ms, 3),
-        load_average=os.getloadavg(),
-        gc_pauses_ms=[round(p, 1) for p in gc_pauses if p >= 1.0],  # collections of 1 ms or more while timing
         gpu_busy_ms=round(busy / per_step / 1e3, 3),
         kernel_sum_ms=round(sum(kernels.values()) / per_step / 1e3, 3),
         host_wait_ms=round(sync_us / per_step / 1e3, 3),
@@ -154,17 +168,50 @@ def measure(name: str, folder: str, steps: int, profile_steps: int) -> dict:
     )
 
 
+def measure_prefill(add: Callable, step: Callable, finished: Callable) -> dict:
+    """Prefill steps: one stream timed step by step (synchronized), then a fresh one profiled."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    step_ms = []
+    for prompt in workload(1)[0]:  # one output token each: every step is a prefill
+        add(prompt, 1)
+    while not finished():
+        start = time.perf_counter()
+        step()
+        torch.cuda.synchronize()
+        step_ms.append(round((time.perf_counter() - start) * 1e3, 1))
+    for prompt in workload(2)[0]:  # a stream the engine has not served (its prefix cache would skip the work)
+        add(prompt, 1)
+    num_steps = 0
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        while not finished():
+            step()
+            num_steps += 1
+        torch.cuda.synchronize()
+    return dict(
+        wall_ms=round(sum(step_ms[1:]) / max(len(step_ms) - 1, 1), 3),  # a step after the first
+        step_ms=step_ms,
+        windows_ms=[],
+        process_cpu_ms=0.0,
+        load_average=os.getloadavg(),
+        gc_pauses_ms=[],
+        **profile_summary(prof, num_steps),
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--engine", action="append", default=[], help="NAME=PYTHONPATH entry (repeatable)")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--profile-steps", type=int, default=10)
+    parser.add_argument("--phase", choices=("decode", "prefill"), default="decode")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        result = measure(args.worker, args.model, args.steps, args.profile_steps)
+        result = measure(args.worker, args.model, args.steps, args.profile_steps, args.phase)
         print("RESULT " + json.dumps(result), flush=True)
         return
     folder = make_model(Path(tempfile.mkdtemp()) / "qwen3-0.6b-random")
@@ -173,7 +220,7 @@ def main() -> None:
         name, path = spec.split("=", 1)
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [path, os.environ.get("PYTHONPATH")])))
         command = [sys.executable, __file__, "--worker", name, "--model", str(folder)]
-        command += ["--steps", str(args.steps), "--profile-steps", str(args.profile_steps)]
+        command += ["--steps", str(args.steps), "--profile-steps", str(args.profile_steps), "--phase", args.phase]
         proc = subprocess.run(command, env=env, capture_output=True, text=True)
         lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
         if proc.returncode or not lines:
@@ -187,6 +234,8 @@ def main() -> None:
             f"process CPU {r['process_cpu_ms']} ms/step, load {r['load_average']}, GC pauses {r['gc_pauses_ms']} ms",
             flush=True,
         )
+        if "step_ms" in r:
+            print(f"   prefill steps, ms each (synchronized): {r['step_ms']}")
         for kernel, us in r["top_kernels"]:
             print(f"   {us:9.1f} us  {kernel}")
         print("   host, self time per step (under the profiler):")

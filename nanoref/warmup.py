@@ -8,8 +8,8 @@ Compiled mid-run, each costs a step of a second or more (measured on one H200: ~
 1.3-1.7 s), so a server's first chunked request, or a benchmark's first timed run, pays it. `warm_up_prefill`
 runs both variants once on a few dummy tokens that write nothing to the cache (slot -1) and read blocks of it
 that no sequence holds yet, at two token counts (the compiled layers' first two sizes compile a kernel for every
-size), then the compiled sampler at batch 1 and 2 (the same: the first real prefill of 30 prompts recompiled it,
-0.3-0.4 s).
+size), then the sampler at batch 1 and 2 (its Triton kernel; where it is compiled instead, the same as the layers:
+the first real prefill of 30 prompts recompiled it, 0.3-0.4 s).
 
 Attached by `nanoref/llm.py` on CUDA (on a CPU nothing compiles per shape).
 """
@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from nanoref.engine.step_inputs import StepInputs, prefill_arrays, prefill_metadata
-from nanoref.layers.sampler import sample_with_temperature_cuda
+from nanoref.layers.sampler import sample_temperature_only
 from nanoref.utils.context import reset_context
 
 
@@ -54,9 +54,9 @@ def warm_up_prefill(runner) -> None:
     # paged, one token fewer: a second token count makes the compiled layers' copy dynamic in it (an engine without
     # decode graphs would otherwise recompile at its first real prefill)
     forward(tokens, tokens - 1)
-    for rows in (1, 2):  # the compiled sampler likewise: batch 1, then any batch
+    generator = torch.Generator(device)  # its own: the caller's random state stays as it was
+    for rows in (1, 2):  # the sampler likewise (compiled without Triton: batch 1, then any batch)
         batch = logits.expand(rows, -1).contiguous()  # (rows, V)
-        temperatures = torch.ones(rows, dtype=torch.float32, device=device)
-        sample_with_temperature_cuda(batch, temperatures, torch.ones(batch.shape, dtype=torch.float32, device=device))
+        sample_temperature_only(batch, torch.ones(rows, dtype=torch.float32, device=device), generator)
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from nanoref import LLM, SamplingParams
 from nanoref.engine.block_manager import BlockManager, BlockTables
 from nanoref.engine.sequence import Sequence
-from nanoref.utils.context import get_context
+from nanoref.utils.context import get_context, upload_arrays
 
 from .helpers import new_sequence, prefill
 
@@ -137,3 +137,19 @@ def test_decode_metadata_equals_the_lists_under_preemption(tiny_model, monkeypat
     manager = llm.scheduler.block_manager
     manager.check_invariants([])
     assert not manager.tables.num_blocks.any()
+
+
+@given(sizes=st.lists(st.integers(min_value=1, max_value=37), min_size=1, max_size=6), seed=st.integers(0, 2**16))
+@settings(max_examples=40, deadline=None, derandomize=True)
+def test_uploaded_arrays_keep_their_values_and_start_16_byte_aligned(sizes, seed):
+    """upload_arrays packs a step's arrays into one buffer; each view must start on a 16-byte boundary whatever the
+    sizes before it (Triton compiles a kernel variant per pointer alignment: an offset that moves with the batch
+    would compile new variants mid-run)."""
+    rng = np.random.default_rng(seed)
+    arrays = {f"a{i}": rng.integers(-1, 2**20, size=(size,) if i % 2 else (1, size)) for i, size in enumerate(sizes)}
+    uploaded = upload_arrays(arrays, torch.device("cpu"))
+    for name, array in arrays.items():
+        tensor = uploaded[name]
+        assert tensor.dtype == torch.int32 and tuple(tensor.shape) == array.shape
+        assert np.array_equal(tensor.numpy(), array), name
+        assert tensor.data_ptr() % 16 == 0, f"{name} starts at a misaligned address"

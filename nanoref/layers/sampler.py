@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from nanoref.layers.logits_processors import LogitsProcessing
+from nanoref.ops.triton_setup import triton_available
 from nanoref.utils.compile import on_cuda
 from nanoref.utils.seams import seam
 
@@ -138,6 +139,25 @@ def sample_with_temperature(logits: torch.Tensor, temperatures: torch.Tensor, no
 sample_with_temperature_cuda = on_cuda(sample_with_temperature)
 
 
+def sample_temperature_only(
+    logits: torch.Tensor, temperatures: torch.Tensor, generator: torch.Generator | None
+) -> torch.Tensor:
+    """logits: (B, V); temperatures: (B,) float32 -> ids (B,) drawn from softmax(logits / T), the noise from
+    `generator` (None: torch's default one).
+
+    On CUDA with Triton: one kernel reads the logits once and draws Gumbel noise inside (ops/sample_triton.py: the
+    log form of the same exponential race), seeded by one number drawn from `generator`. Elsewhere: Exp(1) noise
+    drawn into a (B, V) buffer, then `sample_with_temperature`."""
+    if logits.is_cuda and triton_available():
+        from nanoref.ops.sample_triton import gumbel_sample_triton
+
+        seed = torch.randint(2**62, (1,), device=logits.device, generator=generator)  # (1,) int64: this draw's seed
+        return gumbel_sample_triton(logits, temperatures, seed)
+    noise = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)  # (B, V)
+    noise.exponential_(generator=generator)
+    return sample_with_temperature_cuda(logits, temperatures, noise)
+
+
 def sample_seeded_row(
     logits: torch.Tensor, temperature: float, top_k: int, top_p: float, generator: torch.Generator
 ) -> torch.Tensor:
@@ -182,13 +202,13 @@ class Sampler(nn.Module):
             logits = batch.processing.apply(logits)  # (B, V) float32
         if batch.all_greedy:
             return logits.argmax(dim=-1)  # (B,)
-        noise = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)  # (B, V)
-        noise.exponential_(generator=batch.generator)
         if batch.any_filtered:  # the general path: a sort per row
+            noise = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)  # (B, V)
+            noise.exponential_(generator=batch.generator)
             probs = sampling_probs(logits, batch.temperatures, batch.top_k, batch.top_p)  # (B, V)
             sampled_ids = probs.div_(noise).argmax(dim=-1)  # (B,)
         else:
-            sampled_ids = sample_with_temperature_cuda(logits, batch.temperatures, noise)
+            sampled_ids = sample_temperature_only(logits, batch.temperatures, batch.generator)
         for row, temperature, k, p, generator in batch.seeded:
             sampled_ids[row] = sample_seeded_row(logits[row], temperature, k, p, generator)
         if batch.any_greedy:

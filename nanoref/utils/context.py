@@ -59,13 +59,24 @@ def reset_context() -> None:
     _CURRENT.context = Context()
 
 
+# each array starts on a 16-byte boundary of the shared buffer: Triton compiles a kernel variant per pointer
+# alignment class (divisible by 16 or not), so views at offsets that change with the batch's sizes would compile new
+# variants mid-run (a second or more each)
+ALIGN_INT32 = 4
+
+
 def upload_arrays(arrays: dict[str, np.ndarray], device: torch.device) -> dict[str, torch.Tensor]:
-    """A step's int arrays as int32 device tensors of the same shapes: views into one buffer, copied in one go (on
-    CUDA from fresh pinned memory, so the copy does not block)."""
-    host = torch.from_numpy(np.concatenate([a.ravel() for a in arrays.values()]).astype(np.int32))
-    flat = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
-    tensors, start = {}, 0
-    for name, array in arrays.items():
-        tensors[name] = flat[start : start + array.size].view(array.shape)
-        start += array.size
-    return tensors
+    """A step's int arrays as int32 device tensors of the same shapes: views into one buffer, each starting 16-byte
+    aligned, copied in one go (on CUDA from fresh pinned memory, so the copy does not block)."""
+    starts, end = [], 0
+    for array in arrays.values():
+        starts.append(end)
+        end += -(-array.size // ALIGN_INT32) * ALIGN_INT32
+    host = torch.empty(end, dtype=torch.int32, pin_memory=device.type == "cuda")  # (the gaps are never read)
+    host_view = host.numpy()
+    for start, array in zip(starts, arrays.values()):
+        host_view[start : start + array.size] = array.ravel()  # (int64 -> int32)
+    flat = host.to(device, non_blocking=True) if device.type == "cuda" else host
+    return {
+        name: flat[start : start + array.size].view(array.shape) for (name, array), start in zip(arrays.items(), starts)
+    }
