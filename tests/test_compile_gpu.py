@@ -8,7 +8,7 @@ import torch
 from nanoref import LLM, SamplingParams
 from nanoref.layers.activation import silu_and_mul, silu_and_mul_cuda
 from nanoref.layers.layernorm import add_rms_norm, add_rms_norm_cuda, rms_norm, rms_norm_cuda
-from nanoref.layers.rotary import RotaryEmbedding, norm_rotary_qk, norm_rotary_qk_cuda, rotary_qk, rotary_qk_cuda
+from nanoref.layers.rotary import RotaryEmbedding, rotary_qk, rotary_qk_cuda
 from nanoref.layers.sampler import sample_with_temperature, sample_with_temperature_cuda
 from nanoref.utils import seams
 from nanoref.utils.compile import eager_only
@@ -50,19 +50,6 @@ def test_compiled_rotary_equals_eager(dtype):
     args = (positions, q, k, rope.cos_cache, rope.sin_cache)
     for compiled, eager in zip(rotary_qk_cuda(*args), rotary_qk(*args)):
         torch.testing.assert_close(compiled, eager, **TOL[dtype])
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_compiled_norm_rotary_qk_equals_eager(dtype):
-    """Query and key heads side by side in a strided view of qkv, as the model hands them over."""
-    rope = RotaryEmbedding(64, 4096, 1e6).cuda()
-    g = torch.Generator(device="cuda").manual_seed(1)
-    positions = torch.randint(0, 4096, (37,), device="cuda", generator=g)
-    qkv = torch.randn(37, (8 + 2 + 2) * 64, device="cuda", generator=g).to(dtype)
-    qk = qkv[:, : (8 + 2) * 64].view(37, 10, 64)  # (N, H + Hk, D)
-    q_weight, k_weight = (torch.rand(64, device="cuda", generator=g).to(dtype) + 0.5 for _ in range(2))
-    args = (qk, q_weight, k_weight, 8, 1e-6, positions, rope.cos_cache, rope.sin_cache)
-    torch.testing.assert_close(norm_rotary_qk_cuda(*args), norm_rotary_qk(*args), **TOL[dtype])
 
 
 def test_compiled_sampler_draws_from_the_distribution():

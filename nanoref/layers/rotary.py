@@ -47,28 +47,10 @@ def norm_rotary(
     return apply_rotary(rms_norm(x, weight, eps), cos_cache[positions], sin_cache[positions])
 
 
-def norm_rotary_qk(
-    x: torch.Tensor,
-    q_weight: torch.Tensor,
-    k_weight: torch.Tensor,
-    num_q_heads: int,
-    eps: float,
-    positions: torch.Tensor,
-    cos_cache: torch.Tensor,
-    sin_cache: torch.Tensor,
-) -> torch.Tensor:
-    """`norm_rotary` with the two norms' weights apart: x (N, H + Hk, D), its first num_q_heads heads the queries;
-    q_weight, k_weight (D,). The (heads, D) weight table is built here, where the compiled kernel reads it in place
-    (built outside, it was a copy kernel per layer in every step)."""
-    heads, dim = x.shape[1], x.shape[2]
-    weight = torch.cat([q_weight.expand(num_q_heads, dim), k_weight.expand(heads - num_q_heads, dim)])  # (heads, D)
-    return norm_rotary(x, weight, eps, positions, cos_cache, sin_cache)
-
-
 # eager: two table lookups and ~10 kernels per tensor (casts, halves, four products, cat); compiled: one
 # kernel for q and k together, reading each table row once (utils/compile.py)
 rotary_qk_cuda = on_cuda(rotary_qk)
-norm_rotary_qk_cuda = on_cuda(norm_rotary_qk)
+norm_rotary_cuda = on_cuda(norm_rotary)
 
 
 class RotaryEmbedding(nn.Module):
