@@ -403,7 +403,7 @@ def plot(source: Path, target: Path) -> None:
     ax.axvline(floor, color="#c44e52", linestyle="--", label=f"bytes-moved floor, run 0 ({floor:,.0f} tok/s)")
     ax.set_xlabel("output tokens/s (bar: median over processes; dots: the timed runs)")
     ax.set_title(
-        f"Nano-vLLM's benchmark, random Qwen3-0.6B bf16, one {summary['device']}\n"
+        f"Nano-vLLM's benchmark, random Qwen3-0.6B bf16\none {summary['device']}\n"
         "every timed run on prompts its engine had not served",
         fontsize=10,
     )

@@ -30,7 +30,7 @@ def warm_up_prefill(runner) -> None:
 
     The dummy sequence has 2 blocks of tokens: the unpaged step computes its first block; the paged step most of
     its second, with the first read back as history through the block table [0, 1] (whatever those blocks hold: the
-    logits are only handed to the compiled sampler, whose draws are thrown away). Returns None (no per-step hook).
+    logits are only handed to the sampler, whose draws are thrown away). Returns None (no per-step hook).
     """
     device, block = runner.device, runner.block_size
     tokens = block  # per step: one block
