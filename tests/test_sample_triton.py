@@ -14,7 +14,8 @@ import torch
 
 pytest.importorskip("triton", reason="Triton is not installed (Linux wheels only)")
 
-from nanoref.ops.sample_triton import CHUNK, gumbel_sample_triton  # noqa: E402
+from nanoref.ops import sample_triton  # noqa: E402
+from nanoref.ops.sample_triton import MAX_BLOCK, gumbel_sample_triton  # noqa: E402
 from nanoref.ops.triton_setup import kernel_device  # noqa: E402
 
 DEVICE = kernel_device()
@@ -50,12 +51,12 @@ def test_draws_follow_softmax_of_the_scaled_logits(temperature):
 
 
 def test_masked_columns_are_never_drawn_and_a_row_spans_chunks():
-    vocab = CHUNK + 5  # two chunks: the finite columns lie in different ones
+    vocab = 2 * MAX_BLOCK + 5  # three blocks, one program each: the finite columns lie in the first and the last
     logits = torch.full((6, vocab), float("-inf"))
     logits[:, 7] = 0.0
-    logits[:, CHUNK + 2] = 0.5
+    logits[:, 2 * MAX_BLOCK + 2] = 0.5
     ids = draw(logits, 1.0, seed_value=3)
-    assert set(ids.tolist()) <= {7, CHUNK + 2}, ids.tolist()
+    assert set(ids.tolist()) <= {7, 2 * MAX_BLOCK + 2}, ids.tolist()
     logits[:, 7] = 10.0  # far ahead: at the smallest temperature the draw is the argmax
     assert draw(logits, 0.0, seed_value=3).tolist() == [7] * 6
 
@@ -73,6 +74,16 @@ def test_the_same_seed_gives_the_same_ids_and_another_seed_others():
     assert torch.equal(first, again)
     assert (first != other).any()
     assert first.dtype == torch.int64 and first.shape == (64,)
+
+
+def test_a_rows_draw_does_not_depend_on_how_the_row_is_cut(monkeypatch):
+    """Few rows cut each row into more programs than many rows do (TARGET_PROGRAMS); the noise of a column depends
+    on its row and place only, so the ids are the same either way."""
+    logits = torch.randn(3, 3 * MAX_BLOCK + 5, generator=torch.Generator().manual_seed(2))
+    monkeypatch.setattr(sample_triton, "TARGET_PROGRAMS", 1)  # one program a row
+    whole = draw(logits, 1.0, 9)
+    monkeypatch.setattr(sample_triton, "TARGET_PROGRAMS", 4096)  # one program a block
+    assert torch.equal(draw(logits, 1.0, 9), whole)
 
 
 def test_strided_rows_and_bfloat16_logits():

@@ -4,13 +4,23 @@ The sampler's draw is argmax_j p_j / E_j with E_j ~ Exp(1) (layers/sampler.py). 
 log p_j - log E_j = logits_j / T - log Z - log E_j, and log Z is the same for every j of a row, so the draw is
 argmax_j (logits_j / T + G_j) with G_j = -log(E_j) = -log(-log U_j), U_j uniform: Gumbel noise. No softmax, no
 (B, V) noise tensor in memory: each program reads its slice of a row once, adds noise from Triton's counter-based
-generator (`tl.rand(seed, offset)`: the same seed and offset give the same number), and keeps its best score and
-its column. A second, tiny pass picks each row's best chunk.
+generator (`tl.rand4x(seed, counter)`: four numbers per counter, the same seed and counter give the same ones), and
+keeps its best score and its column. A second, tiny pass picks each row's best chunk.
 
 `sample_with_temperature` (layers/sampler.py: softmax, divide by drawn Exp(1) noise, argmax) is the reference:
-both draw from softmax(logits / T), with different random numbers. On one GPU, per decode step at batch 256 and
-Qwen3's 151,936-token vocabulary, the reference's noise kernel and three passes over (B, V) float32 buffers took
-~315 us; this reads the logits once.
+both draw from softmax(logits / T), with different random numbers. Measured on one H100 (2026-12-05, bf16 logits of
+Qwen3's 151,936-token vocabulary, `triton.testing.do_bench`; every row cut into 16,384-column programs then):
+
+| batch | reference (noise kernel + compiled passes) | one Philox call per logit | one call per four logits |
+|---|---|---|---|
+| 1 | 176 us | 49 us | 89 us |
+| 8 | 88 us | 78 us | 134 us |
+| 64 | 286 us | 106 us | 140 us |
+| 256 | 340 us | 268 us | 147 us |
+
+At batch 256 the generator bounds the kernel (a Philox call is ~100 integer operations; the logits are 78 MB, ~26 us
+of reading), so one call serves four logits; at small batches too few programs ran (10 for one row), each looping
+over its columns, so a row is now cut into more programs the fewer rows there are (TARGET_PROGRAMS; not yet timed).
 """
 
 from __future__ import annotations
@@ -22,13 +32,31 @@ from nanoref.ops.triton_setup import import_triton
 triton = import_triton()
 import triton.language as tl  # noqa: E402  (after import_triton: the interpreter switch comes first)
 
-# columns of a row per program: Qwen3's 151,936 logits are 10 programs a row, so that even one row fills the GPU
-CHUNK = 16384
+# programs a launch aims for: a row is cut into chunks (whole blocks of columns, one program each) until the batch
+# has about this many, so that a batch of 1 spreads its row over the GPU and a batch of 256 is not cut finer than needed
+TARGET_PROGRAMS = 1024
+MAX_BLOCK = 2048  # columns per loop iteration of a program (four quarters, one random-number call per lane)
 MIN_TEMPERATURE = 1e-2  # layers/sampler.py's clamp (1 / temperature would overflow float32 logits below it)
 FLOAT32_MAX = 3.4028234663852886e38
 
 
 @triton.jit
+def add_gumbel_and_keep_best(
+    logits_ptr, columns, end, inverse_temperature, uniform, best_score, best_column, FLOAT32_MAX: tl.constexpr
+):
+    """One slice of a row: scores logits / T + Gumbel noise, and keeps each lane's best score and its column."""
+    inside = columns < end
+    logits = tl.load(logits_ptr + columns, mask=inside, other=float("-inf"))
+    scaled = tl.minimum(logits.to(tl.float32) * inverse_temperature, FLOAT32_MAX)  # inf -> largest; -inf stays
+    uniform = tl.minimum(tl.maximum(uniform, 1e-20), 1.0 - 1e-7)  # keep both logs finite
+    score = scaled - tl.log(-tl.log(uniform))  # + Gumbel(0, 1)
+    better = score > best_score  # strict: the first column of a tie stays
+    return tl.where(better, score, best_score), tl.where(better, columns, best_column)
+
+
+# num_chunks and chunk_size change with the batch size: unspecialised, so that no batch size compiles a variant of its
+# own mid-run (Triton otherwise specialises integers equal to 1 or divisible by 16)
+@triton.jit(do_not_specialize=["num_chunks", "chunk_size"])
 def gumbel_argmax_kernel(
     logits_ptr,  # (B, V), any float dtype
     row_stride,
@@ -38,7 +66,7 @@ def gumbel_argmax_kernel(
     best_column_ptr,  # (B, num_chunks) int32 out
     vocab,
     num_chunks,
-    CHUNK: tl.constexpr,
+    chunk_size,  # columns per program, a multiple of BLOCK
     BLOCK: tl.constexpr,
     MIN_TEMPERATURE: tl.constexpr,
     FLOAT32_MAX: tl.constexpr,
@@ -47,22 +75,32 @@ def gumbel_argmax_kernel(
     chunk = tl.program_id(1)
     seed = tl.load(seed_ptr)
     inverse_temperature = 1.0 / tl.maximum(tl.load(temperatures_ptr + row), MIN_TEMPERATURE)
-    best_score = tl.full((BLOCK,), float("-inf"), tl.float32)
-    best_column = tl.zeros((BLOCK,), tl.int32)
-    chunk_start = chunk * CHUNK
-    chunk_end = tl.minimum(chunk_start + CHUNK, vocab)
+    row_ptr = logits_ptr + row.to(tl.int64) * row_stride
+    QUARTER: tl.constexpr = BLOCK // 4
+    lanes = tl.arange(0, QUARTER)
+    best_score = tl.full((QUARTER,), float("-inf"), tl.float32)
+    best_column = tl.zeros((QUARTER,), tl.int32)
+    chunk_start = chunk * chunk_size
+    chunk_end = tl.minimum(chunk_start + chunk_size, vocab)
+    blocks_per_row = tl.cdiv(vocab, BLOCK)
     for start in range(chunk_start, chunk_end, BLOCK):
-        columns = start + tl.arange(0, BLOCK)
-        inside = columns < chunk_end
-        logits = tl.load(logits_ptr + row.to(tl.int64) * row_stride + columns, mask=inside, other=float("-inf"))
-        scaled = tl.minimum(logits.to(tl.float32) * inverse_temperature, FLOAT32_MAX)  # inf -> largest; -inf stays
-        # one counter per (row, column): a row's noise does not depend on the chunking
-        uniform = tl.rand(seed, row * vocab + columns)
-        uniform = tl.minimum(tl.maximum(uniform, 1e-20), 1.0 - 1e-7)  # keep both logs finite
-        score = scaled - tl.log(-tl.log(uniform))  # + Gumbel(0, 1)
-        better = score > best_score  # strict: the first column of a tie stays
-        best_score = tl.where(better, score, best_score)
-        best_column = tl.where(better, columns, best_column)
+        # one Philox call gives four numbers: the block's four quarters share a counter (its row, block and lane),
+        # so the noise of a row does not depend on the chunking, and the generator runs once per four logits
+        counters = (row * blocks_per_row + start // BLOCK) * QUARTER + lanes
+        u0, u1, u2, u3 = tl.rand4x(seed, counters)
+        columns = start + lanes
+        best_score, best_column = add_gumbel_and_keep_best(
+            row_ptr, columns, chunk_end, inverse_temperature, u0, best_score, best_column, FLOAT32_MAX
+        )
+        best_score, best_column = add_gumbel_and_keep_best(
+            row_ptr, columns + QUARTER, chunk_end, inverse_temperature, u1, best_score, best_column, FLOAT32_MAX
+        )
+        best_score, best_column = add_gumbel_and_keep_best(
+            row_ptr, columns + 2 * QUARTER, chunk_end, inverse_temperature, u2, best_score, best_column, FLOAT32_MAX
+        )
+        best_score, best_column = add_gumbel_and_keep_best(
+            row_ptr, columns + 3 * QUARTER, chunk_end, inverse_temperature, u3, best_score, best_column, FLOAT32_MAX
+        )
     top = tl.max(best_score, axis=0)
     column = tl.min(tl.where(best_score == top, best_column, vocab), axis=0)  # the lowest column reaching the top
     column = tl.minimum(column, vocab - 1)  # (an all -inf chunk: any column, its score -inf loses to other chunks)
@@ -77,14 +115,17 @@ def gumbel_sample_triton(logits: torch.Tensor, temperatures: torch.Tensor, seed:
     num_rows, vocab = logits.shape
     if logits.stride(1) != 1:
         logits = logits.contiguous()
-    num_chunks = triton.cdiv(vocab, CHUNK)
+    block = min(MAX_BLOCK, max(16, triton.next_power_of_2(vocab)))
+    blocks = triton.cdiv(vocab, block)
+    chunks_wanted = min(blocks, max(1, TARGET_PROGRAMS // max(num_rows, 1)))
+    chunk_size = block * triton.cdiv(blocks, chunks_wanted)  # whole blocks
+    num_chunks = triton.cdiv(vocab, chunk_size)
     best_score = torch.empty(num_rows, num_chunks, dtype=torch.float32, device=logits.device)
     best_column = torch.empty(num_rows, num_chunks, dtype=torch.int32, device=logits.device)
     if num_rows:
         gumbel_argmax_kernel[(num_rows, num_chunks)](
-            logits, logits.stride(0), temperatures, seed, best_score, best_column, vocab, num_chunks,
-            CHUNK=CHUNK, BLOCK=min(2048, triton.next_power_of_2(vocab)), MIN_TEMPERATURE=MIN_TEMPERATURE,
-            FLOAT32_MAX=FLOAT32_MAX,
+            logits, logits.stride(0), temperatures, seed, best_score, best_column, vocab, num_chunks, chunk_size,
+            BLOCK=block, MIN_TEMPERATURE=MIN_TEMPERATURE, FLOAT32_MAX=FLOAT32_MAX,
         )  # fmt: skip
     best_chunk = best_score.argmax(dim=1, keepdim=True)  # (B, 1): the first chunk of a tie, as in one pass
     return best_column.gather(1, best_chunk).squeeze(1).long()  # (B,)
