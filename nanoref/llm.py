@@ -264,6 +264,11 @@ def decode_graphs(runner: ModelRunner, lora: LoRAHooks | None = None) -> DecodeG
     return DecodeGraphs(runner)
 
 
+def warm_up_draft(runner: SpeculativeRunner) -> None:
+    """The prefill warm-up on a draft model's runner (its cache exists once the target's does)."""
+    warm_up_prefill(runner.draft)
+
+
 def build_runner(
     config: EngineConfig, parallel: ParallelState | None = None, lora: LoRAHooks | None = None
 ) -> ModelRunner:
@@ -276,6 +281,8 @@ def build_runner(
     # (LoRA's slots exist before the decode graphs are recorded: the graphs read each row's slot as an input)
     # (the prefill warm-up runs first, on the plain model; one device only: ranks would have to warm up in step)
     warm_up = (warm_up_prefill,) if config.device.type == "cuda" and config.tensor_parallel_size == 1 else ()
+    if warm_up and spec is not None and spec.method == "draft_model":  # a draft's shapes compile kernels of their own
+        warm_up = (warm_up_prefill, warm_up_draft)
     hooks = RunnerHooks(
         attach=(*warm_up, *((lora.attach,) if lora is not None else ())),
         decode_graphs=partial(decode_graphs, lora=lora),

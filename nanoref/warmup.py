@@ -11,7 +11,7 @@ that no sequence holds yet, at two token counts (the compiled layers' first two 
 size), then the sampler at batch 1 and 2 (its Triton kernel; where it is compiled instead, the same as the layers:
 the first real prefill of 30 prompts recompiled it, 0.3-0.4 s).
 
-Attached by `nanoref/llm.py` on CUDA (on a CPU nothing compiles per shape).
+Attached by `nanoref/llm.py` on CUDA, to the target's runner and a draft model's (on a CPU nothing compiles per shape).
 """
 
 from __future__ import annotations

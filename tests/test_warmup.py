@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from nanoref import LLM, SamplingParams, trace_shapes
+from nanoref.llm import warm_up_draft
 from nanoref.warmup import warm_up_prefill
 
 from .helpers import assert_matches_hf, random_prompts
@@ -14,11 +15,11 @@ from .helpers import assert_matches_hf, random_prompts
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
 
-def varlen_calls(runner) -> list[bool]:
+def varlen_calls(runner, warm_up=warm_up_prefill) -> list[bool]:
     """Run the warm-up under the shape tracer -> one entry per varlen attention call (True: paged, its keys read
     from the cache's (num_blocks, block_size, Hk, D) tensor through a block table)."""
     with trace_shapes(layers=None, echo=False) as tracer:
-        warm_up_prefill(runner)
+        warm_up(runner)
     return [
         len(shapes["k"]) == 4 for step in tracer.steps for stage, shapes in step.stages if stage.endswith("attn.varlen")
     ]
@@ -33,6 +34,21 @@ def test_warm_up_runs_both_prefill_variants_and_writes_nothing(tiny_model):
     assert calls == [False] * num_layers + [True] * num_layers  # unpaged, then paged, in every layer
     assert torch.equal(runner.kv_cache, before), "the warm-up wrote into the KV cache"
     prompts = random_prompts(seed=3, lengths=[5, 30, 17])
+    assert_matches_hf(tiny_model, prompts, llm.generate(prompts, GREEDY, use_tqdm=False), GREEDY.max_tokens)
+
+
+def test_a_draft_models_warm_up_runs_on_the_draft_and_writes_into_neither_cache(tiny_model):
+    """On CUDA an engine with a draft model warms both up (nanoref/llm.py): the draft's own shapes compile kernels of
+    their own. Here on a CPU, called directly: both variants in each of the draft's layers, nothing written."""
+    spec = {"model": tiny_model, "num_speculative_tokens": 2}
+    llm = LLM(tiny_model, dtype="float32", num_kvcache_blocks=16, kvcache_block_size=16, speculative_config=spec)
+    runner = llm.model_runner
+    target_before, draft_before = runner.kv_cache.clone(), runner.draft.kv_cache.clone()
+    calls = varlen_calls(runner, warm_up_draft)
+    num_layers = len(runner.draft.attention_layers)
+    assert calls == [False] * num_layers + [True] * num_layers
+    assert torch.equal(runner.kv_cache, target_before) and torch.equal(runner.draft.kv_cache, draft_before)
+    prompts = random_prompts(seed=4, lengths=[6, 21])
     assert_matches_hf(tiny_model, prompts, llm.generate(prompts, GREEDY, use_tqdm=False), GREEDY.max_tokens)
 
 
