@@ -1,7 +1,8 @@
 """nanoref beside Nano-vLLM and HF transformers on Nano-vLLM's own benchmark, in one lease.
 
 The workload is Nano-vLLM's bench.py: 256 requests, prompts of 100-1024 random ids, 100-1024 output
-tokens each, temperature 0.6, ignore_eos, on Qwen3-0.6B's architecture with random bf16 weights.
+tokens each, temperature 0.6, ignore_eos, on Qwen3-0.6B's architecture with random bf16 weights (`--shape 8b`:
+Qwen3-8B's).
 Every engine runs in its own process (Nano-vLLM sets process-wide torch defaults), on the same model
 folder; each process warms up on a short prompt, then times `--runs-per-process` `generate` calls.
 
@@ -237,13 +238,17 @@ def bytes_moved(folder: Path) -> dict:
     return dict(weights=weights, kv_per_token=kv_per_token, total=total, output_tokens=sum(max_tokens))
 
 
-def make_model(folder: Path) -> Path:
+SHAPES = {"0.6b": "Qwen3-0.6B", "8b": "Qwen3-8B"}  # --shape: the random model's architecture
+
+
+def make_model(folder: Path, shape: str = "0.6b") -> Path:
+    """A random bf16 model of Qwen3-0.6B's or Qwen3-8B's architecture, with the built-in model's tokenizer."""
     import torch
 
     sys.path.insert(0, str(REPO))
-    from nanoref.testing import QWEN3_0_6B, make_random_qwen3
+    from nanoref.testing import QWEN3_0_6B, QWEN3_8B, make_random_qwen3
 
-    make_random_qwen3(folder, QWEN3_0_6B, dtype=torch.bfloat16, device="cuda")
+    make_random_qwen3(folder, QWEN3_8B if shape == "8b" else QWEN3_0_6B, dtype=torch.bfloat16, device="cuda")
     for name in TOKENIZER_FILES:  # Nano-vLLM loads a tokenizer (for its warm-up prompt and eos only)
         shutil.copy(REPO / "nanoref" / "default_model" / name, folder / name)
     return folder
@@ -272,7 +277,7 @@ def parent(args: argparse.Namespace) -> None:
     import torch
 
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    folder = make_model(Path(tempfile.mkdtemp()) / "qwen3-0.6b-random")
+    folder = make_model(Path(tempfile.mkdtemp()) / f"qwen3-{args.shape}-random", args.shape)
     bandwidth = copy_bandwidth()
     floor = bytes_moved(folder)
     floor["seconds"] = floor["total"] / bandwidth
@@ -292,6 +297,7 @@ def parent(args: argparse.Namespace) -> None:
     for name in order:
         runs.append(dict(engine=name, **launch(name, engines.get(name, ""), args, folder)))
         summary = dict(
+            model=f"random {SHAPES[args.shape]} bf16",
             device=torch.cuda.get_device_name(),
             torch=torch.__version__,
             copy_bandwidth=bandwidth,
@@ -403,7 +409,7 @@ def plot(source: Path, target: Path) -> None:
     ax.axvline(floor, color="#c44e52", linestyle="--", label=f"bytes-moved floor, run 0 ({floor:,.0f} tok/s)")
     ax.set_xlabel("output tokens/s (bar: median over processes; dots: the timed runs)")
     ax.set_title(
-        f"Nano-vLLM's benchmark, random Qwen3-0.6B bf16\none {summary['device']}\n"
+        f"Nano-vLLM's benchmark, {summary.get('model', 'random Qwen3-0.6B bf16')}\none {summary['device']}\n"
         "every timed run on prompts its engine had not served",
         fontsize=10,
     )
@@ -432,6 +438,7 @@ def main() -> None:
         help="timed run indices whose requests all start with one random system prompt of their own",
     )
     parser.add_argument("--shared-prefix-len", type=int, default=1024, help="that system prompt's tokens")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="0.6b", help="the random model's architecture")
     parser.add_argument("--plot", nargs=2, type=Path, metavar=("JSON", "PNG"))
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)

@@ -84,3 +84,19 @@ def test_the_serving_benchmark_counts_a_process_and_its_children_cpu_time_apart(
         assert own_after - own_before < 0.45  # (this process slept meanwhile)
     finally:
         child.communicate(b"")
+
+
+@pytest.mark.parametrize("name", ["beside_peer_h100.json", "beside_peer_h200_warmup.json"])
+def test_the_beside_peer_figure_is_drawn_from_each_committed_lease(tmp_path, name):
+    """The H100 lease's JSON names its model; the older ones do not (the figure then says Qwen3-0.6B)."""
+    pytest.importorskip("matplotlib")
+    figure = tmp_path / "beside_peer.png"
+    result = run_script("benchmarks/beside_peer.py", "--plot", f"benchmarks/results/{name}", str(figure))
+    assert result.returncode == 0, result.stderr
+    assert figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_beside_peer_offers_qwen3_8b_shapes():
+    result = run_script("benchmarks/beside_peer.py", "--help")
+    assert result.returncode == 0, result.stderr
+    assert "--shape {0.6b,8b}" in result.stdout
