@@ -280,7 +280,9 @@ class SpeculativeConfig:
     min_tokens_per_step: while the tokens a sequence gains per verify step (a moving average over the engine's
         steps, 1 + its accepted proposals) stay below this, decode steps run plain, with a verify step now and then
         (after 8 plain steps, doubling to 64 while those do not pay) to see whether the text became predictable;
-        default 1.5, 0 never disables.
+        default 1.5, 0 never disables. With a draft model the bar is raised by k x the draft's parameters over the
+        target's (its k forwards per step); a draft whose bar passes k + 1 never pays, and the engine warns and
+        decodes without speculation.
     """
 
     method: str

@@ -254,7 +254,8 @@ def test_speculative_decoding_verifies_under_each_requests_adapter(tiny_models, 
     tiny_model = tiny_models["gqa2-untied"]
     spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}
     if method == "draft_model":
-        spec = {"model": tiny_models["gqa1-tied"], "num_speculative_tokens": 2}
+        # (every step verifies: a draft this size would not pay, and the policy would run every step plain)
+        spec = {"model": tiny_models["gqa1-tied"], "num_speculative_tokens": 2, "min_tokens_per_step": 0}
     prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 9, 9, 9, 1], [4, 2, 4, 2, 4, 2]]
     loras = [adapters["all-r8"], None, adapters["mlp-r2"]]
     llm = lora_llm(tiny_model, num_kvcache_blocks=64, speculative_config=spec)

@@ -9,6 +9,7 @@ import pytest
 from nanoref import LLM, SamplingParams
 from nanoref.speculative.policy import DEFAULT_BATCH_LIMIT, SpeculationPolicy
 from nanoref.speculative.proposers import propose_ngram
+from nanoref.testing import EVERY_STEP
 
 from .helpers import assert_matches_hf, assert_no_block_leaked, random_prompts
 
@@ -112,3 +113,39 @@ def test_the_faster_ngram_lookup_agrees_with_the_sliding_window_definition():
         low = rng.randrange(1, 4)
         high, k = rng.randrange(low, 6), rng.randrange(1, 6)
         assert propose_ngram(tokens, low, high, k) == by_windows(tokens, low, high, k), (tokens, low, high, k)
+
+
+def weights(llm_model) -> int:
+    return sum(p.numel() for p in llm_model.parameters())
+
+
+def test_a_draft_as_large_as_the_target_never_verifies_and_says_so(tiny_model):
+    """Its k forwards cost k plain steps' weights: the bar (1.5 + k) passes the k + 1 tokens a verify step can gain.
+    The engine warns, decodes every step plain and still gives HF's greedy tokens."""
+    spec = {"model": tiny_model, "num_speculative_tokens": 3, "disable_by_batch_size": 0}
+    with pytest.warns(RuntimeWarning, match=r"gain 4\.50 tokens per sequence to pay, more than the 4 it can"):
+        llm = LLM(tiny_model, device="cpu", speculative_config=spec, num_kvcache_blocks=64)
+    policy = llm.speculative_loop.policy
+    assert policy.min_tokens_per_step == pytest.approx(1.5 + 3) and not policy.speculate(1)
+    prompts = random_prompts(8, [9, 14])
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    assert_matches_hf(tiny_model, prompts, outputs, 12)
+    assert not any(step.num_draft_tokens for step in llm.metrics.steps), "a step verified"
+    assert_no_block_leaked(llm)
+
+
+def test_a_smaller_draft_raises_the_bar_by_its_share_of_the_weights(tiny_model, tmp_path):
+    from nanoref.testing import make_tiny_qwen3
+
+    draft = make_tiny_qwen3(tmp_path / "draft", seed=5, num_hidden_layers=1)
+    spec = {"model": draft, "num_speculative_tokens": 3, "disable_by_batch_size": 0}
+    llm = LLM(tiny_model, device="cpu", speculative_config=spec, num_kvcache_blocks=64)
+    runner = llm.model_runner
+    share = weights(runner.draft.model) / weights(runner.model)
+    assert 0.3 < share < 0.9
+    assert llm.speculative_loop.policy.min_tokens_per_step == pytest.approx(1.5 + 3 * share)
+    assert llm.speculative_loop.policy.speculate(1), "a bar under k + 1: the first step verifies"
+    # min_tokens_per_step=0 turns the acceptance rule off, the draft's cost with it: every step verifies
+    every = LLM(tiny_model, device="cpu", num_kvcache_blocks=64,
+                speculative_config={"model": tiny_model, "num_speculative_tokens": 3, **EVERY_STEP})  # fmt: skip
+    assert every.speculative_loop.policy.min_tokens_per_step == 0 and every.speculative_loop.policy.speculate(1)

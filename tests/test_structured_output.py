@@ -232,7 +232,12 @@ def test_a_speculative_engine_runs_constrained_samples_in_plain_steps(llm, metho
     valid, and speculation resumes once the constrained samples are done."""
     spec = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_max": 2}
     if method == "draft":
-        spec = {"method": "draft_model", "model": str(llm.config.model_folder), "num_speculative_tokens": 2}
+        spec = {
+            "method": "draft_model",
+            "model": str(llm.config.model_folder),
+            "num_speculative_tokens": 2,
+            "min_tokens_per_step": 0,
+        }  # (a draft as large as the target never pays: the policy would skip it)
     speculative = LLM(device="cpu", seed=0, speculative_config={**spec, "disable_by_batch_size": 0})
     repeat = "1 2 3 4 1 2 3 4 1 2 3 4 1 2 3 4"  # (n-gram lookup finds proposals here)
     params = [json_params(temperature=0), SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)]

@@ -40,7 +40,7 @@ def test_warm_up_runs_both_prefill_variants_and_writes_nothing(tiny_model):
 def test_a_draft_models_warm_up_runs_on_the_draft_and_writes_into_neither_cache(tiny_model):
     """On CUDA an engine with a draft model warms both up (nanoref/llm.py): the draft's own shapes compile kernels of
     their own. Here on a CPU, called directly: both variants in each of the draft's layers, nothing written."""
-    spec = {"model": tiny_model, "num_speculative_tokens": 2}
+    spec = {"model": tiny_model, "num_speculative_tokens": 2, "min_tokens_per_step": 0}
     llm = LLM(tiny_model, dtype="float32", num_kvcache_blocks=16, kvcache_block_size=16, speculative_config=spec)
     runner = llm.model_runner
     target_before, draft_before = runner.kv_cache.clone(), runner.draft.kv_cache.clone()

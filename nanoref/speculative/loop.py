@@ -30,6 +30,7 @@ Given to the engine by `nanoref/llm.py` as its step loop (`SpeculativeLoop`), wi
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,7 +45,7 @@ from nanoref.engine.step_inputs import StepInputs, prefill_arrays, prefill_metad
 from nanoref.layers.logits_processors import LogitsProcessing, TokenLogprobs, raw_logprobs, to_device, token_logprobs
 from nanoref.layers.sampler import sampling_probs
 from nanoref.speculative.acceptance import accept_greedy, emitted_tokens, rejection_sample
-from nanoref.speculative.policy import DEFAULT_BATCH_LIMIT, SpeculationPolicy
+from nanoref.speculative.policy import DEFAULT_BATCH_LIMIT, SpeculationPolicy, draft_cost
 from nanoref.speculative.proposers import DraftProposer, NgramProposer
 from nanoref.utils import seams
 from nanoref.utils.interrupts import interruptibly
@@ -98,12 +99,24 @@ class SpeculativeLoop:
         limit = spec.disable_by_batch_size
         if limit is None:
             limit = DEFAULT_BATCH_LIMIT.get(engine.config.device.type, DEFAULT_BATCH_LIMIT["cuda"])
-        self.policy = SpeculationPolicy(limit, spec.min_tokens_per_step)
+        self.policy = SpeculationPolicy(limit, spec.min_tokens_per_step, max_tokens_per_step=self.k + 1)
         if spec.method == "ngram":
             self.proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
         else:
             runner.draft.block_tables = runner.block_tables  # the draft's K/V lives in the target's blocks
             self.proposer = DraftProposer(runner.draft)
+            if spec.min_tokens_per_step > 0:  # (0: the acceptance rule is off, and with it the draft's cost)
+                draft, target = parameters(runner.draft.model), parameters(runner.model)
+                self.policy.min_tokens_per_step += draft_cost(self.k, draft, target)
+                if self.policy.never_pays:
+                    warnings.warn(
+                        f"speculative_config: the draft model has {draft:,} parameters, the target {target:,}: with "
+                        f"its {self.k} forwards a verify step would have to gain {self.policy.min_tokens_per_step:.2f} "
+                        f"tokens per sequence to pay, more than the {self.k + 1} it can, so decode steps run without "
+                        "speculation (a smaller draft pays; min_tokens_per_step=0 verifies every step anyway)",
+                        RuntimeWarning,
+                        stacklevel=2,
+                    )
         # totals over the engine's life (the server's /metrics)
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
@@ -348,3 +361,8 @@ def trim(manager: BlockManager, seq: Sequence) -> None:
     manager.tables.array[seq.table_row, keep : len(seq.block_table)] = -1
     del seq.block_table[keep:]
     manager.tables.num_blocks[seq.table_row] = keep
+
+
+def parameters(model: torch.nn.Module) -> int:
+    """The weights a forward reads (a tied embedding counted once)."""
+    return sum(p.numel() for p in model.parameters())

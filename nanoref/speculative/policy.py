@@ -11,7 +11,11 @@ requests take the same steps):
   accepted) stay below `min_tokens_per_step`, steps run plain; a probe still verifies now and then, so the average
   follows text that becomes predictable (a repeated list, code being quoted): after 8 plain steps, and twice as
   many after each probe that did not pay (up to 64), since a probe costs a verify step (with a draft model, its
-  forwards and its catch-up on the tokens it missed).
+  forwards and its catch-up on the tokens it missed);
+- a draft model's own cost: its k forwards per verify step read its weights k times, so with a draft the bar is
+  `min_tokens_per_step` + k x (the draft's parameters / the target's). A draft as large as the target raises it past
+  k + 1, the most a verify step can gain: such a draft can never pay, and no step verifies (measured on one H200 at
+  batch 1: a draft identical to the target, 4.79 tokens per verify step, ran at 0.56x plain decoding).
 
 A plain step inside the speculative loop is the engine's ordinary decode step (its CUDA graphs included); a draft
 model simply catches up on the tokens it missed at its next verify step.
@@ -35,10 +39,15 @@ class SpeculationPolicy:
     smoothing: float = 0.3  # the weight of the latest verify step in the moving average
     tokens_per_step: float | None = None  # the moving average (None before the first verify step)
     plain_since_verify: int = 0
+    max_tokens_per_step: float = float("inf")  # k + 1: a bar above it can never be met
+
+    @property
+    def never_pays(self) -> bool:
+        return self.min_tokens_per_step > self.max_tokens_per_step
 
     def speculate(self, num_seqs: int) -> bool:
         """Whether the decode step of num_seqs sequences about to run verifies proposals."""
-        if self.disable_by_batch_size and num_seqs > self.disable_by_batch_size:
+        if self.disable_by_batch_size and num_seqs > self.disable_by_batch_size or self.never_pays:
             return False
         average = self.tokens_per_step
         if average is None or average >= self.min_tokens_per_step:
@@ -59,3 +68,9 @@ class SpeculationPolicy:
 
     def ran_plain(self) -> None:
         self.plain_since_verify += 1
+
+
+def draft_cost(num_speculative_tokens: int, draft_parameters: int, target_parameters: int) -> float:
+    """The tokens per verify step a draft model's k forwards cost, in target decode steps: k x its share of the
+    weights a step reads (what bounds a decode forward at the batch sizes speculation runs at)."""
+    return num_speculative_tokens * draft_parameters / target_parameters
