@@ -72,11 +72,11 @@ def upload_arrays(arrays: dict[str, np.ndarray], device: torch.device) -> dict[s
     for array in arrays.values():
         starts.append(end)
         end += -(-array.size // ALIGN_INT32) * ALIGN_INT32
-    host = torch.empty(end, dtype=torch.int32, pin_memory=device.type == "cuda")  # (the gaps are never read)
-    host_view = host.numpy()
+    packed = np.empty(end, dtype=np.int32)  # (the gaps between arrays are never read)
     for start, array in zip(starts, arrays.values()):
-        host_view[start : start + array.size] = array.ravel()  # (int64 -> int32)
-    flat = host.to(device, non_blocking=True) if device.type == "cuda" else host
+        packed[start : start + array.size] = array.ravel()  # (int64 -> int32)
+    host = torch.from_numpy(packed)
+    flat = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
     return {
         name: flat[start : start + array.size].view(array.shape) for (name, array), start in zip(arrays.items(), starts)
     }
