@@ -47,7 +47,7 @@ class SpeculationPolicy:
 
     def speculate(self, num_seqs: int) -> bool:
         """Whether the decode step of num_seqs sequences about to run verifies proposals."""
-        if self.disable_by_batch_size and num_seqs > self.disable_by_batch_size or self.never_pays:
+        if self.never_pays or (self.disable_by_batch_size and num_seqs > self.disable_by_batch_size):
             return False
         average = self.tokens_per_step
         if average is None or average >= self.min_tokens_per_step:
