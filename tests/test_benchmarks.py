@@ -19,7 +19,7 @@ def run_script(*args: str) -> subprocess.CompletedProcess:
 
 
 def test_the_kernel_benchmark_explains_its_options_without_a_gpu():
-    result = run_script("benchmarks/kernels.py", "--help")
+    result = run_script("benchmarks/kernel_bench.py", "--help")
     assert result.returncode == 0, result.stderr
     assert "--plot JSON" in result.stdout and "--json JSON" in result.stdout
 
@@ -39,7 +39,8 @@ def test_the_kernel_figure_is_drawn_from_a_results_json(tmp_path):
     record = dict(machine="Fake GPU", copy_TBps=4.0, decode=fake_decode_rows())
     (tmp_path / "kernels_fake.json").write_text(json.dumps(record))
     figure = tmp_path / "kernels_fake.png"
-    result = run_script("benchmarks/kernels.py", "--plot", str(tmp_path / "kernels_fake.json"), "--figure", str(figure))
+    json_path = str(tmp_path / "kernels_fake.json")
+    result = run_script("benchmarks/kernel_bench.py", "--plot", json_path, "--figure", str(figure))
     assert result.returncode == 0, result.stderr
     assert figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -47,10 +48,10 @@ def test_the_kernel_figure_is_drawn_from_a_results_json(tmp_path):
 def test_a_json_that_is_not_the_kernel_benchmarks_is_named(tmp_path):
     (tmp_path / "other.json").write_text(json.dumps({"rows": []}))
     result = run_script(
-        "benchmarks/kernels.py", "--plot", str(tmp_path / "other.json"), "--figure", str(tmp_path / "x.png")
+        "benchmarks/kernel_bench.py", "--plot", str(tmp_path / "other.json"), "--figure", str(tmp_path / "x.png")
     )
     assert result.returncode != 0
-    assert "is not a results file of benchmarks/kernels.py" in result.stderr
+    assert "is not a results file of benchmarks/kernel_bench.py" in result.stderr
     assert not (tmp_path / "x.png").exists()
 
 
@@ -100,3 +101,12 @@ def test_beside_peer_offers_qwen3_8b_shapes():
     result = run_script("benchmarks/beside_peer.py", "--help")
     assert result.returncode == 0, result.stderr
     assert "--shape {0.6b,8b}" in result.stdout
+
+
+def test_no_benchmark_script_shadows_a_package_transformers_imports():
+    """`python benchmarks/X.py` puts benchmarks/ first on sys.path: a script named like an optional package that
+    transformers looks for (`kernels` was one: transformers 5.25 then imported it in place of HF's `kernels` and every
+    script that builds a Qwen3 model failed) breaks them all."""
+    code = "import sys; sys.path.insert(0, 'benchmarks'); from transformers import Qwen3ForCausalLM; print('ok')"
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-2000:]

@@ -35,7 +35,7 @@ LOG2E = 1.4426950408889634  # softmax in base 2: exp(x) == exp2(x * log2(e)), an
 
 @dataclass
 class Launch:
-    """Tile sizes and launch settings: on a GPU, speed depends on these; benchmarks/kernels.py sweeps them."""
+    """Tile sizes and launch settings: on a GPU, speed depends on these; benchmarks/kernel_bench.py sweeps them."""
 
     block_m: int = 64  # query rows per tile (prefill: tokens x the GQA group's heads; decode's are fixed by GQA)
     block_n: int = 64  # keys per tile
@@ -43,7 +43,7 @@ class Launch:
     num_stages: int = 2
 
 
-DECODE_LAUNCH = Launch(block_n=64, num_warps=4, num_stages=3)  # best of benchmarks/kernels.py --sweep on an H200
+DECODE_LAUNCH = Launch(block_n=64, num_warps=4, num_stages=3)  # best of benchmarks/kernel_bench.py --sweep on an H200
 # 128 rows (64 tokens x GQA 2's heads): two warpgroups of 64 rows, so 8 warps. On an H200 it tied 64 rows / 4 warps
 # (69% of SDPA, geometric mean) and led on long sequences (benchmarks/results/kernels_compare_h200.md)
 PREFILL_LAUNCH = Launch(block_m=128, block_n=64, num_warps=8, num_stages=3)
@@ -332,7 +332,7 @@ def _num_sms(device: torch.device) -> int:
 
 
 # Decode programs one SM runs at once: compiled on an H200 (triton 3.6) with DECODE_LAUNCH, a program takes 128
-# registers x 128 threads and 39 KB of shared memory, so four fit in an SM's 64K registers (benchmarks/kernels.py
+# registers x 128 threads and 39 KB of shared memory, so four fit in an SM's 64K registers (benchmarks/kernel_bench.py
 # --compare prints what the GPU's own compile takes; benchmarks/results/kernels_compare_h200.md).
 DECODE_PROGRAMS_PER_SM = 4
 

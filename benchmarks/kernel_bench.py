@@ -1,9 +1,9 @@
 """Kernel benchmark: the Triton KV store and paged decode attention against the copy bandwidth and peers.
 
-    python benchmarks/kernels.py                       # on a CUDA GPU: check, then time, table + figure
-    python benchmarks/kernels.py --sweep               # first sweep the kernels' tile settings (--sweep-prefill)
-    python benchmarks/kernels.py --plot benchmarks/results/kernels_h200.json   # anywhere: redraw the figure
-    python benchmarks/kernels.py --compare OLD.py      # the kernels of an older attention_triton.py vs the current
+    python benchmarks/kernel_bench.py                       # on a CUDA GPU: check, then time, table + figure
+    python benchmarks/kernel_bench.py --sweep               # first sweep the kernels' tile settings (--sweep-prefill)
+    python benchmarks/kernel_bench.py --plot benchmarks/results/kernels_h200.json   # anywhere: redraw the figure
+    python benchmarks/kernel_bench.py --compare OLD.py      # the kernels of an older attention_triton.py vs the current
 
 OLD.py is nanoref/ops/attention_triton.py as an older commit had it, e.g.
 `git show 177e2ae:nanoref/ops/attention_triton.py > /tmp/old_attention_triton.py`.
@@ -493,7 +493,7 @@ def compare(old_path: Path, out: Path) -> None:
     print("\npaged decode, small batches (block 16): old vs new vs dense SDPA\n" + decode_table)
     text = f"""# Attention kernels, old against new: one {gpu}
 
-`python benchmarks/kernels.py --compare`, measured {time.strftime("%Y-%m-%d")} on one {gpu} (torch
+`python benchmarks/kernel_bench.py --compare`, measured {time.strftime("%Y-%m-%d")} on one {gpu} (torch
 {torch.__version__}, triton {triton.__version__}). Medians of `do_bench` over CUDA-graph replays, L2 flushed.
 Qwen3-0.6B attention shapes (16 query heads, 8 KV heads, head_dim 128), bf16. "old" is
 {old_path.name} (an older nanoref/ops/attention_triton.py); "of_sdpa" is SDPA's time over the kernel's (100% =
@@ -594,7 +594,7 @@ def plot(record_path: Path, figure: Path) -> None:
     record = json.loads(record_path.read_text())
     missing = {"machine", "copy_TBps", "decode"} - set(record)
     if missing:
-        sys.exit(f"{record_path} is not a results file of benchmarks/kernels.py: it has no {sorted(missing)}")
+        sys.exit(f"{record_path} is not a results file of benchmarks/kernel_bench.py: it has no {sorted(missing)}")
     draw(record["decode"], record["copy_TBps"], figure, record["machine"])
 
 
@@ -619,7 +619,7 @@ def main() -> None:
         print(f"drew {args.figure} from {args.plot}")
         return
     if not torch.cuda.is_available():
-        sys.exit("benchmarks/kernels.py needs a CUDA GPU (on a CPU, the tests check the kernels under the interpreter)")
+        sys.exit("benchmarks/kernel_bench.py needs a CUDA GPU (on a CPU the tests check the kernels, interpreted)")
     if args.compare:
         compare(args.compare, args.out)
         return
@@ -670,7 +670,7 @@ def main() -> None:
     launch = tri.DECODE_LAUNCH
     text = f"""# Kernel benchmark: one {gpu}
 
-`python benchmarks/kernels.py{" --sweep" if args.sweep else ""}`, measured {time.strftime("%Y-%m-%d")}
+`python benchmarks/kernel_bench.py{" --sweep" if args.sweep else ""}`, measured {time.strftime("%Y-%m-%d")}
 on one {gpu} (torch {torch.__version__}, triton {triton.__version__}, Python {platform.python_version()}).
 Every time is the median of `triton.testing.do_bench` over a CUDA-graph replay of one call (no Python or
 launch overhead, as in the engine's graphed decode; L2 flushed between calls). Shapes: Qwen3-0.6B
@@ -714,7 +714,7 @@ Every sequence of the batch holds `ctx` tokens, its blocks scattered at random t
         machine=gpu,
         versions=f"torch {torch.__version__}, triton {triton.__version__}, Python {platform.python_version()}",
         date=time.strftime("%Y-%m-%d"),
-        command=" ".join(["python", "benchmarks/kernels.py", *sys.argv[1:]]),
+        command=" ".join(["python", "benchmarks/kernel_bench.py", *sys.argv[1:]]),
         shapes=dict(heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM, dtype=str(DTYPE)),
         copy_TBps=copy_tbps,
         prefill=prefill_rows,
