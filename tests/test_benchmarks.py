@@ -110,3 +110,15 @@ def test_no_benchmark_script_shadows_a_package_transformers_imports():
     code = "import sys; sys.path.insert(0, 'benchmarks'); from transformers import Qwen3ForCausalLM; print('ok')"
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and "ok" in result.stdout, result.stderr[-2000:]
+
+
+def test_the_sampling_kernel_benchmark_checks_and_times_on_tiny_shapes(tmp_path):
+    """--quick runs anywhere (on a CPU the kernel runs interpreted): the distribution check, then both methods timed."""
+    pytest.importorskip("triton")
+    out = tmp_path / "sampling.json"
+    result = run_script("benchmarks/sampling_kernel.py", "--quick", "--out", str(out))
+    assert result.returncode == 0, result.stderr[-3000:]
+    record = json.loads(out.read_text())
+    assert [row["batch"] for row in record["rows"]] == [1, 4]
+    assert all(row["reference_us"] > 0 and row["kernel_us"] > 0 for row in record["rows"])
+    assert len(record["check"]["frequencies"]) == 3 and record["check"]["rows"] == 200
