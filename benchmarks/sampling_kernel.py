@@ -38,12 +38,14 @@ BATCHES = (1, 8, 64, 256)
 def check(gumbel_sample_triton, device: torch.device, vocab: int, rows: int) -> dict:
     """The kernel's frequencies over `rows` rows of `vocab` logits (three live columns far apart) against softmax's
     probabilities: every count within 5 standard deviations."""
+    from nanoref.layers.sampler import MIN_TEMPERATURE
+
     live = torch.tensor([5, vocab // 2, vocab - 1])
     values = torch.tensor([0.0, 1.0986123, -1.0]).bfloat16()
     logits = torch.full((rows, vocab), float("-inf"), device=device, dtype=torch.bfloat16)
     logits[:, live.to(device)] = values.to(device)
     seed = torch.tensor([0], device=device)
-    ids = gumbel_sample_triton(logits, torch.ones(rows, device=device), seed).cpu()
+    ids = gumbel_sample_triton(logits, torch.ones(rows, device=device), seed, MIN_TEMPERATURE).cpu()
     if not torch.isin(ids, live).all():
         raise SystemExit("the kernel drew a masked column")
     probs = values.float().softmax(-1)
@@ -87,7 +89,7 @@ def main() -> None:
     from nanoref.ops.triton_setup import import_triton, kernel_device
 
     triton = import_triton()
-    from nanoref.layers.sampler import sample_with_temperature_cuda
+    from nanoref.layers.sampler import MIN_TEMPERATURE, sample_with_temperature_cuda
     from nanoref.ops.sample_triton import gumbel_sample_triton
 
     device = kernel_device()
@@ -101,7 +103,7 @@ def main() -> None:
         logits = torch.randn(batch, vocab, device=device, generator=generator).bfloat16()
         temperatures = torch.full((batch,), args.temperature, device=device)
         reference = partial(reference_draw, sample_with_temperature_cuda, logits, temperatures, generator)
-        kernel = partial(gumbel_sample_triton, logits, temperatures, seed)
+        kernel = partial(gumbel_sample_triton, logits, temperatures, seed, MIN_TEMPERATURE)
         times = {name: time_us(fn, device) for name, fn in (("reference", reference), ("kernel", kernel))}
         gbps = logits.numel() * logits.element_size() / (times["kernel"] * 1e-6) / 1e9
         rows.append(dict(batch=batch, reference_us=times["reference"], kernel_us=times["kernel"], kernel_GBps=gbps))

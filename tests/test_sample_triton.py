@@ -14,6 +14,7 @@ import torch
 
 pytest.importorskip("triton", reason="Triton is not installed (Linux wheels only)")
 
+from nanoref.layers.sampler import MIN_TEMPERATURE  # noqa: E402
 from nanoref.ops import sample_triton  # noqa: E402
 from nanoref.ops.sample_triton import MAX_BLOCK, gumbel_sample_triton  # noqa: E402
 from nanoref.ops.triton_setup import kernel_device  # noqa: E402
@@ -28,7 +29,7 @@ def seed(value: int) -> torch.Tensor:
 def draw(logits: torch.Tensor, temperature: float, seed_value: int) -> torch.Tensor:
     logits = logits.to(DEVICE)
     temperatures = torch.full((logits.shape[0],), temperature, dtype=torch.float32, device=DEVICE)
-    return gumbel_sample_triton(logits, temperatures, seed(seed_value)).cpu()
+    return gumbel_sample_triton(logits, temperatures, seed(seed_value), MIN_TEMPERATURE).cpu()
 
 
 def assert_frequencies(ids: torch.Tensor, probs: torch.Tensor) -> None:
@@ -102,7 +103,7 @@ def test_on_cuda_a_large_vocabulary_batch_follows_the_distribution():
     logits = torch.full((rows, vocab), float("-inf"), device="cuda", dtype=torch.bfloat16)
     logits[:, [5, 80_000, vocab - 1]] = torch.tensor([0.0, 1.0986123, -1.0], device="cuda", dtype=torch.bfloat16)
     temperatures = torch.ones(rows, device="cuda")
-    ids = gumbel_sample_triton(logits, temperatures, seed(0)).cpu()
+    ids = gumbel_sample_triton(logits, temperatures, seed(0), MIN_TEMPERATURE).cpu()
     live = torch.tensor([5, 80_000, vocab - 1])
     assert torch.isin(ids, live).all()
     compact = (ids[:, None] == live[None]).long().argmax(dim=1)

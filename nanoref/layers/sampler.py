@@ -152,7 +152,7 @@ def sample_temperature_only(
         from nanoref.ops.sample_triton import gumbel_sample_triton
 
         seed = torch.randint(2**62, (1,), device=logits.device, generator=generator)  # (1,) int64: this draw's seed
-        return gumbel_sample_triton(logits, temperatures, seed)
+        return gumbel_sample_triton(logits, temperatures, seed, MIN_TEMPERATURE)
     noise = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)  # (B, V)
     noise.exponential_(generator=generator)
     return sample_with_temperature_cuda(logits, temperatures, noise)

@@ -37,8 +37,7 @@ import triton.language as tl  # noqa: E402  (after import_triton: the interprete
 # has about this many, so that a batch of 1 spreads its row over the GPU and a batch of 256 is not cut finer than needed
 TARGET_PROGRAMS = 2048
 MAX_BLOCK = 2048  # columns per loop iteration of a program (four quarters, one random-number call per lane)
-MIN_TEMPERATURE = 1e-2  # layers/sampler.py's clamp (1 / temperature would overflow float32 logits below it)
-FLOAT32_MAX = 3.4028234663852886e38
+FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 @triton.jit
@@ -62,6 +61,7 @@ def gumbel_argmax_kernel(
     logits_ptr,  # (B, V), any float dtype
     row_stride,
     temperatures_ptr,  # (B,) float32
+    min_temperature,  # the clamp: 1 / temperature below it would overflow float32 logits
     seed_ptr,  # (1,) int64: this step's seed
     best_score_ptr,  # (B, num_chunks) float32 out
     best_column_ptr,  # (B, num_chunks) int32 out
@@ -69,13 +69,12 @@ def gumbel_argmax_kernel(
     num_chunks,
     chunk_size,  # columns per program, a multiple of BLOCK
     BLOCK: tl.constexpr,
-    MIN_TEMPERATURE: tl.constexpr,
     FLOAT32_MAX: tl.constexpr,
 ):
     row = tl.program_id(0)  # grid (B, num_chunks)
     chunk = tl.program_id(1)
     seed = tl.load(seed_ptr)
-    inverse_temperature = 1.0 / tl.maximum(tl.load(temperatures_ptr + row), MIN_TEMPERATURE)
+    inverse_temperature = 1.0 / tl.maximum(tl.load(temperatures_ptr + row), min_temperature)
     row_ptr = logits_ptr + row.to(tl.int64) * row_stride
     QUARTER: tl.constexpr = BLOCK // 4
     lanes = tl.arange(0, QUARTER)
@@ -109,10 +108,12 @@ def gumbel_argmax_kernel(
     tl.store(best_column_ptr + row * num_chunks + chunk, column)
 
 
-def gumbel_sample_triton(logits: torch.Tensor, temperatures: torch.Tensor, seed: torch.Tensor) -> torch.Tensor:
+def gumbel_sample_triton(
+    logits: torch.Tensor, temperatures: torch.Tensor, seed: torch.Tensor, min_temperature: float
+) -> torch.Tensor:
     """logits: (B, V) (rows may be strided, columns contiguous); temperatures: (B,) float32, clamped to
-    MIN_TEMPERATURE; seed: (1,) int64 on the logits' device -> sampled ids (B,) int64, a draw from
-    softmax(logits / T) per row. The same seed and logits give the same ids."""
+    min_temperature (the sampler's MIN_TEMPERATURE); seed: (1,) int64 on the logits' device -> sampled ids (B,)
+    int64, a draw from softmax(logits / T) per row. The same seed and logits give the same ids."""
     num_rows, vocab = logits.shape
     if logits.stride(1) != 1:
         logits = logits.contiguous()
@@ -125,8 +126,8 @@ def gumbel_sample_triton(logits: torch.Tensor, temperatures: torch.Tensor, seed:
     best_column = torch.empty(num_rows, num_chunks, dtype=torch.int32, device=logits.device)
     if num_rows:
         gumbel_argmax_kernel[(num_rows, num_chunks)](
-            logits, logits.stride(0), temperatures, seed, best_score, best_column, vocab, num_chunks, chunk_size,
-            BLOCK=block, MIN_TEMPERATURE=MIN_TEMPERATURE, FLOAT32_MAX=FLOAT32_MAX,
+            logits, logits.stride(0), temperatures, min_temperature, seed, best_score, best_column, vocab, num_chunks,
+            chunk_size, BLOCK=block, FLOAT32_MAX=FLOAT32_MAX,
         )  # fmt: skip
     best_chunk = best_score.argmax(dim=1, keepdim=True)  # (B, 1): the first chunk of a tie, as in one pass
     return best_column.gather(1, best_chunk).squeeze(1).long()  # (B,)

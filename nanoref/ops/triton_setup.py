@@ -15,6 +15,7 @@ re-imports those library modules so that they are decorated for the interpreter 
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import os
@@ -29,7 +30,9 @@ class TritonUnavailableError(ImportError):
     """Triton is not installed here (it publishes wheels for Linux only)."""
 
 
+@functools.cache
 def triton_available() -> bool:
+    """Whether Triton is installed (looked up once: ~30 us a lookup, and the sampler asks every step on CUDA)."""
     return importlib.util.find_spec("triton") is not None
 
 

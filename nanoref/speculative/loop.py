@@ -99,24 +99,25 @@ class SpeculativeLoop:
         limit = spec.disable_by_batch_size
         if limit is None:
             limit = DEFAULT_BATCH_LIMIT.get(engine.config.device.type, DEFAULT_BATCH_LIMIT["cuda"])
-        self.policy = SpeculationPolicy(limit, spec.min_tokens_per_step, max_tokens_per_step=self.k + 1)
+        bar = spec.min_tokens_per_step
         if spec.method == "ngram":
             self.proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
         else:
             runner.draft.block_tables = runner.block_tables  # the draft's K/V lives in the target's blocks
             self.proposer = DraftProposer(runner.draft)
-            if spec.min_tokens_per_step > 0:  # (0: the acceptance rule is off, and with it the draft's cost)
-                draft, target = parameters(runner.draft.model), parameters(runner.model)
-                self.policy.min_tokens_per_step += draft_cost(self.k, draft, target)
-                if self.policy.never_pays:
-                    warnings.warn(
-                        f"speculative_config: the draft model has {draft:,} parameters, the target {target:,}: with "
-                        f"its {self.k} forwards a verify step would have to gain {self.policy.min_tokens_per_step:.2f} "
-                        f"tokens per sequence to pay, more than the {self.k + 1} it can, so decode steps run without "
-                        "speculation (a smaller draft pays; min_tokens_per_step=0 verifies every step anyway)",
-                        RuntimeWarning,
-                        stacklevel=2,
-                    )
+            draft, target = parameters(runner.draft.model), parameters(runner.model)
+            if bar > 0:  # (0: the acceptance rule is off, and with it the draft's cost)
+                bar += draft_cost(self.k, draft, target)
+        self.policy = SpeculationPolicy(limit, bar, max_tokens_per_step=self.k + 1)
+        if self.policy.never_pays:
+            warnings.warn(
+                f"speculative_config: the draft model has {draft:,} parameters, the target {target:,}: with its "
+                f"{self.k} forwards a verify step would have to gain {bar:.2f} tokens per sequence to pay, more than "
+                f"the {self.k + 1} it can, so decode steps run without speculation (a smaller draft pays; "
+                "min_tokens_per_step=0 verifies every step anyway)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         # totals over the engine's life (the server's /metrics)
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
