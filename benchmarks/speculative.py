@@ -12,7 +12,11 @@ Configurations (each its own engine, all built once in this process; requests gr
   only where they pay: `nanoref/speculative/policy.py`);
 - `ngram-every-step`: the same with every decode step a verify step;
 - `draft-same`: a draft model identical to the target (every proposal accepted: the mechanism's ceiling);
-- `draft-random`: a draft with the target's shapes but other random weights (acceptance near 0: its overhead).
+- `draft-random`: a draft with the target's shapes but other random weights (acceptance near 0: its overhead);
+  as large as the target, it can never pay (nanoref/speculative/policy.py): the engine runs without speculation;
+- `draft-shallow`: a draft made of the target's first 4 layers (`qwen3-0.6b-random`, whose later 24 layers add
+  nothing to the residual stream: their o_proj and down_proj are zero, the same work at the same cost), so it
+  proposes what the target would: a small draft that pays, 0.37 of the target's weights (its embedding included).
 Prompts: `--workload repeat` (the built-in model: docstring-like texts that repeat their own phrases, what
 n-gram lookup is for) or `random` (random ids: `qwen3-0.6b-random`, where only the drafts matter). Every timed
 run sends prompts that engine has not served (fresh seeds), so the prefix cache answers nothing; each batch size
@@ -76,11 +80,52 @@ def make_models(name: str) -> dict[str, Path]:
 
         root = Path(tempfile.mkdtemp())
         device = "cuda" if torch.cuda.is_available() else "cpu"
+        target = make_random_qwen3(root / "target", QWEN3_0_6B, seed=0, dtype=torch.bfloat16, device=device)
+        silence_layers_after(target, SHALLOW_LAYERS)
         return {
-            "target": make_random_qwen3(root / "target", QWEN3_0_6B, seed=0, dtype=torch.bfloat16, device=device),
+            "target": target,
             "random": make_random_qwen3(root / "draft", QWEN3_0_6B, seed=1, dtype=torch.bfloat16, device=device),
+            "shallow": first_layers(target, root / "shallow", SHALLOW_LAYERS),
         }
-    return {"target": Path(name), "random": None}
+    return {"target": Path(name), "random": None, "shallow": None}
+
+
+SHALLOW_LAYERS = 4  # draft-shallow's layers
+
+
+def silence_layers_after(folder: Path, num_layers: int) -> None:
+    """Zero the attention output and MLP down projections of every layer from num_layers on: each adds exactly 0
+    to the residual stream, so the model's output is that of its first num_layers layers (at the full model's cost)."""
+    from safetensors.torch import load_file, save_file
+
+    path = folder / "model.safetensors"
+    tensors = load_file(path)
+    for name, tensor in tensors.items():
+        parts = name.split(".")
+        if "layers" in parts and int(parts[parts.index("layers") + 1]) >= num_layers and (
+            name.endswith("o_proj.weight") or name.endswith("down_proj.weight")
+        ):
+            tensor.zero_()
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+def first_layers(folder: Path, dest: Path, num_layers: int) -> Path:
+    """A model folder of folder's first num_layers layers (its embedding, final norm and head too)."""
+    from safetensors.torch import load_file, save_file
+
+    dest.mkdir(parents=True)
+    tensors = {
+        name: tensor
+        for name, tensor in load_file(folder / "model.safetensors").items()
+        if "layers" not in name.split(".") or int(name.split(".")[name.split(".").index("layers") + 1]) < num_layers
+    }
+    save_file(tensors, dest / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    config["num_hidden_layers"] = num_layers
+    if "layer_types" in config:
+        config["layer_types"] = config["layer_types"][:num_layers]
+    (dest / "config.json").write_text(json.dumps(config, indent=2))
+    return dest
 
 
 def speculative_config(config: str, models: dict, k: int) -> dict | None:
@@ -96,6 +141,10 @@ def speculative_config(config: str, models: dict, k: int) -> dict | None:
         if models["random"] is None:
             raise SystemExit("draft-random needs --model qwen3-0.6b-random")
         return {"model": models["random"], "num_speculative_tokens": k}
+    if config == "draft-shallow":
+        if models["shallow"] is None:
+            raise SystemExit("draft-shallow needs --model qwen3-0.6b-random")
+        return {"model": models["shallow"], "num_speculative_tokens": k}
     raise SystemExit(f"unknown configuration {config!r}")
 
 

@@ -122,3 +122,36 @@ def test_the_sampling_kernel_benchmark_checks_and_times_on_tiny_shapes(tmp_path)
     assert [row["batch"] for row in record["rows"]] == [1, 4]
     assert all(row["reference_us"] > 0 and row["kernel_us"] > 0 for row in record["rows"])
     assert len(record["check"]["frequencies"]) == 3 and record["check"]["rows"] == 200
+
+
+def test_the_shallow_draft_proposes_what_its_silenced_target_decodes(tmp_path):
+    """speculative.py's draft-shallow: a target whose layers after the first L add exactly 0 to the residual stream,
+    and a draft of its first L layers, give the same greedy tokens, so every proposal of a verify step is accepted
+    (what makes it a draft that pays); the target alone differs from the unsilenced model it was made from."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import speculative as bench
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    from nanoref import LLM, SamplingParams
+    from nanoref.testing import EVERY_STEP, make_tiny_qwen3
+
+    full = make_tiny_qwen3(tmp_path / "full", seed=3, num_hidden_layers=3)
+    target = make_tiny_qwen3(tmp_path / "target", seed=3, num_hidden_layers=3)
+    bench.silence_layers_after(target, 1)
+    draft = bench.first_layers(target, tmp_path / "draft", 1)
+    prompts = [bench.random_prompts(seed, 1, length, 64)[0] for seed, length in [(1, 7), (2, 12), (3, 5)]]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+
+    def tokens(folder, **settings):
+        llm = LLM(folder, device="cpu", num_kvcache_blocks=64, **settings)
+        return llm, [o["token_ids"] for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    assert tokens(target)[1] == tokens(draft)[1]
+    assert tokens(full)[1] != tokens(target)[1], "silencing the later layers changed nothing: the test proves nothing"
+    spec = {"model": draft, "num_speculative_tokens": 3, **EVERY_STEP}
+    llm, speculated = tokens(target, speculative_config=spec)
+    assert speculated == tokens(target)[1]
+    drafted = sum(step.num_draft_tokens for step in llm.metrics.steps)
+    accepted = sum(step.num_accepted_tokens for step in llm.metrics.steps)
+    assert drafted > 0 and accepted == drafted, (accepted, drafted)

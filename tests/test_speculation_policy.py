@@ -121,16 +121,21 @@ def weights(llm_model) -> int:
 
 def test_a_draft_as_large_as_the_target_never_verifies_and_says_so(tiny_model):
     """Its k forwards cost k plain steps' weights: the bar (1.5 + k) passes the k + 1 tokens a verify step can gain.
-    The engine warns, decodes every step plain and still gives HF's greedy tokens."""
+    The engine warns, decodes every step plain, never runs the draft (its prefills would only feed proposals) and
+    still gives HF's greedy tokens."""
     spec = {"model": tiny_model, "num_speculative_tokens": 3, "disable_by_batch_size": 0}
     with pytest.warns(RuntimeWarning, match=r"gain 4\.50 tokens per sequence to pay, more than the 4 it can"):
         llm = LLM(tiny_model, device="cpu", speculative_config=spec, num_kvcache_blocks=64)
+    draft_forwards = []
+    draft_model = llm.model_runner.draft.model
+    draft_model.register_forward_hook(lambda module, args, output: draft_forwards.append(1))
     policy = llm.speculative_loop.policy
     assert policy.min_tokens_per_step == pytest.approx(1.5 + 3) and not policy.speculate(1)
     prompts = random_prompts(8, [9, 14])
     outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False)
     assert_matches_hf(tiny_model, prompts, outputs, 12)
     assert not any(step.num_draft_tokens for step in llm.metrics.steps), "a step verified"
+    assert not draft_forwards, f"the draft model ran {len(draft_forwards)} forwards"
     assert_no_block_leaked(llm)
 
 

@@ -124,6 +124,8 @@ class SpeculativeLoop:
 
     def step(self) -> tuple[list[Sequence], StepRecord]:
         engine = self.engine
+        if self.policy.never_pays:  # (a draft as costly as the target: the engine runs as one without speculation,
+            return self.plain_loop.step()  # the draft's prefills included, which would only feed proposals)
         scheduler, metrics, runner = engine.scheduler, engine.metrics, engine.model_runner
         # decode steps that would not pay as verify steps (policy.py) run in the plain loop, one after another
         plain, in_flight = self.plain_loop, getattr(self.plain_loop, "in_flight", None) is not None
