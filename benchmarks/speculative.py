@@ -102,8 +102,10 @@ def silence_layers_after(folder: Path, num_layers: int) -> None:
     tensors = load_file(path)
     for name, tensor in tensors.items():
         parts = name.split(".")
-        if "layers" in parts and int(parts[parts.index("layers") + 1]) >= num_layers and (
-            name.endswith("o_proj.weight") or name.endswith("down_proj.weight")
+        if (
+            "layers" in parts
+            and int(parts[parts.index("layers") + 1]) >= num_layers
+            and (name.endswith("o_proj.weight") or name.endswith("down_proj.weight"))
         ):
             tensor.zero_()
     save_file(tensors, path, metadata={"format": "pt"})
