@@ -146,6 +146,7 @@ def run_nanoref(folder: str, variant: str, runs: int, subset: tuple[int, int]) -
         # (a checkout from before decode graphs moved out of the model runner kept them in `graphs`)
         graphs=bool(getattr(llm.model_runner, "decode_graphs", None) or getattr(llm.model_runner, "graphs", None)),
         block_size=llm.config.kvcache_block_size,
+        kv_blocks=llm.config.num_kvcache_blocks,
         max_num_seqs=llm.config.max_num_seqs,
         max_num_batched_tokens=llm.config.max_num_batched_tokens,
         options={key: str(value) for key, value in options.items()},
@@ -167,7 +168,7 @@ def run_nano_vllm(folder: str, runs: int) -> dict:
         llm.generate(prompts, params, use_tqdm=False)
         times.append(time.perf_counter() - start)  # its generate ends with a host sync (.tolist())
         tokens.append(sum(max_tokens))
-    return dict(times=times, output_tokens=tokens, load_s=load_s)
+    return dict(times=times, output_tokens=tokens, load_s=load_s, kv_blocks=llm.model_runner.config.num_kvcache_blocks)
 
 
 def run_hf(folder: str, subset: tuple[int, int]) -> dict:
@@ -279,6 +280,12 @@ def parent(args: argparse.Namespace) -> None:
     args.out_dir.mkdir(parents=True, exist_ok=True)
     folder = make_model(Path(tempfile.mkdtemp()) / f"qwen3-{args.shape}-random", args.shape)
     bandwidth = copy_bandwidth()
+    # the workers size their KV caches from the GPU's free memory: what this process's allocator still caches
+    # (building the model on the GPU, the copy's buffers: ~50 GB for Qwen3-8B) would count as used by another
+    # process and shrink both engines' caches (preempting, on an 80 GB card)
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    print(f"GPU memory in use before the workers: {(total - free) / 2**30:.1f} GiB of {total / 2**30:.1f} GiB")
     floor = bytes_moved(folder)
     floor["seconds"] = floor["total"] / bandwidth
     floor["tok_per_s"] = floor["output_tokens"] / floor["seconds"]

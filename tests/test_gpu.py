@@ -55,6 +55,21 @@ def test_cuda_bfloat16_default_and_memory_derived_cache(tiny_model):
     assert all(0 < len(o["token_ids"]) <= 16 and all(0 <= t < 256 for t in o["token_ids"]) for o in out)
 
 
+def test_memory_the_allocator_only_caches_goes_to_the_kv_cache(tiny_model):
+    """Memory this process freed that torch's allocator still holds (as loading a large model leaves) is free for the
+    KV cache: 3 GiB of it must not shrink a cache given 5% of the GPU to 2% or less."""
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    utilization = min(1.0, (total - free) / total + 0.05)
+    cached = torch.empty(3 << 30, dtype=torch.uint8, device="cuda")
+    del cached  # (freed, still reserved by the allocator)
+    assert torch.cuda.memory_reserved() >= 3 << 30
+    llm = LLM(tiny_model, gpu_memory_utilization=utilization, enforce_eager=True)
+    runner = llm.model_runner
+    cache_bytes = runner.num_kvcache_blocks * runner.kv_bytes_per_token * llm.config.kvcache_block_size
+    assert cache_bytes > 0.035 * total, f"{cache_bytes / 2**30:.2f} GiB of a {utilization:.3f} share"
+
+
 def test_auto_backend_on_cuda_is_compiled(tiny_model):
     """auto on a GPU: flash-attn where it serves, else the compiled Triton kernels, never the torch loop."""
     llm = LLM(tiny_model, num_kvcache_blocks=64)

@@ -23,7 +23,8 @@ def kv_blocks_from_memory(runner) -> int:
     """The KV block count for a model runner whose model is loaded and whose cache is not allocated yet.
 
     CUDA: run the largest prefill once to learn the activations' peak, then give the cache what remains of
-    gpu_memory_utilization. CPU: enough for max_num_seqs full-length sequences, never more than a quarter of the
+    gpu_memory_utilization of the whole GPU (what any process holds counts as used; what this one's allocator
+    merely caches does not). CPU: enough for max_num_seqs full-length sequences, never more than a quarter of the
     free RAM."""
     config = runner.config
     per_block = runner.kv_bytes_per_token * config.kvcache_block_size
@@ -34,6 +35,9 @@ def kv_blocks_from_memory(runner) -> int:
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     run_largest_prefill(runner.model, config, device)
+    # memory this process freed but torch's allocator still caches (loading the weights leaves gigabytes of it) is
+    # free for the cache: hand it back first, or mem_get_info counts it as used (an 8B model on an H100: 18 GB)
+    torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     stats = torch.cuda.memory_stats(device)
     peak, current = stats["allocated_bytes.all.peak"], stats["allocated_bytes.all.current"]
