@@ -71,3 +71,34 @@ def test_the_policy_switches_between_overlapped_plain_steps_and_verify_steps_wit
     assert any(verify) and not all(verify), "both kinds of step should have run"
     assert all(not v for step, v in zip(decode, verify) if step.num_seqs > 3), "above the limit: plain steps"
     assert_no_block_leaked(llm)
+
+
+def test_a_draft_proposes_its_k_tokens_with_one_host_sync(tiny_model):
+    """The draft's k steps queue on the device one after another (each reads the ids the step before sampled where
+    they are): the host waits once per verify step for the proposals, not once per draft step (a round trip per
+    step cost about a plain decode step each at batch 1 on an H100)."""
+    import warnings
+
+    import torch
+
+    spec = {"model": tiny_model, "num_speculative_tokens": 4, **EVERY_STEP}
+    llm = LLM(tiny_model, device="cuda", dtype="float32", num_kvcache_blocks=64, speculative_config=spec)
+    proposer = llm.speculative_loop.proposer
+    propose, syncs = proposer.propose, []
+
+    def counting(seqs, limits, sample):
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                proposals = propose(seqs, limits, sample)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        syncs.append(sum("synchroniz" in str(w.message) for w in caught))
+        return proposals
+
+    proposer.propose = counting
+    params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=16, seed=1, ignore_eos=True)
+    llm.generate(random_prompts(3, [5, 9, 30]), params, use_tqdm=False)
+    assert len(syncs) > 2 and max(syncs[1:]) == 1, syncs  # (the first may compile)

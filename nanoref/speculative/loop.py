@@ -249,18 +249,19 @@ class SpeculativeLoop:
         device = scores.device
         per_row = [(seq.sampling_params, len(rows)) for seq, rows in zip(seqs, rows_of)]
         # (T,): greedy rows too (their result is not used)
-        temperatures = torch.tensor([p.temperature for p, n in per_row for _ in range(n)], device=device)
+        # (from pinned memory: a pageable copy would make the host wait for the verify forward here)
+        temperatures = to_device(np.asarray([p.temperature for p, n in per_row for _ in range(n)], np.float32), device)
         top_k = top_p = None
         if any(p.top_k > 0 or p.top_p < 1.0 for p, _ in per_row):
-            top_k = torch.tensor([p.top_k for p, n in per_row for _ in range(n)], device=device)
-            top_p = torch.tensor([p.top_p for p, n in per_row for _ in range(n)], device=device)
+            top_k = to_device(np.asarray([p.top_k for p, n in per_row for _ in range(n)], np.int64), device)
+            top_p = to_device(np.asarray([p.top_p for p, n in per_row for _ in range(n)], np.float32), device)
         p = sampling_probs(scores, temperatures, top_k, top_p)  # (T, V)
         # the rows past a sequence's counted proposals are bonus rows (-1), so its tokens are the same whether its
         # step had k rows per sequence or only as many as it could keep (the varlen path)
         draft_rows = [row for draft, rows in zip(counted, rows_of) for row in rows[: len(draft)]]
-        draft_ids = torch.full((num_rows,), -1, dtype=torch.int64)
-        draft_ids[draft_rows] = torch.tensor([t for draft in counted for t in draft], dtype=torch.int64)
-        draft_ids = draft_ids.to(device)
+        draft_ids = np.full(num_rows, -1, dtype=np.int64)
+        draft_ids[draft_rows] = [t for draft in counted for t in draft]
+        draft_ids = to_device(draft_ids, device)
         q = None
         if draft_probs is not None:  # the draft model's distributions at its proposals' rows; a filled-in
             # proposal's row gets a q one-hot at it, as a deterministic proposer's

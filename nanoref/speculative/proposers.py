@@ -15,6 +15,7 @@ import torch
 
 from nanoref.engine.sequence import Sequence
 from nanoref.engine.step_inputs import StepInputs, decode_arrays, prefill_arrays, prefill_metadata
+from nanoref.layers.logits_processors import to_device
 from nanoref.layers.sampler import sampling_probs
 
 
@@ -71,19 +72,20 @@ class NgramProposer:
 def draft_probabilities(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """logits: (B, V), the draft's for one token of each sequence -> (B, V) float32: the distribution each
     sequence's proposal is drawn from, with its request's temperature, top-k and top-p (as the target's p). Rows of
-    greedy requests are one-hot at the argmax."""
+    greedy requests are one-hot at the argmax. Nothing here waits for the device (the settings go up from pinned
+    memory: a pageable copy would wait for the draft's forward), so the k draft steps queue one after another."""
     params = [seq.sampling_params for seq in seqs]
     device = logits.device
-    temperatures = torch.tensor([p.temperature for p in params], device=device)  # (B,)
+    temperatures = to_device(np.asarray([p.temperature for p in params], dtype=np.float32), device)  # (B,)
     top_k = top_p = None
     if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
-        top_k = torch.tensor([p.top_k for p in params], device=device)
-        top_p = torch.tensor([p.top_p for p in params], device=device)
+        top_k = to_device(np.asarray([p.top_k for p in params], dtype=np.int64), device)
+        top_p = to_device(np.asarray([p.top_p for p in params], dtype=np.float32), device)
     probs = sampling_probs(logits, temperatures, top_k, top_p)  # (B, V)
-    greedy = torch.tensor([p.temperature == 0 for p in params], device=device)
-    if bool(greedy.any()):
+    greedy = [p.temperature == 0 for p in params]
+    if any(greedy):
         one_hot = torch.zeros_like(probs).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
-        probs = torch.where(greedy[:, None], one_hot, probs)
+        probs = torch.where(to_device(np.asarray(greedy), device)[:, None], one_hot, probs)
     return probs
 
 
@@ -114,28 +116,37 @@ class DraftProposer:
         self.computed.pop(seq, None)
 
     def propose(self, seqs: list[Sequence], limits: list[int], sample) -> Proposals:
-        """sample(probs (B, V), seqs) -> ids (B,): draws each row's token from its request's generator."""
-        active = [(seq, k) for seq, k in zip(seqs, limits) if k > 0]
+        """sample(probs (B, V), seqs) -> ids (B,): draws each row's token from its request's generator.
+
+        The draft's steps queue on the device one after another: step i + 1 reads the ids step i sampled where
+        they are, and the proposals come to the host once, at the end (a host round trip per step cost about a
+        whole plain decode step each at batch 1 on an H100). The sequences run longest limit first, so those still
+        proposing at step i are the batch's first rows."""
+        active = sorted(((seq, k) for seq, k in zip(seqs, limits) if k > 0), key=lambda item: -item[1])  # (stable)
         draft_ids: dict[Sequence, list[int]] = {seq: [] for seq in seqs}
         probs: dict[Sequence, list[torch.Tensor]] = {seq: [] for seq in seqs}
         if active:
             batch = [seq for seq, _ in active]
+            depth = active[0][1]  # (the longest limit)
+            rows = [sum(k > i for _, k in active) for i in range(depth)]  # sequences still proposing at step i
             logits = self._catch_up(batch)  # (B, V): the draft's guess for each sequence's first proposal
-            limit = dict(active)
-            while True:
-                q = draft_probabilities(logits, batch)  # (B, V)
-                ids = sample(q, batch).tolist()
-                for row, seq in enumerate(batch):
-                    draft_ids[seq].append(ids[row])
+            sampled: list[torch.Tensor] = []  # step i's ids (rows[i],), on the device
+            for i, num in enumerate(rows):
+                if i:  # feed step i - 1's proposals: position num_tokens - 1 + i, the ids still on the device
+                    positions = [seq.num_tokens - 1 + i for seq in batch[:num]]
+                    logits = self._decode(batch[:num], sampled[-1][:num], positions)
+                q = draft_probabilities(logits, batch[:num])  # (rows[i], V)
+                sampled.append(sample(q, batch[:num]))
+                for row, seq in enumerate(batch[:num]):
                     probs[seq].append(q[row])
-                batch_next = [seq for seq in batch if len(draft_ids[seq]) < limit[seq]]
-                if not batch_next:
-                    break
-                positions = [seq.num_tokens - 1 + len(draft_ids[seq]) for seq in batch_next]
-                logits = self._decode(batch_next, [draft_ids[seq][-1] for seq in batch_next], positions)
-                batch = batch_next
-        rows = [q for seq in seqs for q in probs[seq]]
-        return Proposals([draft_ids[seq] for seq in seqs], torch.stack(rows) if rows else None)
+            ids = torch.cat(sampled).tolist()  # the proposals' one host sync
+            at = 0
+            for num in rows:
+                for seq, token in zip(batch[:num], ids[at : at + num]):
+                    draft_ids[seq].append(token)
+                at += num
+        q_rows = [q for seq in seqs for q in probs[seq]]
+        return Proposals([draft_ids[seq] for seq in seqs], torch.stack(q_rows) if q_rows else None)
 
     def after_verify(self, seq: Sequence, first_position: int, num_draft_fed: int) -> None:
         """seq's verify step is done: the draft holds K/V up to position first_position + num_draft_fed - 1 (its
@@ -177,13 +188,18 @@ class DraftProposer:
         )
         return runner.run_forward(seqs, step)  # (B, V)
 
-    def _decode(self, seqs: list[Sequence], token_ids: list[int], positions: list[int]) -> torch.Tensor:
-        """One decode step of the draft: sequence b's input token_ids[b] at positions[b] -> (B, V) logits."""
+    def _decode(self, seqs: list[Sequence], token_ids: list[int] | torch.Tensor, positions: list[int]) -> torch.Tensor:
+        """One decode step of the draft: sequence b's input token_ids[b] at positions[b] -> (B, V) logits.
+        token_ids: host ids, or a (B,) int64 tensor the device already holds (the previous draft step's samples)."""
         runner = self.runner
+        on_device = isinstance(token_ids, torch.Tensor)
+        host_ids = np.zeros(len(seqs), dtype=np.int64) if on_device else np.asarray(token_ids, dtype=np.int64)
         step = StepInputs(False, decode_arrays(
-            np.asarray(token_ids, dtype=np.int64)[:, None],  # (B, 1)
+            host_ids[:, None],  # (B, 1) (on_device: placeholders, the forward reads token_ids)
             np.asarray(positions, dtype=np.int64),  # (B,)
             runner.block_tables.padded(seqs),  # (B, width)
             runner.block_size,
         ))  # fmt: skip
-        return runner.run_forward(seqs, step, graphs=runner.decode_graphs)  # (B, V), through its CUDA graphs if any
+        input_ids = token_ids if on_device else None
+        # (B, V), through its CUDA graphs if any
+        return runner.run_forward(seqs, step, input_ids, graphs=runner.decode_graphs)
