@@ -178,10 +178,13 @@ def run(args) -> dict:
     configs = args.configs.split(",")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     engines = {}
-    for config in configs:
+    for index, config in enumerate(configs):
         settings = dict(device=device, speculative_config=speculative_config(config, models, args.k))
         if args.num_kvcache_blocks:
             settings["num_kvcache_blocks"] = args.num_kvcache_blocks
+        elif device == "cuda":  # the engines share the card: engine i of n fills it up to 0.9 x (i + 1) / n (each
+            # sizes its KV cache from the memory left, so the first would otherwise take it all)
+            settings["gpu_memory_utilization"] = 0.9 * (index + 1) / len(configs)
         engines[config] = LLM(models["target"], **settings)
     vocab = engines[configs[0]].config.hf_config.vocab_size
     seed = 1000
@@ -286,7 +289,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=128, help="random workload: prompt ids per request")
     parser.add_argument("--runs", type=int, default=2)
-    parser.add_argument("--num-kvcache-blocks", type=int, default=0, help="0: derived from memory")
+    parser.add_argument(
+        "--num-kvcache-blocks", type=int, default=0, help="0: derived from memory (on a GPU, an equal share each)"
+    )
     parser.add_argument("--machine", default="", help="the machine's name for the table (default: probed)")
     parser.add_argument("--name", default="speculative_cpu", help="results/<name>.{json,md} and figures/<name>.png")
     parser.add_argument("--plot", nargs=2, type=Path, metavar=("JSON", "PNG"), help="only redraw a figure")
