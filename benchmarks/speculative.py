@@ -288,7 +288,7 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--prompt-len", type=int, default=128, help="random workload: prompt ids per request")
-    parser.add_argument("--runs", type=int, default=2)
+    parser.add_argument("--runs", type=int, default=3)
     parser.add_argument(
         "--num-kvcache-blocks", type=int, default=0, help="0: derived from memory (on a GPU, an equal share each)"
     )
