@@ -62,8 +62,10 @@ def test_the_policy_switches_between_overlapped_plain_steps_and_verify_steps_wit
     spec = {"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 3, "min_tokens_per_step": 0}
     prompts = random_prompts(3, [5, 9, 30, 7, 12, 20])
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (6, 9, 12, 30, 40, 50)]
-    expected = LLM(tiny_model, device="cuda").generate(prompts, params, use_tqdm=False)
-    llm = LLM(tiny_model, device="cuda", speculative_config=spec)
+    # (a fixed cache and batch: two engines sized from the free memory and captured up to 512 rows took 31 s here)
+    settings = dict(device="cuda", num_kvcache_blocks=64, max_num_seqs=16)
+    expected = LLM(tiny_model, **settings).generate(prompts, params, use_tqdm=False)
+    llm = LLM(tiny_model, speculative_config=spec, **settings)
     outputs = llm.generate(prompts, params, use_tqdm=False)
     assert [o["token_ids"] for o in outputs] == [o["token_ids"] for o in expected]
     decode = [step for step in llm.metrics.steps if step.kind == "decode"]
