@@ -434,3 +434,27 @@ def running_server(engine, model_name: str, **app_options):
             yield Server(url, engine)
     finally:
         engine.close()
+
+
+@contextmanager
+def decode_launches_never_wait(llm):
+    """Inside: a decode step's launch that makes the host wait for the device raises (torch's sync debug mode),
+    which is what the overlapped loop needs (a wait inside launch makes the host wait for the step in flight).
+    Prefill launches may wait (they never run ahead)."""
+    runner = llm.model_runner
+    launch = runner.launch
+
+    def strict(seqs, is_prefill, input_ids=None):
+        if is_prefill:
+            return launch(seqs, is_prefill, input_ids)
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return launch(seqs, is_prefill, input_ids)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    runner.launch = strict
+    try:
+        yield
+    finally:
+        del runner.launch  # (the method again)

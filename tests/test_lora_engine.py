@@ -11,7 +11,7 @@ from nanoref import LLM, LoRARequest, SamplingParams
 from nanoref.lora import LoRAAdapterError
 from nanoref.ops.lora import lora_delta
 
-from .helpers import assert_no_block_leaked, hf_greedy, shared_prefix_prompts
+from .helpers import assert_no_block_leaked, decode_launches_never_wait, hf_greedy, shared_prefix_prompts
 
 peft = pytest.importorskip("peft", reason="peft is not installed (the LoRA oracle; pip install peft)")
 
@@ -372,3 +372,8 @@ def test_cuda_graphs_replay_every_rows_adapter(tiny_model, adapters, speculative
         assert_exact(tiny_model, prompts, loras, outputs)
     graphs = llm.model_runner.decode_graphs
     assert graphs.base.graphs and graphs.mixed.graphs, "both recordings were meant to be captured"
+    if not speculative:  # each step's row slots go up without the host waiting for the step in flight
+        mixed = [adapters["all-r8"], None, adapters["o-r16"], adapters["mlp-r2"], adapters["attn-r4-rs"]]
+        with decode_launches_never_wait(llm):
+            outputs = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=mixed)
+        assert_exact(tiny_model, prompts, mixed, outputs)

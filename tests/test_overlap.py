@@ -15,6 +15,7 @@ from .helpers import (
     assert_called_every_decode_step,
     assert_matches_hf,
     assert_no_block_leaked,
+    decode_launches_never_wait,
     enable_bucketed_decode,
     hf_greedy,
     random_prompts,
@@ -227,4 +228,25 @@ def test_cuda_overlapped_loop_under_preemption_and_prefix_hits(tiny_model):
     assert llm.scheduler.num_preemptions > 0, "the KV budget was meant to force preemption"
     assert llm.scheduler.block_manager.num_hit_blocks > 0, "shared prefixes were meant to hit the cache"
     assert_matches_hf(tiny_model, prompts, outputs, params.max_tokens)
+    assert_no_block_leaked(llm)
+
+
+@pytest.mark.gpu
+def test_cuda_decode_launches_of_sampled_seeded_and_filtered_rows_never_wait(tiny_model):
+    """Every kind of row the overlapped loop runs ahead (greedy, temperature, a seeded request's own draws, top-k and
+    top-p) is launched without the host waiting for the device: a pageable upload of a row's settings would make it
+    wait for the step in flight and lose the overlap, every step."""
+    llm = LLM(tiny_model, device="cuda", num_kvcache_blocks=64, max_num_seqs=16)
+    prompts = random_prompts(seed=22, lengths=[4, 9, 15, 6, 11])
+    params = [
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=0.7, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=0.8, top_p=0.9, seed=5, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=1.0, top_k=20, max_tokens=12, ignore_eos=True),
+        SamplingParams(temperature=0.6, seed=7, max_tokens=12, ignore_eos=True),
+    ]
+    llm.generate(prompts, params, use_tqdm=False)  # (first calls may compile)
+    with decode_launches_never_wait(llm):
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert [len(o["token_ids"]) for o in outputs] == [12] * 5
     assert_no_block_leaked(llm)

@@ -163,10 +163,13 @@ def sample_seeded_row(
 ) -> torch.Tensor:
     """logits: (V,) -> a 0-d id, from this request's own generator: the same whatever else is in the batch."""
     device = logits.device
+    # (1,) settings made by fill kernels on the device: torch.tensor([x], device=...) would copy from pageable memory,
+    # which waits for the device, i.e. for this step's forward (the overlapped loop would lose its overlap)
     filtered = top_k > 0 or top_p < 1.0
-    top_k_t = torch.tensor([top_k], device=device) if filtered else None
-    top_p_t = torch.tensor([top_p], device=device) if filtered else None
-    probs = sampling_probs(logits[None, :], torch.tensor([temperature], device=device), top_k_t, top_p_t)[0]  # (V,)
+    top_k_t = torch.full((1,), top_k, dtype=torch.int64, device=device) if filtered else None
+    top_p_t = torch.full((1,), top_p, dtype=torch.float32, device=device) if filtered else None
+    temperature_t = torch.full((1,), temperature, dtype=torch.float32, device=device)
+    probs = sampling_probs(logits[None, :], temperature_t, top_k_t, top_p_t)[0]  # (V,)
     noise = torch.empty_like(probs).exponential_(generator=generator)  # (V,)
     return (probs / noise).argmax()
 

@@ -98,7 +98,10 @@ class LoRAManager:
     def set_row_slots(self, row_slots: np.ndarray) -> None:
         """Every token row's slot for the next forward, (N,) with -1 for base-model rows."""
         n = len(row_slots)
-        self.row_slots[:n].copy_(torch.from_numpy(np.asarray(row_slots, dtype=np.int64)), non_blocking=True)
+        host = torch.from_numpy(np.asarray(row_slots, dtype=np.int64))
+        if self.row_slots.is_cuda:  # from pinned memory: a pageable copy waits for the device (for the step in
+            host = host.pin_memory()  # flight, in the overlapped loop: its overlap would be lost every step)
+        self.row_slots[:n].copy_(host, non_blocking=True)
         self.row_slots[n:].fill_(-1)
 
     # -- adapters -----------------------------------------------------------------------------------
