@@ -16,7 +16,7 @@ from nanoref.speculative.proposers import propose_ngram
 from nanoref.testing import EVERY_STEP, make_tiny_qwen3
 from nanoref.utils import seams
 
-from .helpers import assert_matches_hf, assert_no_block_leaked, random_prompts, shared_prefix_prompts
+from .helpers import assert_matches_hf, assert_no_block_leaked, hf_greedy, random_prompts, shared_prefix_prompts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
@@ -150,6 +150,22 @@ def test_a_draft_identical_to_the_target_is_always_accepted_worked_example(tiny_
     assert (metrics.num_draft_tokens, metrics.num_accepted_tokens, metrics.acceptance_rate) == (6, 6, 1.0)
     assert (metrics.num_verify_steps, metrics.mean_accepted_length) == (3, 2.0)  # 6 kept over 3 verify steps
     assert len(output["token_ids"]) == 10 and output["finish_reason"] == "length"
+
+
+def test_a_draft_identical_to_the_target_keeps_every_proposal_when_limits_differ_within_a_step(tiny_model):
+    """Greedy output is the target's whatever a draft proposes, so only the acceptance shows a draft's bookkeeping:
+    with sequences near different max_tokens, one verify step asks for 4, 2 and 0 proposals from its rows (the draft
+    decodes fewer rows each step), and an identical draft must still have every proposal kept."""
+    spec = {"model": tiny_model, "num_speculative_tokens": 4, **EVERY_STEP}
+    llm = LLM(tiny_model, device="cpu", speculative_config=spec, num_kvcache_blocks=64)
+    prompts = random_prompts(30, [5, 11, 3, 8, 14])
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (7, 9, 20, 13, 11)]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, output, p in zip(prompts, outputs, params):
+        assert output["token_ids"] == hf_greedy(tiny_model, prompt, p.max_tokens)
+    drafted = sum(step.num_draft_tokens for step in llm.metrics.steps)
+    accepted = sum(step.num_accepted_tokens for step in llm.metrics.steps)
+    assert drafted > 20 and accepted == drafted, (accepted, drafted)
 
 
 def test_verify_steps_in_graph_buckets_and_the_varlen_path_near_max_model_len_equal_hf(tiny_model):
