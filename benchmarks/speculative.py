@@ -13,7 +13,8 @@ Configurations (each its own engine, all built once in this process; requests gr
 - `ngram-every-step`: the same with every decode step a verify step;
 - `draft-same`: a draft model identical to the target (every proposal accepted: the mechanism's ceiling);
 - `draft-random`: a draft with the target's shapes but other random weights (acceptance near 0: its overhead);
-  as large as the target, it can never pay (nanoref/speculative/policy.py): the engine runs without speculation;
+  as large as the target, it can never pay (nanoref/speculative/policy.py): it is not loaded, and the engine runs
+  without speculation;
 - `draft-shallow`: a draft made of the target's first 4 layers (`qwen3-0.6b-random`, whose later 24 layers add
   nothing to the residual stream: their o_proj and down_proj are zero, the same work at the same cost), so it
   proposes what the target would: a small draft that pays, 0.37 of the target's weights (its embedding included).

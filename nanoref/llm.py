@@ -16,6 +16,7 @@ from __future__ import annotations
 import inspect
 import os
 import sys
+import warnings
 from collections.abc import Callable
 from dataclasses import fields
 from functools import partial
@@ -36,7 +37,7 @@ from nanoref.parallel.runner import TensorParallelRunner
 from nanoref.parallel.state import ParallelState
 from nanoref.sampling_params import SamplingParams
 from nanoref.speculative.loop import SpeculativeLoop
-from nanoref.speculative.runner import SpeculativeRunner
+from nanoref.speculative.runner import SpeculativeRunner, unpaid_draft
 from nanoref.structured_output import Grammars
 from nanoref.warmup import warm_up_prefill
 
@@ -68,7 +69,8 @@ class LLM(LLMEngine):
         "num_speculative_tokens": 4, "prompt_lookup_max": 3} proposes the tokens that followed the sequence's
         last n tokens earlier in it; {"model": DRAFT_FOLDER, "num_speculative_tokens": 4} has a smaller model with
         the same vocabulary propose them. The target checks the k proposals of every sequence in one forward;
-        the output's distribution is the target's (greedy output is the same tokens). None (default): off.
+        the output's distribution is the target's (greedy output is the same tokens). A draft too large to ever
+        pay for its k forwards (nanoref/speculative/policy.py) is not loaded, with a warning. None (default): off.
     seed: seeds the generator that requests without their own `SamplingParams.seed` draw from, so the same seed
         and the same requests give the same tokens (a request's own seed still wins); None (default): fresh
         entropy, so runs differ. Either way the global RNGs (torch, random, numpy) are left alone.
@@ -86,6 +88,9 @@ class LLM(LLMEngine):
                 f"LLM() got an unexpected keyword argument {unknown[0]!r}; its settings: {sorted(SETTINGS)}"
             )
         config = EngineConfig(model, **settings).resolved()
+        unpaid = unpaid_draft(config)
+        if unpaid is not None:  # (engine_hooks and build_runner then leave the draft out)
+            warnings.warn(unpaid, RuntimeWarning, stacklevel=2)
         self.lora = LoRAHooks(config) if config.enable_lora else None  # (nanoref/lora/hooks.py)
         super().__init__(config, partial(build_runner, lora=self.lora), engine_hooks(config, self.lora))
         self.overlapped_loop = self.step_loop if isinstance(self.step_loop, OverlappedLoop) else None
@@ -248,6 +253,8 @@ def engine_hooks(config: EngineConfig, lora: LoRAHooks | None = None) -> EngineH
     # a verify step writes K/V for k slots past the last token; on CUDA it replays graphs of its own shape too
     # its plain decode steps (where speculation would not pay) overlap with the host's work on CUDA, as without it
     plain = OverlappedLoop if config.device.type == "cuda" else PlainLoop
+    if unpaid_draft(config) is not None:  # a draft that could never pay is not loaded: no speculation at all
+        return EngineHooks(make_step_loop=plain, **admission)
     loop = partial(SpeculativeLoop, make_verify_graphs=DecodeGraphs, make_plain_loop=plain)
     return EngineHooks(make_step_loop=loop, num_lookahead_tokens=spec.num_speculative_tokens, **admission)
 
@@ -278,16 +285,17 @@ def build_runner(
     On the followers of a torchrun launch (ranks 1..N-1) this never returns: they follow rank 0's steps until it
     closes, then their process ends."""
     spec = config.speculative_config
+    draft = spec is not None and spec.method == "draft_model" and unpaid_draft(config) is None
     # (LoRA's slots exist before the decode graphs are recorded: the graphs read each row's slot as an input)
     # (the prefill warm-up runs first, on the plain model; one device only: ranks would have to warm up in step)
     warm_up = (warm_up_prefill,) if config.device.type == "cuda" and config.tensor_parallel_size == 1 else ()
-    if warm_up and spec is not None and spec.method == "draft_model":  # a draft's shapes compile kernels of their own
+    if warm_up and draft:  # a draft's shapes compile kernels of their own
         warm_up = (warm_up_prefill, warm_up_draft)
     hooks = RunnerHooks(
         attach=(*warm_up, *((lora.attach,) if lora is not None else ())),
         decode_graphs=partial(decode_graphs, lora=lora),
     )
-    if spec is not None and spec.method == "draft_model":
+    if draft:
         runner = SpeculativeRunner(config, hooks)  # (speculative decoding runs on one device)
     elif config.tensor_parallel_size == 1:
         runner = ModelRunner(config, hooks=hooks)

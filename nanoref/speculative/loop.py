@@ -30,7 +30,6 @@ Given to the engine by `nanoref/llm.py` as its step loop (`SpeculativeLoop`), wi
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -45,8 +44,9 @@ from nanoref.engine.step_inputs import StepInputs, prefill_arrays, prefill_metad
 from nanoref.layers.logits_processors import LogitsProcessing, TokenLogprobs, raw_logprobs, to_device, token_logprobs
 from nanoref.layers.sampler import sampling_probs
 from nanoref.speculative.acceptance import accept_greedy, emitted_tokens, rejection_sample
-from nanoref.speculative.policy import DEFAULT_BATCH_LIMIT, SpeculationPolicy, draft_cost
+from nanoref.speculative.policy import DEFAULT_BATCH_LIMIT, SpeculationPolicy
 from nanoref.speculative.proposers import DraftProposer, NgramProposer
+from nanoref.speculative.runner import acceptance_bar
 from nanoref.utils import seams
 from nanoref.utils.interrupts import interruptibly
 from nanoref.utils.seams import seam
@@ -99,33 +99,19 @@ class SpeculativeLoop:
         limit = spec.disable_by_batch_size
         if limit is None:
             limit = DEFAULT_BATCH_LIMIT.get(engine.config.device.type, DEFAULT_BATCH_LIMIT["cuda"])
-        bar = spec.min_tokens_per_step
         if spec.method == "ngram":
             self.proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
         else:
             runner.draft.block_tables = runner.block_tables  # the draft's K/V lives in the target's blocks
             self.proposer = DraftProposer(runner.draft)
-            draft, target = parameters(runner.draft.model), parameters(runner.model)
-            if bar > 0:  # (0: the acceptance rule is off, and with it the draft's cost)
-                bar += draft_cost(self.k, draft, target)
-        self.policy = SpeculationPolicy(limit, bar, max_tokens_per_step=self.k + 1)
-        if self.policy.never_pays:
-            warnings.warn(
-                f"speculative_config: the draft model has {draft:,} parameters, the target {target:,}: with its "
-                f"{self.k} forwards a verify step would have to gain {bar:.2f} tokens per sequence to pay, more than "
-                f"the {self.k + 1} it can, so decode steps run without speculation (a smaller draft pays; "
-                "min_tokens_per_step=0 verifies every step anyway)",
-                RuntimeWarning,
-                stacklevel=2,
-            )
+        # (a draft that could never pay is not loaded at all: nanoref/llm.py builds a plain engine instead)
+        self.policy = SpeculationPolicy(limit, acceptance_bar(engine.config), max_tokens_per_step=self.k + 1)
         # totals over the engine's life (the server's /metrics)
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
 
     def step(self) -> tuple[list[Sequence], StepRecord]:
         engine = self.engine
-        if self.policy.never_pays:  # (a draft as costly as the target: the engine runs as one without speculation,
-            return self.plain_loop.step()  # the draft's prefills included, which would only feed proposals)
         scheduler, metrics, runner = engine.scheduler, engine.metrics, engine.model_runner
         # decode steps that would not pay as verify steps (policy.py) run in the plain loop, one after another
         plain, in_flight = self.plain_loop, getattr(self.plain_loop, "in_flight", None) is not None
@@ -365,8 +351,3 @@ def trim(manager: BlockManager, seq: Sequence) -> None:
     manager.tables.array[seq.table_row, keep : len(seq.block_table)] = -1
     del seq.block_table[keep:]
     manager.tables.num_blocks[seq.table_row] = keep
-
-
-def parameters(model: torch.nn.Module) -> int:
-    """The weights a forward reads (a tied embedding counted once)."""
-    return sum(p.numel() for p in model.parameters())

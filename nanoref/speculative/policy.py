@@ -14,8 +14,9 @@ requests take the same steps):
   forwards and its catch-up on the tokens it missed);
 - a draft model's own cost: its k forwards per verify step read its weights k times, so with a draft the bar is
   `min_tokens_per_step` + k x (the draft's parameters / the target's). A draft as large as the target raises it past
-  k + 1, the most a verify step can gain: such a draft can never pay, and no step verifies (measured on one H200 at
-  batch 1: a draft identical to the target, 4.79 tokens per verify step, ran at 0.56x plain decoding).
+  k + 1, the most a verify step can gain: such a draft can never pay, so it is not loaded and the engine decodes
+  without speculation (`runner.unpaid_draft`; measured on one H200 at batch 1: a draft identical to the target,
+  4.79 tokens per verify step, ran at 0.56x plain decoding).
 
 A plain step inside the speculative loop is the engine's ordinary decode step (its CUDA graphs included); a draft
 model simply catches up on the tokens it missed at its next verify step.

@@ -7,9 +7,59 @@ exists. The block count is measured once for both: per block, the KV bytes of th
 
 from __future__ import annotations
 
+import math
+from pathlib import Path
+
 from nanoref.config import EngineConfig
 from nanoref.engine.hooks import NO_RUNNER_HOOKS, RunnerHooks
 from nanoref.engine.model_runner import ModelRunner
+from nanoref.speculative.policy import draft_cost
+from nanoref.utils.loader import weight_files
+
+
+def stored_parameters(folder: Path) -> int:
+    """The weights a forward of the model in folder reads: its checkpoint tensors' elements (a tied embedding is
+    stored once), from the safetensors headers alone."""
+    from safetensors import safe_open
+
+    total = 0
+    for path in weight_files(Path(folder)):
+        with safe_open(path, framework="pt") as tensors:
+            total += sum(math.prod(tensors.get_slice(name).get_shape()) for name in tensors.keys())
+    return total
+
+
+def acceptance_bar(config: EngineConfig) -> float:
+    """The tokens per sequence a verify step must gain to pay (policy.py): min_tokens_per_step, plus with a draft model
+    its k forwards' cost, k x its weights' share of the target's (0 stays 0: the acceptance rule is off)."""
+    spec = config.speculative_config
+    bar = spec.min_tokens_per_step
+    if spec.method == "draft_model" and bar > 0:
+        draft, target = stored_parameters(spec.model_folder), stored_parameters(config.model_folder)
+        bar += draft_cost(spec.num_speculative_tokens, draft, target)
+    return bar
+
+
+def unpaid_draft(config: EngineConfig) -> str | None:
+    """Why config's draft model can never pay for its forwards (the bar above the k + 1 tokens a verify step can
+    gain), or None. Such a draft is not loaded: the engine decodes as one without speculation."""
+    spec = config.speculative_config
+    if spec is None or spec.method != "draft_model" or spec.min_tokens_per_step <= 0:
+        return None
+    try:
+        bar = acceptance_bar(config)
+    except Exception:  # a broken draft folder: its loading names the problem
+        return None
+    k = spec.num_speculative_tokens
+    if bar <= k + 1:
+        return None
+    draft, target = stored_parameters(spec.model_folder), stored_parameters(config.model_folder)
+    return (
+        f"speculative_config: the draft model has {draft:,} parameters, the target {target:,}: with its {k} "
+        f"forwards a verify step would have to gain {bar:.2f} tokens per sequence to pay, more than the {k + 1} it "
+        "can, so the draft is not loaded and the engine decodes without speculation (a smaller draft pays; "
+        "min_tokens_per_step=0 verifies every step anyway)"
+    )
 
 
 def draft_engine_config(config: EngineConfig) -> EngineConfig:
