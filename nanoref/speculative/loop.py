@@ -105,7 +105,7 @@ class SpeculativeLoop:
             runner.draft.block_tables = runner.block_tables  # the draft's K/V lives in the target's blocks
             self.proposer = DraftProposer(runner.draft)
         # (a draft that could never pay is not loaded at all: nanoref/llm.py builds a plain engine instead)
-        self.policy = SpeculationPolicy(limit, acceptance_bar(engine.config), max_tokens_per_step=self.k + 1)
+        self.policy = SpeculationPolicy(limit, acceptance_bar(engine.config))
         # totals over the engine's life (the server's /metrics)
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0

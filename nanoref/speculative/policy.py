@@ -40,15 +40,10 @@ class SpeculationPolicy:
     smoothing: float = 0.3  # the weight of the latest verify step in the moving average
     tokens_per_step: float | None = None  # the moving average (None before the first verify step)
     plain_since_verify: int = 0
-    max_tokens_per_step: float = float("inf")  # k + 1: a bar above it can never be met
-
-    @property
-    def never_pays(self) -> bool:
-        return self.min_tokens_per_step > self.max_tokens_per_step
 
     def speculate(self, num_seqs: int) -> bool:
         """Whether the decode step of num_seqs sequences about to run verifies proposals."""
-        if self.never_pays or (self.disable_by_batch_size and num_seqs > self.disable_by_batch_size):
+        if self.disable_by_batch_size and num_seqs > self.disable_by_batch_size:
             return False
         average = self.tokens_per_step
         if average is None or average >= self.min_tokens_per_step:
