@@ -94,6 +94,12 @@ def make_models(name: str) -> dict[str, Path]:
 SHALLOW_LAYERS = 4  # draft-shallow's layers
 
 
+def layer_of(name: str) -> int | None:
+    """The decoder layer a checkpoint tensor belongs to ("model.layers.3.mlp.down_proj.weight" -> 3), or None."""
+    parts = name.split(".")
+    return int(parts[parts.index("layers") + 1]) if "layers" in parts else None
+
+
 def silence_layers_after(folder: Path, num_layers: int) -> None:
     """Zero the attention output and MLP down projections of every layer from num_layers on: each adds exactly 0
     to the residual stream, so the model's output is that of its first num_layers layers (at the full model's cost)."""
@@ -102,12 +108,8 @@ def silence_layers_after(folder: Path, num_layers: int) -> None:
     path = folder / "model.safetensors"
     tensors = load_file(path)
     for name, tensor in tensors.items():
-        parts = name.split(".")
-        if (
-            "layers" in parts
-            and int(parts[parts.index("layers") + 1]) >= num_layers
-            and (name.endswith("o_proj.weight") or name.endswith("down_proj.weight"))
-        ):
+        layer = layer_of(name)
+        if layer is not None and layer >= num_layers and name.endswith(("o_proj.weight", "down_proj.weight")):
             tensor.zero_()
     save_file(tensors, path, metadata={"format": "pt"})
 
@@ -120,7 +122,7 @@ def first_layers(folder: Path, dest: Path, num_layers: int) -> Path:
     tensors = {
         name: tensor
         for name, tensor in load_file(folder / "model.safetensors").items()
-        if "layers" not in name.split(".") or int(name.split(".")[name.split(".").index("layers") + 1]) < num_layers
+        if layer_of(name) is None or layer_of(name) < num_layers
     }
     save_file(tensors, dest / "model.safetensors", metadata={"format": "pt"})
     config = json.loads((folder / "config.json").read_text())
