@@ -154,3 +154,89 @@ def test_a_smaller_draft_raises_the_bar_by_its_share_of_the_weights(tiny_model, 
                 speculative_config={"model": tiny_model, "num_speculative_tokens": 3, **EVERY_STEP})  # fmt: skip
     assert hasattr(every.model_runner, "draft")
     assert every.speculative_loop.policy.min_tokens_per_step == 0 and every.speculative_loop.policy.speculate(1)
+
+
+# -- a draft model above the batch limit ---------------------------------------------------------
+
+
+def identical_draft(model, batch_limit: int) -> dict:
+    """A draft that is the target itself, every step within batch_limit verifying: greedy, it must have every
+    proposal kept, which it does only if its K/V for the whole context is right (its output cannot show that)."""
+    return {"model": model, "num_speculative_tokens": 3, "disable_by_batch_size": batch_limit, "min_tokens_per_step": 0}
+
+
+def draft_forwards(llm) -> list[tuple[bool, int]]:
+    """Record the draft's forwards from now on: (is_prefill, tokens fed) each."""
+    runner, calls = llm.model_runner.draft, []
+    forward = runner.run_forward
+
+    def recorded(seqs, step, *args, **kwargs):
+        calls.append((step.is_prefill, len(step.arrays["positions"])))
+        return forward(seqs, step, *args, **kwargs)
+
+    runner.run_forward = recorded
+    return calls
+
+
+def kept_every_proposal(steps) -> bool:
+    drafted = sum(step.num_draft_tokens for step in steps)
+    return drafted > 0 and sum(step.num_accepted_tokens for step in steps) == drafted
+
+
+@pytest.mark.parametrize("budget", [None, 16], ids=["one catch-up forward", "catch-up in 16-token chunks"])
+def test_a_prefill_above_the_batch_limit_skips_the_draft_which_catches_up_when_the_batch_shrinks(tiny_model, budget):
+    """Four prompts against a limit of 2: their decode steps will run plain, so the prefill leaves the draft out
+    (its forward over every prompt would buy nothing). When three have finished, the last one's first verify step
+    feeds the draft its whole context (in chunks of the engine's token budget, as a long prompt), and from then on
+    every proposal is kept."""
+    llm = LLM(tiny_model, device="cpu", speculative_config=identical_draft(tiny_model, 2), num_kvcache_blocks=64,
+              **({} if budget is None else {"max_num_batched_tokens": budget}))  # fmt: skip
+    calls = draft_forwards(llm)
+    prompts = random_prompts(41, [18, 25, 9, 30])
+    lengths = (30, 5, 5, 5)
+    outputs = llm.generate(prompts, [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths],
+                           use_tqdm=False)  # fmt: skip
+    for prompt, output, length in zip(prompts, outputs, lengths):
+        assert_matches_hf(tiny_model, [prompt], [output], length)
+    # its prompt and the 5 tokens it has when the others finish (the last one's logits make the first proposal)
+    context = len(prompts[0]) + 5
+    catch_up = [(True, context)] if budget is None else [(True, 16), (True, context - 16)]
+    assert calls[: len(catch_up)] == catch_up, f"the draft's first forwards: {calls[:3]}"
+    assert not any(is_prefill for is_prefill, _ in calls[len(catch_up) :]), "only one catch-up"
+    assert kept_every_proposal(llm.metrics.steps), "the draft's caught-up K/V is not the target's context"
+    assert_no_block_leaked(llm)
+
+
+def test_a_prompt_that_hits_blocks_without_draft_kv_has_the_draft_compute_them(tiny_model):
+    """A second turn: the first turn's prompt and reply are in the prefix cache, but its steps ran above the batch
+    limit, so the draft never wrote K/V for those blocks (the prompt's prefill left it out; the reply's tokens
+    came from plain steps). The second turn runs alone: the draft must not read those blocks as its own, and an
+    identical draft keeps every proposal only if it recomputed them."""
+    llm = LLM(tiny_model, device="cpu", speculative_config=identical_draft(tiny_model, 2), num_kvcache_blocks=64)
+    prompts = random_prompts(42, [20, 26, 23])
+    first = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True), use_tqdm=False)
+    assert not any(step.num_draft_tokens for step in llm.metrics.steps), "three sequences: every step plain"
+    follow_up = prompts[0] + first[0]["token_ids"]  # 60 tokens: blocks 0-2 cached (16 tokens each)
+    output = llm.generate([follow_up], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    steps = llm.metrics.steps  # (this generate's)
+    assert steps[0].num_hit_tokens == 48, "the second turn was meant to hit the first turn's blocks"
+    assert_matches_hf(tiny_model, [follow_up], output, 16)
+    assert kept_every_proposal(steps), "the draft read K/V it never wrote"
+    assert_no_block_leaked(llm)
+
+
+def test_a_prompt_that_hits_blocks_the_draft_computed_reuses_its_kv(tiny_model):
+    """The same second turn with every step verifying: the first turn's blocks hold the draft's K/V too, so the
+    second turn's prefill feeds the draft only its uncached tokens (the prefix cache serves the draft as the target)."""
+    llm = LLM(tiny_model, device="cpu", speculative_config=identical_draft(tiny_model, 0), num_kvcache_blocks=64)
+    prompt = random_prompts(43, [20])[0]
+    first = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True), use_tqdm=False)
+    follow_up = prompt + first[0]["token_ids"]
+    calls = draft_forwards(llm)
+    output = llm.generate([follow_up], SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    steps = llm.metrics.steps  # (this generate's)
+    assert steps[0].num_hit_tokens == 48
+    assert calls[0] == (True, len(follow_up) - 48), f"the draft's prefill fed {calls[0][1]} tokens, not the 12 uncached"
+    assert_matches_hf(tiny_model, [follow_up], output, 16)
+    assert kept_every_proposal(steps)
+    assert_no_block_leaked(llm)

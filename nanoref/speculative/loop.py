@@ -1,7 +1,8 @@
 """The speculative loop: the engine's `step`, with decode steps that verify k proposed tokens per sequence.
 
-A prefill step runs as in the plain loop (the draft model, if any, computes its K/V alongside). A decode step
-becomes a verify step:
+A prefill step runs as in the plain loop (the draft model, if any, computes its K/V alongside, unless the batch is
+above the policy's limit: then its decode steps will run plain, and the draft catches up later if it must). A decode
+step becomes a verify step:
 
 1. each running sequence b gets k proposals d_1..d_k (`proposers.py`; those a proposer cannot make, an n-gram
    lookup that finds nothing, are filled with its last proposal or the last token: a guess like any other);
@@ -103,7 +104,7 @@ class SpeculativeLoop:
             self.proposer = NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
         else:
             runner.draft.block_tables = runner.block_tables  # the draft's K/V lives in the target's blocks
-            self.proposer = DraftProposer(runner.draft)
+            self.proposer = DraftProposer(runner.draft, engine.scheduler.block_manager.blocks)
         # (a draft that could never pay is not loaded at all: nanoref/llm.py builds a plain engine instead)
         self.policy = SpeculationPolicy(limit, acceptance_bar(engine.config))
         # totals over the engine's life (the server's /metrics)
@@ -123,8 +124,12 @@ class SpeculativeLoop:
         seqs, is_prefill = scheduler.schedule()
         record = metrics.begin_step(scheduler, seqs, is_prefill)
         if is_prefill:
-            interruptibly(self.proposer.prefill, seqs)
+            # a draft model computes its K/V beside the target's only where decode steps will verify: with more
+            # sequences than the batch limit they run plain, and the draft catches up if the batch comes back within it
+            num_seqs = len(scheduler.running) + len(scheduler.waiting)
+            interruptibly(self.proposer.prefill, seqs, self.policy.within_batch_limit(num_seqs))
             finished = scheduler.postprocess(seqs, interruptibly(runner.run, seqs, True))
+            self.proposer.after_prefill(seqs)
         elif self.speculates(seqs):
             finished = self.postprocess(seqs, interruptibly(self.verify, seqs), record)
         else:  # a plain decode step: speculation would not pay now (policy.py)

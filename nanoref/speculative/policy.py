@@ -19,7 +19,8 @@ requests take the same steps):
   4.79 tokens per verify step, ran at 0.56x plain decoding).
 
 A plain step inside the speculative loop is the engine's ordinary decode step (its CUDA graphs included); a draft
-model simply catches up on the tokens it missed at its next verify step.
+model simply catches up on the tokens it missed at its next verify step. Above the batch limit a prefill step leaves
+the draft out too (`within_batch_limit`): its K/V would serve only verify steps.
 """
 
 from __future__ import annotations
@@ -41,9 +42,13 @@ class SpeculationPolicy:
     tokens_per_step: float | None = None  # the moving average (None before the first verify step)
     plain_since_verify: int = 0
 
+    def within_batch_limit(self, num_seqs: int) -> bool:
+        """Whether a decode step of num_seqs sequences may verify (the batch rule alone)."""
+        return not self.disable_by_batch_size or num_seqs <= self.disable_by_batch_size
+
     def speculate(self, num_seqs: int) -> bool:
         """Whether the decode step of num_seqs sequences about to run verifies proposals."""
-        if self.disable_by_batch_size and num_seqs > self.disable_by_batch_size:
+        if not self.within_batch_limit(num_seqs):
             return False
         average = self.tokens_per_step
         if average is None or average >= self.min_tokens_per_step:

@@ -62,10 +62,10 @@ class NgramProposer:
             [propose_ngram(seq.token_ids, self.min_n, self.max_n, k) if k else [] for seq, k in zip(seqs, limits)]
         )
 
-    def prefill(self, seqs: list[Sequence]) -> None:
+    def prefill(self, seqs: list[Sequence], run_draft: bool = True) -> None:
         """Nothing to compute alongside a prefill step: the lookup reads the tokens themselves."""
 
-    def forget(self, seq: Sequence) -> None:
+    def after_prefill(self, seqs: list[Sequence]) -> None:
         pass
 
 
@@ -89,31 +89,67 @@ def draft_probabilities(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Ten
     return probs
 
 
+@dataclass
+class DraftProgress:
+    """How far the draft's K/V reaches in one sequence."""
+
+    computed: int  # leading tokens whose draft K/V is in the draft's cache
+    preemptions: int  # the sequence's num_preemptions then (a preemption gives its blocks back, draft K/V and all)
+    recorded: int = 0  # leading blocks already entered in DraftProposer.valid
+
+
 class DraftProposer:
     """A small model with the target's vocabulary proposes by decoding k tokens itself.
 
     Its KV cache has the target's block count and block size and is indexed by the same block tables
     (`SpeculativeRunner`), so sequence b's draft K/V sits in the same slots as its target K/V, and prefix-cache hits
-    and preemption apply to both. The draft runs every prefill step alongside the target (on the same flat inputs),
-    so its K/V covers whatever the target's does. In a verify step it may lag: `computed[seq]` counts the tokens
-    with draft K/V, and its first forward of a step feeds the ones missing (usually 1; 2 after a step that accepted
-    all k, whose last proposal the draft never fed itself), then k - 1 decode steps of one token.
+    and preemption apply to both. Its K/V may lag the target's: `progress[seq].computed` counts the tokens with draft
+    K/V. A prefill step feeds the draft the step's tokens (and any it missed before them), unless the step loop leaves
+    it out (a batch too large to verify: policy.py); a verify step's first draft forward feeds the ones missing
+    (usually 1; 2 after a step that accepted all k, whose last proposal the draft never fed itself; a whole context
+    after plain steps or a prefill without the draft), then k - 1 decode steps of one token.
+
+    The prefix cache shares blocks by their tokens and the target's K/V: a block a prompt hits may hold no draft K/V
+    (filled by a prefill without the draft, or by plain decode steps). So the draft trusts a hit block only if it
+    recorded the block after computing all of it (`valid`: block id -> the token list the block held then; a block
+    gets a new list whenever it is handed out again or committed, so an entry of an older occupant never matches).
     """
 
-    def __init__(self, runner) -> None:
+    def __init__(self, runner, blocks: list) -> None:
         self.runner = runner  # the draft's ModelRunner (its own model and KV cache; the target's block tables)
-        self.computed: WeakKeyDictionary[Sequence, int] = WeakKeyDictionary()  # (a finished one just goes)
+        self.blocks = blocks  # the block manager's Blocks
+        self.progress: WeakKeyDictionary[Sequence, DraftProgress] = WeakKeyDictionary()  # (a finished one just goes)
+        self.valid: dict[int, list[int]] = {}  # block id -> block.token_ids when its draft K/V was complete
+
+    def cached_draft_tokens(self, seq: Sequence) -> int:
+        """The leading tokens of seq's prefix-cache hit whose blocks hold the draft's K/V."""
+        tokens, block_size = 0, self.runner.block_size
+        for block_id in seq.block_table[: seq.num_computed_tokens // block_size]:
+            if self.valid.get(block_id) is not self.blocks[block_id].token_ids:
+                break
+            tokens += block_size
+        return tokens
 
     @torch.inference_mode()
-    def prefill(self, seqs: list[Sequence]) -> None:
-        """The draft's forward over a prefill step's flat inputs (its logits are not needed: only its K/V)."""
-        runner = self.runner
-        runner.run_forward(seqs, runner.prepare_prefill(seqs))
+    def prefill(self, seqs: list[Sequence], run_draft: bool = True) -> None:
+        """The draft's forward over a prefill step's tokens, from wherever each sequence's draft K/V ends (its logits
+        are not needed: only its K/V). run_draft=False: the draft sits this step out and catches up later."""
         for seq in seqs:
-            self.computed[seq] = seq.num_computed_tokens + seq.num_scheduled_tokens
+            progress = self.progress.get(seq)
+            if progress is None or progress.preemptions != seq.num_preemptions:  # its first chunk since it got blocks
+                start = self.cached_draft_tokens(seq)
+                self.progress[seq] = DraftProgress(start, seq.num_preemptions, recorded=start // self.runner.block_size)
+        if run_draft:
+            ends = [seq.num_computed_tokens + seq.num_scheduled_tokens for seq in seqs]
+            self._feed(seqs, [self.progress[seq].computed for seq in seqs], ends)
+            for seq, end in zip(seqs, ends):
+                self.progress[seq].computed = end
 
-    def forget(self, seq: Sequence) -> None:
-        self.computed.pop(seq, None)
+    def after_prefill(self, seqs: list[Sequence]) -> None:
+        """A prefill step's blocks are committed: record those the draft computed."""
+        for seq in seqs:
+            if not seq.is_finished:
+                self._record(seq)
 
     def propose(self, seqs: list[Sequence], limits: list[int], sample) -> Proposals:
         """sample(probs (B, V), seqs) -> ids (B,): draws each row's token from its request's generator.
@@ -153,40 +189,69 @@ class DraftProposer:
         catch-up ended at the last token; each later draft step fed one proposal), but never past seq's tokens."""
         if num_draft_fed == 0:  # no draft forward ran for it: its lag stays
             return
-        self.computed[seq] = min(first_position + num_draft_fed, seq.num_tokens - 1)
+        self.progress[seq].computed = min(first_position + num_draft_fed, seq.num_tokens - 1)
+        self._record(seq)
+
+    def _record(self, seq: Sequence) -> None:
+        """Enter seq's committed blocks that hold its draft K/V in full in `valid` (once each)."""
+        progress, block_size = self.progress[seq], self.runner.block_size
+        full = min(progress.computed, seq.num_computed_tokens) // block_size
+        for block_id in seq.block_table[progress.recorded : full]:
+            block = self.blocks[block_id]
+            if block.hash != -1:  # (only a committed block can be hit; the others need no entry)
+                self.valid[block_id] = block.token_ids
+        progress.recorded = max(progress.recorded, full)
 
     def _catch_up(self, seqs: list[Sequence]) -> torch.Tensor:
         """Feed the draft each sequence's tokens without draft K/V -> (B, V) logits at its last token.
 
         Usually 1 or 2 tokens each: then as that many decode steps (a sequence with fewer joins the later ones,
         so every sequence's last token is in the last step), which replay the draft's CUDA graphs; a longer lag
-        (a sequence that had no proposals for a while) as one varlen step."""
-        starts = [self.computed.get(seq, 0) for seq in seqs]
+        (after plain steps, or a prefill without the draft) as varlen steps."""
+        starts = [self.progress[seq].computed for seq in seqs]
         lags = [seq.num_tokens - start for seq, start in zip(seqs, starts)]
         depth = max(lags)
         if depth > 2:
-            return self._catch_up_varlen(seqs, starts)
+            return self._feed(seqs, starts, [seq.num_tokens for seq in seqs])
         for step in range(depth):
             part = [seq for seq, lag in zip(seqs, lags) if lag >= depth - step]
             positions = [seq.num_tokens - depth + step for seq in part]
             logits = self._decode(part, [seq.token_ids[pos] for seq, pos in zip(part, positions)], positions)
         return logits
 
-    def _catch_up_varlen(self, seqs: list[Sequence], starts: list[int]) -> torch.Tensor:
+    def _feed(self, seqs: list[Sequence], starts: list[int], ends: list[int]) -> torch.Tensor:
+        """Draft forwards over each sequence's tokens [start, end) on the varlen path, at most the engine's
+        max_num_batched_tokens per forward (a long catch-up runs in chunks, as a long prompt does: the memory
+        measured for the step's activations holds) -> (B, V) logits at each sequence's token end - 1."""
         runner = self.runner
-        flat = prefill_metadata(
-            [seq.token_ids for seq in seqs],
-            starts,
-            [seq.num_tokens - start for seq, start in zip(seqs, starts)],
-            [seq.block_table for seq in seqs],
-            runner.block_size,
-        )
-        arrays = prefill_arrays(flat)
-        arrays["block_tables"] = runner.block_tables.padded(seqs)
-        step = StepInputs(
-            True, arrays, max(seq.num_tokens - s for seq, s in zip(seqs, starts)), max(seq.num_tokens for seq in seqs)
-        )
-        return runner.run_forward(seqs, step)  # (B, V)
+        budget = runner.config.max_num_batched_tokens
+        at, last = list(starts), [None] * len(seqs)
+        while True:
+            rows, lengths, room = [], [], budget
+            for b in range(len(seqs)):
+                n = min(ends[b] - at[b], room)
+                if n > 0:
+                    rows.append(b)
+                    lengths.append(n)
+                    room -= n
+            if not rows:
+                break
+            batch = [seqs[b] for b in rows]
+            flat = prefill_metadata(
+                [seq.token_ids for seq in batch],
+                [at[b] for b in rows],
+                lengths,
+                [seq.block_table for seq in batch],
+                runner.block_size,
+            )
+            arrays = prefill_arrays(flat)
+            arrays["block_tables"] = runner.block_tables.padded(batch)
+            step = StepInputs(True, arrays, max(lengths), max(at[b] + n for b, n in zip(rows, lengths)))
+            logits = runner.run_forward(batch, step)  # (len(rows), V)
+            for row, (b, n) in enumerate(zip(rows, lengths)):
+                at[b] += n
+                last[b] = logits[row]
+        return torch.stack(last)  # (B, V)
 
     def _decode(self, seqs: list[Sequence], token_ids: list[int] | torch.Tensor, positions: list[int]) -> torch.Tensor:
         """One decode step of the draft: sequence b's input token_ids[b] at positions[b] -> (B, V) logits.
