@@ -4,6 +4,8 @@ proposals."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from nanoref import LLM, SamplingParams
@@ -11,7 +13,7 @@ from nanoref.speculative.policy import DEFAULT_BATCH_LIMIT, SpeculationPolicy
 from nanoref.speculative.proposers import propose_ngram
 from nanoref.testing import EVERY_STEP
 
-from .helpers import assert_matches_hf, assert_no_block_leaked, random_prompts
+from .helpers import assert_matches_hf, assert_no_block_leaked, random_prompts, shared_prefix_prompts
 
 
 def test_the_batch_rule_runs_steps_above_the_limit_plain():
@@ -240,3 +242,38 @@ def test_a_prompt_that_hits_blocks_the_draft_computed_reuses_its_kv(tiny_model):
     assert_matches_hf(tiny_model, [follow_up], output, 16)
     assert kept_every_proposal(steps)
     assert_no_block_leaked(llm)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_an_identical_draft_keeps_every_proposal_through_skips_hits_preemption_and_eviction(tiny_model, seed):
+    """A random conversation workload on a small cache: batches of 1-4 against a limit of 2 (prefills with and
+    without the draft, plain and verify steps), second turns that hit blocks of either kind, preemption, and blocks
+    evicted and handed to other prompts. Any block whose draft K/V the draft trusted wrongly would make an identical
+    draft propose a token the target rejects."""
+    rng = random.Random(seed)
+    llm = LLM(tiny_model, device="cpu", speculative_config=identical_draft(tiny_model, 2), num_kvcache_blocks=12,
+              max_num_batched_tokens=48)  # fmt: skip
+    turns: list[list[int]] = []  # earlier prompts with their replies: the next turns' prefixes
+    drafted = accepted = hits = 0
+    for round_ in range(6):
+        prompts = []
+        for i in range(rng.randint(1, 4)):
+            if turns and rng.random() < 0.6:
+                prompts.append(rng.choice(turns) + random_prompts(100 * seed + 10 * round_ + i, [rng.randint(1, 6)])[0])
+            else:
+                prompts.append(shared_prefix_prompts(seed, 17, [rng.randint(2, 20)])[0][: rng.randint(5, 37)])
+        prompts = [p[-64:] for p in prompts]  # (one request fits the cache: 12 blocks of 16 tokens; four do not)
+        lengths = [rng.randint(3, 40) for _ in prompts]
+        params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths]
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        for prompt, output, length in zip(prompts, outputs, lengths):
+            assert_matches_hf(tiny_model, [prompt], [output], length)
+            turns.append(prompt + output["token_ids"])
+        steps = llm.metrics.steps
+        drafted += sum(step.num_draft_tokens for step in steps)
+        accepted += sum(step.num_accepted_tokens for step in steps)
+        hits += sum(step.num_hit_tokens for step in steps)
+        assert accepted == drafted, f"round {round_}: the draft read K/V it had not written ({accepted} of {drafted})"
+        assert_no_block_leaked(llm)
+    preemptions = llm.scheduler.num_preemptions
+    assert drafted > 0 and hits > 0 and preemptions > 0, (drafted, hits, preemptions)

@@ -130,20 +130,25 @@ class DraftProposer:
             tokens += block_size
         return tokens
 
+    def progress_of(self, seq: Sequence) -> DraftProgress:
+        """seq's draft progress; new where the draft has not seen seq since it got its blocks (its first prefill
+        chunk, or the first after a preemption): its prefix-cache hit's blocks that hold draft K/V."""
+        progress = self.progress.get(seq)
+        if progress is None or progress.preemptions != seq.num_preemptions:
+            start = self.cached_draft_tokens(seq)
+            progress = self.progress[seq] = DraftProgress(start, seq.num_preemptions, start // self.runner.block_size)
+        return progress
+
     @torch.inference_mode()
     def prefill(self, seqs: list[Sequence], run_draft: bool = True) -> None:
         """The draft's forward over a prefill step's tokens, from wherever each sequence's draft K/V ends (its logits
         are not needed: only its K/V). run_draft=False: the draft sits this step out and catches up later."""
-        for seq in seqs:
-            progress = self.progress.get(seq)
-            if progress is None or progress.preemptions != seq.num_preemptions:  # its first chunk since it got blocks
-                start = self.cached_draft_tokens(seq)
-                self.progress[seq] = DraftProgress(start, seq.num_preemptions, recorded=start // self.runner.block_size)
+        progress = [self.progress_of(seq) for seq in seqs]
         if run_draft:
             ends = [seq.num_computed_tokens + seq.num_scheduled_tokens for seq in seqs]
-            self._feed(seqs, [self.progress[seq].computed for seq in seqs], ends)
-            for seq, end in zip(seqs, ends):
-                self.progress[seq].computed = end
+            self._feed(seqs, [p.computed for p in progress], ends)
+            for p, end in zip(progress, ends):
+                p.computed = end
 
     def after_prefill(self, seqs: list[Sequence]) -> None:
         """A prefill step's blocks are committed: record those the draft computed."""
@@ -189,12 +194,12 @@ class DraftProposer:
         catch-up ended at the last token; each later draft step fed one proposal), but never past seq's tokens."""
         if num_draft_fed == 0:  # no draft forward ran for it: its lag stays
             return
-        self.progress[seq].computed = min(first_position + num_draft_fed, seq.num_tokens - 1)
+        self.progress_of(seq).computed = min(first_position + num_draft_fed, seq.num_tokens - 1)
         self._record(seq)
 
     def _record(self, seq: Sequence) -> None:
         """Enter seq's committed blocks that hold its draft K/V in full in `valid` (once each)."""
-        progress, block_size = self.progress[seq], self.runner.block_size
+        progress, block_size = self.progress_of(seq), self.runner.block_size
         full = min(progress.computed, seq.num_computed_tokens) // block_size
         for block_id in seq.block_table[progress.recorded : full]:
             block = self.blocks[block_id]
@@ -208,7 +213,7 @@ class DraftProposer:
         Usually 1 or 2 tokens each: then as that many decode steps (a sequence with fewer joins the later ones,
         so every sequence's last token is in the last step), which replay the draft's CUDA graphs; a longer lag
         (after plain steps, or a prefill without the draft) as varlen steps."""
-        starts = [self.progress[seq].computed for seq in seqs]
+        starts = [self.progress_of(seq).computed for seq in seqs]
         lags = [seq.num_tokens - start for seq, start in zip(seqs, starts)]
         depth = max(lags)
         if depth > 2:
