@@ -17,6 +17,7 @@ from nanoref.engine.sequence import Sequence
 from nanoref.engine.step_inputs import StepInputs, decode_arrays, prefill_arrays, prefill_metadata
 from nanoref.layers.logits_processors import to_device
 from nanoref.layers.sampler import sampling_probs
+from nanoref.utils.seams import seam
 
 
 def propose_ngram(token_ids: list[int], min_n: int, max_n: int, k: int) -> list[int]:
@@ -242,7 +243,7 @@ class DraftProposer:
             if not rows:
                 break
             batch = [seqs[b] for b in rows]
-            flat = prefill_metadata(
+            flat = seam("prefill_metadata", prefill_metadata)(
                 [seq.token_ids for seq in batch],
                 [at[b] for b in rows],
                 lengths,
