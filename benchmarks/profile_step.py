@@ -1,6 +1,7 @@
 """Where a decode step goes: nanoref beside Nano-vLLM on one GPU, kernel by kernel.
 
-Each engine runs in its own process on the same random Qwen3-0.6B bf16 folder and Nano-vLLM's workload
+Each engine runs in its own process on the same random bf16 folder (Qwen3-0.6B's architecture; `--shape 8b`:
+Qwen3-8B's) and Nano-vLLM's workload
 (see beside_peer.py): all 256 requests are admitted and prefilled, then, in the steady decode state at
 batch 256, the script times `--steps` decode steps and profiles `--profile-steps` more with the torch
 profiler. Per engine it prints:
@@ -35,7 +36,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from beside_peer import engine_options, make_model, workload  # noqa: E402
+from beside_peer import SHAPES, engine_options, make_model, workload  # noqa: E402
 
 
 def nanoref_engine(folder: str, flags: list[str]):
@@ -206,6 +207,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--profile-steps", type=int, default=10)
     parser.add_argument("--phase", choices=("decode", "prefill"), default="decode")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="0.6b", help="the random model's architecture")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
@@ -214,7 +216,10 @@ def main() -> None:
         result = measure(args.worker, args.model, args.steps, args.profile_steps, args.phase)
         print("RESULT " + json.dumps(result), flush=True)
         return
-    folder = make_model(Path(tempfile.mkdtemp()) / "qwen3-0.6b-random")
+    import torch
+
+    folder = make_model(Path(tempfile.mkdtemp()) / f"qwen3-{args.shape}-random", args.shape)
+    torch.cuda.empty_cache()  # the workers size their KV caches from the free memory (beside_peer.py: parent)
     results = {}
     for spec in args.engine:
         name, path = spec.split("=", 1)
