@@ -251,7 +251,8 @@ class DraftProposer:
                 runner.block_size,
             )
             arrays = prefill_arrays(flat)
-            arrays["block_tables"] = runner.block_tables.padded(batch)
+            if any(at[b] for b in rows):  # history: attention reads its keys through the tables (as prepare_prefill)
+                arrays["block_tables"] = runner.block_tables.padded(batch)
             step = StepInputs(True, arrays, max(lengths), max(at[b] + n for b, n in zip(rows, lengths)))
             logits = runner.run_forward(batch, step)  # (len(rows), V)
             for row, (b, n) in enumerate(zip(rows, lengths)):
