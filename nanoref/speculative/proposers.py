@@ -13,6 +13,7 @@ from weakref import WeakKeyDictionary
 import numpy as np
 import torch
 
+from nanoref.engine.block_manager import Block
 from nanoref.engine.sequence import Sequence
 from nanoref.engine.step_inputs import StepInputs, decode_arrays, prefill_arrays, prefill_metadata
 from nanoref.layers.logits_processors import to_device
@@ -116,7 +117,7 @@ class DraftProposer:
     gets a new list whenever it is handed out again or committed, so an entry of an older occupant never matches).
     """
 
-    def __init__(self, runner, blocks: list) -> None:
+    def __init__(self, runner, blocks: list[Block]) -> None:
         self.runner = runner  # the draft's ModelRunner (its own model and KV cache; the target's block tables)
         self.blocks = blocks  # the block manager's Blocks
         self.progress: WeakKeyDictionary[Sequence, DraftProgress] = WeakKeyDictionary()  # (a finished one just goes)

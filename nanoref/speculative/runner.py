@@ -47,13 +47,13 @@ def unpaid_draft(config: EngineConfig) -> str | None:
     if spec is None or spec.method != "draft_model" or spec.min_tokens_per_step <= 0:
         return None
     try:
-        draft, target = stored_parameters(spec.model_folder), stored_parameters(config.model_folder)
+        bar = acceptance_bar(config)
     except Exception:  # a broken draft folder: its loading names the problem
         return None
     k = spec.num_speculative_tokens
-    bar = spec.min_tokens_per_step + draft_cost(k, draft, target)  # (acceptance_bar's, from the counts at hand)
     if bar <= k + 1:
         return None
+    draft, target = stored_parameters(spec.model_folder), stored_parameters(config.model_folder)
     return (
         f"speculative_config: the draft model has {draft:,} parameters, the target {target:,}: with its {k} "
         f"forwards a verify step would have to gain {bar:.2f} tokens per sequence to pay, more than the {k + 1} it "
