@@ -16,6 +16,7 @@ profiler. Per engine it prints:
 `--phase prefill` profiles prefill steps instead: every request asks for one token, so each step is a prefill of
 up to the engine's token budget; one stream of the workload is timed step by step (the device synchronized after
 each: the first step of a process shows its one-time costs), then a second, fresh stream is profiled.
+`--gemm-shapes` also lists the matmuls by input shapes with the cuBLAS kernel each ran (which GEMM is slow).
 
 `nanoref-FLAG-FLAG` names pick nanoref's options with beside_peer.py's flags (`plain`, `triton`, `flash`,
 `hybrid`, `eager`, `blockN`, ...).
@@ -90,7 +91,9 @@ def watch_garbage_collection() -> tuple[list[float], Callable]:
 SYNC_NAMES = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsync")
 
 
-def measure(name: str, folder: str, steps: int, profile_steps: int, phase: str = "decode") -> dict:
+def measure(
+    name: str, folder: str, steps: int, profile_steps: int, phase: str = "decode", shapes: bool = False
+) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -99,7 +102,7 @@ def measure(name: str, folder: str, steps: int, profile_steps: int, phase: str =
     else:
         add, step, finished = nano_vllm_engine(folder)
     if phase == "prefill":
-        return measure_prefill(add, step, finished)
+        return measure_prefill(add, step, finished, shapes)
     prompts, _ = workload()
     for prompt in prompts:  # every request long enough to stay in the batch throughout
         add(prompt, 1024)
@@ -121,7 +124,7 @@ def measure(name: str, folder: str, steps: int, profile_steps: int, phase: str =
     cpu_ms = (time.process_time() - cpu_start) / (4 * (steps // 4)) * 1e3  # every thread of this process
     gc.callbacks.remove(gc_callback)
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=shapes) as prof:
         for _ in range(profile_steps):
             step()
         torch.cuda.synchronize()
@@ -159,7 +162,17 @@ def profile_summary(prof, per_step: int) -> dict:
             busy += end - max(begin, reach)
             reach = end
     top = sorted(kernels.items(), key=lambda item: -item[1])[:18]
+    gemms: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0, 0.0])  # (shapes, kernel) -> GPU, host
+    for event in prof.events():  # (shapes are recorded only under --gemm-shapes)
+        if event.name in ("aten::mm", "aten::addmm") and event.input_shapes:
+            kernel = event.kernels[0].name[:60] if event.kernels else "?"
+            gemms[(str(event.input_shapes), kernel)][0] += sum(k.duration for k in event.kernels)
+            gemms[(str(event.input_shapes), kernel)][1] += event.cpu_time_total
     return dict(
+        gemms=[  # (input shapes, kernel, GPU us per step, host us per step)
+            (*k, round(gpu / per_step, 1), round(host / per_step, 1))
+            for k, (gpu, host) in sorted(gemms.items(), key=lambda i: -i[1][0])[:20]
+        ],
         gpu_busy_ms=round(busy / per_step / 1e3, 3),
         kernel_sum_ms=round(sum(kernels.values()) / per_step / 1e3, 3),
         host_wait_ms=round(sync_us / per_step / 1e3, 3),
@@ -169,7 +182,7 @@ def profile_summary(prof, per_step: int) -> dict:
     )
 
 
-def measure_prefill(add: Callable, step: Callable, finished: Callable) -> dict:
+def measure_prefill(add: Callable, step: Callable, finished: Callable, shapes: bool = False) -> dict:
     """Prefill steps: one stream timed step by step (synchronized), then a fresh one profiled."""
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -185,7 +198,7 @@ def measure_prefill(add: Callable, step: Callable, finished: Callable) -> dict:
     for prompt in workload(2)[0]:  # a stream the engine has not served (its prefix cache would skip the work)
         add(prompt, 1)
     num_steps = 0
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=shapes) as prof:
         while not finished():
             step()
             num_steps += 1
@@ -208,12 +221,15 @@ def main() -> None:
     parser.add_argument("--profile-steps", type=int, default=10)
     parser.add_argument("--phase", choices=("decode", "prefill"), default="decode")
     parser.add_argument("--shape", choices=sorted(SHAPES), default="0.6b", help="the random model's architecture")
+    parser.add_argument(
+        "--gemm-shapes", action="store_true", help="record the matmuls' shapes: their kernels by shape (adds host time)"
+    )
     parser.add_argument("--out", type=Path)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        result = measure(args.worker, args.model, args.steps, args.profile_steps, args.phase)
+        result = measure(args.worker, args.model, args.steps, args.profile_steps, args.phase, args.gemm_shapes)
         print("RESULT " + json.dumps(result), flush=True)
         return
     import torch
@@ -226,6 +242,7 @@ def main() -> None:
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [path, os.environ.get("PYTHONPATH")])))
         command = [sys.executable, __file__, "--worker", name, "--model", str(folder)]
         command += ["--steps", str(args.steps), "--profile-steps", str(args.profile_steps), "--phase", args.phase]
+        command += ["--gemm-shapes"] if args.gemm_shapes else []
         proc = subprocess.run(command, env=env, capture_output=True, text=True)
         lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
         if proc.returncode or not lines:
@@ -243,6 +260,8 @@ def main() -> None:
             print(f"   prefill steps, ms each (synchronized): {r['step_ms']}")
         for kernel, us in r["top_kernels"]:
             print(f"   {us:9.1f} us  {kernel}")
+        for shapes, kernel, gpu_us, host_us in r["gemms"]:
+            print(f"   {gpu_us:9.1f} us GPU {host_us:8.1f} us host  {shapes}  {kernel}")
         print("   host, self time per step (under the profiler):")
         for call, us in r["top_host"]:
             print(f"   {us:9.1f} us  {call}")
