@@ -668,9 +668,10 @@ def main() -> None:
     print("\nbatch >= 64 and context >= 1024\n" + summary_table)
 
     launch = tri.DECODE_LAUNCH
+    options = f"{' --sweep' if args.sweep else ''} --batches {args.batches} --contexts {args.contexts}"
     text = f"""# Kernel benchmark: one {gpu}
 
-`python benchmarks/kernel_bench.py{" --sweep" if args.sweep else ""}`, measured {time.strftime("%Y-%m-%d")}
+`python benchmarks/kernel_bench.py{options}`, measured {time.strftime("%Y-%m-%d")}
 on one {gpu} (torch {torch.__version__}, triton {triton.__version__}, Python {platform.python_version()}).
 Every time is the median of `triton.testing.do_bench` over a CUDA-graph replay of one call (no Python or
 launch overhead, as in the engine's graphed decode; L2 flushed between calls). Shapes: Qwen3-0.6B
