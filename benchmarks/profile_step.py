@@ -165,7 +165,8 @@ def profile_summary(prof, per_step: int) -> dict:
     gemms: dict[tuple[str, str], list[float]] = defaultdict(lambda: [0.0, 0.0])  # (shapes, kernel) -> GPU, host
     for event in prof.events():  # (shapes are recorded only under --gemm-shapes)
         if event.name in ("aten::mm", "aten::addmm") and event.input_shapes:
-            kernel = event.kernels[0].name[:60] if event.kernels else "?"
+            # (the longest of its kernels: cuBLAS may launch a memset of its workspace first)
+            kernel = max(event.kernels, key=lambda k: k.duration).name[:60] if event.kernels else "?"
             gemms[(str(event.input_shapes), kernel)][0] += sum(k.duration for k in event.kernels)
             gemms[(str(event.input_shapes), kernel)][1] += event.cpu_time_total
     return dict(

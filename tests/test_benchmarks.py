@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -155,3 +156,28 @@ def test_the_shallow_draft_proposes_what_its_silenced_target_decodes(tmp_path):
     drafted = sum(step.num_draft_tokens for step in llm.metrics.steps)
     accepted = sum(step.num_accepted_tokens for step in llm.metrics.steps)
     assert drafted > 0 and accepted == drafted, (accepted, drafted)
+
+
+def test_profile_step_lists_each_matmul_shape_with_its_time(monkeypatch):
+    """`profile_step.py --gemm-shapes` attributes time to the matmuls by input shapes (which GEMM is slow): on a CPU
+    profile there are no kernels, but each shape still gets its calls' host time, apart from the other shapes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from profile_step import profile_summary
+
+    x, tall, wide = torch.randn(64, 32), torch.randn(16, 32), torch.randn(48, 32)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        for _ in range(3):
+            torch.nn.functional.linear(x, tall)
+            torch.nn.functional.linear(x, wide)
+    rows = {shapes: (kernel, gpu_us, host_us) for shapes, kernel, gpu_us, host_us in profile_summary(prof, 3)["gemms"]}
+    assert set(rows) == {"[[64, 32], [32, 16]]", "[[64, 32], [32, 48]]"}
+    assert all(gpu_us == 0.0 and host_us > 0 for _, gpu_us, host_us in rows.values())
+
+
+def test_the_split_decode_probe_explains_itself_and_names_what_it_needs_without_a_gpu():
+    assert "two sub-batches" in run_script("benchmarks/split_decode_probe.py", "--help").stdout
+    if not torch.cuda.is_available():
+        result = run_script("benchmarks/split_decode_probe.py")
+        assert result.returncode != 0 and "needs a CUDA GPU" in result.stderr
