@@ -47,10 +47,26 @@ def norm_rotary(
     return apply_rotary(rms_norm(x, weight, eps), cos_cache[positions], sin_cache[positions])
 
 
+def norm_rotary_qk(
+    x: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    eps: float,
+    positions: torch.Tensor,
+    cos_cache: torch.Tensor,
+    sin_cache: torch.Tensor,
+) -> torch.Tensor:
+    """`norm_rotary` with the query and key heads' norm weights apart: q_weight (H, D), k_weight (Hk, D) (q_norm's
+    and k_norm's (D,) weights expanded: views), x: (N, H + Hk, D) -> (N, H + Hk, D). Joined here, the weights are
+    part of the compiled function's one kernel on CUDA; joined by its caller, they were a copy kernel of their own
+    in every layer of every step."""
+    return norm_rotary(x, torch.cat([q_weight, k_weight]), eps, positions, cos_cache, sin_cache)
+
+
 # eager: two table lookups and ~10 kernels per tensor (casts, halves, four products, cat); compiled: one
 # kernel for q and k together, reading each table row once (utils/compile.py)
 rotary_qk_cuda = on_cuda(rotary_qk)
-norm_rotary_cuda = on_cuda(norm_rotary)
+norm_rotary_qk_cuda = on_cuda(norm_rotary_qk)
 
 
 class RotaryEmbedding(nn.Module):

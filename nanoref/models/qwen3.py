@@ -18,7 +18,7 @@ from nanoref.layers.attention import Attention
 from nanoref.layers.embed_head import LMHead, VocabEmbedding
 from nanoref.layers.layernorm import RMSNorm, rms_norm_cuda
 from nanoref.layers.linear import MergedLinear, QKVLinear, RowParallelLinear
-from nanoref.layers.rotary import RotaryEmbedding, apply_rotary, norm_rotary_cuda
+from nanoref.layers.rotary import RotaryEmbedding, apply_rotary, norm_rotary_qk_cuda
 from nanoref.models.configs import Qwen3Config
 from nanoref.utils.seams import seam
 from nanoref.utils.tracing import trace, trace_layer
@@ -77,14 +77,17 @@ class Qwen3Attention(nn.Module):
     def _norm_rotary_qk(self, positions: torch.Tensor, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The fused version of `norm_rotary`: q_norm, k_norm and RoPE with nanoref's own functions, the query and
         key heads side by side in one pass (on a CPU each small op costs microseconds whatever its size):
-        `layers.rotary.norm_rotary` (on CUDA one compiled kernel), or the backend's own kernel (cpp's C++ one)."""
+        `layers.rotary.norm_rotary_qk` (on CUDA one compiled kernel), or the backend's own kernel (cpp's C++ one)."""
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
         qk = qkv[:, : self.q_size + self.kv_size].view(-1, heads + kv_heads, dim)  # (N, H + Hk, D), a view
-        weight = torch.cat([self.q_norm.weight.expand(heads, dim), self.k_norm.weight.expand(kv_heads, dim)])
+        q_weight, k_weight = self.q_norm.weight.expand(heads, dim), self.k_norm.weight.expand(kv_heads, dim)  # views
         rope = self.rotary_emb
         eps = self.q_norm.eps  # (k_norm's too: both are config.rms_norm_eps)
-        fused = self.attn.backend.norm_rotary or norm_rotary_cuda  # the backend's kernel (cpp), else nanoref's function
-        qk = fused(qk, weight, eps, positions, rope.cos_cache, rope.sin_cache)
+        backend_kernel = self.attn.backend.norm_rotary  # the backend's own (cpp's C++ kernel) takes them joined
+        if backend_kernel is not None:
+            qk = backend_kernel(qk, torch.cat([q_weight, k_weight]), eps, positions, rope.cos_cache, rope.sin_cache)
+        else:  # nanoref's function (one compiled kernel on CUDA, the weights joined inside it)
+            qk = norm_rotary_qk_cuda(qk, q_weight, k_weight, eps, positions, rope.cos_cache, rope.sin_cache)
         q, k = qk.split([heads, kv_heads], dim=1)  # (N, H, D), (N, Hk, D): views
         return q, k
 
