@@ -13,6 +13,7 @@ on a machine without graphs (a CPU): for teaching and tests.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 from collections.abc import Iterator
 
@@ -101,16 +102,18 @@ class DecodeGraphs:
             for size in reversed(self.buckets):
                 graph = torch.cuda.CUDAGraph()
                 tokens = size * self.query_len
-                set_context(
-                    Context(
-                        slot_mapping=b["slot_mapping"][:tokens],
-                        context_lens=b["context_lens"][:size],
-                        block_tables=b["block_tables"][:size],
-                        decode_query_len=self.query_len,
-                    )
+                context = Context(
+                    slot_mapping=b["slot_mapping"][:tokens],
+                    context_lens=b["context_lens"][:size],
+                    block_tables=b["block_tables"][:size],
+                    decode_query_len=self.query_len,
                 )
                 ids, positions = b["input_ids"][:tokens], b["positions"][:tokens]
+                set_context(context)
                 b["hidden"][:tokens] = self.model(ids, positions)  # warm up outside capture
+                # a fresh Context for the capture: what the layers derive from it once per step (the decode
+                # schedule) is then recorded too, and recomputed at every replay
+                set_context(dataclasses.replace(context, scheduler_metadata=None))
                 with torch.cuda.graph(graph, pool):
                     b["hidden"][:tokens] = self.model(ids, positions)
                 pool = pool or graph.pool()

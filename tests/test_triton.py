@@ -15,7 +15,12 @@ pytestmark = pytest.mark.slow  # the Triton interpreter runs every program in Py
 
 from nanoref import LLM, SamplingParams  # noqa: E402
 from nanoref.ops import attention_torch, naive_padded_attention, store_kvcache_torch  # noqa: E402
-from nanoref.ops.attention_triton import choose_num_splits, paged_decode_attention, varlen_attention  # noqa: E402
+from nanoref.ops.attention_triton import (  # noqa: E402
+    choose_num_splits,
+    decode_schedule,
+    paged_decode_attention,
+    varlen_attention,
+)
 from nanoref.ops.store_kvcache_triton import store_kvcache_triton  # noqa: E402
 
 from .helpers import (  # noqa: E402
@@ -73,6 +78,23 @@ def test_paged_decode_triton_matches_reference_and_oracle(dtype, heads, kv_heads
         assert out.shape == x.q.shape and out.dtype == dtype
         torch.testing.assert_close(out.float(), reference.float(), atol=TOL[dtype], rtol=TOL[dtype])
         torch.testing.assert_close(out.squeeze(1).float(), oracle.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_paged_decode_triton_in_any_program_order_gives_the_same_answer(num_splits):
+    """scheduler_metadata reorders the programs (longest context first); each must still write its own sequence."""
+    g = torch.Generator().manual_seed(num_splits)
+    lens = [3, 70, 17, 1, 40, 33]
+    x = random_paged_decode(lens, 16, 4, 2, 32, torch.float32, g).to(DEVICE)
+    args = (x.q, x.k_cache, x.v_cache, x.seqlens, x.block_table)
+    reference = attention_torch.paged_decode_attention(*args)
+    longest_first = decode_schedule(x.seqlens)
+    assert longest_first.tolist() == [1, 4, 5, 2, 0, 3]
+    for order in (longest_first, torch.randperm(len(lens), generator=g).to(DEVICE)):
+        out = paged_decode_attention(*args, num_splits=num_splits, scheduler_metadata=order)
+        torch.testing.assert_close(out, reference, atol=2e-5, rtol=2e-5)
+    with pytest.raises(ValueError, match="scheduler_metadata must be \\(6,\\)"):
+        paged_decode_attention(*args, scheduler_metadata=longest_first[:5])
 
 
 @pytest.mark.parametrize("len_q", [2, 5])
@@ -190,3 +212,58 @@ def test_auto_picks_flash_attn_triton_where_flash_attn_serves(monkeypatch):
     assert backends.choose_backend("auto", cuda, torch.float32, None, 128) == "triton"  # flash-attn: half only
     monkeypatch.setattr(backends, "triton_available", lambda: False)
     assert backends.choose_backend("auto", cuda, torch.bfloat16, None, 128) == "flash_attn"
+
+
+def test_decode_attention_makes_one_schedule_a_step_for_every_layer_and_none_for_a_learners_function():
+    """The backend's decode_schedule runs once per decode step (the first layer's), every layer's decode gets
+    that tensor, and a learner's function in the paged_decode_attention seam gets flash-attn's arguments only."""
+    import dataclasses
+
+    from nanoref.layers.attention import Attention
+    from nanoref.ops.backends import resolve_backend
+    from nanoref.utils.context import Context, reset_context, set_context
+    from nanoref.utils.seams import use
+
+    g = torch.Generator().manual_seed(7)
+    lens = [5, 40, 17]
+    x = random_paged_decode(lens, 16, 4, 2, 16, torch.float32, g)
+    made, handed = [], []
+
+    def schedule(cache_seqlens):
+        made.append(cache_seqlens)
+        return decode_schedule(cache_seqlens)
+
+    def decode(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale=None, causal=True, **schedule):
+        handed.append(schedule.get("scheduler_metadata"))
+        return attention_torch.paged_decode_attention(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale)
+
+    backend = dataclasses.replace(
+        resolve_backend("torch", torch.device("cpu")), decode=decode, decode_schedule=schedule
+    )
+    layers = [Attention(4, 16, 0.25, 2) for _ in range(3)]
+    for layer in layers:
+        layer.backend, layer.k_cache, layer.v_cache = backend, x.k_cache, x.v_cache
+    q = x.q.squeeze(1)  # (B, H, D): one query token per sequence
+    dummy_kv = torch.zeros(len(lens), 2, 16)
+    try:
+        set_context(Context(context_lens=x.seqlens, block_tables=x.block_table))
+        outs = [layer(q, dummy_kv, dummy_kv) for layer in layers]
+        assert len(made) == 1, f"the schedule was made {len(made)} times in one step"
+        assert len(handed) == 3 and all(h is handed[0] for h in handed) and handed[0].tolist() == [1, 2, 0]
+        reference = attention_torch.paged_decode_attention(x.q, x.k_cache, x.v_cache, x.seqlens, x.block_table, 0.25)
+        torch.testing.assert_close(outs[0], reference.squeeze(1))
+
+        learner_calls = []
+
+        def learners(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, causal):
+            learner_calls.append(q.shape)
+            return attention_torch.paged_decode_attention(
+                q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale
+            )
+
+        set_context(Context(context_lens=x.seqlens, block_tables=x.block_table))
+        with use(paged_decode_attention=learners):
+            layers[0](q, dummy_kv, dummy_kv)
+        assert learner_calls == [(3, 1, 4, 16)] and len(made) == 1
+    finally:
+        reset_context()

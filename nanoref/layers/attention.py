@@ -66,7 +66,13 @@ class Attention(nn.Module):
                 context_lens=context.context_lens,
                 block_tables=context.block_tables,
             )
-            out = seam("paged_decode_attention", self.backend.decode)(
+            decode = seam("paged_decode_attention", self.backend.decode)
+            schedule = {}  # a learner's function (a seam) takes flash-attn's arguments only
+            if self.backend.decode_schedule is not None and decode is self.backend.decode:
+                if context.scheduler_metadata is None:  # the step's first layer: one schedule serves every layer
+                    context.scheduler_metadata = self.backend.decode_schedule(context.context_lens)
+                schedule["scheduler_metadata"] = context.scheduler_metadata
+            out = decode(
                 q,
                 k_cache,
                 v_cache,
@@ -74,6 +80,7 @@ class Attention(nn.Module):
                 block_table=context.block_tables,
                 softmax_scale=self.scale,
                 causal=True,
+                **schedule,
             ).reshape(num_tokens, num_heads, head_dim)  # (B, Lq, H, D) -> (N, H, D)
         trace("attn.out", out=out)
         return out

@@ -79,6 +79,7 @@ def _attend_tile(
 @triton.jit(do_not_specialize=["stride_bt", "stride_ob", "stride_os", "stride_lb", "stride_ls"])
 def paged_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seqlens_ptr, out_ptr, lse_ptr,
+    order_ptr,  # (B,) the sequences in the order their programs start (ORDERED), e.g. longest context first
     qk_scale,  # softmax_scale * log2(e)
     stride_qb, stride_qm, stride_qh,  # q (B, Lq, H, D)
     stride_kblock, stride_kslot, stride_kh,  # caches (num_blocks, block_size, Hk, D)
@@ -88,11 +89,18 @@ def paged_decode_kernel(
     split_len,  # context tokens per split (a multiple of BLOCK_N)
     LEN_Q: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-    CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, ORDERED: tl.constexpr,
 ):  # fmt: skip
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    # The GPU starts programs in grid order, axis 0 fastest: a sequence's KV heads start side by side, and with
+    # ORDERED the sequences start in order_ptr's order. Longest first, the short programs fill the SMs at the end
+    # of the step instead of one long program running on alone (a mixed batch's tail).
+    kv_head = tl.program_id(0)
+    rank = tl.program_id(1)
     split = tl.program_id(2)
+    if ORDERED:
+        seq = tl.load(order_ptr + rank).to(tl.int32)
+    else:
+        seq = rank
     seqlen = tl.load(seqlens_ptr + seq)
 
     # Tile rows are (query token, query head of this KV head's group): GROUP * LEN_Q of BLOCK_M used.
@@ -375,6 +383,17 @@ def merge_splits(partial: torch.Tensor, lse: torch.Tensor, out: torch.Tensor) ->
     )  # fmt: skip
 
 
+def decode_schedule(cache_seqlens: torch.Tensor) -> torch.Tensor:
+    """(B,) int64: the batch's sequences longest context first, the order `paged_decode_attention` starts them.
+
+    A decode step's programs (one per sequence and KV head) outnumber what the SMs run at once, and each takes
+    time in proportion to its context. In batch order a long sequence can start last and run on alone while
+    the other SMs idle; started longest first, the last programs to start are the shortest (longest-processing-
+    time-first scheduling), and the step ends when the bytes are read. One small sort per step, on the device
+    (so a CUDA graph replays it)."""
+    return torch.argsort(cache_seqlens, descending=True)
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -384,10 +403,14 @@ def paged_decode_attention(
     softmax_scale: float | None = None,
     causal: bool = True,
     num_splits: int = 0,
+    scheduler_metadata: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: (B, Lq, H, D); caches: (num_blocks, block_size, Hk, D); cache_seqlens: (B,). -> (B, Lq, H, D).
 
     num_splits: as in flash-attn, 0 picks a split count from the shapes; 1 turns splitting off.
+    scheduler_metadata: (B,) int, a permutation of the batch: the order in which the sequences' programs start
+    (`decode_schedule(cache_seqlens)`: longest context first). Computed once per step and shared by the layers,
+    as flash-attn 3's `scheduler_metadata`; it changes the speed, never the result. None: batch order.
     """
     batch, len_q, num_heads, head_dim = q.shape
     page, num_kv_heads = k_cache.shape[1], k_cache.shape[2]  # (num_blocks, block_size, Hk, D)
@@ -412,8 +435,14 @@ def paged_decode_attention(
     else:
         partial = torch.empty(batch, num_splits, len_q, num_heads, head_dim, device=q.device, dtype=torch.float32)
     lse = torch.empty(batch, num_splits, len_q, num_heads, device=q.device, dtype=torch.float32)
-    paged_decode_kernel[(batch, num_kv_heads, num_splits)](
+    ordered = scheduler_metadata is not None
+    if ordered and scheduler_metadata.shape != (batch,):
+        raise ValueError(
+            f"scheduler_metadata must be ({batch},), one entry per sequence, got {tuple(scheduler_metadata.shape)}"
+        )
+    paged_decode_kernel[(num_kv_heads, batch, num_splits)](
         q, k_cache, v_cache, block_table, cache_seqlens, partial, lse,
+        scheduler_metadata if ordered else cache_seqlens,  # (never read without ORDERED)
         scale * LOG2E,
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -423,7 +452,7 @@ def paged_decode_attention(
         split_len,
         LEN_Q=len_q, GROUP=group, BLOCK_M=max(16, triton.next_power_of_2(len_q * group)),
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), PAGE=page, BLOCK_N=block_n,
-        CAUSAL=causal, UPCAST=upcast, PRECISION=precision,
+        CAUSAL=causal, UPCAST=upcast, PRECISION=precision, ORDERED=ordered,
         num_warps=launch.num_warps, num_stages=launch.num_stages,
     )  # fmt: skip
     if num_splits > 1:

@@ -54,6 +54,9 @@ class AttentionBackend:
     add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None  # (x, residual, weight, eps)
     norm_rotary: Callable[..., torch.Tensor] | None = None  # (x, weight, eps, positions, cos_cache, sin_cache)
     silu_and_mul: Callable[..., torch.Tensor] | None = None  # (x)
+    # (cache_seqlens) -> decode's `scheduler_metadata`, made once per decode step and passed to every layer's decode
+    # (Triton: the sequences longest context first). None: decode takes no scheduler_metadata
+    decode_schedule: Callable[[torch.Tensor], torch.Tensor] | None = None
 
 
 def use_backend(model: torch.nn.Module, backend: AttentionBackend) -> None:
@@ -78,6 +81,7 @@ def _triton_backend() -> AttentionBackend:
         store_kvcache=store_kvcache_triton,
         varlen=attention_triton.varlen_attention,
         decode=attention_triton.paged_decode_attention,
+        decode_schedule=attention_triton.decode_schedule,
     )
 
 
@@ -135,7 +139,11 @@ def _flash_attn_backend() -> AttentionBackend:
 def _flash_attn_triton_backend() -> AttentionBackend:
     flash, triton = _flash_attn_backend(), _triton_backend()
     return dataclasses.replace(
-        flash, name="flash_attn+triton", store_kvcache=triton.store_kvcache, decode=triton.decode
+        flash,
+        name="flash_attn+triton",
+        store_kvcache=triton.store_kvcache,
+        decode=triton.decode,
+        decode_schedule=triton.decode_schedule,
     )
 
 

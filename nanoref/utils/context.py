@@ -32,6 +32,9 @@ class Context:
     context_lens: torch.Tensor | None = None  # (num_seqs,) int32
     # physical block ids per sequence, padded with -1; set in decode and in prefill with cached history
     block_tables: torch.Tensor | None = None  # (num_seqs, max_blocks) int32
+    # decode: the backend's `scheduler_metadata` (Triton: the order its programs take the sequences), made from
+    # context_lens by the first attention layer of the step and shared by the others (layers/attention.py)
+    scheduler_metadata: torch.Tensor | None = None
     # prefill: the LM head makes logits for every token, not only each sequence's last (a speculative verify step
     # checks every proposed token: nanoref/speculative/)
     all_logits: bool = False
