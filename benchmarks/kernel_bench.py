@@ -4,6 +4,7 @@
     python benchmarks/kernel_bench.py --sweep               # first sweep the kernels' tile settings (--sweep-prefill)
     python benchmarks/kernel_bench.py --plot benchmarks/results/kernels_h200.json   # anywhere: redraw the figure
     python benchmarks/kernel_bench.py --compare OLD.py      # the kernels of an older attention_triton.py vs the current
+    python benchmarks/kernel_bench.py --mixed OUT.md        # decode over mixed contexts: batch order vs longest first
 
 OLD.py is nanoref/ops/attention_triton.py as an older commit had it, e.g.
 `git show 177e2ae:nanoref/ops/attention_triton.py > /tmp/old_attention_triton.py`.
@@ -218,6 +219,73 @@ def time_decode(batch: int, ctx: int, block_sizes=(16, 256), peers: bool = True)
         ms = bench(lambda: flex(qd, k, v, enable_gqa=True))
         add("FlexAttention, dense (no paging)", ms)
     torch.cuda.empty_cache()
+    return rows
+
+
+def mixed_problem(batch: int, lens: torch.Tensor, block_size: int, heads: int, width_ctx: int = 4096, seed: int = 0):
+    """A paged cache of `batch` sequences of the given lengths, block tables `width_ctx` tokens wide (as a decode
+    graph's, sized for max_model_len), blocks scattered at random."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    width = width_ctx // block_size
+    num_blocks = batch * width
+    k_cache = torch.randn(num_blocks, block_size, KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE, generator=g)
+    v_cache = torch.randn_like(k_cache)
+    block_table = torch.randperm(num_blocks, device="cuda", generator=g).view(batch, width).int()
+    q = torch.randn(batch, 1, heads, HEAD_DIM, device="cuda", dtype=DTYPE, generator=g)  # (B, 1, H, D)
+    return q, k_cache, v_cache, block_table, lens.to(device="cuda", dtype=torch.int32)
+
+
+def mixed_methods(problem, baseline, flash_attn_with_kvcache) -> dict:
+    """The decode calls time_mixed_decode times on one problem, checked first against the torch reference."""
+    q, k_cache, v_cache, table, seqlens = problem
+    longest_first = tri.decode_schedule(seqlens)
+    expected = attention_torch.paged_decode_attention(q, k_cache, v_cache, seqlens, table)
+    got = tri.paged_decode_attention(q, k_cache, v_cache, seqlens, table, scheduler_metadata=longest_first)
+    torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)
+    methods = {
+        "triton, batch order": lambda: tri.paged_decode_attention(q, k_cache, v_cache, seqlens, table),
+        "triton, longest first": lambda: tri.paged_decode_attention(
+            q, k_cache, v_cache, seqlens, table, scheduler_metadata=longest_first
+        ),
+        "triton, longest first, sorted in the call": lambda: tri.paged_decode_attention(
+            q, k_cache, v_cache, seqlens, table, scheduler_metadata=tri.decode_schedule(seqlens)
+        ),
+    }
+    if baseline is not None:
+        methods["baseline kernel, batch order"] = lambda: baseline.paged_decode_attention(
+            q, k_cache, v_cache, seqlens, table
+        )
+    if flash_attn_with_kvcache is not None and k_cache.shape[1] % 256 == 0:
+        methods["flash-attn"] = lambda: flash_attn_with_kvcache(
+            q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table, causal=True
+        )
+    return methods
+
+
+def time_mixed_decode(copy_tbps: float, baseline_path: Path | None) -> list[dict]:
+    """Decode over a batch of mixed contexts (101-2,048 tokens, as a run of Nano-vLLM's workload has mid-way), in
+    batch order and longest first (`scheduler_metadata`), beside flash-attn where installed and an older kernel
+    (`--baseline`). Each sequence's programs take time in proportion to its context: the order decides how
+    evenly the SMs end the step."""
+    baseline = load_baseline(baseline_path) if baseline_path else None
+    try:
+        from flash_attn import flash_attn_with_kvcache
+    except ImportError:
+        flash_attn_with_kvcache = None
+    rows = []
+    for heads, batch in itertools.product((16, 32), (256, 128, 64)):  # Qwen3-0.6B's and -8B's query heads
+        lens = torch.randint(101, 2049, (batch,), generator=torch.Generator().manual_seed(batch))
+        kv_bytes = 2 * int(lens.sum()) * ROW_BYTES
+        for block_size in (16, 256) if heads == 16 else (256,):
+            problem = mixed_problem(batch, lens, block_size, heads)
+            for method, fn in mixed_methods(problem, baseline, flash_attn_with_kvcache).items():
+                ms = bench(fn)
+                tbps = kv_bytes / ms / 1e9
+                rows.append(dict(heads=heads, batch=batch, block=block_size, method=method, us=ms * 1e3, TBps=tbps,
+                                 of_copy=tbps / copy_tbps))  # fmt: skip
+                print(f"  H {heads} batch {batch} block {block_size} {method}: {ms * 1e3:.1f} us, {tbps:.2f} TB/s")
+            del problem
+            torch.cuda.empty_cache()
     return rows
 
 
@@ -613,6 +681,13 @@ def main() -> None:
         "--compare", type=Path, metavar="OLD.py", help="an older attention_triton.py's kernels against the current ones"
     )
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/kernels_compare_h200.md")
+    parser.add_argument(
+        "--mixed",
+        type=Path,
+        metavar="OUT.md",
+        help="only time decode over mixed contexts, in batch order and longest first (+ OUT.json)",
+    )
+    parser.add_argument("--baseline", type=Path, metavar="OLD.py", help="with --mixed: an older kernel beside")
     args = parser.parse_args()
     if args.plot:
         plot(args.plot, args.figure)
@@ -622,6 +697,20 @@ def main() -> None:
         sys.exit("benchmarks/kernel_bench.py needs a CUDA GPU (on a CPU the tests check the kernels, interpreted)")
     if args.compare:
         compare(args.compare, args.out)
+        return
+    if args.mixed:
+        copy_tbps = copy_bandwidth()
+        rows = time_mixed_decode(copy_tbps, args.baseline)
+        text = (f"# Paged decode over mixed contexts ({torch.cuda.get_device_name()}, {time.strftime('%Y-%m-%d')})\n\n"
+                f"Copy bandwidth {copy_tbps:.2f} TB/s. Contexts drawn uniformly from 101-2,048 tokens; 8 KV heads, "
+                f"head_dim 128, bf16; TB/s of K/V read.\n\n"
+                + markdown_table(rows, dict(us="{:.1f}", TBps="{:.2f}", of_copy="{:.0%}")))  # fmt: skip
+        print("\n" + text)
+        args.mixed.parent.mkdir(parents=True, exist_ok=True)
+        args.mixed.write_text(text)
+        args.mixed.with_suffix(".json").write_text(json.dumps(dict(
+            machine=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), copy_TBps=copy_tbps, rows=rows
+        ), indent=1) + "\n")  # fmt: skip
         return
     import triton
 
