@@ -102,10 +102,11 @@ def test_many_engines_of_several_models_in_one_process(tiny_models):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_compiled_qk_norm_rotary_is_one_kernel_with_the_weights_joined_inside(dtype):
-    """Qwen3's q/k norm + RoPE takes q_norm's and k_norm's weights apart and joins them inside its compiled kernel:
-    joined by the caller, they were a copy kernel of their own in every layer of every decode step (1.8 us a layer
-    in a Qwen3-8B step on an H100). Same numbers as eager."""
+def test_compiled_qk_norm_rotary_joins_the_weights_inside_its_own_kernels(dtype):
+    """Qwen3's q/k norm + RoPE takes q_norm's and k_norm's weights apart and joins them inside the compiled function:
+    joined by the caller, they were an eager copy kernel (CatArrayBatchedCopy) in every layer of every decode step.
+    Every kernel it runs is Inductor's own (on an H100, 2026-12-06: a reduction and two or three pointwise kernels,
+    181.7 us a Qwen3-0.6B step at batch 256 against 156 + ~50 for one kernel and the copy). Same numbers as eager."""
     from torch.profiler import ProfilerActivity, profile
 
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -122,4 +123,5 @@ def test_compiled_qk_norm_rotary_is_one_kernel_with_the_weights_joined_inside(dt
         norm_rotary_qk_cuda(*args)
         torch.cuda.synchronize()
     kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-    assert len(kernels) == 1, f"the compiled q/k norm + RoPE ran {len(kernels)} kernels, not one: {kernels}"
+    eager = [name for name in kernels if not name.startswith("triton_")]
+    assert kernels and not eager, f"the compiled q/k norm + RoPE ran kernels outside Inductor's: {eager}"
