@@ -121,3 +121,27 @@ def test_an_engine_dropped_in_a_reference_cycle_never_breaks_the_next_capture(ti
     new = LLM(tiny_model, **kwargs)
     assert gc.isenabled(), "the collector must be the caller's again after the capture"
     assert new.generate(prompts, params, use_tqdm=False) == expected
+
+
+def test_decode_graphs_replay_one_schedule_a_step(tiny_model):
+    """The Triton decode's schedule (the sequences longest context first) is made by a step's first attention layer
+    and recorded in the decode graphs: each replay sorts that step's context lengths once, never once per layer,
+    and the tokens are HF's."""
+    from torch.profiler import ProfilerActivity, profile
+
+    llm = LLM(
+        tiny_model, device="cuda", dtype="float32", attention_backend="triton", num_kvcache_blocks=64, max_num_seqs=8
+    )
+    assert llm.model_runner.decode_graphs.graphs
+    prompts = random_prompts(seed=21, lengths=[3, 30, 12, 7])
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    llm.generate(prompts, params, use_tqdm=False)  # every kernel compiled before the profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        torch.cuda.synchronize()
+    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    sorts = [name for name in kernels if "sort" in name.lower()]
+    decode_steps = params.max_tokens - 1  # the first token of each comes from its prefill
+    assert len(sorts) == decode_steps, f"{len(sorts)} sort kernels in {decode_steps} decode steps: {set(sorts)}"
+    for prompt, output in zip(prompts, outputs):
+        assert output["token_ids"] == hf_greedy(tiny_model, prompt, params.max_tokens)
