@@ -80,16 +80,16 @@ def test_paged_decode_triton_matches_reference_and_oracle(dtype, heads, kv_heads
         torch.testing.assert_close(out.squeeze(1).float(), oracle.float(), atol=TOL[dtype], rtol=TOL[dtype])
 
 
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_paged_decode_triton_in_any_program_order_gives_the_same_answer(num_splits):
+@pytest.mark.parametrize("num_splits,len_q", [(1, 1), (3, 1), (2, 3)])  # len_q 3: a verify step's queries
+def test_paged_decode_triton_in_any_program_order_gives_the_same_answer(num_splits, len_q):
     """scheduler_metadata reorders the programs (longest context first); each must still write its own sequence."""
     g = torch.Generator().manual_seed(num_splits)
-    lens = [3, 70, 17, 1, 40, 33]
-    x = random_paged_decode(lens, 16, 4, 2, 32, torch.float32, g).to(DEVICE)
+    lens = [3, 70, 17, 4, 40, 33]
+    x = random_paged_decode(lens, 16, 4, 2, 32, torch.float32, g, len_q=len_q).to(DEVICE)
     args = (x.q, x.k_cache, x.v_cache, x.seqlens, x.block_table)
     reference = attention_torch.paged_decode_attention(*args)
     longest_first = decode_schedule(x.seqlens)
-    assert longest_first.tolist() == [1, 4, 5, 2, 0, 3]
+    assert longest_first.tolist() == [1, 4, 5, 2, 3, 0]
     for order in (longest_first, torch.randperm(len(lens), generator=g).to(DEVICE)):
         out = paged_decode_attention(*args, num_splits=num_splits, scheduler_metadata=order)
         torch.testing.assert_close(out, reference, atol=2e-5, rtol=2e-5)
