@@ -57,9 +57,9 @@ def norm_rotary_qk(
     sin_cache: torch.Tensor,
 ) -> torch.Tensor:
     """`norm_rotary` with the query and key heads' norm weights apart: q_weight (H, D), k_weight (Hk, D) (q_norm's
-    and k_norm's (D,) weights expanded: views), x: (N, H + Hk, D) -> (N, H + Hk, D). Joined here, the weights are
-    part of the compiled function's one kernel on CUDA; joined by its caller, they were a copy kernel of their own
-    in every layer of every step."""
+    and k_norm's (D,) weights expanded: views), x: (N, H + Hk, D) -> (N, H + Hk, D). Joined here, inside the
+    compiled function, the join is part of Inductor's kernels on CUDA (a reduction and a pointwise kernel per half,
+    on an H100); joined by the caller, it was an eager copy kernel of its own in every layer of every step."""
     return norm_rotary(x, torch.cat([q_weight, k_weight]), eps, positions, cos_cache, sin_cache)
 
 

@@ -77,7 +77,8 @@ class Qwen3Attention(nn.Module):
     def _norm_rotary_qk(self, positions: torch.Tensor, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The fused version of `norm_rotary`: q_norm, k_norm and RoPE with nanoref's own functions, the query and
         key heads side by side in one pass (on a CPU each small op costs microseconds whatever its size):
-        `layers.rotary.norm_rotary_qk` (on CUDA one compiled kernel), or the backend's own kernel (cpp's C++ one)."""
+        `layers.rotary.norm_rotary_qk` (compiled on CUDA: a few fused kernels), or the backend's own kernel (cpp's
+        C++ one)."""
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
         qk = qkv[:, : self.q_size + self.kv_size].view(-1, heads + kv_heads, dim)  # (N, H + Hk, D), a view
         q_weight, k_weight = self.q_norm.weight.expand(heads, dim), self.k_norm.weight.expand(kv_heads, dim)  # views
