@@ -93,8 +93,9 @@ def test_paged_decode_triton_in_any_program_order_gives_the_same_answer(num_spli
     for order in (longest_first, torch.randperm(len(lens), generator=g).to(DEVICE)):
         out = paged_decode_attention(*args, num_splits=num_splits, scheduler_metadata=order)
         torch.testing.assert_close(out, reference, atol=2e-5, rtol=2e-5)
-    with pytest.raises(ValueError, match="scheduler_metadata must be \\(6,\\)"):
-        paged_decode_attention(*args, scheduler_metadata=longest_first[:5])
+    for wrong in (longest_first[:5], longest_first.float()):  # one entry short; not integers
+        with pytest.raises(ValueError, match="scheduler_metadata must be \\(6,\\) int32 or int64"):
+            paged_decode_attention(*args, scheduler_metadata=wrong)
 
 
 @pytest.mark.parametrize("len_q", [2, 5])

@@ -436,9 +436,15 @@ def paged_decode_attention(
         partial = torch.empty(batch, num_splits, len_q, num_heads, head_dim, device=q.device, dtype=torch.float32)
     lse = torch.empty(batch, num_splits, len_q, num_heads, device=q.device, dtype=torch.float32)
     ordered = scheduler_metadata is not None
-    if ordered and scheduler_metadata.shape != (batch,):
+    if ordered and (
+        scheduler_metadata.shape != (batch,)
+        or scheduler_metadata.dtype not in (torch.int32, torch.int64)
+        or scheduler_metadata.device != q.device
+    ):
         raise ValueError(
-            f"scheduler_metadata must be ({batch},), one entry per sequence, got {tuple(scheduler_metadata.shape)}"
+            f"scheduler_metadata must be ({batch},) int32 or int64 on {q.device}, a permutation of the batch "
+            f"(decode_schedule's), got {tuple(scheduler_metadata.shape)} {scheduler_metadata.dtype} on "
+            f"{scheduler_metadata.device}"
         )
     paged_decode_kernel[(num_kv_heads, batch, num_splits)](
         q, k_cache, v_cache, block_table, cache_seqlens, partial, lse,
