@@ -82,17 +82,23 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() * 2 / ms / 1e9
 
 
-def paged_problem(batch: int, ctx: int, block_size: int, seed: int = 0):
-    """A paged cache holding `batch` sequences of `ctx` tokens in randomly scattered blocks."""
+def mixed_problem(batch: int, lens: torch.Tensor, block_size: int, heads: int, width_ctx: int = 4096, seed: int = 0):
+    """A paged cache of `batch` sequences of the given lengths (B,), block tables `width_ctx` tokens wide (a decode
+    graph's are sized for max_model_len), blocks scattered at random; `heads` query heads."""
     g = torch.Generator(device="cuda").manual_seed(seed)
-    blocks_per_seq = math.ceil(ctx / block_size)
-    num_blocks = batch * blocks_per_seq
+    width = width_ctx // block_size
+    num_blocks = batch * width
     k_cache = torch.randn(num_blocks, block_size, KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE, generator=g)
     v_cache = torch.randn_like(k_cache)
-    block_table = torch.randperm(num_blocks, device="cuda", generator=g).view(batch, blocks_per_seq).int()
-    q = torch.randn(batch, 1, HEADS, HEAD_DIM, device="cuda", dtype=DTYPE, generator=g)  # (B, 1, H, D)
-    seqlens = torch.full((batch,), ctx, dtype=torch.int32, device="cuda")
-    return q, k_cache, v_cache, block_table, seqlens
+    block_table = torch.randperm(num_blocks, device="cuda", generator=g).view(batch, width).int()
+    q = torch.randn(batch, 1, heads, HEAD_DIM, device="cuda", dtype=DTYPE, generator=g)  # (B, 1, H, D)
+    return q, k_cache, v_cache, block_table, lens.to(device="cuda", dtype=torch.int32)
+
+
+def paged_problem(batch: int, ctx: int, block_size: int, seed: int = 0):
+    """A paged cache holding `batch` sequences of `ctx` tokens in randomly scattered blocks."""
+    width_ctx = math.ceil(ctx / block_size) * block_size
+    return mixed_problem(batch, torch.full((batch,), ctx), block_size, HEADS, width_ctx, seed)
 
 
 def dense_from_paged(k_cache, block_table, ctx):
@@ -220,19 +226,6 @@ def time_decode(batch: int, ctx: int, block_sizes=(16, 256), peers: bool = True)
         add("FlexAttention, dense (no paging)", ms)
     torch.cuda.empty_cache()
     return rows
-
-
-def mixed_problem(batch: int, lens: torch.Tensor, block_size: int, heads: int, width_ctx: int = 4096, seed: int = 0):
-    """A paged cache of `batch` sequences of the given lengths, block tables `width_ctx` tokens wide (as a decode
-    graph's, sized for max_model_len), blocks scattered at random."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    width = width_ctx // block_size
-    num_blocks = batch * width
-    k_cache = torch.randn(num_blocks, block_size, KV_HEADS, HEAD_DIM, device="cuda", dtype=DTYPE, generator=g)
-    v_cache = torch.randn_like(k_cache)
-    block_table = torch.randperm(num_blocks, device="cuda", generator=g).view(batch, width).int()
-    q = torch.randn(batch, 1, heads, HEAD_DIM, device="cuda", dtype=DTYPE, generator=g)  # (B, 1, H, D)
-    return q, k_cache, v_cache, block_table, lens.to(device="cuda", dtype=torch.int32)
 
 
 def mixed_methods(problem, baseline, flash_attn_with_kvcache) -> dict:

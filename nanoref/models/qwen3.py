@@ -87,7 +87,7 @@ class Qwen3Attention(nn.Module):
         backend_kernel = self.attn.backend.norm_rotary  # the backend's own (cpp's C++ kernel) takes them joined
         if backend_kernel is not None:
             qk = backend_kernel(qk, torch.cat([q_weight, k_weight]), eps, positions, rope.cos_cache, rope.sin_cache)
-        else:  # nanoref's function (one compiled kernel on CUDA, the weights joined inside it)
+        else:  # nanoref's function (compiled on CUDA, the weights joined inside it: no copy kernel of their own)
             qk = norm_rotary_qk_cuda(qk, q_weight, k_weight, eps, positions, rope.cos_cache, rope.sin_cache)
         q, k = qk.split([heads, kv_heads], dim=1)  # (N, H, D), (N, Hk, D): views
         return q, k
