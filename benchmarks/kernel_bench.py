@@ -27,6 +27,7 @@ OLD.py is nanoref/ops/attention_triton.py as an older commit had it, e.g.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import itertools
 import json
@@ -244,6 +245,20 @@ def mixed_methods(problem, baseline, flash_attn_with_kvcache) -> dict:
             q, k_cache, v_cache, seqlens, table, scheduler_metadata=tri.decode_schedule(seqlens)
         ),
     }
+    # kv_cache_dtype="fp8": the same K/V as 8-bit floats, half the bytes (checked against the reference on them)
+    k8, v8 = k_cache.to(torch.float8_e4m3fn), v_cache.to(torch.float8_e4m3fn)
+    expected8 = attention_torch.paged_decode_attention(q, k8, v8, seqlens, table)
+    got8 = tri.paged_decode_attention(q, k8, v8, seqlens, table, scheduler_metadata=longest_first)
+    torch.testing.assert_close(got8.float(), expected8.float(), atol=2e-2, rtol=2e-2)
+    methods["triton, fp8 cache, longest first"] = lambda: tri.paged_decode_attention(
+        q, k8, v8, seqlens, table, scheduler_metadata=longest_first
+    )
+    for block_n in (32, 128):  # an fp8 tile holds half the bytes: another tile height may suit it better
+        launch = dataclasses.replace(tri.DECODE_LAUNCH, block_n=block_n)
+        methods[f"triton, fp8 cache, longest first, block_n {block_n}"] = functools.partial(
+            with_decode_launch, launch, tri.paged_decode_attention, q, k8, v8, seqlens, table,
+            scheduler_metadata=longest_first,
+        )  # fmt: skip
     if baseline is not None:
         methods["baseline kernel, batch order"] = lambda: baseline.paged_decode_attention(
             q, k_cache, v_cache, seqlens, table
@@ -253,6 +268,15 @@ def mixed_methods(problem, baseline, flash_attn_with_kvcache) -> dict:
             q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table, causal=True
         )
     return methods
+
+
+def with_decode_launch(launch, fn, *args, **kwargs):
+    """fn(*args, **kwargs) with the decode kernel's tile settings set to `launch` for the call."""
+    saved, tri.DECODE_LAUNCH = tri.DECODE_LAUNCH, launch
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        tri.DECODE_LAUNCH = saved
 
 
 def time_mixed_decode(copy_tbps: float, baseline_path: Path | None) -> list[dict]:
@@ -273,7 +297,7 @@ def time_mixed_decode(copy_tbps: float, baseline_path: Path | None) -> list[dict
             problem = mixed_problem(batch, lens, block_size, heads)
             for method, fn in mixed_methods(problem, baseline, flash_attn_with_kvcache).items():
                 ms = bench(fn)
-                tbps = kv_bytes / ms / 1e9
+                tbps = kv_bytes / (2 if "fp8" in method else 1) / ms / 1e9  # the bytes it really read
                 rows.append(dict(heads=heads, batch=batch, block=block_size, method=method, us=ms * 1e3, TBps=tbps,
                                  of_copy=tbps / copy_tbps))  # fmt: skip
                 print(f"  H {heads} batch {batch} block {block_size} {method}: {ms * 1e3:.1f} us, {tbps:.2f} TB/s")

@@ -20,6 +20,10 @@ from nanoref.ops.backends import BACKEND_NAMES, FLASH_ATTN_BACKENDS, choose_back
 from nanoref.sampling_params import check_seed
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# vLLM's kv_cache_dtype values: "auto" keeps K/V in the model's dtype; the 8-bit floats halve the cache's bytes (a
+# decode step reads every running sequence's K/V, most of its time on a GPU) and round each cached value to 3
+# (e4m3) or 2 (e5m2) mantissa bits. "fp8" is e4m3, as in vLLM
+KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
 def parse_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
@@ -85,6 +89,11 @@ class EngineConfig:
     num_kvcache_blocks: int | None = None  # None: derived from memory
     gpu_memory_utilization: float = 0.9
     attention_backend: str = "auto"
+    # the KV cache's element type (vLLM's name): "auto" = the model's dtype; "fp8" (= "fp8_e4m3") or "fp8_e5m2"
+    # stores K/V as 8-bit floats, saturated at the format's largest value, with no scale (vLLM's default scale of
+    # 1.0): half the cache's memory and half of what decode attention reads, at the price of rounding every cached
+    # K/V value. Served by the torch and Triton backends ("auto" picks them)
+    kv_cache_dtype: str = "auto"
     tensor_parallel_size: int = 1
     # tensor parallel: the longest rank 0 waits (seconds) for the other ranks to join any one collective before it
     # stops them and raises. A worker that dies is reported within seconds whatever this is; this bounds a
@@ -139,6 +148,8 @@ class EngineConfig:
         # to run a flash-attn kernel to learn whether the installed build serves the model
         if self.attention_backend not in BACKEND_NAMES:
             raise ValueError(f"attention_backend must be one of {BACKEND_NAMES}, got {self.attention_backend!r}")
+        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {['auto', *KV_CACHE_DTYPES]}, got {self.kv_cache_dtype!r}")
         limit = self.hf_config.max_position_embeddings
         if self.max_model_len is None:
             _set(self, max_model_len=min(limit, 4096))
@@ -170,12 +181,22 @@ class EngineConfig:
         kernels, so it is a step of its own, taken once before the engine builds anything (an EngineConfig itself
         runs and builds nothing)."""
         backend = choose_backend(
-            self.attention_backend, self.device, self.dtype, self.kvcache_block_size, self.hf_config.head_dim
+            self.attention_backend,
+            self.device,
+            self.dtype,
+            self.kvcache_block_size,
+            self.hf_config.head_dim,
+            cache_dtype=self.cache_dtype,
         )
         block_size = self.kvcache_block_size
         if block_size is None:  # flash-attn's paged kernels want multiples of 256
             block_size = 256 if backend in FLASH_ATTN_BACKENDS else 16
         return self._replace(attention_backend=backend, kvcache_block_size=block_size)
+
+    @property
+    def cache_dtype(self) -> torch.dtype:
+        """The KV cache's element type: kv_cache_dtype's, or the model's dtype for "auto"."""
+        return KV_CACHE_DTYPES.get(self.kv_cache_dtype, self.dtype)
 
     def with_kv_blocks(self, num_kvcache_blocks: int) -> EngineConfig:
         """This config with the KV block count the model runner measured (see `kv_budget.py`)."""

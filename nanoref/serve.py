@@ -59,6 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument(
         "--attention-backend", default="auto", help="auto, torch, triton, cpp, flash_attn or flash_attn+triton"
     )
+    engine.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help="auto (the model's dtype), fp8 (= fp8_e4m3) or fp8_e5m2: K/V stored as 8-bit floats, half the memory",
+    )
     lora = parser.add_argument_group("LoRA adapters")
     lora.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (PEFT folders) per request")
     lora.add_argument(
@@ -138,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": args.device,
         "dtype": args.dtype,
         "attention_backend": args.attention_backend,
+        "kv_cache_dtype": args.kv_cache_dtype,
         **({"max_num_seqs": args.max_num_seqs} if args.max_num_seqs is not None else {}),
         **({"num_kvcache_blocks": args.num_kvcache_blocks} if args.num_kvcache_blocks is not None else {}),
     }

@@ -68,7 +68,7 @@ class ModelRunner:
     @property
     def kv_bytes_per_token(self) -> int:
         c, kv_heads = self.config.hf_config, self.attention_layers[0].num_kv_heads  # (this rank's KV heads)
-        return 2 * c.num_hidden_layers * kv_heads * c.head_dim * self.config.dtype.itemsize
+        return 2 * c.num_hidden_layers * kv_heads * c.head_dim * self.config.cache_dtype.itemsize
 
     def count_kv_blocks(self) -> int:
         return kv_blocks_from_memory(self)
@@ -76,7 +76,7 @@ class ModelRunner:
     def allocate_kv_cache(self) -> None:
         c, kv_heads = self.config.hf_config, self.attention_layers[0].num_kv_heads
         shape = (2, c.num_hidden_layers, self.num_kvcache_blocks, self.block_size, kv_heads, c.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=self.config.dtype, device=self.device)
+        self.kv_cache = torch.zeros(shape, dtype=self.config.cache_dtype, device=self.device)  # (kv_cache_dtype)
         for index, layer in enumerate(self.attention_layers):
             layer.k_cache = self.kv_cache[0, index]  # (num_blocks, block_size, Hk, D), a view
             layer.v_cache = self.kv_cache[1, index]

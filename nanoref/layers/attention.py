@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from nanoref.ops.backends import AttentionBackend, resolve_backend
+from nanoref.ops.store_kvcache import to_cache_dtype
 from nanoref.utils.context import get_context
 from nanoref.utils.seams import seam
 from nanoref.utils.tracing import trace
@@ -41,6 +42,10 @@ class Attention(nn.Module):
         if context.is_prefill:
             if context.block_tables is not None:  # history in the cache: read every key from there
                 k, v = k_cache, v_cache
+            elif k_cache.numel() and k_cache.dtype != k.dtype:
+                # a cache of narrower floats (kv_cache_dtype="fp8"): attend to K/V as the cache holds them, as a
+                # later chunk or a prefix-cache hit of this prompt will (the same tokens whichever path they take)
+                k, v = to_cache_dtype(k, k_cache.dtype), to_cache_dtype(v, v_cache.dtype)
             trace("attn.varlen", q=q, k=k, v=v, cu_seqlens_q=context.cu_seqlens_q, cu_seqlens_k=context.cu_seqlens_k)
             out = self.backend.varlen(
                 q,

@@ -29,7 +29,7 @@ def gather_paged(cache: torch.Tensor, block_table_row: torch.Tensor, length: int
     block_size = cache.shape[1]
     num_blocks = (length + block_size - 1) // block_size
     blocks = cache[block_table_row[:num_blocks].long()]  # (num_blocks, block_size, Hk, D)
-    return blocks.flatten(0, 1)[:length]  # (length, Hk, D)
+    return blocks.flatten(0, 1)[:length]  # (length, Hk, D), in the cache's dtype
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
@@ -74,7 +74,8 @@ def varlen_attention(
         else:
             kb = gather_paged(k, block_table[b], len_k)  # (Lk, Hk, D)
             vb = gather_paged(v, block_table[b], len_k)
-        out[q_lo:q_hi] = _attend(q[q_lo:q_hi], kb, vb, scale, causal)
+        # K/V in a narrower float (kv_cache_dtype="fp8": the cache's dtype) are read in q's; else a no-op
+        out[q_lo:q_hi] = _attend(q[q_lo:q_hi], kb.to(q.dtype), vb.to(q.dtype), scale, causal)
     return out
 
 
@@ -103,6 +104,7 @@ def paged_decode_attention(
     flat_blocks = block_table.long().clamp(min=0).flatten()  # (B * max_blocks,)
     k = k_cache.index_select(0, flat_blocks).view(batch, max_blocks * block_size, num_kv_heads, head_dim)
     v = v_cache.index_select(0, flat_blocks).view(batch, max_blocks * block_size, num_kv_heads, head_dim)
+    k, v = k.to(q.dtype), v.to(q.dtype)  # an 8-bit cache (kv_cache_dtype="fp8") is read in q's dtype; else a no-op
     k, v = k.transpose(1, 2), v.transpose(1, 2)  # (B, Hk, Lmax, D): strided views, SDPA reads them in place
     key_pos = torch.arange(max_blocks * block_size, device=q.device)  # (Lmax,)
     lens = cache_seqlens.long()[:, None, None, None]  # (B, 1, 1, 1)

@@ -51,17 +51,16 @@ INTERPRETER_LAUNCH = Launch(block_m=64, block_n=64)  # few big tiles: the interp
 
 
 @triton.jit
-def _attend_tile(
-    q, k, v, visible, qk_scale, m_i, l_i, acc, UPCAST: tl.constexpr, PRECISION: tl.constexpr
-):  # fmt: skip
+def _attend_tile(q, k, v, visible, qk_scale, m_i, l_i, acc, PRECISION: tl.constexpr):
     """Fold one tile of keys and values into the online softmax: running max m_i, sum l_i, output acc.
 
     q: (M, D) query rows; k, v: (N, D); visible: (M, N), False where a key must not count. Base 2 throughout:
     qk_scale carries log2(e), so exp2 gives the softmax's exp. Returns the new (m_i, l_i, acc).
     """
-    if UPCAST:  # the interpreter's tl.dot is wrong on bf16 operands
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
+    # K/V in q's dtype: an 8-bit cache (kv_cache_dtype="fp8") widens here, after its half-size load; the
+    # interpreter's q is float32 (UPCAST: its tl.dot is wrong on bf16 operands). A no-op where the dtypes agree
+    k = k.to(q.dtype)
+    v = v.to(q.dtype)
     scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (M, N)
     scores = tl.where(visible, scores, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, 1))  # (M,)
@@ -136,7 +135,7 @@ def paged_decode_kernel(
         visible = pos_ok[None, :]  # (1, BLOCK_N), broadcast over the rows
         if CAUSAL:
             visible = visible & (pos[None, :] <= q_pos[:, None])  # (BLOCK_M, BLOCK_N)
-        m_i, l_i, acc = _attend_tile(q, k, v, visible, qk_scale, m_i, l_i, acc, UPCAST, PRECISION)
+        m_i, l_i, acc = _attend_tile(q, k, v, visible, qk_scale, m_i, l_i, acc, PRECISION)
 
     seen = l_i > 0.0  # False for a split past the sequence's end
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
@@ -188,16 +187,15 @@ def merge_splits_kernel(
 
 
 @triton.jit
-def _attend_full_tile(q, k, v, qk_scale, m_i, l_i, acc, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+def _attend_full_tile(q, k, v, qk_scale, m_i, l_i, acc, PRECISION: tl.constexpr):
     """`_attend_tile` for a tile that every row sees whole (causal prefill below the diagonal): no mask.
 
     With no masked score, a row's max is finite from its first tile on, so the guard for all-masked rows goes
     too, and the scale folds into the exponent's one multiply-add. qk_scale must be positive (the launcher
     checks): then max(s) * scale == max(s * scale).
     """
-    if UPCAST:  # the interpreter's tl.dot is wrong on bf16 operands
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
+    k = k.to(q.dtype)  # (see _attend_tile)
+    v = v.to(q.dtype)
     scores = tl.dot(q, tl.trans(k), input_precision=PRECISION)  # (M, N), not yet scaled
     m_new = tl.maximum(m_i, tl.max(scores, 1) * qk_scale)  # (M,)
     alpha = tl.exp2(m_i - m_new)  # (M,): 0 on the first tile (m_i = -inf)
@@ -301,7 +299,7 @@ def varlen_attention_kernel(
             stride_kblock, stride_kn, stride_kh, stride_vblock, stride_vn, stride_vh, stride_bt,
             BLOCK_N, PAGED, PAGE, False,
         )  # fmt: skip
-        m_i, l_i, acc = _attend_full_tile(q, k, v, qk_scale, m_i, l_i, acc, UPCAST, PRECISION)
+        m_i, l_i, acc = _attend_full_tile(q, k, v, qk_scale, m_i, l_i, acc, PRECISION)
     for n0 in range(full, hi, BLOCK_N):
         k, v = _load_kv_tile(
             k_ptr, v_ptr, block_table_ptr, seq, k_start, kv_head, n0, len_k, dims, dim_ok,
@@ -312,7 +310,7 @@ def varlen_attention_kernel(
         visible = (pos < len_k)[None, :]  # (1, BLOCK_N)
         if CAUSAL:  # query i sees keys up to position len_k - len_q + i
             visible = visible & (pos[None, :] <= q_pos[:, None])  # (BLOCK_M, BLOCK_N)
-        m_i, l_i, acc = _attend_tile(q, k, v, visible, qk_scale, m_i, l_i, acc, UPCAST, PRECISION)
+        m_i, l_i, acc = _attend_tile(q, k, v, visible, qk_scale, m_i, l_i, acc, PRECISION)
 
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     out_rows = (q_start + token).to(tl.int64) * stride_on + head * stride_oh

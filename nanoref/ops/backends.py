@@ -188,22 +188,38 @@ def cpp_builds(head_dim: int) -> bool:
     return True
 
 
-def choose_backend(name: str, device: torch.device, dtype: torch.dtype, block_size: int | None, head_dim: int) -> str:
+def choose_backend(
+    name: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    block_size: int | None,
+    head_dim: int,
+    cache_dtype: torch.dtype | None = None,
+) -> str:
     """The concrete backend for a request; "auto" takes the fastest one that can serve the setup.
 
     auto: on CUDA, flash-attn for prefill when it imports, the dtype is half precision, the block size (if
     one was asked for) is a multiple of 256 and the build runs this head_dim, with nanoref's Triton decode
     kernel beside it where Triton is installed ("flash_attn+triton"); else Triton alone; else torch. On a CPU,
     cpp where its kernels build (see `cpp_builds`), else torch (the Triton interpreter is for reading kernels,
-    not speed). An explicit choice that cannot work raises.
+    not speed). cache_dtype (default: dtype) is the KV cache's: an 8-bit one (kv_cache_dtype="fp8") is read by the
+    torch and Triton kernels only. An explicit choice that cannot work raises.
     """
     if name not in BACKEND_NAMES:
         raise ValueError(f"attention_backend must be one of {BACKEND_NAMES}, got {name!r}")
     half = dtype in (torch.float16, torch.bfloat16)
+    narrow_cache = cache_dtype is not None and cache_dtype.itemsize == 1  # fp8: converted to `dtype` as it is read
+    if narrow_cache and name in ("cpp", *FLASH_ATTN_BACKENDS):
+        raise ValueError(
+            f"attention_backend={name!r} reads a KV cache in the model's dtype only, not {cache_dtype} "
+            "(kv_cache_dtype): an 8-bit cache runs on 'triton' (CUDA) or 'torch' (any device), which 'auto' picks"
+        )
     if name == "auto":
         if device.type != "cuda":
-            return "cpp" if cpp_builds(head_dim) else "torch"
+            return "cpp" if not narrow_cache and cpp_builds(head_dim) else "torch"
         fits = block_size is None or block_size % 256 == 0
+        if narrow_cache:
+            return "triton" if triton_available() else "torch"
         if half and fits and flash_attn_available() and flash_attn_serves(head_dim, dtype):
             return "flash_attn+triton" if triton_available() else "flash_attn"
         return "triton" if triton_available() else "torch"

@@ -33,16 +33,30 @@ def check_kvcache_layout(
         raise ValueError(f"slot_mapping must hold one slot per token: {slot_mapping.numel()} for {num_tokens} tokens")
 
 
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x in the cache's element type. An 8-bit float cache (kv_cache_dtype="fp8") saturates at the format's largest
+    value, as vLLM's fp8 kernels do: a plain cast of a larger value would give inf (e5m2) instead."""
+    if dtype.itemsize == 1 and dtype.is_floating_point:
+        largest = torch.finfo(dtype).max
+        x = x.clamp(-largest, largest)
+    return x.to(dtype)
+
+
+def _as_bytes(rows: torch.Tensor) -> torch.Tensor:
+    """8-bit float rows as uint8 (the same bytes): row copies of float8 tensors are not implemented on every device."""
+    return rows.view(torch.uint8) if rows.dtype.itemsize == 1 else rows
+
+
 def store_kvcache_torch(
     key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
     """key, value: (N, Hk, D); caches: (num_blocks, block_size, Hk, D); slot_mapping: (N,), -1 = skip."""
     check_kvcache_layout(key, value, k_cache, v_cache, slot_mapping)
     row = key.shape[1] * key.shape[2]
-    k_rows = k_cache.view(-1, row)  # (num_blocks * block_size, Hk * D): slot s is row s
-    v_rows = v_cache.view(-1, row)
-    key_rows = key.reshape(-1, row).to(k_cache.dtype)  # (N, Hk * D)
-    value_rows = value.reshape(-1, row).to(v_cache.dtype)  # (N, Hk * D)
+    k_rows = _as_bytes(k_cache.view(-1, row))  # (num_blocks * block_size, Hk * D): slot s is row s
+    v_rows = _as_bytes(v_cache.view(-1, row))
+    key_rows = _as_bytes(to_cache_dtype(key.reshape(-1, row), k_cache.dtype))  # (N, Hk * D)
+    value_rows = _as_bytes(to_cache_dtype(value.reshape(-1, row), v_cache.dtype))  # (N, Hk * D)
     keep = slot_mapping >= 0  # (N,)
     if key.is_cuda and torch.cuda.is_current_stream_capturing():
         # A boolean mask needs the host to learn how many tokens survive, which a CUDA graph cannot

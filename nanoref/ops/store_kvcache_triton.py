@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from nanoref.ops.store_kvcache import check_kvcache_layout
-from nanoref.ops.triton_setup import import_triton
+from nanoref.ops.store_kvcache import check_kvcache_layout, to_cache_dtype
+from nanoref.ops.triton_setup import import_triton, interpreting
 from nanoref.utils.seams import seam
 from nanoref.utils.tracing import trace
 
@@ -34,6 +34,7 @@ def store_kvcache_kernel(
     slot_mapping_ptr,
     ROW: tl.constexpr,  # Hk * D (D = head_dim): one token's K or V row
     BLOCK_ROW: tl.constexpr,  # ROW rounded up to a power of two (tl.arange needs one)
+    SATURATE: tl.constexpr = 0.0,  # > 0: an 8-bit float cache's largest value (kv_cache_dtype="fp8"): clamp to it
 ):
     token = tl.program_id(0)  # grid (N,): program i stores token i
     slot = tl.load(slot_mapping_ptr + token).to(tl.int64)  # int64: slot * ROW can pass 2**31
@@ -43,6 +44,9 @@ def store_kvcache_kernel(
     in_row = cols < ROW
     key = tl.load(key_ptr + token * key_stride + cols, mask=in_row)  # (BLOCK_ROW,)
     value = tl.load(value_ptr + token * value_stride + cols, mask=in_row)
+    if SATURATE > 0:  # then rounded to nearest (even), as store_kvcache_torch's to_cache_dtype
+        key = tl.clamp(key.to(tl.float32), -SATURATE, SATURATE)
+        value = tl.clamp(value.to(tl.float32), -SATURATE, SATURATE)
     tl.store(k_cache_ptr + slot * ROW + cols, key.to(k_cache_ptr.dtype.element_ty), mask=in_row)
     tl.store(v_cache_ptr + slot * ROW + cols, value.to(v_cache_ptr.dtype.element_ty), mask=in_row)
 
@@ -72,14 +76,18 @@ def store_kvcache_triton(
     check_kvcache_layout(key, value, k_cache, v_cache, slot_mapping)
     num_tokens, num_kv_heads, head_dim = key.shape
     row = num_kv_heads * head_dim
-    if key.dtype != k_cache.dtype:  # convert in torch: one rounding rule (the interpreter's casts truncate)
-        key, value = key.to(k_cache.dtype), value.to(v_cache.dtype)
+    kernel = seam("store_kvcache_kernel", store_kvcache_kernel)
+    # An 8-bit cache on a GPU: this kernel clamps and rounds as it stores (converting first would add kernels to
+    # every layer of a decode step). Elsewhere convert in torch: one rounding rule (the interpreter's casts truncate)
+    in_kernel = k_cache.dtype.itemsize == 1 and kernel is store_kvcache_kernel and not interpreting()
+    if key.dtype != k_cache.dtype and not in_kernel:
+        key, value = to_cache_dtype(key, k_cache.dtype), to_cache_dtype(value, v_cache.dtype)
+    saturate = {"SATURATE": torch.finfo(k_cache.dtype).max} if in_kernel else {}
     if num_tokens:
-        kernel = seam("store_kvcache_kernel", store_kvcache_kernel)
         if kernel is not store_kvcache_kernel and (problem := renamed_constexpr_problem(kernel)):
             raise TypeError(problem)  # a learner's kernel (the exercise seam): before Triton's launch error
         kernel[(num_tokens,)](
             key, key.stride(0), value, value.stride(0), k_cache, v_cache, slot_mapping,
-            ROW=row, BLOCK_ROW=triton.next_power_of_2(row),
+            ROW=row, BLOCK_ROW=triton.next_power_of_2(row), **saturate,
         )  # fmt: skip
     trace("store_kvcache", key=key, slot_mapping=slot_mapping, k_cache=k_cache)

@@ -63,8 +63,8 @@ def unpaid_draft(config: EngineConfig) -> str | None:
 
 
 def draft_engine_config(config: EngineConfig) -> EngineConfig:
-    """The draft's settings: the target's device, dtype, lengths and block size, its own folder; one KV block
-    until the target has measured the count they share (`SpeculativeRunner.allocate_kv_cache`)."""
+    """The draft's settings: the target's device, dtype, lengths, block size and KV cache dtype, its own folder; one
+    KV block until the target has measured the count they share (`SpeculativeRunner.allocate_kv_cache`)."""
     spec = config.speculative_config
     return EngineConfig(
         spec.model_folder,
@@ -77,6 +77,7 @@ def draft_engine_config(config: EngineConfig) -> EngineConfig:
         kvcache_block_size=config.kvcache_block_size,
         num_kvcache_blocks=1,
         attention_backend=config.attention_backend,
+        kv_cache_dtype=config.kv_cache_dtype,
         overlap_scheduling=False,
     ).resolved()
 
