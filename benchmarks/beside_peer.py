@@ -227,11 +227,12 @@ def copy_bandwidth() -> float:
     return 2 * src.numel() / statistics.median(times)
 
 
-def bytes_moved(folder: Path) -> dict:
-    """Bytes the workload must move at least: per decode step the weights once plus every running K/V."""
+def bytes_moved(folder: Path, kv_bytes: int = 2) -> dict:
+    """Bytes the workload must move at least: per decode step the weights once plus every running K/V, of
+    `kv_bytes` bytes a value (2: bf16; 1: kv_cache_dtype="fp8")."""
     config = json.loads((folder / "config.json").read_text())
     weights = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
-    kv_per_token = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * config["head_dim"] * 2
+    kv_per_token = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * config["head_dim"] * kv_bytes
     prompts, max_tokens = workload()
     total = 0
     for step in range(1, max(max_tokens)):  # decode step s makes token s + 1 of every request still running
@@ -290,8 +291,10 @@ def parent(args: argparse.Namespace) -> None:
     floor = bytes_moved(folder)
     floor["seconds"] = floor["total"] / bandwidth
     floor["tok_per_s"] = floor["output_tokens"] / floor["seconds"]
+    floor["fp8_tok_per_s"] = floor["output_tokens"] / (bytes_moved(folder, kv_bytes=1)["total"] / bandwidth)
     print(
         f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; floor {floor['seconds']:.2f} s = {floor['tok_per_s']:.0f} tok/s"
+        f" (an fp8 KV cache's: {floor['fp8_tok_per_s']:.0f} tok/s)"
     )
     engines = dict(spec.split("=", 1) for spec in args.engine)
     paired = [name for name in args.alternate if name in engines]
