@@ -260,4 +260,5 @@ def test_the_serve_command_passes_kv_cache_dtype_and_names_a_bad_one(capsys, mon
     assert seen["kv_cache_dtype"] == "fp8_e5m2"
     monkeypatch.undo()
     assert main(["--device", "cpu", "--port", "0", "--kv-cache-dtype", "int8"]) == 2
-    assert "kv_cache_dtype must be one of ['auto', 'fp8', 'fp8_e4m3', 'fp8_e5m2'], got 'int8'" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "kv_cache_dtype must be one of ['auto', 'fp8', 'fp8_e4m3', 'fp8_e5m2'], got 'int8'" in err
