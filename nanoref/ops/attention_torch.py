@@ -74,8 +74,9 @@ def varlen_attention(
         else:
             kb = gather_paged(k, block_table[b], len_k)  # (Lk, Hk, D)
             vb = gather_paged(v, block_table[b], len_k)
-        # K/V in a narrower float (kv_cache_dtype="fp8": the cache's dtype) are read in q's; else a no-op
-        out[q_lo:q_hi] = _attend(q[q_lo:q_hi], kb.to(q.dtype), vb.to(q.dtype), scale, causal)
+        if kb.dtype != q.dtype:  # K/V as an 8-bit cache holds them (kv_cache_dtype="fp8") are read in q's dtype
+            kb, vb = kb.to(q.dtype), vb.to(q.dtype)
+        out[q_lo:q_hi] = _attend(q[q_lo:q_hi], kb, vb, scale, causal)
     return out
 
 
@@ -104,7 +105,8 @@ def paged_decode_attention(
     flat_blocks = block_table.long().clamp(min=0).flatten()  # (B * max_blocks,)
     k = k_cache.index_select(0, flat_blocks).view(batch, max_blocks * block_size, num_kv_heads, head_dim)
     v = v_cache.index_select(0, flat_blocks).view(batch, max_blocks * block_size, num_kv_heads, head_dim)
-    k, v = k.to(q.dtype), v.to(q.dtype)  # an 8-bit cache (kv_cache_dtype="fp8") is read in q's dtype; else a no-op
+    if k.dtype != q.dtype:  # an 8-bit cache (kv_cache_dtype="fp8") is read in q's dtype
+        k, v = k.to(q.dtype), v.to(q.dtype)
     k, v = k.transpose(1, 2), v.transpose(1, 2)  # (B, Hk, Lmax, D): strided views, SDPA reads them in place
     key_pos = torch.arange(max_blocks * block_size, device=q.device)  # (Lmax,)
     lens = cache_seqlens.long()[:, None, None, None]  # (B, 1, 1, 1)
