@@ -34,6 +34,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--attention-backend", default="auto", help="auto, torch, triton, cpp, flash_attn or flash_attn+triton"
     )
     engine.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help="auto (the model's dtype), fp8 (= fp8_e4m3) or fp8_e5m2: K/V stored as 8-bit floats, half the memory",
+    )
+    engine.add_argument(
         "--tensor-parallel-size",
         type=int,
         default=1,
@@ -86,6 +91,7 @@ def _run(args: argparse.Namespace) -> None:
             device=args.device,
             dtype=args.dtype,
             attention_backend=args.attention_backend,
+            kv_cache_dtype=args.kv_cache_dtype,
             tensor_parallel_size=args.tensor_parallel_size,
         )
     except (ValueError, TypeError) as error:  # ModelFolderError is a ValueError

@@ -63,6 +63,7 @@ def test_cli_trace_and_sampling_options():
         (["--model", "Qwen/Qwen3-0.6B"], "huggingface-cli download"),
         (["--top-p", "0"], "top_p"),
         (["--max-tokens", "0"], "max_tokens"),
+        (["--kv-cache-dtype", "fp16"], "kv_cache_dtype must be one of"),
     ],
 )
 def test_cli_errors_are_one_clear_line(args, message):
