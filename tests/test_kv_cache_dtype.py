@@ -262,3 +262,21 @@ def test_the_serve_command_passes_kv_cache_dtype_and_names_a_bad_one(capsys, mon
     assert main(["--device", "cpu", "--port", "0", "--kv-cache-dtype", "int8"]) == 2
     err = capsys.readouterr().err
     assert "kv_cache_dtype must be one of ['auto', 'fp8', 'fp8_e4m3', 'fp8_e5m2'], got 'int8'" in err
+
+
+def test_fp8_moe_model_matches_hf_reading_rounded_kv(tmp_path):
+    from nanoref.testing import make_tiny_qwen3_moe
+
+    folder = make_tiny_qwen3_moe(tmp_path / "moe", seed=3)
+    prompts = random_prompts(seed=6, lengths=[4, 23])
+    llm = LLM(folder, device="cpu", attention_backend="torch", kv_cache_dtype="fp8", num_kvcache_blocks=32)
+    assert_matches_hf_fp8(folder, prompts, llm.generate(prompts, GREEDY, use_tqdm=False), "fp8")
+
+
+@pytest.mark.slow  # two spawned gloo ranks
+def test_fp8_with_two_ranks_matches_hf_reading_rounded_kv(tiny_model):
+    """Each rank keeps its own heads' K/V in its own fp8 cache."""
+    prompts = random_prompts(seed=7, lengths=[5, 30])
+    with LLM(tiny_model, device="cpu", tensor_parallel_size=2, kv_cache_dtype="fp8", num_kvcache_blocks=32) as llm:
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert_matches_hf_fp8(tiny_model, prompts, outputs, "fp8")
