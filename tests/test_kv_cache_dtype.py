@@ -23,6 +23,17 @@ HAS_TRITON = importlib.util.find_spec("triton") is not None
 BACKENDS = ["torch", pytest.param("triton", marks=pytest.mark.skipif(not HAS_TRITON, reason="needs Triton"))]
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 
+
+def device_for(backend: str) -> torch.device:
+    """Where a backend's test runs: the torch reference on the CPU; Triton's kernels on the GPU of a GPU machine
+    (there they are compiled, and cannot read CPU tensors), under the interpreter on the CPU elsewhere."""
+    if backend == "torch":
+        return torch.device("cpu")
+    from nanoref.ops.triton_setup import kernel_device
+
+    return kernel_device()
+
+
 _HF_FP8: dict = {}
 
 
@@ -112,20 +123,18 @@ def test_to_cache_dtype_rounds_to_nearest_even_and_saturates():
 @pytest.mark.parametrize("kv_cache_dtype", list(FP8))
 def test_store_writes_the_rounded_rows_into_their_slots(backend, kv_cache_dtype):
     g = torch.Generator().manual_seed(7)
-    dtype = FP8[kv_cache_dtype]
+    dtype, device = FP8[kv_cache_dtype], device_for(backend)
     key = torch.randn(5, 2, 16, generator=g) * 300  # (N, Hk, D): e4m3 saturates some of these
     value = torch.randn(5, 2, 16, generator=g)
-    k_cache = torch.zeros(4, 4, 2, 16, dtype=dtype)  # (num_blocks, block_size, Hk, D)
+    k_cache = torch.zeros(4, 4, 2, 16, dtype=dtype, device=device)  # (num_blocks, block_size, Hk, D)
     v_cache = torch.zeros_like(k_cache)
     slots = torch.tensor([3, -1, 12, 0, 9])
-    if backend == "torch":
-        store_kvcache_torch(key, value, k_cache, v_cache, slots)
-    else:
-        from nanoref.ops.store_kvcache_triton import store_kvcache_triton
-
-        store_kvcache_triton(key, value, k_cache, v_cache, slots)
+    store = store_kvcache_torch
+    if backend == "triton":
+        from nanoref.ops.store_kvcache_triton import store_kvcache_triton as store
+    store(key.to(device), value.to(device), k_cache, v_cache, slots.to(device))
     largest = torch.finfo(dtype).max
-    rows_k, rows_v = k_cache.view(16, 2, 16).float(), v_cache.view(16, 2, 16).float()
+    rows_k, rows_v = k_cache.cpu().view(16, 2, 16).float(), v_cache.cpu().view(16, 2, 16).float()
     for token, slot in enumerate(slots.tolist()):
         if slot < 0:
             continue
@@ -144,6 +153,7 @@ def test_store_writes_the_rounded_rows_into_their_slots(backend, kv_cache_dtype)
 def test_paged_decode_over_an_fp8_cache_matches_the_oracle(backend, len_q):
     g = torch.Generator().manual_seed(11 + len_q)
     full = random_paged_decode([5, 37, 64, 1 + len_q], 16, 8, 2, 32, torch.float32, g, len_q=len_q)
+    full = full.to(device_for(backend))
     fp8 = torch.float8_e4m3fn
     rounded = replace(  # the cache as 8-bit floats; the oracle's flat K/V the same values, widened to float32
         full,
@@ -169,7 +179,14 @@ def test_paged_decode_over_an_fp8_cache_matches_the_oracle(backend, len_q):
 @pytest.mark.parametrize("kv_cache_dtype", list(FP8))
 def test_fp8_engine_matches_hf_reading_rounded_kv(tiny_model, backend, kv_cache_dtype):
     prompts = random_prompts(seed=3, lengths=[1, 9, 17, 40])
-    llm = LLM(tiny_model, device="cpu", attention_backend=backend, kv_cache_dtype=kv_cache_dtype, num_kvcache_blocks=64)
+    llm = LLM(
+        tiny_model,
+        device=device_for(backend),
+        dtype="float32",
+        attention_backend=backend,
+        kv_cache_dtype=kv_cache_dtype,
+        num_kvcache_blocks=64,
+    )
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert_matches_hf_fp8(tiny_model, prompts, outputs, kv_cache_dtype)
     assert_no_block_leaked(llm)
@@ -182,7 +199,8 @@ def test_fp8_chunks_and_prefix_hits_read_the_same_rounded_history(tiny_model, ba
     prompts = shared_prefix_prompts(seed=4, prefix_len=32, suffix_lens=[5, 19])
     llm = LLM(
         tiny_model,
-        device="cpu",
+        device=device_for(backend),
+        dtype="float32",
         attention_backend=backend,
         kv_cache_dtype="fp8",
         num_kvcache_blocks=64,
