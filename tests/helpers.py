@@ -27,18 +27,21 @@ CPU_DEFAULT_BACKEND = "torch" if attention_cpp.missing_build_tools() else "cpp"
 _HF_CACHE: dict = {}
 
 
-def hf_model(folder):
+def hf_model(folder, attn_implementation: str | None = None):
+    """HF transformers' model of a folder, float32, cached; attn_implementation: an attention function registered
+    with HF's `AttentionInterface` (None: HF's default)."""
     from transformers import AutoModelForCausalLM
 
-    key = str(folder)
+    key = (str(folder), attn_implementation)
     if key not in _HF_CACHE:
-        _HF_CACHE[key] = AutoModelForCausalLM.from_pretrained(key, dtype=torch.float32).eval()
+        options = {"attn_implementation": attn_implementation} if attn_implementation else {}
+        _HF_CACHE[key] = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, **options).eval()
     return _HF_CACHE[key]
 
 
-def hf_greedy(folder, prompt: list[int], max_new_tokens: int) -> list[int]:
+def hf_greedy(folder, prompt: list[int], max_new_tokens: int, attn_implementation: str | None = None) -> list[int]:
     """HF transformers `generate`, greedy, one prompt at a time (no padding involved)."""
-    model = hf_model(folder)
+    model = hf_model(folder, attn_implementation)
     ids = torch.tensor([prompt])
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens)

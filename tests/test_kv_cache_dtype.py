@@ -16,7 +16,13 @@ from nanoref.ops.backends import choose_backend
 from nanoref.ops.store_kvcache import store_kvcache_torch, to_cache_dtype
 from nanoref.speculative.runner import draft_engine_config
 
-from .helpers import assert_no_block_leaked, random_paged_decode, random_prompts, shared_prefix_prompts
+from .helpers import (
+    assert_no_block_leaked,
+    hf_greedy,
+    random_paged_decode,
+    random_prompts,
+    shared_prefix_prompts,
+)
 
 FP8 = {"fp8": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -34,35 +40,23 @@ def device_for(backend: str) -> torch.device:
     return kernel_device()
 
 
-_HF_FP8: dict = {}
-
-
 def hf_fp8_greedy(folder, prompt: list[int], max_new_tokens: int, kv_cache_dtype: str) -> list[int]:
     """HF `generate`, greedy, float32, its attention reading every key and value rounded to the 8-bit format
     (saturated at its largest value), the way a cache of that dtype holds them."""
-    from transformers import AttentionInterface, AutoModelForCausalLM
+    from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     dtype = FP8[kv_cache_dtype]
     name = f"test_{kv_cache_dtype}_kv"
-    key = (str(folder), name)
-    if key not in _HF_FP8:
 
-        def rounded_kv_attention(module, query, key, value, attention_mask, **kwargs):
-            largest = torch.finfo(dtype).max
-            key = key.clamp(-largest, largest).to(dtype).to(query.dtype)
-            value = value.clamp(-largest, largest).to(dtype).to(query.dtype)
-            return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    def rounded_kv_attention(module, query, key, value, attention_mask, **kwargs):
+        largest = torch.finfo(dtype).max
+        key = key.clamp(-largest, largest).to(dtype).to(query.dtype)
+        value = value.clamp(-largest, largest).to(dtype).to(query.dtype)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
-        AttentionInterface.register(name, rounded_kv_attention)
-        model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32, attn_implementation=name)
-        _HF_FP8[key] = model.eval()
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = _HF_FP8[key].generate(
-            ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=max_new_tokens
-        )
-    return out[0, len(prompt) :].tolist()
+    AttentionInterface.register(name, rounded_kv_attention)  # (the same function under that name every time)
+    return hf_greedy(folder, prompt, max_new_tokens, attn_implementation=name)
 
 
 def assert_matches_hf_fp8(folder, prompts, outputs, kv_cache_dtype: str) -> None:

@@ -35,7 +35,10 @@ def check_kvcache_layout(
 
 def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """x in the cache's element type. An 8-bit float cache (kv_cache_dtype="fp8") saturates at the format's largest
-    value, as vLLM's fp8 kernels do: a plain cast of a larger value would give inf (e5m2) instead."""
+    value, as vLLM's fp8 kernels do: a plain cast of a larger value would give inf (e5m2) instead. Values already in
+    that type are returned as they are."""
+    if x.dtype == dtype:
+        return x
     if dtype.itemsize == 1 and dtype.is_floating_point:
         largest = torch.finfo(dtype).max
         x = x.clamp(-largest, largest)
