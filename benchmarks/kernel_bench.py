@@ -253,8 +253,10 @@ def mixed_methods(problem, baseline, flash_attn_with_kvcache) -> dict:
     methods["triton, fp8 cache, longest first"] = lambda: tri.paged_decode_attention(
         q, k8, v8, seqlens, table, scheduler_metadata=longest_first
     )
-    for block_n in (32, 128):  # an fp8 tile holds half the bytes: another tile height may suit it better
-        launch = dataclasses.replace(tri.DECODE_LAUNCH, block_n=block_n)
+    for block_n in (32, 64):  # beside DECODE_LAUNCH_8BIT's 128: an fp8 tile holds half the bytes of a bf16 one
+        launch = dataclasses.replace(tri.DECODE_LAUNCH_8BIT, block_n=block_n)
+        got8 = with_decode_launch(launch, tri.paged_decode_attention, q, k8, v8, seqlens, table)
+        torch.testing.assert_close(got8.float(), expected8.float(), atol=2e-2, rtol=2e-2)
         methods[f"triton, fp8 cache, longest first, block_n {block_n}"] = functools.partial(
             with_decode_launch, launch, tri.paged_decode_attention, q, k8, v8, seqlens, table,
             scheduler_metadata=longest_first,
@@ -271,12 +273,13 @@ def mixed_methods(problem, baseline, flash_attn_with_kvcache) -> dict:
 
 
 def with_decode_launch(launch, fn, *args, **kwargs):
-    """fn(*args, **kwargs) with the decode kernel's tile settings set to `launch` for the call."""
-    saved, tri.DECODE_LAUNCH = tri.DECODE_LAUNCH, launch
+    """fn(*args, **kwargs) with the decode kernel's tile settings (bf16 and 8-bit caches) set to `launch`."""
+    saved = tri.DECODE_LAUNCH, tri.DECODE_LAUNCH_8BIT
+    tri.DECODE_LAUNCH = tri.DECODE_LAUNCH_8BIT = launch
     try:
         return fn(*args, **kwargs)
     finally:
-        tri.DECODE_LAUNCH = saved
+        tri.DECODE_LAUNCH, tri.DECODE_LAUNCH_8BIT = saved
 
 
 def time_mixed_decode(copy_tbps: float, baseline_path: Path | None) -> list[dict]:

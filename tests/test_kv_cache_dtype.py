@@ -245,6 +245,34 @@ def test_gpu_store_kernel_rounds_as_the_torch_reference(kv_cache_dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kv_cache_dtype", list(FP8))
+@pytest.mark.parametrize("block_size", [16, 256])
+def test_gpu_decode_over_an_fp8_cache_under_a_bf16_query_matches_the_oracle(kv_cache_dtype, block_size):
+    """Under a bf16 q the Triton decode widens 8-bit K/V to float16 and runs its dots there, with q pre-scaled: a
+    q past float16's largest value (65,504) must still give the oracle's answer, not inf or NaN."""
+    from nanoref.ops.attention_triton import paged_decode_attention
+
+    g = torch.Generator().manual_seed(21 + block_size)
+    lens = [1, 100, 129, 700, 2048]  # one tile, part tiles, many 128-key tiles
+    for len_q in (1, 2):
+        full = random_paged_decode(lens, block_size, 16, 8, 128, torch.bfloat16, g, len_q=len_q).to("cuda")
+        q = full.q.clone()
+        q[1, :, 3] *= 3e4  # one head of one sequence past float16's range (|q| to ~1e5): a near one-hot softmax
+        dtype = FP8[kv_cache_dtype]
+        rounded = replace(  # the oracle reads the same 8-bit values, widened to float32, and a float32 q
+            full,
+            q=q.float(),
+            k_cache=full.k_cache.to(dtype),
+            v_cache=full.v_cache.to(dtype),
+            k_flat=full.k_flat.to(dtype).float(),
+            v_flat=full.v_flat.to(dtype).float(),
+        )
+        got = paged_decode_attention(q, rounded.k_cache, rounded.v_cache, full.seqlens, full.block_table)
+        assert got.dtype == torch.bfloat16 and torch.isfinite(got).all()
+        torch.testing.assert_close(got.flatten(0, 1).float(), rounded.oracle(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
 def test_gpu_fp8_engine_with_graphs_matches_eager_and_hf(tiny_model):
     prompts = random_prompts(seed=14, lengths=[3, 9, 17, 25, 33, 1, 40, 12, 5, 30])
     kwargs = dict(device="cuda", dtype="float32", num_kvcache_blocks=128, max_num_seqs=16, kv_cache_dtype="fp8")

@@ -47,6 +47,10 @@ DECODE_LAUNCH = Launch(block_n=64, num_warps=4, num_stages=3)  # best of benchma
 # 128 rows (64 tokens x GQA 2's heads): two warpgroups of 64 rows, so 8 warps. On an H200 it tied 64 rows / 4 warps
 # (69% of SDPA, geometric mean) and led on long sequences (benchmarks/results/kernels_compare_h200.md)
 PREFILL_LAUNCH = Launch(block_m=128, block_n=64, num_warps=8, num_stages=3)
+# An 8-bit cache (kv_cache_dtype="fp8"): a 128-key tile moves the bytes of a 64-key bf16 tile per iteration. On an
+# H100 it read 61-83% of copy bandwidth over mixed contexts, against 46-62% at 64 keys (with K/V widened to bf16),
+# and 8 warps lost everywhere (benchmarks/results/kernels_mixed_fp8_h100.md)
+DECODE_LAUNCH_8BIT = Launch(block_n=128, num_warps=4, num_stages=3)
 INTERPRETER_LAUNCH = Launch(block_m=64, block_n=64)  # few big tiles: the interpreter pays per iteration
 
 
@@ -89,6 +93,7 @@ def paged_decode_kernel(
     LEN_Q: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, ORDERED: tl.constexpr,
+    WIDE_F16: tl.constexpr = False,  # an 8-bit cache under a half-precision q: the tiles' dots run in float16
 ):  # fmt: skip
     # The GPU starts programs in grid order, axis 0 fastest: a sequence's KV heads start side by side, and with
     # ORDERED the sequences start in order_ptr's order. Longest first, the short programs fill the SMs at the end
@@ -116,6 +121,12 @@ def paged_decode_kernel(
     )  # (BLOCK_M, BLOCK_D)
     if UPCAST:
         q = q.to(tl.float32)
+    elif WIDE_F16:
+        # 8-bit K/V widen to float16 exactly (e4m3 and e5m2 both lie inside it), one convert per pair of values
+        # where bfloat16 needs a second. q joins them with the softmax scale folded in (|q| * 0.13 for head_dim
+        # 128), so that a q past float16's 65,504 still fits; scores come out scaled, so the tiles' factor is 1.
+        q = (q.to(tl.float32) * qk_scale).to(tl.float16)
+        qk_scale = 1.0
     q_pos = seqlen - LEN_Q + q_idx  # the queries are the newest LEN_Q tokens of the history
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -419,7 +430,8 @@ def paged_decode_attention(
     group = num_heads // num_kv_heads
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
     upcast, precision = _dot_settings(q.dtype)
-    launch = INTERPRETER_LAUNCH if interpreting() else DECODE_LAUNCH
+    eight_bit = k_cache.element_size() == 1  # kv_cache_dtype="fp8"
+    launch = INTERPRETER_LAUNCH if interpreting() else DECODE_LAUNCH_8BIT if eight_bit else DECODE_LAUNCH
     block_n = launch.block_n
     max_context = block_table.shape[1] * page
     if num_splits <= 0:
@@ -457,6 +469,7 @@ def paged_decode_attention(
         LEN_Q=len_q, GROUP=group, BLOCK_M=max(16, triton.next_power_of_2(len_q * group)),
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), PAGE=page, BLOCK_N=block_n,
         CAUSAL=causal, UPCAST=upcast, PRECISION=precision, ORDERED=ordered,
+        WIDE_F16=eight_bit and not upcast and q.dtype in (torch.bfloat16, torch.float16),
         num_warps=launch.num_warps, num_stages=launch.num_stages,
     )  # fmt: skip
     if num_splits > 1:
