@@ -61,8 +61,9 @@ def _attend_tile(q, k, v, visible, qk_scale, m_i, l_i, acc, PRECISION: tl.conste
     q: (M, D) query rows; k, v: (N, D); visible: (M, N), False where a key must not count. Base 2 throughout:
     qk_scale carries log2(e), so exp2 gives the softmax's exp. Returns the new (m_i, l_i, acc).
     """
-    # K/V in q's dtype: an 8-bit cache (kv_cache_dtype="fp8") widens here, after its half-size load; the
-    # interpreter's q is float32 (UPCAST: its tl.dot is wrong on bf16 operands). A no-op where the dtypes agree
+    # K/V in q's dtype: an 8-bit cache (kv_cache_dtype="fp8") widens here, after its half-size load (to float16 in
+    # the decode kernel: WIDE_F16); the interpreter's q is float32 (UPCAST: its tl.dot is wrong on bf16 operands).
+    # A no-op where the dtypes agree
     k = k.to(q.dtype)
     v = v.to(q.dtype)
     scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # (M, N)
