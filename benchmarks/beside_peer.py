@@ -376,6 +376,7 @@ LABELS = {  # engine names as a figure shows them
     "nanoref": "nanoref, its defaults",
     "nanoref-peer": "nanoref, Nano-vLLM's settings",
     "nano-vllm": "Nano-vLLM, its defaults",
+    "nanoref-fp8": 'nanoref, kv_cache_dtype="fp8"',
 }
 
 
@@ -418,6 +419,10 @@ def plot(source: Path, target: Path) -> None:
     ax.set_yticks(ticks, labels, fontsize=8)
     floor = summary["floor"]["tok_per_s"]
     ax.axvline(floor, color="#c44e52", linestyle="--", label=f"bytes-moved floor, run 0 ({floor:,.0f} tok/s)")
+    fp8_floor = summary["floor"].get("fp8_tok_per_s")
+    if fp8_floor and any("fp8" in name for name, _ in entries):  # an engine with an 8-bit cache moves fewer bytes
+        ax.axvline(fp8_floor, color="#c44e52", linestyle=":", label=f"the same, fp8 KV cache ({fp8_floor:,.0f} tok/s)")
+        floor = fp8_floor
     ax.set_xlabel("output tokens/s (bar: median over processes; dots: the timed runs)")
     ax.set_title(
         f"Nano-vLLM's benchmark, {summary.get('model', 'random Qwen3-0.6B bf16')}\none {summary['device']}\n"
