@@ -88,9 +88,12 @@ def test_the_serving_benchmark_counts_a_process_and_its_children_cpu_time_apart(
         child.communicate(b"")
 
 
-@pytest.mark.parametrize("name", ["beside_peer_h100.json", "beside_peer_h200_warmup.json"])
+@pytest.mark.parametrize(
+    "name", ["beside_peer_h100.json", "beside_peer_h200_warmup.json", "beside_peer_h100_fp8_abc.json"]
+)
 def test_the_beside_peer_figure_is_drawn_from_each_committed_lease(tmp_path, name):
-    """The H100 lease's JSON names its model; the older ones do not (the figure then says Qwen3-0.6B)."""
+    """The H100 lease's JSON names its model; the older ones do not (the figure then says Qwen3-0.6B); an fp8
+    engine's lease adds its cache's floor."""
     pytest.importorskip("matplotlib")
     figure = tmp_path / "beside_peer.png"
     result = run_script("benchmarks/beside_peer.py", "--plot", f"benchmarks/results/{name}", str(figure))
