@@ -20,6 +20,7 @@ from .helpers import (
     assert_no_block_leaked,
     hf_greedy,
     random_paged_decode,
+    random_paged_varlen,
     random_prompts,
     shared_prefix_prompts,
 )
@@ -75,12 +76,60 @@ def test_an_unknown_kv_cache_dtype_is_named(tiny_model):
 
 def test_backends_that_cannot_read_an_fp8_cache_refuse_it_and_auto_avoids_them():
     cpu, cuda = torch.device("cpu"), torch.device("cuda")  # (a device object: no GPU needed to choose)
-    for name, device in (("cpp", cpu), ("flash_attn", cuda), ("flash_attn+triton", cuda)):
-        with pytest.raises(ValueError, match=r"model's dtype only.*'triton' \(CUDA\) or 'torch'"):
+    for name, device in (("cpp", cpu), ("flash_attn", cuda)):
+        with pytest.raises(ValueError, match=r"model's dtype only.*'triton' or 'flash_attn\+triton' \(CUDA\)"):
             choose_backend(name, device, torch.bfloat16, None, 128, cache_dtype=torch.float8_e4m3fn)
     # auto on a CPU: torch even where the C++ kernels build
     assert choose_backend("auto", cpu, torch.float32, None, 64, cache_dtype=torch.float8_e4m3fn) == "torch"
     assert choose_backend("torch", cpu, torch.float32, None, 64, cache_dtype=torch.float8_e5m2) == "torch"
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs Triton")
+def test_flash_attn_triton_gives_flash_attn_a_prompts_own_kv_widened_and_triton_the_history(monkeypatch):
+    """flash_attn+triton over an 8-bit cache: flash-attn (a stand-in here, recording what it is given) takes an
+    unpaged prefill's K/V widened back to q's dtype, exactly the rounded values; a prefill over cached history goes
+    to Triton's paged varlen kernel, which reads the 8-bit cache itself. A bf16 cache passes through unchanged."""
+    import sys
+    import types
+
+    from nanoref.ops import attention_triton, backends
+
+    given = []
+
+    def fake_varlen(q, k, v, *args, **kwargs):
+        given.append((k.dtype, v.dtype, kwargs.get("block_table")))
+        return attention_torch.varlen_attention(q, k, v, *args, **kwargs)
+
+    fake = types.ModuleType("flash_attn")
+    fake.flash_attn_varlen_func = fake_varlen
+    fake.flash_attn_with_kvcache = None  # (decode is Triton's in this backend)
+    monkeypatch.setitem(sys.modules, "flash_attn", fake)
+    backend = backends._flash_attn_triton_backend()
+    assert backend.decode is attention_triton.paged_decode_attention
+
+    g = torch.Generator().manual_seed(5)
+    device = device_for("triton")
+    fp8 = torch.float8_e4m3fn
+    full = random_paged_varlen([3, 5], [3, 5], 16, 4, 2, 32, torch.float32, g).to(device)
+    k8, v8 = to_cache_dtype(full.k_flat, fp8), to_cache_dtype(full.v_flat, fp8)
+    lens = dict(max_seqlen_q=5, max_seqlen_k=5, causal=True)
+    out = backend.varlen(full.q, k8, v8, full.cu_q, full.cu_k, **lens)  # a prompt's own K/V, as the cache holds them
+    assert given == [(torch.float32, torch.float32, None)]
+    expected = attention_torch.varlen_attention(full.q, k8.float(), v8.float(), full.cu_q, full.cu_k, **lens)
+    torch.testing.assert_close(out, expected)
+
+    history = random_paged_varlen([2, 3], [9, 20], 16, 4, 2, 32, torch.float32, g).to(device)
+    k_cache, v_cache = history.k_cache.to(fp8), history.v_cache.to(fp8)
+    args = (history.cu_q, history.cu_k, 3, 20)
+    out = backend.varlen(history.q, k_cache, v_cache, *args, causal=True, block_table=history.block_table)
+    assert len(given) == 1  # not flash-attn's
+    expected = attention_torch.varlen_attention(
+        history.q, k_cache, v_cache, *args, causal=True, block_table=history.block_table
+    )
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
+
+    backend.varlen(full.q, full.k_flat, full.v_flat, full.cu_q, full.cu_k, **lens)  # a cache in q's dtype
+    assert given[-1] == (torch.float32, torch.float32, None) and len(given) == 2
 
 
 def test_fp8_halves_or_quarters_the_cache_and_the_draft_follows(tiny_model):
@@ -270,6 +319,33 @@ def test_gpu_decode_over_an_fp8_cache_under_a_bf16_query_matches_the_oracle(kv_c
         got = paged_decode_attention(q, rounded.k_cache, rounded.v_cache, full.seqlens, full.block_table)
         assert got.dtype == torch.bfloat16 and torch.isfinite(got).all()
         torch.testing.assert_close(got.flatten(0, 1).float(), rounded.oracle(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_flash_attn_triton_prefill_over_an_fp8_cache_matches_triton():
+    """With flash-attn installed: flash_attn+triton's prefill over an 8-bit cache (flash-attn on a prompt's own K/V
+    widened to bf16, Triton on cached history) against Triton's kernel reading the same 8-bit values."""
+    pytest.importorskip("flash_attn")
+    from nanoref.ops import attention_triton
+    from nanoref.ops.backends import resolve_backend
+
+    backend = resolve_backend("flash_attn+triton", torch.device("cuda"))
+    g = torch.Generator().manual_seed(8)
+    fp8 = torch.float8_e4m3fn
+    fresh = random_paged_varlen([7, 300, 64], [7, 300, 64], 256, 16, 8, 128, torch.bfloat16, g).to("cuda")
+    k8, v8 = to_cache_dtype(fresh.k_flat, fp8), to_cache_dtype(fresh.v_flat, fp8)
+    lens = dict(max_seqlen_q=300, max_seqlen_k=300, causal=True)
+    got = backend.varlen(fresh.q, k8, v8, fresh.cu_q, fresh.cu_k, **lens)
+    want = attention_triton.varlen_attention(fresh.q, k8, v8, fresh.cu_q, fresh.cu_k, **lens)
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+    history = random_paged_varlen([5, 40], [300, 600], 256, 16, 8, 128, torch.bfloat16, g).to("cuda")
+    k_cache, v_cache = history.k_cache.to(fp8), history.v_cache.to(fp8)
+    args = (history.cu_q, history.cu_k, 40, 600)
+    got = backend.varlen(history.q, k_cache, v_cache, *args, causal=True, block_table=history.block_table)
+    expected = attention_torch.varlen_attention(
+        history.q.float(), k_cache, v_cache, *args, causal=True, block_table=history.block_table
+    )
+    torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.gpu

@@ -138,10 +138,19 @@ def _flash_attn_backend() -> AttentionBackend:
 
 def _flash_attn_triton_backend() -> AttentionBackend:
     flash, triton = _flash_attn_backend(), _triton_backend()
+
+    def varlen(q, k, v, *args, block_table=None, **kwargs):
+        if k.dtype != q.dtype:  # an 8-bit cache (kv_cache_dtype="fp8"): flash-attn reads the model's dtype only
+            if block_table is not None:  # the history in the cache (prefix-cache hits, later chunks): Triton reads it
+                return triton.varlen(q, k, v, *args, block_table=block_table, **kwargs)
+            k, v = k.to(q.dtype), v.to(q.dtype)  # a prompt's own K/V, already rounded to the cache's values: exact
+        return flash.varlen(q, k, v, *args, block_table=block_table, **kwargs)
+
     return dataclasses.replace(
         flash,
         name="flash_attn+triton",
         store_kvcache=triton.store_kvcache,
+        varlen=varlen,
         decode=triton.decode,
         decode_schedule=triton.decode_schedule,
     )
@@ -203,16 +212,18 @@ def choose_backend(
     kernel beside it where Triton is installed ("flash_attn+triton"); else Triton alone; else torch. On a CPU,
     cpp where its kernels build (see `cpp_builds`), else torch (the Triton interpreter is for reading kernels,
     not speed). cache_dtype (default: dtype) is the KV cache's: an 8-bit one (kv_cache_dtype="fp8") is read by the
-    torch and Triton kernels only. An explicit choice that cannot work raises.
+    torch and Triton kernels only, so "auto" picks "triton" on CUDA; "flash_attn+triton" serves it too, flash-attn
+    taking only a prompt's own K/V (widened back to the model's dtype). An explicit choice that cannot work raises.
     """
     if name not in BACKEND_NAMES:
         raise ValueError(f"attention_backend must be one of {BACKEND_NAMES}, got {name!r}")
     half = dtype in (torch.float16, torch.bfloat16)
     narrow_cache = cache_dtype is not None and cache_dtype.itemsize == 1  # fp8: converted to `dtype` as it is read
-    if narrow_cache and name in ("cpp", *FLASH_ATTN_BACKENDS):
+    if narrow_cache and name in ("cpp", "flash_attn"):
         raise ValueError(
             f"attention_backend={name!r} reads a KV cache in the model's dtype only, not {cache_dtype} "
-            "(kv_cache_dtype): an 8-bit cache runs on 'triton' (CUDA) or 'torch' (any device), which 'auto' picks"
+            "(kv_cache_dtype): an 8-bit cache runs on 'triton' or 'flash_attn+triton' (CUDA) or 'torch' (any "
+            "device); 'auto' picks 'triton' on CUDA and 'torch' elsewhere"
         )
     if name == "auto":
         if device.type != "cuda":
