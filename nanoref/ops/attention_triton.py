@@ -94,7 +94,7 @@ def paged_decode_kernel(
     LEN_Q: tl.constexpr, GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, ORDERED: tl.constexpr,
-    WIDE_F16: tl.constexpr = False,  # an 8-bit cache under a half-precision q: the tiles' dots run in float16
+    WIDE_F16: tl.constexpr,  # an 8-bit cache under a half-precision q: the tiles' dots run in float16
 ):  # fmt: skip
     # The GPU starts programs in grid order, axis 0 fastest: a sequence's KV heads start side by side, and with
     # ORDERED the sequences start in order_ptr's order. Longest first, the short programs fill the SMs at the end
@@ -124,7 +124,7 @@ def paged_decode_kernel(
         q = q.to(tl.float32)
     elif WIDE_F16:
         # 8-bit K/V widen to float16 exactly (e4m3 and e5m2 both lie inside it), one convert per pair of values
-        # where bfloat16 needs a second. q joins them with the softmax scale folded in (|q| * 0.13 for head_dim
+        # where bfloat16 takes two more. q joins them with the softmax scale folded in (|q| * 0.13 for head_dim
         # 128), so that a q past float16's 65,504 still fits; scores come out scaled, so the tiles' factor is 1.
         q = (q.to(tl.float32) * qk_scale).to(tl.float16)
         qk_scale = 1.0
