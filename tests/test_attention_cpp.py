@@ -8,6 +8,7 @@ them (no C++ compiler or no ninja), and say so.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -158,6 +159,54 @@ def test_bad_arguments_raise_clear_errors():
         attention_cpp.paged_decode_attention(q, cache, cache, torch.tensor([3, 4]), table)  # int64 lengths
     with pytest.raises(RuntimeError, match="one dtype"):
         attention_cpp.paged_decode_attention(q.double(), cache, cache, torch.tensor([3, 4], dtype=torch.int32), table)
+    lens = torch.tensor([3, 4], dtype=torch.int32)
+    with pytest.raises(
+        RuntimeError, match="paged_decode_attention runs on float32, float16 and bfloat16 tensors, not Double"
+    ):
+        attention_cpp.paged_decode_attention(q.double(), cache.double(), cache.double(), lens, table)
+    q48, cache48 = torch.randn(2, 1, 4, 48), torch.randn(4, 16, 2, 48)
+    with pytest.raises(RuntimeError, match="built for head_dim 16, 32, 64, 128 or 256, not 48"):
+        attention_cpp.paged_decode_attention(q48, cache48, cache48, lens, table)
+
+
+def torch_checks(source: str) -> list[list[str]]:
+    """Every TORCH_CHECK(...) in C++ source, as its top-level arguments (string literals kept whole)."""
+    calls = []
+    for start in [i + len("TORCH_CHECK(") for i in range(len(source)) if source.startswith("TORCH_CHECK(", i)]:
+        args, depth, piece, i, quoted = [], 0, "", start, False
+        while depth >= 0:
+            c = source[i]
+            if quoted:
+                quoted = c != '"' or source[i - 1] == "\\"
+            elif c == '"':
+                quoted = True
+            elif c in "([{":
+                depth += 1
+            elif c in ")]}":
+                depth -= 1
+            elif c == "," and depth == 0:
+                args.append(piece.strip())
+                piece, i = "", i + 1
+                continue
+            if depth >= 0:
+                piece += c
+            i += 1
+        calls.append([*args, piece.strip()])
+    return calls
+
+
+def test_every_check_in_the_kernels_hands_torch_one_message_string():
+    """TORCH_CHECK(cond, piece, value, ...) formats its message with c10::str in the extension: on one GPU machine's
+    image that segfaulted instead of raising, so messages with values are formatted by CHECK_WITH_VALUES first."""
+    calls = torch_checks(attention_cpp.CPP_SOURCE)
+    assert len(calls) > 20
+    several = [call for call in calls if len(call) != 2]
+    assert not several, f"TORCH_CHECKs with several message pieces (use CHECK_WITH_VALUES): {several}"
+    # the message: string literals (adjacent ones join into one) or the macro's formatted buffer
+    literal = re.compile(r'^("([^"\\]|\\.)*"\s*)+$')
+    loose = [call for call in calls if not literal.match(call[1]) and call[1] != "static_cast<const char*>(message)"]
+    assert not loose, f"TORCH_CHECKs whose message is not a string literal: {loose}"
+    assert torch_checks('TORCH_CHECK(a(1, 2) && b, "x, (y", v);') == [["a(1, 2) && b", '"x, (y"', "v"]]
 
 
 def test_choose_backend_refuses_what_cpp_cannot_serve(monkeypatch):

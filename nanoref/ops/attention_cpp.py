@@ -64,6 +64,7 @@ CPP_SOURCE = r"""
 #include <array>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <limits>
 #include <optional>
@@ -71,6 +72,19 @@ CPP_SOURCE = r"""
 #include <type_traits>
 #include <utility>
 #include <vector>
+
+// A check whose message carries values: formatted here with snprintf and handed to TORCH_CHECK as one C string. Given
+// several message pieces, TORCH_CHECK formats them itself (c10::str, an ostringstream built in this library); on one
+// GPU machine's image (torch 2.11+cu130, GCC 13) that crashed the process with a segmentation fault where one C string
+// raised the RuntimeError it should (tests/test_attention_cpp.py checks that no check here passes several pieces).
+#define CHECK_WITH_VALUES(cond, ...)                                      \
+  do {                                                                   \
+    if (!(cond)) {                                                       \
+      char message[384];                                                 \
+      std::snprintf(message, sizeof message, __VA_ARGS__);               \
+      TORCH_CHECK(false, static_cast<const char*>(message));             \
+    }                                                                    \
+  } while (0)
 
 namespace {
 
@@ -218,7 +232,8 @@ void by_dtype(at::ScalarType dtype, const char* name, const F& f) {
     case at::kFloat: return f(float{});
     case at::kHalf: return f(at::Half{});
     case at::kBFloat16: return f(at::BFloat16{});
-    default: TORCH_CHECK(false, name, " runs on float32, float16 and bfloat16 tensors, not ", dtype);
+    default:
+      CHECK_WITH_VALUES(false, "%s runs on float32, float16 and bfloat16 tensors, not %s", name, c10::toString(dtype));
   }
 }
 
@@ -339,7 +354,9 @@ void by_dtype_and_head_dim(const at::Tensor& q, const char* name, const F& f) {
       case 64: return f(zero, std::integral_constant<int, 64 / W>{});
       case 128: return f(zero, std::integral_constant<int, 128 / W>{});
       case 256: return f(zero, std::integral_constant<int, 256 / W>{});
-      default: TORCH_CHECK(false, name, " is built for head_dim 16, 32, 64, 128 or 256, not ", q.size(-1));
+      default:
+        CHECK_WITH_VALUES(false, "%s is built for head_dim 16, 32, 64, 128 or 256, not %lld", name,
+                          (long long)q.size(-1));
     }
   });
 }
@@ -351,12 +368,15 @@ void check_block_tables(const at::Tensor& block_table, const int32_t* lens, cons
   const int32_t* table = block_table.data_ptr<int32_t>();
   for (int64_t b = 0; b < block_table.size(0); ++b) {
     const int64_t len = lens ? lens[b] : ends[b + 1] - ends[b];
-    TORCH_CHECK(0 <= len && len <= max_len, "sequence ", b, " has ", len, " tokens: more than its block table's ",
-                block_table.size(1), " blocks hold (or fewer than 0)");
+    CHECK_WITH_VALUES(0 <= len && len <= max_len,
+                      "sequence %lld has %lld tokens: more than its block table's %lld blocks hold (or fewer than 0)",
+                      (long long)b, (long long)len, (long long)block_table.size(1));
     for (int64_t i = 0; i < (len + page - 1) / page; ++i) {
       const int32_t block = table[b * block_table.stride(0) + i];
-      TORCH_CHECK(0 <= block && block < num_blocks, "block_table[", b, ", ", i, "] is ", block,
-                  ", not one of the cache's ", num_blocks, " blocks, but sequence ", b, "'s ", len, " tokens reach it");
+      CHECK_WITH_VALUES(0 <= block && block < num_blocks,
+                        "block_table[%lld, %lld] is %d, not one of the cache's %lld blocks, but sequence %lld's %lld "
+                        "tokens reach it", (long long)b, (long long)i, (int)block, (long long)num_blocks, (long long)b,
+                        (long long)len);
     }
   }
 }
@@ -504,7 +524,8 @@ void store_kvcache(const at::Tensor& key, const at::Tensor& value, const at::Ten
   const int64_t* slot = slots.data_ptr<int64_t>();
   const int64_t num_slots = k_cache.size(0) * k_cache.size(1), row = key.size(1) * key.size(2);
   for (int64_t i = 0; i < key.size(0); ++i)
-    TORCH_CHECK(slot[i] < num_slots, "slot ", slot[i], " is past the cache's ", num_slots, " slots");
+    CHECK_WITH_VALUES(slot[i] < num_slots, "slot %lld is past the cache's %lld slots", (long long)slot[i],
+                      (long long)num_slots);
   by_dtype(key.scalar_type(), "store_kvcache", [&](auto zero) {
     using T = decltype(zero);
     const T *k = key.data_ptr<T>(), *v = value.data_ptr<T>();
@@ -621,7 +642,8 @@ at::Tensor norm_rotary(const at::Tensor& x, const at::Tensor& weight, double eps
   const at::Tensor pos = positions.contiguous();
   const int64_t* p = pos.data_ptr<int64_t>();
   for (int64_t t = 0; t < tokens; ++t)
-    TORCH_CHECK(p[t] >= 0 && p[t] < cos_cache.size(0), "norm_rotary: position ", p[t], " is outside the tables");
+    CHECK_WITH_VALUES(p[t] >= 0 && p[t] < cos_cache.size(0), "norm_rotary: position %lld is outside the tables",
+                      (long long)p[t]);
   at::Tensor out = x.new_empty({tokens, heads, d});
   const float *cos_table = cos_cache.data_ptr<float>(), *sin_table = sin_cache.data_ptr<float>();
   by_dtype(x.scalar_type(), "norm_rotary", [&](auto zero) {
