@@ -92,7 +92,8 @@ class EngineConfig:
     # the KV cache's element type (vLLM's name): "auto" = the model's dtype; "fp8" (= "fp8_e4m3") or "fp8_e5m2"
     # stores K/V as 8-bit floats, saturated at the format's largest value, with no scale (vLLM's default scale of
     # 1.0): half a bf16 cache's memory and half of what decode attention reads, at the price of rounding every
-    # cached K/V value. Served by the torch and Triton backends ("auto" picks them) and by flash_attn+triton
+    # cached K/V value. Served by the torch and Triton backends and by flash_attn+triton (what "auto" picks on CUDA
+    # where flash-attn serves)
     kv_cache_dtype: str = "auto"
     tensor_parallel_size: int = 1
     # tensor parallel: the longest rank 0 waits (seconds) for the other ranks to join any one collective before it
