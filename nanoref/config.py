@@ -95,6 +95,10 @@ class EngineConfig:
     # cached K/V value. Served by the torch and Triton backends and by flash_attn+triton (what "auto" picks on CUDA
     # where flash-attn serves)
     kv_cache_dtype: str = "auto"
+    # cascade attention (vLLM's name for the switch): where every sequence of a decode step shares a prefix of at
+    # least 256 cached tokens (a system prompt) and there are at least 8 of them, its K/V are read once for many
+    # sequences instead of once per sequence (ops/attention_triton.py). The same tokens; Triton's decode only
+    disable_cascade_attn: bool = False
     tensor_parallel_size: int = 1
     # tensor parallel: the longest rank 0 waits (seconds) for the other ranks to join any one collective before it
     # stops them and raises. A worker that dies is reported within seconds whatever this is; this bounds a
@@ -129,8 +133,9 @@ class EngineConfig:
         _set(self, model_folder=folder, architecture=architecture, hf_config=hf_config)
         _set(self, device=parse_device(self.device))
         _set(self, dtype=parse_dtype(self.dtype, self.device))
-        if not isinstance(self.enforce_eager, bool):
-            raise ValueError(f"enforce_eager must be True or False, got {self.enforce_eager!r}")
+        for name in ("enforce_eager", "disable_cascade_attn"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.overlap_scheduling is None:  # (speculative decoding has its own loop: see _check_speculative)
             _set(self, overlap_scheduling=self.device.type == "cuda" and self.speculative_config is None)
         if not isinstance(self.overlap_scheduling, bool):

@@ -6,7 +6,10 @@ that each step fills in place, and a batch of B sequences runs in the smallest r
 B..S-1 are padding that the kernels process harmlessly (slot -1 stores nothing, context length 0 reads nothing).
 
 Attached by `nanoref/llm.py` as the model runner's `decode_graphs`; the runner asks `covers(batch)` and then
-`run(...)`. `DecodeGraphs(runner, record=False)` (`enable_bucketed_decode`) runs the same padded buckets eagerly,
+`run(...)`. Where the runner reads a prefix that many sequences share once (cascade attention: `Context.
+shared_prefix_lens`), a second graph per bucket of at least CASCADE_MIN_SEQS sequences records that step's kernels,
+the prefix lengths in one more static buffer (0 in padding rows); a step replays the graph of its kind.
+`DecodeGraphs(runner, record=False)` (`enable_bucketed_decode`) runs the same padded buckets eagerly,
 on a machine without graphs (a CPU): for teaching and tests.
 """
 
@@ -19,6 +22,7 @@ from collections.abc import Iterator
 
 import torch
 
+from nanoref.engine.step_inputs import CASCADE_MIN_SEQS
 from nanoref.utils.context import Context, get_context, reset_context, set_context
 from nanoref.utils.seams import seam
 from nanoref.utils.tracing import tracing_enabled
@@ -80,6 +84,8 @@ class DecodeGraphs:
         with torch.inference_mode(record):
             self.buffers = self.make_buffers(tokens, rows, width, config, device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.cascade_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # (bucket: steps over a shared prefix)
+        self.cascade = getattr(runner, "cascade", False)
         if record:
             self.capture(device)
 
@@ -91,35 +97,41 @@ class DecodeGraphs:
             slot_mapping=torch.full((tokens,), -1, dtype=torch.int64, device=device),
             context_lens=torch.zeros(rows, dtype=torch.int32, device=device),
             block_tables=torch.zeros(rows, width, dtype=torch.int32, device=device),
+            shared_prefix_lens=torch.zeros(rows, dtype=torch.int32, device=device),
             hidden=torch.zeros(tokens, config.hf_config.hidden_size, dtype=config.dtype, device=device),
         )
 
     @torch.inference_mode()
     def capture(self, device: torch.device) -> None:
-        """Record one decode forward per bucket, the largest first (the others share its memory pool)."""
+        """Record one decode forward per bucket (and one over a shared prefix), the largest first (the others share
+        its memory pool)."""
         b, pool = self.buffers, None
         with garbage_collected_first():
             for size in reversed(self.buckets):
-                graph = torch.cuda.CUDAGraph()
-                tokens = size * self.query_len
-                context = Context(
-                    slot_mapping=b["slot_mapping"][:tokens],
-                    context_lens=b["context_lens"][:size],
-                    block_tables=b["block_tables"][:size],
-                    decode_query_len=self.query_len,
-                )
-                ids, positions = b["input_ids"][:tokens], b["positions"][:tokens]
-                set_context(context)
-                b["hidden"][:tokens] = self.model(ids, positions)  # warm up outside capture
-                # a fresh Context for the capture: what the layers derive from it once per step (the decode
-                # schedule) is then recorded too, and recomputed at every replay
-                set_context(dataclasses.replace(context, scheduler_metadata=None))
-                with torch.cuda.graph(graph, pool):
-                    b["hidden"][:tokens] = self.model(ids, positions)
-                pool = pool or graph.pool()
-                self.graphs[size] = graph
-                torch.cuda.synchronize(device)
-                reset_context()
+                kinds = [(self.graphs, None)]
+                if self.cascade and size >= CASCADE_MIN_SEQS:  # (fewer sequences never share a prefix: step_inputs)
+                    kinds.append((self.cascade_graphs, b["shared_prefix_lens"][:size]))
+                for graphs, prefix_lens in kinds:
+                    graphs[size] = graph = torch.cuda.CUDAGraph()
+                    tokens = size * self.query_len
+                    context = Context(
+                        slot_mapping=b["slot_mapping"][:tokens],
+                        context_lens=b["context_lens"][:size],
+                        block_tables=b["block_tables"][:size],
+                        shared_prefix_lens=prefix_lens,
+                        decode_query_len=self.query_len,
+                    )
+                    ids, positions = b["input_ids"][:tokens], b["positions"][:tokens]
+                    set_context(context)
+                    b["hidden"][:tokens] = self.model(ids, positions)  # warm up outside capture
+                    # a fresh Context for the capture: what the layers derive from it once per step (the decode
+                    # schedule) is then recorded too, and recomputed at every replay
+                    set_context(dataclasses.replace(context, scheduler_metadata=None))
+                    with torch.cuda.graph(graph, pool):
+                        b["hidden"][:tokens] = self.model(ids, positions)
+                    pool = pool or graph.pool()
+                    torch.cuda.synchronize(device)
+                    reset_context()
 
     def covers(self, batch: int) -> bool:
         """Whether a decode batch of this many sequences runs here (a shape trace wants every layer run
@@ -137,9 +149,13 @@ class DecodeGraphs:
         seam("pad_decode_batch", pad_decode_batch)(
             static, input_ids, positions, context.slot_mapping, context.context_lens, context.block_tables
         )
-        hidden = self.buffers["hidden"]
+        hidden, prefixes = self.buffers["hidden"], context.shared_prefix_lens
+        if prefixes is not None:  # (only set where the runner reads shared prefixes, for enough sequences)
+            static_prefixes = self.buffers["shared_prefix_lens"][:bucket]
+            static_prefixes[: len(prefixes)] = prefixes
+            static_prefixes[len(prefixes) :] = 0  # padding rows have no prefix
         if self.graphs:
-            self.graphs[bucket].replay()
+            (self.graphs if prefixes is None else self.cascade_graphs)[bucket].replay()
         else:  # bucketed decode without graphs: the same padded batch, run eagerly
             width = context.block_tables.shape[1]
             set_context(
@@ -147,6 +163,7 @@ class DecodeGraphs:
                     slot_mapping=static["slot_mapping"],
                     context_lens=static["context_lens"],
                     block_tables=static["block_tables"][:, :width],
+                    shared_prefix_lens=None if prefixes is None else static_prefixes,
                     decode_query_len=self.query_len,
                 )
             )

@@ -72,11 +72,13 @@ class Attention(nn.Module):
                 block_tables=context.block_tables,
             )
             decode = seam("paged_decode_attention", self.backend.decode)
-            schedule = {}  # a learner's function (a seam) takes flash-attn's arguments only
+            extra = {}  # a learner's function (a seam) takes flash-attn's arguments only
             if self.backend.decode_schedule is not None and decode is self.backend.decode:
                 if context.scheduler_metadata is None:  # the step's first layer: one schedule serves every layer
                     context.scheduler_metadata = self.backend.decode_schedule(context.context_lens)
-                schedule["scheduler_metadata"] = context.scheduler_metadata
+                extra["scheduler_metadata"] = context.scheduler_metadata
+            if context.shared_prefix_lens is not None and decode is self.backend.decode:
+                extra["shared_prefix_lens"] = context.shared_prefix_lens  # (set where the backend reads it)
             out = decode(
                 q,
                 k_cache,
@@ -85,7 +87,7 @@ class Attention(nn.Module):
                 block_table=context.block_tables,
                 softmax_scale=self.scale,
                 causal=True,
-                **schedule,
+                **extra,
             ).reshape(num_tokens, num_heads, head_dim)  # (B, Lq, H, D) -> (N, H, D)
         trace("attn.out", out=out)
         return out

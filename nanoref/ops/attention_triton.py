@@ -84,6 +84,7 @@ def _attend_tile(q, k, v, visible, qk_scale, m_i, l_i, acc, PRECISION: tl.conste
 def paged_decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, seqlens_ptr, out_ptr, lse_ptr,
     order_ptr,  # (B,) the sequences in the order their programs start (ORDERED), e.g. longest context first
+    prefix_lens_ptr,  # (B,) with SKIP_PREFIX: each sequence's shared prefix (0: none), read by shared_prefix_kernel
     qk_scale,  # softmax_scale * log2(e)
     stride_qb, stride_qm, stride_qh,  # q (B, Lq, H, D)
     stride_kblock, stride_kslot, stride_kh,  # caches (num_blocks, block_size, Hk, D)
@@ -95,6 +96,7 @@ def paged_decode_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, ORDERED: tl.constexpr,
     WIDE_F16: tl.constexpr,  # an 8-bit cache under a half-precision q: the tiles' dots run in float16
+    SKIP_PREFIX: tl.constexpr,  # start each sequence's keys after its shared prefix (cascade: read once elsewhere)
 ):  # fmt: skip
     # The GPU starts programs in grid order, axis 0 fastest: a sequence's KV heads start side by side, and with
     # ORDERED the sequences start in order_ptr's order. Longest first, the short programs fill the SMs at the end
@@ -134,6 +136,8 @@ def paged_decode_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     start = split * split_len
+    if SKIP_PREFIX:
+        start += tl.load(prefix_lens_ptr + seq)
     end = tl.minimum(seqlen, start + split_len)
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)  # logical token positions of this tile
@@ -196,6 +200,86 @@ def merge_splits_kernel(
         out.to(out_ptr.dtype.element_ty),
         mask=dim_ok,
     )
+
+
+@triton.jit(do_not_specialize=["batch", "stride_bt", "stride_ob", "stride_os", "stride_lb", "stride_ls"])
+def shared_prefix_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, prefix_lens_ptr, out_ptr, lse_ptr,
+    qk_scale,  # softmax_scale * log2(e)
+    batch,
+    stride_bt,  # block_table (B, max_blocks)
+    stride_qb, stride_qm, stride_qh,  # q (B, Lq, H, D)
+    stride_kblock, stride_kslot, stride_kh,  # caches (num_blocks, block_size, Hk, D)
+    stride_ob, stride_os, stride_om, stride_oh,  # out (B, S, Lq, H, D) float32: this kernel's splits come first
+    stride_lb, stride_ls, stride_lm,  # lse (B, S, Lq, H) float32, base 2
+    LEN_Q: tl.constexpr, GROUP: tl.constexpr, SEQS: tl.constexpr, BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr, WIDE_F16: tl.constexpr,
+):  # fmt: skip
+    """Cascade attention's first pass: the keys that many sequences share (a system prompt's blocks), read once for
+    SEQS sequences at a time instead of once per sequence.
+
+    prefix_lens (B,): P for each sequence whose first P tokens are the shared prefix, 0 for the others. One
+    program: SEQS sequences' queries for one KV head (rows: sequence, query token, query head of the group),
+    against one split of the P prefix keys, found through the block table of the first sequence that has them.
+    Every query sees every prefix key (they precede it), so the only mask is the prefix's end (and rows without the
+    prefix, which see nothing). Writes a partial output and its log-sum-exp per split, as paged_decode_kernel's
+    splits, for merge_splits_kernel (0 and -inf for a row that saw no key).
+    """
+    kv_head = tl.program_id(0)
+    tile = tl.program_id(1)
+    split = tl.program_id(2)
+    # P and the first sequence with the prefix, from prefix_lens (a few hundred ints: cheaper than a second input)
+    prefix_len = tl.full([], 0, tl.int32)
+    owner = tl.full([], 0, tl.int32) + batch
+    for i in range(0, batch, 128):
+        index = i + tl.arange(0, 128)
+        lens = tl.load(prefix_lens_ptr + index, mask=index < batch, other=0)
+        prefix_len = tl.maximum(prefix_len, tl.max(lens, 0))
+        owner = tl.minimum(owner, tl.min(tl.where(lens > 0, index, batch), 0))
+    split_len = (prefix_len + tl.num_programs(2) * BLOCK_N - 1) // (tl.num_programs(2) * BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(prefix_len, start + split_len)
+
+    rows = tl.arange(0, BLOCK_M)
+    seq = tile * SEQS + rows // (LEN_Q * GROUP)
+    q_idx = rows % (LEN_Q * GROUP) // GROUP
+    head = kv_head * GROUP + rows % GROUP
+    row_ok = (rows < SEQS * LEN_Q * GROUP) & (seq < batch)
+    shares = tl.load(prefix_lens_ptr + seq, mask=row_ok, other=0) > 0  # (BLOCK_M,) the row's sequence has it
+    dims = tl.arange(0, BLOCK_D)
+    dim_ok = dims < HEAD_DIM
+    q = tl.load(
+        q_ptr + seq[:, None] * stride_qb + q_idx[:, None] * stride_qm + head[:, None] * stride_qh + dims[None, :],
+        mask=row_ok[:, None] & dim_ok[None, :],
+        other=0.0,
+    )  # (BLOCK_M, BLOCK_D)
+    if UPCAST:
+        q = q.to(tl.float32)
+    elif WIDE_F16:  # (see paged_decode_kernel)
+        q = (q.to(tl.float32) * qk_scale).to(tl.float16)
+        qk_scale = 1.0
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + tl.arange(0, BLOCK_N)
+        pos_ok = pos < end
+        block = tl.load(block_table_ptr + owner * stride_bt + pos // PAGE, mask=pos_ok, other=0).to(tl.int64)
+        row_off = block * stride_kblock + (pos % PAGE) * stride_kslot + kv_head * stride_kh  # (BLOCK_N,)
+        kv_mask = pos_ok[:, None] & dim_ok[None, :]
+        k = tl.load(k_cache_ptr + row_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
+        v = tl.load(v_cache_ptr + row_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        visible = shares[:, None] & pos_ok[None, :]  # (BLOCK_M, BLOCK_N)
+        m_i, l_i, acc = _attend_tile(q, k, v, visible, qk_scale, m_i, l_i, acc, PRECISION)
+
+    seen = l_i > 0.0  # False for a split past the prefix's end, or a row without it
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    out_rows = seq * stride_ob + split * stride_os + q_idx * stride_om + head * stride_oh  # (BLOCK_M,)
+    tl.store(out_ptr + out_rows[:, None] + dims[None, :], out, mask=row_ok[:, None] & dim_ok[None, :])
+    lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))  # (BLOCK_M,)
+    tl.store(lse_ptr + seq * stride_lb + split * stride_ls + q_idx * stride_lm + head, lse, mask=row_ok)
 
 
 @triton.jit
@@ -353,6 +437,10 @@ def _num_sms(device: torch.device) -> int:
 # registers x 128 threads and 39 KB of shared memory, so four fit in an SM's 64K registers (benchmarks/kernel_bench.py
 # --compare prints what the GPU's own compile takes; benchmarks/results/kernels_compare_h200.md).
 DECODE_PROGRAMS_PER_SM = 4
+# Cascade attention's shared-prefix pass (shared_prefix_kernel): query rows per program (sequences x query tokens x
+# the GQA group's heads), and at most this many splits of the prefix, chosen so that its programs fill the SMs once
+PREFIX_ROWS = 64
+MAX_PREFIX_SPLITS = 16
 
 
 def choose_num_splits(
@@ -414,6 +502,7 @@ def paged_decode_attention(
     causal: bool = True,
     num_splits: int = 0,
     scheduler_metadata: torch.Tensor | None = None,
+    shared_prefix_lens: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q: (B, Lq, H, D); caches: (num_blocks, block_size, Hk, D); cache_seqlens: (B,). -> (B, Lq, H, D).
 
@@ -421,6 +510,13 @@ def paged_decode_attention(
     scheduler_metadata: (B,) int, a permutation of the batch: the order in which the sequences' programs start
     (`decode_schedule(cache_seqlens)`: longest context first). Computed once per step and shared by the layers,
     as flash-attn 3's `scheduler_metadata`; it changes the speed, never the result. None: batch order.
+    shared_prefix_lens: (B,) int32: cascade attention (vLLM's name for it; FlashInfer's "cascade inference").
+    P for each sequence whose first P keys are one shared run of cached tokens (the same blocks in its block table
+    as in the others': a system prompt the prefix cache shares), 0 for the others; P must not pass any of those
+    sequences' first query. `shared_prefix_kernel` reads those keys once for up to PREFIX_ROWS query rows at a
+    time, this kernel each sequence's keys after them, and the merge joins the two by their log-sum-exps: the same
+    result, with the prefix's bytes read about B / 32 times fewer (Qwen3-0.6B's GQA). A tensor, so that a CUDA
+    graph replays it with each step's values (all 0: no shared prefix; the passes still run).
     """
     batch, len_q, num_heads, head_dim = q.shape
     page, num_kv_heads = k_cache.shape[1], k_cache.shape[2]  # (num_blocks, block_size, Hk, D)
@@ -441,11 +537,44 @@ def paged_decode_attention(
     num_splits = triton.cdiv(max_context, split_len)
 
     out = torch.empty_like(q)  # (B, Lq, H, D)
-    if num_splits == 1:
-        partial = out.unsqueeze(1)  # (B, 1, Lq, H, D): the one split writes the answer directly
+    cascade = shared_prefix_lens is not None
+    if cascade:
+        prefix = shared_prefix_lens
+        if prefix.shape != (batch,) or prefix.dtype != torch.int32 or prefix.device != q.device:
+            raise ValueError(
+                f"shared_prefix_lens must be ({batch},) int32 on {q.device}, got {tuple(prefix.shape)} "
+                f"{prefix.dtype} on {prefix.device}"
+            )
+        seqs_per_tile = max(1, PREFIX_ROWS // (len_q * group))
+        tiles = triton.cdiv(batch, seqs_per_tile)
+        prefix_splits = max(1, min(_num_sms(q.device) // (tiles * num_kv_heads), MAX_PREFIX_SPLITS))
     else:
-        partial = torch.empty(batch, num_splits, len_q, num_heads, head_dim, device=q.device, dtype=torch.float32)
-    lse = torch.empty(batch, num_splits, len_q, num_heads, device=q.device, dtype=torch.float32)
+        prefix_splits = 0
+    if num_splits == 1 and not cascade:
+        partial = out.unsqueeze(1)  # (B, 1, Lq, H, D): the one split writes the answer directly
+    else:  # (B, S, Lq, H, D): the shared prefix's splits first, then each sequence's own
+        partial = torch.empty(
+            batch, prefix_splits + num_splits, len_q, num_heads, head_dim, device=q.device, dtype=torch.float32
+        )
+    lse = torch.empty(batch, prefix_splits + num_splits, len_q, num_heads, device=q.device, dtype=torch.float32)
+    wide_f16 = eight_bit and not upcast and q.dtype in (torch.bfloat16, torch.float16)
+    if cascade:
+        shared_prefix_kernel[(num_kv_heads, tiles, prefix_splits)](
+            q, k_cache, v_cache, block_table, shared_prefix_lens, partial, lse,
+            scale * LOG2E,
+            batch,
+            block_table.stride(0),
+            q.stride(0), q.stride(1), q.stride(2),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            partial.stride(0), partial.stride(1), partial.stride(2), partial.stride(3),
+            lse.stride(0), lse.stride(1), lse.stride(2),
+            LEN_Q=len_q, GROUP=group, SEQS=seqs_per_tile,
+            BLOCK_M=max(16, triton.next_power_of_2(seqs_per_tile * len_q * group)),
+            HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), PAGE=page, BLOCK_N=block_n,
+            UPCAST=upcast, PRECISION=precision, WIDE_F16=wide_f16,
+            num_warps=launch.num_warps, num_stages=launch.num_stages,
+        )  # fmt: skip
+    suffix, suffix_lse = partial[:, prefix_splits:], lse[:, prefix_splits:]  # (views: each sequence's own splits)
     ordered = scheduler_metadata is not None
     if ordered and (
         scheduler_metadata.shape != (batch,)
@@ -458,22 +587,22 @@ def paged_decode_attention(
             f"{scheduler_metadata.device}"
         )
     paged_decode_kernel[(num_kv_heads, batch, num_splits)](
-        q, k_cache, v_cache, block_table, cache_seqlens, partial, lse,
+        q, k_cache, v_cache, block_table, cache_seqlens, suffix, suffix_lse,
         scheduler_metadata if ordered else cache_seqlens,  # (never read without ORDERED)
+        shared_prefix_lens if cascade else cache_seqlens,  # (never read without SKIP_PREFIX)
         scale * LOG2E,
         q.stride(0), q.stride(1), q.stride(2),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         block_table.stride(0),
-        partial.stride(0), partial.stride(1), partial.stride(2), partial.stride(3),
-        lse.stride(0), lse.stride(1), lse.stride(2),
+        suffix.stride(0), suffix.stride(1), suffix.stride(2), suffix.stride(3),
+        suffix_lse.stride(0), suffix_lse.stride(1), suffix_lse.stride(2),
         split_len,
         LEN_Q=len_q, GROUP=group, BLOCK_M=max(16, triton.next_power_of_2(len_q * group)),
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), PAGE=page, BLOCK_N=block_n,
-        CAUSAL=causal, UPCAST=upcast, PRECISION=precision, ORDERED=ordered,
-        WIDE_F16=eight_bit and not upcast and q.dtype in (torch.bfloat16, torch.float16),
+        CAUSAL=causal, UPCAST=upcast, PRECISION=precision, ORDERED=ordered, WIDE_F16=wide_f16, SKIP_PREFIX=cascade,
         num_warps=launch.num_warps, num_stages=launch.num_stages,
     )  # fmt: skip
-    if num_splits > 1:
+    if partial.shape[1] > 1:
         seam("merge_splits", merge_splits)(partial, lse, out)
     return out
 

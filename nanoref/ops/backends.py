@@ -57,6 +57,9 @@ class AttentionBackend:
     # (cache_seqlens) -> decode's `scheduler_metadata`, made once per decode step and passed to every layer's decode
     # (Triton: the sequences longest context first). None: decode takes no scheduler_metadata
     decode_schedule: Callable[[torch.Tensor], torch.Tensor] | None = None
+    # decode takes `shared_prefix_lens` (B,) int32: per sequence, the leading tokens it reads from the same cache
+    # blocks as the others, read once for many sequences (cascade attention; Triton's). False: never passed
+    decode_shared_prefix: bool = False
 
 
 def use_backend(model: torch.nn.Module, backend: AttentionBackend) -> None:
@@ -82,6 +85,7 @@ def _triton_backend() -> AttentionBackend:
         varlen=attention_triton.varlen_attention,
         decode=attention_triton.paged_decode_attention,
         decode_schedule=attention_triton.decode_schedule,
+        decode_shared_prefix=True,
     )
 
 
@@ -153,6 +157,7 @@ def _flash_attn_triton_backend() -> AttentionBackend:
         varlen=varlen,
         decode=triton.decode,
         decode_schedule=triton.decode_schedule,
+        decode_shared_prefix=True,
     )
 
 

@@ -35,6 +35,10 @@ class Context:
     # decode: the backend's `scheduler_metadata` (Triton: the order its programs take the sequences), made from
     # context_lens by the first attention layer of the step and shared by the others (layers/attention.py)
     scheduler_metadata: torch.Tensor | None = None
+    # decode: (num_seqs,) int32, per sequence the leading tokens it reads from the same cache blocks as the others
+    # (a shared system prompt; 0: none), which attention then reads once for many sequences (cascade attention);
+    # None: no such prefix this step
+    shared_prefix_lens: torch.Tensor | None = None
     # prefill: the LM head makes logits for every token, not only each sequence's last (a speculative verify step
     # checks every proposed token: nanoref/speculative/)
     all_logits: bool = False

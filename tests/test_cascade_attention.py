@@ -1,0 +1,130 @@
+"""Cascade attention: decode over a prefix that many sequences share, read once for many of them
+(`paged_decode_attention(..., shared_prefix_lens=...)`), gives what plain decode gives, and the engine uses it where
+enough sequences share a long enough prefix (the Triton kernels under the interpreter on a CPU)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="Triton is not installed (Linux wheels only)")
+
+from nanoref.engine.step_inputs import CASCADE_MIN_PREFIX, CASCADE_MIN_SEQS, shared_prefix_lens  # noqa: E402
+from nanoref.ops import attention_torch, gather_paged  # noqa: E402
+from nanoref.ops.attention_triton import decode_schedule, paged_decode_attention  # noqa: E402
+from nanoref.ops.store_kvcache import to_cache_dtype  # noqa: E402
+
+from .helpers import TOL, PagedInputs, random_paged_decode  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def sharing_prefix(x: PagedInputs, prefix_blocks: int, rows: list[int] | None = None) -> PagedInputs:
+    """x with the first prefix_blocks blocks of the given sequences (default: all) made the same ones: the same
+    cached tokens (a shared prompt)."""
+    rows = list(range(len(x.k_lens))) if rows is None else rows
+    table = x.block_table.clone()
+    table[rows, :prefix_blocks] = table[rows[0], :prefix_blocks]
+    k_flat = torch.cat([gather_paged(x.k_cache, table[b], n) for b, n in enumerate(x.k_lens)])
+    v_flat = torch.cat([gather_paged(x.v_cache, table[b], n) for b, n in enumerate(x.k_lens)])
+    return replace(x, block_table=table, k_flat=k_flat, v_flat=v_flat)
+
+
+def prefix_lens(tokens: int, batch: int, rows: list[int] | None = None) -> torch.Tensor:
+    """(B,) int32: tokens for the given sequences (default: all), 0 for the others."""
+    lens = torch.zeros(batch, dtype=torch.int32)
+    lens[list(range(batch)) if rows is None else rows] = tokens
+    return lens.to(DEVICE)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,len_q", [(2, 2, 1), (4, 2, 1), (8, 2, 1), (4, 2, 3)])
+def test_decode_over_a_shared_prefix_matches_the_oracle_at_every_prefix_length(dtype, heads, kv_heads, len_q):
+    """P from 0 to the shortest sequence's first query: not a multiple of the block size, a whole block, all of
+    one sequence's history; split and unsplit; in batch order and longest first."""
+    g = torch.Generator().manual_seed(heads * 10 + len_q)
+    lens = [50, 83, 49, 120, 64]  # every sequence at least 49 tokens; the queries are each one's last len_q
+    x = sharing_prefix(random_paged_decode(lens, 16, heads, kv_heads, 32, dtype, g, len_q=len_q), 4).to(DEVICE)
+    args = (x.q, x.k_cache, x.v_cache, x.seqlens, x.block_table)
+    oracle = x.oracle().reshape(x.q.shape)  # (B, Lq, H, D)
+    for tokens in (0, 1, 16, 37, min(lens) - len_q):
+        for num_splits, order in ((1, None), (3, decode_schedule(x.seqlens))):
+            out = paged_decode_attention(
+                *args, num_splits=num_splits, scheduler_metadata=order, shared_prefix_lens=prefix_lens(tokens, 5)
+            )
+            assert out.shape == x.q.shape and out.dtype == dtype
+            torch.testing.assert_close(out.float(), oracle.float(), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rows", [[1, 3, 4], [0, 2]])
+def test_sequences_without_the_shared_prefix_decode_as_usual_beside_those_with_it(rows):
+    """Only some sequences share the prefix (the first not among them, or it is): each gets plain decode's answer."""
+    g = torch.Generator().manual_seed(len(rows))
+    x = sharing_prefix(random_paged_decode([40, 70, 35, 50, 66], 16, 4, 2, 32, torch.float32, g), 2, rows)
+    x = x.to(DEVICE)
+    out = paged_decode_attention(
+        x.q, x.k_cache, x.v_cache, x.seqlens, x.block_table, shared_prefix_lens=prefix_lens(30, 5, rows)
+    )
+    torch.testing.assert_close(out, x.oracle().reshape(x.q.shape), atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.slow
+def test_the_prefix_is_read_from_the_blocks_of_the_first_sequence_that_has_it():
+    """The contract the engine keeps: a sequence given P > 0 starts with the same blocks as the others given P. Break
+    it (sequence 2's first blocks its own) and sequence 2's answer changes while sequence 1's does not: so the
+    tests above would catch a kernel that read each sequence's own blocks or skipped the prefix pass."""
+    g = torch.Generator().manual_seed(5)
+    x = random_paged_decode([40, 40, 40], 16, 4, 2, 32, torch.float32, g).to(DEVICE)  # no blocks in common
+    args = (x.q, x.k_cache, x.v_cache, x.seqlens, x.block_table)
+    plain = paged_decode_attention(*args)
+    cascade = paged_decode_attention(*args, shared_prefix_lens=prefix_lens(32, 3, [1, 2]))
+    torch.testing.assert_close(cascade[:2], plain[:2], atol=2e-5, rtol=2e-5)  # 0: none; 1: the owner, its own
+    assert not torch.allclose(cascade[2], plain[2], atol=1e-3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cache_dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_decode_over_a_shared_prefix_in_an_8bit_cache_matches_plain_decode(cache_dtype):
+    g = torch.Generator().manual_seed(8)
+    x = sharing_prefix(random_paged_decode([70, 45, 90], 16, 4, 2, 32, torch.bfloat16, g), 3).to(DEVICE)
+    k_cache, v_cache = to_cache_dtype(x.k_cache, cache_dtype), to_cache_dtype(x.v_cache, cache_dtype)
+    args = (x.q, k_cache, v_cache, x.seqlens, x.block_table)
+    reference = attention_torch.paged_decode_attention(*args)
+    out = paged_decode_attention(*args, shared_prefix_lens=prefix_lens(40, 3))
+    torch.testing.assert_close(out.float(), reference.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_shared_prefix_lens_must_be_one_int32_per_sequence_on_qs_device():
+    g = torch.Generator().manual_seed(1)
+    x = random_paged_decode([20, 30], 16, 4, 2, 16, torch.float32, g).to(DEVICE)
+    args = (x.q, x.k_cache, x.v_cache, x.seqlens, x.block_table)
+    for wrong in (torch.tensor([4, 4], dtype=torch.int64), torch.tensor([4], dtype=torch.int32)):
+        with pytest.raises(ValueError, match=r"shared_prefix_lens must be \(2,\) int32"):
+            paged_decode_attention(*args, shared_prefix_lens=wrong.to(DEVICE))
+
+
+# -- the host's rule: how many tokens every sequence of a decode step shares ----------------------------------------
+
+
+def test_shared_prefix_lens_follow_the_most_common_first_block_and_stop_at_the_first_query():
+    page, rule = 16, dict(min_tokens=1, min_seqs=2)
+    tables = np.array([[7, 3, 9, 4], [7, 3, 9, 5], [7, 3, 8, -1], [6, 3, 9, 4]])
+    # rows 0-2 start with block 7 (row 3's 6 is another prompt): blocks 7 and 3 are all of theirs, 32 tokens
+    lens = shared_prefix_lens(tables, np.array([40, 50, 60, 70]), page, **rule)
+    assert lens.tolist() == [32, 32, 32, 0]
+    # a sharing sequence whose first query is at position 20 sees only 20 keys before it: the prefix stops there
+    assert shared_prefix_lens(tables, np.array([40, 20, 60, 70]), page, **rule).tolist() == [20, 20, 20, 0]
+    # (row 3's early query does not matter: it does not share)
+    assert shared_prefix_lens(tables, np.array([40, 50, 60, 5]), page, **rule).tolist() == [32, 32, 32, 0]
+    # no first block in common; padding (-1) is never a shared block
+    assert shared_prefix_lens(np.array([[1, 2], [3, 2]]), np.array([40, 40]), page, **rule) is None
+    assert shared_prefix_lens(np.array([[1, -1], [1, -1]]), np.array([40, 40]), page, **rule).tolist() == [16, 16]
+    # below the thresholds: None (too short a prefix, too few sequences sharing it)
+    assert shared_prefix_lens(tables, np.array([40, 50, 60, 70]), page, min_tokens=33, min_seqs=2) is None
+    assert shared_prefix_lens(tables, np.array([40, 50, 60, 70]), page, min_tokens=1, min_seqs=4) is None
+    assert (CASCADE_MIN_PREFIX, CASCADE_MIN_SEQS) == (256, 8)  # vLLM's thresholds for its cascade attention
