@@ -22,8 +22,9 @@ reports medians over every timed run.
 first: the element-wise layers and the sampler left uncompiled; then any of `peer` (Nano-vLLM's
 settings: 512 sequences, 16,384 batched tokens, max_model_len 4096), `overlap`/`plain`
 (overlap_scheduling True/False), `triton`/`flash`/`hybrid` (attention_backend "triton",
-"flash_attn", "flash_attn+triton"), `eager` (no CUDA graphs), `fp8` (kv_cache_dtype "fp8"), `blockN`
-(KV blocks of N tokens); other words only label the run; e.g. `nanoref-plain-flash`),
+"flash_attn", "flash_attn+triton"), `eager` (no CUDA graphs), `fp8` (kv_cache_dtype "fp8"), `nocascade`
+(disable_cascade_attn), `blockN` (KV blocks of N tokens); other words only label the run; e.g.
+`nanoref-plain-flash`),
 `nano-vllm` runs Nano-vLLM's, at its defaults. The engines named by --alternate run alternately,
 --rounds processes each; the others once. HF transformers `generate` runs a scaled-down subset
 (`--hf-seqs` prompts of the same distribution, seed 1000, `--hf-tokens` output tokens each, one padded
@@ -88,6 +89,7 @@ FLAGS = {  # nanoref engine names' flags -> LLM options (nanoref-FLAG-FLAG...)
     "hybrid": dict(attention_backend="flash_attn+triton"),
     "eager": dict(enforce_eager=True),  # no decode CUDA graphs
     "fp8": dict(kv_cache_dtype="fp8"),  # K/V stored as 8-bit floats (e4m3): half the bytes decode attention reads
+    "nocascade": dict(disable_cascade_attn=True),  # every sequence reads a shared prefix on its own
 }
 
 

@@ -128,3 +128,104 @@ def test_shared_prefix_lens_follow_the_most_common_first_block_and_stop_at_the_f
     assert shared_prefix_lens(tables, np.array([40, 50, 60, 70]), page, min_tokens=33, min_seqs=2) is None
     assert shared_prefix_lens(tables, np.array([40, 50, 60, 70]), page, min_tokens=1, min_seqs=4) is None
     assert (CASCADE_MIN_PREFIX, CASCADE_MIN_SEQS) == (256, 8)  # vLLM's thresholds for its cascade attention
+
+
+# -- the engine -----------------------------------------------------------------------------------------------------
+
+
+class CountingLaunches:
+    """Stands in for a Triton kernel, counting its launches."""
+
+    def __init__(self, kernel) -> None:
+        self.kernel, self.launches = kernel, 0
+
+    def __getitem__(self, grid):
+        self.launches += 1
+        return self.kernel[grid]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bucketed", [False, True])  # eager; padded to decode-graph buckets as graphs run them
+def test_the_engine_reads_a_shared_system_prompt_once_and_gives_hfs_greedy_tokens(tiny_model, monkeypatch, bucketed):
+    """Nine requests after one 272-token system prompt (the prefix cache gives them its blocks) beside one that does
+    not share it: decode runs cascade attention (its prefix pass launched) and every request gets HF's tokens; with
+    disable_cascade_attn the pass never runs and the tokens are the same."""
+    from nanoref import LLM, SamplingParams
+    from nanoref.cuda_graphs import enable_bucketed_decode
+    from nanoref.ops import attention_triton
+
+    from .helpers import hf_greedy, random_prompts, shared_prefix_prompts
+
+    system = shared_prefix_prompts(11, 272, [4])[0]
+    shared = shared_prefix_prompts(11, 272, [3, 5, 2, 6, 4, 7, 3, 5, 1])  # the same 272 tokens, then each its own
+    prompts = [*shared, random_prompts(seed=12, lengths=[290])[0]]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    spy = CountingLaunches(attention_triton.shared_prefix_kernel)
+    monkeypatch.setattr(attention_triton, "shared_prefix_kernel", spy)
+    outputs = {}
+    for disabled in (False, True):
+        llm = LLM(
+            tiny_model,
+            device=DEVICE,
+            dtype="float32",
+            attention_backend="triton",
+            enforce_eager=True,  # (on a GPU: every step launches its kernels, so the spy sees them)
+            num_kvcache_blocks=256,  # (two engines in one process: on a GPU the first would hold 90% of its memory)
+            disable_cascade_attn=disabled,
+        )
+        if bucketed:
+            enable_bucketed_decode(llm.model_runner)
+        llm.generate([system], params, use_tqdm=False)  # its blocks now in the prefix cache
+        launches = spy.launches
+        outputs[disabled] = [out["token_ids"] for out in llm.generate(prompts, params, use_tqdm=False)]
+        assert (spy.launches > launches) == (not disabled), "cascade attention ran" if disabled else "did not run"
+        assert llm.scheduler.block_manager.num_hit_blocks >= 9 * 17  # 272 tokens: 17 blocks of 16 per request
+    assert outputs[False] == outputs[True]
+    for i, (prompt, tokens) in enumerate(zip(prompts, outputs[False])):
+        assert tokens == hf_greedy(tiny_model, prompt, params.max_tokens), f"prompt {i} differs from HF"
+
+
+class CountedReplays:
+    """Stands in for a CUDA graph, noting each replay's bucket."""
+
+    def __init__(self, graph, size: int, replays: list[int]) -> None:
+        self.graph, self.size, self.replays = graph, size, replays
+
+    def replay(self) -> None:
+        self.replays.append(self.size)
+        self.graph.replay()
+
+
+@pytest.mark.gpu
+def test_gpu_decode_graphs_replay_the_cascade_kind_over_a_shared_prompt_and_give_the_same_tokens(tiny_model):
+    """With CUDA graphs: a second graph per bucket of 8+ sequences, replayed for steps over a shared prefix; the
+    tokens are those of an engine without cascade attention (and HF's)."""
+    from nanoref import LLM, SamplingParams
+
+    from .helpers import hf_greedy, shared_prefix_prompts
+
+    system = shared_prefix_prompts(21, 300, [4])[0]
+    prompts = shared_prefix_prompts(21, 300, [3, 5, 2, 6, 4, 7, 3, 5, 1, 8, 2, 4])
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    outputs = {}
+    for disabled in (False, True):
+        llm = LLM(
+            tiny_model,
+            device="cuda",
+            dtype="float32",
+            attention_backend="triton",
+            num_kvcache_blocks=256,  # (two engines in one process: the first must leave the second memory)
+            disable_cascade_attn=disabled,
+        )
+        graphs = llm.model_runner.decode_graphs
+        assert graphs is not None and bool(graphs.cascade_graphs) == (not disabled)
+        assert min(graphs.cascade_graphs, default=8) == 8  # (buckets of fewer sequences never share: no graph)
+        replays: list[int] = []
+        for size, graph in list(graphs.cascade_graphs.items()):
+            graphs.cascade_graphs[size] = CountedReplays(graph, size, replays)
+        llm.generate([system], params, use_tqdm=False)
+        outputs[disabled] = [out["token_ids"] for out in llm.generate(prompts, params, use_tqdm=False)]
+        assert bool(replays) == (not disabled) and set(replays) <= {16}, replays  # 12 sequences: bucket 16
+    assert outputs[False] == outputs[True]
+    for i, (prompt, tokens) in enumerate(zip(prompts, outputs[False])):
+        assert tokens == hf_greedy(tiny_model, prompt, params.max_tokens), f"prompt {i} differs from HF"
