@@ -310,6 +310,68 @@ def time_mixed_decode(copy_tbps: float, baseline_path: Path | None) -> list[dict
     return rows
 
 
+def with_prefix_rows(rows: int, fn):
+    """fn() with the cascade prefix pass's tile at `rows` query rows."""
+    saved, tri.PREFIX_ROWS = tri.PREFIX_ROWS, rows
+    try:
+        return fn()
+    finally:
+        tri.PREFIX_ROWS = saved
+
+
+def time_cascade_decode(copy_tbps: float, prefix: int = 1024) -> list[dict]:
+    """Decode where every sequence starts with the same `prefix` cached tokens (a system prompt the prefix cache
+    shares: the same blocks in every table) and then has 101-2,048 of its own: plain decode (each sequence reads the
+    prefix, mostly from the L2 cache after the first), cascade attention (`shared_prefix_lens`: the prefix read once
+    per 64 query rows), plain decode over the sequences' own tokens alone (what the prefix costs on top), and
+    flash-attn beside. Checked against the torch reference first."""
+    try:
+        from flash_attn import flash_attn_with_kvcache
+    except ImportError:
+        flash_attn_with_kvcache = None
+    rows = []
+    for batch, block_size in itertools.product((256, 128, 64, 16, 8), (16, 256)):
+        own = torch.randint(101, 2049, (batch,), generator=torch.Generator().manual_seed(batch))
+        q, k_cache, v_cache, table, seqlens = mixed_problem(batch, own + prefix, block_size, HEADS)
+        shared_blocks = prefix // block_size
+        table[:, :shared_blocks] = table[0, :shared_blocks]  # every sequence's prefix in row 0's blocks
+        prefix_lens = torch.full((batch,), prefix, dtype=torch.int32, device="cuda")
+        order = tri.decode_schedule(seqlens)
+        expected = attention_torch.paged_decode_attention(q, k_cache, v_cache, seqlens, table)
+        got = tri.paged_decode_attention(
+            q, k_cache, v_cache, seqlens, table, scheduler_metadata=order, shared_prefix_lens=prefix_lens
+        )
+        torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=2e-2)
+        own_table = table[:, shared_blocks:].contiguous()  # the sequences' own tokens as if they had no prefix
+        own_lens = seqlens - prefix
+        decode = functools.partial(tri.paged_decode_attention, q, k_cache, v_cache)
+        methods = {
+            "plain": functools.partial(decode, seqlens, table, scheduler_metadata=order),
+            "cascade": functools.partial(
+                decode, seqlens, table, scheduler_metadata=order, shared_prefix_lens=prefix_lens
+            ),
+            "own tokens only": functools.partial(
+                decode, own_lens, own_table, scheduler_metadata=tri.decode_schedule(own_lens)
+            ),
+        }
+        methods["cascade, 128 query rows a prefix program"] = functools.partial(
+            with_prefix_rows, 128, methods["cascade"]
+        )  # (PREFIX_ROWS: the prefix pass's tile height)
+        if flash_attn_with_kvcache is not None and block_size % 256 == 0:
+            methods["flash-attn"] = functools.partial(
+                flash_attn_with_kvcache, q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table, causal=True
+            )
+        own_bytes = 2 * int(own.sum()) * ROW_BYTES  # the K/V only one sequence reads
+        for method, fn in methods.items():
+            ms = bench(fn)
+            rows.append(dict(batch=batch, block=block_size, method=method, us=ms * 1e3,
+                             own_TBps=own_bytes / ms / 1e9))  # fmt: skip
+            print(f"  batch {batch} block {block_size} {method}: {ms * 1e3:.1f} us")
+        del q, k_cache, v_cache, table, decode, methods
+        torch.cuda.empty_cache()
+    return rows
+
+
 def sweep_decode_launch() -> None:
     """Try tile settings at the headline shapes; keep the best for the timings that follow."""
     candidates = [
@@ -709,6 +771,12 @@ def main() -> None:
         help="only time decode over mixed contexts, in batch order and longest first (+ OUT.json)",
     )
     parser.add_argument("--baseline", type=Path, metavar="OLD.py", help="with --mixed: an older kernel beside")
+    parser.add_argument(
+        "--cascade",
+        type=Path,
+        metavar="OUT.md",
+        help="only time decode over a 1,024-token prefix every sequence shares: plain, cascade attention (+ OUT.json)",
+    )
     args = parser.parse_args()
     if args.plot:
         plot(args.plot, args.figure)
@@ -718,6 +786,21 @@ def main() -> None:
         sys.exit("benchmarks/kernel_bench.py needs a CUDA GPU (on a CPU the tests check the kernels, interpreted)")
     if args.compare:
         compare(args.compare, args.out)
+        return
+    if args.cascade:
+        copy_tbps = copy_bandwidth()
+        rows = time_cascade_decode(copy_tbps)
+        text = (f"# Paged decode over a shared prefix ({torch.cuda.get_device_name()}, {time.strftime('%Y-%m-%d')})\n\n"
+                f"Copy bandwidth {copy_tbps:.2f} TB/s. Every sequence: the same 1,024 cached tokens (the same blocks), "
+                f"then 101-2,048 of its own; 16 query heads, 8 KV heads, head_dim 128, bf16; own_TBps: the K/V of the "
+                f"sequences' own tokens over the time.\n\n"
+                + markdown_table(rows, dict(us="{:.1f}", own_TBps="{:.2f}")))  # fmt: skip
+        print("\n" + text)
+        args.cascade.parent.mkdir(parents=True, exist_ok=True)
+        args.cascade.write_text(text)
+        args.cascade.with_suffix(".json").write_text(json.dumps(dict(
+            machine=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), copy_TBps=copy_tbps, rows=rows
+        ), indent=1) + "\n")  # fmt: skip
         return
     if args.mixed:
         copy_tbps = copy_bandwidth()

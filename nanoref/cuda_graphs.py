@@ -7,8 +7,9 @@ B..S-1 are padding that the kernels process harmlessly (slot -1 stores nothing, 
 
 Attached by `nanoref/llm.py` as the model runner's `decode_graphs`; the runner asks `covers(batch)` and then
 `run(...)`. Where the runner reads a prefix that many sequences share once (cascade attention: `Context.
-shared_prefix_lens`), a second graph per bucket of at least CASCADE_MIN_SEQS sequences records that step's kernels,
-the prefix lengths in one more static buffer (0 in padding rows); a step replays the graph of its kind.
+shared_prefix_lens`), a second graph records such a step's kernels, the prefix lengths in one more static buffer
+(0 in padding rows), for every CASCADE_BUCKET_STEP-th bucket of at least CASCADE_MIN_SEQS sequences (each graph is
+a capture while the engine is built; a batch pads up to the next of those); a step replays the graph of its kind.
 `DecodeGraphs(runner, record=False)` (`enable_bucketed_decode`) runs the same padded buckets eagerly,
 on a machine without graphs (a CPU): for teaching and tests.
 """
@@ -28,6 +29,7 @@ from nanoref.utils.seams import seam
 from nanoref.utils.tracing import tracing_enabled
 
 STATIC_INPUTS = ("input_ids", "positions", "slot_mapping", "context_lens", "block_tables")
+CASCADE_BUCKET_STEP = 64  # graphs of steps over a shared prefix: for buckets of 64, 128, ... sequences (and the last)
 
 
 def pad_decode_batch(
@@ -85,7 +87,13 @@ class DecodeGraphs:
             self.buffers = self.make_buffers(tokens, rows, width, config, device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.cascade_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # (bucket: steps over a shared prefix)
-        self.cascade = getattr(runner, "cascade", False)
+        self.cascade_buckets = [  # (fewer sequences never share a prefix: engine/step_inputs.py)
+            size
+            for size in self.buckets
+            if getattr(runner, "cascade", False)
+            and size >= CASCADE_MIN_SEQS
+            and (size % CASCADE_BUCKET_STEP == 0 or size == self.buckets[-1])
+        ]
         if record:
             self.capture(device)
 
@@ -109,7 +117,7 @@ class DecodeGraphs:
         with garbage_collected_first():
             for size in reversed(self.buckets):
                 kinds = [(self.graphs, None)]
-                if self.cascade and size >= CASCADE_MIN_SEQS:  # (fewer sequences never share a prefix: step_inputs)
+                if size in self.cascade_buckets:
                     kinds.append((self.cascade_graphs, b["shared_prefix_lens"][:size]))
                 for graphs, prefix_lens in kinds:
                     graphs[size] = graph = torch.cuda.CUDAGraph()
@@ -141,15 +149,18 @@ class DecodeGraphs:
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """A decode step's (B,) inputs ((B * query_len,) for a verify step; its Context already published) ->
         logits (B, vocab) ((B * query_len, vocab))."""
-        tokens = input_ids.shape[0]
-        bucket = next(size for size in self.buckets if size * self.query_len >= tokens)
-        context = get_context()
+        tokens, context = input_ids.shape[0], get_context()
+        prefixes = context.shared_prefix_lens
+        buckets = self.buckets if prefixes is None else self.cascade_buckets
+        bucket = next((size for size in buckets if size * self.query_len >= tokens), None)
+        if bucket is None:  # no graph of a step over a shared prefix this large: the plain step (the same result)
+            bucket, prefixes = next(size for size in self.buckets if size * self.query_len >= tokens), None
         rows = {"context_lens": bucket, "block_tables": bucket}  # per sequence; the others per token
         static = {name: self.buffers[name][: rows.get(name, bucket * self.query_len)] for name in STATIC_INPUTS}
         seam("pad_decode_batch", pad_decode_batch)(
             static, input_ids, positions, context.slot_mapping, context.context_lens, context.block_tables
         )
-        hidden, prefixes = self.buffers["hidden"], context.shared_prefix_lens
+        hidden = self.buffers["hidden"]
         if prefixes is not None:  # (only set where the runner reads shared prefixes, for enough sequences)
             static_prefixes = self.buffers["shared_prefix_lens"][:bucket]
             static_prefixes[: len(prefixes)] = prefixes
