@@ -64,6 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="auto (the model's dtype), fp8 (= fp8_e4m3) or fp8_e5m2: K/V stored as 8-bit floats, half the memory",
     )
+    engine.add_argument(
+        "--disable-cascade-attn",
+        action="store_true",
+        help="read a prefix that many requests share (a system prompt) once per sequence, not once for many",
+    )
     lora = parser.add_argument_group("LoRA adapters")
     lora.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (PEFT folders) per request")
     lora.add_argument(
@@ -144,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
         "dtype": args.dtype,
         "attention_backend": args.attention_backend,
         "kv_cache_dtype": args.kv_cache_dtype,
+        "disable_cascade_attn": args.disable_cascade_attn,
         **({"max_num_seqs": args.max_num_seqs} if args.max_num_seqs is not None else {}),
         **({"num_kvcache_blocks": args.num_kvcache_blocks} if args.num_kvcache_blocks is not None else {}),
     }

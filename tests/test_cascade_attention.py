@@ -233,3 +233,40 @@ def test_gpu_decode_graphs_replay_the_cascade_kind_over_a_shared_prompt_and_give
     assert outputs[False] == outputs[True]
     for i, (prompt, tokens) in enumerate(zip(prompts, outputs[False])):
         assert tokens == hf_greedy(tiny_model, prompt, params.max_tokens), f"prompt {i} differs from HF"
+
+
+# -- settings -------------------------------------------------------------------------------------------------------
+
+
+def test_disable_cascade_attn_is_a_bool(tiny_model):
+    from nanoref.config import EngineConfig
+
+    with pytest.raises(ValueError, match="disable_cascade_attn must be True or False, got 'yes'"):
+        EngineConfig(tiny_model, device="cpu", disable_cascade_attn="yes")
+
+
+def test_the_serve_command_passes_disable_cascade_attn(monkeypatch):
+    pytest.importorskip("fastapi", reason="the server needs fastapi")
+    from nanoref.serve import main
+    from nanoref.serving.async_llm import AsyncLLM
+
+    seen = {}
+
+    def capture(model, **settings):
+        seen.update(settings)
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(AsyncLLM, "from_model", capture)
+    assert main(["--device", "cpu", "--port", "0", "--disable-cascade-attn"]) == 2
+    assert seen["disable_cascade_attn"] is True
+    assert main(["--device", "cpu", "--port", "0"]) == 2
+    assert seen["disable_cascade_attn"] is False
+
+
+def test_only_backends_whose_decode_reads_a_shared_prefix_once_get_one(tiny_model):
+    """The runner computes shared prefixes only where the backend's decode takes them and they are not disabled."""
+    from nanoref import LLM
+
+    for backend, disabled, expected in (("triton", False, True), ("triton", True, False), ("torch", False, False)):
+        llm = LLM(tiny_model, device="cpu", attention_backend=backend, disable_cascade_attn=disabled)
+        assert llm.model_runner.cascade is expected, (backend, disabled)
