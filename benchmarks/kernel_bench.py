@@ -684,6 +684,17 @@ Time (us) at each split count:
 # -- 4. report ------------------------------------------------------------------------------------
 
 
+def write_tables(out: Path, title: str, about: str, rows: list[dict], fmt: dict, copy_tbps: float) -> None:
+    """A timing mode's results: OUT.md (title, what was timed, the table) and OUT.json beside it; printed too."""
+    machine, date = torch.cuda.get_device_name(), time.strftime("%Y-%m-%d")
+    text = f"# {title} ({machine}, {date})\n\n{about}\n\n" + markdown_table(rows, fmt)
+    print("\n" + text)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    record = dict(machine=machine, date=date, copy_TBps=copy_tbps, rows=rows)
+    out.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
+
+
 def markdown_table(rows: list[dict], fmt: dict) -> str:
     keys = list(rows[0])
     lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
@@ -787,34 +798,19 @@ def main() -> None:
     if args.compare:
         compare(args.compare, args.out)
         return
-    if args.cascade:
+    if args.cascade or args.mixed:
         copy_tbps = copy_bandwidth()
-        rows = time_cascade_decode(copy_tbps)
-        text = (f"# Paged decode over a shared prefix ({torch.cuda.get_device_name()}, {time.strftime('%Y-%m-%d')})\n\n"
-                f"Copy bandwidth {copy_tbps:.2f} TB/s. Every sequence: the same 1,024 cached tokens (the same blocks), "
-                f"then 101-2,048 of its own; 16 query heads, 8 KV heads, head_dim 128, bf16; own_TBps: the K/V of the "
-                f"sequences' own tokens over the time.\n\n"
-                + markdown_table(rows, dict(us="{:.1f}", own_TBps="{:.2f}")))  # fmt: skip
-        print("\n" + text)
-        args.cascade.parent.mkdir(parents=True, exist_ok=True)
-        args.cascade.write_text(text)
-        args.cascade.with_suffix(".json").write_text(json.dumps(dict(
-            machine=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), copy_TBps=copy_tbps, rows=rows
-        ), indent=1) + "\n")  # fmt: skip
-        return
-    if args.mixed:
-        copy_tbps = copy_bandwidth()
-        rows = time_mixed_decode(copy_tbps, args.baseline)
-        text = (f"# Paged decode over mixed contexts ({torch.cuda.get_device_name()}, {time.strftime('%Y-%m-%d')})\n\n"
-                f"Copy bandwidth {copy_tbps:.2f} TB/s. Contexts drawn uniformly from 101-2,048 tokens; 8 KV heads, "
-                f"head_dim 128, bf16; TB/s of K/V read.\n\n"
-                + markdown_table(rows, dict(us="{:.1f}", TBps="{:.2f}", of_copy="{:.0%}")))  # fmt: skip
-        print("\n" + text)
-        args.mixed.parent.mkdir(parents=True, exist_ok=True)
-        args.mixed.write_text(text)
-        args.mixed.with_suffix(".json").write_text(json.dumps(dict(
-            machine=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), copy_TBps=copy_tbps, rows=rows
-        ), indent=1) + "\n")  # fmt: skip
+        if args.cascade:
+            title, out = "Paged decode over a shared prefix", args.cascade
+            rows, fmt = time_cascade_decode(copy_tbps), dict(us="{:.1f}", own_TBps="{:.2f}")
+            about = ("Every sequence: the same 1,024 cached tokens (the same blocks), then 101-2,048 of its own; 16 "
+                     "query heads, 8 KV heads, head_dim 128, bf16; own_TBps: the K/V of the sequences' own tokens "
+                     "over the time.")  # fmt: skip
+        else:
+            title, out = "Paged decode over mixed contexts", args.mixed
+            rows, fmt = time_mixed_decode(copy_tbps, args.baseline), dict(us="{:.1f}", TBps="{:.2f}", of_copy="{:.0%}")
+            about = "Contexts drawn uniformly from 101-2,048 tokens; 8 KV heads, head_dim 128, bf16; TB/s of K/V read."
+        write_tables(out, title, f"Copy bandwidth {copy_tbps:.2f} TB/s. {about}", rows, fmt, copy_tbps)
         return
     import triton
 

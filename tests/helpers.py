@@ -197,6 +197,24 @@ def cached_prompt(manager, tokens: list[int], *, release: bool = False):
     return seq
 
 
+def serve_settings(monkeypatch, argv: list[str]) -> dict:
+    """The engine settings `python -m nanoref.serve --device cpu --port 0 ARGV` builds its engine with (stopped just
+    before the engine loads: the command then exits with 2)."""
+    from nanoref.serve import main
+    from nanoref.serving.async_llm import AsyncLLM
+
+    seen: dict = {}
+
+    def capture(model, **settings):
+        seen.update(settings)
+        raise ValueError("stop here")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(AsyncLLM, "from_model", capture)
+        assert main(["--device", "cpu", "--port", "0", *argv]) == 2
+    return seen
+
+
 def listening_sockets() -> set[tuple[str, str]]:
     """This process's listening TCP sockets, as (local address, port) in /proc/net's hex: the sockets among this
     process's file descriptors (/proc/self/fd) whose inode /proc/net/tcp{,6} lists in state LISTEN (0A). Linux."""

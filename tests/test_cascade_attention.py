@@ -247,20 +247,10 @@ def test_disable_cascade_attn_is_a_bool(tiny_model):
 
 def test_the_serve_command_passes_disable_cascade_attn(monkeypatch):
     pytest.importorskip("fastapi", reason="the server needs fastapi")
-    from nanoref.serve import main
-    from nanoref.serving.async_llm import AsyncLLM
+    from .helpers import serve_settings
 
-    seen = {}
-
-    def capture(model, **settings):
-        seen.update(settings)
-        raise ValueError("stop here")
-
-    monkeypatch.setattr(AsyncLLM, "from_model", capture)
-    assert main(["--device", "cpu", "--port", "0", "--disable-cascade-attn"]) == 2
-    assert seen["disable_cascade_attn"] is True
-    assert main(["--device", "cpu", "--port", "0"]) == 2
-    assert seen["disable_cascade_attn"] is False
+    assert serve_settings(monkeypatch, ["--disable-cascade-attn"])["disable_cascade_attn"] is True
+    assert serve_settings(monkeypatch, [])["disable_cascade_attn"] is False
 
 
 def test_only_backends_whose_decode_reads_a_shared_prefix_once_get_one(tiny_model):

@@ -22,6 +22,7 @@ from .helpers import (
     random_paged_decode,
     random_paged_varlen,
     random_prompts,
+    serve_settings,
     shared_prefix_prompts,
 )
 
@@ -386,18 +387,8 @@ def test_gpu_fp8_engine_with_graphs_matches_eager_and_hf(tiny_model):
 def test_the_serve_command_passes_kv_cache_dtype_and_names_a_bad_one(capsys, monkeypatch):
     pytest.importorskip("fastapi", reason="the server needs fastapi")
     from nanoref.serve import main
-    from nanoref.serving.async_llm import AsyncLLM
 
-    seen = {}
-
-    def capture(model, **settings):
-        seen.update(settings)
-        raise ValueError("stop here")
-
-    monkeypatch.setattr(AsyncLLM, "from_model", capture)
-    assert main(["--device", "cpu", "--port", "0", "--kv-cache-dtype", "fp8_e5m2"]) == 2
-    assert seen["kv_cache_dtype"] == "fp8_e5m2"
-    monkeypatch.undo()
+    assert serve_settings(monkeypatch, ["--kv-cache-dtype", "fp8_e5m2"])["kv_cache_dtype"] == "fp8_e5m2"
     assert main(["--device", "cpu", "--port", "0", "--kv-cache-dtype", "int8"]) == 2
     err = capsys.readouterr().err
     assert "kv_cache_dtype must be one of ['auto', 'fp8', 'fp8_e4m3', 'fp8_e5m2'], got 'int8'" in err
