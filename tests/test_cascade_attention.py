@@ -135,14 +135,18 @@ def test_shared_prefix_lens_follow_the_most_common_first_block_and_stop_at_the_f
 
 
 class CountingLaunches:
-    """Stands in for a Triton kernel, counting its launches."""
+    """Stands in for a Triton kernel, counting its launches and noting each one's queries per sequence (LEN_Q)."""
 
     def __init__(self, kernel) -> None:
-        self.kernel, self.launches = kernel, 0
+        self.kernel, self.launches, self.query_lens = kernel, 0, set()
 
     def __getitem__(self, grid):
-        self.launches += 1
-        return self.kernel[grid]
+        def launch(*args, **kwargs):
+            self.launches += 1
+            self.query_lens.add(kwargs["LEN_Q"])
+            return self.kernel[grid](*args, **kwargs)
+
+        return launch
 
 
 @pytest.mark.slow
@@ -260,3 +264,41 @@ def test_only_backends_whose_decode_reads_a_shared_prefix_once_get_one(tiny_mode
     for backend, disabled, expected in (("triton", False, True), ("triton", True, False), ("torch", False, False)):
         llm = LLM(tiny_model, device="cpu", attention_backend=backend, disable_cascade_attn=disabled)
         assert llm.model_runner.cascade is expected, (backend, disabled)
+
+
+@pytest.mark.slow
+def test_speculative_verify_steps_read_the_shared_prompt_once_and_keep_hfs_greedy_tokens(tiny_model, monkeypatch):
+    """A verify step has 1 + k queries per sequence (rows of the prefix pass's tile too): n-gram speculation over
+    nine requests behind one system prompt, with cascade attention, gives HF's greedy tokens."""
+    from nanoref import LLM, SamplingParams
+    from nanoref.engine import model_runner
+    from nanoref.ops import attention_triton
+
+    from .helpers import hf_greedy, shared_prefix_prompts
+
+    system = shared_prefix_prompts(13, 272, [4])[0]
+    prompts = shared_prefix_prompts(13, 272, [3, 5, 2, 6, 4, 7, 3, 5, 1])
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    spy = CountingLaunches(attention_triton.shared_prefix_kernel)
+    monkeypatch.setattr(attention_triton, "shared_prefix_kernel", spy)
+    monkeypatch.setattr(model_runner, "shared_prefix_lens", functools.partial(shared_prefix_lens, min_seqs=8))
+    llm = LLM(
+        tiny_model,
+        device=DEVICE,
+        dtype="float32",
+        attention_backend="triton",
+        enforce_eager=True,
+        num_kvcache_blocks=256,
+        speculative_config={
+            "method": "ngram",
+            "num_speculative_tokens": 2,
+            "prompt_lookup_max": 2,
+            "disable_by_batch_size": 0,  # (speculate at any batch size and acceptance: verify steps every step)
+            "min_tokens_per_step": 0,
+        },
+    )
+    llm.generate([system], params, use_tqdm=False)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert 3 in spy.query_lens, f"no verify step (1 + 2 queries) ran cascade attention: {spy.query_lens}"
+    for i, (prompt, output) in enumerate(zip(prompts, outputs)):
+        assert output["token_ids"] == hf_greedy(tiny_model, prompt, params.max_tokens), f"prompt {i} differs from HF"
