@@ -131,6 +131,38 @@ def test_shared_prefix_lens_follow_the_most_common_first_block_and_stop_at_the_f
     assert (CASCADE_MIN_PREFIX, CASCADE_MIN_SEQS) == (256, 64)  # vLLM's prefix threshold; measured: 64 sequences
 
 
+def test_shared_prefix_lens_agree_with_a_block_by_block_count_on_random_tables():
+    """Random batches: a few prompts' block chains shared by random groups, each sequence's own blocks after them,
+    -1 padding; against a loop that walks the most common chain block by block."""
+    rng = np.random.default_rng(0)
+    page = 16
+    for _ in range(300):
+        batch, width = int(rng.integers(1, 12)), int(rng.integers(1, 9))
+        chains = rng.permutation(1000)[: 3 * width].reshape(3, width)  # three prompts' blocks
+        tables = rng.permutation(1000)[1000 - batch * width :].reshape(batch, width) + 1000  # own blocks
+        for b in range(batch):  # a random number of the sequence's leading blocks from a random chain
+            shared = int(rng.integers(0, width + 1))
+            tables[b, :shared] = chains[rng.integers(0, 3), :shared]
+        lens = rng.integers(1, width * page + 1, batch)
+        for b in range(batch):
+            tables[b, -(-int(lens[b]) // page) :] = -1  # padding past each sequence's blocks
+        first = lens - 1
+        got = shared_prefix_lens(tables, first, page, min_tokens=1, min_seqs=2)
+        # the reference: the most common first block (ties: the smallest id), then block by block
+        firsts = [int(t) for t in tables[:, 0] if t >= 0]
+        if not firsts or max(firsts.count(f) for f in firsts) < 2:
+            assert got is None
+            continue
+        top = min((-firsts.count(f), f) for f in firsts)[1]
+        rows = [b for b in range(batch) if tables[b, 0] == top]
+        blocks = 0
+        while blocks < width and all(tables[b, blocks] == tables[rows[0], blocks] >= 0 for b in rows):
+            blocks += 1
+        tokens = min(blocks * page, min(int(first[b]) for b in rows))
+        expected = None if tokens < 1 else [tokens if b in rows else 0 for b in range(batch)]
+        assert (None if got is None else got.tolist()) == expected, (tables, first)
+
+
 # -- the engine -----------------------------------------------------------------------------------------------------
 
 

@@ -103,10 +103,12 @@ def shared_prefix_lens(
     if not len(ids) or counts.max() < min_seqs:
         return None
     rows = first == ids[counts.argmax()]  # (B,) the sequences with the most common first block
-    group = tables[rows]  # (G, width)
-    same = (group == group[0]).all(axis=0) & (group[0] >= 0)  # (width,) the block is all of theirs
-    blocks = len(same) if same.all() else int(same.argmin())  # the leading run of shared blocks
-    tokens = min(blocks * block_size, int(first_positions[rows].min()))
+    first_query = int(first_positions[rows].min())
+    limit = -(-first_query // block_size)  # the blocks before the earliest first query: no later one can count
+    group = tables[rows, :limit]  # (G, limit)
+    same = (group == group[0]).all(axis=0) & (group[0] >= 0)  # (limit,) the block is all of theirs
+    blocks = limit if same.all() else int(same.argmin())  # the leading run of shared blocks
+    tokens = min(blocks * block_size, first_query)
     return np.where(rows, tokens, 0) if tokens >= min_tokens else None
 
 
