@@ -334,3 +334,36 @@ def test_speculative_verify_steps_read_the_shared_prompt_once_and_keep_hfs_greed
     assert 3 in spy.query_lens, f"no verify step (1 + 2 queries) ran cascade attention: {spy.query_lens}"
     for i, (prompt, output) in enumerate(zip(prompts, outputs)):
         assert output["token_ids"] == hf_greedy(tiny_model, prompt, params.max_tokens), f"prompt {i} differs from HF"
+
+
+@pytest.mark.slow
+def test_an_fp8_cache_gives_the_same_tokens_with_and_without_cascade_attention(tiny_model, monkeypatch):
+    """kv_cache_dtype="fp8": the prefix pass reads the 8-bit prefix once (widened as the decode kernel widens it)."""
+    from nanoref import LLM, SamplingParams
+    from nanoref.engine import model_runner
+    from nanoref.ops import attention_triton
+
+    from .helpers import shared_prefix_prompts
+
+    system = shared_prefix_prompts(17, 272, [4])[0]
+    prompts = shared_prefix_prompts(17, 272, [3, 5, 2, 6, 4, 7, 3, 5, 1])
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    spy = CountingLaunches(attention_triton.shared_prefix_kernel)
+    monkeypatch.setattr(attention_triton, "shared_prefix_kernel", spy)
+    monkeypatch.setattr(model_runner, "shared_prefix_lens", functools.partial(shared_prefix_lens, min_seqs=8))
+    outputs = {}
+    for disabled in (False, True):
+        llm = LLM(
+            tiny_model,
+            device=DEVICE,
+            dtype="float32",
+            attention_backend="triton",
+            kv_cache_dtype="fp8",
+            enforce_eager=True,
+            num_kvcache_blocks=256,
+            disable_cascade_attn=disabled,
+        )
+        llm.generate([system], params, use_tqdm=False)
+        outputs[disabled] = [out["token_ids"] for out in llm.generate(prompts, params, use_tqdm=False)]
+    assert spy.launches > 0
+    assert outputs[False] == outputs[True]
