@@ -95,9 +95,10 @@ class EngineConfig:
     # cached K/V value. Served by the torch and Triton backends and by flash_attn+triton (what "auto" picks on CUDA
     # where flash-attn serves)
     kv_cache_dtype: str = "auto"
-    # cascade attention (vLLM's name for the switch): where every sequence of a decode step shares a prefix of at
-    # least 256 cached tokens (a system prompt) and there are at least 8 of them, its K/V are read once for many
-    # sequences instead of once per sequence (ops/attention_triton.py). The same tokens; Triton's decode only
+    # cascade attention (vLLM's name for the switch): where at least 64 sequences of a decode step start with the
+    # same 256+ cached tokens (a system prompt the prefix cache gives them all), those K/V are read once for many
+    # sequences instead of once per sequence (engine/step_inputs.py, ops/attention_triton.py). The same tokens;
+    # Triton's decode only
     disable_cascade_attn: bool = False
     tensor_parallel_size: int = 1
     # tensor parallel: the longest rank 0 waits (seconds) for the other ranks to join any one collective before it
