@@ -229,7 +229,8 @@ def shared_prefix_kernel(
     kv_head = tl.program_id(0)
     tile = tl.program_id(1)
     split = tl.program_id(2)
-    # P and the first sequence with the prefix, from prefix_lens (a few hundred ints: cheaper than a second input)
+    # P and the first sequence with the prefix, found in prefix_lens (a few hundred ints, from the L2 cache), so that
+    # no second input has to agree with it
     prefix_len = tl.full([], 0, tl.int32)
     owner = tl.full([], 0, tl.int32) + batch
     for i in range(0, batch, 128):
@@ -438,7 +439,8 @@ def _num_sms(device: torch.device) -> int:
 # --compare prints what the GPU's own compile takes; benchmarks/results/kernels_compare_h200.md).
 DECODE_PROGRAMS_PER_SM = 4
 # Cascade attention's shared-prefix pass (shared_prefix_kernel): query rows per program (sequences x query tokens x
-# the GQA group's heads), and at most this many splits of the prefix, chosen so that its programs fill the SMs once
+# the GQA group's heads; 128 was slower at every batch on an H100, benchmarks/results/kernels_cascade_h100.md), and
+# at most this many splits of the prefix, chosen so that its programs fill the SMs once
 PREFIX_ROWS = 64
 MAX_PREFIX_SPLITS = 16
 
