@@ -97,7 +97,7 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     # cascade attention (vLLM's name for the switch): where at least 64 sequences of a decode step start with the
     # same 256+ cached tokens (a system prompt the prefix cache gives them all), those K/V are read once for many
-    # sequences instead of once per sequence (engine/step_inputs.py, ops/attention_triton.py). The same tokens;
+    # sequences instead of once per sequence (nanoref/cascade.py, ops/attention_triton.py). The same tokens;
     # Triton's decode only
     disable_cascade_attn: bool = False
     tensor_parallel_size: int = 1

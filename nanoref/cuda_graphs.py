@@ -6,10 +6,11 @@ that each step fills in place, and a batch of B sequences runs in the smallest r
 B..S-1 are padding that the kernels process harmlessly (slot -1 stores nothing, context length 0 reads nothing).
 
 Attached by `nanoref/llm.py` as the model runner's `decode_graphs`; the runner asks `covers(batch)` and then
-`run(...)`. Where the runner reads a prefix that many sequences share once (cascade attention: `Context.
-shared_prefix_lens`), a second graph records such a step's kernels, the prefix lengths in one more static buffer
-(0 in padding rows), for every CASCADE_BUCKET_STEP-th bucket of at least CASCADE_MIN_SEQS sequences (each graph is
-a capture while the engine is built; a batch pads up to the next of those); a step replays the graph of its kind.
+`run(...)`. Given `shared_prefix_min_seqs` (steps whose sequences read a prefix they share once: cascade attention,
+`Context.shared_prefix_lens`, nanoref/cascade.py), a second graph records such a step's kernels, the prefix lengths
+in one more static buffer (0 in padding rows), for every CASCADE_BUCKET_STEP-th bucket of at least that many
+sequences (each graph is a capture while the engine is built; a batch pads up to the next of those); a step
+replays the graph of its kind.
 `DecodeGraphs(runner, record=False)` (`enable_bucketed_decode`) runs the same padded buckets eagerly,
 on a machine without graphs (a CPU): for teaching and tests.
 """
@@ -23,7 +24,6 @@ from collections.abc import Iterator
 
 import torch
 
-from nanoref.engine.step_inputs import CASCADE_MIN_SEQS
 from nanoref.utils.context import Context, get_context, reset_context, set_context
 from nanoref.utils.seams import seam
 from nanoref.utils.tracing import tracing_enabled
@@ -71,10 +71,13 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, runner, record: bool = True, query_len: int = 1) -> None:
+    def __init__(
+        self, runner, record: bool = True, query_len: int = 1, shared_prefix_min_seqs: int | None = None
+    ) -> None:
         """runner: a model runner with its model and KV cache. record: capture the graphs (CUDA); False runs
         the padded buckets eagerly instead. query_len: tokens per sequence (k + 1 for a speculative verify step,
-        nanoref/speculative/)."""
+        nanoref/speculative/). shared_prefix_min_seqs: the fewest sequences a step over a shared prefix has (its
+        graphs start there); None: no such steps."""
         self.model, device, config = runner.model, runner.device, runner.config
         self.buckets = batch_buckets(config.max_num_seqs)
         self.query_len = query_len
@@ -87,11 +90,11 @@ class DecodeGraphs:
             self.buffers = self.make_buffers(tokens, rows, width, config, device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.cascade_graphs: dict[int, torch.cuda.CUDAGraph] = {}  # (bucket: steps over a shared prefix)
-        self.cascade_buckets = [  # (fewer sequences never share a prefix: engine/step_inputs.py)
+        self.cascade_buckets = [
             size
             for size in self.buckets
-            if getattr(runner, "cascade", False)
-            and size >= CASCADE_MIN_SEQS
+            if shared_prefix_min_seqs is not None
+            and size >= shared_prefix_min_seqs
             and (size % CASCADE_BUCKET_STEP == 0 or size == self.buckets[-1])
         ]
         if record:

@@ -22,6 +22,8 @@ from dataclasses import fields
 from functools import partial
 from pathlib import Path
 
+from nanoref.cascade import CASCADE_MIN_SEQS, reads_shared_prefixes
+from nanoref.cascade import attach as attach_cascade
 from nanoref.config import EngineConfig
 from nanoref.cuda_graphs import DecodeGraphs
 from nanoref.engine.chat import chat_prompt
@@ -268,9 +270,11 @@ def decode_graphs(runner: ModelRunner, lora: LoRAHooks | None = None) -> DecodeG
     config = runner.config
     if config.device.type != "cuda" or config.enforce_eager or not getattr(runner.model, "supports_cuda_graphs", True):
         return None
+    # steps over a prefix many sequences share (cascade attention) replay graphs of their own
+    min_seqs = CASCADE_MIN_SEQS if reads_shared_prefixes(runner) else None
     if lora is not None:
-        return lora.decode_graphs(runner, lambda: DecodeGraphs(runner))
-    return DecodeGraphs(runner)
+        return lora.decode_graphs(runner, lambda: DecodeGraphs(runner, shared_prefix_min_seqs=min_seqs))
+    return DecodeGraphs(runner, shared_prefix_min_seqs=min_seqs)
 
 
 def warm_up_draft(runner: SpeculativeRunner) -> None:
@@ -294,7 +298,7 @@ def build_runner(
     if warm_up and draft:  # a draft's shapes compile kernels of their own
         warm_up = (warm_up_prefill, warm_up_draft)
     hooks = RunnerHooks(
-        attach=(*warm_up, *((lora.attach,) if lora is not None else ())),
+        attach=(*warm_up, attach_cascade, *((lora.attach,) if lora is not None else ())),
         decode_graphs=partial(decode_graphs, lora=lora),
     )
     if draft:

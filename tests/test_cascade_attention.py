@@ -13,8 +13,9 @@ import torch
 
 pytest.importorskip("triton", reason="Triton is not installed (Linux wheels only)")
 
-from nanoref.engine.step_inputs import CASCADE_MIN_PREFIX, CASCADE_MIN_SEQS, shared_prefix_lens  # noqa: E402
-from nanoref.ops import attention_torch, gather_paged  # noqa: E402
+from nanoref import LLM, SamplingParams, cascade  # noqa: E402
+from nanoref.cascade import CASCADE_MIN_PREFIX, CASCADE_MIN_SEQS, shared_prefix_lens  # noqa: E402
+from nanoref.ops import attention_torch, attention_triton, gather_paged  # noqa: E402
 from nanoref.ops.attention_triton import decode_schedule, paged_decode_attention  # noqa: E402
 from nanoref.ops.store_kvcache import to_cache_dtype  # noqa: E402
 
@@ -181,17 +182,40 @@ class CountingLaunches:
         return launch
 
 
+def spy_on_the_prefix_pass(monkeypatch) -> CountingLaunches:
+    """The engine's cascade rule lowered from 64 sharing sequences to 8 (so that the interpreter runs a few), and a
+    spy on its prefix pass."""
+    spy = CountingLaunches(attention_triton.shared_prefix_kernel)
+    monkeypatch.setattr(attention_triton, "shared_prefix_kernel", spy)
+    monkeypatch.setattr(cascade, "shared_prefix_lens", functools.partial(shared_prefix_lens, min_seqs=8))
+    return spy
+
+
+def triton_engine(folder, **settings) -> LLM:
+    return LLM(
+        folder,
+        device=DEVICE,
+        dtype="float32",
+        attention_backend="triton",
+        enforce_eager=True,  # (on a GPU: every step launches its kernels, so the spy sees them)
+        num_kvcache_blocks=256,  # (two engines in one process: on a GPU the first would hold 90% of its memory)
+        **settings,
+    )
+
+
+def after_a_system_prompt(llm: LLM, system: list[int], prompts: list[list[int]], params) -> list[list[int]]:
+    """The system prompt served first (its blocks then in the prefix cache), then the prompts -> their tokens."""
+    llm.generate([system], params, use_tqdm=False)
+    return [out["token_ids"] for out in llm.generate(prompts, params, use_tqdm=False)]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("bucketed", [False, True])  # eager; padded to decode-graph buckets as graphs run them
 def test_the_engine_reads_a_shared_system_prompt_once_and_gives_hfs_greedy_tokens(tiny_model, monkeypatch, bucketed):
     """Nine requests after one 272-token system prompt (the prefix cache gives them its blocks) beside one that does
     not share it: decode runs cascade attention (its prefix pass launched) and every request gets HF's tokens; with
-    disable_cascade_attn the pass never runs and the tokens are the same. (The engine's rule wants 64 sequences
-    sharing: lowered to 8 here, so that the interpreter runs a few.)"""
-    from nanoref import LLM, SamplingParams
-    from nanoref.cuda_graphs import enable_bucketed_decode
-    from nanoref.engine import model_runner
-    from nanoref.ops import attention_triton
+    disable_cascade_attn the pass never runs and the tokens are the same."""
+    from nanoref.cuda_graphs import DecodeGraphs
 
     from .helpers import hf_greedy, random_prompts, shared_prefix_prompts
 
@@ -199,25 +223,15 @@ def test_the_engine_reads_a_shared_system_prompt_once_and_gives_hfs_greedy_token
     shared = shared_prefix_prompts(11, 272, [3, 5, 2, 6, 4, 7, 3, 5, 1])  # the same 272 tokens, then each its own
     prompts = [*shared, random_prompts(seed=12, lengths=[290])[0]]
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    spy = CountingLaunches(attention_triton.shared_prefix_kernel)
-    monkeypatch.setattr(attention_triton, "shared_prefix_kernel", spy)
-    monkeypatch.setattr(model_runner, "shared_prefix_lens", functools.partial(shared_prefix_lens, min_seqs=8))
+    spy = spy_on_the_prefix_pass(monkeypatch)
     outputs = {}
     for disabled in (False, True):
-        llm = LLM(
-            tiny_model,
-            device=DEVICE,
-            dtype="float32",
-            attention_backend="triton",
-            enforce_eager=True,  # (on a GPU: every step launches its kernels, so the spy sees them)
-            num_kvcache_blocks=256,  # (two engines in one process: on a GPU the first would hold 90% of its memory)
-            disable_cascade_attn=disabled,
-        )
-        if bucketed:
-            enable_bucketed_decode(llm.model_runner)
-        llm.generate([system], params, use_tqdm=False)  # its blocks now in the prefix cache
+        llm = triton_engine(tiny_model, disable_cascade_attn=disabled)
+        if bucketed:  # (the graphs of steps over a shared prefix from 8 sequences too: bucket 64 here)
+            runner = llm.model_runner
+            runner.decode_graphs = DecodeGraphs(runner, record=False, shared_prefix_min_seqs=8)
         launches = spy.launches
-        outputs[disabled] = [out["token_ids"] for out in llm.generate(prompts, params, use_tqdm=False)]
+        outputs[disabled] = after_a_system_prompt(llm, system, prompts, params)
         assert (spy.launches > launches) == (not disabled), "cascade attention ran" if disabled else "did not run"
         assert llm.scheduler.block_manager.num_hit_blocks >= 9 * 17  # 272 tokens: 17 blocks of 16 per request
     assert outputs[False] == outputs[True]
@@ -240,8 +254,6 @@ class CountedReplays:
 def test_gpu_decode_graphs_replay_the_cascade_kind_over_a_shared_prompt_and_give_the_same_tokens(tiny_model):
     """With CUDA graphs: a second graph for every 64th bucket, replayed for steps over a shared prefix (70 sequences
     pad up to 128); the tokens are those of an engine without cascade attention (and HF's)."""
-    from nanoref import LLM, SamplingParams
-
     from .helpers import hf_greedy, shared_prefix_prompts
 
     system = shared_prefix_prompts(21, 300, [4])[0]
@@ -263,8 +275,7 @@ def test_gpu_decode_graphs_replay_the_cascade_kind_over_a_shared_prompt_and_give
         replays: list[int] = []
         for size, graph in list(graphs.cascade_graphs.items()):
             graphs.cascade_graphs[size] = CountedReplays(graph, size, replays)
-        llm.generate([system], params, use_tqdm=False)
-        outputs[disabled] = [out["token_ids"] for out in llm.generate(prompts, params, use_tqdm=False)]
+        outputs[disabled] = after_a_system_prompt(llm, system, prompts, params)
         assert bool(replays) == (not disabled) and set(replays) <= {128}, replays  # 70 sequences: bucket 128
     assert outputs[False] == outputs[True]
     for i, (prompt, tokens) in enumerate(zip(prompts, outputs[False])):
@@ -290,80 +301,50 @@ def test_the_serve_command_passes_disable_cascade_attn(monkeypatch):
 
 
 def test_only_backends_whose_decode_reads_a_shared_prefix_once_get_one(tiny_model):
-    """The runner computes shared prefixes only where the backend's decode takes them and they are not disabled."""
-    from nanoref import LLM
-
+    """Shared prefixes are looked for only where the backend's decode takes them and they are not disabled."""
     for backend, disabled, expected in (("triton", False, True), ("triton", True, False), ("torch", False, False)):
         llm = LLM(tiny_model, device="cpu", attention_backend=backend, disable_cascade_attn=disabled)
-        assert llm.model_runner.cascade is expected, (backend, disabled)
+        assert cascade.reads_shared_prefixes(llm.model_runner) is expected, (backend, disabled)
+        assert (cascade.attach(llm.model_runner) is not None) is expected
 
 
 @pytest.mark.slow
 def test_speculative_verify_steps_read_the_shared_prompt_once_and_keep_hfs_greedy_tokens(tiny_model, monkeypatch):
     """A verify step has 1 + k queries per sequence (rows of the prefix pass's tile too): n-gram speculation over
     nine requests behind one system prompt, with cascade attention, gives HF's greedy tokens."""
-    from nanoref import LLM, SamplingParams
-    from nanoref.engine import model_runner
-    from nanoref.ops import attention_triton
-
     from .helpers import hf_greedy, shared_prefix_prompts
 
     system = shared_prefix_prompts(13, 272, [4])[0]
     prompts = shared_prefix_prompts(13, 272, [3, 5, 2, 6, 4, 7, 3, 5, 1])
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
-    spy = CountingLaunches(attention_triton.shared_prefix_kernel)
-    monkeypatch.setattr(attention_triton, "shared_prefix_kernel", spy)
-    monkeypatch.setattr(model_runner, "shared_prefix_lens", functools.partial(shared_prefix_lens, min_seqs=8))
-    llm = LLM(
-        tiny_model,
-        device=DEVICE,
-        dtype="float32",
-        attention_backend="triton",
-        enforce_eager=True,
-        num_kvcache_blocks=256,
-        speculative_config={
-            "method": "ngram",
-            "num_speculative_tokens": 2,
-            "prompt_lookup_max": 2,
-            "disable_by_batch_size": 0,  # (speculate at any batch size and acceptance: verify steps every step)
-            "min_tokens_per_step": 0,
-        },
-    )
-    llm.generate([system], params, use_tqdm=False)
-    outputs = llm.generate(prompts, params, use_tqdm=False)
+    spy = spy_on_the_prefix_pass(monkeypatch)
+    speculative = {
+        "method": "ngram",
+        "num_speculative_tokens": 2,
+        "prompt_lookup_max": 2,
+        "disable_by_batch_size": 0,  # (speculate at any batch size and acceptance: verify steps every step)
+        "min_tokens_per_step": 0,
+    }
+    tokens = after_a_system_prompt(triton_engine(tiny_model, speculative_config=speculative), system, prompts, params)
     assert 3 in spy.query_lens, f"no verify step (1 + 2 queries) ran cascade attention: {spy.query_lens}"
-    for i, (prompt, output) in enumerate(zip(prompts, outputs)):
-        assert output["token_ids"] == hf_greedy(tiny_model, prompt, params.max_tokens), f"prompt {i} differs from HF"
+    for i, (prompt, output) in enumerate(zip(prompts, tokens)):
+        assert output == hf_greedy(tiny_model, prompt, params.max_tokens), f"prompt {i} differs from HF"
 
 
 @pytest.mark.slow
 def test_an_fp8_cache_gives_the_same_tokens_with_and_without_cascade_attention(tiny_model, monkeypatch):
     """kv_cache_dtype="fp8": the prefix pass reads the 8-bit prefix once (widened as the decode kernel widens it)."""
-    from nanoref import LLM, SamplingParams
-    from nanoref.engine import model_runner
-    from nanoref.ops import attention_triton
-
     from .helpers import shared_prefix_prompts
 
     system = shared_prefix_prompts(17, 272, [4])[0]
     prompts = shared_prefix_prompts(17, 272, [3, 5, 2, 6, 4, 7, 3, 5, 1])
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    spy = CountingLaunches(attention_triton.shared_prefix_kernel)
-    monkeypatch.setattr(attention_triton, "shared_prefix_kernel", spy)
-    monkeypatch.setattr(model_runner, "shared_prefix_lens", functools.partial(shared_prefix_lens, min_seqs=8))
-    outputs = {}
-    for disabled in (False, True):
-        llm = LLM(
-            tiny_model,
-            device=DEVICE,
-            dtype="float32",
-            attention_backend="triton",
-            kv_cache_dtype="fp8",
-            enforce_eager=True,
-            num_kvcache_blocks=256,
-            disable_cascade_attn=disabled,
+    spy = spy_on_the_prefix_pass(monkeypatch)
+    outputs = {
+        disabled: after_a_system_prompt(
+            triton_engine(tiny_model, kv_cache_dtype="fp8", disable_cascade_attn=disabled), system, prompts, params
         )
-        llm.generate([system], params, use_tqdm=False)
-        outputs[disabled] = [out["token_ids"] for out in llm.generate(prompts, params, use_tqdm=False)]
+        for disabled in (False, True)
+    }
     assert spy.launches > 0
     assert outputs[False] == outputs[True]

@@ -381,6 +381,7 @@ LAYERS = [
         "lora",
         "structured_output",
         "warmup",
+        "cascade",
     ),  # features attached to the
     # core from outside: decode graphs, the overlapped loop, tensor parallelism, speculative decoding, LoRA adapters,
     # grammars
@@ -431,7 +432,7 @@ def test_no_file_imports_a_layer_above_its_own():
     assert upward == [], "\n".join(upward)
 
 
-FEATURES = ("cuda_graphs", "overlap", "parallel", "speculative", "lora", "structured_output", "warmup")
+FEATURES = ("cuda_graphs", "overlap", "parallel", "speculative", "lora", "structured_output", "warmup", "cascade")
 
 
 def test_features_are_attached_only_at_the_wiring_point():
@@ -453,7 +454,7 @@ def test_features_are_attached_only_at_the_wiring_point():
 
 
 # what a core file must not name: the features attached to it from outside (it offers hooks instead)
-FEATURE_WORDS = r"overlap|speculat|draft|cuda.?graph|tensor.?parallel|lora|nanoref[./](parallel)\b"
+FEATURE_WORDS = r"overlap|speculat|draft|cuda.?graph|tensor.?parallel|lora|cascade|nanoref[./](parallel)\b"
 CORE_FILES = ["sequence", "block_manager", "scheduler", "model_runner", "llm_engine"]
 
 

@@ -23,7 +23,7 @@ from nanoref.engine.hooks import NO_RUNNER_HOOKS, RunnerHooks
 from nanoref.engine.kv_budget import kv_blocks_from_memory
 from nanoref.engine.sampling_inputs import asks_all_logits, attach_logprobs, sampling_batch, split_logits, step_logprobs
 from nanoref.engine.sequence import Sequence
-from nanoref.engine.step_inputs import StepInputs, decode_arrays, prefill_arrays, prefill_metadata, shared_prefix_lens
+from nanoref.engine.step_inputs import StepInputs, decode_arrays, prefill_arrays, prefill_metadata
 from nanoref.layers.attention import Attention
 from nanoref.layers.sampler import Sampler
 from nanoref.models import build_model
@@ -46,8 +46,6 @@ class ModelRunner:
         self.model = build_model(config.architecture, config.hf_config, self.device, config.dtype, config.max_model_len)
         load_weights(self.model, config.model_folder)
         self.backend = resolve_backend(config.attention_backend, self.device)
-        # decode steps whose sequences share a long prefix read it once (cascade attention), where the backend can
-        self.cascade = self.backend.decode_shared_prefix and not config.disable_cascade_attn
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         use_backend(self.model, self.backend)  # (attention and the element-wise layers run the backend's kernels)
         self.sampler = Sampler()
@@ -113,8 +111,6 @@ class ModelRunner:
         else:  # (B, 1)
             input_ids = np.fromiter((seq.token_ids[-1] for seq in seqs), dtype=np.int64, count=len(seqs))[:, None]
         arrays = decode_arrays(input_ids, last, self.block_tables.padded(seqs), self.block_size)
-        if self.cascade and (prefixes := shared_prefix_lens(arrays["block_tables"], last, self.block_size)) is not None:
-            arrays["shared_prefix_lens"] = prefixes  # (num_seqs,)
         return StepInputs(False, arrays, decode_query_len=input_ids.shape[1])
 
     def upload(self, step: StepInputs, input_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,7 +128,6 @@ class ModelRunner:
                 slot_mapping=t["slot_mapping"].long(),  # (N,)
                 context_lens=t.get("context_lens"),  # (num_seqs,), decode
                 block_tables=t.get("block_tables"),  # (num_seqs, width)
-                shared_prefix_lens=t.get("shared_prefix_lens"),  # (num_seqs,), decode over a shared prefix
                 all_logits=step.all_logits,
                 decode_query_len=step.decode_query_len,
             )

@@ -74,52 +74,13 @@ def decode_arrays(
                 context_lens=first_positions + query_len, block_tables=tables)  # fmt: skip
 
 
-# When cascade attention pays. 256 shared tokens is vLLM's threshold. Sequences: on an H100 (kernel_bench.py
-# --cascade, benchmarks/results/kernels_cascade_h100.md; a 1,024-token prefix) it was 12-21% faster than plain decode
-# at 64-256 sequences and 13-21% slower at 8 and 16, where its prefix pass and merge cost more than the prefix reads
-# they save (the L2 cache serves most of those once the first sequence has read them). vLLM starts at 8
-CASCADE_MIN_PREFIX = 256  # shared tokens
-CASCADE_MIN_SEQS = 64  # sequences sharing them
-
-
-def shared_prefix_lens(
-    tables: np.ndarray,
-    first_positions: np.ndarray,
-    block_size: int,
-    min_tokens: int = CASCADE_MIN_PREFIX,
-    min_seqs: int = CASCADE_MIN_SEQS,
-) -> np.ndarray | None:
-    """(B,): P for each sequence of a decode step that starts with the prefix most of them read from the same cache
-    blocks (a system prompt the prefix cache shares), 0 for the others; for cascade attention to read those P
-    tokens once. None where fewer than min_seqs sequences share a prefix of min_tokens tokens.
-
-    tables (B, width): the block tables, -1 padded; first_positions (B,): each sequence's first query position. The
-    sharing sequences are those whose first block is the most common first block (a block id names the same tokens
-    in every table that holds it); their prefix runs while all their tables agree, and stops at the first query of
-    any of them (every query must see all of it).
-    """
-    first = tables[:, 0]
-    ids, counts = np.unique(first[first >= 0], return_counts=True)
-    if not len(ids) or counts.max() < min_seqs:
-        return None
-    rows = first == ids[counts.argmax()]  # (B,) the sequences with the most common first block
-    first_query = int(first_positions[rows].min())
-    limit = -(-first_query // block_size)  # the blocks before the earliest first query: no later one can count
-    group = tables[rows, :limit]  # (G, limit)
-    same = (group == group[0]).all(axis=0) & (group[0] >= 0)  # (limit,) the block is all of theirs
-    blocks = limit if same.all() else int(same.argmin())  # the leading run of shared blocks
-    tokens = min(blocks * block_size, first_query)
-    return np.where(rows, tokens, 0) if tokens >= min_tokens else None
-
-
 @dataclass
 class StepInputs:
     """One step's flat inputs on the host, every one an int array: all a rank needs to run the forward."""
 
     is_prefill: bool
     # prefill: input_ids, positions, cu_seqlens_q, cu_seqlens_k, slot_mapping (+ block_tables with cached history)
-    # decode: input_ids, positions, slot_mapping, context_lens, block_tables (+ shared_prefix_lens where many
-    # sequences share a prefix: cascade attention)
+    # decode: input_ids, positions, slot_mapping, context_lens, block_tables
     arrays: dict[str, np.ndarray]
     max_seqlen_q: int = 0
     max_seqlen_k: int = 0

@@ -267,11 +267,11 @@ def shared_prefix_kernel(
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)
         pos_ok = pos < end
-        block = tl.load(block_table_ptr + owner * stride_bt + pos // PAGE, mask=pos_ok, other=0).to(tl.int64)
-        row_off = block * stride_kblock + (pos % PAGE) * stride_kslot + kv_head * stride_kh  # (BLOCK_N,)
-        kv_mask = pos_ok[:, None] & dim_ok[None, :]
-        k = tl.load(k_cache_ptr + row_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
-        v = tl.load(v_cache_ptr + row_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+        k, v = _load_kv_tile(  # (BLOCK_N, BLOCK_D) each, through the owner's block table; zeros past the split
+            k_cache_ptr, v_cache_ptr, block_table_ptr, owner, 0, kv_head, n0, end, dims, dim_ok,
+            stride_kblock, stride_kslot, stride_kh, stride_kblock, stride_kslot, stride_kh, stride_bt,
+            BLOCK_N, True, PAGE, True,
+        )  # fmt: skip
         visible = shares[:, None] & pos_ok[None, :]  # (BLOCK_M, BLOCK_N)
         m_i, l_i, acc = _attend_tile(q, k, v, visible, qk_scale, m_i, l_i, acc, PRECISION)
 
