@@ -319,7 +319,7 @@ def with_prefix_rows(rows: int, fn):
         tri.PREFIX_ROWS = saved
 
 
-def time_cascade_decode(copy_tbps: float, prefix: int = 1024) -> list[dict]:
+def time_cascade_decode(copy_tbps: float, batches=(256, 128, 64, 16, 8), prefix: int = 1024) -> list[dict]:
     """Decode where every sequence starts with the same `prefix` cached tokens (a system prompt the prefix cache
     shares: the same blocks in every table) and then has 101-2,048 of its own: plain decode (each sequence reads the
     prefix, mostly from the L2 cache after the first), cascade attention (`shared_prefix_lens`: the prefix read once
@@ -330,7 +330,7 @@ def time_cascade_decode(copy_tbps: float, prefix: int = 1024) -> list[dict]:
     except ImportError:
         flash_attn_with_kvcache = None
     rows = []
-    for batch, block_size in itertools.product((256, 128, 64, 16, 8), (16, 256)):
+    for batch, block_size in itertools.product(batches, (16, 256)):
         own = torch.randint(101, 2049, (batch,), generator=torch.Generator().manual_seed(batch))
         q, k_cache, v_cache, table, seqlens = mixed_problem(batch, own + prefix, block_size, HEADS)
         shared_blocks = prefix // block_size
@@ -764,7 +764,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="sweep the kernels' tile settings first")
     parser.add_argument("--sweep-prefill", action="store_true", help="sweep the prefill kernel's tile settings only")
-    parser.add_argument("--batches", default="1,4,16,64,128,256")
+    parser.add_argument("--batches", help="decode batch sizes (default 1,4,16,64,128,256; --cascade: 256,128,64,16,8)")
     parser.add_argument("--contexts", default="128,512,1024,2048,4096,8192")
     parser.add_argument("--json", type=Path, default=ROOT / "benchmarks/results/kernels_h200.json",
                         help="where the measurements go (what --plot reads)")  # fmt: skip
@@ -802,7 +802,8 @@ def main() -> None:
         copy_tbps = copy_bandwidth()
         if args.cascade:
             title, out = "Paged decode over a shared prefix", args.cascade
-            rows, fmt = time_cascade_decode(copy_tbps), dict(us="{:.1f}", own_TBps="{:.2f}")
+            batches = tuple(map(int, (args.batches or "256,128,64,16,8").split(",")))
+            rows, fmt = time_cascade_decode(copy_tbps, batches), dict(us="{:.1f}", own_TBps="{:.2f}")
             about = ("Every sequence: the same 1,024 cached tokens (the same blocks), then 101-2,048 of its own; 16 "
                      "query heads, 8 KV heads, head_dim 128, bf16; own_TBps: the K/V of the sequences' own tokens "
                      "over the time.")  # fmt: skip
@@ -837,6 +838,7 @@ def main() -> None:
     print("\nstore_kvcache\n" + store_table)
 
     decode_rows = []
+    args.batches = args.batches or "1,4,16,64,128,256"
     for batch in map(int, args.batches.split(",")):
         for ctx in map(int, args.contexts.split(",")):
             decode_rows += time_decode(batch, ctx)

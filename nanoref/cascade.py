@@ -19,11 +19,12 @@ from nanoref.engine.step_inputs import StepInputs
 from nanoref.utils.context import get_context, upload_arrays
 
 # When cascade attention pays. 256 shared tokens is vLLM's threshold. Sequences: on an H100 (kernel_bench.py
-# --cascade, benchmarks/results/kernels_cascade_h100.md; a 1,024-token prefix) it was 12-21% faster than plain decode
-# at 64-256 sequences and 13-21% slower at 8 and 16, where its prefix pass and merge cost more than the prefix reads
-# they save (the L2 cache serves most of those once the first sequence has read them). vLLM starts at 8
+# --cascade, benchmarks/results/kernels_cascade_h100.md and kernels_cascade_32_h100.md; a 1,024-token prefix) it
+# was 11-21% faster than plain decode at 48-256 sequences and 10-21% slower at 8-32, where its prefix pass and merge
+# cost more than the prefix reads they save (the L2 cache serves most of those once the first sequence has read
+# them). vLLM starts at 8
 CASCADE_MIN_PREFIX = 256  # shared tokens
-CASCADE_MIN_SEQS = 64  # sequences sharing them
+CASCADE_MIN_SEQS = 48  # sequences sharing them
 
 
 def shared_prefix_lens(

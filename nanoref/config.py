@@ -95,7 +95,7 @@ class EngineConfig:
     # cached K/V value. Served by the torch and Triton backends and by flash_attn+triton (what "auto" picks on CUDA
     # where flash-attn serves)
     kv_cache_dtype: str = "auto"
-    # cascade attention (vLLM's name for the switch): where at least 64 sequences of a decode step start with the
+    # cascade attention (vLLM's name for the switch): where at least 48 sequences of a decode step start with the
     # same 256+ cached tokens (a system prompt the prefix cache gives them all), those K/V are read once for many
     # sequences instead of once per sequence (nanoref/cascade.py, ops/attention_triton.py). The same tokens;
     # Triton's decode only

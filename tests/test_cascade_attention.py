@@ -129,7 +129,7 @@ def test_shared_prefix_lens_follow_the_most_common_first_block_and_stop_at_the_f
     # below the thresholds: None (too short a prefix, too few sequences sharing it)
     assert shared_prefix_lens(tables, np.array([40, 50, 60, 70]), page, min_tokens=33, min_seqs=2) is None
     assert shared_prefix_lens(tables, np.array([40, 50, 60, 70]), page, min_tokens=1, min_seqs=4) is None
-    assert (CASCADE_MIN_PREFIX, CASCADE_MIN_SEQS) == (256, 64)  # vLLM's prefix threshold; measured: 64 sequences
+    assert (CASCADE_MIN_PREFIX, CASCADE_MIN_SEQS) == (256, 48)  # vLLM's prefix threshold; measured: 48 sequences
 
 
 def test_shared_prefix_lens_agree_with_a_block_by_block_count_on_random_tables():
@@ -183,7 +183,7 @@ class CountingLaunches:
 
 
 def spy_on_the_prefix_pass(monkeypatch) -> CountingLaunches:
-    """The engine's cascade rule lowered from 64 sharing sequences to 8 (so that the interpreter runs a few), and a
+    """The engine's cascade rule lowered from 48 sharing sequences to 8 (so that the interpreter runs a few), and a
     spy on its prefix pass."""
     spy = CountingLaunches(attention_triton.shared_prefix_kernel)
     monkeypatch.setattr(attention_triton, "shared_prefix_kernel", spy)
@@ -303,7 +303,8 @@ def test_the_serve_command_passes_disable_cascade_attn(monkeypatch):
 def test_only_backends_whose_decode_reads_a_shared_prefix_once_get_one(tiny_model):
     """Shared prefixes are looked for only where the backend's decode takes them and they are not disabled."""
     for backend, disabled, expected in (("triton", False, True), ("triton", True, False), ("torch", False, False)):
-        llm = LLM(tiny_model, device="cpu", attention_backend=backend, disable_cascade_attn=disabled)
+        llm = LLM(tiny_model, device=DEVICE, attention_backend=backend, disable_cascade_attn=disabled,
+                  num_kvcache_blocks=64, enforce_eager=True)  # fmt: skip
         assert cascade.reads_shared_prefixes(llm.model_runner) is expected, (backend, disabled)
         assert (cascade.attach(llm.model_runner) is not None) is expected
 

@@ -80,6 +80,18 @@ def test_paged_decode_triton_matches_reference_and_oracle(dtype, heads, kv_heads
         torch.testing.assert_close(out.squeeze(1).float(), oracle.float(), atol=TOL[dtype], rtol=TOL[dtype])
 
 
+@pytest.mark.parametrize("num_splits,len_q", [(1, 1), (3, 1), (2, 2)])
+def test_paged_decode_triton_with_tiles_inside_one_block(num_splits, len_q):
+    """Blocks of 128 tokens: every tile (64 or 128 keys) lies in one block, so the kernel reads one block-table entry
+    a tile and consecutive slots (TILE_IN_PAGE); contexts that end inside a tile, at a block's end, and a split's."""
+    g = torch.Generator().manual_seed(10 + num_splits)
+    lens = [2, 127, 128, 129, 300, 513]
+    x = random_paged_decode(lens, 128, 4, 2, 16, torch.float32, g, len_q=len_q).to(DEVICE)
+    args = (x.q, x.k_cache, x.v_cache, x.seqlens, x.block_table)
+    out = paged_decode_attention(*args, num_splits=num_splits, scheduler_metadata=decode_schedule(x.seqlens))
+    torch.testing.assert_close(out.flatten(0, 1), x.oracle(), atol=2e-5, rtol=2e-5)
+
+
 @pytest.mark.parametrize("num_splits,len_q", [(1, 1), (3, 1), (2, 3)])  # len_q 3: a verify step's queries
 def test_paged_decode_triton_in_any_program_order_gives_the_same_answer(num_splits, len_q):
     """scheduler_metadata reorders the programs (longest context first); each must still write its own sequence."""
@@ -179,10 +191,13 @@ def test_backend_choice(monkeypatch):
     cpu = torch.device("cpu")
     # the interpreter is for reading: a CPU's default is the cpp backend where it builds, else torch
     assert backends.choose_backend("auto", cpu, torch.float32, None, 32) == CPU_DEFAULT_BACKEND
-    assert backends.choose_backend("triton", cpu, torch.bfloat16, 16, 32) == "triton"
-    assert backends.resolve_backend("triton", cpu).decode is paged_decode_attention
-    if not torch.cuda.is_available():
+    if torch.cuda.is_available():  # Triton compiles for the GPU there: CPU tensors are refused, with the way out
+        with pytest.raises(ValueError, match="device='cpu' on a machine with a GPU.*TRITON_INTERPRET=1"):
+            backends.choose_backend("triton", cpu, torch.bfloat16, 16, 32)
+    else:
+        assert backends.choose_backend("triton", cpu, torch.bfloat16, 16, 32) == "triton"
         assert os.environ["TRITON_INTERPRET"] == "1"  # switched on by nanoref, before the kernels were defined
+    assert backends.resolve_backend("triton", cpu).decode is paged_decode_attention
     monkeypatch.setattr(backends, "triton_available", lambda: False)
     with pytest.raises(ValueError, match="Triton is not installed"):
         backends.choose_backend("triton", cpu, torch.float32, None, 32)

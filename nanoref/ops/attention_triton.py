@@ -49,8 +49,10 @@ DECODE_LAUNCH = Launch(block_n=64, num_warps=4, num_stages=3)  # best of benchma
 PREFILL_LAUNCH = Launch(block_m=128, block_n=64, num_warps=8, num_stages=3)
 # An 8-bit cache (kv_cache_dtype="fp8"): a 128-key tile moves the bytes of a 64-key bf16 tile per iteration. On an
 # H100 it read 61-83% of copy bandwidth over mixed contexts, against 46-62% at 64 keys (with K/V widened to bf16),
-# and 8 warps lost everywhere (benchmarks/results/kernels_mixed_fp8_h100.md)
-DECODE_LAUNCH_8BIT = Launch(block_n=128, num_warps=4, num_stages=3)
+# and 8 warps lost everywhere (benchmarks/results/kernels_mixed_fp8_h100.md). Its widened tiles live in registers
+# (213-246 a thread against bf16's 96: two programs an SM), and 2 stages beat 3 at batch 32-256 by 3-7%
+# (benchmarks/results/kernels_fp8_tiles_h100.md)
+DECODE_LAUNCH_8BIT = Launch(block_n=128, num_warps=4, num_stages=2)
 INTERPRETER_LAUNCH = Launch(block_m=64, block_n=64)  # few big tiles: the interpreter pays per iteration
 
 
@@ -97,6 +99,7 @@ def paged_decode_kernel(
     CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr, ORDERED: tl.constexpr,
     WIDE_F16: tl.constexpr,  # an 8-bit cache under a half-precision q: the tiles' dots run in float16
     SKIP_PREFIX: tl.constexpr,  # start each sequence's keys after its shared prefix (cascade: read once elsewhere)
+    TILE_IN_PAGE: tl.constexpr,  # every tile starts at a multiple of BLOCK_N, which divides PAGE
 ):  # fmt: skip
     # The GPU starts programs in grid order, axis 0 fastest: a sequence's KV heads start side by side, and with
     # ORDERED the sequences start in order_ptr's order. Longest first, the short programs fill the SMs at the end
@@ -143,8 +146,13 @@ def paged_decode_kernel(
         pos = n0 + tl.arange(0, BLOCK_N)  # logical token positions of this tile
         pos_ok = pos < end
         # logical position -> physical block (through the block table) -> slot in that block
-        block = tl.load(block_table_ptr + seq * stride_bt + pos // PAGE, mask=pos_ok, other=0).to(tl.int64)
-        row_off = block * stride_kblock + (pos % PAGE) * stride_kslot + kv_head * stride_kh  # (BLOCK_N,)
+        if TILE_IN_PAGE:  # the tile lies in one block: one table entry, then consecutive slots
+            block = tl.load(block_table_ptr + seq * stride_bt + n0 // PAGE).to(tl.int64)
+            slot = n0 % PAGE + tl.arange(0, BLOCK_N)
+        else:
+            block = tl.load(block_table_ptr + seq * stride_bt + pos // PAGE, mask=pos_ok, other=0).to(tl.int64)
+            slot = pos % PAGE
+        row_off = block * stride_kblock + slot * stride_kslot + kv_head * stride_kh  # (BLOCK_N,)
         kv_mask = pos_ok[:, None] & dim_ok[None, :]
         k = tl.load(k_cache_ptr + row_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
         v = tl.load(v_cache_ptr + row_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
@@ -602,6 +610,7 @@ def paged_decode_attention(
         LEN_Q=len_q, GROUP=group, BLOCK_M=max(16, triton.next_power_of_2(len_q * group)),
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), PAGE=page, BLOCK_N=block_n,
         CAUSAL=causal, UPCAST=upcast, PRECISION=precision, ORDERED=ordered, WIDE_F16=wide_f16, SKIP_PREFIX=cascade,
+        TILE_IN_PAGE=page % block_n == 0 and not cascade,  # (a shared prefix may end mid-tile)
         num_warps=launch.num_warps, num_stages=launch.num_stages,
     )  # fmt: skip
     if partial.shape[1] > 1:
