@@ -25,6 +25,7 @@ from collections.abc import Iterator
 import torch
 
 from nanoref.utils.context import Context, get_context, reset_context, set_context
+from nanoref.utils.progress import tqdm
 from nanoref.utils.seams import seam
 from nanoref.utils.tracing import tracing_enabled
 
@@ -117,8 +118,10 @@ class DecodeGraphs:
         """Record one decode forward per bucket (and one over a shared prefix), the largest first (the others share
         its memory pool)."""
         b, pool = self.buffers, None
-        with garbage_collected_first():
-            for size in reversed(self.buckets):
+        # a bar on a terminal (as vLLM's "Capturing CUDA graphs"): with the warm-up compiles, seconds; off in logs
+        bar = tqdm(reversed(self.buckets), desc="Capturing CUDA graphs (decode)", total=len(self.buckets), disable=None)
+        with garbage_collected_first(), bar:
+            for size in bar:
                 kinds = [(self.graphs, None)]
                 if size in self.cascade_buckets:
                     kinds.append((self.cascade_graphs, b["shared_prefix_lens"][:size]))
