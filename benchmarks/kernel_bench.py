@@ -5,6 +5,8 @@
     python benchmarks/kernel_bench.py --plot benchmarks/results/kernels_h200.json   # anywhere: redraw the figure
     python benchmarks/kernel_bench.py --compare OLD.py      # the kernels of an older attention_triton.py vs the current
     python benchmarks/kernel_bench.py --mixed OUT.md        # decode over mixed contexts: batch order vs longest first
+    python benchmarks/kernel_bench.py --mixed OUT.md --baseline OLD.py   # ... beside an older kernel (bf16 and fp8)
+    python benchmarks/kernel_bench.py --cascade OUT.md --batches 64,48,32   # decode over a prefix every sequence shares
 
 OLD.py is nanoref/ops/attention_triton.py as an older commit had it, e.g.
 `git show 177e2ae:nanoref/ops/attention_triton.py > /tmp/old_attention_triton.py`.
@@ -29,6 +31,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import inspect
 import itertools
 import json
 import math
@@ -253,11 +256,12 @@ def mixed_methods(problem, baseline, flash_attn_with_kvcache) -> dict:
     methods["triton, fp8 cache, longest first"] = lambda: tri.paged_decode_attention(
         q, k8, v8, seqlens, table, scheduler_metadata=longest_first
     )
-    for block_n in (32, 64):  # beside DECODE_LAUNCH_8BIT's 128: an fp8 tile holds half the bytes of a bf16 one
-        launch = dataclasses.replace(tri.DECODE_LAUNCH_8BIT, block_n=block_n)
+    # beside DECODE_LAUNCH_8BIT (128 keys, 2 stages): an fp8 tile holds half the bytes of a bf16 one
+    for block_n, stages in ((32, 2), (64, 2), (128, 3)):
+        launch = dataclasses.replace(tri.DECODE_LAUNCH_8BIT, block_n=block_n, num_stages=stages)
         got8 = with_decode_launch(launch, tri.paged_decode_attention, q, k8, v8, seqlens, table)
         torch.testing.assert_close(got8.float(), expected8.float(), atol=2e-2, rtol=2e-2)
-        methods[f"triton, fp8 cache, longest first, block_n {block_n}"] = functools.partial(
+        methods[f"triton, fp8 cache, longest first, block_n {block_n} stages {stages}"] = functools.partial(
             with_decode_launch, launch, tri.paged_decode_attention, q, k8, v8, seqlens, table,
             scheduler_metadata=longest_first,
         )  # fmt: skip
@@ -265,6 +269,13 @@ def mixed_methods(problem, baseline, flash_attn_with_kvcache) -> dict:
         methods["baseline kernel, batch order"] = lambda: baseline.paged_decode_attention(
             q, k_cache, v_cache, seqlens, table
         )
+        if "scheduler_metadata" in inspect.signature(baseline.paged_decode_attention).parameters:
+            methods["baseline kernel, longest first"] = lambda: baseline.paged_decode_attention(
+                q, k_cache, v_cache, seqlens, table, scheduler_metadata=longest_first
+            )
+            methods["baseline kernel, fp8 cache, longest first"] = lambda: baseline.paged_decode_attention(
+                q, k8, v8, seqlens, table, scheduler_metadata=longest_first
+            )
     if flash_attn_with_kvcache is not None and k_cache.shape[1] % 256 == 0:
         methods["flash-attn"] = lambda: flash_attn_with_kvcache(
             q, k_cache, v_cache, cache_seqlens=seqlens, block_table=table, causal=True
