@@ -64,7 +64,7 @@ class LLM(LLMEngine):
     kvcache_block_size: tokens per KV block; default 16, or 256 when flash-attn serves.
     enforce_eager: on CUDA, skip capturing decode CUDA graphs.
     disable_cascade_attn: read a prefix that many sequences share (a system prompt) once per sequence. By default
-        Triton's decode reads it once for up to 64 query rows where 64+ sequences share 256+ tokens (vLLM's name).
+        Triton's decode reads it once for up to 64 query rows where 48+ sequences share 256+ tokens (vLLM's name).
     tensor_parallel_timeout: seconds rank 0 waits for the other ranks to join a collective before it stops them
         and raises (a hung worker; one that dies is reported within seconds anyway).
     overlap_scheduling: schedule and launch each decode step while the device still runs the one before.
