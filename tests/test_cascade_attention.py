@@ -62,6 +62,20 @@ def test_decode_over_a_shared_prefix_matches_the_oracle_at_every_prefix_length(d
             torch.testing.assert_close(out.float(), oracle.float(), atol=TOL[dtype], rtol=TOL[dtype])
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_a_shared_prefix_in_blocks_that_hold_whole_tiles_matches_the_oracle(num_splits):
+    """Blocks of 64 tokens: the prefix pass's tiles each lie in one block (one table entry a tile, TILE_IN_PAGE);
+    prefixes that end at a block's end and inside a tile."""
+    g = torch.Generator().manual_seed(num_splits)
+    lens = [150, 200, 140, 260, 180]
+    x = sharing_prefix(random_paged_decode(lens, 64, 4, 2, 16, torch.float32, g), 2).to(DEVICE)
+    args = (x.q, x.k_cache, x.v_cache, x.seqlens, x.block_table)
+    oracle = x.oracle().reshape(x.q.shape)  # (B, Lq, H, D)
+    for tokens in (64, 100, 128):
+        out = paged_decode_attention(*args, num_splits=num_splits, shared_prefix_lens=prefix_lens(tokens, len(lens)))
+        torch.testing.assert_close(out, oracle, atol=2e-5, rtol=2e-5)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("rows", [[1, 3, 4], [0, 2]])
 def test_sequences_without_the_shared_prefix_decode_as_usual_beside_those_with_it(rows):

@@ -134,9 +134,10 @@ def test_varlen_triton_matches_oracle(dtype, heads, kv_heads):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("block_size", [16, 32])
+@pytest.mark.parametrize("block_size", [16, 32, 64])
 def test_varlen_triton_reads_history_through_block_tables(dtype, block_size):
-    """Prefix-cache hits and chunked prefill: queries are the last tokens of longer cached sequences."""
+    """Prefix-cache hits and chunked prefill: queries are the last tokens of longer cached sequences. Blocks of 64
+    tokens hold whole tiles: one block-table entry a tile (TILE_IN_PAGE)."""
     g = torch.Generator().manual_seed(block_size + 1)
     k_lens, q_lens = [20, 47, 16, 70], [3, 47, 1, 30]
     x = random_paged_varlen(q_lens, k_lens, block_size, 4, 2, 16, dtype, g).to(DEVICE)  # 4 query heads, 2 KV heads

@@ -144,19 +144,12 @@ def paged_decode_kernel(
     end = tl.minimum(seqlen, start + split_len)
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + tl.arange(0, BLOCK_N)  # logical token positions of this tile
-        pos_ok = pos < end
-        # logical position -> physical block (through the block table) -> slot in that block
-        if TILE_IN_PAGE:  # the tile lies in one block: one table entry, then consecutive slots
-            block = tl.load(block_table_ptr + seq * stride_bt + n0 // PAGE).to(tl.int64)
-            slot = n0 % PAGE + tl.arange(0, BLOCK_N)
-        else:
-            block = tl.load(block_table_ptr + seq * stride_bt + pos // PAGE, mask=pos_ok, other=0).to(tl.int64)
-            slot = pos % PAGE
-        row_off = block * stride_kblock + slot * stride_kslot + kv_head * stride_kh  # (BLOCK_N,)
-        kv_mask = pos_ok[:, None] & dim_ok[None, :]
-        k = tl.load(k_cache_ptr + row_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)  # (BLOCK_N, BLOCK_D)
-        v = tl.load(v_cache_ptr + row_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-        visible = pos_ok[None, :]  # (1, BLOCK_N), broadcast over the rows
+        k, v = _load_kv_tile(  # (BLOCK_N, BLOCK_D) each: logical position -> block table -> slot; zeros from end
+            k_cache_ptr, v_cache_ptr, block_table_ptr, seq, 0, kv_head, n0, end, dims, dim_ok,
+            stride_kblock, stride_kslot, stride_kh, stride_kblock, stride_kslot, stride_kh, stride_bt,
+            BLOCK_N, True, PAGE, True, TILE_IN_PAGE,
+        )  # fmt: skip
+        visible = (pos < end)[None, :]  # (1, BLOCK_N), broadcast over the rows
         if CAUSAL:
             visible = visible & (pos[None, :] <= q_pos[:, None])  # (BLOCK_M, BLOCK_N)
         m_i, l_i, acc = _attend_tile(q, k, v, visible, qk_scale, m_i, l_i, acc, PRECISION)
@@ -223,6 +216,7 @@ def shared_prefix_kernel(
     LEN_Q: tl.constexpr, GROUP: tl.constexpr, SEQS: tl.constexpr, BLOCK_M: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
     UPCAST: tl.constexpr, PRECISION: tl.constexpr, WIDE_F16: tl.constexpr,
+    TILE_IN_PAGE: tl.constexpr,  # BLOCK_N divides PAGE (the splits start at multiples of BLOCK_N)
 ):  # fmt: skip
     """Cascade attention's first pass: the keys that many sequences share (a system prompt's blocks), read once for
     SEQS sequences at a time instead of once per sequence.
@@ -278,7 +272,7 @@ def shared_prefix_kernel(
         k, v = _load_kv_tile(  # (BLOCK_N, BLOCK_D) each, through the owner's block table; zeros past the split
             k_cache_ptr, v_cache_ptr, block_table_ptr, owner, 0, kv_head, n0, end, dims, dim_ok,
             stride_kblock, stride_kslot, stride_kh, stride_kblock, stride_kslot, stride_kh, stride_bt,
-            BLOCK_N, True, PAGE, True,
+            BLOCK_N, True, PAGE, True, TILE_IN_PAGE,
         )  # fmt: skip
         visible = shares[:, None] & pos_ok[None, :]  # (BLOCK_M, BLOCK_N)
         m_i, l_i, acc = _attend_tile(q, k, v, visible, qk_scale, m_i, l_i, acc, PRECISION)
@@ -316,21 +310,30 @@ def _load_kv_tile(
     k_ptr, v_ptr, block_table_ptr, seq, k_start, kv_head, n0, len_k, dims, dim_ok,
     stride_kblock, stride_kn, stride_kh, stride_vblock, stride_vn, stride_vh, stride_bt,
     BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, MASKED: tl.constexpr,
+    TILE_IN_PAGE: tl.constexpr,
 ):  # fmt: skip
     """Keys and values at positions n0 .. n0 + BLOCK_N of one sequence: (BLOCK_N, BLOCK_D) each.
 
-    Paged: position -> block (through the block table) -> slot, as in decode. MASKED: positions past len_k
-    read as zeros (the sequence's last tile); unmasked tiles lie wholly inside the sequence.
+    Paged: logical position -> physical block (through the block table) -> slot in that block. TILE_IN_PAGE:
+    the caller's tiles start at multiples of BLOCK_N and BLOCK_N divides PAGE, so a tile lies in one block: one
+    table entry for the tile and consecutive slots, instead of one lookup per key (128 loads of the same entry
+    for a 128-key tile). MASKED: positions from len_k on read as zeros (the sequence's or split's last tile);
+    unmasked tiles lie wholly inside the sequence.
     """
     pos = n0 + tl.arange(0, BLOCK_N)  # (BLOCK_N,) logical positions
     if PAGED:
-        if MASKED:
+        if TILE_IN_PAGE:  # n0 < len_k: the entry is the sequence's own
+            block = tl.load(block_table_ptr + seq * stride_bt + n0 // PAGE)
+            slot = n0 % PAGE + tl.arange(0, BLOCK_N)
+        elif MASKED:
             block = tl.load(block_table_ptr + seq * stride_bt + pos // PAGE, mask=pos < len_k, other=0)
+            slot = pos % PAGE
         else:
             block = tl.load(block_table_ptr + seq * stride_bt + pos // PAGE)
+            slot = pos % PAGE
         block = block.to(tl.int64)
-        k_off = block * stride_kblock + (pos % PAGE) * stride_kn + kv_head * stride_kh  # (BLOCK_N,)
-        v_off = block * stride_vblock + (pos % PAGE) * stride_vn + kv_head * stride_vh
+        k_off = block * stride_kblock + slot * stride_kn + kv_head * stride_kh  # (BLOCK_N,)
+        v_off = block * stride_vblock + slot * stride_vn + kv_head * stride_vh
     else:
         k_off = (k_start + pos).to(tl.int64) * stride_kn + kv_head * stride_kh
         v_off = (k_start + pos).to(tl.int64) * stride_vn + kv_head * stride_vh
@@ -355,6 +358,7 @@ def varlen_attention_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr,
     CAUSAL: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    TILE_IN_PAGE: tl.constexpr,  # paged, and BLOCK_N divides PAGE (the tiles start at multiples of BLOCK_N)
 ):  # fmt: skip
     """One program: BLOCK_T query tokens of one sequence, for all GROUP query heads that share one KV head.
 
@@ -402,14 +406,14 @@ def varlen_attention_kernel(
         k, v = _load_kv_tile(
             k_ptr, v_ptr, block_table_ptr, seq, k_start, kv_head, n0, len_k, dims, dim_ok,
             stride_kblock, stride_kn, stride_kh, stride_vblock, stride_vn, stride_vh, stride_bt,
-            BLOCK_N, PAGED, PAGE, False,
+            BLOCK_N, PAGED, PAGE, False, TILE_IN_PAGE,
         )  # fmt: skip
         m_i, l_i, acc = _attend_full_tile(q, k, v, qk_scale, m_i, l_i, acc, PRECISION)
     for n0 in range(full, hi, BLOCK_N):
         k, v = _load_kv_tile(
             k_ptr, v_ptr, block_table_ptr, seq, k_start, kv_head, n0, len_k, dims, dim_ok,
             stride_kblock, stride_kn, stride_kh, stride_vblock, stride_vn, stride_vh, stride_bt,
-            BLOCK_N, PAGED, PAGE, True,
+            BLOCK_N, PAGED, PAGE, True, TILE_IN_PAGE,
         )  # fmt: skip
         pos = n0 + tl.arange(0, BLOCK_N)
         visible = (pos < len_k)[None, :]  # (1, BLOCK_N)
@@ -581,7 +585,7 @@ def paged_decode_attention(
             LEN_Q=len_q, GROUP=group, SEQS=seqs_per_tile,
             BLOCK_M=max(16, triton.next_power_of_2(seqs_per_tile * len_q * group)),
             HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), PAGE=page, BLOCK_N=block_n,
-            UPCAST=upcast, PRECISION=precision, WIDE_F16=wide_f16,
+            UPCAST=upcast, PRECISION=precision, WIDE_F16=wide_f16, TILE_IN_PAGE=page % block_n == 0,
             num_warps=launch.num_warps, num_stages=launch.num_stages,
         )  # fmt: skip
     suffix, suffix_lse = partial[:, prefix_splits:], lse[:, prefix_splits:]  # (views: each sequence's own splits)
@@ -673,7 +677,7 @@ def varlen_attention(
         stride_bt,
         GROUP=group, HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_M=block_m, BLOCK_T=block_t, BLOCK_N=launch.block_n, PAGED=paged, PAGE=page,
-        CAUSAL=causal, UPCAST=upcast, PRECISION=precision,
+        CAUSAL=causal, UPCAST=upcast, PRECISION=precision, TILE_IN_PAGE=paged and page % launch.block_n == 0,
         num_warps=launch.num_warps, num_stages=launch.num_stages,
     )  # fmt: skip
     return out
