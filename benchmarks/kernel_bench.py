@@ -203,7 +203,8 @@ def time_decode(batch: int, ctx: int, block_sizes=(16, 256), peers: bool = True)
         q, k_cache, v_cache, block_table, _ = problem
         ms = triton_decode_ms(problem)
         max_context = block_table.shape[1] * block_size
-        splits = tri.choose_num_splits(batch, KV_HEADS, max_context, tri._num_sms(q.device), tri.DECODE_LAUNCH.block_n)
+        block_n = tri.decode_launch(batch, DTYPE).block_n
+        splits = tri.choose_num_splits(batch, KV_HEADS, max_context, tri._num_sms(q.device), block_n)
         add(f"triton paged, block {block_size}", ms, splits=splits)
         if dense is None and peers:
             k = dense_from_paged(k_cache, block_table, ctx)  # (B, Hk, ctx, D)
@@ -256,7 +257,13 @@ def mixed_methods(problem, baseline, flash_attn_with_kvcache) -> dict:
     methods["triton, fp8 cache, longest first"] = lambda: tri.paged_decode_attention(
         q, k8, v8, seqlens, table, scheduler_metadata=longest_first
     )
-    # beside DECODE_LAUNCH_8BIT (128 keys, 2 stages): an fp8 tile holds half the bytes of a bf16 one
+    # the 16-bit tiles before DECODE_LAUNCH's 128 keys
+    launch = dataclasses.replace(tri.DECODE_LAUNCH, block_n=64)
+    methods["triton, longest first, block_n 64"] = functools.partial(
+        with_decode_launch, launch, tri.paged_decode_attention, q, k_cache, v_cache, seqlens, table,
+        scheduler_metadata=longest_first,
+    )  # fmt: skip
+    # beside decode_launch's 8-bit tiles (128 keys in 4 warps, 2 stages; 64 in 2 warps from DECODE_8BIT_WIDE_BATCH)
     for block_n, stages in ((32, 2), (64, 2), (128, 3)):
         launch = dataclasses.replace(tri.DECODE_LAUNCH_8BIT, block_n=block_n, num_stages=stages)
         got8 = with_decode_launch(launch, tri.paged_decode_attention, q, k8, v8, seqlens, table)
@@ -284,13 +291,13 @@ def mixed_methods(problem, baseline, flash_attn_with_kvcache) -> dict:
 
 
 def with_decode_launch(launch, fn, *args, **kwargs):
-    """fn(*args, **kwargs) with the decode kernel's tile settings (bf16 and 8-bit caches) set to `launch`."""
-    saved = tri.DECODE_LAUNCH, tri.DECODE_LAUNCH_8BIT
-    tri.DECODE_LAUNCH = tri.DECODE_LAUNCH_8BIT = launch
+    """fn(*args, **kwargs) with the decode kernel's tile settings set to `launch` (any batch, any cache dtype)."""
+    saved = tri.decode_launch
+    tri.decode_launch = lambda batch, cache_dtype: launch
     try:
         return fn(*args, **kwargs)
     finally:
-        tri.DECODE_LAUNCH, tri.DECODE_LAUNCH_8BIT = saved
+        tri.decode_launch = saved
 
 
 def time_mixed_decode(copy_tbps: float, baseline_path: Path | None) -> list[dict]:
@@ -581,7 +588,7 @@ def time_small_decode(batch: int, ctx: int, old, num_sms: int) -> tuple[dict, st
     old_ms = bench(lambda: old.paged_decode_attention(q, k_cache, v_cache, seqlens, block_table))
     new_ms = bench(lambda: tri.paged_decode_attention(q, k_cache, v_cache, seqlens, block_table))
     old_splits = old.choose_num_splits(batch, KV_HEADS, ctx, num_sms, old.DECODE_LAUNCH.block_n)
-    new_splits = tri.choose_num_splits(batch, KV_HEADS, ctx, num_sms, tri.DECODE_LAUNCH.block_n)
+    new_splits = tri.choose_num_splits(batch, KV_HEADS, ctx, num_sms, tri.decode_launch(batch, DTYPE).block_n)
     row = dict(batch=batch, ctx=ctx, old_splits=old_splits, new_splits=new_splits, old_us=old_ms * 1e3,
                new_us=new_ms * 1e3, sdpa_dense_us=sdpa * 1e3, old_of_sdpa=percent(old_ms, sdpa),
                new_of_sdpa=percent(new_ms, sdpa))  # fmt: skip

@@ -149,6 +149,37 @@ def test_varlen_triton_reads_history_through_block_tables(dtype, block_size):
     torch.testing.assert_close(out.float(), oracle.float(), atol=TOL[dtype], rtol=TOL[dtype])
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float32, torch.float8_e4m3fn])
+@pytest.mark.parametrize("block_size", [16, 256])
+def test_gpu_decode_tiles_chosen_by_dtype_and_batch_all_match_the_oracle(cache_dtype, block_size):
+    """decode_launch picks the tiles by the cache's dtype and the batch (128 or 64 keys a tile, 4 or 2 warps): each
+    choice, below and at DECODE_8BIT_WIDE_BATCH sequences, over blocks that hold whole tiles and blocks that do not."""
+    from dataclasses import replace
+
+    from nanoref.ops import attention_triton
+
+    g = torch.Generator().manual_seed(block_size)
+    q_dtype = torch.float32 if cache_dtype == torch.float32 else torch.bfloat16
+    for batch in (5, attention_triton.DECODE_8BIT_WIDE_BATCH):
+        lens = torch.randint(1, 400, (batch,), generator=g).tolist()
+        x = random_paged_decode(lens, block_size, 4, 2, 128, q_dtype, g).to("cuda")
+        rounded = replace(  # the oracle reads the cache's values (8-bit ones widened) in float32
+            x,
+            q=x.q.float(),
+            k_cache=x.k_cache.to(cache_dtype),
+            v_cache=x.v_cache.to(cache_dtype),
+            k_flat=x.k_flat.to(cache_dtype).float(),
+            v_flat=x.v_flat.to(cache_dtype).float(),
+        )
+        order = decode_schedule(x.seqlens)
+        got = paged_decode_attention(
+            x.q, rounded.k_cache, rounded.v_cache, x.seqlens, x.block_table, scheduler_metadata=order
+        )
+        tol = TOL[torch.float32] if cache_dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got.flatten(0, 1).float(), rounded.oracle(), atol=tol, rtol=tol)
+
+
 @pytest.mark.parametrize("num_sms", [8, 132])
 def test_split_count_fills_the_gpu_in_one_wave(num_sms):
     """What choose_num_splits promises, over a grid of shapes: at most 64 splits, each of >= 64 tokens; no

@@ -43,7 +43,12 @@ class Launch:
     num_stages: int = 2
 
 
-DECODE_LAUNCH = Launch(block_n=64, num_warps=4, num_stages=3)  # best of benchmarks/kernel_bench.py --sweep on an H200
+# Decode tiles by the cache's dtype and the batch (`decode_launch`). Measured on an H100 over mixed contexts
+# (benchmarks/kernel_bench.py --mixed; benchmarks/results/kernels_launch_h100.md): 16-bit caches read 128-key tiles
+# (4 warps, 3 stages), which tie 64-key ones from 128 sequences up and win 3-12% below (fewer, longer iterations
+# where few programs run); float32 keeps 64 keys (128 at 3 stages would not fit shared memory beside a second program)
+DECODE_LAUNCH = Launch(block_n=128, num_warps=4, num_stages=3)
+DECODE_LAUNCH_FP32 = Launch(block_n=64, num_warps=4, num_stages=3)
 # 128 rows (64 tokens x GQA 2's heads): two warpgroups of 64 rows, so 8 warps. On an H200 it tied 64 rows / 4 warps
 # (69% of SDPA, geometric mean) and led on long sequences (benchmarks/results/kernels_compare_h200.md)
 PREFILL_LAUNCH = Launch(block_m=128, block_n=64, num_warps=8, num_stages=3)
@@ -51,8 +56,14 @@ PREFILL_LAUNCH = Launch(block_m=128, block_n=64, num_warps=8, num_stages=3)
 # H100 it read 61-83% of copy bandwidth over mixed contexts, against 46-62% at 64 keys (with K/V widened to bf16),
 # and 8 warps lost everywhere (benchmarks/results/kernels_mixed_fp8_h100.md). Its widened tiles live in registers
 # (213-246 a thread against bf16's 96: two programs an SM), and 2 stages beat 3 at batch 32-256 by 3-7%
-# (benchmarks/results/kernels_fp8_tiles_h100.md)
+# (benchmarks/results/kernels_fp8_tiles_h100.md). From DECODE_8BIT_WIDE_BATCH sequences on, 64-key tiles in 2 warps
+# (four programs an SM) are 2-5% faster; below it they lose up to 40% (too few programs to hide the loads).
 DECODE_LAUNCH_8BIT = Launch(block_n=128, num_warps=4, num_stages=2)
+DECODE_LAUNCH_8BIT_WIDE = Launch(block_n=64, num_warps=2, num_stages=3)
+DECODE_8BIT_WIDE_BATCH = 192
+# The cascade prefix pass keeps the tiles it was measured with (benchmarks/results/kernels_cascade_h100.md)
+PREFIX_LAUNCH = Launch(block_n=64, num_warps=4, num_stages=3)
+PREFIX_LAUNCH_8BIT = Launch(block_n=128, num_warps=4, num_stages=2)
 INTERPRETER_LAUNCH = Launch(block_m=64, block_n=64)  # few big tiles: the interpreter pays per iteration
 
 
@@ -446,9 +457,11 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-# Decode programs one SM runs at once: compiled on an H200 (triton 3.6) with DECODE_LAUNCH, a program takes 128
-# registers x 128 threads and 39 KB of shared memory, so four fit in an SM's 64K registers (benchmarks/kernel_bench.py
-# --compare prints what the GPU's own compile takes; benchmarks/results/kernels_compare_h200.md).
+# Decode programs one SM runs at once, as choose_num_splits counts them. What fits depends on the tiles (an H100's
+# compile, triton 3.6: 128-key bf16 tiles 166 registers x 128 threads and 72 KB of shared memory, three an SM; 8-bit
+# tiles two, or four in 2 warps; benchmarks/kernel_bench.py --compare prints them), but on an H100 over mixed
+# contexts 4 beat 8 and 16 at 48-64 sequences for every tile tried, and lost to them by 4-13% at 32 and below,
+# where the steps are short (benchmarks/results/kernels_launch_h100.md).
 DECODE_PROGRAMS_PER_SM = 4
 # Cascade attention's shared-prefix pass (shared_prefix_kernel): query rows per program (sequences x query tokens x
 # the GQA group's heads; 128 was slower at every batch on an H100, benchmarks/results/kernels_cascade_h100.md), and
@@ -506,6 +519,17 @@ def decode_schedule(cache_seqlens: torch.Tensor) -> torch.Tensor:
     return torch.argsort(cache_seqlens, descending=True)
 
 
+def decode_launch(batch: int, cache_dtype: torch.dtype) -> Launch:
+    """The decode kernel's tiles for `batch` sequences over a cache of `cache_dtype` (see DECODE_LAUNCH).
+
+    Shapes only, so each decode CUDA graph (one per batch bucket) captures its own."""
+    if interpreting():
+        return INTERPRETER_LAUNCH
+    if cache_dtype.itemsize == 1:  # kv_cache_dtype="fp8"
+        return DECODE_LAUNCH_8BIT_WIDE if batch >= DECODE_8BIT_WIDE_BATCH else DECODE_LAUNCH_8BIT
+    return DECODE_LAUNCH if cache_dtype.itemsize == 2 else DECODE_LAUNCH_FP32
+
+
 def paged_decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -542,7 +566,7 @@ def paged_decode_attention(
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
     upcast, precision = _dot_settings(q.dtype)
     eight_bit = k_cache.element_size() == 1  # kv_cache_dtype="fp8"
-    launch = INTERPRETER_LAUNCH if interpreting() else DECODE_LAUNCH_8BIT if eight_bit else DECODE_LAUNCH
+    launch = decode_launch(batch, k_cache.dtype)
     block_n = launch.block_n
     max_context = block_table.shape[1] * page
     if num_splits <= 0:
@@ -559,6 +583,7 @@ def paged_decode_attention(
                 f"shared_prefix_lens must be ({batch},) int32 on {q.device}, got {tuple(prefix.shape)} "
                 f"{prefix.dtype} on {prefix.device}"
             )
+        prefix_launch = INTERPRETER_LAUNCH if interpreting() else PREFIX_LAUNCH_8BIT if eight_bit else PREFIX_LAUNCH
         seqs_per_tile = max(1, PREFIX_ROWS // (len_q * group))
         tiles = triton.cdiv(batch, seqs_per_tile)
         prefix_splits = max(1, min(_num_sms(q.device) // (tiles * num_kv_heads), MAX_PREFIX_SPLITS))
@@ -584,9 +609,9 @@ def paged_decode_attention(
             lse.stride(0), lse.stride(1), lse.stride(2),
             LEN_Q=len_q, GROUP=group, SEQS=seqs_per_tile,
             BLOCK_M=max(16, triton.next_power_of_2(seqs_per_tile * len_q * group)),
-            HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), PAGE=page, BLOCK_N=block_n,
-            UPCAST=upcast, PRECISION=precision, WIDE_F16=wide_f16, TILE_IN_PAGE=page % block_n == 0,
-            num_warps=launch.num_warps, num_stages=launch.num_stages,
+            HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), PAGE=page, BLOCK_N=prefix_launch.block_n,
+            UPCAST=upcast, PRECISION=precision, WIDE_F16=wide_f16, TILE_IN_PAGE=page % prefix_launch.block_n == 0,
+            num_warps=prefix_launch.num_warps, num_stages=prefix_launch.num_stages,
         )  # fmt: skip
     suffix, suffix_lse = partial[:, prefix_splits:], lse[:, prefix_splits:]  # (views: each sequence's own splits)
     ordered = scheduler_metadata is not None
