@@ -479,10 +479,10 @@ def choose_num_splits(
     its whole context one tile after another, a chain of memory round trips. Splits run side by side
     shorten the chain and fill the SMs, for the fixed price of one merge launch. The count is rounded
     down to what the GPU runs at once (DECODE_PROGRAMS_PER_SM per SM): one program more would start a
-    second wave that the whole step waits for. Each split keeps at least min_split_len tokens (one tile of
-    64; on an H200 a sweep of every split count found one-tile splits the fastest at every small-batch shape
-    once the one-wave cap holds: benchmarks/results/kernels_compare_h200.md), and there are at most 64 (the
-    merge loads them all in one tile).
+    second wave that the whole step waits for. Each split keeps at least one tile (min_split_len or block_n
+    tokens, whichever is more; on an H200 a sweep of every split count found one-tile splits the fastest at every
+    small-batch shape once the one-wave cap holds: benchmarks/results/kernels_compare_h200.md), and there are at
+    most 64 (the merge loads them all in one tile).
     Depends only on shapes (not on the lengths in cache_seqlens), so a CUDA graph can capture it.
     """
     programs = batch * num_kv_heads
