@@ -43,9 +43,9 @@ class Launch:
     num_stages: int = 2
 
 
-# Decode tiles by the cache's dtype and the batch (`decode_launch`). Measured on an H100 over mixed contexts
-# (benchmarks/kernel_bench.py --mixed; benchmarks/results/kernels_launch_h100.md): 16-bit caches read 128-key tiles
-# (4 warps, 3 stages), which tie 64-key ones from 128 sequences up and win 3-12% below (fewer, longer iterations
+# Decode tiles by the cache's dtype and the batch (`decode_launch`). Measured on an H100 over kernel_bench.py's mixed
+# contexts (benchmarks/results/kernels_launch_h100.md): 16-bit caches read 128-key tiles (4 warps, 3 stages), which
+# tie 64-key ones from 128 sequences up and win 3-16% below (fewer, longer iterations
 # where few programs run); float32 keeps 64 keys (128 at 3 stages would not fit shared memory beside a second program)
 DECODE_LAUNCH = Launch(block_n=128, num_warps=4, num_stages=3)
 DECODE_LAUNCH_FP32 = Launch(block_n=64, num_warps=4, num_stages=3)
@@ -460,8 +460,8 @@ def _num_sms(device: torch.device) -> int:
 # Decode programs one SM runs at once, as choose_num_splits counts them. What fits depends on the tiles (an H100's
 # compile, triton 3.6: 128-key bf16 tiles 166 registers x 128 threads and 72 KB of shared memory, three an SM; 8-bit
 # tiles two, or four in 2 warps; benchmarks/kernel_bench.py --compare prints them), but on an H100 over mixed
-# contexts 4 beat 8 and 16 at 48-64 sequences for every tile tried, and lost to them by 4-13% at 32 and below,
-# where the steps are short (benchmarks/results/kernels_launch_h100.md).
+# contexts, with decode_launch's tiles, 4 beat or tied 8 and 16 at 48-64 sequences, and lost to 8 by 6-13% at 32
+# and 1-5% below, where the steps are short (benchmarks/results/kernels_launch_h100.md).
 DECODE_PROGRAMS_PER_SM = 4
 # Cascade attention's shared-prefix pass (shared_prefix_kernel): query rows per program (sequences x query tokens x
 # the GQA group's heads; 128 was slower at every batch on an H100, benchmarks/results/kernels_cascade_h100.md), and
