@@ -640,7 +640,10 @@ def decode_occupancy() -> str:
     q, k_cache, v_cache, block_table, seqlens = paged_problem(4, 1024, 16)
     tri.paged_decode_attention(q, k_cache, v_cache, seqlens, block_table)  # compiles it
     lines = kernel_resources(tri.paged_decode_kernel, "paged_decode_kernel")
-    lines.append(f"  choose_num_splits assumes {tri.DECODE_PROGRAMS_PER_SM} programs/SM (DECODE_PROGRAMS_PER_SM)")
+    lines.append(
+        f"  choose_num_splits counts {tri.DECODE_PROGRAMS_PER_SM} programs/SM (DECODE_PROGRAMS_PER_SM), "
+        f"{tri.DECODE_PROGRAMS_PER_SM_SMALL} for a batch of at most {tri.SMALL_BATCH_PROGRAMS_PER_SM} programs/SM"
+    )
     return "\n".join(lines)
 
 

@@ -184,11 +184,11 @@ def test_gpu_decode_tiles_chosen_by_dtype_and_batch_all_match_the_oracle(cache_d
 def test_split_count_fills_the_gpu_in_one_wave(num_sms):
     """What choose_num_splits promises, over a grid of shapes: at most 64 splits, each of >= 64 tokens; no
     split when the batch alone fills the GPU; otherwise as many splits as fit in one wave of programs
-    (DECODE_PROGRAMS_PER_SM per SM), and never more."""
-    from nanoref.ops.attention_triton import DECODE_PROGRAMS_PER_SM
+    (DECODE_PROGRAMS_PER_SM per SM, or DECODE_PROGRAMS_PER_SM_SMALL for a batch of at most
+    SMALL_BATCH_PROGRAMS_PER_SM programs an SM), and never more."""
+    from nanoref.ops import attention_triton as tri
 
-    slots = DECODE_PROGRAMS_PER_SM * num_sms
-    for batch in (1, 2, 4, 8, 16, 64, 256):
+    for batch in (1, 2, 4, 8, 16, 32, 33, 34, 48, 64, 256):
         for kv_heads in (1, 2, 8):
             for max_context in (64, 128, 256, 1000, 4096, 32768):
                 splits = choose_num_splits(batch, kv_heads, max_context, num_sms=num_sms, block_n=64)
@@ -196,11 +196,22 @@ def test_split_count_fills_the_gpu_in_one_wave(num_sms):
                 assert 1 <= splits <= 64, shape
                 assert splits == 1 or max_context // splits >= 64, shape + " shorter than 64 tokens each"
                 programs = batch * kv_heads
+                small = programs <= tri.SMALL_BATCH_PROGRAMS_PER_SM * num_sms
+                per_sm = tri.DECODE_PROGRAMS_PER_SM_SMALL if small else tri.DECODE_PROGRAMS_PER_SM
+                slots = per_sm * num_sms
                 if 2 * programs > slots:  # two splits would not fit in one wave
                     assert splits == 1, shape + " although the batch fills the GPU"
                 assert splits == 1 or programs * splits <= slots, shape + " start a second wave"
                 if splits < min(64, max_context // 64):
                     assert programs * (splits + 1) > slots, shape + " leave SMs idle"
+
+
+def test_small_batches_split_more_on_an_h100_shape():
+    """The measured rule on Qwen3-0.6B's decode shape (8 KV heads, 132 SMs, 128-key tiles, a 4,096-token table):
+    32 sequences split 4 ways (8 programs counted an SM), 48 sequences not at all (4 an SM: 384 programs already
+    fill 528 slots more than half), 16 sequences 8 ways."""
+    splits = {b: choose_num_splits(b, 8, 4096, num_sms=132, block_n=128) for b in (8, 16, 32, 33, 34, 48, 64)}
+    assert splits == {8: 16, 16: 8, 32: 4, 33: 4, 34: 1, 48: 1, 64: 1}, splits
 
 
 def test_greedy_generation_with_triton_matches_hf(tiny_model):

@@ -459,15 +459,28 @@ def _num_sms(device: torch.device) -> int:
 
 # Decode programs one SM runs at once, as choose_num_splits counts them. What fits depends on the tiles (an H100's
 # compile, triton 3.6: 128-key bf16 tiles 166 registers x 128 threads and 72 KB of shared memory, three an SM; 8-bit
-# tiles two, or four in 2 warps; benchmarks/kernel_bench.py --compare prints them), but on an H100 over mixed
-# contexts, with decode_launch's tiles, 4 beat or tied 8 and 16 at 48-64 sequences, and lost to 8 by 6-13% at 32
-# and 1-5% below, where the steps are short (benchmarks/results/kernels_launch_h100.md).
+# tiles two, or four in 2 warps; benchmarks/kernel_bench.py --compare prints them). Counting more than fit
+# oversubscribes the SMs on purpose: on an H100 over mixed contexts, with decode_launch's tiles, 4 beat 8 by 3-5% at
+# 48-64 sequences (16 tied or lost), and lost to 8 by 6-13% at 32 sequences and 1-5% below, where a step is short and
+# more, shorter splits hide the loads' latency (benchmarks/results/kernels_launch_h100.md, bf16 and fp8 caches). So
+# a batch of at most SMALL_BATCH_PROGRAMS_PER_SM programs an SM (Qwen3's 8 KV heads on 132 SMs: up to 33 sequences,
+# so the decode graph buckets 32 and 48 fall on the measured sides) counts DECODE_PROGRAMS_PER_SM_SMALL, and a
+# larger one DECODE_PROGRAMS_PER_SM.
 DECODE_PROGRAMS_PER_SM = 4
+DECODE_PROGRAMS_PER_SM_SMALL = 8
+SMALL_BATCH_PROGRAMS_PER_SM = 2
+
 # Cascade attention's shared-prefix pass (shared_prefix_kernel): query rows per program (sequences x query tokens x
 # the GQA group's heads; 128 was slower at every batch on an H100, benchmarks/results/kernels_cascade_h100.md), and
 # at most this many splits of the prefix, chosen so that its programs fill the SMs once
 PREFIX_ROWS = 64
 MAX_PREFIX_SPLITS = 16
+
+
+def decode_programs_per_sm(programs: int, num_sms: int) -> int:
+    """Decode programs an SM is counted to run at once, for a batch of `programs` (sequences x KV heads)."""
+    small = programs <= SMALL_BATCH_PROGRAMS_PER_SM * num_sms
+    return DECODE_PROGRAMS_PER_SM_SMALL if small else DECODE_PROGRAMS_PER_SM
 
 
 def choose_num_splits(
@@ -478,15 +491,15 @@ def choose_num_splits(
     A small batch makes few programs (one per sequence and KV head): most SMs idle, and each program walks
     its whole context one tile after another, a chain of memory round trips. Splits run side by side
     shorten the chain and fill the SMs, for the fixed price of one merge launch. The count is rounded
-    down to what the GPU runs at once (DECODE_PROGRAMS_PER_SM per SM): one program more would start a
-    second wave that the whole step waits for. Each split keeps at least one tile (min_split_len or block_n
+    down to what the GPU is counted to run at once (`decode_programs_per_sm` per SM): one program more would
+    start a second wave that the whole step waits for. Each split keeps at least one tile (min_split_len or block_n
     tokens, whichever is more; on an H200 a sweep of every split count found one-tile splits the fastest at every
     small-batch shape once the one-wave cap holds: benchmarks/results/kernels_compare_h200.md), and there are at
     most 64 (the merge loads them all in one tile).
     Depends only on shapes (not on the lengths in cache_seqlens), so a CUDA graph can capture it.
     """
     programs = batch * num_kv_heads
-    fit = max(1, DECODE_PROGRAMS_PER_SM * num_sms // programs)
+    fit = max(1, decode_programs_per_sm(programs, num_sms) * num_sms // programs)
     return max(1, min(fit, max_context // max(min_split_len, block_n), 64))
 
 
