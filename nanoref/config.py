@@ -20,6 +20,8 @@ from nanoref.ops.backends import BACKEND_NAMES, FLASH_ATTN_BACKENDS, choose_back
 from nanoref.sampling_params import check_seed
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# vLLM's other spellings of the same types (its --dtype choices): code written for vLLM passes them
+_DTYPE_ALIASES = {"float": torch.float32, "half": torch.float16}
 # vLLM's kv_cache_dtype values: "auto" keeps K/V in the model's dtype; the 8-bit floats halve the cache's bytes (a
 # decode step reads every running sequence's K/V, most of its time on a GPU) and round each cached value to 3
 # (e4m3) or 2 (e5m2) mantissa bits. "fp8" is e4m3, as in vLLM
@@ -33,9 +35,9 @@ def parse_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.
         if dtype not in _DTYPES.values():
             raise ValueError(f"dtype must be one of {list(_DTYPES)}, got {dtype}")
         return dtype
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype must be one of {list(_DTYPES)}, got {dtype!r}")
-    return _DTYPES[dtype]
+    if not isinstance(dtype, str) or dtype not in {**_DTYPES, **_DTYPE_ALIASES}:  # (a list is unhashable: checked)
+        raise ValueError(f"dtype must be one of {['auto', *_DTYPES, *_DTYPE_ALIASES]}, got {dtype!r}")
+    return {**_DTYPES, **_DTYPE_ALIASES}[dtype]
 
 
 # The settings that decide throughput, per device type, when LLM(...) leaves them out. A GPU runs a decode step in
@@ -155,7 +157,9 @@ class EngineConfig:
         # to run a flash-attn kernel to learn whether the installed build serves the model
         if self.attention_backend not in BACKEND_NAMES:
             raise ValueError(f"attention_backend must be one of {BACKEND_NAMES}, got {self.attention_backend!r}")
-        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_CACHE_DTYPES:
+        if self.kv_cache_dtype != "auto" and (
+            not isinstance(self.kv_cache_dtype, str) or self.kv_cache_dtype not in KV_CACHE_DTYPES
+        ):
             raise ValueError(f"kv_cache_dtype must be one of {['auto', *KV_CACHE_DTYPES]}, got {self.kv_cache_dtype!r}")
         limit = self.hf_config.max_position_embeddings
         if self.max_model_len is None:

@@ -17,10 +17,11 @@ import inspect
 import os
 import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import fields
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 from nanoref.cascade import CASCADE_MIN_SEQS, reads_shared_prefixes
 from nanoref.cascade import attach as attach_cascade
@@ -41,9 +42,17 @@ from nanoref.sampling_params import SamplingParams
 from nanoref.speculative.loop import SpeculativeLoop
 from nanoref.speculative.runner import SpeculativeRunner, unpaid_draft
 from nanoref.structured_output import Grammars
+from nanoref.utils.progress import tqdm
 from nanoref.warmup import warm_up_prefill
 
 DEFAULT_MODEL = Path(__file__).parent / "default_model"
+
+
+def grammars_for(tokenizer: Any, config: EngineConfig, eos_token_ids: Iterable[int]) -> Grammars:
+    """The structured-output grammar compiler for a model's tokenizer: its stop tokens are the EOS ids in the
+    vocabulary. (The server's engine-process form makes one too, on its side, to check a request's grammar.)"""
+    vocab = config.hf_config.vocab_size
+    return Grammars(tokenizer, vocab, sorted(t for t in eos_token_ids if t < vocab))
 
 
 class LLM(LLMEngine):
@@ -110,8 +119,7 @@ class LLM(LLMEngine):
         if self.tokenizer is None:
             raise ValueError(f"{self.config.model_folder} has no tokenizer: structured_outputs needs one")
         if self.grammars is None:  # (two threads may both make one: either serves)
-            stop = sorted(t for t in self.scheduler.eos_token_ids if t < self.config.hf_config.vocab_size)
-            self.grammars = Grammars(self.tokenizer, self.config.hf_config.vocab_size, stop)
+            self.grammars = grammars_for(self.tokenizer, self.config, self.scheduler.eos_token_ids)
         compiled = self.grammars.compile(params.structured_outputs)
 
         def attach(samples: list) -> None:
@@ -150,9 +158,9 @@ class LLM(LLMEngine):
 
     def generate(
         self,
-        prompts: list[str] | list[list[int]],
+        prompts: str | list[str] | list[list[int]],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., tqdm] = True,
         lora_request: LoRARequest | list[LoRARequest | None] | None = None,
         return_metrics: bool = False,
     ) -> list[dict]:
@@ -188,7 +196,7 @@ class LLM(LLMEngine):
         self,
         messages: list[dict] | list[list[dict]],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., tqdm] = True,
         lora_request: LoRARequest | list[LoRARequest | None] | None = None,
         *,
         add_generation_prompt: bool = True,

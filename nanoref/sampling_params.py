@@ -80,9 +80,10 @@ class SamplingParams:
     """One request's sampling settings, spelled and meaning what they mean in vLLM.
 
     temperature: 0 means greedy; otherwise logits are divided by it before sampling.
-    max_tokens: the most completion tokens to generate ("length" when reached).
+    max_tokens: the most completion tokens to generate ("length" when reached); None (vLLM's spelling): as many as
+        the engine's max_model_len leaves room for (stored as MAX_TOKENS_LIMIT).
     ignore_eos: keep generating past EOS (stop_token_ids still stop).
-    top_k: sample among the k most likely tokens only; 0 = off.
+    top_k: sample among the k most likely tokens only; 0 = off (-1, vLLM's old "off", is taken as 0).
     top_p: sample among the smallest set of tokens whose probability reaches top_p; 1.0 = off.
     seed: the request draws from its own generator, so its tokens do not depend on its batch; None = the engine's.
     stop_token_ids: generating one of these ends the request ("stop", with `stop_reason` = that id).
@@ -132,6 +133,10 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.stop_token_ids is None:  # (vLLM's default spelling of "none")
             self.stop_token_ids = []
+        if self.max_tokens is None:  # vLLM's "until max_model_len": generation stops there anyway
+            self.max_tokens = MAX_TOKENS_LIMIT
+        if self.top_k == -1 and _is_int(self.top_k):  # vLLM accepts -1 as "off" (its default once): nanoref's 0
+            self.top_k = 0
         self.validate()
 
     @property
@@ -161,8 +166,9 @@ class SamplingParams:
             raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
-        if not _is_int(self.top_k) or not 0 <= self.top_k <= _INT64_MAX:
-            raise ValueError(f"top_k must be an integer in [0, 2**63) (0 = off), got {self.top_k!r}")
+        # (-1 passes too: a field reassigned after __post_init__; the sampler reads anything below 1 as off)
+        if not _is_int(self.top_k) or not -1 <= self.top_k <= _INT64_MAX:
+            raise ValueError(f"top_k must be an integer in [0, 2**63) (0 or -1 = off), got {self.top_k!r}")
         if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         check_seed(self.seed)

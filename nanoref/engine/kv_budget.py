@@ -7,8 +7,8 @@ import torch
 from nanoref.utils.context import Context, reset_context, set_context
 
 
-def cpu_memory_available() -> int:
-    """Bytes of memory available to new allocations (Linux), else a conservative 4 GiB."""
+def cpu_memory_available(fallback: int | None = 4 << 30) -> int | None:
+    """Bytes of memory available to new allocations (Linux), else `fallback` (a conservative 4 GiB)."""
     try:
         with open("/proc/meminfo") as meminfo:
             for line in meminfo:
@@ -16,7 +16,7 @@ def cpu_memory_available() -> int:
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
-    return 4 << 30
+    return fallback
 
 
 def kv_blocks_from_memory(runner) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterator
+from functools import partial
 from itertools import count
 from typing import Protocol
 
@@ -222,9 +223,9 @@ class LLMEngine:
 
     def generate(
         self,
-        prompts: list[str] | list[list[int]],
+        prompts: str | list[str] | list[list[int]],
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., tqdm] = True,
         return_metrics: bool = False,
         request_options: list[dict] | None = None,
     ) -> list[dict]:
@@ -233,6 +234,7 @@ class LLMEngine:
         "stop_reason" (the stop string that matched, or None). With n > 1 these are sample 0's, and "outputs"
         lists every sample's ("index", "text", "token_ids", "finish_reason"[, "stop_reason"]).
 
+        use_tqdm: show a progress bar; a callable (vLLM's: `functools.partial(tqdm, leave=False)`) makes the bar.
         return_metrics: each dict also gets "metrics", the request's `RequestMetrics`. Either way
         `self.metrics.steps` holds a `StepRecord` per step of this call. request_options: per prompt, more keyword
         arguments of a subclass's make_samples.
@@ -253,7 +255,8 @@ class LLMEngine:
             for samples in requests:
                 self.enqueue_samples(samples)
             total = sum(map(len, requests))
-            bar = tqdm(total=total, desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
+            make_bar = use_tqdm if callable(use_tqdm) else partial(tqdm, disable=not use_tqdm)
+            bar = make_bar(total=total, desc="Generating", dynamic_ncols=True)
             rates = {}  # the latest prefill and decode step's tokens per second
             try:
                 while not self.is_finished():

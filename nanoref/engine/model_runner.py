@@ -12,6 +12,7 @@ state is given from outside (nanoref/llm.py): `RunnerHooks` (engine/hooks.py), o
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -20,7 +21,7 @@ import torch
 from nanoref.config import EngineConfig
 from nanoref.engine.block_tables import BlockTables
 from nanoref.engine.hooks import NO_RUNNER_HOOKS, RunnerHooks
-from nanoref.engine.kv_budget import kv_blocks_from_memory
+from nanoref.engine.kv_budget import cpu_memory_available, kv_blocks_from_memory
 from nanoref.engine.sampling_inputs import asks_all_logits, attach_logprobs, sampling_batch, split_logits, step_logprobs
 from nanoref.engine.sequence import Sequence
 from nanoref.engine.step_inputs import StepInputs, decode_arrays, prefill_arrays, prefill_metadata
@@ -76,10 +77,27 @@ class ModelRunner:
     def allocate_kv_cache(self) -> None:
         c, kv_heads = self.config.hf_config, self.attention_layers[0].num_kv_heads
         shape = (2, c.num_hidden_layers, self.num_kvcache_blocks, self.block_size, kv_heads, c.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=self.config.cache_dtype, device=self.device)  # (kv_cache_dtype)
+        # an explicit num_kvcache_blocks may ask for more than there is: say so, rather than the allocator's bytes (or,
+        # on a CPU, the kernel's OOM killer while torch.zeros writes pages the allocation only promised)
+        needed = math.prod(shape) * self.config.cache_dtype.itemsize
+        available = cpu_memory_available(fallback=None) if self.device.type == "cpu" else None  # (None: unknown)
+        if available is not None and needed > available:
+            raise ValueError(self._kv_cache_too_large(needed, f"{available / 2**30:.1f} GiB available"))
+        try:
+            self.kv_cache = torch.zeros(shape, dtype=self.config.cache_dtype, device=self.device)  # (kv_cache_dtype)
+        except (torch.OutOfMemoryError, RuntimeError, MemoryError) as error:
+            if isinstance(error, RuntimeError) and "alloc" not in str(error).lower():
+                raise
+            raise ValueError(self._kv_cache_too_large(needed, "it could not be allocated")) from None
         for index, layer in enumerate(self.attention_layers):
             layer.k_cache = self.kv_cache[0, index]  # (num_blocks, block_size, Hk, D), a view
             layer.v_cache = self.kv_cache[1, index]
+
+    def _kv_cache_too_large(self, needed: int, why: str) -> str:
+        return (
+            f"num_kvcache_blocks={self.num_kvcache_blocks} needs {needed / 2**30:.1f} GiB for the KV cache on "
+            f"{self.device}, but {why}: lower num_kvcache_blocks (None sizes it from memory)"
+        )
 
     # -- flat inputs ----------------------------------------------------------------------------
     def prepare_prefill(self, seqs: list[Sequence]) -> StepInputs:

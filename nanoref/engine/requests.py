@@ -61,8 +61,10 @@ def check_request(token_ids: list[int], params: SamplingParams, config: EngineCo
 
 
 def prompt_list(prompts: object) -> list:
-    """`generate`'s prompts as a list: a list, tuple, generator, or a 2-D tensor/array of ids."""
-    if isinstance(prompts, (str, bytes)):
+    """`generate`'s prompts as a list: one string, or a list, tuple, generator, or a 2-D tensor/array of ids."""
+    if isinstance(prompts, str):  # one text prompt, as vLLM's generate("Hello") takes it
+        return [prompts]
+    if isinstance(prompts, bytes):
         raise TypeError("prompts must be a list: list[str] or list[list[int]] (wrap a single prompt in [])")
     if isinstance(prompts, (dict, set, frozenset)) or not hasattr(prompts, "__iter__"):
         raise TypeError(f"prompts must be a list of prompts, got {type(prompts).__name__}")
@@ -78,6 +80,11 @@ def params_list(sampling_params: SamplingParams | list[SamplingParams] | None, c
         sampling_params = SamplingParams()
     if isinstance(sampling_params, SamplingParams):
         return [sampling_params] * count
+    if isinstance(sampling_params, (str, bytes, dict)) or not hasattr(sampling_params, "__iter__"):
+        raise TypeError(
+            "sampling_params must be None, a SamplingParams or a list of them (one per prompt), got "
+            f"{type(sampling_params).__name__}"
+        )
     sampling_params = list(sampling_params)
     if len(sampling_params) != count:
         raise ValueError(f"got {len(sampling_params)} SamplingParams for {count} prompts")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -18,6 +19,8 @@ MODEL_REGISTRY = {"Qwen3ForCausalLM": Qwen3ForCausalLM, "Qwen3MoeForCausalLM": Q
 
 def load_model_config(model: str | Path) -> tuple[Path, str, Qwen3Config]:
     """Check a model folder and parse its config.json once. Returns (folder, architecture, config)."""
+    if not isinstance(model, (str, os.PathLike)):  # (pathlib's own TypeError would not say which argument)
+        raise TypeError(f"model must be the path of a model folder (str or Path), got {type(model).__name__}")
     folder = resolve_model_folder(model)
     raw = read_config(folder)
     config_path = folder / "config.json"
