@@ -278,6 +278,20 @@ def test_a_server_on_an_engine_process_equals_offline_generate(process_server, o
     assert httpx.get(f"{process_server.url}/health", timeout=TIMEOUT).json() == {"status": "ok"}
 
 
+def test_structured_outputs_on_an_engine_process_are_served_and_a_bad_one_is_a_400(process_server):
+    # (the default of `python -m nanoref.serve`: this side has no LLM, yet checks the grammar before queueing)
+    body = {"model": MODEL, "prompt": "Is it?", "max_tokens": 5, "structured_outputs": {"choice": ["yes", "no"]}}
+    response = httpx.post(f"{process_server.url}/v1/completions", json=body, timeout=TIMEOUT)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["text"] in ("yes", "no")
+    bad = {**body, "structured_outputs": {"regex": "("}}
+    response = httpx.post(f"{process_server.url}/v1/completions", json=bad, timeout=TIMEOUT)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "structured_outputs"
+    process_server.wait_until_idle()
+    assert scrape(process_server)["nanoref_kv_cache_blocks_used"] == 0
+
+
 def children_of(pid: int) -> set[int]:
     from pathlib import Path
 

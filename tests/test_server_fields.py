@@ -85,7 +85,7 @@ VLLM_EXTRA = {
     "return_tokens_as_token_ids", "return_token_ids", "return_token_offsets", "return_mm_kwargs", "cache_salt",
     "kv_transfer_params", "ec_transfer_params", "vllm_xargs", "repetition_detection", "thinking_token_budget",
     "stream_interval", "routed_experts_prompt_start", "guided_json", "guided_regex", "guided_choice",
-    "guided_grammar", "guided_decoding_backend", "guided_whitespace_pattern", "structural_tag",
+    "guided_grammar", "guided_decoding_backend", "guided_whitespace_pattern", "structural_tag", "logits_processors",
 }  # fmt: skip
 VLLM_COMPLETION = VLLM_SAMPLING | VLLM_EXTRA | {"echo", "prompt_embeds", "stream"}
 VLLM_CHAT = VLLM_SAMPLING | VLLM_EXTRA | {"stream"}
@@ -130,6 +130,12 @@ def test_each_unsupported_field_with_a_value_is_a_400_naming_it(server, path, fi
 def test_an_unknown_field_is_a_400_naming_it(server):
     message = refused(server, "/v1/completions", {"prompt": "x", "temprature": 0}, "temprature")
     assert "unknown field 'temprature'" in message
+
+
+def test_logits_processors_are_refused_as_vllm_refuses_them_not_as_a_typo(server):
+    body = {"prompt": "x", "logits_processors": ["my.Processor"]}
+    message = refused(server, "/v1/completions", body, "logits_processors")
+    assert "not supported" in message and "typo" not in message
 
 
 def test_suffix_and_the_deprecated_functions_are_refused_by_name(server):

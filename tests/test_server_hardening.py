@@ -204,6 +204,44 @@ def test_include_usage_that_is_no_bool_is_a_400(server):
     assert "include_usage" in assert_openai_error(response, 400, "stream_options")["message"]
 
 
+IGNORED_STREAM_OPTIONS = [
+    # (vLLM's 400: "Stream options can only be defined when `stream=True`.")
+    ("completions", {"prompt": PROMPT, "stream_options": {"include_usage": True}}, "stream"),
+    ("chat/completions", {"messages": MESSAGES, "stream": False, "stream_options": {"include_usage": False}}, "stream"),
+    # vLLM's usage in every chunk, which this server does not send
+    (
+        "completions",
+        {"prompt": PROMPT, "stream": True, "stream_options": {"continuous_usage_stats": True}},
+        "continuous",
+    ),
+    (
+        "chat/completions",
+        {"messages": MESSAGES, "stream": True, "stream_options": {"include_usgae": True}},
+        "include_usgae",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "word"),
+    IGNORED_STREAM_OPTIONS,
+    ids=["no-stream", "stream-false", "continuous_usage_stats", "typo"],
+)
+def test_stream_options_that_would_be_ignored_are_a_400(server, path, body, word):
+    response = httpx.post(f"{server.url}/v1/{path}", json={"max_tokens": 2, **body}, timeout=TIMEOUT)
+    assert word in assert_openai_error(response, 400, "stream_options")["message"]
+    assert server.blocks_used() == 0 and server.engine.llm.is_finished()
+
+
+def test_stream_options_at_their_defaults_are_served(server):
+    for body in (
+        {"prompt": PROMPT, "stream_options": {}},  # (an empty object, as null: no option, as in vLLM)
+        {"prompt": PROMPT, "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": False}},
+    ):
+        response = httpx.post(f"{server.url}/v1/completions", json={"max_tokens": 2, **body}, timeout=TIMEOUT)
+        assert response.status_code == 200, response.text
+
+
 def test_the_limits_themselves_are_served(server):
     stop = ["x" * MAX_STOP_STRING_CHARS] + [f"zz{i}" for i in range(MAX_STOP_STRINGS - 1)]
     body = {"prompt": PROMPT, "max_tokens": 2, "n": 4, "stop": stop}

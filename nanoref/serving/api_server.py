@@ -152,6 +152,7 @@ NOT_SUPPORTED_COMMON: dict[str, tuple] = {
     "thinking_token_budget": (),
     "stream_interval": (1,),
     "routed_experts_prompt_start": (0,),
+    "logits_processors": (),  # (vLLM too refuses them without --logits-processor-pattern)
 }
 NOT_SUPPORTED_COMPLETION = {**NOT_SUPPORTED_COMMON, "suffix": (), "best_of": (1,), "prompt_embeds": ()}
 NOT_SUPPORTED_CHAT = {
@@ -948,11 +949,23 @@ def build_app(
             expected = bool if name == "stream" else dict
             if body.get(name) is not None and not isinstance(body[name], expected):
                 raise BadRequest(f"{name} must be {'true or false' if expected is bool else 'an object'}", name)
-        include_usage = (body.get("stream_options") or {}).get("include_usage")
+        options = body.get("stream_options") or {}
+        include_usage = options.get("include_usage")
         if include_usage is not None and not isinstance(include_usage, bool):
             raise BadRequest(
                 f"stream_options.include_usage must be true or false, got {include_usage!r}", "stream_options"
             )
+        # an option the server would not act on is refused, as a body field is (check_fields)
+        unknown = sorted(set(options) - {"include_usage", "continuous_usage_stats"})
+        if unknown:
+            message = f"stream_options: unknown field {unknown[0]!r:.60} (this server takes include_usage)"
+            raise BadRequest(message, "stream_options")
+        every_chunk = options.get("continuous_usage_stats")  # (vLLM's usage in every chunk)
+        if every_chunk is not None and every_chunk is not False:
+            message = "stream_options.continuous_usage_stats is not supported by this server (only null or false)"
+            raise BadRequest(message, "stream_options")
+        if options and not body.get("stream"):  # (vLLM's rule; an empty object is no option)
+            raise BadRequest("stream_options can only be defined when stream is true (as in vLLM)", "stream_options")
         return body, heavy
 
     token_text = TokenTexts(tokenizer)

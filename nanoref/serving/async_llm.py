@@ -53,7 +53,7 @@ from typing import Any
 from nanoref.config import EngineConfig
 from nanoref.engine.output_processor import RequestOutput, RequestOutputs, delta_texts
 from nanoref.engine.requests import check_request, eos_token_ids, tokenize
-from nanoref.llm import DEFAULT_MODEL, LLM, SETTINGS, LoRARequest, check_lora_request
+from nanoref.llm import DEFAULT_MODEL, LLM, SETTINGS, LoRARequest, check_lora_request, grammars_for
 from nanoref.sampling_params import SamplingParams
 from nanoref.serving.engine_loop import EngineLoop, EngineStats, StepMessage, drain
 from nanoref.utils import seams
@@ -144,6 +144,7 @@ class AsyncLLM:
         self._reads_lock = threading.Lock()
         self._closed = False
         self._failure: str | None = None  # why the engine is gone, when it died
+        self._grammars = None  # the process form's grammar compiler (llm.grammars_for), to check constraints
 
     @functools.cached_property
     def _eos_token_ids(self) -> set[int]:
@@ -214,8 +215,23 @@ class AsyncLLM:
         check_request(token_ids, params, self.config)  # (the engine's own checks, on its config)
         check_lora_request(lora_request, self.config.enable_lora)
         if params.structured_outputs is not None:  # its grammar compiled here (cached): a bad one raises now
-            self.llm.constrain(params)
+            self._check_constraint(params)
         return self._stream(token_ids, params, request_id or f"req-{uuid.uuid4().hex}", lora_request)
+
+    def _check_constraint(self, params: SamplingParams) -> None:
+        """Compile the request's grammar (ValueError naming what the grammar library refused). The thread form
+        compiles it in the LLM, whose cache the engine thread then reads; the process form has no LLM on this side,
+        so it compiles it in grammars of its own, on this side's tokenizer, only to check it (the engine's process
+        compiles it again for its matchers)."""
+        if self.llm is not None:
+            self.llm.constrain(params)
+            return
+        params.structured_outputs.validate()
+        if self.tokenizer is None:
+            raise ValueError(f"{self.config.model_folder} has no tokenizer: structured_outputs needs one")
+        if self._grammars is None:
+            self._grammars = grammars_for(self.tokenizer, self.config, self._eos_token_ids)
+        self._grammars.compile(params.structured_outputs)
 
     def _check_running(self) -> None:
         if self._failure is not None:
