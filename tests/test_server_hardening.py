@@ -233,6 +233,25 @@ def test_stream_options_that_would_be_ignored_are_a_400(server, path, body, word
     assert server.blocks_used() == 0 and server.engine.llm.is_finished()
 
 
+def test_a_max_tokens_the_context_cannot_hold_is_a_400_as_in_vllm(server):
+    limit = server.engine.config.max_model_len
+    room = limit - len(server.engine.tokenizer.encode(PROMPT))
+    for path, body, field in [
+        ("completions", {"prompt": PROMPT, "max_tokens": room + 1}, "max_tokens"),
+        ("chat/completions", {"messages": MESSAGES, "max_tokens": limit}, "max_tokens"),
+        ("chat/completions", {"messages": MESSAGES, "max_completion_tokens": limit}, "max_completion_tokens"),
+    ]:
+        response = httpx.post(f"{server.url}/v1/{path}", json=body, timeout=TIMEOUT)
+        message = assert_openai_error(response, 400, field)["message"]
+        assert "is too large" in message and f"maximum context length is {limit} tokens" in message, message
+    assert server.blocks_used() == 0 and server.engine.llm.is_finished()
+    # what the context holds is served, and so is a request that leaves max_tokens to the server
+    body = {"prompt": PROMPT, "max_tokens": room, "stop": ["."]}
+    assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=TIMEOUT).status_code == 200
+    body = {"prompt": "x " * (room - 2), "max_tokens": None}
+    assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=TIMEOUT).status_code == 200
+
+
 def test_stream_options_at_their_defaults_are_served(server):
     for body in (
         {"prompt": PROMPT, "stream_options": {}},  # (an empty object, as null: no option, as in vLLM)

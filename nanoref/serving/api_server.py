@@ -981,10 +981,12 @@ def build_app(
         request_id: str,
         where: str = "",
         model: str | None = None,
+        asked_tokens: int | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """engine.generate, its errors as the request's: `blamed` maps a word of the engine's message to the request
         field it names (its last entry, "": the field of the prompt); model: the request's (an adapter's name, or
-        the base model's)."""
+        the base model's); asked_tokens: the max_tokens the client set (None: the server's default, which the
+        context may cut short)."""
         if not engine.is_running:
             raise engine_stopped()
         if isinstance(prompt, str) and not prompt.isascii():
@@ -994,6 +996,18 @@ def build_app(
                 bad = f"\\u{ord(error.object[error.start]):04x}"
                 message = f"{where}the text holds a lone UTF-16 surrogate ({bad}): it is not text"
                 raise BadRequest(message, blamed[""]) from None
+        limit = engine.config.max_model_len
+        if asked_tokens is not None and isinstance(prompt, str) and prompt and engine.tokenizer is not None:
+            prompt = engine.tokenizer.encode(prompt)  # (as the engine would: counted here, not twice)
+        room = limit - len(prompt) if not isinstance(prompt, str) else None
+        if asked_tokens is not None and room is not None and 0 < room < asked_tokens:
+            # vLLM's server refuses a max_tokens the context cannot hold (its offline generate stops at the limit)
+            message = (
+                f"{where}'max_tokens' or 'max_completion_tokens' is too large: {asked_tokens}. This model's maximum "
+                f"context length is {limit} tokens and your request has {len(prompt)} input tokens "
+                f"({asked_tokens} > {limit} - {len(prompt)})"
+            )
+            raise BadRequest(message, blamed["max_tokens"])
         try:  # the engine's checks of the prompt (empty, too long, outside the vocabulary) and of the KV budget
             return engine.generate(prompt, params, request_id, adapters.lora_request(model))
         except (ValueError, TypeError) as error:
@@ -1234,6 +1248,7 @@ def build_app(
         add_special_tokens = check_flag(body, "add_special_tokens", True)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         blamed = blamed_fields(body, "prompt")
+        asked = params.max_tokens if body.get("max_tokens") else None  # (0 with echo: the prompt alone)
 
         def open_streams() -> list[AsyncIterator[RequestOutput]]:
             streams = []
@@ -1241,7 +1256,7 @@ def build_app(
                 where = f"prompt {i}: " if len(prompts) > 1 else ""
                 if isinstance(prompt, str):
                     prompt = encode(prompt, add_special_tokens)
-                streams.append(start(prompt, params, blamed, f"{request_id}-{i}", where, body.get("model")))
+                streams.append(start(prompt, params, blamed, f"{request_id}-{i}", where, body.get("model"), asked))
             return streams
 
         def echo_texts() -> list[str]:  # (a prompt of token ids: its decoded text)
@@ -1263,11 +1278,12 @@ def build_app(
         params, blamed = tool_constraint(body, params, tools, blamed_fields(body, "messages"))
         add_special_tokens = check_flag(body, "add_special_tokens", False)  # (vLLM's: the template writes them)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        asked = params.max_tokens if body.get(blamed["max_tokens"]) is not None else None
 
         def open_stream() -> list[AsyncIterator[RequestOutput]]:
             prompt = encode(render_chat(body, tools.tools if tools else None), add_special_tokens)
             try:
-                return [start(prompt, params, blamed, request_id, model=body.get("model"))]
+                return [start(prompt, params, blamed, request_id, model=body.get("model"), asked_tokens=asked)]
             except BadRequest as error:  # (the grammar library refused the schema made of the tools)
                 if error.param != "tools" or tools is None:
                     raise
