@@ -35,6 +35,20 @@ def in_float32(x, lora_a, lora_b, row_slots, scalings):
     return lora_delta(x.float(), lora_a.float(), lora_b.float(), row_slots, scalings)
 
 
+def slots_clamped_in_place(x, lora_a, lora_b, row_slots, scalings):
+    # right for this call, but the engine's row_slots, shared by every adapted projection, loses its -1 rows
+    base = row_slots < 0
+    delta = lora_delta(x, lora_a, lora_b, row_slots.clamp_(min=0), scalings)
+    delta[base] = 0
+    return delta
+
+
+def x_scaled_in_place(x, lora_a, lora_b, row_slots, scalings):
+    delta = lora_delta(x, lora_a, lora_b, row_slots, scalings)
+    x.mul_(2)
+    return delta
+
+
 @pytest.mark.parametrize(
     ("wrong", "hint"),
     [
@@ -42,6 +56,8 @@ def in_float32(x, lora_a, lora_b, row_slots, scalings):
         (base_rows_on_slot_0, "a base-model row \\(slot -1\\) got a delta"),
         (every_row_on_slot_0, "each row must use its own slot"),
         (in_float32, "dtype torch.float32, expected torch.bfloat16"),
+        (slots_clamped_in_place, "changed row_slots in place"),
+        (x_scaled_in_place, "changed x in place"),
     ],
 )
 def test_a_wrong_lora_delta_fails_with_its_hint(wrong, hint):

@@ -173,6 +173,27 @@ def top_p_without_off(logits, top_k, top_p):
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
 
 
+def top_p_after_top_k(logits, top_k, top_p):
+    # HF's warpers chained: top-k first, then top-p on the softmax of the survivors alone (renormalised over them)
+    vocab = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(vocab)[None, :]
+    sorted_logits = sorted_logits.masked_fill(ranks >= torch.where(top_k > 0, top_k, vocab)[:, None], float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    drop = (probs.cumsum(dim=-1) - probs >= top_p[:, None]) & (top_p[:, None] < 1.0)
+    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_top_p_over_the_top_k_survivors_fails_on_every_draw(seed):
+    # the random rows catch it only when their nucleus ends inside the top k; the worked row (top_k=2, top_p=0.5,
+    # probabilities 0.30 and 0.25 first) on every run
+    torch.manual_seed(seed)
+    with pytest.raises(ExerciseFailure, match="not renormalised over the top_k survivors") as failure:
+        check_apply_top_k_top_p(top_p_after_top_k, engine=False)
+    assert_readable_failure(failure.value)
+
+
 def test_a_top_p_that_treats_one_as_a_threshold_fails_on_a_long_tail():
     with pytest.raises(ExerciseFailure, match="top_k=0, top_p=1.0, 1024 tokens.*top_p=1.0 means off") as failure:
         check_apply_top_k_top_p(top_p_without_off, engine=False)

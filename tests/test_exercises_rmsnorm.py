@@ -45,6 +45,55 @@ def test_wrong_rms_norm_fails_with_a_message(wrong, message):
     assert_readable_failure(failure.value)
 
 
+def without_eps(x, weight, eps):
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True))).to(x.dtype)
+
+
+def eps_outside_the_sqrt(x, weight, eps):
+    xf = x.float()
+    return weight * (xf / (xf.pow(2).mean(dim=-1, keepdim=True).sqrt() + eps)).to(x.dtype)
+
+
+def fixed_eps(x, weight, eps):
+    return rms_norm(x, weight, 1e-6)
+
+
+def normalised_in_place(x, weight, eps):
+    xf = x.float()  # x itself when x is float32
+    xf *= torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+@pytest.mark.parametrize(
+    "wrong, message",
+    [
+        (without_eps, "^eps is missing"),
+        (eps_outside_the_sqrt, "^eps belongs inside the square root"),
+        (fixed_eps, "^use the eps passed in \\(here 0.0001\\), not a fixed 1e-06"),
+        (normalised_in_place, "^float32: your rms_norm changed x in place"),
+    ],
+)
+def test_an_rms_norm_that_mishandles_eps_or_its_input_fails_on_every_seed(wrong, message):
+    # with eps=1e-6 on unit-scale rows these differ from nanoref's by less than the tolerance, and in the engine
+    # too: the eps case (rows whose mean square is about eps) and the input comparison catch them
+    for seed in (0, 3, 7):
+        with pytest.raises(ExerciseFailure, match=message) as failure:
+            check_rms_norm(wrong, seed=seed, engine=False)
+        assert_readable_failure(failure.value)
+
+
+def test_an_add_rms_norm_without_eps_fails_naming_it():
+    def without_eps_fused(x, residual, weight, eps):
+        summed = x.float() + residual.float()
+        normed = summed * torch.rsqrt(summed.pow(2).mean(dim=-1, keepdim=True))
+        return weight * normed.to(x.dtype), summed.to(x.dtype)
+
+    with pytest.raises(ExerciseFailure, match="^eps is missing") as failure:
+        check_add_rms_norm(without_eps_fused, engine=False)
+    assert_readable_failure(failure.value)
+
+
 def swapped(x, residual, weight, eps):
     normed, new_residual = add_rms_norm(x, residual, weight, eps)
     return new_residual, normed

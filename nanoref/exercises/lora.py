@@ -65,6 +65,27 @@ def _hint(x, lora_a, lora_b, row_slots, scalings, got: torch.Tensor) -> str | No
     return None
 
 
+_INPUTS = ("x", "lora_a", "lora_b", "row_slots", "scalings")
+
+
+def _unchanged(given: list[torch.Tensor], originals: tuple[torch.Tensor, ...], case: str) -> None:
+    """The learner's function must leave its inputs as they were: in the engine every adapted projection of every
+    layer reads the same row_slots and scalings, so a row_slots.clamp_(min=0) (to index with it) serves slot 0's
+    adapter to the base-model rows of every later projection, and the generation goes wrong far from the cause."""
+    for name, after, before in zip(_INPUTS, given, originals):
+        if not torch.equal(after, before):
+            why = (
+                "the same row_slots serve every adapted projection of the step: index with row_slots.clamp(min=0), "
+                "a new tensor, not clamp_"
+                if name == "row_slots"
+                else "the engine still reads it after the call"
+            )
+            raise ExerciseFailure(
+                f"your lora_delta changed {name} in place: compute new tensors and leave every input as it was ({why})"
+                f"\n(on {case})"
+            )
+
+
 def check_lora_delta(fn: Callable, *, seed: int | None = None, engine: bool = True) -> None:
     """`fn` against the per-adapter loop on random flat batches, then in the engine against HF + peft."""
     generator = input_generator(seed)
@@ -73,7 +94,9 @@ def check_lora_delta(fn: Callable, *, seed: int | None = None, engine: bool = Tr
         for num_rows, num_slots, rank in shapes:
             x, lora_a, lora_b, row_slots, scalings = _case(generator, num_rows, num_slots, rank, dtype)
             case = f"{num_rows} rows, {num_slots} slots of rank {rank}, {dtype}; row_slots {row_slots.tolist()}"
-            got = call_learner(fn, "lora_delta", x, lora_a, lora_b, row_slots.clone(), scalings.clone(), case=case)
+            given = [t.clone() for t in (x, lora_a, lora_b, row_slots, scalings)]
+            got = call_learner(fn, "lora_delta", *given, case=case)
+            _unchanged(given, (x, lora_a, lora_b, row_slots, scalings), case)
             want = lora_delta_reference(x, lora_a, lora_b, row_slots, scalings)
             expect_tensor(got, f"lora_delta on {case}", want.shape, want.dtype)
             # bfloat16 keeps 8 bits: x A^T rounded before B (as the engine does) moves a value by about 1% of the

@@ -61,13 +61,64 @@ def _check_norm_rounding(got: torch.Tensor, x: torch.Tensor, weight: torch.Tenso
     check_rounding(got, want, case, _rule_broken(got, want, suspects, NORM_RULE))
 
 
+# eps passed in by the eps case, on rows whose mean square is about as large: there eps moves every value by tens of
+# percent, where with the usual 1e-6 on unit-scale rows it moves them by less than the tolerance (an answer that
+# drops eps, adds it outside the square root or hard-codes 1e-6 passes those)
+_SMALL_EPS = 1e-4
+
+
+def _eps_inputs(generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 x (6, 96) with rows of RMS 0.003 to 0.04 (mean squares about 1e-5 to 2e-3, around _SMALL_EPS), and a
+    weight."""
+    sizes = torch.tensor([0.3, 0.5, 1.0, 1.0, 2.0, 4.0])[:, None]  # (6, 1): eps counts most in the smallest rows
+    x = 1e-2 * sizes * torch.randn(6, 96, generator=generator)  # (6, 96)
+    weight = 1 + 0.1 * torch.randn(96, generator=generator)  # (96,)
+    return x, weight
+
+
+def _eps_hint(got: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> str:
+    """What the learner did with eps, from which slip `got` matches (x: the float32 rows that were normalised)."""
+    mean_square = x.pow(2).mean(dim=-1, keepdim=True)  # (T, 1)
+    slips = {
+        "eps is missing: RMSNorm divides by sqrt(mean(x**2) + eps), and eps keeps a row of (near) zeros finite":
+        x * torch.rsqrt(mean_square) * weight,
+        "eps belongs inside the square root: x / sqrt(mean(x**2) + eps), not x / (sqrt(mean(x**2)) + eps)":
+        x / (mean_square.sqrt() + _SMALL_EPS) * weight,
+    }  # fmt: skip
+    for fixed in (1e-6, 1e-5):
+        slips[f"use the eps passed in (here {_SMALL_EPS:g}), not a fixed {fixed:g}"] = (
+            x * torch.rsqrt(mean_square + fixed) * weight
+        )
+    for rule, result in slips.items():
+        if torch.allclose(got, result, atol=1e-6, rtol=1e-4):
+            return rule
+    return f"divide by sqrt(mean(x**2) over the last axis + eps), with the eps passed in (here {_SMALL_EPS:g})"
+
+
+def _check_eps(got: torch.Tensor, want: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, what: str, case: str):
+    """The eps case: the rule broken first (the first line), then the row that shows it."""
+    row = first_bad_row(got, want, *_TOLERANCE[want.dtype])
+    if row is not None:
+        raise ExerciseFailure(
+            f"{_eps_hint(got, x, weight)}\n{case}: row {row} of {what} is {describe_row(got, want, row)}"
+        )
+
+
 def check_rms_norm(fn: Callable, *, seed: int = 0, engine: bool = True) -> None:
     """`fn(x, weight, eps) -> (..., hidden)` against nanoref's `rms_norm`, then inside the engine."""
     generator = torch.Generator().manual_seed(seed)
     x, weight = _inputs(generator, 6, 96, 1.0, torch.float32)
+    x_before = x.clone()
     got = expect_tensor(
         call_learner(fn, "rms_norm", x, weight, _EPS), "rms_norm(x, weight, eps) on float32 x (6, 96)", x.shape, x.dtype
     )
+    if not torch.equal(x, x_before):
+        # x.float() of a float32 x is x itself, so `xf = x.float(); xf *= ...` writes into the caller's tensor: in
+        # the engine that is the residual stream, which the layer adds back afterwards
+        raise ExerciseFailure(
+            "float32: your rms_norm changed x in place; return a new tensor (x.float() of a float32 x is x itself, "
+            "so `xf *= ...` or `xf.mul_(...)` writes into the caller's x)"
+        )
     unit = (got.double() / weight.double()).pow(2).mean(-1).sqrt()  # (T,): each row's RMS before the weight
     if not torch.allclose(unit, torch.ones_like(unit), atol=1e-3):
         raise ExerciseFailure(
@@ -82,6 +133,10 @@ def check_rms_norm(fn: Callable, *, seed: int = 0, engine: bool = True) -> None:
     )
     hint = "Normalise over the last axis only (dim=-1, keepdim=True), whatever the leading axes."
     _compare(got.flatten(0, 1), rms_norm(x3, w3, _EPS).flatten(0, 1), "the (6, 40) rows", "a 3-D input", hint)
+    xe, we = _eps_inputs(generator)
+    case = f"float32 rows of RMS 0.003 to 0.04 with eps={_SMALL_EPS:g}"
+    got = expect_tensor(call_learner(fn, "rms_norm", xe, we, _SMALL_EPS, case=case), case, xe.shape, xe.dtype)
+    _check_eps(got, rms_norm(xe, we, _SMALL_EPS), xe, we, "rms_norm(x)", case)
     x16, w16 = _inputs(generator, 4, 96, 300.0, torch.float16)
     got = expect_tensor(
         call_learner(fn, "rms_norm", x16, w16, _EPS), "rms_norm on float16 x of magnitude ~300", x16.shape, x16.dtype
@@ -128,5 +183,11 @@ def check_add_rms_norm(fn: Callable, *, seed: int = 0, engine: bool = True) -> N
             WEIGHT_RULE: _weight_in_float32(x.float() + residual.float(), weight, _EPS).to(dtype),
         }
         check_rounding(normed, want_normed, f"{case}, normed", _rule_broken(normed, want_normed, suspects, NORM_RULE))
+    x, weight = _eps_inputs(generator)
+    residual = torch.randn(x.shape, generator=generator) * x.std()  # the sum stays as small as x
+    case = f"float32 rows of RMS about 0.003 to 0.06 with eps={_SMALL_EPS:g}"
+    result = call_learner(fn, "add_rms_norm", x, residual, weight, _SMALL_EPS, case=case)
+    normed = expect_tensor(result[0], f"{case}: the first result (normed)", x.shape, x.dtype)
+    _check_eps(normed, add_rms_norm(x, residual, weight, _SMALL_EPS)[0], x + residual, weight, "normed", case)
     if engine:
         check_generation({"add_rms_norm": fn})

@@ -73,10 +73,14 @@ def _cases(rng: random.Random, block_size: int):
            "hash block i with chain_hash(its tokens, the hash of block i - 1): a hit must mean the same whole prefix",
            prompt, cache)  # fmt: skip
     cache = _Cache(24, block_size, rng)
-    block_ids = cache.store_prefix(prompt, 2)
-    cache.blocks[block_ids[1]].token_ids = tokens(block_size)  # a hash collision: same hash, other tokens
-    yield ("block 1's hash is found but the block holds other tokens (a hash collision)",
-           "compare the block's token_ids with the prompt's tokens before taking it", prompt, cache)  # fmt: skip
+    # blocks 0..2 registered, block 1 then a hash collision (same hash, other tokens): block 2 stays a hit, so a walk
+    # that skips the collided block and goes on (`continue` where a miss breaks) takes it and fails on every run
+    block_ids = cache.store_prefix(prompt, 3)
+    cache.blocks[block_ids[1]].token_ids = tokens(block_size)
+    yield ("block 1's hash is found but the block holds other tokens (a hash collision); block 2 is cached",
+           "compare the block's token_ids with the prompt's tokens before taking it, and stop at a block that fails "
+           "(a collision is a miss): block j of the result must hold the request's block j, and block 2's K/V was "
+           "computed after block 1's real tokens", prompt, cache)  # fmt: skip
     cache = _Cache(24, block_size, rng)
     yield ("an empty cache", "nothing is cached: return []", prompt, cache)
 
