@@ -146,6 +146,13 @@ class Grammars:
                 return self.cache[key]
         kind, text = key[0], key[1]
         whitespace = {"any_whitespace": not params.disable_any_whitespace, "max_whitespace_cnt": MAX_WHITESPACE}
+        if kind == "json":
+            unenforced = unenforced_keyword(text)
+            if unenforced is not None:
+                raise ValueError(
+                    f"structured_outputs.json: {unenforced}, which the grammar library does not enforce (the output "
+                    "would not be bound by it)"
+                )
         try:
             if kind == "json":
                 compiled = self.compiler.compile_json_schema(text, **whitespace)
@@ -176,7 +183,9 @@ def constraint_key(params: StructuredOutputsParams) -> tuple:
             value = value.model_json_schema()
         text = value if isinstance(value, str) else json.dumps(value)  # (in its order: the properties come out so)
     elif kind == "choice":  # each choice a string literal (JSON's escapes are EBNF's)
-        text = "root ::= " + " | ".join(json.dumps(choice) for choice in value)
+        # (non-ASCII characters as they are: escaped, one outside the BMP is a UTF-16 surrogate pair, two \u escapes
+        # that EBNF reads as two lone surrogates, so such a choice could never be written)
+        text = "root ::= " + " | ".join(json.dumps(choice, ensure_ascii=False) for choice in value)
     elif kind == "json_object":
         text = ""
     else:
@@ -188,3 +197,43 @@ def library_message(error: Exception) -> str:
     """The grammar library's error without its log prefix ("[time] file.cc:line: Check failed: (...) is false: ")."""
     message = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", str(error).strip())
     return re.sub(r"^Check failed: \(.*?\) is false: ", "", message)
+
+
+# JSON schema keywords the grammar library (xgrammar 0.2) skips without a word: a schema using one would constrain
+# less than it says. vLLM refuses schemas with features its xgrammar backend lacks in the same way
+IGNORED_KEYWORDS = ("not", "if", "then", "else", "$dynamicRef")
+SUBSCHEMA = ("items", "additionalProperties", "contains", "propertyNames", "unevaluatedProperties", "unevaluatedItems")
+SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
+SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def unenforced_keyword(text: str) -> str | None:
+    """Where a JSON schema (as text) uses a keyword the grammar library would ignore, and which ("#/properties/a
+    uses 'not'"); None if it uses none (or is not JSON: the library names that)."""
+    try:
+        schema = json.loads(text)
+    except ValueError:
+        return None
+
+    def first(node: Any, where: str) -> str | None:
+        if not isinstance(node, dict):
+            return None
+        used = next((keyword for keyword in IGNORED_KEYWORDS if keyword in node), None)
+        if used is None and isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
+            used = "allOf with more than one schema"
+        if used is None and isinstance(node.get("$ref"), str) and not node["$ref"].startswith("#"):
+            used = f"$ref to another document ({node['$ref']})"
+        if used is None and "multipleOf" in node and node.get("type") != "integer":
+            used = "multipleOf on a non-integer"
+        if used is not None:
+            return f"{where} uses {used if ' ' in used else repr(used)}"
+        children = [(node.get(key), f"{where}/{key}") for key in SUBSCHEMA]
+        for key in SUBSCHEMA_LISTS:
+            if isinstance(node.get(key), list):
+                children += [(child, f"{where}/{key}/{i}") for i, child in enumerate(node[key])]
+        for key in SUBSCHEMA_MAPS:
+            if isinstance(node.get(key), dict):
+                children += [(child, f"{where}/{key}/{name}") for name, child in node[key].items()]
+        return next((found for child, at in children if (found := first(child, at)) is not None), None)
+
+    return first(schema, "#")

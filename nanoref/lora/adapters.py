@@ -26,7 +26,8 @@ TARGETS: dict[str, tuple[str, int | None]] = {
     "up_proj": ("mlp.gate_up_proj", 1),
     "down_proj": ("mlp.down_proj", None),
 }
-# adapter_config.json settings nanoref does not serve, with the value that means "not used"
+# adapter_config.json settings nanoref does not serve, with the value that means "not used"; the LoRA variants
+# among them (DoRA, aLoRA, QA-LoRA, Arrow, BD-LoRA, KaSA, MonteCLoRA) compute something else than s (x A^T) B^T
 UNSUPPORTED = {
     "use_dora": False,
     "fan_in_fan_out": False,
@@ -37,7 +38,24 @@ UNSUPPORTED = {
     "trainable_token_indices": None,
     "lora_bias": False,
     "target_parameters": None,
+    "alora_invocation_tokens": None,
+    "use_qalora": False,
+    "arrow_config": None,
+    "use_bdlora": None,
+    "kasa_config": None,
+    "monteclora_config": None,
 }
+# settings read below, and those that do not change what a trained adapter computes at inference (how it was
+# trained or initialised, which modules it adapts: its weights say that); any other setting with a value is refused,
+# since a later peft's setting may change the forward, and serving the adapter without it would be silently wrong
+READ = {"peft_type", "r", "lora_alpha", "target_modules", "use_rslora", "bias"}
+INERT = {
+    "task_type", "auto_mapping", "peft_version", "base_model_name_or_path", "revision", "inference_mode",
+    "exclude_modules", "lora_dropout", "init_lora_weights", "layers_to_transform", "layers_pattern",
+    "megatron_config", "megatron_core", "loftq_config", "eva_config", "corda_config", "lora_ga_config",
+    "velora_config", "runtime_config", "ensure_weight_tying", "qalora_group_size",
+}  # fmt: skip
+PEFT_LORA_ALPHA = 8  # peft's LoraConfig default: what peft scales by when adapter_config.json has no lora_alpha
 
 
 class LoRAAdapterError(ValueError):
@@ -106,18 +124,28 @@ def load_adapter(path: str | Path, name: str, int_id: int, config, max_lora_rank
         value = settings.get(key, neutral)
         if value not in (neutral, None) and value != {} and value != []:
             raise LoRAAdapterError(f"{where}: {key}={value!r} is not supported")
+    for key, value in settings.items():
+        if key not in UNSUPPORTED and key not in READ and key not in INERT and value not in (None, False, {}, []):
+            raise LoRAAdapterError(f"{where}: {key}={value!r} is not a setting nanoref knows, so it is not served")
     if settings.get("bias", "none") != "none":
         raise LoRAAdapterError(f"{where}: bias={settings['bias']!r} is not supported (only 'none')")
-    rank, alpha = settings.get("r"), settings.get("lora_alpha", settings.get("r"))
+    rank, alpha = settings.get("r"), settings.get("lora_alpha", PEFT_LORA_ALPHA)
     if not isinstance(rank, int) or isinstance(rank, bool) or rank <= 0:
         raise LoRAAdapterError(f"{where}: r must be a positive integer, got {rank!r}")
     if rank > max_lora_rank:
         raise LoRAAdapterError(f"{where}: its rank r={rank} is above max_lora_rank={max_lora_rank}")
     if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
         raise LoRAAdapterError(f"{where}: lora_alpha must be a number, got {alpha!r}")
+    use_rslora = settings.get("use_rslora", False)
+    if not isinstance(use_rslora, bool):
+        raise LoRAAdapterError(f"{where}: use_rslora must be true or false, got {use_rslora!r}")
     targets = settings.get("target_modules") or []
-    for target in [targets] if isinstance(targets, str) else targets:
-        if isinstance(targets, list) and target not in TARGETS:
+    if not isinstance(targets, (str, list)) or not all(isinstance(target, str) for target in targets):
+        raise LoRAAdapterError(f"{where}: target_modules must be a list of module names or a regex, got {targets!r}")
+    # (a regex is left to the weights' own check; a name may be a dotted path, which peft matches by its end, as
+    # "model.layers.0.self_attn.q_proj": its last part is the projection, as vLLM reads it)
+    for target in [] if isinstance(targets, str) else targets:
+        if target.rsplit(".", 1)[-1] not in TARGETS:
             raise LoRAAdapterError(
                 f"{where}: target module {target!r} is not one nanoref adapts (it adapts {', '.join(TARGETS)})"
             )
@@ -128,7 +156,7 @@ def load_adapter(path: str | Path, name: str, int_id: int, config, max_lora_rank
     weights = _collect(tensors, where, config, rank)
     if not weights:
         raise LoRAAdapterError(f"{where}: adapter_model.safetensors holds no lora_A/lora_B weights")
-    scaling = alpha / math.sqrt(rank) if settings.get("use_rslora") else alpha / rank
+    scaling = alpha / math.sqrt(rank) if use_rslora else alpha / rank
     return LoRAAdapter(name, int_id, rank, float(scaling), weights)
 
 
@@ -142,7 +170,10 @@ def _collect(tensors: dict, where: str, config, rank: int) -> dict:
         projection = parts[-3]
         if projection not in TARGETS or "layers" not in parts:
             raise LoRAAdapterError(f"{where}: tensor {key!r} adapts {projection!r}, which nanoref does not adapt")
-        layer = int(parts[parts.index("layers") + 1])
+        layer = parts[parts.index("layers") + 1]
+        if not layer.isdigit():
+            raise LoRAAdapterError(f"{where}: tensor {key!r} names no layer number after 'layers'")
+        layer = int(layer)
         if not 0 <= layer < config.num_hidden_layers:
             raise LoRAAdapterError(
                 f"{where}: tensor {key!r} names layer {layer}; the model has {config.num_hidden_layers}"

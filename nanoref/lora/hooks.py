@@ -18,9 +18,11 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterable
 from itertools import chain
 from typing import Any
+from weakref import WeakSet
 
 import numpy as np
 
@@ -56,6 +58,9 @@ class LoRAHooks:
         self.rows_are_base = True  # row_slots holds -1 everywhere (a base-only step has nothing to write)
         # requests and generated tokens per adapter name, over the engine's life
         self.num_requests: dict[str, int] = {}
+        # each adapter's sequences (weakly: samples of a call that failed before queuing them just go away)
+        self.bound: dict[int, WeakSet[Sequence]] = {}
+        self.bound_lock = threading.Lock()  # (a server's request thread binds while the engine's thread asks)
 
     # -- the runner's hook ----------------------------------------------------------------------
     def attach(self, runner) -> StepHook:
@@ -70,6 +75,7 @@ class LoRAHooks:
             max_cpu_loras=c.max_cpu_loras,
             max_num_tokens=max_forward_rows(c),
         )
+        self.manager.in_flight = self.in_flight
         return self.set_step_slots
 
     def set_step_slots(self, seqs: list[Sequence], step: StepInputs) -> None:
@@ -111,10 +117,22 @@ class LoRAHooks:
     def unload(self, lora_int_id: int) -> bool:
         return self.manager.remove_lora(lora_int_id)
 
+    def in_flight(self) -> set[int]:
+        """The adapters that sequences not finished yet run under (the manager keeps them on the host)."""
+        with self.bound_lock:
+            for lora_int_id, seqs in list(self.bound.items()):
+                for seq in [seq for seq in seqs if seq.is_finished]:
+                    seqs.discard(seq)
+                if not seqs:
+                    del self.bound[lora_int_id]
+            return set(self.bound)
+
     def bind(self, samples: list[Sequence], lora_request: LoRARequest) -> None:
         """A request's sequences run under this (loaded) adapter, and keep their own prefix cache."""
         for seq in samples:
             seq.cache_salt = lora_request
+        with self.bound_lock:
+            self.bound.setdefault(lora_request.lora_int_id, WeakSet()).update(samples)
         self.num_requests[lora_request.lora_name] = self.num_requests.get(lora_request.lora_name, 0) + 1
 
 

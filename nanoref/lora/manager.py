@@ -18,7 +18,7 @@ at most `max_loras` adapters per step (the scheduler's admission rule). `tests/t
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 import torch
@@ -78,6 +78,11 @@ class LoRAManager:
         self.slot_order: OrderedDict[int, None] = OrderedDict()  # slots, least recently used first
         self.host: OrderedDict[int, LoRAAdapter] = OrderedDict()  # checked adapters, least recently used first
         self.requests: dict[int, LoRARequest] = {}
+        # the adapters of requests not finished yet (hooks.py sets it): they never leave the host, which may then hold
+        # more than max_cpu_loras. An accepted request runs the adapter that was checked when it was made: read again
+        # from disk at its step, a folder deleted since would fail it there, and one rewritten since would serve other
+        # weights (and reuse K/V that the old ones computed, under the same cache salt)
+        self.in_flight: Callable[[], set[int]] = set
 
     # -- the forward --------------------------------------------------------------------------------
     def _hook(self, slots: LoRASlots):
@@ -107,8 +112,8 @@ class LoRAManager:
     # -- adapters -----------------------------------------------------------------------------------
     def add_lora(self, request: LoRARequest, keep: Iterable[int] = ()) -> LoRAAdapter:
         """Read and check `request`'s adapter into the host cache (a no-op if it is there): errors leave nothing.
-        Beyond max_cpu_loras the least recently used adapter leaves the host, never one in a slot, this one or
-        those in `keep` (a step's others)."""
+        Beyond max_cpu_loras the least recently used adapter leaves the host, never one in a slot, this one, those
+        in `keep` (a step's others) or one that a request in flight needs (`in_flight`)."""
         known = self.requests.get(request.lora_int_id)
         if known is not None and known != request:
             raise ValueError(f"lora_int_id {request.lora_int_id} already names {known.lora_name!r} ({known.lora_path})")
@@ -124,6 +129,7 @@ class LoRAManager:
         return adapter
 
     def _trim_host(self, keep: set[int]) -> None:
+        keep = keep | self.in_flight() if len(self.host) > self.max_cpu_loras else keep
         while len(self.host) > self.max_cpu_loras:  # the least recently used one that may leave
             victim = next((i for i in self.host if i not in self.slot_ids and i not in keep), None)
             if victim is None:
