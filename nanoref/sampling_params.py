@@ -75,7 +75,8 @@ class StructuredOutputsParams:
 CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
 
 
-@dataclass
+# keyword-only: vLLM's first field is n, nanoref's temperature, so SamplingParams(2) would mean another thing here
+@dataclass(kw_only=True)
 class SamplingParams:
     """One request's sampling settings, spelled and meaning what they mean in vLLM.
 

@@ -98,3 +98,10 @@ def test_a_kv_cache_larger_than_memory_is_named_not_allocated(tiny_model):
     llm = LLM(tiny_model, num_kvcache_blocks=16)  # the next engine is built and serves
     llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
     assert_no_block_leaked(llm)
+
+
+def test_sampling_params_take_keywords_only():
+    # (vLLM's first field is n: a positional value would bind to another field here, silently)
+    with pytest.raises(TypeError):
+        SamplingParams(2)
+    assert SamplingParams(temperature=0.5).temperature == 0.5
