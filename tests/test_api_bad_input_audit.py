@@ -105,3 +105,31 @@ def test_sampling_params_take_keywords_only():
     with pytest.raises(TypeError):
         SamplingParams(2)
     assert SamplingParams(temperature=0.5).temperature == 0.5
+
+
+def test_vllm_prompt_dicts_are_prompts(builtin_llm):
+    # vLLM's TextPrompt and TokensPrompt: the same tokens as the text and the ids themselves
+    params = SamplingParams(temperature=0, max_tokens=4)
+    ids = builtin_llm.tokenizer.encode("Beautiful is")
+    plain = builtin_llm.generate(["Beautiful is", ids], params, use_tqdm=False)
+    dicts = builtin_llm.generate([{"prompt": "Beautiful is"}, {"prompt_token_ids": ids}], params, use_tqdm=False)
+    assert [out["token_ids"] for out in dicts] == [out["token_ids"] for out in plain]
+    assert (
+        builtin_llm.generate({"prompt": "Beautiful is"}, params, use_tqdm=False)[0]["token_ids"]
+        == plain[0]["token_ids"]
+    )
+
+
+@pytest.mark.parametrize(
+    ("prompt", "error", "match"),
+    [
+        ({"prompt": "x", "multi_modal_data": {"image": None}}, ValueError, "multi_modal_data"),
+        ({"prompt": "x", "prompt_token_ids": [1]}, ValueError, "nothing else"),
+        ({"text": "x"}, ValueError, "'prompt'"),
+        ({"prompt": [1, 2]}, TypeError, "must be a string"),
+    ],
+)
+def test_a_prompt_dict_with_what_the_engine_does_not_do_is_refused(builtin_llm, prompt, error, match):
+    with pytest.raises(error, match=match):
+        builtin_llm.generate([prompt], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert builtin_llm.is_finished()

@@ -11,8 +11,11 @@ from nanoref.engine.block_manager import blocks_needed
 from nanoref.sampling_params import SamplingParams
 
 
-def tokenize(prompt: str | list[int], tokenizer: Any | None, config: EngineConfig) -> list[int]:
-    """A prompt as token ids: a string (through the tokenizer), or a sequence of integer ids."""
+def tokenize(prompt: str | list[int] | dict, tokenizer: Any | None, config: EngineConfig) -> list[int]:
+    """A prompt as token ids: a string (through the tokenizer), a sequence of integer ids, or vLLM's prompt dicts
+    ({"prompt": text}, {"prompt_token_ids": ids})."""
+    if isinstance(prompt, dict):
+        prompt = _unpack_prompt_dict(prompt)
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ValueError(f"{config.model_folder} has no tokenizer: pass prompts as lists of token ids")
@@ -25,6 +28,19 @@ def tokenize(prompt: str | list[int], tokenizer: Any | None, config: EngineConfi
         return [_token_id(t) for t in prompt]
     except TypeError:
         raise TypeError("a prompt must be a string or a list of integer token ids") from None
+
+
+def _unpack_prompt_dict(prompt: dict) -> str | list[int]:
+    """vLLM's TextPrompt / TokensPrompt -> the text or the ids. Their other keys (multi-modal data, embeddings, a
+    cache salt) ask for what this engine does not do: refused, not dropped."""
+    keys = sorted(map(str, prompt))
+    if keys == ["prompt"]:
+        if not isinstance(prompt["prompt"], str):
+            raise TypeError(f"a prompt dict's 'prompt' must be a string, got {type(prompt['prompt']).__name__}")
+        return prompt["prompt"]
+    if keys == ["prompt_token_ids"]:
+        return prompt["prompt_token_ids"]
+    raise ValueError(f"a prompt dict holds 'prompt' (text) or 'prompt_token_ids' (ids) and nothing else, got {keys}")
 
 
 def check_request(token_ids: list[int], params: SamplingParams, config: EngineConfig) -> None:
@@ -61,12 +77,13 @@ def check_request(token_ids: list[int], params: SamplingParams, config: EngineCo
 
 
 def prompt_list(prompts: object) -> list:
-    """`generate`'s prompts as a list: one string, or a list, tuple, generator, or a 2-D tensor/array of ids."""
-    if isinstance(prompts, str):  # one text prompt, as vLLM's generate("Hello") takes it
+    """`generate`'s prompts as a list: one string or prompt dict, or a list, tuple, generator, or a 2-D tensor/array
+    of ids."""
+    if isinstance(prompts, (str, dict)):  # one prompt, as vLLM's generate("Hello") or generate({"prompt": ...})
         return [prompts]
     if isinstance(prompts, bytes):
         raise TypeError("prompts must be a list: list[str] or list[list[int]] (wrap a single prompt in [])")
-    if isinstance(prompts, (dict, set, frozenset)) or not hasattr(prompts, "__iter__"):
+    if isinstance(prompts, (set, frozenset)) or not hasattr(prompts, "__iter__"):
         raise TypeError(f"prompts must be a list of prompts, got {type(prompts).__name__}")
     prompts = prompts.tolist() if hasattr(prompts, "tolist") else list(prompts)
     if prompts and isinstance(prompts[0], numbers.Integral):
