@@ -144,6 +144,7 @@ def test_a_tensor_name_without_a_layer_number_is_a_lora_adapter_error(tiny_model
 # -- structured output -------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def llm():
+    pytest.importorskip("xgrammar", reason="xgrammar is not installed (pip install 'nanoref[structured]')")
     return LLM(device="cpu", seed=0)
 
 

@@ -8,13 +8,15 @@ from __future__ import annotations
 import json
 import re
 
-import jsonschema
 import numpy as np
 import pytest
 import torch
 
-from nanoref import LLM, SamplingParams, StructuredOutputsParams
-from nanoref.layers.logits_processors import LogitsProcessing, apply_token_bitmask, unpack_bitmask
+jsonschema = pytest.importorskip("jsonschema", reason="jsonschema is not installed (pip install 'nanoref[dev]')")
+pytest.importorskip("xgrammar", reason="xgrammar is not installed (pip install 'nanoref[structured]')")
+
+from nanoref import LLM, SamplingParams, StructuredOutputsParams  # noqa: E402
+from nanoref.layers.logits_processors import LogitsProcessing, apply_token_bitmask, unpack_bitmask  # noqa: E402
 
 SCHEMA = {
     "type": "object",
