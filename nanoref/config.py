@@ -18,6 +18,7 @@ import torch
 from nanoref.models import Qwen3Config, load_model_config
 from nanoref.ops.backends import BACKEND_NAMES, FLASH_ATTN_BACKENDS, choose_backend
 from nanoref.sampling_params import check_seed
+from nanoref.utils.loader import ModelFolderError, weight_files
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # vLLM's other spellings of the same types (its --dtype choices): code written for vLLM passes them
@@ -274,14 +275,16 @@ class EngineConfig:
         if spec.method == "draft_model":
             if spec.draft_config.vocab_size != self.hf_config.vocab_size:
                 raise ValueError(
-                    f"the draft model {spec.model_folder} has a vocabulary of {spec.draft_config.vocab_size} tokens "
+                    f'speculative_config "model": the draft model {spec.model_folder} has a vocabulary of '
+                    f"{spec.draft_config.vocab_size} tokens "
                     f"but {self.model_folder} has {self.hf_config.vocab_size}: a draft must share the target's "
                     "vocabulary (its proposals are the target's token ids)"
                 )
             if spec.draft_config.max_position_embeddings < self.max_model_len:
                 raise ValueError(
-                    f"the draft model {spec.model_folder} reaches {spec.draft_config.max_position_embeddings} "
-                    f"positions, fewer than max_model_len={self.max_model_len}: lower max_model_len"
+                    f'speculative_config "model": the draft model {spec.model_folder} reaches '
+                    f"{spec.draft_config.max_position_embeddings} positions, fewer than "
+                    f"max_model_len={self.max_model_len}: lower max_model_len"
                 )
 
 
@@ -304,8 +307,11 @@ class SpeculativeConfig:
         target's vocabulary; implied by "model").
     num_speculative_tokens: k, the tokens proposed (and verified in one target forward) per sequence and step.
     prompt_lookup_max / prompt_lookup_min: ngram: the longest and shortest tail of the sequence that is looked
-        up in its earlier tokens (the longest that occurs wins); default 3 and 1.
-    model: draft_model: the draft's folder.
+        up in its earlier tokens (the longest that occurs wins); default 3 and 1, and a prompt_lookup_min above 3
+        given alone raises the default max to it (as vLLM takes a bound given alone for the other); None: the
+        default. Only for "ngram": a draft model looks nothing up, so either bound with it is a ValueError.
+    model: draft_model: the draft's folder (with the target's vocabulary and, where both folders have one, the same
+        tokenizer: its proposals are the target's token ids).
     disable_by_batch_size: a decode step with more running sequences than this runs plain, without proposals (a
         verify step of B * (k + 1) tokens costs more, the larger B, than its extra tokens are worth); vLLM's name.
         Default (None): 32 on CUDA, 4 on a CPU (measured: docs/benchmarks.md); 0 never disables.
@@ -319,8 +325,9 @@ class SpeculativeConfig:
 
     method: str
     num_speculative_tokens: int
-    prompt_lookup_max: int = 3
-    prompt_lookup_min: int = 1
+    # None: not given (vLLM's default value); resolved in __post_init__ for "ngram", refused for "draft_model"
+    prompt_lookup_max: int | None = None
+    prompt_lookup_min: int | None = None
     model: str | Path | None = None
     disable_by_batch_size: int | None = None
     min_tokens_per_step: float = 1.5
@@ -365,16 +372,29 @@ class SpeculativeConfig:
         if self.method == "ngram":
             low, high = self.prompt_lookup_min, self.prompt_lookup_max
             for name, value in (("prompt_lookup_min", low), ("prompt_lookup_max", high)):
-                if not _is_int(value) or value < 1:
+                if value is not None and (not _is_int(value) or value < 1):
                     raise ValueError(f"speculative_config: {name} must be a positive integer, got {value!r}")
+            # a bound given alone never conflicts with the other's default (vLLM takes it for the other): only two
+            # bounds the user gave can be out of order
+            low = 1 if low is None else low
+            high = max(3, low) if high is None else high
             if low > high:
                 raise ValueError(f"speculative_config: prompt_lookup_min ({low}) exceeds prompt_lookup_max ({high})")
+            _set(self, prompt_lookup_min=low, prompt_lookup_max=high)
             if self.model is not None:
                 raise ValueError('speculative_config: "model" is for method "draft_model", not "ngram"')
         else:
             if self.model is None:
                 raise ValueError('speculative_config: method "draft_model" needs "model": the draft\'s folder')
-            folder, architecture, draft_config = load_model_config(self.model)
+            given = [name for name in ("prompt_lookup_min", "prompt_lookup_max") if getattr(self, name) is not None]
+            if given:  # (a draft model looks nothing up: the setting would be dropped without a word)
+                raise ValueError(f'speculative_config: {given[0]} is for method "ngram", not "draft_model"')
+            try:  # the folder's problems name the key it came from, and are found before anything is built
+                folder, architecture, draft_config = load_model_config(self.model)
+                if not weight_files(folder):
+                    raise ModelFolderError(f"{folder} holds no *.safetensors weights")
+            except ModelFolderError as error:
+                raise ModelFolderError(f'speculative_config "model": {error}') from None
             _set(self, model_folder=folder, architecture=architecture, draft_config=draft_config)
 
 

@@ -41,6 +41,7 @@ from nanoref.parallel.state import ParallelState
 from nanoref.sampling_params import SamplingParams
 from nanoref.speculative.loop import SpeculativeLoop
 from nanoref.speculative.runner import SpeculativeRunner, unpaid_draft
+from nanoref.speculative.vocabulary import check_draft_tokenizer
 from nanoref.structured_output import Grammars
 from nanoref.utils.progress import tqdm
 from nanoref.warmup import warm_up_prefill
@@ -101,6 +102,9 @@ class LLM(LLMEngine):
                 f"LLM() got an unexpected keyword argument {unknown[0]!r}; its settings: {sorted(SETTINGS)}"
             )
         config = EngineConfig(model, **settings).resolved()
+        spec = config.speculative_config
+        if spec is not None and spec.method == "draft_model":  # (before anything is built)
+            check_draft_tokenizer(spec.model_folder, config.model_folder)
         unpaid = unpaid_draft(config)
         if unpaid is not None:  # (engine_hooks and build_runner then leave the draft out)
             warnings.warn(unpaid, RuntimeWarning, stacklevel=2)

@@ -352,7 +352,10 @@ def test_a_failing_verify_step_aborts_its_requests_and_the_engine_serves_on(tiny
         ({"method": "ngram", "num_speculative_tokens": 0}, r"num_speculative_tokens must be an integer in \[1, 16\]"),
         ({"method": "medusa", "num_speculative_tokens": 2}, 'needs "method": "ngram"'),
         ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 3}, "unknown key 'lookahead'"),
-        ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4}, "exceeds prompt_lookup_max"),
+        (
+            {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 3},
+            r"prompt_lookup_min \(4\) exceeds prompt_lookup_max \(3\)",
+        ),
         ({"method": "draft_model", "num_speculative_tokens": 2}, 'needs "model"'),
         ({"model": "/no/such/folder", "num_speculative_tokens": 2}, "/no/such/folder"),
         ("ngram", "must be a dict"),
