@@ -29,7 +29,11 @@ def build_parser() -> argparse.ArgumentParser:
     sampling.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
     engine = parser.add_argument_group("engine")
     engine.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    engine.add_argument("--dtype", default=None, help="float32, float16 or bfloat16 (default: per device)")
+    engine.add_argument(
+        "--dtype",
+        default=None,
+        help="auto, float32 (= float), float16 (= half) or bfloat16 (default auto: bfloat16 on CUDA, float32 on a CPU)",
+    )
     engine.add_argument(
         "--attention-backend", default="auto", help="auto, torch, triton, cpp, flash_attn or flash_attn+triton"
     )

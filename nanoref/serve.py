@@ -9,11 +9,17 @@ LoRA adapters (vLLM's flags): `--enable-lora --lora-modules sql=/adapters/sql ch
 
 Tool calls (vLLM's flags): `tools` with tool_choice "required" or a named function need none; the model's own choice,
 tool_choice "auto" (the default when tools are given), needs `--enable-auto-tool-choice --tool-call-parser hermes`.
+
+The other flags are vLLM's too, where nanoref has the feature (`--model`, `--max-model-len`, `--seed`,
+`--speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'`, `--api-key`, ...): a script written for
+`vllm serve` runs; a flag nanoref lacks is refused (argparse's error), never ignored.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import re
 import signal
 import socket
 import sys
@@ -21,6 +27,20 @@ import sys
 from nanoref.llm import DEFAULT_MODEL
 
 ENGINE_PROCESS = {"auto": None, "on": True, "off": False}  # --engine-process -> AsyncLLM.from_model's engine_process
+UVICORN_LOG_LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]  # vLLM's --uvicorn-log-level choices
+# the engine settings whose flag is the setting's name in vLLM's spelling (--max-num-seqs -> max_num_seqs), passed
+# to the engine only when given: the engine's own defaults (per device) apply otherwise
+ENGINE_SETTINGS = (
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "max_model_len",
+    "num_kvcache_blocks",
+    "gpu_memory_utilization",
+    "seed",
+    "max_loras",
+    "max_lora_rank",
+    "max_cpu_loras",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -29,7 +49,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve a Qwen3 model over HTTP with OpenAI's API (/v1/completions, /v1/chat/completions, "
         "/v1/models), plus /health and Prometheus /metrics. Without MODEL it serves the tiny built-in model.",
     )
-    parser.add_argument("model", nargs="?", default=str(DEFAULT_MODEL), help="a local Hugging Face Qwen3 folder")
+    parser.add_argument(
+        "model", nargs="?", default=None, help="a local Hugging Face Qwen3 folder (default: the tiny built-in model)"
+    )
+    parser.add_argument(
+        "--model", dest="model_option", default=None, metavar="MODEL", help="MODEL as an option (vLLM's spelling too)"
+    )
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0: any free one)")
     parser.add_argument(
@@ -51,11 +76,73 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the engine in a process of its own, apart from the HTTP server's (default auto: on, on a CPU as on "
         "CUDA: the server's Python work would otherwise hold back the engine's steps)",
     )
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        help="require `Authorization: Bearer API_KEY` on the /v1 routes (others answer 401), as vLLM's; /health, "
+        "/metrics, /version, /tokenize and /detokenize stay open, as in vLLM (default: no key)",
+    )
+    parser.add_argument(
+        "--uvicorn-log-level",
+        choices=UVICORN_LOG_LEVELS,
+        default="warning",
+        help="uvicorn's log level (default warning: errors only, no access log; vLLM's default is info)",
+    )
+    parser.add_argument(
+        "--disable-log-requests",
+        action="store_true",
+        help="accepted for vLLM's scripts: nanoref never logs requests",
+    )
     engine = parser.add_argument_group("engine")
     engine.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    engine.add_argument("--dtype", default=None, help="float32, float16 or bfloat16 (default: per device)")
+    engine.add_argument(
+        "--dtype",
+        default=None,
+        help="auto, float32 (= float), float16 (= half) or bfloat16 (default auto: bfloat16 on CUDA, float32 on a CPU)",
+    )
     engine.add_argument("--max-num-seqs", type=int, default=None, help="requests per step (default: per device)")
+    engine.add_argument(
+        "--max-num-batched-tokens", type=int, default=None, help="tokens per step (default: per device)"
+    )
+    engine.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="the longest prompt + completion, in tokens (default: the model's limit, capped at 4096)",
+    )
     engine.add_argument("--num-kvcache-blocks", type=int, default=None, help="KV blocks (default: from memory)")
+    engine.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=None,
+        help="CUDA: the share of the GPU's memory the engine may fill, KV cache included (default 0.9); a CPU ignores "
+        "it, as vLLM's does: its KV cache holds max-num-seqs full-length sequences, at most a quarter of the free "
+        "RAM (--num-kvcache-blocks sets it)",
+    )
+    engine.add_argument(
+        "--enforce-eager", action="store_true", help="run decode steps eagerly, without CUDA graphs (CUDA only)"
+    )
+    engine.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="seed of the engine's generator for unseeded requests: the same requests, the same tokens (default: "
+        "fresh entropy)",
+    )
+    engine.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="split the model over this many ranks (one per GPU, or gloo processes on a CPU; default 1)",
+    )
+    engine.add_argument(
+        "--speculative-config",
+        default=None,
+        metavar="JSON",
+        help='speculative decoding, vLLM\'s JSON: \'{"method": "ngram", "num_speculative_tokens": 4}\' or '
+        '\'{"model": DRAFT_FOLDER, "num_speculative_tokens": 4}\' (default: off)',
+    )
     engine.add_argument(
         "--attention-backend", default="auto", help="auto, torch, triton, cpp, flash_attn or flash_attn+triton"
     )
@@ -102,6 +189,15 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def name_the_flag(parser: argparse.ArgumentParser, message: str) -> str:
+    """The engine's message about a setting (`max_num_seqs must be ...`) led by the flag that set it
+    (`--max-num-seqs: max_num_seqs must be ...`): the user typed the flag, not the setting's name."""
+    flags = {action.dest: action.option_strings[0] for action in parser._actions if action.option_strings}
+    setting = re.match(r"[a-z_]+", message)
+    flag = flags.get(setting.group()) if setting else None
+    return f"{flag}: {message}" if flag else message
+
+
 class Terminated(Exception):
     """SIGTERM arrived (and uvicorn, which had it first, has shut the server down)."""
 
@@ -113,7 +209,31 @@ def _terminated(signum, frame) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Exit status: 0 after a clean stop (Ctrl-C), 2 bad input (arguments, model folder, an address in use). On
     SIGTERM it stops as on Ctrl-C (the server, then the engine), then ends by that signal, as uvicorn does."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.model_option is not None and args.model is not None and args.model_option != args.model:
+        parser.error(f"the model is given twice: {args.model!r} and --model {args.model_option!r}")
+    model = args.model_option or args.model or str(DEFAULT_MODEL)
+    if args.served_model_name is not None and not args.served_model_name.strip():
+        print("error: --served-model-name must not be empty", file=sys.stderr)
+        return 2
+    if args.api_key is not None and not args.api_key:
+        print("error: --api-key must not be empty (leave it out to serve without a key)", file=sys.stderr)
+        return 2
+    speculative_config = None
+    if args.speculative_config is not None:
+        try:
+            speculative_config = json.loads(args.speculative_config)
+        except ValueError as error:
+            print(
+                f"error: --speculative-config is not valid JSON ({error}): {args.speculative_config!r}", file=sys.stderr
+            )
+            return 2
+        if not isinstance(speculative_config, dict):
+            print(
+                f"error: --speculative-config must be a JSON object, got {args.speculative_config!r}", file=sys.stderr
+            )
+            return 2
     if not 0 < args.switch_interval <= 1:
         print(f"error: --switch-interval must be in (0, 1] seconds, got {args.switch_interval}", file=sys.stderr)
         return 2
@@ -139,19 +259,17 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    lora_settings = {"enable_lora": True} if args.enable_lora else {}
-    for name in ("max_loras", "max_lora_rank", "max_cpu_loras"):
-        if getattr(args, name) is not None:
-            lora_settings[name] = getattr(args, name)
     settings = {
-        **lora_settings,
         "device": args.device,
         "dtype": args.dtype,
         "attention_backend": args.attention_backend,
         "kv_cache_dtype": args.kv_cache_dtype,
         "disable_cascade_attn": args.disable_cascade_attn,
-        **({"max_num_seqs": args.max_num_seqs} if args.max_num_seqs is not None else {}),
-        **({"num_kvcache_blocks": args.num_kvcache_blocks} if args.num_kvcache_blocks is not None else {}),
+        "enforce_eager": args.enforce_eager,
+        "tensor_parallel_size": args.tensor_parallel_size,
+        **({"enable_lora": True} if args.enable_lora else {}),
+        **({"speculative_config": speculative_config} if speculative_config is not None else {}),
+        **{name: getattr(args, name) for name in ENGINE_SETTINGS if getattr(args, name) is not None},
     }
     try:
         # bind first, before the model loads: an address in use (or a host that is none of this machine's) is a
@@ -161,12 +279,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: cannot listen on {args.host}:{args.port}: {error}", file=sys.stderr)
         return 2
     try:
-        engine = AsyncLLM.from_model(args.model, engine_process=ENGINE_PROCESS[args.engine_process], **settings)
+        engine = AsyncLLM.from_model(model, engine_process=ENGINE_PROCESS[args.engine_process], **settings)
     except (ValueError, TypeError, RuntimeError) as error:  # (ModelFolderError is a ValueError)
         sock.close()
-        print(f"error: {error}", file=sys.stderr)
+        print(f"error: {name_the_flag(parser, str(error))}", file=sys.stderr)
         return 2
-    name = args.served_model_name or ("nanoref/default_model" if args.model == str(DEFAULT_MODEL) else args.model)
+    name = args.served_model_name or ("nanoref/default_model" if model == str(DEFAULT_MODEL) else model)
     try:  # every adapter's folder checked against the model before the server listens
         adapters = LoRAModules(engine.config, name, lora_modules)
     except ValueError as error:  # (LoRAAdapterError too)
@@ -181,8 +299,8 @@ def main(argv: list[str] | None = None) -> int:
         "tool_call_parser": args.tool_call_parser,
         "exclude_tools_when_tool_choice_none": args.exclude_tools_when_tool_choice_none,
     }
-    app = build_app(engine, name, lora_modules=adapters, **tool_settings)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    app = build_app(engine, name, lora_modules=adapters, api_key=args.api_key, **tool_settings)
+    server = uvicorn.Server(uvicorn.Config(app, log_level=args.uvicorn_log_level))
     # This process is the server's own: threads share its GIL, the event loop streaming responses and the engine
     # thread stepping (or, with the engine in its own process, the thread reading its messages). A thread that
     # wants the GIL waits up to the switch interval for the other to let go, and the engine thread wants it back

@@ -46,6 +46,7 @@ import contextlib
 import importlib.metadata
 import json
 import re
+import secrets
 import socket
 import threading
 import time
@@ -234,6 +235,7 @@ class RequestAborted(Exception):
 
 ERROR_TYPES = {
     400: "BadRequestError",
+    401: "AuthenticationError",
     404: "NotFoundError",
     405: "MethodNotAllowedError",
     408: "RequestTimeoutError",
@@ -245,6 +247,27 @@ ERROR_TYPES = {
 def error_body(message: str, param: str | None, status: int) -> dict:
     kind = ERROR_TYPES.get(status, "InternalServerError")
     return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+class APIKeyMiddleware:
+    """vLLM's --api-key: a request to a /v1 route without the header `Authorization: Bearer <key>` is a 401 in
+    OpenAI's error body (which OpenAI's clients raise as AuthenticationError), answered before its body is read.
+    Other routes (/health, /metrics, /version, /tokenize, /detokenize) stay open, as vLLM leaves them."""
+
+    def __init__(self, app: Callable, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] == "http" and scope["method"] != "OPTIONS" and scope["path"].startswith("/v1"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not secrets.compare_digest(given, self.expected):
+                message = "a valid API key is required: send the header `Authorization: Bearer <key>`"
+                # (the body is left unread: the connection must not be read on as its next request)
+                headers = {"WWW-Authenticate": "Bearer", "Connection": "close"}
+                await JSONResponse(error_body(message, None, 401), 401, headers=headers)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def prompt_batch(prompt: object) -> list[str | list[int]]:
@@ -867,15 +890,21 @@ def build_app(
     enable_auto_tool_choice: bool = False,
     tool_call_parser: str | None = None,
     exclude_tools_when_tool_choice_none: bool = False,
+    api_key: str | None = None,
 ) -> FastAPI:
     """The FastAPI app serving `engine` as the model `served_model_name` (the app does not close the engine).
     max_body_bytes: a longer request body is a 413; body_timeout: seconds a request's body may take to arrive
     (then a 408); lora_modules: the LoRA adapters a request's `model` may name (lora_modules.py). Tool calls
     (tool_calls.py), vLLM's settings: enable_auto_tool_choice lets the model choose ("auto") and needs
     tool_call_parser ("hermes"); exclude_tools_when_tool_choice_none leaves the tools out of a "none" request's prompt.
+    api_key: the /v1 routes answer 401 to a request without `Authorization: Bearer <api_key>` (APIKeyMiddleware).
     ValueError naming a bad setting."""
     check_tool_settings(enable_auto_tool_choice, tool_call_parser)
+    if api_key is not None and (not isinstance(api_key, str) or not api_key):
+        raise ValueError(f"api_key must be a non-empty string or None, got {api_key!r}")
     app = FastAPI(title="nanoref")
+    if api_key is not None:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
     app.state.engine = engine
     app.state.metrics = metrics = ServerMetrics(engine, served_model_name)
     adapters = lora_modules or LoRAModules(engine.config, served_model_name)

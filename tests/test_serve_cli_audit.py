@@ -1,0 +1,156 @@
+"""`python -m nanoref.serve` takes `vllm serve`'s flags where nanoref has the feature, honours each one it accepts,
+and refuses a bad value with one line naming the flag (exit 2), before the model loads."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+openai = pytest.importorskip("openai")
+pytest.importorskip("uvicorn")
+
+from nanoref.serve import build_parser, main  # noqa: E402
+from nanoref.serving.async_llm import AsyncLLM  # noqa: E402
+
+from .helpers import SERVER_TIMEOUT, serve_settings  # noqa: E402
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "serving.md"
+
+
+def never_loads(monkeypatch) -> None:
+    monkeypatch.setattr(AsyncLLM, "from_model", lambda *a, **k: pytest.fail("the model was loaded"))
+
+
+def test_vllm_engine_flags_reach_the_engine(monkeypatch):
+    settings = serve_settings(
+        monkeypatch,
+        [
+            "--max-model-len", "64",
+            "--max-num-batched-tokens", "256",
+            "--gpu-memory-utilization", "0.5",
+            "--enforce-eager",
+            "--seed", "7",
+            "--tensor-parallel-size", "2",
+            "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}',
+        ],
+    )  # fmt: skip
+    assert settings["max_model_len"] == 64
+    assert settings["max_num_batched_tokens"] == 256
+    assert settings["gpu_memory_utilization"] == 0.5
+    assert settings["enforce_eager"] is True
+    assert settings["seed"] == 7
+    assert settings["tensor_parallel_size"] == 2
+    assert settings["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 3}
+    # left out, the engine's own defaults (per device) apply
+    plain = serve_settings(monkeypatch, [])
+    assert not {"max_model_len", "max_num_batched_tokens", "gpu_memory_utilization", "seed"} & set(plain)
+    assert plain["enforce_eager"] is False and plain["tensor_parallel_size"] == 1
+    assert serve_settings(monkeypatch, ["-tp", "2"])["tensor_parallel_size"] == 2  # vLLM's short form
+
+
+def test_model_as_an_option_as_vllm_takes_it(monkeypatch, tmp_path, capsys):
+    models = []
+
+    def capture(model, **settings):
+        models.append(model)
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(AsyncLLM, "from_model", capture)
+    folder = str(tmp_path)
+    assert main(["--device", "cpu", "--port", "0", "--model", folder]) == 2
+    assert main([folder, "--device", "cpu", "--port", "0", "--model", folder]) == 2  # the same one twice: fine
+    assert models == [folder, folder]
+    with pytest.raises(SystemExit) as stopped:  # two different models: argparse's error, exit 2
+        main([folder, "--device", "cpu", "--port", "0", "--model", folder + "-other"])
+    assert stopped.value.code == 2
+    assert "the model is given twice" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--speculative-config", "{method: ngram}"], "error: --speculative-config is not valid JSON"),
+        (["--speculative-config", '["ngram"]'], "error: --speculative-config must be a JSON object"),
+        (["--served-model-name", ""], "error: --served-model-name must not be empty"),
+        (["--api-key", ""], "error: --api-key must not be empty"),
+    ],
+)
+def test_bad_values_are_one_line_naming_the_flag_before_the_model_loads(args, message, monkeypatch, capsys):
+    never_loads(monkeypatch)
+    assert main(["--device", "cpu", "--port", "0", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(message) and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize(
+    "args,flag",
+    [
+        (["--max-num-seqs", "0"], "--max-num-seqs"),
+        (["--max-model-len", "1"], "--max-model-len"),
+        (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization"),
+        (["--seed", "-1"], "--seed"),
+        (["--dtype", "float8"], "--dtype"),
+        (["--speculative-config", '{"method": "ngram"}'], "--speculative-config"),
+    ],
+)
+def test_an_engine_setting_the_engine_refuses_is_named_by_its_flag(args, flag, capsys):
+    assert main(["--device", "cpu", "--port", "0", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {flag}: ") and err.count("\n") == 1, err
+    assert "Traceback" not in err
+
+
+def test_every_flag_of_the_serve_command_is_in_the_docs():
+    text = DOCS.read_text()
+    flags = {s for action in build_parser()._actions for s in action.option_strings if s.startswith("--")}
+    missing = sorted(flag for flag in flags - {"--help"} if not re.search(re.escape(flag) + r"\b(?!-)", text))
+    assert missing == [], f"docs/serving.md does not mention {missing}"
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="Linux")
+def test_api_key_is_required_on_v1_routes_and_the_log_level_is_uvicorns(tmp_path):
+    command = [sys.executable, "-m", "nanoref.serve", "--device", "cpu", "--port", "0", "--engine-process", "off"]
+    command += ["--api-key", "sekrit", "--uvicorn-log-level", "info", "--num-kvcache-blocks", "16"]
+    log = (tmp_path / "stderr").open("w+")
+    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log, text=True, env=os.environ)
+    try:
+        line = server.stdout.readline()
+        assert " on http://" in line, line + Path(log.name).read_text()
+        url = line.split(" on ", 1)[1].split()[0].removesuffix("/v1")
+        # no key, a wrong one, a key without "Bearer": 401 in OpenAI's error body, on every /v1 route
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekrit"}):
+            response = httpx.get(f"{url}/v1/models", headers=headers, timeout=SERVER_TIMEOUT)
+            assert response.status_code == 401, response.text
+            assert response.json()["error"]["code"] == 401
+        body = {"prompt": "Beautiful is", "max_tokens": 2}
+        assert httpx.post(f"{url}/v1/completions", json=body, timeout=SERVER_TIMEOUT).status_code == 401
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()
+        # the right key: served; the routes outside /v1 stay open, as vLLM's
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="sekrit", timeout=SERVER_TIMEOUT, max_retries=0)
+        model = client.models.list().data[0].id
+        text = client.completions.create(model=model, **body).choices[0].text
+        assert (
+            text
+            and "".join(c.choices[0].text for c in client.completions.create(model=model, stream=True, **body)) == text
+        )
+        assert httpx.get(f"{url}/health", timeout=SERVER_TIMEOUT).status_code == 200
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(SERVER_TIMEOUT) == -signal.SIGTERM
+        stdout = server.stdout.read()
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+    stderr = Path(log.name).read_text()
+    assert "Traceback" not in stderr
+    # --uvicorn-log-level info: uvicorn's access log (on stdout), which the default (warning) leaves out
+    assert '"GET /v1/models HTTP/1.1" 401' in stdout, stdout
+    assert "Application startup complete" in stderr, stderr
