@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import shutil
 import threading
+import weakref
 
 import numpy as np
 import pytest
@@ -105,6 +107,27 @@ def test_llm_leaves_the_global_rng_alone(tiny_model):
     seeded = SamplingParams(temperature=1.0, max_tokens=5, seed=7)
     llm.generate([[1, 2, 3], [4, 5]], seeded, use_tqdm=False)
     assert torch.equal(torch.get_rng_state(), before), "a generate with only seeded requests used the global RNG"
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [{}, {"overlap_scheduling": True}, {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}],
+    ids=["plain", "overlapped", "speculative"],
+)
+def test_del_frees_the_engine_at_once(tiny_model, settings):
+    # its step loop refers back to it weakly: no cycle keeps the KV cache (or tensor-parallel workers) alive until
+    # the next cyclic collection, which a new engine sizing its cache from free memory would race
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        llm = LLM(tiny_model, num_kvcache_blocks=16, **settings)
+        llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
+        engine, cache = weakref.ref(llm), weakref.ref(llm.model_runner.kv_cache)
+        del llm
+        assert engine() is None and cache() is None, "the engine outlived `del`: a reference cycle holds it"
+    finally:
+        if enabled:
+            gc.enable()
 
 
 # -- loose types ----------------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from functools import partial
 from itertools import count
@@ -98,7 +99,9 @@ class LLMEngine:
         self.metrics = EngineMetrics()  # step records and per-request metrics (see engine/metrics.py)
         self._seq_ids = count()  # this engine's sequence ids: its first request is 0, whatever ran before
         self.failed: list[Sequence] = []  # the sequences the latest step that raised aborted
-        self.step_loop = (hooks.make_step_loop or PlainLoop)(self)
+        # the loop refers back to its engine weakly: `del llm` then frees the engine (its KV cache, its workers) at
+        # once, not at the next cyclic garbage collection, which a new engine sizing its cache would race
+        self.step_loop = (hooks.make_step_loop or PlainLoop)(weakref.proxy(self))
 
     # -- requests -----------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
