@@ -68,6 +68,7 @@ from starlette.requests import ClientDisconnect
 
 from nanoref.engine.chat import chat_prompt
 from nanoref.engine.detokenizer import REPLACEMENT_CHAR, decode
+from nanoref.engine.requests import tokenize as prompt_token_ids  # (the /tokenize route takes the name)
 from nanoref.layers.logits_processors import TokenLogprobs
 from nanoref.sampling_params import SamplingParams, StructuredOutputsParams, stop_strings
 from nanoref.serving.async_llm import AsyncLLM, RequestOutput
@@ -268,6 +269,18 @@ class APIKeyMiddleware:
                 await JSONResponse(error_body(message, None, 401), 401, headers=headers)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+def check_room(prompt_tokens: int, asked_tokens: int, limit: int, where: str, param: str) -> None:
+    """vLLM's server refuses a max_tokens the context cannot hold beside the prompt (its offline generate, like
+    nanoref's, stops at max_model_len instead). A prompt with no room at all is the engine's error to name."""
+    if 0 < limit - prompt_tokens < asked_tokens:
+        raise BadRequest(
+            f"{where}'max_tokens' or 'max_completion_tokens' is too large: {asked_tokens}. This model's maximum "
+            f"context length is {limit} tokens and your request has {prompt_tokens} input tokens "
+            f"({asked_tokens} > {limit} - {prompt_tokens})",
+            param,
+        )
 
 
 def prompt_batch(prompt: object) -> list[str | list[int]]:
@@ -1025,19 +1038,10 @@ def build_app(
                 bad = f"\\u{ord(error.object[error.start]):04x}"
                 message = f"{where}the text holds a lone UTF-16 surrogate ({bad}): it is not text"
                 raise BadRequest(message, blamed[""]) from None
-        limit = engine.config.max_model_len
-        if asked_tokens is not None and isinstance(prompt, str) and prompt and engine.tokenizer is not None:
-            prompt = engine.tokenizer.encode(prompt)  # (as the engine would: counted here, not twice)
-        room = limit - len(prompt) if not isinstance(prompt, str) else None
-        if asked_tokens is not None and room is not None and 0 < room < asked_tokens:
-            # vLLM's server refuses a max_tokens the context cannot hold (its offline generate stops at the limit)
-            message = (
-                f"{where}'max_tokens' or 'max_completion_tokens' is too large: {asked_tokens}. This model's maximum "
-                f"context length is {limit} tokens and your request has {len(prompt)} input tokens "
-                f"({asked_tokens} > {limit} - {len(prompt)})"
-            )
-            raise BadRequest(message, blamed["max_tokens"])
         try:  # the engine's checks of the prompt (empty, too long, outside the vocabulary) and of the KV budget
+            if asked_tokens is not None:  # (tokenized here to count it, once: the ids go on to the engine)
+                prompt = prompt_token_ids(prompt, engine.tokenizer, engine.config)
+                check_room(len(prompt), asked_tokens, engine.config.max_model_len, where, blamed["max_tokens"])
             return engine.generate(prompt, params, request_id, adapters.lora_request(model))
         except (ValueError, TypeError) as error:
             param = next(name for word, name in blamed.items() if word in str(error))
