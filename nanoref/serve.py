@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import signal
 import socket
@@ -28,6 +29,7 @@ from nanoref.llm import DEFAULT_MODEL
 
 ENGINE_PROCESS = {"auto": None, "on": True, "off": False}  # --engine-process -> AsyncLLM.from_model's engine_process
 UVICORN_LOG_LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]  # vLLM's --uvicorn-log-level choices
+API_KEY_VARIABLES = ("VLLM_API_KEY", "NANOREF_API_KEY")  # --api-key's default, in this order
 # the engine settings whose flag is the setting's name in vLLM's spelling (--max-num-seqs -> max_num_seqs), passed
 # to the engine only when given: the engine's own defaults (per device) apply otherwise
 ENGINE_SETTINGS = (
@@ -59,8 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0: any free one)")
     parser.add_argument(
         "--served-model-name",
+        nargs="+",
         default=None,
-        help="the model's name in the API (default: MODEL as given; nanoref/default_model for the built-in one)",
+        help="the model's name(s) in the API: a request may give any, responses name the first, as vLLM's (default: "
+        "MODEL as given; nanoref/default_model for the built-in one)",
     )
     parser.add_argument(
         "--switch-interval",
@@ -80,7 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--api-key",
         default=None,
         help="require `Authorization: Bearer API_KEY` on the /v1 routes (others answer 401), as vLLM's; /health, "
-        "/metrics, /version, /tokenize and /detokenize stay open, as in vLLM (default: no key)",
+        "/metrics, /version, /tokenize and /detokenize stay open, as in vLLM (default: the environment's "
+        f"{' or '.join(API_KEY_VARIABLES)}, as vLLM reads the first; else no key)",
     )
     parser.add_argument(
         "--uvicorn-log-level",
@@ -202,6 +207,11 @@ class Terminated(Exception):
     """SIGTERM arrived (and uvicorn, which had it first, has shut the server down)."""
 
 
+def api_key_from_environment() -> str | None:
+    """--api-key's default: VLLM_API_KEY (vLLM's variable), else NANOREF_API_KEY; unset or empty: no key."""
+    return next((os.environ[name] for name in API_KEY_VARIABLES if os.environ.get(name)), None)
+
+
 def _terminated(signum, frame) -> None:
     raise Terminated
 
@@ -214,12 +224,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.model_option is not None and args.model is not None and args.model_option != args.model:
         parser.error(f"the model is given twice: {args.model!r} and --model {args.model_option!r}")
     model = args.model_option or args.model or str(DEFAULT_MODEL)
-    if args.served_model_name is not None and not args.served_model_name.strip():
-        print("error: --served-model-name must not be empty", file=sys.stderr)
+    names = args.served_model_name or []
+    if not all(name.strip() for name in names) or len(set(names)) < len(names):
+        print(f"error: --served-model-name takes non-empty names, each once, got {names!r}", file=sys.stderr)
         return 2
     if args.api_key is not None and not args.api_key:
         print("error: --api-key must not be empty (leave it out to serve without a key)", file=sys.stderr)
         return 2
+    api_key = args.api_key if args.api_key is not None else api_key_from_environment()
     speculative_config = None
     if args.speculative_config is not None:
         try:
@@ -284,9 +296,10 @@ def main(argv: list[str] | None = None) -> int:
         sock.close()
         print(f"error: {name_the_flag(parser, str(error))}", file=sys.stderr)
         return 2
-    name = args.served_model_name or ("nanoref/default_model" if model == str(DEFAULT_MODEL) else model)
+    names = names or ["nanoref/default_model" if model == str(DEFAULT_MODEL) else model]
+    name = names[0]
     try:  # every adapter's folder checked against the model before the server listens
-        adapters = LoRAModules(engine.config, name, lora_modules)
+        adapters = LoRAModules(engine.config, names, lora_modules)
     except ValueError as error:  # (LoRAAdapterError too)
         engine.close()
         sock.close()
@@ -299,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
         "tool_call_parser": args.tool_call_parser,
         "exclude_tools_when_tool_choice_none": args.exclude_tools_when_tool_choice_none,
     }
-    app = build_app(engine, name, lora_modules=adapters, api_key=args.api_key, **tool_settings)
+    app = build_app(engine, names, lora_modules=adapters, api_key=api_key, **tool_settings)
     server = uvicorn.Server(uvicorn.Config(app, log_level=args.uvicorn_log_level))
     # This process is the server's own: threads share its GIL, the event loop streaming responses and the engine
     # thread stepping (or, with the engine in its own process, the thread reading its messages). A thread that

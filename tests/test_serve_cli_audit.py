@@ -78,7 +78,8 @@ def test_model_as_an_option_as_vllm_takes_it(monkeypatch, tmp_path, capsys):
     [
         (["--speculative-config", "{method: ngram}"], "error: --speculative-config is not valid JSON"),
         (["--speculative-config", '["ngram"]'], "error: --speculative-config must be a JSON object"),
-        (["--served-model-name", ""], "error: --served-model-name must not be empty"),
+        (["--served-model-name", ""], "error: --served-model-name takes non-empty names, each once"),
+        (["--served-model-name", "a", "a"], "error: --served-model-name takes non-empty names, each once"),
         (["--api-key", ""], "error: --api-key must not be empty"),
     ],
 )
@@ -115,11 +116,18 @@ def test_every_flag_of_the_serve_command_is_in_the_docs():
 
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="Linux")
-def test_api_key_is_required_on_v1_routes_and_the_log_level_is_uvicorns(tmp_path):
+@pytest.mark.parametrize("given", ["flag", "VLLM_API_KEY", "NANOREF_API_KEY"])
+def test_api_key_is_required_on_v1_routes_and_the_log_level_is_uvicorns(tmp_path, given):
     command = [sys.executable, "-m", "nanoref.serve", "--device", "cpu", "--port", "0", "--engine-process", "off"]
-    command += ["--api-key", "sekrit", "--uvicorn-log-level", "info", "--num-kvcache-blocks", "16"]
+    command += ["--uvicorn-log-level", "info", "--num-kvcache-blocks", "16"]
+    env = {k: v for k, v in os.environ.items() if k not in ("VLLM_API_KEY", "NANOREF_API_KEY")}
+    if given == "flag":  # (the flag wins over the environment, as vLLM's)
+        command += ["--api-key", "sekrit"]
+        env["VLLM_API_KEY"] = "other"
+    else:  # vLLM's variable (nanoref's name too): the key when no --api-key is given
+        env[given] = "sekrit"
     log = (tmp_path / "stderr").open("w+")
-    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log, text=True, env=os.environ)
+    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
     try:
         line = server.stdout.readline()
         assert " on http://" in line, line + Path(log.name).read_text()
@@ -154,3 +162,25 @@ def test_api_key_is_required_on_v1_routes_and_the_log_level_is_uvicorns(tmp_path
     # --uvicorn-log-level info: uvicorn's access log (on stdout), which the default (warning) leaves out
     assert '"GET /v1/models HTTP/1.1" 401' in stdout, stdout
     assert "Application startup complete" in stderr, stderr
+
+
+def test_served_model_names_are_each_accepted_and_responses_name_the_first():
+    """vLLM's --served-model-name takes several names: /v1/models has a card for each, a request may give any, and
+    the response names the first."""
+    from nanoref import LLM
+
+    from .helpers import running_server
+
+    engine = AsyncLLM(LLM(device="cpu", num_kvcache_blocks=16), owns_llm=True)
+    with running_server(engine, ["first", "alias"]) as server:
+        cards = httpx.get(f"{server.url}/v1/models", timeout=SERVER_TIMEOUT).json()["data"]
+        assert [card["id"] for card in cards] == ["first", "alias"]
+        for model in ("first", "alias"):
+            body = {"model": model, "prompt": "Beautiful is", "max_tokens": 2}
+            response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=SERVER_TIMEOUT)
+            assert response.status_code == 200, response.text
+            assert response.json()["model"] == "first"
+        body = {"model": "other", "prompt": "Beautiful is", "max_tokens": 2}
+        response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=SERVER_TIMEOUT)
+        assert response.status_code == 404
+        assert "'first', 'alias'" in response.json()["error"]["message"]

@@ -161,6 +161,15 @@ def test_the_completions_default_max_tokens_is_16(server):
     assert response.json()["usage"]["completion_tokens"] == 16
 
 
+def test_the_chat_default_max_tokens_is_the_room_the_context_leaves(server, offline):
+    """vLLM's chat default: with no max_tokens / max_completion_tokens the reply may fill the context."""
+    response = post(server, "/v1/chat/completions", {"messages": MESSAGES, "ignore_eos": True})
+    assert response.status_code == 200, response.text
+    usage, choice = response.json()["usage"], response.json()["choices"][0]
+    assert usage["prompt_tokens"] + usage["completion_tokens"] == offline.config.max_model_len
+    assert choice["finish_reason"] == "length"
+
+
 # -- logit_bias, skip_special_tokens, spaces_between_special_tokens -------------------------------------------------
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 @pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])

@@ -72,7 +72,7 @@ from nanoref.engine.requests import tokenize as prompt_token_ids  # (the /tokeni
 from nanoref.layers.logits_processors import TokenLogprobs
 from nanoref.sampling_params import SamplingParams, StructuredOutputsParams, stop_strings
 from nanoref.serving.async_llm import AsyncLLM, RequestOutput
-from nanoref.serving.lora_modules import LoRAModules, lora_routes
+from nanoref.serving.lora_modules import LoRAModules, lora_routes, served_model_names
 from nanoref.serving.tool_calls import (
     Delta,
     ToolChoice,
@@ -108,6 +108,7 @@ SAMPLING_FIELDS = {
 COMPLETION_FIELDS = {**SAMPLING_FIELDS, "logprobs": "logprobs", "prompt_logprobs": "prompt_logprobs"}
 CHAT_FIELDS = {**SAMPLING_FIELDS, "max_completion_tokens": "max_tokens"}  # (+ logprobs/top_logprobs, below)
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's and vLLM's default for completions
+CHAT_DEFAULTS = {"max_tokens": None}  # vLLM's chat default: the room left in the context (the engine stops there)
 
 # Every request field of OpenAI's and vLLM's completion and chat APIs has one of these fates (docs/serving.md lists
 # them all); a field in none of them is a 400 that names it, so nothing a client asks for is silently ignored.
@@ -679,7 +680,8 @@ def check_limit(name: str, target: str, value: Any) -> None:
 
 def chat_sampling_params(body: dict) -> SamplingParams:
     """Chat's logprobs is a switch and top_logprobs the count (vLLM: logprobs=top_logprobs if logprobs); an error
-    in the count names top_logprobs."""
+    in the count names top_logprobs. With no max_tokens / max_completion_tokens a reply may fill the room the
+    context leaves after the prompt (vLLM's chat default; completions default to 16)."""
     body = dict(body)
     logprobs, top = body.pop("logprobs", None), body.pop("top_logprobs", None)
     if logprobs is not None and not isinstance(logprobs, bool):
@@ -688,8 +690,8 @@ def chat_sampling_params(body: dict) -> SamplingParams:
         raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
     if logprobs:
         body["top_logprobs"] = 0 if top is None else top
-        return sampling_params(body, {**CHAT_FIELDS, "top_logprobs": "logprobs"})
-    return sampling_params(body, CHAT_FIELDS)
+        return sampling_params(body, {**CHAT_FIELDS, "top_logprobs": "logprobs"}, CHAT_DEFAULTS)
+    return sampling_params(body, CHAT_FIELDS, CHAT_DEFAULTS)
 
 
 def tool_constraint(
@@ -895,7 +897,7 @@ class ClosingStreamingResponse(StreamingResponse):
 
 def build_app(
     engine: AsyncLLM,
-    served_model_name: str,
+    served_model_name: str | list[str],
     *,
     max_body_bytes: int = MAX_BODY_BYTES,
     body_timeout: float = BODY_TIMEOUT,
@@ -905,7 +907,8 @@ def build_app(
     exclude_tools_when_tool_choice_none: bool = False,
     api_key: str | None = None,
 ) -> FastAPI:
-    """The FastAPI app serving `engine` as the model `served_model_name` (the app does not close the engine).
+    """The FastAPI app serving `engine` as the model `served_model_name` (the app does not close the engine); a
+    list of names serves it under each, responses naming the first (vLLM's --served-model-name).
     max_body_bytes: a longer request body is a 413; body_timeout: seconds a request's body may take to arrive
     (then a 408); lora_modules: the LoRA adapters a request's `model` may name (lora_modules.py). Tool calls
     (tool_calls.py), vLLM's settings: enable_auto_tool_choice lets the model choose ("auto") and needs
@@ -918,9 +921,12 @@ def build_app(
     app = FastAPI(title="nanoref")
     if api_key is not None:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    names = served_model_names(served_model_name)
+    if lora_modules is not None and lora_modules.names != names:
+        raise ValueError(f"lora_modules serves the base model as {lora_modules.names!r}, the app as {names!r}")
     app.state.engine = engine
-    app.state.metrics = metrics = ServerMetrics(engine, served_model_name)
-    adapters = lora_modules or LoRAModules(engine.config, served_model_name)
+    app.state.metrics = metrics = ServerMetrics(engine, names[0])
+    adapters = lora_modules or LoRAModules(engine.config, names)
     tokenizer, folder = engine.tokenizer, engine.config.model_folder
 
     @app.exception_handler(APIError)
@@ -985,7 +991,7 @@ def build_app(
         if not isinstance(body, dict):
             raise BadRequest(f"the request body must be a JSON object, got {type(body).__name__}")
         if adapters.resolve(body.get("model")) is False:  # (a 404, as vLLM's)
-            known = ", ".join(map(repr, [served_model_name, *adapters.adapters]))
+            known = ", ".join(map(repr, [*names, *adapters.adapters]))
             raise APIError(f"the model {body['model']!r} does not exist; this server serves {known}", "model", 404)
         for name in ("stream", "stream_options"):
             expected = bool if name == "stream" else dict
@@ -1122,7 +1128,7 @@ def build_app(
             "id": request_id,
             "object": "chat.completion.chunk" if chat else "text_completion",
             "created": int(time.time()),
-            "model": body.get("model") or served_model_name,
+            "model": adapters.response_name(body.get("model")),
         }
         choices = [Choice(index, num_logprobs=params.logprobs) for index in range(len(streams) * n)]
         for choice in choices if echo is not None else ():
@@ -1343,7 +1349,7 @@ def build_app(
             "is_blocking": False,
         }
         card = {
-            "id": served_model_name,
+            "id": names[0],
             "object": "model",
             "created": created,
             "owned_by": "nanoref",

@@ -49,11 +49,27 @@ def parse_lora_modules(values: list[str]) -> dict[str, str]:
     return modules
 
 
+def served_model_names(served_model_name: str | list[str]) -> list[str]:
+    """The base model's served names as a list (one name, or several as vLLM's --served-model-name takes them);
+    ValueError naming an empty or repeated one."""
+    names = [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
+    if not names or not all(isinstance(name, str) and name.strip() for name in names):
+        raise ValueError(f"served model names must be non-empty strings, got {served_model_name!r}")
+    if len(set(names)) < len(names):
+        raise ValueError(f"a served model name is given twice: {names!r}")
+    return names
+
+
 class LoRAModules:
     """name -> LoRARequest, each checked against the engine's model when added."""
 
-    def __init__(self, config: EngineConfig, served_model_name: str, modules: dict[str, str] | None = None) -> None:
-        self.config, self.base = config, served_model_name
+    def __init__(
+        self, config: EngineConfig, served_model_name: str | list[str], modules: dict[str, str] | None = None
+    ) -> None:
+        # the base model's names (vLLM's --served-model-name takes several): a request may give any; responses,
+        # cards' parent and metrics use the first
+        self.names = served_model_names(served_model_name)
+        self.config, self.base = config, self.names[0]
         self.adapters: dict[str, LoRARequest] = {}
         self.created: dict[str, int] = {}
         self._ids = count(1)
@@ -67,7 +83,7 @@ class LoRAModules:
             raise ValueError("LoRA adapters need the engine's enable_lora (--enable-lora)")
         if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
             raise ValueError("lora_name and lora_path must be non-empty strings")
-        if name == self.base or name in self.adapters:
+        if name in self.names or name in self.adapters:
             raise ValueError(f"the LoRA adapter {name!r} has already been loaded")
         request = LoRARequest(name, next(self._ids), path)
         check_lora_adapter(self.config, request)
@@ -80,7 +96,7 @@ class LoRAModules:
 
     def resolve(self, model: object) -> LoRARequest | None | bool:
         """A request's `model` -> its adapter (None: the base model, or no model given); False: no such model."""
-        if model is None or model == self.base:
+        if model is None or model in self.names:
             return None
         return self.adapters.get(model, False) if isinstance(model, str) else False
 
@@ -91,13 +107,19 @@ class LoRAModules:
             self.num_requests.labels(lora_name=request.lora_name).inc()
         return request
 
+    def response_name(self, model: str | None) -> str:
+        """The `model` a response names for a (checked) request's: the adapter's name, else the base model's first
+        name (vLLM's, whichever of its names the request gave)."""
+        return model if model in self.adapters else self.base
+
     def cards(self, base_card: dict) -> list[dict]:
-        """/v1/models' data: the base model's card, then each adapter's."""
+        """/v1/models' data: a card for each of the base model's names, then each adapter's."""
+        bases = [{**base_card, "id": name} for name in self.names]
         adapters = [
             {**base_card, "id": name, "created": self.created[name], "root": request.lora_path, "parent": self.base}
             for name, request in self.adapters.items()
         ]
-        return [base_card, *adapters]
+        return [*bases, *adapters]
 
 
 def lora_routes(app, adapters: LoRAModules, read_body: Callable, api_error: type[Exception], registry) -> None:
