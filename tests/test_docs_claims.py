@@ -166,3 +166,14 @@ def test_the_python_examples_run_on_the_built_in_model(name, capsys):
         config = namespace["llm"].config.hf_config
         q = namespace["trace"].steps[1].stage("layers.0.attn.decode")["q"]
         assert tuple(q) == (1, 1, config.num_attention_heads, config.head_dim)
+
+
+def test_a_notebook_checked_through_with_venv_is_named_from_the_repositorys_root():
+    # .ci/with-venv runs its command from the repository's root, wherever it is called from
+    wrong = []
+    for doc in DOCS:
+        for path in re.findall(r"\.ci/with-venv python -m nanoref\.classroom check (\S+)", doc.read_text()):
+            path = path.strip("`\"'")
+            if not path.startswith("$PWD/") and not (ROOT / path).is_file():
+                wrong.append(f"{doc.name}: {path}")
+    assert wrong == []
