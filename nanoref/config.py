@@ -43,8 +43,9 @@ def parse_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.
 
 # The settings that decide throughput, per device type, when LLM(...) leaves them out. A GPU runs a decode step in
 # about the same time for 8 sequences as for 512 (it is bound by reading the weights), so it wants large batches:
-# Nano-vLLM's and vLLM's 512 sequences and 16,384 tokens per step. A CPU computes in proportion to the tokens of a
-# step, so a laptop's memory, not its speed, decides: 64 sequences and 4,096 tokens keep a step's activations small.
+# Nano-vLLM's 512 sequences and 16,384 tokens per step (vLLM's LLM: 1,024 and 16,384 on an H100 or H200). A CPU
+# computes in proportion to the tokens of a step, so a laptop's memory, not its speed, decides: 64 sequences and
+# 4,096 tokens keep a step's activations small.
 DEVICE_DEFAULTS: dict[str, dict[str, int]] = {
     "cuda": dict(max_num_seqs=512, max_num_batched_tokens=16384),
     "cpu": dict(max_num_seqs=64, max_num_batched_tokens=4096),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import inspect
 import os
 import shutil
@@ -225,8 +226,12 @@ def test_sampler_respects_top_k_and_greedy():
 
 # -- the loader: every way a model folder can be wrong ---------------------------------------------
 def test_model_id_says_how_to_download():
-    with pytest.raises(ModelFolderError, match="huggingface-cli download Qwen/Qwen3-0.6B"):
+    with pytest.raises(ModelFolderError, match="hf download Qwen/Qwen3-0.6B --local-dir ./Qwen3-0.6B") as error:
         LLM("Qwen/Qwen3-0.6B")
+    # the command it names is one the installed huggingface_hub provides (1.0 removed `huggingface-cli`)
+    command = str(error.value).splitlines()[-1].split()[0]
+    scripts = [e.name for e in importlib.metadata.distribution("huggingface_hub").entry_points]
+    assert command in scripts, f"{command!r} is not a command of huggingface_hub (it has {scripts})"
 
 
 def test_missing_folder(tmp_path):

@@ -60,7 +60,7 @@ def test_cli_trace_and_sampling_options():
     "args,message",
     [
         (["--model", "/nonexistent/folder"], "does not exist"),
-        (["--model", "Qwen/Qwen3-0.6B"], "huggingface-cli download"),
+        (["--model", "Qwen/Qwen3-0.6B"], "hf download Qwen/Qwen3-0.6B"),
         (["--top-p", "0"], "top_p"),
         (["--max-tokens", "0"], "max_tokens"),
         (["--kv-cache-dtype", "fp16"], "kv_cache_dtype must be one of"),

@@ -209,8 +209,9 @@ class LLMEngine:
                 seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
 
     def close(self) -> None:
-        """Stop the model runner's worker processes (if any). The engine cannot run after this; with one device
-        there is nothing to stop. Also runs at interpreter exit and when the engine is garbage-collected."""
+        """Stop the model runner's worker processes (if any): a tensor-parallel engine refuses every call after
+        this; with one device there is nothing to stop, and the engine still serves. Also runs at interpreter exit
+        and when the engine is garbage-collected."""
         with self._lock:
             self.abort_all()
             self.model_runner.close()

@@ -33,7 +33,7 @@ def resolve_model_folder(model: str | Path) -> Path:
         raise ModelFolderError(
             f"{model!r} looks like a Hugging Face model id, but nanoref only loads local folders and never "
             f"downloads. Fetch it once, then pass the folder:\n"
-            f"    huggingface-cli download {model} --local-dir ./{str(model).split('/')[-1]}"
+            f"    hf download {model} --local-dir ./{str(model).split('/')[-1]}"
         )
     if path.exists():
         raise ModelFolderError(f"model path {str(path)!r} is a file; pass the folder that holds config.json")

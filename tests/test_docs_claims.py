@@ -1,0 +1,179 @@
+"""What README.md and docs/*.md tell a user to type or rely on exists and is what the code does: the files and
+tests they name, `LLM`'s signature and settings table, `SamplingParams`' defaults, the command lines' defaults, the
+exercises' points, and their Python examples, run on the built-in model."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import json
+import re
+from dataclasses import MISSING, fields
+from pathlib import Path
+
+import pytest
+
+from nanoref import LLM, SamplingParams
+from nanoref.config import EngineConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def text(name: str) -> str:
+    return (ROOT / name).read_text()
+
+
+def python_blocks(name: str) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", text(name), re.S)
+
+
+# -- files and tests ------------------------------------------------------------------------------------------------
+def test_every_test_file_and_test_the_docs_name_exists():
+    missing = []
+    for doc in DOCS:
+        for match in re.finditer(r"tests/(test_\w+\.py)(?:::(\w+))?", doc.read_text()):
+            path = ROOT / "tests" / match[1]
+            if not path.is_file():
+                missing.append(f"{doc.name}: {match[0]}")
+            elif match[2] and not re.search(rf"^\s*def {match[2]}\b", path.read_text(), re.M):
+                missing.append(f"{doc.name}: {match[0]} (no such test)")
+    assert missing == []
+
+
+def test_every_repository_path_the_docs_quote_exists():
+    missing = []
+    for doc in DOCS:
+        for path in re.findall(
+            r"`((?:nanoref|tests|benchmarks|figures|notebooks|docs|\.ci)/[\w./*+-]*)`", doc.read_text()
+        ):
+            if not list(ROOT.glob(path.rstrip("/"))):
+                missing.append(f"{doc.name}: {path}")
+    assert missing == []
+
+
+# -- LLM's settings -------------------------------------------------------------------------------------------------
+def documented_signature() -> dict[str, object]:
+    """usage.md's `LLM(model, *, name=default, ...)` as {name: default}."""
+    match = re.search(r"`LLM\(model, \*, (.*?)\)`: these are the fields", text("docs/usage.md"), re.S)
+    assert match, "docs/usage.md no longer shows LLM's signature"
+    call = ast.parse(f"f({' '.join(match[1].split())})", mode="eval").body
+    return {keyword.arg: ast.literal_eval(keyword.value) for keyword in call.keywords}
+
+
+def test_usage_md_shows_llms_signature_with_its_defaults():
+    parameters = inspect.signature(LLM).parameters
+    actual = {name: p.default for name, p in parameters.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    assert documented_signature() == actual
+
+
+def test_usage_md_table_describes_every_engine_setting_and_no_other():
+    table = re.search(r"\| argument \| meaning \|\n(.*?)\n\n", text("docs/usage.md"), re.S)[1]
+    named = {name for row in table.splitlines() for name in re.findall(r"`(\w+)`", row.split(" | ")[0])}
+    settings = {f.name for f in fields(EngineConfig) if f.init and f.name != "model"}
+    assert named - settings == set(), "the table names settings LLM does not take"
+    assert settings - named == set(), "the table leaves these settings out"
+
+
+# -- SamplingParams -------------------------------------------------------------------------------------------------
+def test_usage_md_shows_sampling_params_defaults():
+    match = re.search(r"`SamplingParams\((temperature=.*?)\)`", text("docs/usage.md"), re.S)
+    call = ast.parse(f"f({' '.join(match[1].split())})", mode="eval").body
+    shown = {keyword.arg: ast.literal_eval(keyword.value) for keyword in call.keywords}
+    defaults = {f.name: f.default for f in fields(SamplingParams) if f.default is not MISSING}
+    assert {name: defaults[name] for name in shown} == shown
+
+
+def test_every_sampling_params_field_is_documented():
+    docs = text("README.md") + text("docs/usage.md") + text("docs/serving.md")
+    missing = [f.name for f in fields(SamplingParams) if f"`{f.name}`" not in docs]
+    assert missing == []
+
+
+# -- the command lines ----------------------------------------------------------------------------------------------
+PARSERS = {"nanoref": "nanoref.__main__", "nanoref.serve": "nanoref.serve"}
+
+
+def parser_of(command: str):
+    return __import__(PARSERS[command], fromlist=["build_parser"]).build_parser()
+
+
+@pytest.mark.parametrize("command", sorted(PARSERS))
+def test_every_number_a_help_text_gives_as_default_is_the_flags_default(command):
+    wrong = []
+    for action in parser_of(command)._actions:
+        stated = re.search(r"\(default:? (\d[\d.]*)\b", action.help or "")
+        if not stated:
+            continue
+        default = action.default
+        if default is None:  # left to the engine: EngineConfig's default
+            default = next((f.default for f in fields(EngineConfig) if f.name == action.dest), None)
+        if str(default) != stated[1]:
+            wrong.append(f"{action.option_strings[0]}: help says {stated[1]}, the default is {default!r}")
+    assert wrong == []
+
+
+def test_every_flag_the_docs_pass_to_python_m_nanoref_or_its_server_exists():
+    unknown = []
+    for doc in DOCS:
+        for line in doc.read_text().splitlines():
+            for command, args in re.findall(r"-m (nanoref(?:\.serve)?)((?: +(?:[^ `|#;]+))*)", line):
+                options = {o for a in parser_of(command)._actions for o in a.option_strings}
+                unknown += [
+                    f"{doc.name}: {command} {flag}"
+                    for flag in re.findall(r"(?<!\S)(--?[a-z][\w-]*)", args)
+                    if flag not in options
+                ]
+    assert unknown == []
+
+
+# -- the course plan ------------------------------------------------------------------------------------------------
+def test_teaching_md_gives_each_exercise_its_notebooks_points():
+    rows = re.findall(r"^\| `(\d\d_\w+)` \|(.*)$", text("docs/teaching.md"), re.M)
+    assert rows
+    for notebook, row in rows:
+        exercises = row.split(" | ")[1]
+        documented = {name: int(points) for name, points in re.findall(r"`(\w+)` \((\d+)", exercises)}
+        cells = json.loads((ROOT / "notebooks" / f"{notebook}.ipynb").read_text())["cells"]
+        graded = {
+            cell["metadata"]["nbgrader"]["grade_id"].removeprefix("ex_").removesuffix("_test"): cell["metadata"][
+                "nbgrader"
+            ]["points"]
+            for cell in cells
+            if cell.get("metadata", {}).get("nbgrader", {}).get("grade")
+        }
+        assert documented == graded, notebook
+
+
+# -- the Python examples --------------------------------------------------------------------------------------------
+def runnable(block: str) -> bool:
+    """Examples that need no server, event loop or adapter folders of the reader's own."""
+    return not any(needs in block for needs in ("OpenAI(", "await ", "AsyncLLM(", "adapters/"))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["README.md", "docs/usage.md", "docs/serving.md"])
+def test_the_python_examples_run_on_the_built_in_model(name, capsys):
+    blocks = [block for block in python_blocks(name) if runnable(block)]
+    assert blocks
+    if any("StructuredOutputsParams(" in block for block in blocks):
+        pytest.importorskip("xgrammar", reason="the structured-output example needs xgrammar")
+    namespace: dict = {}
+    for block in blocks:  # one namespace per file: a later example uses an earlier one's `llm`
+        code = block.replace('LLM("path/to/Qwen3-0.6B")', "LLM()")
+        exec(compile(code, name, "exec"), namespace)
+    if "trace" in namespace:  # README's and usage.md's trace: decode's q is (B, 1, heads, head_dim)
+        config = namespace["llm"].config.hf_config
+        q = namespace["trace"].steps[1].stage("layers.0.attn.decode")["q"]
+        assert tuple(q) == (1, 1, config.num_attention_heads, config.head_dim)
+
+
+def test_a_notebook_checked_through_with_venv_is_named_from_the_repositorys_root():
+    # .ci/with-venv runs its command from the repository's root, wherever it is called from
+    wrong = []
+    for doc in DOCS:
+        for path in re.findall(r"\.ci/with-venv python -m nanoref\.classroom check (\S+)", doc.read_text()):
+            path = path.strip("`\"'")
+            if not path.startswith("$PWD/") and not (ROOT / path).is_file():
+                wrong.append(f"{doc.name}: {path}")
+    assert wrong == []
