@@ -170,6 +170,19 @@ def test_the_chat_default_max_tokens_is_the_room_the_context_leaves(server, offl
     assert choice["finish_reason"] == "length"
 
 
+def test_the_chat_default_fits_a_kv_cache_smaller_than_the_context():
+    """A cache that holds fewer tokens than max_model_len (vLLM would not start; nanoref serves it): the default
+    reply fills the cache instead of being refused for a max_tokens the client never set."""
+    llm = LLM(device="cpu", num_kvcache_blocks=8)
+    capacity = llm.config.num_kvcache_blocks * llm.config.kvcache_block_size
+    assert capacity < llm.config.max_model_len
+    with running_server(AsyncLLM(llm, owns_llm=True), MODEL) as small:
+        response = post(small, "/v1/chat/completions", {"messages": MESSAGES, "ignore_eos": True})
+        assert response.status_code == 200, response.text
+        usage = response.json()["usage"]
+        assert usage["prompt_tokens"] + usage["completion_tokens"] == capacity
+
+
 # -- logit_bias, skip_special_tokens, spaces_between_special_tokens -------------------------------------------------
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 @pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])

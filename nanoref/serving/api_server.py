@@ -66,11 +66,12 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
+from nanoref.config import EngineConfig
 from nanoref.engine.chat import chat_prompt
 from nanoref.engine.detokenizer import REPLACEMENT_CHAR, decode
 from nanoref.engine.requests import tokenize as prompt_token_ids  # (the /tokenize route takes the name)
 from nanoref.layers.logits_processors import TokenLogprobs
-from nanoref.sampling_params import SamplingParams, StructuredOutputsParams, stop_strings
+from nanoref.sampling_params import MAX_TOKENS_LIMIT, SamplingParams, StructuredOutputsParams, stop_strings
 from nanoref.serving.async_llm import AsyncLLM, RequestOutput
 from nanoref.serving.lora_modules import LoRAModules, lora_routes, served_model_names
 from nanoref.serving.tool_calls import (
@@ -270,6 +271,14 @@ class APIKeyMiddleware:
                 await JSONResponse(error_body(message, None, 401), 401, headers=headers)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+def room_left(prompt_tokens: int, config: EngineConfig) -> int:
+    """The most tokens a request may generate after its prompt when it names no max_tokens (chat's default, vLLM's):
+    up to max_model_len, or to what the whole KV cache holds where that is less (vLLM refuses to start with such a
+    cache; nanoref serves it). A prompt with no room at all gets 1: the engine's error then names the problem."""
+    context = min(config.max_model_len, config.num_kvcache_blocks * config.kvcache_block_size)
+    return max(context - prompt_tokens, 1)
 
 
 def check_room(prompt_tokens: int, asked_tokens: int, limit: int, where: str, param: str) -> None:
@@ -1048,6 +1057,9 @@ def build_app(
             if asked_tokens is not None:  # (tokenized here to count it, once: the ids go on to the engine)
                 prompt = prompt_token_ids(prompt, engine.tokenizer, engine.config)
                 check_room(len(prompt), asked_tokens, engine.config.max_model_len, where, blamed["max_tokens"])
+            elif params.max_tokens == MAX_TOKENS_LIMIT:  # chat's default: the room left, in a cache that may be smaller
+                prompt = prompt_token_ids(prompt, engine.tokenizer, engine.config)
+                params = replace(params, max_tokens=room_left(len(prompt), engine.config))
             return engine.generate(prompt, params, request_id, adapters.lora_request(model))
         except (ValueError, TypeError) as error:
             param = next(name for word, name in blamed.items() if word in str(error))
