@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import multiprocessing
+import subprocess
+import sys
 
 import pytest
 
@@ -20,3 +22,31 @@ def test_an_async_llm_that_fails_to_start_stops_the_workers_of_the_llm_it_made(t
         AsyncLLM.from_model(tiny_model, engine_process=False, device="cpu", tensor_parallel_size=2)
     assert caught.value is not None
     assert alive_workers() == []
+
+
+# what a process that only makes an engine and generates must still have as it had: run in a process of its own, since
+# this one's start method and threads depend on the tests before
+UNTOUCHED_PROCESS = """
+import multiprocessing, sys, threading
+from nanoref import LLM, SamplingParams
+
+llm = LLM(sys.argv[1], num_kvcache_blocks=16)
+params = SamplingParams(temperature=0, max_tokens=3)
+llm.generate([[1, 2, 3]], params, use_tqdm=False)
+llm.generate([[1, 2, 3]], params, use_tqdm=True)
+try:
+    llm.generate([[1, 2, 3], [10**9]], params)
+except ValueError:
+    pass
+assert multiprocessing.get_start_method(allow_none=True) is None, multiprocessing.get_start_method()
+multiprocessing.set_start_method("spawn")  # what a caller may still do (it raises once the method is fixed)
+assert threading.enumerate() == [threading.main_thread()], threading.enumerate()
+"""
+
+
+def test_generate_leaves_the_start_method_unfixed_and_no_thread_running(tiny_model):
+    """tqdm's defaults would do both: fix multiprocessing's start method (its lock) and start a monitor thread."""
+    result = subprocess.run(
+        [sys.executable, "-c", UNTOUCHED_PROCESS, str(tiny_model)], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
