@@ -8,7 +8,11 @@ import sys
 
 import pytest
 
+from nanoref import LLM, LoRARequest, SamplingParams
 from nanoref.serving.async_llm import AsyncLLM
+from nanoref.testing import make_random_lora
+
+GREEDY = SamplingParams(temperature=0, max_tokens=2)
 
 
 def alive_workers() -> list:
@@ -50,3 +54,26 @@ def test_generate_leaves_the_start_method_unfixed_and_no_thread_running(tiny_mod
         [sys.executable, "-c", UNTOUCHED_PROCESS, str(tiny_model)], capture_output=True, text=True, timeout=300
     )
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+# -- LoRA: what a refused request leaves of the adapters ---------------------------------------------------------
+@pytest.fixture(scope="module")
+def adapters(tiny_model, tmp_path_factory) -> dict[str, LoRARequest]:
+    root = tmp_path_factory.mktemp("failed_call_loras")
+    return {
+        name: LoRARequest(name, i + 1, str(make_random_lora(root / name, tiny_model, rank=2, seed=30 + i)))
+        for i, name in enumerate("ABC")
+    }
+
+
+def test_a_request_refused_for_its_prompt_takes_no_adapters_place_in_the_host_cache(tiny_model, adapters):
+    """Two host places: A waits there, C is in the one slot. B's request is refused (its prompt is too long), so B
+    never needs a place, and A, which a later request wants, is still read."""
+    llm = LLM(tiny_model, enable_lora=True, max_loras=1, max_cpu_loras=2, num_kvcache_blocks=16)
+    a, b, c = adapters["A"], adapters["B"], adapters["C"]
+    llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False, lora_request=a)
+    llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False, lora_request=c)
+    assert set(llm.lora.manager.host) == {a.lora_int_id, c.lora_int_id}
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate([list(range(1, 200)) * 3], GREEDY, use_tqdm=False, lora_request=b)
+    assert set(llm.lora.manager.host) == {a.lora_int_id, c.lora_int_id}
