@@ -153,6 +153,13 @@ class LLM(LLMEngine):
         constrain(samples)
         return samples
 
+    def enqueue_samples(self, samples: list) -> None:
+        """LLMEngine.enqueue_samples; a request under an adapter counts in `lora.num_requests` once it is queued."""
+        with self._lock:
+            super().enqueue_samples(samples)
+            if self.lora is not None:
+                self.lora.count(samples[0])
+
     def generate(
         self,
         prompts: str | list[str] | list[list[int]],

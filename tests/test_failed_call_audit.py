@@ -77,3 +77,14 @@ def test_a_request_refused_for_its_prompt_takes_no_adapters_place_in_the_host_ca
     with pytest.raises(ValueError, match="max_model_len"):
         llm.generate([list(range(1, 200)) * 3], GREEDY, use_tqdm=False, lora_request=b)
     assert set(llm.lora.manager.host) == {a.lora_int_id, c.lora_int_id}
+
+
+def test_only_queued_requests_count_under_their_adapter(tiny_model, adapters):
+    llm = LLM(tiny_model, enable_lora=True, num_kvcache_blocks=16)
+    a = adapters["A"]
+    with pytest.raises(ValueError, match="prompt 1: token id"):
+        llm.generate([[1, 2, 3], [10**9]], GREEDY, use_tqdm=False, lora_request=a)
+    llm.make_samples([1, 2, 3], GREEDY, lora_request=a)  # made (as a stream's before its first piece), never queued
+    assert llm.lora.num_requests == {}
+    llm.generate([[1, 2, 3], [4, 5]], GREEDY, use_tqdm=False, lora_request=[a, None])
+    assert llm.lora.num_requests == {"A": 1}

@@ -56,7 +56,7 @@ class LoRAHooks:
         self.manager: LoRAManager | None = None  # (once the runner's model exists)
         self.runner = None  # the runner whose model has the slots
         self.rows_are_base = True  # row_slots holds -1 everywhere (a base-only step has nothing to write)
-        # requests and generated tokens per adapter name, over the engine's life
+        # the requests queued per adapter name, over the engine's life
         self.num_requests: dict[str, int] = {}
         # each adapter's sequences (weakly: samples of a call that failed before queuing them just go away)
         self.bound: dict[int, WeakSet[Sequence]] = {}
@@ -133,7 +133,12 @@ class LoRAHooks:
             seq.cache_salt = lora_request
         with self.bound_lock:
             self.bound.setdefault(lora_request.lora_int_id, WeakSet()).update(samples)
-        self.num_requests[lora_request.lora_name] = self.num_requests.get(lora_request.lora_name, 0) + 1
+
+    def count(self, seq: Sequence) -> None:
+        """A queued request (its sample 0): counted under its adapter's name (a base-model one is not counted)."""
+        adapter = adapter_of(seq)
+        if adapter is not None:
+            self.num_requests[adapter.lora_name] = self.num_requests.get(adapter.lora_name, 0) + 1
 
 
 class GraphsByRowMix:
