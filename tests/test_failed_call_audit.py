@@ -88,3 +88,18 @@ def test_only_queued_requests_count_under_their_adapter(tiny_model, adapters):
     assert llm.lora.num_requests == {}
     llm.generate([[1, 2, 3], [4, 5]], GREEDY, use_tqdm=False, lora_request=[a, None])
     assert llm.lora.num_requests == {"A": 1}
+
+
+def test_prompt_logprobs_under_an_adapter_score_every_position_again_on_a_second_call(tiny_model, adapters):
+    """A request with prompt_logprobs keeps its prompt's K/V apart (a position the prefix cache served could not be
+    scored); under an adapter too: the second call used to find the first one's blocks and fail its step."""
+    llm = LLM(tiny_model, enable_lora=True, num_kvcache_blocks=32)
+    a, prompt = adapters["A"], list(range(1, 60))
+    scored = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1)
+    first = llm.generate([prompt], scored, use_tqdm=False, lora_request=a)[0]
+    second = llm.generate([prompt], scored, use_tqdm=False, lora_request=a)[0]
+    assert len(second["prompt_logprobs"]) == len(prompt) and second["prompt_logprobs"] == first["prompt_logprobs"]
+    base = llm.generate([prompt], scored, use_tqdm=False)[0]
+    assert base["prompt_logprobs"] != first["prompt_logprobs"], "the adapter was not applied"
+    plain = llm.generate([prompt], GREEDY, use_tqdm=False, lora_request=a)[0]
+    assert plain["token_ids"] == first["token_ids"]
