@@ -140,25 +140,25 @@ class LLM(LLMEngine):
         stream: bool = False,
         lora_request: LoRARequest | None = None,
     ) -> list:
-        """LLMEngine.make_samples, with the request's LoRA adapter (None: the base model) read and checked first
-        (LoRAAdapterError names the folder and the problem), and its structured_outputs' grammar compiled (a
-        matcher per sample); a request that fails leaves no adapter loaded."""
+        """LLMEngine.make_samples, under the request's LoRA adapter (None: the base model), and with its
+        structured_outputs' grammar compiled (a matcher per sample). The adapter is read and checked last
+        (LoRAAdapterError names the folder and the problem): a request refused for anything else reads none, so it
+        takes no other adapter's place in the host cache."""
         lora_request = check_lora_request(lora_request, self.lora is not None)
         constrain = self.constrain(params) if isinstance(params, SamplingParams) else lambda samples: None
-        if lora_request is None:
-            samples = super().make_samples(prompt, params, request_id, stream)
-            constrain(samples)
-            return samples
-        new = self.lora.load(lora_request)
-        try:
-            samples = super().make_samples(prompt, params, request_id, stream)
-        except BaseException:
-            if new:
-                self.lora.unload(lora_request.lora_int_id)
-            raise
-        self.lora.bind(samples, lora_request)
+        samples = super().make_samples(prompt, params, request_id, stream)
+        if lora_request is not None:
+            self.lora.load(lora_request)
+            self.lora.bind(samples, lora_request)
         constrain(samples)
         return samples
+
+    def enqueue_samples(self, samples: list) -> None:
+        """LLMEngine.enqueue_samples; a request under an adapter counts in `lora.num_requests` once it is queued."""
+        with self._lock:
+            super().enqueue_samples(samples)
+            if self.lora is not None:
+                self.lora.count(samples[0])
 
     def generate(
         self,

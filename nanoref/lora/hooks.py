@@ -3,7 +3,8 @@
 - A request's adapter is read and checked when the request is made (`bind`), before anything is queued, and
   becomes the `cache_salt` of each of its sequences: the prefix cache shares K/V only between sequences of equal
   salt, so a prompt under adapter A never reads K/V computed under B or under the base model. The salt is the
-  `LoRARequest` itself (name, id and folder), which is also how a step finds a sequence's adapter (`adapter_of`).
+  `LoRARequest` itself (name, id and folder), which is also how a step finds a sequence's adapter (`adapter_of`);
+  a request with a salt of its own already (prompt logprobs) keeps it beside the adapter (`SaltedAdapter`).
 - The scheduler admits a waiting sequence only while the running and admitted sequences name at most `max_loras`
   adapters (`can_admit`): every step's adapters then fit in the device slots. Base-model requests always fit.
 - Before every forward of the target model (prefill, decode, a speculative verify step), `set_step_slots` gives
@@ -21,7 +22,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterable
 from itertools import chain
-from typing import Any
+from typing import Any, NamedTuple
 from weakref import WeakSet
 
 import numpy as np
@@ -33,9 +34,19 @@ from nanoref.lora.manager import LoRAManager
 from nanoref.lora.request import LoRARequest
 
 
+class SaltedAdapter(NamedTuple):
+    """The cache salt of a sequence that had one of its own before its adapter was bound (prompt logprobs': the
+    cache shares none of its prompt's blocks with another request), kept beside the adapter."""
+
+    salt: object
+    adapter: LoRARequest
+
+
 def adapter_of(seq: Sequence) -> LoRARequest | None:
     """The adapter a sequence runs under (None: the base model)."""
     salt = seq.cache_salt
+    if isinstance(salt, SaltedAdapter):
+        return salt.adapter
     return salt if isinstance(salt, LoRARequest) else None
 
 
@@ -56,7 +67,7 @@ class LoRAHooks:
         self.manager: LoRAManager | None = None  # (once the runner's model exists)
         self.runner = None  # the runner whose model has the slots
         self.rows_are_base = True  # row_slots holds -1 everywhere (a base-only step has nothing to write)
-        # requests and generated tokens per adapter name, over the engine's life
+        # the requests queued per adapter name, over the engine's life
         self.num_requests: dict[str, int] = {}
         # each adapter's sequences (weakly: samples of a call that failed before queuing them just go away)
         self.bound: dict[int, WeakSet[Sequence]] = {}
@@ -129,11 +140,16 @@ class LoRAHooks:
 
     def bind(self, samples: list[Sequence], lora_request: LoRARequest) -> None:
         """A request's sequences run under this (loaded) adapter, and keep their own prefix cache."""
-        for seq in samples:
-            seq.cache_salt = lora_request
+        for seq in samples:  # (a salt the request has already is kept: its K/V stays apart as it asked)
+            seq.cache_salt = lora_request if seq.cache_salt is None else SaltedAdapter(seq.cache_salt, lora_request)
         with self.bound_lock:
             self.bound.setdefault(lora_request.lora_int_id, WeakSet()).update(samples)
-        self.num_requests[lora_request.lora_name] = self.num_requests.get(lora_request.lora_name, 0) + 1
+
+    def count(self, seq: Sequence) -> None:
+        """A queued request (its sample 0): counted under its adapter's name (a base-model one is not counted)."""
+        adapter = adapter_of(seq)
+        if adapter is not None:
+            self.num_requests[adapter.lora_name] = self.num_requests.get(adapter.lora_name, 0) + 1
 
 
 class GraphsByRowMix:

@@ -176,7 +176,12 @@ class AsyncLLM:
         if engine_process is None:
             engine_process = not learner
         if not engine_process:
-            return cls(LLM(model, **settings), owns_llm=True)
+            llm = LLM(model, **settings)
+            try:
+                return cls(llm, owns_llm=True)
+            except BaseException:  # (a folder without a tokenizer): stop its workers now, not when the error is dropped
+                llm.close()
+                raise
         return cls._in_process(model, settings, config.model_folder)
 
     @classmethod
