@@ -261,6 +261,21 @@ def test_stream_options_at_their_defaults_are_served(server):
         assert response.status_code == 200, response.text
 
 
+@pytest.mark.parametrize(
+    "options,usage",
+    [({}, True), ({"include_usage": True}, True), ({"include_usage": None}, False), ({"include_usage": False}, False),
+     (None, False)],
+)  # fmt: skip
+def test_an_empty_stream_options_object_includes_usage_as_vllms(server, options, usage):
+    """vLLM's StreamOptions defaults include_usage to true: any stream_options object asks for the usage chunk unless
+    it sets include_usage to false or null."""
+    body = {"prompt": PROMPT, "max_tokens": 2, "stream": True, "stream_options": options}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=TIMEOUT) as response:
+        lines = [line for line in response.iter_lines() if line.startswith("data: {")]
+    chunks = [json.loads(line.removeprefix("data: ")) for line in lines]
+    assert any(chunk.get("usage") for chunk in chunks) is usage, chunks
+
+
 def test_the_limits_themselves_are_served(server):
     stop = ["x" * MAX_STOP_STRING_CHARS] + [f"zz{i}" for i in range(MAX_STOP_STRINGS - 1)]
     body = {"prompt": PROMPT, "max_tokens": 2, "n": 4, "stop": stop}

@@ -1227,7 +1227,9 @@ def build_app(
                 }
             )
 
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        # vLLM's: a stream_options object (an empty one too) includes usage unless include_usage is false or null
+        options = body.get("stream_options")
+        include_usage = options is not None and options.get("include_usage", True) is True
 
         def event(payload: dict) -> str:
             return f"data: {json.dumps(payload)}\n\n"
