@@ -157,6 +157,24 @@ def test_json_too_deep_or_with_a_huge_integer_is_a_400_not_a_500(server, content
     serves_on(server)
 
 
+@pytest.mark.parametrize(
+    "content_type,served",
+    [(None, True), ("application/json", True), ("application/json; charset=utf-8", True), ("Application/JSON", True),
+     ("application/vnd.api+json", True), ("application/x-www-form-urlencoded", False), ("text/plain", False),
+     ("multipart/form-data; boundary=x", False)],
+)  # fmt: skip
+def test_a_body_sent_as_something_other_than_json_is_a_400_as_in_vllm(server, content_type, served):
+    """FastAPI's rule for a JSON body (vLLM's routes): curl -d's form encoding is refused, not read as JSON."""
+    headers = {"Content-Type": content_type} if content_type else {}
+    content = json.dumps({"prompt": PROMPT, "max_tokens": 1}).encode()
+    response = httpx.post(f"{server.url}/v1/completions", content=content, headers=headers, timeout=TIMEOUT)
+    if served:
+        assert response.status_code == 200, response.text
+    else:
+        assert "Content-Type: application/json" in assert_openai_error(response, 400)["message"]
+    serves_on(server)
+
+
 # -- 3 and 6. errors name their field; the server's limits -----------------------------------------------------
 
 MESSAGES = [{"role": "user", "content": "What is better?"}]

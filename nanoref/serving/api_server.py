@@ -273,6 +273,15 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
+def is_json_content_type(value: str | None) -> bool:
+    """FastAPI's rule for a JSON body, which vLLM's routes follow: no Content-Type, application/json or
+    application/*+json (a form-encoded body, curl -d's default, is refused, not read as JSON)."""
+    if value is None:
+        return True
+    kind, _, subtype = value.split(";", 1)[0].strip().lower().partition("/")
+    return kind == "application" and (subtype == "json" or subtype.endswith("+json"))
+
+
 def room_left(prompt_tokens: int, config: EngineConfig) -> int:
     """The most tokens a request may generate after its prompt when it names no max_tokens (chat's default, vLLM's):
     up to max_model_len, or to what the whole KV cache holds where that is less (vLLM refuses to start with such a
@@ -992,6 +1001,11 @@ def build_app(
         except TimeoutError:
             raise APIError(f"the request body did not arrive within {body_timeout:g} s", status=408) from None
         heavy = len(raw) >= OFFLOAD_BYTES
+        content_type = request.headers.get("content-type")
+        if not is_json_content_type(content_type):  # (read, as FastAPI does, before it is refused)
+            raise BadRequest(
+                f"the request body must be JSON, sent with Content-Type: application/json; got {content_type!r:.80}"
+            )
         try:
             body = await asyncio.to_thread(json.loads, raw) if heavy else json.loads(raw)
         # (a number of over 4,300 digits is a ValueError; an array nested a few thousand deep, a RecursionError)
