@@ -190,6 +190,14 @@ def _check_masking(fn: Callable, logits: torch.Tensor, top_k: torch.Tensor, top_
         kept_want, kept_got = torch.isfinite(want[row]), torch.isfinite(got[row])  # (V,)
         k, p = int(top_k[row]), float(top_p[row])
         setting = f"row {row} (top_k={k}, top_p={round(p, 4)}, {vocab} tokens)"
+        unchanged = got[row] == logits[row]  # (V,): the logits left as they were
+        if torch.equal(unchanged, kept_want) and not torch.equal(kept_got, kept_want):
+            # the right tokens kept, the others set to a finite stand-in (-1e9, finfo.min) instead of -inf
+            value = float(got[row][~kept_want & kept_got][0])
+            raise ExerciseFailure(
+                f"{setting}: the right tokens are kept, but the masked ones hold {value:.4g}: mask them with "
+                "float('-inf'), the only value that gives probability 0 at every temperature"
+            )
         if not torch.equal(kept_got, kept_want):
             extra = (kept_got & ~kept_want).nonzero().flatten().tolist()
             missing = (kept_want & ~kept_got).nonzero().flatten().tolist()
