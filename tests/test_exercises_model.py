@@ -85,12 +85,19 @@ def top_p_strict(logits, top_k, top_p):
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
 
 
+def rotary_one_sign_wrong(x, cos, sin):  # x1*sin subtracted in the second half too: no longer a rotation
+    x1, x2 = x.float().chunk(2, dim=-1)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos - x1 * sin), dim=-1).to(x.dtype)
+
+
 @pytest.mark.parametrize(
     "check, wrong, message",
     [
         (check_apply_rotary, interleaved_rotary, "adjacent pairs"),
         (check_apply_rotary, lambda x, cos, sin: apply_rotary(x, cos, -sin), "-angle"),
         (check_apply_rotary, lambda x, cos, sin: apply_rotary(x, cos, sin).float(), "dtype"),
+        (check_apply_rotary, rotary_one_sign_wrong, "one sign wrong: the first half is x1\\*cos - x2\\*sin"),
         (check_silu_and_mul, lambda x: F.silu(x.chunk(2, -1)[1]) * x.chunk(2, -1)[0], "first half of x is the gate"),
         (check_silu_and_mul, lambda x: torch.sigmoid(x.chunk(2, -1)[0]) * x.chunk(2, -1)[1], "sigmoid"),
         (check_apply_top_k_top_p, lambda logits, k, p: logits, "row 1 \\(top_k=5"),

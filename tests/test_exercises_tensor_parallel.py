@@ -193,7 +193,7 @@ def through_vocab_end(input_ids, weight, vocab_start, vocab_end):  # <= where < 
     "wrong, message",
     [
         (after_vocab_start, "is zero, but id \\d+ is this rank's \\(vocab_start itself: the range includes it"),
-        (through_vocab_end, "is vocab_end, the first id of rank \\d+:\\s+the range \\[vocab_start, vocab_end\\) excludes"),
+        (through_vocab_end, "is vocab_end, the first id of rank \\d+:\\s+the range \\[vocab_start, vocab_end\\)"),
     ],
 )
 def test_an_off_by_one_at_a_shard_boundary_is_named(wrong, message):
