@@ -50,6 +50,81 @@ def unstrided_rows_kernel(key_ptr, key_stride, value_ptr, value_stride, k_cache_
     tl.store(v_cache_ptr + slot * ROW + cols, tl.load(value_ptr + token * ROW + cols, mask=mask), mask=mask)
 
 
+@triton.jit
+def skips_slot_0_kernel(key_ptr, key_stride, value_ptr, value_stride, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+                        ROW: tl.constexpr, BLOCK_ROW: tl.constexpr):  # fmt: skip
+    token = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot <= 0:  # slot 0 taken for "no slot": its token's K/V is never stored
+        return
+    cols = tl.arange(0, BLOCK_ROW)
+    mask = cols < ROW
+    tl.store(k_cache_ptr + slot * ROW + cols, tl.load(key_ptr + token * key_stride + cols, mask=mask), mask=mask)
+    tl.store(v_cache_ptr + slot * ROW + cols, tl.load(value_ptr + token * value_stride + cols, mask=mask), mask=mask)
+
+
+@triton.jit
+def value_at_key_stride_kernel(key_ptr, key_stride, value_ptr, value_stride, k_cache_ptr, v_cache_ptr,
+                               slot_mapping_ptr, ROW: tl.constexpr, BLOCK_ROW: tl.constexpr):  # fmt: skip
+    token = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot < 0:
+        return
+    cols = tl.arange(0, BLOCK_ROW)
+    mask = cols < ROW
+    tl.store(k_cache_ptr + slot * ROW + cols, tl.load(key_ptr + token * key_stride + cols, mask=mask), mask=mask)
+    tl.store(v_cache_ptr + slot * ROW + cols, tl.load(value_ptr + token * key_stride + cols, mask=mask), mask=mask)
+
+
+@triton.jit
+def mask_one_too_wide_kernel(key_ptr, key_stride, value_ptr, value_stride, k_cache_ptr, v_cache_ptr,
+                             slot_mapping_ptr, ROW: tl.constexpr, BLOCK_ROW: tl.constexpr):  # fmt: skip
+    token = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot < 0:
+        return
+    cols = tl.arange(0, BLOCK_ROW)
+    mask = cols <= ROW  # one lane too many: the first value of the next slot
+    tl.store(k_cache_ptr + slot * ROW + cols, tl.load(key_ptr + token * key_stride + cols, mask=mask), mask=mask)
+    tl.store(v_cache_ptr + slot * ROW + cols, tl.load(value_ptr + token * value_stride + cols, mask=mask), mask=mask)
+
+
+@triton.jit
+def slot_times_block_row_kernel(key_ptr, key_stride, value_ptr, value_stride, k_cache_ptr, v_cache_ptr,
+                                slot_mapping_ptr, ROW: tl.constexpr, BLOCK_ROW: tl.constexpr):  # fmt: skip
+    token = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot < 0:
+        return
+    cols = tl.arange(0, BLOCK_ROW)
+    mask = cols < ROW
+    tl.store(k_cache_ptr + slot * BLOCK_ROW + cols, tl.load(key_ptr + token * key_stride + cols, mask=mask), mask=mask)
+    tl.store(v_cache_ptr + slot * BLOCK_ROW + cols, tl.load(value_ptr + token * value_stride + cols, mask=mask),
+             mask=mask)  # fmt: skip
+
+
+# seeds 8, 10 and 11 drew slot 0 for no live token, when the slots were all random: the slot-0 kernel passed there
+@pytest.mark.parametrize("seed", [0, 3, 8, 10, 11])
+@pytest.mark.parametrize(
+    "wrong, message",
+    [
+        (skips_slot_0_kernel, "slot 0 of k_cache .*only a negative slot means store nothing"),
+        (value_at_key_stride_kernel, "v_cache .*at token \\* key_stride. value has a row stride of its own"),
+        (mask_one_too_wide_kernel, "ROW=24.*slot \\d+ of k_cache"),
+    ],
+)
+def test_slips_fail_on_every_seed(wrong, message, seed):
+    with pytest.raises(ExerciseFailure, match="(?s)" + message):
+        check_store_kvcache_kernel(wrong, seed=seed, engine=False)
+
+
+def test_a_slot_arithmetic_past_the_cache_lands_in_the_guard_blocks():
+    # slot * BLOCK_ROW overshoots by up to 2x: the last slot (always live) writes into the trailing guard blocks,
+    # named by the check, instead of past the tensor (memory corruption under the interpreter)
+    with pytest.raises(ExerciseFailure, match="ROW=24.*slot \\d+ of k_cache"):
+        check_store_kvcache_kernel(slot_times_block_row_kernel, engine=False)
+
+
 def test_nanorefs_own_kernel_passes_with_the_engine():
     check_store_kvcache_kernel(store_kvcache_kernel)
 

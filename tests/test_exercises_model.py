@@ -85,12 +85,19 @@ def top_p_strict(logits, top_k, top_p):
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
 
 
+def rotary_one_sign_wrong(x, cos, sin):  # x1*sin subtracted in the second half too: no longer a rotation
+    x1, x2 = x.float().chunk(2, dim=-1)
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos - x1 * sin), dim=-1).to(x.dtype)
+
+
 @pytest.mark.parametrize(
     "check, wrong, message",
     [
         (check_apply_rotary, interleaved_rotary, "adjacent pairs"),
         (check_apply_rotary, lambda x, cos, sin: apply_rotary(x, cos, -sin), "-angle"),
         (check_apply_rotary, lambda x, cos, sin: apply_rotary(x, cos, sin).float(), "dtype"),
+        (check_apply_rotary, rotary_one_sign_wrong, "one sign wrong: the first half is x1\\*cos - x2\\*sin"),
         (check_silu_and_mul, lambda x: F.silu(x.chunk(2, -1)[1]) * x.chunk(2, -1)[0], "first half of x is the gate"),
         (check_silu_and_mul, lambda x: torch.sigmoid(x.chunk(2, -1)[0]) * x.chunk(2, -1)[1], "sigmoid"),
         (check_apply_top_k_top_p, lambda logits, k, p: logits, "row 1 \\(top_k=5"),
@@ -223,3 +230,21 @@ def test_checks_leave_no_model_folder_in_the_temp_dir(tmp_path):
     assert result.returncode == 0, result.stderr
     # (torch may leave caches of its own there, e.g. torchinductor_<user>: not ours to remove)
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith("nanoref")] == []
+
+
+def masked_with(value):
+    # the right tokens kept, the others set to a finite stand-in for -inf
+    def masking(logits, top_k, top_p):
+        out = apply_top_k_top_p(logits, top_k, torch.where(top_p < 1.0, top_p, 2.0))
+        return out.masked_fill(out == float("-inf"), value)
+
+    return masking
+
+
+@pytest.mark.parametrize("value", [-1e9, torch.finfo(torch.float32).min])
+def test_a_finite_mask_value_is_named_not_taken_for_kept_tokens(value):
+    # isfinite counts a -1e9 as kept: the message said "you keep 50 tokens, expected 5" and quoted the top-k rule
+    with pytest.raises(ExerciseFailure, match="the right tokens are kept, but the masked ones hold .*-inf") as failure:
+        check_apply_top_k_top_p(masked_with(value), engine=False)
+    assert "you keep" not in str(failure.value)
+    assert_readable_failure(failure.value)

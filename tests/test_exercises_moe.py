@@ -91,9 +91,19 @@ def in_place(hidden, topk_weights, topk_ids, w_gate_up, w_down):
     return hidden
 
 
+def weights_on_the_input(hidden, topk_weights, topk_ids, w_gate_up, w_down):  # scales x, not the expert's output
+    out = torch.zeros_like(hidden)
+    for expert in range(w_gate_up.shape[0]):
+        rows, slots = torch.where(topk_ids == expert)
+        x = hidden[rows] * topk_weights[rows, slots].unsqueeze(-1)  # (M, hidden)
+        out.index_add_(0, rows, F.linear(silu_and_mul(F.linear(x, w_gate_up[expert])), w_down[expert]))
+    return out
+
+
 @pytest.mark.parametrize(
     "wrong, message",
     [
+        (weights_on_the_input, "your router weights scale the experts' input;\\s+they scale each expert's output"),
         (lambda *a: loop(*a, weighted=False), "plain sum.*topk_weights\\[n, k\\]"),
         (lambda *a: loop(*a, gate_first=False), "gate and up are swapped"),
         (lambda *a: loop(*a, write="assign"), "only one of its token's 2 weighted expert outputs.*index_add_"),

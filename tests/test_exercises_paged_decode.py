@@ -14,7 +14,17 @@ from nanoref.ops import attention_torch
 from .helpers import assert_readable_failure
 
 
-def decode_variant(*, mask_length=True, use_table=True, gqa_interleave=True, scaled=True, own_scale=False):
+def decode_variant(
+    *,
+    mask_length=True,
+    use_table=True,
+    gqa_interleave=True,
+    scaled=True,
+    own_scale=False,
+    extra_keys=0,
+    whole_blocks=False,
+    is_causal=False,
+):
     """A torch paged decode attention with one of the usual mistakes switched on."""
 
     def attention(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale=None, causal=True):
@@ -23,14 +33,18 @@ def decode_variant(*, mask_length=True, use_table=True, gqa_interleave=True, sca
         out = torch.empty_like(q)
         for b in range(q.shape[0]):
             blocks = block_table[b][block_table[b] >= 0].long() if use_table else torch.arange(block_table.shape[1])
+            if whole_blocks:  # length // block_size blocks: the partly written last one dropped (none for L < 16)
+                blocks = blocks[: int(cache_seqlens[b]) // k_cache.shape[1]]
             k = k_cache[blocks].flatten(0, 1)  # (blocks * block_size, Hk, D)
             v = v_cache[blocks].flatten(0, 1)
             if mask_length:
-                k, v = k[: cache_seqlens[b]], v[: cache_seqlens[b]]
+                k, v = k[: cache_seqlens[b] + extra_keys], v[: cache_seqlens[b] + extra_keys]
             expand = (lambda t: t.repeat_interleave(group, 1)) if gqa_interleave else (lambda t: t.repeat(1, group, 1))
             kh, vh = expand(k).transpose(0, 1), expand(v).transpose(0, 1)  # (H, L, D)
             qh = q[b].transpose(0, 1)  # (H, 1, D)
-            out[b] = F.scaled_dot_product_attention(qh, kh, vh, scale=scale if scaled else 1.0).transpose(0, 1)
+            out[b] = F.scaled_dot_product_attention(
+                qh, kh, vh, scale=scale if scaled else 1.0, is_causal=is_causal
+            ).transpose(0, 1)
         return out
 
     return attention
@@ -49,6 +63,10 @@ def test_nanorefs_own_functions_pass_with_the_engine():
         (decode_variant(gqa_interleave=False), "KV head h // \\(H // Hk\\)"),
         (decode_variant(scaled=False), "scaled by no scale at all: use softmax_scale=0.3"),
         (decode_variant(own_scale=True), "scaled by 1/sqrt\\(head_dim\\): use softmax_scale=0.3"),
+        (decode_variant(extra_keys=-1), "one key too few: cache_seqlens\\[b\\] counts the new token"),
+        (decode_variant(extra_keys=1), "one key too many"),
+        (decode_variant(whole_blocks=True), "the partly written last block is dropped"),
+        (decode_variant(is_causal=True), "the query sees key 0 only: is_causal aligns the mask top-left"),
     ],
 )
 def test_wrong_decode_attention_fails_with_a_message(wrong, message):

@@ -96,6 +96,10 @@ def in_place(logits, rows, bitmask):
     return logits
 
 
+def masks_paired_with_sorted_rows(logits, rows, bitmask):  # bitmask[a] applied to the a-th smallest row
+    return apply_token_bitmask(logits, rows.sort().values, bitmask)
+
+
 def in_float64(logits, rows, bitmask):
     return apply_token_bitmask(logits.double(), rows, bitmask)
 
@@ -115,6 +119,7 @@ def in_float64(logits, rows, bitmask):
         (every_bit_unpacked, "unpack every word, then keep the first V bits"),
         (in_place, "changed logits in place: return a new tensor"),
         (in_float64, "dtype torch.float64, expected torch.float32"),
+        (masks_paired_with_sorted_rows, "in the order of rows \\(here \\[3, 0, 2\\]\\): your answer paired the masks"),
     ],
 )
 def test_a_wrong_bitmask_fails_with_its_hint_on_every_draw(wrong, hint):

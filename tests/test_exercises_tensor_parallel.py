@@ -176,3 +176,27 @@ def test_a_function_collected_from_a_notebook_reaches_the_worker(odd_vocab_model
     expected = LLM(odd_vocab_model, device="cpu").generate(prompts, GREEDY, use_tqdm=False)
     with seams.use(vocab_parallel_embed=collected):
         assert two_ranks.generate(prompts, GREEDY, use_tqdm=False) == expected
+
+
+def after_vocab_start(input_ids, weight, vocab_start, vocab_end):  # > where >= belongs: vocab_start itself zeroed
+    mine = (input_ids > vocab_start) & (input_ids < vocab_end)
+    return F.embedding(torch.where(mine, input_ids - vocab_start, 0), weight) * mine[:, None].to(weight.dtype)
+
+
+def through_vocab_end(input_ids, weight, vocab_start, vocab_end):  # <= where < belongs: the next rank's first id
+    mine = (input_ids >= vocab_start) & (input_ids <= vocab_end)
+    local = torch.where(mine, input_ids - vocab_start, 0).clamp(max=weight.shape[0] - 1)
+    return F.embedding(local, weight) * mine[:, None].to(weight.dtype)
+
+
+@pytest.mark.parametrize(
+    "wrong, message",
+    [
+        (after_vocab_start, "is zero, but id \\d+ is this rank's \\(vocab_start itself: the range includes it"),
+        (through_vocab_end, "is vocab_end, the first id of rank \\d+:\\s+the range \\[vocab_start, vocab_end\\)"),
+    ],
+)
+def test_an_off_by_one_at_a_shard_boundary_is_named(wrong, message):
+    with pytest.raises(ExerciseFailure, match="(?s)" + message) as failure:
+        check_vocab_parallel_embed(wrong, engine=False)
+    assert_readable_failure(failure.value)

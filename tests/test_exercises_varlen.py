@@ -22,6 +22,7 @@ def variant(
     slot_without_size=False,
     keys_extra=0,
     queries_extra=0,
+    keys_to_the_end=False,
 ):
     def wrong(token_ids, num_cached, num_new, block_tables, block_size):
         ids, positions, slots, cu_q, cu_k = [], [], [], [0], [0]
@@ -33,7 +34,8 @@ def variant(
                 block = table[t // block_size]
                 slots.append(block + t % block_size if slot_without_size else block * block_size + t % block_size)
             cu_q.append(cu_q[-1] + count + queries_extra)
-            cu_k.append(cu_k[-1] + (count if keys_without_history else end) + keys_extra)
+            keys = len(tokens) if keys_to_the_end else count if keys_without_history else end
+            cu_k.append(cu_k[-1] + keys + keys_extra)
         return ids, positions, cu_q, cu_k, slots
 
     return wrong
@@ -70,6 +72,15 @@ def test_an_off_by_one_on_a_sequence_without_cached_tokens_is_called_one(wrong, 
     with pytest.raises(ExerciseFailure, match="(?s)" + message) as failure:
         check_prefill_metadata(wrong, engine=False)
     assert "prefix-cached" not in str(failure.value)
+    assert_readable_failure(failure.value)
+
+
+@pytest.mark.parametrize("seed", [0, 5, 47, 50, 128])
+def test_keys_counted_to_the_end_of_the_sequence_fail_on_every_seed(seed):
+    # len(token_ids[b]) equals num_cached + num_new except on a chunk that stops short of the sequence's end; the
+    # later chunk always does, so no seed passes it (47, 50 and 128 did, when the chunk could reach the end)
+    with pytest.raises(ExerciseFailure, match=r"(?s)cu_seqlens_k .*not len\(token_ids\[b\]\)") as failure:
+        check_prefill_metadata(variant(keys_to_the_end=True), seed=seed, engine=False)
     assert_readable_failure(failure.value)
 
 

@@ -74,12 +74,20 @@ def check_apply_rotary(fn: Callable, *, engine: bool = True) -> None:
             )
         if torch.allclose(got.float(), apply_rotary(x, cos, -sin).float(), **tolerance):
             raise ExerciseFailure("apply_rotary rotates by -angle: check the signs (x1*cos - x2*sin, x2*cos + x1*sin)")
+        x1, x2 = x.float().chunk(2, dim=-1)  # (N, H, D/2) each
+        c, s = cos[:, None, :], sin[:, None, :]
+        for first, second in ((x1 * c - x2 * s, x2 * c - x1 * s), (x1 * c + x2 * s, x2 * c + x1 * s)):
+            if torch.allclose(got.float(), torch.cat((first, second), dim=-1).to(dtype).float(), **tolerance):
+                raise ExerciseFailure(
+                    "apply_rotary has one sign wrong: the first half is x1*cos - x2*sin, the second x2*cos + x1*sin "
+                    "(a rotation: the sin terms have opposite signs)"
+                )
         token, head, _ = worst_element(got, want)
         error = (got[token, head].double() - want[token, head].double()).abs().max().item()
         raise ExerciseFailure(
             f"apply_rotary({dtype}) differs from nanoref's at token {token}, head {head} (position "
-            f"{int(positions[token])}): max error {error:.3g}. Each head of a token gets the same "
-            "rotation: cos and sin are (N, D/2) and need a head axis, cos[:, None, :]"
+            f"{int(positions[token])}): max error {error:.3g}. The result is [x1*cos - x2*sin, x2*cos + x1*sin], "
+            "x1 and x2 the halves of the last axis, cos and sin (N, D/2) given a head axis (cos[:, None, :])"
         )
     if engine:
         check_generation({"apply_rotary": fn})
@@ -190,6 +198,14 @@ def _check_masking(fn: Callable, logits: torch.Tensor, top_k: torch.Tensor, top_
         kept_want, kept_got = torch.isfinite(want[row]), torch.isfinite(got[row])  # (V,)
         k, p = int(top_k[row]), float(top_p[row])
         setting = f"row {row} (top_k={k}, top_p={round(p, 4)}, {vocab} tokens)"
+        unchanged = got[row] == logits[row]  # (V,): the logits left as they were
+        if torch.equal(unchanged, kept_want) and not torch.equal(kept_got, kept_want):
+            # the right tokens kept, the others set to a finite stand-in (-1e9, finfo.min) instead of -inf
+            value = float(got[row][~kept_want & kept_got][0])
+            raise ExerciseFailure(
+                f"{setting}: the right tokens are kept, but the masked ones hold {value:.4g}: mask them with "
+                "float('-inf'), the only value that gives probability 0 at every temperature"
+            )
         if not torch.equal(kept_got, kept_want):
             extra = (kept_got & ~kept_want).nonzero().flatten().tolist()
             missing = (kept_want & ~kept_got).nonzero().flatten().tolist()

@@ -313,6 +313,15 @@ def _diagnose_experts(got: torch.Tensor, want: torch.Tensor, inputs: tuple, case
             f"{case}: gate and up are swapped: the first I rows of w_gate_up[e] are the gate (silu applies to it), "
             "the last I rows are up; silu_and_mul(x @ w_gate_up[e].T) takes them in that order"
         )
+    scaled_inputs = torch.zeros_like(want, dtype=torch.float32)  # (N, hidden): the weights applied to the input
+    for k in range(topk_ids.shape[1]):
+        scaled = hidden.float() * topk_weights.float()[:, k : k + 1]  # (N, hidden)
+        scaled_inputs += _expert_outputs(scaled, topk_ids[:, k : k + 1], w_gate_up.float(), w_down.float())[:, 0]
+    if _close(got, scaled_inputs.to(got.dtype)):
+        raise ExerciseFailure(
+            f"{case}: your router weights scale the experts' input; they scale each expert's output (y * "
+            "topk_weights[rows, slots, None] after the down projection): the expert's MLP is not linear"
+        )
     outputs = _expert_outputs(hidden.float(), topk_ids, w_gate_up.float(), w_down.float())  # (N, K, hidden)
     weighted = outputs * topk_weights.float().unsqueeze(-1)  # (N, K, hidden)
     atol, rtol = _TOLERANCE[got.dtype]

@@ -50,6 +50,17 @@ def _mistake(q, k_cache, v_cache, seqlens, table, scale, mistake: str) -> torch.
     for b, length in enumerate(seqlens.tolist()):
         if mistake == "no length mask":  # every slot of the sequence's blocks, the unwritten tail included
             length = int((table[b] >= 0).sum()) * block_size
+        elif mistake == "one key short":  # cache_seqlens taken to exclude the new token
+            length -= 1
+        elif mistake == "one key too many":
+            length += 1
+        elif mistake == "whole blocks only":  # length // block_size blocks: the partly written last one dropped
+            length = length // block_size * block_size
+        elif mistake == "top-left causal":  # SDPA's is_causal with 1 query and L keys: the query sees key 0 only
+            length = min(length, 1)
+        if length < 1:  # no key at all: the mistake's output is not defined (NaN); compared on the other rows only
+            out[b] = float("nan")
+            continue
         if mistake == "physical order":  # the first blocks of the cache, whatever the block table says
             k, v = k_cache.flatten(0, 1)[:length], v_cache.flatten(0, 1)[:length]
         else:
@@ -69,6 +80,13 @@ _HINTS = {
     "block_table[b, p // block_size], offset p % block_size",
     "gqa tiled": "query head h reads KV head h % Hk: with grouped-query attention it reads KV head h // (H // Hk) "
     "(repeat_interleave, not repeat)",
+    "one key short": "one key too few: cache_seqlens[b] counts the new token, so read keys 0 .. cache_seqlens[b] - 1",
+    "one key too many": "one key too many: read keys 0 .. cache_seqlens[b] - 1 (position cache_seqlens[b] is not "
+    "written yet)",
+    "whole blocks only": "the partly written last block is dropped: L tokens span (L + block_size - 1) // block_size "
+    "blocks",
+    "top-left causal": "the query sees key 0 only: is_causal aligns the mask top-left; in decode the new token sees "
+    "every key, no mask",
 }
 
 
@@ -116,7 +134,8 @@ def check_paged_decode_attention(fn: Callable, *, seed: int = 0, engine: bool = 
             )
         for mistake, hint in _HINTS.items():
             wrong = _mistake(q, k_cache, v_cache, seqlens, table, effective, mistake)
-            if torch.allclose(got.double(), wrong, atol=tol, rtol=tol):
+            defined = ~wrong.isnan()  # (B, 1, H, D): a sequence left without keys by the mistake is not compared
+            if torch.allclose(got.double()[defined], wrong[defined], atol=tol, rtol=tol):
                 raise ExerciseFailure(f"sequence {b} (history of {lens[b]} tokens), query head {h}: {hint}" + values)
         raise ExerciseFailure(summary + values)
     if engine:

@@ -104,6 +104,12 @@ def _diagnose(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor, g
             f"bitmask row a is the mask of logits row rows[a] (here rows = {constrained}): your answer masked row a "
             f"instead\n(on {case})"
         )
+    ordered = rows.sort().values  # (A,)
+    if not torch.equal(ordered, rows) and torch.equal(got, apply_token_bitmask(logits, ordered, bitmask)):
+        return (
+            f"bitmask row a is the mask of logits row rows[a], in the order of rows (here {constrained}): your answer "
+            f"paired the masks with the rows sorted ({ordered.tolist()})\n(on {case})"
+        )
     changed = [row for row in free if not torch.equal(got[row], logits[row])]
     if changed:
         return (

@@ -110,6 +110,12 @@ def _check_one(
                     "[vocab_start, vocab_end), not the table's size (its rows from vocab_end - vocab_start on are "
                     f"padding)\n{case}"
                 )
+            others = ~mine & (ids != end)  # (N,): the other ranks' ids but vocab_end
+            if token == end and others.any() and not got[others].any():  # only vocab_end taken for this rank's
+                raise ExerciseFailure(
+                    f"{case}: row {row} (id {token}) is not zero, but id {token} is vocab_end, the first id of rank "
+                    f"{owner}: the range [vocab_start, vocab_end) excludes it (ids < vocab_end, not <=)"
+                )
             if looked_up is None:
                 hint = "zero the rows of ids outside [vocab_start, vocab_end)"
             else:
@@ -124,6 +130,12 @@ def _check_one(
             raise ExerciseFailure(
                 f"{case}: row {row} (id {token}, which belongs to rank {owner}) is not zero. Rank {owner} "
                 f"contributes that row and the all-reduce adds every rank's output, so this rank must add zeros: {hint}"
+            )
+        if not got[row].any():
+            edge = " (vocab_start itself: the range includes it, ids >= vocab_start)" if token == start else ""
+            raise ExerciseFailure(
+                f"{case}: row {row} (id {token}) is zero, but id {token} is this rank's{edge}: look up "
+                f"weight[id - vocab_start] for every id in [vocab_start, vocab_end)"
             )
         looked_up = next((j for j in range(table.shape[0]) if torch.equal(got[row], table[j])), None)
         if looked_up is not None:

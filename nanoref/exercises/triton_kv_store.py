@@ -8,25 +8,39 @@ from nanoref.exercises.common import ExerciseFailure, check_generation
 from nanoref.ops.store_kvcache import store_kvcache_torch
 from nanoref.utils.seams import use
 
+# the cache the kernel writes: _BLOCKS blocks of _PAGE slots, with one guard block before it and _BLOCKS + 1 after
+# it (a slot arithmetic off by up to BLOCK_ROW / ROW < 2 lands in the guard, where the check names it, rather than
+# past the tensor, which would corrupt the process's memory under the interpreter)
+_BLOCKS, _PAGE = 6, 8
+
 
 def _case(generator: torch.Generator, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
-    """23 tokens, 6 of them with slot -1, scattered over a stale cache; key and value are views of a fused qkv
-    output (rows further apart than ROW = Hk * D), and the cache sits between two guard blocks that must stay
-    untouched. Made on `device`, where the kernel runs (moving the views there would copy them into rows exactly ROW
-    apart)."""
-    blocks, page, n = 6, 8, 23
-    qkv = torch.randn(n, 3 * num_kv_heads * head_dim + 8, generator=generator).to(device, dtype)  # (n, > 2 * ROW)
+    """23 tokens, 6 of them with slot -1, scattered over a stale cache; key and value are views of fused outputs
+    (rows further apart than ROW = Hk * D, value's further than key's: a kernel must read each with its own stride),
+    and the cache sits between guard blocks that must stay untouched. Slot 0 and the last slot always hold a
+    token (a kernel that skips slot 0, `if slot > 0`, or miscounts the end fails on every seed). Made on `device`,
+    where the kernel runs (moving the views there would copy them into rows exactly ROW apart)."""
+    blocks, page, n = _BLOCKS, _PAGE, 23
     row = num_kv_heads * head_dim
+    qkv = torch.randn(n, 3 * row + 8, generator=generator).to(device, dtype)  # (n, > 2 * ROW)
     key = qkv[:, 8 : 8 + row].view(n, num_kv_heads, head_dim)  # (n, Hk, head_dim), row stride > ROW
-    value = qkv[:, 8 + row : 8 + 2 * row].view(n, num_kv_heads, head_dim)
-    stale = torch.randn(2, blocks + 2, page, num_kv_heads, head_dim, generator=generator).to(device, dtype)
-    slots = torch.randperm(blocks * page, generator=generator)[:n]  # distinct slots, in no order
-    slots[torch.randperm(n, generator=generator)[:6]] = -1  # padding tokens: store nothing
+    wide = torch.randn(n, 4 * row + 8, generator=generator).to(device, dtype)  # a wider buffer: value_stride > key's
+    value = wide[:, 8 + row : 8 + 2 * row].view(n, num_kv_heads, head_dim)
+    stale = torch.randn(2, 2 * blocks + 2, page, num_kv_heads, head_dim, generator=generator).to(device, dtype)
+    pool = blocks * page
+    middle = 1 + torch.randperm(pool - 2, generator=generator)[: n - 2]  # distinct slots 1 .. pool - 2
+    slots = torch.cat([torch.tensor([0, pool - 1]), middle])[torch.randperm(n, generator=generator)]  # in no order
+    ends = (slots == 0) | (slots == pool - 1)  # (n,): the two tokens at the cache's ends stay live
+    others = (~ends).nonzero().flatten()
+    slots[others[torch.randperm(len(others), generator=generator)[:6]]] = -1  # padding tokens: store nothing
     return key, value, stale, slots.to(device)
 
 
-def _describe(got: torch.Tensor, want: torch.Tensor, key: torch.Tensor, slots: torch.Tensor, name: str) -> str:
-    """Which row of the cache (with its two guard blocks) is wrong, and the likely reason."""
+def _describe(
+    got: torch.Tensor, want: torch.Tensor, key: torch.Tensor, slots: torch.Tensor, name: str, other_stride: int
+) -> str:
+    """Which row of the cache (with its guard blocks) is wrong, and the likely reason (other_stride: the row stride
+    of the other input, key's for v_cache and value's for k_cache)."""
     page, row = got.shape[1], got.shape[2] * got.shape[3]
     got_rows, want_rows = got.reshape(-1, row), want.reshape(-1, row)  # guard block, cache, guard block
     bad = (got_rows != want_rows).any(dim=1).nonzero().flatten().tolist()
@@ -37,7 +51,7 @@ def _describe(got: torch.Tensor, want: torch.Tensor, key: torch.Tensor, slots: t
             f"a row just before {name} changed (slot {slot}): a token whose slot is -1 wrote there. Load the slot and "
             "return before storing anything when it is negative"
         )
-    if slot >= got_rows.shape[0] - 2 * page:
+    if slot >= _BLOCKS * page:
         return f"a row past the end of {name} changed (slot {slot}): check the slot arithmetic, slot * ROW"
     tokens = (slots == slot).nonzero().flatten().tolist()
     if not tokens:
@@ -54,6 +68,22 @@ def _describe(got: torch.Tensor, want: torch.Tensor, key: torch.Tensor, slots: t
             message + ": it holds the values at token * ROW. key is a view of the fused qkv output, so its rows are "
             "key_stride elements apart: read at key_ptr + token * key_stride + cols"
         )
+    own, other = ("key", "value") if name == "k_cache" else ("value", "key")
+    if token * other_stride + row <= key.untyped_storage().nbytes() // key.element_size() - key.storage_offset():
+        other_row = key.as_strided((row,), (1,), key.storage_offset() + token * other_stride)
+        if torch.equal(got_rows[first], other_row.to(got.dtype)):
+            return (
+                message + f": it holds the values at token * {other}_stride. {own} has a row stride of its own: "
+                f"read at {own}_ptr + token * {own}_stride + cols"
+            )
+    lanes = (got_rows[first] != want_rows[first]).nonzero().flatten().tolist()
+    if lanes == list(range(len(lanes))) and len(lanes) < row:
+        return (
+            message + f": only its first {len(lanes)} value(s) differ, as when the store of slot {slot - 1} writes "
+            "past its ROW values: load and store with `mask=cols < ROW` (and mask exactly cols < ROW)"
+        )
+    if slot == 0:
+        return message + ": slot 0 is a slot like any other; only a negative slot means store nothing (slot < 0)"
     return message + ": read token i's row at key_ptr + i * key_stride + cols, write it at slot * ROW + cols"
 
 
@@ -92,17 +122,20 @@ def check_store_kvcache_kernel(kernel, *, seed: int = 0, engine: bool = True) ->
         got, want = stale.clone(), stale.clone()
         try:
             with use(store_kvcache_kernel=kernel):
-                store_kvcache_triton(key, value, got[0, 1:-1], got[1, 1:-1], slots)  # between the guard blocks
+                store_kvcache_triton(key, value, got[0, 1 : 1 + _BLOCKS], got[1, 1 : 1 + _BLOCKS], slots)
         except NotImplementedError:
             raise
         except Exception as error:
             if _not_implemented(error):  # the interpreter wraps what the kernel raised
                 raise NotImplementedError("store_kvcache_kernel: the kernel body is not written yet") from error
             raise ExerciseFailure(f"your kernel failed to run: {type(error).__name__}: {error}") from error
-        store_kvcache_torch(key, value, want[0, 1:-1], want[1, 1:-1], slots)
+        store_kvcache_torch(key, value, want[0, 1 : 1 + _BLOCKS], want[1, 1 : 1 + _BLOCKS], slots)
         case = f"{str(dtype).removeprefix('torch.')}, Hk={num_kv_heads}, D={head_dim} (ROW={num_kv_heads * head_dim})"
         for index, (name, source) in enumerate((("k_cache", key), ("v_cache", value))):
             if not torch.equal(got[index], want[index]):
-                raise ExerciseFailure(f"{case}: " + _describe(got[index], want[index], source, slots, name))
+                other_stride = (value if index == 0 else key).stride(0)
+                raise ExerciseFailure(
+                    f"{case}: " + _describe(got[index], want[index], source, slots, name, other_stride)
+                )
     if engine:
         check_generation({"store_kvcache_kernel": kernel}, attention_backend="triton")

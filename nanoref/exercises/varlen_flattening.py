@@ -24,7 +24,9 @@ def _as_list(value: object, name: str) -> list[int]:
 
 
 def _case(rng: random.Random, block_size: int, num_blocks: int):
-    """A step of 4 sequences: fresh prompts, prefix-cache hits (whole blocks) and mid-prompt chunks."""
+    """A step of 4 sequences: fresh prompts, prefix-cache hits (whole blocks) and mid-prompt chunks. The later
+    chunk always stops short of the sequence's end (tokens after it that this step does not compute), so keys counted
+    as len(token_ids[b]) instead of num_cached[b] + num_new[b] fail on every seed."""
     free = list(range(num_blocks))
     rng.shuffle(free)  # scattered blocks, as after a while of serving
     token_ids, num_cached, num_new, block_tables = [], [], [], []
@@ -35,7 +37,7 @@ def _case(rng: random.Random, block_size: int, num_blocks: int):
             cached = block_size * rng.randint(1, (length - 1) // block_size)
         elif kind == "later chunk":
             cached = rng.randint(3, length - 2)
-        new = length - cached if kind != "later chunk" else rng.randint(1, length - cached)
+        new = length - cached if kind != "later chunk" else rng.randint(1, length - cached - 1)
         token_ids.append([rng.randrange(1, 256) for _ in range(length)])
         num_cached.append(cached)
         num_new.append(new)
@@ -68,6 +70,11 @@ def _hint(field: str, index: int, got: int, want: int, case: tuple, block_size: 
             return f"{where}: cu_seqlens_q adds up the new tokens only: cached tokens are not recomputed" + counts
         if field == "cu_seqlens_k" and cached and step == want_step - cached:
             return f"{where}: did you count the prefix-cached tokens? {rule}" + counts
+        if field == "cu_seqlens_k" and step == len(token_ids[seq]) != want_step:
+            return (
+                f"{where}: keys run to the end of this step's chunk, num_cached + num_new, not len(token_ids[b]): "
+                f"sequence {seq}'s tokens after the chunk are computed by a later step" + counts
+            )
         if abs(step - want_step) == 1:
             return f"{where}: off by one: {rule}, {want_step} for sequence {seq}" + counts
         return f"{where}: {rule}, {want_step} for sequence {seq}" + counts
