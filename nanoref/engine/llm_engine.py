@@ -209,8 +209,8 @@ class LLMEngine:
                 seq.status, seq.finish_reason = SequenceStatus.FINISHED, "abort"
 
     def close(self) -> None:
-        """Stop the model runner's worker processes (if any): a tensor-parallel engine refuses every call after
-        this; with one device there is nothing to stop, and the engine still serves. Also runs at interpreter exit
+        """Stop the model runner's worker processes (if any): an engine with workers refuses every call after this;
+        with one device there is nothing to stop, and the engine still serves. Also runs at interpreter exit
         and when the engine is garbage-collected."""
         with self._lock:
             self.abort_all()
