@@ -3,7 +3,7 @@
 A verify step computes k + 1 tokens per sequence to gain 1 + (accepted proposals) of them. Where decode is
 memory-bound (a GPU at small batch), the extra k query tokens cost little, and any acceptance pays; as the batch
 grows the step turns compute-bound and the proposals' rows cost nearly what plain decode steps would, while the
-host's share (proposing, the acceptance rule) grows with the batch too. Two rules, both deterministic (the same
+host's share (proposing, the acceptance rule) grows with the batch too. Three rules, all deterministic (the same
 requests take the same steps):
 
 - batch: a step with more running sequences than `disable_by_batch_size` runs plain (vLLM's rule and name);
