@@ -12,6 +12,8 @@ import torch
 
 from nanoref import LLM, SamplingParams
 from nanoref.engine.sampling_inputs import sampling_batch
+from nanoref.engine.scheduler import Scheduler
+from nanoref.engine.sequence import Sequence
 from nanoref.layers import logits_processors
 from nanoref.layers.logits_processors import TokenLogprobs
 
@@ -131,6 +133,36 @@ def test_min_tokens_matches_hf_min_new_tokens(tiny_model, tmp_path):
         assert len(output["token_ids"]) > 6
         assert eos not in output["token_ids"][:6] and stop not in output["token_ids"][:6]
     assert_no_block_leaked(llm)
+
+
+@pytest.mark.parametrize("ignore_eos", [False, True])
+def test_the_schedulers_finish_rule_lets_no_stop_token_end_a_request_short_of_min_tokens(ignore_eos):
+    """The scheduler's own rule, the sampler's mask aside (which keeps stop tokens from being sampled there at all):
+    stop tokens among the first min_tokens completion tokens end nothing, the first one after ends the request."""
+    eos, stop = 2, 7
+    scheduler = Scheduler(
+        max_num_seqs=1,
+        max_num_batched_tokens=64,
+        max_model_len=64,
+        num_kvcache_blocks=4,
+        kvcache_block_size=16,
+        eos_token_ids={eos},
+    )
+    params = SamplingParams(temperature=0, max_tokens=8, min_tokens=3, stop_token_ids=[stop], ignore_eos=ignore_eos)
+    seq = Sequence([1, 2, 3], params, 16)
+    scheduler.add(seq)
+    batch, _ = scheduler.schedule()
+    assert batch == [seq]
+    assert scheduler.postprocess(batch, [stop]) == []  # completion token 1: short of min_tokens, stops nothing
+    for token in (eos, stop):  # tokens 2 and 3, appended through the scheduler
+        assert not scheduler.append(seq, token)
+    assert seq.num_completion_tokens == params.min_tokens and seq.finish_reason is None
+    if not ignore_eos:  # token 4 is past min_tokens: EOS ends it
+        assert scheduler.append(seq, eos) and (seq.finish_reason, seq.stop_reason) == ("stop", None)
+    else:  # EOS is ignored, a stop token id ends it
+        assert not scheduler.append(seq, eos)
+        assert scheduler.append(seq, stop) and (seq.finish_reason, seq.stop_reason) == ("stop", stop)
+    assert scheduler.is_finished() and scheduler.block_manager.num_free_blocks == 4
 
 
 # -- penalties ----------------------------------------------------------------------------------
