@@ -205,6 +205,32 @@ def test_greedy_with_presence_and_frequency_penalties_matches_hf_with_openais_fo
     )
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_apply_penalties_matches_hfs_repetition_processor_and_openais_formula_on_logits_of_both_signs(seed):
+    """The penalty function on fresh random logits of both signs (the greedy tests above only ever see the tokens
+    near the top, whose logits are positive): repetition as HF's RepetitionPenaltyLogitsProcessor (a negative
+    logit is multiplied, a positive one divided), then presence/frequency on the completion's counts."""
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    g = torch.Generator().manual_seed(seed)
+    vocab = 40
+    settings = [(1.3, 0.5, 0.7), (0.7, -1.0, 0.0), (1.0, 0.0, 0.0), (2.0, 0.0, 1.5)]  # repetition, presence, freq
+    logits = torch.randn(len(settings), vocab, generator=g) * 3
+    prompts = [torch.randint(0, vocab, (7,), generator=g) for _ in settings]
+    completions = [torch.randint(0, vocab, (9,), generator=g) for _ in settings]
+    counts = torch.stack([torch.bincount(c, minlength=vocab).float() for c in completions])
+    seen = torch.stack([torch.bincount(torch.cat([p, c]), minlength=vocab) > 0 for p, c in zip(prompts, completions)])
+    assert (logits[seen] < 0).sum() >= 10 and (logits[seen] > 0).sum() >= 10, "both signs among the seen tokens"
+    repetition, presence, frequency = (torch.tensor(column, dtype=torch.float32) for column in zip(*settings))
+    got = logits_processors.apply_penalties(logits.clone(), counts, seen, presence, frequency, repetition)
+    for row, (rep, pres, freq) in enumerate(settings):
+        ids = torch.cat([prompts[row], completions[row]])[None]  # (1, L): HF's input_ids
+        expected = RepetitionPenaltyLogitsProcessor(rep)(ids, logits[row : row + 1].clone())
+        expected = OpenAIPenalties(len(prompts[row]), pres, freq)(ids, expected)[0]
+        torch.testing.assert_close(got[row], expected, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got[2], logits[2], rtol=0, atol=0)  # the row with no penalty is untouched
+
+
 def test_rows_without_penalties_are_untouched_beside_penalised_ones(tiny_model):
     llm = engine(tiny_model)
     plain = llm.generate(PROMPTS, greedy(), use_tqdm=False)
