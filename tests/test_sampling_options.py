@@ -76,8 +76,11 @@ def test_each_bad_option_is_a_value_error_naming_it(field, value):
 
 
 def test_the_range_ends_are_accepted():
-    SamplingParams(presence_penalty=-2, frequency_penalty=2, repetition_penalty=0.1, logprobs=20, min_tokens=64)
-    SamplingParams(logprobs=0, stop_token_ids=None, min_tokens=0)  # None: vLLM's spelling of no stop ids
+    ends = SamplingParams(presence_penalty=-2, frequency_penalty=2, repetition_penalty=0.1, logprobs=20, min_tokens=64)
+    assert (ends.presence_penalty, ends.frequency_penalty, ends.repetition_penalty) == (-2, 2, 0.1)
+    assert (ends.logprobs, ends.min_tokens) == (20, 64)  # kept as given, not clamped
+    low = SamplingParams(logprobs=0, stop_token_ids=None, min_tokens=0)  # None: vLLM's spelling of no stop ids
+    assert (low.logprobs, low.min_tokens) == (0, 0) and not low.stop_token_ids
 
 
 def test_a_stop_token_id_outside_the_vocabulary_is_refused_queuing_nothing(tiny_model):
