@@ -21,7 +21,7 @@ from .helpers import CPU_DEFAULT_BACKEND, copy_with_config, random_prompts
 def test_unknown_keyword_raises_type_error(tiny_model):
     with pytest.raises(TypeError, match=r"LLM\(\) got an unexpected keyword argument 'max_num_seq'.*'max_num_seqs'"):
         LLM(tiny_model, max_num_seq=4)  # typo of max_num_seqs
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="positional arguments but 3 were given"):
         LLM(tiny_model, "cpu")  # every setting is a keyword
 
 

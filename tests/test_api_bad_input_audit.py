@@ -102,7 +102,7 @@ def test_a_kv_cache_larger_than_memory_is_named_not_allocated(tiny_model):
 
 def test_sampling_params_take_keywords_only():
     # (vLLM's first field is n: a positional value would bind to another field here, silently)
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="takes 1 positional argument but 2 were given"):
         SamplingParams(2)
     assert SamplingParams(temperature=0.5).temperature == 0.5
 

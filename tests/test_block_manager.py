@@ -263,3 +263,26 @@ def test_a_sequence_that_steps_back_itself_frees_its_blocks_for_those_after_it()
     assert not is_prefill
     assert batch == [a, c] and scheduler.preempted == [b.seq_id]  # c took the block b gave back
     scheduler.block_manager.check_invariants([a, c])
+
+
+def test_a_request_that_does_not_fit_yet_keeps_those_behind_it_waiting():
+    """First come, first served: when the head of the queue does not fit in the free blocks, a smaller request behind
+    it is not admitted past it (it would take the blocks the head waits for, and a stream of small requests would
+    starve a large one). The head goes first once blocks free up."""
+    scheduler = scheduler_of(num_blocks=4, max_num_seqs=4, max_num_batched_tokens=256)
+    a = seq_of(list(range(32)), max_tokens=2)  # 2 blocks now, 3 once it decodes past 32 tokens
+    big, small = seq_of(list(range(100, 140))), seq_of(list(range(200, 210)))  # 3 blocks (2 left free); 1 block
+    scheduler.add(a)
+    batch, is_prefill = scheduler.schedule()
+    assert is_prefill and batch == [a]
+    scheduler.postprocess(batch, [7])
+    scheduler.add(big)
+    scheduler.add(small)
+    batch, is_prefill = scheduler.schedule()
+    assert not is_prefill and batch == [a], "a request was admitted past the head of the queue"
+    assert list(scheduler.waiting) == [big, small] and not big.block_table and not small.block_table
+    scheduler.postprocess(batch, [8])  # a's second token: max_tokens reached, its blocks are back
+    assert a.status == SequenceStatus.FINISHED
+    batch, is_prefill = scheduler.schedule()
+    assert is_prefill and batch == [big, small]
+    scheduler.block_manager.check_invariants([big, small])

@@ -11,7 +11,7 @@ import signal
 
 import pytest
 
-from nanoref import LLM, SamplingParams
+from nanoref import LLM, ModelFolderError, SamplingParams
 from nanoref.serving.async_llm import AsyncLLM, EngineThread
 from nanoref.serving.engine_process import EngineProcess
 from nanoref.utils import seams
@@ -202,7 +202,7 @@ def test_a_failing_start_raises_the_engine_process_reason_and_leaves_no_process(
     folder = shutil.copytree(DEFAULT_MODEL, tmp_path / "model")
     (folder / "model.safetensors").write_bytes(b"not a safetensors file")  # config and tokenizer fine: the weights
     before = set(multiprocessing.active_children())
-    with pytest.raises(Exception) as caught:
+    with pytest.raises(ModelFolderError, match="model.safetensors: not a readable safetensors file") as caught:
         AsyncLLM.from_model(folder, engine_process=True, device="cpu")
     assert "raised in the engine process" in "".join(getattr(caught.value, "__notes__", []))
     assert set(multiprocessing.active_children()) == before

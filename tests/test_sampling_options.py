@@ -12,6 +12,8 @@ import torch
 
 from nanoref import LLM, SamplingParams
 from nanoref.engine.sampling_inputs import sampling_batch
+from nanoref.engine.scheduler import Scheduler
+from nanoref.engine.sequence import Sequence
 from nanoref.layers import logits_processors
 from nanoref.layers.logits_processors import TokenLogprobs
 
@@ -74,8 +76,11 @@ def test_each_bad_option_is_a_value_error_naming_it(field, value):
 
 
 def test_the_range_ends_are_accepted():
-    SamplingParams(presence_penalty=-2, frequency_penalty=2, repetition_penalty=0.1, logprobs=20, min_tokens=64)
-    SamplingParams(logprobs=0, stop_token_ids=None, min_tokens=0)  # None: vLLM's spelling of no stop ids
+    ends = SamplingParams(presence_penalty=-2, frequency_penalty=2, repetition_penalty=0.1, logprobs=20, min_tokens=64)
+    assert (ends.presence_penalty, ends.frequency_penalty, ends.repetition_penalty) == (-2, 2, 0.1)
+    assert (ends.logprobs, ends.min_tokens) == (20, 64)  # kept as given, not clamped
+    low = SamplingParams(logprobs=0, stop_token_ids=None, min_tokens=0)  # None: vLLM's spelling of no stop ids
+    assert (low.logprobs, low.min_tokens) == (0, 0) and not low.stop_token_ids
 
 
 def test_a_stop_token_id_outside_the_vocabulary_is_refused_queuing_nothing(tiny_model):
@@ -133,6 +138,36 @@ def test_min_tokens_matches_hf_min_new_tokens(tiny_model, tmp_path):
     assert_no_block_leaked(llm)
 
 
+@pytest.mark.parametrize("ignore_eos", [False, True])
+def test_the_schedulers_finish_rule_lets_no_stop_token_end_a_request_short_of_min_tokens(ignore_eos):
+    """The scheduler's own rule, the sampler's mask aside (which keeps stop tokens from being sampled there at all):
+    stop tokens among the first min_tokens completion tokens end nothing, the first one after ends the request."""
+    eos, stop = 2, 7
+    scheduler = Scheduler(
+        max_num_seqs=1,
+        max_num_batched_tokens=64,
+        max_model_len=64,
+        num_kvcache_blocks=4,
+        kvcache_block_size=16,
+        eos_token_ids={eos},
+    )
+    params = SamplingParams(temperature=0, max_tokens=8, min_tokens=3, stop_token_ids=[stop], ignore_eos=ignore_eos)
+    seq = Sequence([1, 2, 3], params, 16)
+    scheduler.add(seq)
+    batch, _ = scheduler.schedule()
+    assert batch == [seq]
+    assert scheduler.postprocess(batch, [stop]) == []  # completion token 1: short of min_tokens, stops nothing
+    for token in (eos, stop):  # tokens 2 and 3, appended through the scheduler
+        assert not scheduler.append(seq, token)
+    assert seq.num_completion_tokens == params.min_tokens and seq.finish_reason is None
+    if not ignore_eos:  # token 4 is past min_tokens: EOS ends it
+        assert scheduler.append(seq, eos) and (seq.finish_reason, seq.stop_reason) == ("stop", None)
+    else:  # EOS is ignored, a stop token id ends it
+        assert not scheduler.append(seq, eos)
+        assert scheduler.append(seq, stop) and (seq.finish_reason, seq.stop_reason) == ("stop", stop)
+    assert scheduler.is_finished() and scheduler.block_manager.num_free_blocks == 4
+
+
 # -- penalties ----------------------------------------------------------------------------------
 class OpenAIPenalties:
     """HF logits processor: OpenAI's presence/frequency penalties on the counts of the completion's tokens."""
@@ -171,6 +206,32 @@ def test_greedy_with_presence_and_frequency_penalties_matches_hf_with_openais_fo
         greedy(presence_penalty=presence, frequency_penalty=frequency),
         lambda prompt: dict(logits_processor=[OpenAIPenalties(len(prompt), presence, frequency)]),
     )
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_apply_penalties_matches_hfs_repetition_processor_and_openais_formula_on_logits_of_both_signs(seed):
+    """The penalty function on fresh random logits of both signs (the greedy tests above only ever see the tokens
+    near the top, whose logits are positive): repetition as HF's RepetitionPenaltyLogitsProcessor (a negative
+    logit is multiplied, a positive one divided), then presence/frequency on the completion's counts."""
+    from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
+
+    g = torch.Generator().manual_seed(seed)
+    vocab = 40
+    settings = [(1.3, 0.5, 0.7), (0.7, -1.0, 0.0), (1.0, 0.0, 0.0), (2.0, 0.0, 1.5)]  # repetition, presence, freq
+    logits = torch.randn(len(settings), vocab, generator=g) * 3
+    prompts = [torch.randint(0, vocab, (7,), generator=g) for _ in settings]
+    completions = [torch.randint(0, vocab, (9,), generator=g) for _ in settings]
+    counts = torch.stack([torch.bincount(c, minlength=vocab).float() for c in completions])
+    seen = torch.stack([torch.bincount(torch.cat([p, c]), minlength=vocab) > 0 for p, c in zip(prompts, completions)])
+    assert (logits[seen] < 0).sum() >= 10 and (logits[seen] > 0).sum() >= 10, "both signs among the seen tokens"
+    repetition, presence, frequency = (torch.tensor(column, dtype=torch.float32) for column in zip(*settings))
+    got = logits_processors.apply_penalties(logits.clone(), counts, seen, presence, frequency, repetition)
+    for row, (rep, pres, freq) in enumerate(settings):
+        ids = torch.cat([prompts[row], completions[row]])[None]  # (1, L): HF's input_ids
+        expected = RepetitionPenaltyLogitsProcessor(rep)(ids, logits[row : row + 1].clone())
+        expected = OpenAIPenalties(len(prompts[row]), pres, freq)(ids, expected)[0]
+        torch.testing.assert_close(got[row], expected, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got[2], logits[2], rtol=0, atol=0)  # the row with no penalty is untouched
 
 
 def test_rows_without_penalties_are_untouched_beside_penalised_ones(tiny_model):
