@@ -224,10 +224,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.model_option is not None and args.model is not None and args.model_option != args.model:
         parser.error(f"the model is given twice: {args.model!r} and --model {args.model_option!r}")
     model = args.model_option or args.model or str(DEFAULT_MODEL)
-    names = args.served_model_name or []
-    if not all(name.strip() for name in names) or len(set(names)) < len(names):
-        print(f"error: --served-model-name takes non-empty names, each once, got {names!r}", file=sys.stderr)
-        return 2
     if args.api_key is not None and not args.api_key:
         print("error: --api-key must not be empty (leave it out to serve without a key)", file=sys.stderr)
         return 2
@@ -257,11 +253,16 @@ def main(argv: list[str] | None = None) -> int:
 
         from nanoref.serving.api_server import build_app
         from nanoref.serving.async_llm import AsyncLLM
-        from nanoref.serving.lora_modules import LoRAModules, parse_lora_modules
+        from nanoref.serving.lora_modules import LoRAModules, parse_lora_modules, served_model_names
         from nanoref.serving.tool_calls import check_tool_settings
         from nanoref.utils.heap import freeze_heap
     except ImportError as error:
         print(f"error: {error.name} is missing: pip install 'nanoref[serve]'", file=sys.stderr)
+        return 2
+    try:
+        names = served_model_names(args.served_model_name) if args.served_model_name else []
+    except ValueError as error:
+        print(f"error: --served-model-name: {error}", file=sys.stderr)
         return 2
     try:
         lora_modules = parse_lora_modules(args.lora_modules)

@@ -78,8 +78,8 @@ def test_model_as_an_option_as_vllm_takes_it(monkeypatch, tmp_path, capsys):
     [
         (["--speculative-config", "{method: ngram}"], "error: --speculative-config is not valid JSON"),
         (["--speculative-config", '["ngram"]'], "error: --speculative-config must be a JSON object"),
-        (["--served-model-name", ""], "error: --served-model-name takes non-empty names, each once"),
-        (["--served-model-name", "a", "a"], "error: --served-model-name takes non-empty names, each once"),
+        (["--served-model-name", ""], "error: --served-model-name: served model names must be non-empty strings"),
+        (["--served-model-name", "a", "a"], "error: --served-model-name: a served model name is given twice"),
         (["--api-key", ""], "error: --api-key must not be empty"),
     ],
 )
