@@ -142,20 +142,23 @@ class LLM(LLMEngine):
     ) -> list:
         """LLMEngine.make_samples, under the request's LoRA adapter (None: the base model), and with its
         structured_outputs' grammar compiled (a matcher per sample). The adapter is read and checked last
-        (LoRAAdapterError names the folder and the problem): a request refused for anything else reads none, so it
-        takes no other adapter's place in the host cache."""
+        (LoRAAdapterError names the folder and the problem): a request refused for anything else reads none. It
+        enters the host cache only when the request is queued (enqueue_samples), so a request that never is takes no
+        other adapter's place there."""
         lora_request = check_lora_request(lora_request, self.lora is not None)
         constrain = self.constrain(params) if isinstance(params, SamplingParams) else lambda samples: None
         samples = super().make_samples(prompt, params, request_id, stream)
         if lora_request is not None:
-            self.lora.load(lora_request)
             self.lora.bind(samples, lora_request)
         constrain(samples)
         return samples
 
     def enqueue_samples(self, samples: list) -> None:
-        """LLMEngine.enqueue_samples; a request under an adapter counts in `lora.num_requests` once it is queued."""
+        """LLMEngine.enqueue_samples; a request under an adapter puts it into the host cache and counts in
+        `lora.num_requests` once it is queued."""
         with self._lock:
+            if self.lora is not None:
+                self.lora.commit(samples)
             super().enqueue_samples(samples)
             if self.lora is not None:
                 self.lora.count(samples[0])
@@ -180,8 +183,9 @@ class LLM(LLMEngine):
             return super().generate(
                 prompts, sampling_params, use_tqdm, return_metrics, [{"lora_request": r} for r in loras]
             )
-        except BaseException:
-            for lora_int_id in set(self.lora.manager.host) - before:
+        except BaseException:  # (its requests are aborted: finished, so no longer in flight)
+            loaded = (set(self.lora.manager.host) - before) & {r.lora_int_id for r in loras if r is not None}
+            for lora_int_id in loaded - self.lora.in_flight():  # (another thread's requests may run on one)
                 self.lora.unload(lora_int_id)
             raise
 

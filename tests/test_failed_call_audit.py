@@ -79,6 +79,48 @@ def test_a_request_refused_for_its_prompt_takes_no_adapters_place_in_the_host_ca
     assert set(llm.lora.manager.host) == {a.lora_int_id, c.lora_int_id}
 
 
+def test_a_call_whose_later_prompt_is_refused_takes_no_adapters_place_in_the_host_cache(tiny_model, adapters):
+    """Two host places: A waits there, C is in the one slot. Prompt 0 under B is fine, prompt 1 is refused: nothing
+    is queued, so B must not have taken A's place (B used to be read into the host at prompt 0, evicting A, and
+    unloaded after prompt 1)."""
+    llm = LLM(tiny_model, enable_lora=True, max_loras=1, max_cpu_loras=2, num_kvcache_blocks=16)
+    a, b, c = adapters["A"], adapters["B"], adapters["C"]
+    llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False, lora_request=a)
+    llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False, lora_request=c)
+    with pytest.raises(ValueError, match="prompt 1: token id"):
+        llm.generate([[1, 2, 3], [10**9]], GREEDY, use_tqdm=False, lora_request=b)
+    assert set(llm.lora.manager.host) == {a.lora_int_id, c.lora_int_id} and llm.is_finished()
+
+
+def test_one_id_naming_two_adapters_in_one_call_is_refused_before_anything_is_queued(tiny_model, adapters):
+    llm = LLM(tiny_model, enable_lora=True, num_kvcache_blocks=16)
+    a, b = adapters["A"], adapters["B"]
+    twin = LoRARequest("B", a.lora_int_id, b.lora_path)
+    with pytest.raises(ValueError, match=f"prompt 1: lora_int_id {a.lora_int_id} names 'B'"):
+        llm.generate([[1, 2, 3], [4, 5]], GREEDY, use_tqdm=False, lora_request=[a, twin])
+    assert llm.is_finished() and not llm.lora.manager.host
+
+
+def test_a_failed_call_unloads_only_the_adapters_it_loaded(tiny_model, adapters, monkeypatch):
+    """While a call under A runs, another caller's request loads B; the call then fails. A (its own) leaves the host
+    cache; B (the other caller's) stays (the failed call used to unload every adapter new since it began)."""
+    llm = LLM(tiny_model, enable_lora=True, num_kvcache_blocks=16)
+    a, b = adapters["A"], adapters["B"]
+    step = llm.step
+
+    def failing_step():
+        llm.add_request([7, 8, 9], GREEDY, lora_request=b)  # (another thread's, in a server)
+        raise RuntimeError("injected: the device failed")
+
+    monkeypatch.setattr(llm, "step", failing_step)
+    with pytest.raises(RuntimeError, match="injected"):
+        llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False, lora_request=a)
+    assert list(llm.lora.manager.host) == [b.lora_int_id]
+    monkeypatch.setattr(llm, "step", step)
+    out = llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False, lora_request=b)[0]
+    assert len(out["token_ids"]) == GREEDY.max_tokens
+
+
 def test_only_queued_requests_count_under_their_adapter(tiny_model, adapters):
     llm = LLM(tiny_model, enable_lora=True, num_kvcache_blocks=16)
     a = adapters["A"]

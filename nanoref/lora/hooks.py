@@ -1,8 +1,9 @@
 """What `enable_lora` attaches to the engine, through the hooks the core offers (engine/hooks.py).
 
-- A request's adapter is read and checked when the request is made (`bind`), before anything is queued, and
-  becomes the `cache_salt` of each of its sequences: the prefix cache shares K/V only between sequences of equal
-  salt, so a prompt under adapter A never reads K/V computed under B or under the base model. The salt is the
+- A request's adapter is read and checked when the request is made (`bind`), before anything is queued, enters
+  the host cache when the request is queued (`commit`), and becomes the `cache_salt` of each of its sequences:
+  the prefix cache shares K/V only between sequences of equal salt, so a prompt under adapter A never reads K/V
+  computed under B or under the base model. The salt is the
   `LoRARequest` itself (name, id and folder), which is also how a step finds a sequence's adapter (`adapter_of`);
   a request with a salt of its own already (prompt logprobs) keeps it beside the adapter (`SaltedAdapter`).
 - The scheduler admits a waiting sequence only while the running and admitted sequences name at most `max_loras`
@@ -23,7 +24,7 @@ import threading
 from collections.abc import Callable, Iterable
 from itertools import chain
 from typing import Any, NamedTuple
-from weakref import WeakSet
+from weakref import WeakKeyDictionary, WeakSet
 
 import numpy as np
 
@@ -71,7 +72,10 @@ class LoRAHooks:
         self.num_requests: dict[str, int] = {}
         # each adapter's sequences (weakly: samples of a call that failed before queuing them just go away)
         self.bound: dict[int, WeakSet[Sequence]] = {}
-        self.bound_lock = threading.Lock()  # (a server's request thread binds while the engine's thread asks)
+        self.bound_lock = threading.Lock()  # (a server's request thread queues while the engine's thread asks)
+        # each request's adapter from `bind` (made) to `commit` (queued), by its sample 0 (weakly: a request never
+        # queued takes its adapter with it)
+        self.staged: WeakKeyDictionary[Sequence, Any] = WeakKeyDictionary()
 
     # -- the runner's hook ----------------------------------------------------------------------
     def attach(self, runner) -> StepHook:
@@ -118,12 +122,25 @@ class LoRAHooks:
         return len(names) <= self.max_loras
 
     # -- requests -------------------------------------------------------------------------------
-    def load(self, lora_request: LoRARequest) -> bool:
-        """Read and check a request's adapter into the host cache (LoRAAdapterError, ValueError: nothing is left
-        loaded) -> whether it was not there before (the caller may `unload` it if the request fails later)."""
-        new = lora_request.lora_int_id not in self.manager.host
-        self.manager.add_lora(lora_request)
-        return new
+    def bind(self, samples: list[Sequence], lora_request: LoRARequest) -> None:
+        """A request's sequences run under this adapter, read and checked now (LoRAAdapterError, ValueError), and
+        keep their own prefix cache. The host cache is not touched until the request is queued (`commit`): a
+        request that is never queued (refused, or the next prompt of its call refused) evicts no other adapter."""
+        adapter = self.manager.read_lora(lora_request)
+        for seq in samples:  # (a salt the request has already is kept: its K/V stays apart as it asked)
+            seq.cache_salt = lora_request if seq.cache_salt is None else SaltedAdapter(seq.cache_salt, lora_request)
+        self.staged[samples[0]] = adapter
+
+    def commit(self, samples: list[Sequence]) -> None:
+        """A request is being queued: its adapter (the one `bind` checked) into the host cache, kept there while
+        the request runs (`in_flight`). Call with the engine's lock held."""
+        adapter = self.staged.pop(samples[0], None)
+        lora_request = adapter_of(samples[0])
+        if lora_request is None:
+            return
+        self.manager.add_lora(lora_request, adapter=adapter)
+        with self.bound_lock:
+            self.bound.setdefault(lora_request.lora_int_id, WeakSet()).update(samples)
 
     def unload(self, lora_int_id: int) -> bool:
         return self.manager.remove_lora(lora_int_id)
@@ -137,13 +154,6 @@ class LoRAHooks:
                 if not seqs:
                     del self.bound[lora_int_id]
             return set(self.bound)
-
-    def bind(self, samples: list[Sequence], lora_request: LoRARequest) -> None:
-        """A request's sequences run under this (loaded) adapter, and keep their own prefix cache."""
-        for seq in samples:  # (a salt the request has already is kept: its K/V stays apart as it asked)
-            seq.cache_salt = lora_request if seq.cache_salt is None else SaltedAdapter(seq.cache_salt, lora_request)
-        with self.bound_lock:
-            self.bound.setdefault(lora_request.lora_int_id, WeakSet()).update(samples)
 
     def count(self, seq: Sequence) -> None:
         """A queued request (its sample 0): counted under its adapter's name (a base-model one is not counted)."""
@@ -195,5 +205,14 @@ def lora_request_list(lora_request: object, num_prompts: int, enabled: bool) -> 
     if isinstance(lora_request, (list, tuple)):
         if len(lora_request) != num_prompts:
             raise ValueError(f"lora_request has {len(lora_request)} entries for {num_prompts} prompts")
-        return [check_lora_request(r, enabled) for r in lora_request]
+        requests = [check_lora_request(r, enabled) for r in lora_request]
+        by_id: dict[int, LoRARequest] = {}
+        for index, request in enumerate(requests):  # (checked here: each is queued only after all are checked)
+            if request is not None and by_id.setdefault(request.lora_int_id, request) != request:
+                known = by_id[request.lora_int_id]
+                raise ValueError(
+                    f"prompt {index}: lora_int_id {request.lora_int_id} names {request.lora_name!r} "
+                    f"({request.lora_path}), but an earlier prompt's names {known.lora_name!r} ({known.lora_path})"
+                )
+        return requests
     return [check_lora_request(lora_request, enabled)] * num_prompts

@@ -110,23 +110,37 @@ class LoRAManager:
         self.row_slots[n:].fill_(-1)
 
     # -- adapters -----------------------------------------------------------------------------------
-    def add_lora(self, request: LoRARequest, keep: Iterable[int] = ()) -> LoRAAdapter:
-        """Read and check `request`'s adapter into the host cache (a no-op if it is there): errors leave nothing.
-        Beyond max_cpu_loras the least recently used adapter leaves the host, never one in a slot, this one, those
-        in `keep` (a step's others) or one that a request in flight needs (`in_flight`)."""
-        known = self.requests.get(request.lora_int_id)
-        if known is not None and known != request:
-            raise ValueError(f"lora_int_id {request.lora_int_id} already names {known.lora_name!r} ({known.lora_path})")
+    def read_lora(self, request: LoRARequest) -> LoRAAdapter:
+        """`request`'s adapter, checked: the host cache's copy, else read from its folder (LoRAAdapterError,
+        ValueError). The host cache is left as it is: `add_lora(request, adapter)` puts it there."""
+        self._check_id(request)
         adapter = self.host.get(request.lora_int_id)
         if adapter is None:
             adapter = load_adapter(
                 request.lora_path, request.lora_name, request.lora_int_id, self.config, self.max_lora_rank
             )
+        return adapter
+
+    def add_lora(
+        self, request: LoRARequest, keep: Iterable[int] = (), adapter: LoRAAdapter | None = None
+    ) -> LoRAAdapter:
+        """Put `request`'s adapter into the host cache (a no-op if it is there): `adapter` if given (`read_lora`'s),
+        else read and checked here; errors leave nothing. Beyond max_cpu_loras the least recently used adapter
+        leaves the host, never one in a slot, this one, those in `keep` (a step's others) or one that a request in
+        flight needs (`in_flight`)."""
+        self._check_id(request)
+        if request.lora_int_id not in self.host:
+            adapter = self.read_lora(request) if adapter is None else adapter
             self.host[request.lora_int_id] = adapter
             self.requests[request.lora_int_id] = request
         self.host.move_to_end(request.lora_int_id)
         self._trim_host({request.lora_int_id, *keep})
-        return adapter
+        return self.host[request.lora_int_id]
+
+    def _check_id(self, request: LoRARequest) -> None:
+        known = self.requests.get(request.lora_int_id)
+        if known is not None and known != request:
+            raise ValueError(f"lora_int_id {request.lora_int_id} already names {known.lora_name!r} ({known.lora_path})")
 
     def _trim_host(self, keep: set[int]) -> None:
         keep = keep | self.in_flight() if len(self.host) > self.max_cpu_loras else keep
