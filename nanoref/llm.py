@@ -31,6 +31,7 @@ from nanoref.engine.chat import chat_prompt
 from nanoref.engine.hooks import EngineHooks, RunnerHooks
 from nanoref.engine.llm_engine import LLMEngine, PlainLoop
 from nanoref.engine.model_runner import ModelRunner
+from nanoref.engine.output_processor import GenerateOutput
 from nanoref.engine.requests import prompt_list
 from nanoref.lora.adapters import load_adapter
 from nanoref.lora.hooks import LoRAHooks, check_lora_request, lora_request_list  # (re-exported: the server)
@@ -170,7 +171,7 @@ class LLM(LLMEngine):
         use_tqdm: bool | Callable[..., tqdm] = True,
         lora_request: LoRARequest | list[LoRARequest | None] | None = None,
         return_metrics: bool = False,
-    ) -> list[dict]:
+    ) -> list[GenerateOutput]:
         """LLMEngine.generate, with vLLM's lora_request: one adapter for every prompt, or a list with one per
         prompt (None entries run on the base model); needs enable_lora. A call that fails leaves none of the
         adapters it loaded behind."""
@@ -211,7 +212,7 @@ class LLM(LLMEngine):
         continue_final_message: bool = False,
         chat_template_kwargs: dict | None = None,
         tools: list[dict] | None = None,
-    ) -> list[dict]:
+    ) -> list[GenerateOutput]:
         """Generate the assistant's reply to one conversation ([{"role", "content"}, ...]) or to each of a list of
         them, through the model folder's chat template; returns what `generate` returns, one dict per conversation.
         lora_request: as generate's, per conversation. As vLLM's LLM.chat: add_generation_prompt opens the

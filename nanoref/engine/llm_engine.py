@@ -15,7 +15,7 @@ from nanoref.config import EngineConfig
 from nanoref.engine.hooks import NO_ENGINE_HOOKS, EngineHooks
 from nanoref.engine.metrics import EngineMetrics, StepRecord
 from nanoref.engine.model_runner import ModelRunner
-from nanoref.engine.output_processor import OutputProcessor, StreamPiece
+from nanoref.engine.output_processor import GenerateOutput, OutputProcessor, StreamPiece
 from nanoref.engine.requests import check_request, eos_token_ids, params_list, prompt_list, tokenize
 from nanoref.engine.scheduler import Scheduler
 from nanoref.engine.sequence import Sequence, SequenceStatus
@@ -232,11 +232,12 @@ class LLMEngine:
         use_tqdm: bool | Callable[..., tqdm] = True,
         return_metrics: bool = False,
         request_options: list[dict] | None = None,
-    ) -> list[dict]:
+    ) -> list[GenerateOutput]:
         """Generate for every prompt; returns, in input order, dicts with "text", "token_ids" and "finish_reason"
         ("stop": EOS or a stop string; "length": max_tokens or max_model_len); with stop strings also
         "stop_reason" (the stop string that matched, or None). With n > 1 these are sample 0's, and "outputs"
-        lists every sample's ("index", "text", "token_ids", "finish_reason"[, "stop_reason"]).
+        lists every sample's ("index", "text", "token_ids", "finish_reason"[, "stop_reason"]). Each dict also reads
+        as vLLM's RequestOutput (`GenerateOutput`: `out.outputs[0].text`, `out.prompt`, `out.prompt_token_ids`).
 
         use_tqdm: show a progress bar; a callable (vLLM's: `functools.partial(tqdm, leave=False)`) makes the bar.
         return_metrics: each dict also gets "metrics", the request's `RequestMetrics`. Either way
@@ -274,7 +275,8 @@ class LLMEngine:
             finally:
                 bar.close()
         metrics = self.metrics.requests if return_metrics else None
-        return [self.output_processor.request_output(samples, metrics) for samples in requests]
+        texts = [prompt if isinstance(prompt, str) else None for prompt in prompts]
+        return [self.output_processor.request_output(s, metrics, text) for s, text in zip(requests, texts)]
 
     def stream(
         self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None

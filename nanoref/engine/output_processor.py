@@ -26,6 +26,73 @@ from nanoref.layers.logits_processors import StepLogprobs, TokenLogprobs
 from nanoref.sampling_params import SamplingParams
 
 
+class Logprob(NamedTuple):
+    """vLLM's: one candidate token's log-probability, its rank (1: the most likely) and its text."""
+
+    logprob: float
+    rank: int | None
+    decoded_token: str | None = None
+
+
+class CompletionOutput(dict):
+    """One sample of a finished request as `generate` returns it: a dict ("text", "token_ids", "finish_reason"; with
+    stop strings "stop_reason", with logprobs "logprobs": a TokenLogprobs per token), which reads as vLLM's
+    CompletionOutput too: `.index`, `.text`, `.token_ids`, `.finish_reason`, `.stop_reason` (the stop string or stop
+    token id that ended it, else None), `.logprobs` (vLLM's form: per token, {token id: Logprob} of the chosen token
+    and the top N; None where not asked for), `.cumulative_logprob`, `.finished()`."""
+
+    stop_reason: int | str | None = None
+    vllm_logprobs: list[dict[int, Logprob]] | None = None
+
+    @property
+    def index(self) -> int:
+        return self.get("index", 0)
+
+    @property
+    def text(self) -> str | None:
+        return self["text"]
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self["token_ids"]
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self["finish_reason"]
+
+    @property
+    def logprobs(self) -> list[dict[int, Logprob]] | None:
+        return self.vllm_logprobs
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        """The sum of the chosen tokens' logprobs (vLLM's; None where logprobs were not asked for)."""
+        entries = self.get("logprobs")
+        return None if entries is None else sum(entry.logprob for entry in entries)
+
+    def finished(self) -> bool:
+        return self["finish_reason"] is not None
+
+
+class GenerateOutput(dict):
+    """A finished request as `generate` returns it: a dict of its sample 0 (`CompletionOutput`'s keys; "outputs"
+    with every sample's when n > 1; "prompt_logprobs" where asked for), which reads as vLLM's RequestOutput too, so
+    code written for vLLM's `LLM.generate` runs: `.outputs` (every sample's CompletionOutput, n >= 1),
+    `.request_id`, `.prompt` (the text, where the prompt was given as text, else None), `.prompt_token_ids`,
+    `.prompt_logprobs` (vLLM's form: None for the first token, then {token id: Logprob}), `.finished`, `.metrics`."""
+
+    outputs: list[CompletionOutput]
+    request_id: str = ""
+    prompt: str | None = None
+    prompt_token_ids: list[int]
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    finished = True
+
+    @property
+    def metrics(self):
+        return self.get("metrics")
+
+
 @dataclass(eq=False)
 class SampleOutput:
     """What the output stage keeps for one sample."""
@@ -154,21 +221,40 @@ class OutputProcessor:
         shown = [t for t in token_ids if t not in hidden] if hidden else token_ids
         return decode(self.tokenizer, shown, params.skip_special_tokens, params.spaces_between_special_tokens)
 
-    def output(self, seq: Sequence, metrics=None) -> dict:
-        """A finished sample as `generate` returns it; metrics: its RequestMetrics, if asked for."""
+    def output(self, seq: Sequence, metrics=None, index: int | None = None) -> CompletionOutput:
+        """A finished sample as `generate` returns it; metrics: its RequestMetrics, if asked for; index: its place
+        among its request's samples, kept as the first key (generate's "outputs" entries have one)."""
         token_ids = seq.completion_token_ids
         if seq.output.detokenizer is not None:  # its text as it grew, so the stream and generate agree
             text = self.text_so_far(seq)  # (cut at its stop string, if one matched)
         else:
             text = None if self.tokenizer is None else self.decode(seq.sampling_params, token_ids)
-        output = {"text": text, "token_ids": token_ids, "finish_reason": seq.finish_reason}
+        output = CompletionOutput() if index is None else CompletionOutput(index=index)
+        output.update(text=text, token_ids=token_ids, finish_reason=seq.finish_reason)
         if seq.sampling_params.stop is not None:
             output["stop_reason"] = seq.stop_reason
         if seq.sampling_params.logprobs is not None:
             output["logprobs"] = seq.output.logprobs  # one TokenLogprobs per completion token
         if metrics is not None:
             output["metrics"] = metrics
+        output.stop_reason = seq.stop_reason
+        if "logprobs" in output:
+            output.vllm_logprobs = [self.vllm_logprobs(entry) for entry in output["logprobs"]]
         return output
+
+    def vllm_logprobs(self, entry: TokenLogprobs | None) -> dict[int, Logprob] | None:
+        """One position's logprobs in vLLM's form: {token id: Logprob} for the chosen token and the top N."""
+        if entry is None:
+            return None
+
+        def text(token_id: int) -> str | None:
+            return None if self.tokenizer is None else self.tokenizer.decode([token_id])
+
+        found = {token_id: Logprob(logprob, rank, text(token_id)) for rank, (token_id, logprob) in
+                 enumerate(entry.top.items(), start=1)}  # fmt: skip
+        if entry.token_id not in found:
+            found = {entry.token_id: Logprob(entry.logprob, entry.rank, text(entry.token_id)), **found}
+        return found
 
     @staticmethod
     def prompt_logprobs(seq: Sequence) -> list[TokenLogprobs | None] | None:
@@ -188,19 +274,30 @@ class OutputProcessor:
         ]
         return [None, *scores]
 
-    def request_output(self, samples: list[Sequence], metrics: dict | None = None) -> dict:
+    def request_output(
+        self, samples: list[Sequence], metrics: dict | None = None, prompt: str | None = None
+    ) -> GenerateOutput:
         """A finished request as `generate` returns it: sample 0's output, with "outputs" when n > 1, and
-        "prompt_logprobs" where SamplingParams.prompt_logprobs asks (see `prompt_logprobs`). metrics: the engine's
-        RequestMetrics by seq_id, to include them."""
+        "prompt_logprobs" where SamplingParams.prompt_logprobs asks (see `prompt_logprobs`); it also reads as vLLM's
+        RequestOutput (`GenerateOutput`). metrics: the engine's RequestMetrics by seq_id, to include them; prompt:
+        the prompt's text, where it was given as text."""
 
-        def one(seq: Sequence) -> dict:
-            return self.output(seq, None if metrics is None else metrics[seq.seq_id])
+        def one(seq: Sequence, index: int | None = None) -> CompletionOutput:
+            return self.output(seq, None if metrics is None else metrics[seq.seq_id], index)
 
-        output = one(samples[0])
-        if samples[0].sampling_params.prompt_logprobs is not None:
-            output["prompt_logprobs"] = self.prompt_logprobs(samples[0])
+        first = samples[0]
+        completions = [one(first)] if len(samples) == 1 else [one(seq, seq.output.index) for seq in samples]
+        output = GenerateOutput({key: value for key, value in completions[0].items() if key != "index"})
+        if first.sampling_params.prompt_logprobs is not None:
+            output["prompt_logprobs"] = self.prompt_logprobs(first)
         if len(samples) > 1:
-            output["outputs"] = [{"index": seq.output.index, **one(seq)} for seq in samples]
+            output["outputs"] = completions
+        output.outputs = completions
+        output.request_id = first.output.request_id if first.output.request_id is not None else str(first.seq_id)
+        output.prompt = prompt
+        output.prompt_token_ids = first.token_ids[: first.num_prompt_tokens]
+        scored = output.get("prompt_logprobs")
+        output.prompt_logprobs = None if scored is None else [self.vllm_logprobs(entry) for entry in scored]
         return output
 
     def pieces(self, sent: dict[Sequence, list[int]]) -> list[StreamPiece]:

@@ -1,0 +1,107 @@
+"""generate's outputs read as vLLM's RequestOutput / CompletionOutput (and stay Nano-vLLM's dicts)."""
+
+from __future__ import annotations
+
+import math
+import pickle
+
+import pytest
+
+from nanoref import LLM, SamplingParams
+from nanoref.engine.output_processor import CompletionOutput, GenerateOutput, Logprob
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(num_kvcache_blocks=64)  # the built-in tiny model, with its tokenizer
+
+
+def test_vllms_quickstart_runs_as_it_is(llm):
+    """vLLM's offline quickstart, with only the import changed (greedy, so that it can be compared)."""
+    prompts = ["Hello, my name is", "The president of the United States is", "The capital of France is"]
+    sampling_params = SamplingParams(temperature=0, max_tokens=8)
+    outputs = llm.generate(prompts, sampling_params, use_tqdm=False)
+    seen = []
+    for prompt, output in zip(prompts, outputs):
+        generated_text = output.outputs[0].text
+        assert output.prompt == prompt
+        assert generated_text == output["text"] and output.outputs[0].token_ids == output["token_ids"]
+        assert output.prompt_token_ids == llm.tokenizer.encode(prompt)
+        assert (
+            output.finished
+            and output.outputs[0].finished()
+            and output.outputs[0].finish_reason == output["finish_reason"]
+        )
+        assert output.outputs[0].index == 0 and len(output.outputs) == 1 and "outputs" not in output
+        assert isinstance(output.request_id, str)
+        seen.append(output.request_id)
+    assert len(set(seen)) == len(prompts), "each request needs its own request_id"
+    alone = llm.generate(prompts[1], sampling_params, use_tqdm=False)[0]
+    assert alone.outputs[0].text == outputs[1].outputs[0].text
+
+
+def test_a_prompt_of_token_ids_has_no_prompt_text(llm):
+    ids = [5, 6, 7, 8]
+    out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)[0]
+    assert out.prompt is None and out.prompt_token_ids == ids
+    assert out.outputs[0].logprobs is None and out.outputs[0].cumulative_logprob is None
+    assert out.prompt_logprobs is None and out.metrics is None
+
+
+def test_n_samples_are_every_output_in_index_order(llm):
+    params = SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=4)
+    out = llm.generate(["Once upon a time"], params, use_tqdm=False)[0]
+    assert [c.index for c in out.outputs] == [0, 1, 2]
+    assert out.outputs == out["outputs"] and all(isinstance(c, CompletionOutput) for c in out.outputs)
+    assert out.outputs[0].token_ids == out["token_ids"] and out.outputs[0].text == out["text"]
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1, "three samples at temperature 1 were all the same"
+
+
+def test_logprobs_read_in_vllms_form_with_the_chosen_token_and_the_top_n(llm):
+    params = SamplingParams(temperature=1.0, seed=11, max_tokens=6, logprobs=3, prompt_logprobs=2)
+    out = llm.generate(["def add(a, b):"], params, use_tqdm=False)[0]
+    sample = out.outputs[0]
+    assert len(sample.logprobs) == len(sample.token_ids) == len(out["logprobs"])
+    for token_id, position, ours in zip(sample.token_ids, sample.logprobs, out["logprobs"]):
+        assert token_id in position and position[token_id].logprob == ours.logprob
+        assert position[token_id].rank == ours.rank
+        top = [(i, p) for i, p in position.items() if p.rank is not None and p.rank <= 3 and i in ours.top]
+        assert [p.rank for _, p in top] == [1, 2, 3] and all(isinstance(p, Logprob) for _, p in top)
+        assert top[0][1].logprob == max(ours.top.values())
+        assert position[token_id].decoded_token == llm.tokenizer.decode([token_id])
+    assert math.isclose(sample.cumulative_logprob, sum(entry.logprob for entry in out["logprobs"]))
+    prompt_ids = out.prompt_token_ids
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt_ids)
+    for token_id, position in zip(prompt_ids[1:], out.prompt_logprobs[1:]):
+        assert token_id in position and len(position) in (2, 3)  # the top 2, and the prompt's token if not in them
+
+
+def test_stop_reason_is_the_stop_string_or_the_stop_token_id(llm):
+    greedy = SamplingParams(temperature=0, max_tokens=16)
+    free = llm.generate(["def add(a, b):"], greedy, use_tqdm=False)[0]
+    token = free["token_ids"][2]
+    by_id = llm.generate(["def add(a, b):"], SamplingParams(temperature=0, max_tokens=16, stop_token_ids=[token]),
+                         use_tqdm=False)[0]  # fmt: skip
+    assert by_id.outputs[0].finish_reason == "stop" and by_id.outputs[0].stop_reason == token
+    assert "stop_reason" not in by_id  # (the dict has the key only where stop strings were asked for)
+    text = free["text"]
+    stop = text[len(text) // 2 :][:2]
+    by_text = llm.generate(["def add(a, b):"], SamplingParams(temperature=0, max_tokens=16, stop=[stop]),
+                           use_tqdm=False)[0]  # fmt: skip
+    assert by_text.outputs[0].stop_reason == stop == by_text["stop_reason"]
+    assert free.outputs[0].stop_reason is None
+
+
+def test_an_output_pickles_and_compares_as_the_dict_it_is(llm):
+    out = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=3, logprobs=1), use_tqdm=False)[0]
+    back = pickle.loads(pickle.dumps(out))
+    assert isinstance(back, GenerateOutput) and back == out and dict(back) == dict(out)
+    assert back.outputs[0].logprobs == out.outputs[0].logprobs and back.prompt == "Hello"
+    assert back.prompt_token_ids == out.prompt_token_ids and back.request_id == out.request_id
+
+
+def test_chat_returns_the_same_outputs(llm):
+    out = llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    assert isinstance(out[0], GenerateOutput) and out[0].outputs[0].text == out[0]["text"]
+    assert "Hi" in out[0].prompt and out[0].prompt.endswith("assistant\n")  # the template's text, as vLLM's chat
+    assert out[0].prompt_token_ids == llm.tokenizer.encode(out[0].prompt)
