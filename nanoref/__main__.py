@@ -25,6 +25,9 @@ def build_parser() -> argparse.ArgumentParser:
     sampling.add_argument("--max-tokens", type=int, default=48, help="tokens to generate per prompt (default 48)")
     sampling.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
     sampling.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1] (1 = off)")
+    sampling.add_argument(
+        "--min-p", type=float, default=0.0, help="keep tokens at least min_p times as likely as the top one (0 = off)"
+    )
     sampling.add_argument("--seed", type=int, default=None, help="make sampling reproducible")
     sampling.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
     engine = parser.add_argument_group("engine")
@@ -87,6 +90,7 @@ def _run(args: argparse.Namespace) -> None:
             max_tokens=args.max_tokens,
             top_k=args.top_k,
             top_p=args.top_p,
+            min_p=args.min_p,
             seed=args.seed,
             ignore_eos=args.ignore_eos,
         )

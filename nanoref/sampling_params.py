@@ -86,6 +86,8 @@ class SamplingParams:
     ignore_eos: keep generating past EOS (stop_token_ids still stop).
     top_k: sample among the k most likely tokens only; 0 = off (-1, vLLM's old "off", is taken as 0).
     top_p: sample among the smallest set of tokens whose probability reaches top_p; 1.0 = off.
+    min_p: sample only among tokens at least min_p times as likely as the most likely one (after the temperature,
+        before top_k and top_p, as in vLLM), in [0, 1]; 0 = off.
     seed: the request draws from its own generator, so its tokens do not depend on its batch; None = the engine's.
     stop_token_ids: generating one of these ends the request ("stop", with `stop_reason` = that id).
     min_tokens: EOS and stop_token_ids can neither be sampled nor end the request before this many tokens.
@@ -115,6 +117,7 @@ class SamplingParams:
     ignore_eos: bool = False
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
     seed: int | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     min_tokens: int = 0
@@ -172,6 +175,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be an integer in [0, 2**63) (0 or -1 = off), got {self.top_k!r}")
         if not _is_real(self.top_p) or not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not _is_real(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1] (0 = off), got {self.min_p!r}")
         check_seed(self.seed)
         ids = self.stop_token_ids
         if not isinstance(ids, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in ids):

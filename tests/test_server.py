@@ -131,6 +131,7 @@ BAD = [
     ("completions", {"prompt": "x", "temperature": -1}, "temperature"),
     ("completions", {"prompt": "x", "top_p": 1.5}, "top_p"),
     ("completions", {"prompt": "x", "top_k": -2}, "top_k"),
+    ("completions", {"prompt": "x", "min_p": -0.5}, "min_p"),
     ("completions", {"prompt": "x", "seed": "s"}, "seed"),
     ("completions", {"prompt": "x", "stream": "yes"}, "stream"),
     ("completions", {"prompt": ""}, "prompt"),

@@ -183,6 +183,31 @@ def test_the_chat_default_fits_a_kv_cache_smaller_than_the_context():
         assert usage["prompt_tokens"] + usage["completion_tokens"] == capacity
 
 
+# -- min_p ------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_min_p_1_samples_only_the_most_likely_token(server, chat):
+    """min_p 1.0 keeps the tokens as likely as the most likely one: sampling at temperature 1 gives greedy's tokens
+    (sent through the openai client's extra_body, as vLLM's users send it)."""
+    client = server.client()
+    if chat:
+        args = dict(model=MODEL, messages=MESSAGES, max_tokens=12)
+        call = client.chat.completions.create
+    else:
+        args = dict(model=MODEL, prompt="The block manager", max_tokens=12)
+        call = client.completions.create
+
+    def text(**more) -> str:
+        choice = call(**args, **more).choices[0]
+        return choice.message.content if chat else choice.text
+
+    greedy = text(temperature=0)
+    assert [text(temperature=1.0, seed=seed, extra_body={"min_p": 1.0}) for seed in (1, 2, 3)] == [greedy] * 3
+    free = [text(temperature=1.0, seed=seed) for seed in (1, 2, 3)]
+    assert free != [greedy] * 3, "temperature 1 gave greedy's text anyway: the check is too weak"
+    refused(server, "/v1/chat/completions" if chat else "/v1/completions",
+            {**({"messages": MESSAGES} if chat else {"prompt": "x"}), "min_p": 1.5}, "min_p")  # fmt: skip
+
+
 # -- logit_bias, skip_special_tokens, spaces_between_special_tokens -------------------------------------------------
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 @pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])

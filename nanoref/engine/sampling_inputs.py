@@ -54,8 +54,8 @@ def sampling_batch(
         for row, seq in enumerate(seqs):
             if seq.num_computed_tokens + seq.num_scheduled_tokens < seq.num_tokens:
                 temperatures[row], generators[row], emits[row] = 0.0, None, False
-    top_k, top_p = [p.top_k for p in params], [p.top_p for p in params]
-    batch = SamplingBatch.from_host(temperatures, top_k, top_p, generators, device, generator)
+    top_k, top_p, min_p = [p.top_k for p in params], [p.top_p for p in params], [p.min_p for p in params]
+    batch = SamplingBatch.from_host(temperatures, top_k, top_p, generators, device, generator, min_p)
     if not any(p.processes_logits for p in params):  # the one check a batch that asks for none of it pays
         return batch
     penalised, masked = [], []

@@ -91,6 +91,7 @@ SAMPLING_FIELDS = {
     "temperature": "temperature",
     "top_p": "top_p",
     "top_k": "top_k",  # (a vLLM extension, as the ones below)
+    "min_p": "min_p",
     "seed": "seed",
     "stop": "stop",
     "n": "n",
@@ -132,7 +133,6 @@ NOT_SUPPORTED_COMMON: dict[str, tuple] = {
     "guided_whitespace_pattern": (),
     "structural_tag": (),
     "use_beam_search": (False,),
-    "min_p": (0, 0.0),
     "watermarking": (False,),
     "length_penalty": (1, 1.0),
     "early_stopping": (False,),

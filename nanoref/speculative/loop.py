@@ -46,7 +46,7 @@ from nanoref.layers.logits_processors import LogitsProcessing, TokenLogprobs, ra
 from nanoref.layers.sampler import sampling_probs
 from nanoref.speculative.acceptance import accept_greedy, emitted_tokens, rejection_sample
 from nanoref.speculative.policy import DEFAULT_BATCH_LIMIT, SpeculationPolicy
-from nanoref.speculative.proposers import DraftProposer, NgramProposer
+from nanoref.speculative.proposers import DraftProposer, NgramProposer, token_filters
 from nanoref.speculative.runner import acceptance_bar
 from nanoref.utils import seams
 from nanoref.utils.interrupts import interruptibly
@@ -238,15 +238,11 @@ class SpeculativeLoop:
         runner = self.engine.model_runner
         num_rows, vocab = scores.shape
         device = scores.device
-        per_row = [(seq.sampling_params, len(rows)) for seq, rows in zip(seqs, rows_of)]
         # (T,): greedy rows too (their result is not used)
         # (from pinned memory: a pageable copy would make the host wait for the verify forward here)
-        temperatures = to_device(np.asarray([p.temperature for p, n in per_row for _ in range(n)], np.float32), device)
-        top_k = top_p = None
-        if any(p.top_k > 0 or p.top_p < 1.0 for p, _ in per_row):
-            top_k = to_device(np.asarray([p.top_k for p, n in per_row for _ in range(n)], np.int64), device)
-            top_p = to_device(np.asarray([p.top_p for p, n in per_row for _ in range(n)], np.float32), device)
-        p = sampling_probs(scores, temperatures, top_k, top_p)  # (T, V)
+        row_params = [seq.sampling_params for seq, rows in zip(seqs, rows_of) for _ in rows]  # (T,)
+        temperatures = to_device(np.asarray([p.temperature for p in row_params], np.float32), device)
+        p = sampling_probs(scores, temperatures, *token_filters(row_params, device))  # (T, V)
         # the rows past a sequence's counted proposals are bonus rows (-1), so its tokens are the same whether its
         # step had k rows per sequence or only as many as it could keep (the varlen path)
         draft_rows = [row for draft, rows in zip(counted, rows_of) for row in rows[: len(draft)]]

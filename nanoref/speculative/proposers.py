@@ -71,19 +71,27 @@ class NgramProposer:
         pass
 
 
+def token_filters(params: list, device: torch.device) -> tuple[torch.Tensor | None, ...]:
+    """sampling_probs' (top_k, top_p, min_p) for rows of these SamplingParams: (R,) each, None where no row uses
+    them (from pinned memory: a pageable copy would wait for the forward in flight)."""
+    top_k = top_p = min_p = None
+    if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
+        top_k = to_device(np.asarray([p.top_k for p in params], dtype=np.int64), device)
+        top_p = to_device(np.asarray([p.top_p for p in params], dtype=np.float32), device)
+    if any(p.min_p > 0.0 for p in params):
+        min_p = to_device(np.asarray([p.min_p for p in params], dtype=np.float32), device)
+    return top_k, top_p, min_p
+
+
 def draft_probabilities(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """logits: (B, V), the draft's for one token of each sequence -> (B, V) float32: the distribution each
-    sequence's proposal is drawn from, with its request's temperature, top-k and top-p (as the target's p). Rows of
-    greedy requests are one-hot at the argmax. Nothing here waits for the device (the settings go up from pinned
+    sequence's proposal is drawn from, with its request's temperature, top-k, top-p and min-p (as the target's p).
+    Rows of greedy requests are one-hot at the argmax. Nothing here waits for the device (the settings go up from pinned
     memory: a pageable copy would wait for the draft's forward), so the k draft steps queue one after another."""
     params = [seq.sampling_params for seq in seqs]
     device = logits.device
     temperatures = to_device(np.asarray([p.temperature for p in params], dtype=np.float32), device)  # (B,)
-    top_k = top_p = None
-    if any(p.top_k > 0 or p.top_p < 1.0 for p in params):
-        top_k = to_device(np.asarray([p.top_k for p in params], dtype=np.int64), device)
-        top_p = to_device(np.asarray([p.top_p for p in params], dtype=np.float32), device)
-    probs = sampling_probs(logits, temperatures, top_k, top_p)  # (B, V)
+    probs = sampling_probs(logits, temperatures, *token_filters(params, device))  # (B, V)
     greedy = [p.temperature == 0 for p in params]
     if any(greedy):
         one_hot = torch.zeros_like(probs).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
