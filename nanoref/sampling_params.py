@@ -101,6 +101,8 @@ class SamplingParams:
     stop: strings that end the completion when its text contains one ("stop"); the text is cut before it.
     include_stop_str_in_output: keep the matched stop string at the end of the text.
     n: how many completions to sample for the prompt (sample i of a seeded request uses seed + i).
+    allowed_token_ids: sample only among these token ids (every other token's logit is -inf, after the penalties
+        and masks, as a grammar's mask; with structured_outputs both hold); None = off.
     logit_bias: {token id: bias} added to those tokens' logits before sampling (penalties and masks come after),
         each bias in [-100, 100]: +100 makes a token all but certain, -100 all but impossible; None = off.
     skip_special_tokens: leave the tokenizer's special tokens (EOS, ...) out of the text; False shows them, except
@@ -130,6 +132,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     n: int = 1
     logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
@@ -156,6 +159,7 @@ class SamplingParams:
             or self.logprobs is not None
             or self.has_penalties
             or bool(self.logit_bias)
+            or self.allowed_token_ids is not None
             or self.structured_outputs is not None
         )
 
@@ -222,6 +226,13 @@ class SamplingParams:
         for name in ("skip_special_tokens", "spaces_between_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        ids = self.allowed_token_ids
+        if ids is not None and (
+            not isinstance(ids, (list, tuple)) or not ids or not all(_is_int(t) and t >= 0 for t in ids)
+        ):
+            raise ValueError(
+                f"allowed_token_ids must be None or a non-empty list of non-negative integer token ids, got {ids!r:.80}"
+            )
         if self.structured_outputs is not None:
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
                 raise ValueError(

@@ -208,6 +208,18 @@ def test_min_p_1_samples_only_the_most_likely_token(server, chat):
             {**({"messages": MESSAGES} if chat else {"prompt": "x"}), "min_p": 1.5}, "min_p")  # fmt: skip
 
 
+def test_allowed_token_ids_keep_sampling_among_them(server, offline):
+    allowed = [offline.tokenizer.encode(word)[0] for word in (" yes", " no")]
+    response = server.client().completions.create(
+        model=MODEL, prompt="The block manager", max_tokens=6, temperature=1.0, extra_body={
+            "allowed_token_ids": allowed, "ignore_eos": True})  # fmt: skip
+    tokens = offline.tokenizer.encode(response.choices[0].text)
+    assert tokens and set(tokens) <= set(allowed), response.choices[0].text
+    message = refused(server, "/v1/completions", {"prompt": "x", "allowed_token_ids": [5, 10**6]}, "allowed_token_ids")
+    assert "1000000" in message and "vocabulary" in message
+    refused(server, "/v1/chat/completions", {"messages": MESSAGES, "allowed_token_ids": []}, "allowed_token_ids")
+
+
 # -- logit_bias, skip_special_tokens, spaces_between_special_tokens -------------------------------------------------
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 @pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])

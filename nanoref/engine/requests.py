@@ -61,6 +61,9 @@ def check_request(token_ids: list[int], params: SamplingParams, config: EngineCo
     bad = sorted(t for t in params.logit_bias or {} if not t < vocab_size)
     if bad:
         raise ValueError(f"logit_bias: token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+    bad = sorted(t for t in params.allowed_token_ids or () if not t < vocab_size)
+    if bad:
+        raise ValueError(f"allowed_token_ids: token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
     limit = config.max_model_len
     if len(token_ids) >= limit:
         raise ValueError(

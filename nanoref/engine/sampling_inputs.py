@@ -20,6 +20,7 @@ from nanoref.engine.step_inputs import StepInputs
 from nanoref.layers.logits_processors import (
     LogitsProcessing,
     StepLogprobs,
+    pack_token_ids,
     raw_logprobs,
     scored_logprobs,
     to_device,
@@ -79,14 +80,17 @@ def row_processing(
     vocab: int,
     eos_token_ids: set[int] | frozenset[int],
 ) -> None:
-    """Row `row`'s logit_bias, penalties, min_tokens mask and its sample's constraint, appended to `penalised` and
-    `masked` (LogitsProcessing.build's inputs: a bias rides in `masked` as (row, ids, biases), a constraint as (row,
-    constraint): build fills every row's allowed tokens at once), for the token after seq's tokens plus `more` (known
+    """Row `row`'s logit_bias, penalties, min_tokens mask, allowed_token_ids and its sample's constraint, appended to
+    `penalised` and `masked` (LogitsProcessing.build's inputs: a bias rides in `masked` as (row, ids, biases), a
+    constraint as (row, constraint): build fills every row's allowed tokens at once; allowed_token_ids as (row, its
+    packed bitmask)), for the token after seq's tokens plus `more` (known
     ids: proposed tokens before this row) plus `num_unknown` more tokens whose values only the device holds."""
     p = seq.sampling_params
     if seq.output is not None and seq.output.constraint is not None:
         assert not more and not num_unknown, "a constraint's matcher follows the sample's known tokens only"
         masked.append((row, seq.output.constraint))  # its allowed tokens filled with the others' in build()
+    if p.allowed_token_ids is not None:
+        masked.append((row, pack_token_ids(p.allowed_token_ids, vocab)))  # (W,): as a constraint's allowed tokens
     if p.logit_bias:
         masked.append((row, list(p.logit_bias), list(p.logit_bias.values())))
     if p.has_penalties:

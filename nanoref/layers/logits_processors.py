@@ -8,9 +8,10 @@
 - min_tokens: until a request has that many completion tokens, its stop tokens (EOS, stop_token_ids) get -inf;
   except on a row whose grammar allows nothing else (the grammar is complete: it can only end, and does, with a
   warning), which would otherwise leave the row no token at all.
-- allowed tokens: a row whose sample follows a grammar (nanoref/structured_output.py) keeps only the tokens its
-  packed bitmask allows (bit t % 32 of word t // 32); every other token of that row gets -inf, after all the above
-  (`apply_token_bitmask`, behind an exercise seam: notebook 13 has a learner write it).
+- allowed tokens: a row whose sample follows a grammar (nanoref/structured_output.py) or names allowed_token_ids
+  keeps only the tokens its packed bitmask allows (bit t % 32 of word t // 32; both, where it has both); every other
+  token of that row gets -inf, after all the above (`apply_token_bitmask`, behind an exercise seam: notebook 13 has
+  a learner write it).
 - logprobs: log_softmax of the model's raw logits (before any of the above, and before temperature: vLLM's
   default "raw_logprobs"), the chosen token's value and rank, and the top N.
 - prompt logprobs: the same for tokens the model was given rather than sampled: the logits of the row of prompt
@@ -158,7 +159,7 @@ class LogitsProcessing:
     bias_rows: torch.Tensor | None = None  # (K,) int64: a token of a row with a logit_bias
     bias_ids: torch.Tensor | None = None  # (K,) int64
     bias_values: torch.Tensor | None = None  # (K,) float32
-    allowed_rows: torch.Tensor | None = None  # (A,) int64: a row whose sample follows a grammar
+    allowed_rows: torch.Tensor | None = None  # (A,) int64: a row whose sample follows a grammar or allowed_token_ids
     allowed_bitmask: torch.Tensor | None = None  # (A, W) int32: the tokens each may take, packed
 
     @classmethod
@@ -181,10 +182,11 @@ class LogitsProcessing:
         biased = [entry for entry in masked if len(entry) == 3]
         masked = [entry for entry in masked if len(entry) == 2]
         if allowed:
-            bitmask = packed_allowed([c for _, c in allowed])  # (A, W) int32, host
-            processing.allowed_rows = to_device(np.asarray([row for row, _ in allowed], dtype=np.int64), device)
+            # (A, W) int32 on the host, one entry per row
+            rows, bitmask = both_allowed([row for row, _ in allowed], packed_allowed([c for _, c in allowed]))
+            processing.allowed_rows = to_device(np.asarray(rows, dtype=np.int64), device)
             processing.allowed_bitmask = to_device(bitmask.numpy(), device)
-            masked = unmask_grammar_ends(masked, {row: bitmask[a] for a, (row, _) in enumerate(allowed)}, vocab)
+            masked = unmask_grammar_ends(masked, {row: bitmask[a] for a, row in enumerate(rows)}, vocab)
         if biased:
             ids, rows = _flat([ids for _, ids, _ in biased])
             processing.bias_ids = to_device(ids, device)
@@ -239,7 +241,7 @@ def unmask_grammar_ends(masked: list[tuple[int, list[int]]], allowed: dict[int, 
             if not others.any():
                 warnings.warn(
                     "a constrained sample ends before its min_tokens: its grammar is complete and allows only a stop "
-                    "token",
+                    "token (or its allowed_token_ids are stop tokens only)",
                     RuntimeWarning,
                     stacklevel=2,
                 )
@@ -248,14 +250,41 @@ def unmask_grammar_ends(masked: list[tuple[int, list[int]]], allowed: dict[int, 
     return kept
 
 
+def pack_token_ids(ids: list[int], vocab: int) -> torch.Tensor:
+    """Token ids -> (ceil(vocab / 32),) int32 with bit t % 32 of word t // 32 set for each: packed_allowed's form."""
+    ids = np.asarray(ids, dtype=np.int64)
+    words = np.zeros((vocab + 31) // 32, dtype=np.uint32)
+    np.bitwise_or.at(words, ids // 32, np.left_shift(np.uint32(1), (ids % 32).astype(np.uint32)))
+    return torch.from_numpy(words.view(np.int32))
+
+
+def both_allowed(rows: list[int], bitmask: torch.Tensor) -> tuple[list[int], torch.Tensor]:
+    """rows (A,) and their packed (A, W) allowed tokens -> one entry per row: a row with two (a grammar and
+    allowed_token_ids) may take only the tokens both allow."""
+    if len(set(rows)) == len(rows):
+        return rows, bitmask
+    merged: dict[int, torch.Tensor] = {}
+    for row, words in zip(rows, bitmask):
+        merged[row] = words if row not in merged else merged[row] & words
+    return list(merged), torch.stack(list(merged.values()))
+
+
 def packed_allowed(constraints: list) -> torch.Tensor:
     """The allowed tokens of each row's constraint (anything with `allowed()` -> a packed (W,) int32 tensor, or a
-    packed tensor itself), stacked: (A, W) int32 on the host. Where every constraint is of one class that can fill
-    many at once (`allowed_batch`), it does: a grammar library fills its matchers in parallel."""
-    kind = type(constraints[0])
-    if hasattr(kind, "allowed_batch") and all(type(c) is kind for c in constraints):
-        return kind.allowed_batch(constraints)
-    return torch.stack([c if isinstance(c, torch.Tensor) else c.allowed() for c in constraints])
+    packed tensor itself: allowed_token_ids'), stacked: (A, W) int32 on the host. Where every constraint that is not
+    a tensor is of one class that can fill many at once (`allowed_batch`), it does: a grammar library fills its
+    matchers in parallel."""
+    packed = [c if isinstance(c, torch.Tensor) else None for c in constraints]
+    pending = [i for i, words in enumerate(packed) if words is None]
+    if pending:
+        kind = type(constraints[pending[0]])
+        if hasattr(kind, "allowed_batch") and all(type(constraints[i]) is kind for i in pending):
+            filled = kind.allowed_batch([constraints[i] for i in pending])
+        else:
+            filled = [constraints[i].allowed() for i in pending]
+        for i, words in zip(pending, filled):
+            packed[i] = words
+    return torch.stack(packed)
 
 
 def _flat(lists: list[list[int]] | tuple[list[int], ...]) -> tuple[np.ndarray, np.ndarray]:

@@ -92,6 +92,7 @@ SAMPLING_FIELDS = {
     "top_p": "top_p",
     "top_k": "top_k",  # (a vLLM extension, as the ones below)
     "min_p": "min_p",
+    "allowed_token_ids": "allowed_token_ids",
     "seed": "seed",
     "stop": "stop",
     "n": "n",
@@ -138,7 +139,6 @@ NOT_SUPPORTED_COMMON: dict[str, tuple] = {
     "early_stopping": (False,),
     "truncate_prompt_tokens": (),
     "truncation_side": (),
-    "allowed_token_ids": (),
     "logprob_token_ids": (),
     "bad_words": ([],),
     "priority": (0,),
@@ -1089,6 +1089,7 @@ def build_app(
         return {
             "logit_bias": "logit_bias",
             "stop_token_ids": "stop_token_ids",
+            "allowed_token_ids": "allowed_token_ids",
             "max_tokens": tokens,
             "structured_outputs": constraint,
             "": prompt_field,
