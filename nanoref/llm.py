@@ -115,6 +115,10 @@ class LLM(LLMEngine):
         self.speculative_loop = self.step_loop if isinstance(self.step_loop, SpeculativeLoop) else None
         self.grammars: Grammars | None = None  # made on the first request with structured_outputs
 
+    def get_tokenizer(self) -> Any:
+        """The model folder's tokenizer, as vLLM's LLM.get_tokenizer (None where the folder has none)."""
+        return self.tokenizer
+
     def constrain(self, params: SamplingParams) -> Callable[[list], None]:
         """Check a request's structured_outputs and compile its grammar (cached) before anything is made ->
         what gives its samples their matchers (ValueError naming the problem: nothing is queued)."""

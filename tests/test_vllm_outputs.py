@@ -105,3 +105,12 @@ def test_chat_returns_the_same_outputs(llm):
     assert isinstance(out[0], GenerateOutput) and out[0].outputs[0].text == out[0]["text"]
     assert "Hi" in out[0].prompt and out[0].prompt.endswith("assistant\n")  # the template's text, as vLLM's chat
     assert out[0].prompt_token_ids == llm.tokenizer.encode(out[0].prompt)
+
+
+def test_get_tokenizer_is_the_engines_tokenizer(llm):
+    tokenizer = llm.get_tokenizer()
+    ids = tokenizer.encode("Hello, my name is")
+    assert (
+        tokenizer is llm.tokenizer
+        and llm.generate([ids], SamplingParams(max_tokens=1), use_tqdm=False)[0].prompt_token_ids == ids
+    )
