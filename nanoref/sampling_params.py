@@ -101,6 +101,9 @@ class SamplingParams:
     stop: strings that end the completion when its text contains one ("stop"); the text is cut before it.
     include_stop_str_in_output: keep the matched stop string at the end of the text.
     n: how many completions to sample for the prompt (sample i of a seeded request uses seed + i).
+    truncate_prompt_tokens: use only the prompt's last k tokens (left truncation); -1: as many as max_model_len
+        leaves room for one generated token (vLLM's -1 keeps max_model_len, which leaves none); None = the whole
+        prompt.
     allowed_token_ids: sample only among these token ids (every other token's logit is -inf, after the penalties
         and masks, as a grammar's mask; with structured_outputs both hold); None = off.
     logit_bias: {token id: bias} added to those tokens' logits before sampling (penalties and masks come after),
@@ -133,6 +136,7 @@ class SamplingParams:
     n: int = 1
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    truncate_prompt_tokens: int | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
@@ -226,6 +230,9 @@ class SamplingParams:
         for name in ("skip_special_tokens", "spaces_between_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        k = self.truncate_prompt_tokens
+        if k is not None and (not _is_int(k) or not (k == -1 or k >= 1)):
+            raise ValueError(f"truncate_prompt_tokens must be None, -1 or an integer >= 1, got {k!r:.40}")
         ids = self.allowed_token_ids
         if ids is not None and (
             not isinstance(ids, (list, tuple)) or not ids or not all(_is_int(t) and t >= 0 for t in ids)

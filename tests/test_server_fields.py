@@ -220,6 +220,25 @@ def test_allowed_token_ids_keep_sampling_among_them(server, offline):
     refused(server, "/v1/chat/completions", {"messages": MESSAGES, "allowed_token_ids": []}, "allowed_token_ids")
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_end(server):
+    client = server.client()
+    long_ids = [5 + i % 900 for i in range(700)]  # past the built-in model's max_model_len (512)
+    out = client.completions.create(model=MODEL, prompt=long_ids, max_tokens=3, extra_body={
+        "truncate_prompt_tokens": 20, "truncation_side": "left"})  # fmt: skip
+    assert out.usage.prompt_tokens == 20 and out.usage.completion_tokens == 3
+    chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2,
+                                          extra_body={"truncate_prompt_tokens": 4})  # fmt: skip
+    assert chat.usage.prompt_tokens == 4
+    refused(server, "/v1/completions", {"prompt": long_ids, "max_tokens": 3}, "prompt")
+    refused(server, "/v1/completions", {"prompt": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens")
+    message = refused(
+        server, "/v1/completions", {"prompt": "x", "truncate_prompt_tokens": 1000}, "truncate_prompt_tokens"
+    )
+    assert "max_model_len" in message
+    refused(server, "/v1/completions", {"prompt": "x", "truncate_prompt_tokens": 3, "truncation_side": "right"},
+            "truncation_side")  # fmt: skip
+
+
 # -- logit_bias, skip_special_tokens, spaces_between_special_tokens -------------------------------------------------
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 @pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])

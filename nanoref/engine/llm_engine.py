@@ -16,7 +16,7 @@ from nanoref.engine.hooks import NO_ENGINE_HOOKS, EngineHooks
 from nanoref.engine.metrics import EngineMetrics, StepRecord
 from nanoref.engine.model_runner import ModelRunner
 from nanoref.engine.output_processor import GenerateOutput, OutputProcessor, StreamPiece
-from nanoref.engine.requests import check_request, eos_token_ids, params_list, prompt_list, tokenize
+from nanoref.engine.requests import check_request, eos_token_ids, params_list, prompt_list, tokenize, truncate_prompt
 from nanoref.engine.scheduler import Scheduler
 from nanoref.engine.sequence import Sequence, SequenceStatus
 from nanoref.sampling_params import SamplingParams
@@ -113,7 +113,7 @@ class LLMEngine:
         """A checked request's `params.n` samples, not yet queued: everything that can fail about a request fails
         here. Sample i has `index` i and, when the request is seeded, the seed params.seed + i. stream: keep its text
         up to date after every step (`OutputProcessor.attach`)."""
-        token_ids = self.tokenize(prompt)
+        token_ids = truncate_prompt(self.tokenize(prompt), params, self.config)
         check_request(token_ids, params, self.config)
         samples = []
         for index in range(params.n):

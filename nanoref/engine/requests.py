@@ -43,6 +43,20 @@ def _unpack_prompt_dict(prompt: dict) -> str | list[int]:
     raise ValueError(f"a prompt dict holds 'prompt' (text) or 'prompt_token_ids' (ids) and nothing else, got {keys}")
 
 
+def truncate_prompt(token_ids: list[int], params: SamplingParams, config: EngineConfig) -> list[int]:
+    """The prompt's ids as the request asks for them: its last `truncate_prompt_tokens` (vLLM's left truncation; -1:
+    max_model_len - 1, so that one generated token fits), or all of them (ValueError for a truncation past
+    max_model_len, as vLLM refuses it)."""
+    k = params.truncate_prompt_tokens if isinstance(params, SamplingParams) else None  # (check_request names it)
+    if k is None:
+        return token_ids
+    params.validate()  # (a field reassigned since it was made: named before it is used)
+    limit = config.max_model_len
+    if k > limit:
+        raise ValueError(f"truncate_prompt_tokens ({k}) is greater than max_model_len ({limit}): choose a smaller one")
+    return token_ids[-(limit - 1 if k == -1 else k) :]
+
+
 def check_request(token_ids: list[int], params: SamplingParams, config: EngineConfig) -> None:
     """Raise ValueError, naming the problem, for a request the engine could never serve. config: the engine's, with
     its KV block count (what a process without the engine, a server's front, can check a request against too)."""

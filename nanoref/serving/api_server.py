@@ -70,6 +70,7 @@ from nanoref.config import EngineConfig
 from nanoref.engine.chat import chat_prompt
 from nanoref.engine.detokenizer import REPLACEMENT_CHAR, decode
 from nanoref.engine.requests import tokenize as prompt_token_ids  # (the /tokenize route takes the name)
+from nanoref.engine.requests import truncate_prompt
 from nanoref.layers.logits_processors import TokenLogprobs
 from nanoref.sampling_params import MAX_TOKENS_LIMIT, SamplingParams, StructuredOutputsParams, stop_strings
 from nanoref.serving.async_llm import AsyncLLM, RequestOutput
@@ -93,6 +94,7 @@ SAMPLING_FIELDS = {
     "top_k": "top_k",  # (a vLLM extension, as the ones below)
     "min_p": "min_p",
     "allowed_token_ids": "allowed_token_ids",
+    "truncate_prompt_tokens": "truncate_prompt_tokens",
     "seed": "seed",
     "stop": "stop",
     "n": "n",
@@ -137,8 +139,7 @@ NOT_SUPPORTED_COMMON: dict[str, tuple] = {
     "watermarking": (False,),
     "length_penalty": (1, 1.0),
     "early_stopping": (False,),
-    "truncate_prompt_tokens": (),
-    "truncation_side": (),
+    "truncation_side": ("left",),  # (truncate_prompt_tokens keeps the prompt's end, as vLLM's default side)
     "logprob_token_ids": (),
     "bad_words": ([],),
     "priority": (0,),
@@ -1069,10 +1070,14 @@ def build_app(
                 raise BadRequest(message, blamed[""]) from None
         try:  # the engine's checks of the prompt (empty, too long, outside the vocabulary) and of the KV budget
             if asked_tokens is not None:  # (tokenized here to count it, once: the ids go on to the engine)
-                prompt = prompt_token_ids(prompt, engine.tokenizer, engine.config)
+                prompt = truncate_prompt(
+                    prompt_token_ids(prompt, engine.tokenizer, engine.config), params, engine.config
+                )
                 check_room(len(prompt), asked_tokens, engine.config.max_model_len, where, blamed["max_tokens"])
             elif params.max_tokens == MAX_TOKENS_LIMIT:  # chat's default: the room left, in a cache that may be smaller
-                prompt = prompt_token_ids(prompt, engine.tokenizer, engine.config)
+                prompt = truncate_prompt(
+                    prompt_token_ids(prompt, engine.tokenizer, engine.config), params, engine.config
+                )
                 params = replace(params, max_tokens=room_left(len(prompt), engine.config))
             return engine.generate(prompt, params, request_id, adapters.lora_request(model))
         except (ValueError, TypeError) as error:
@@ -1090,6 +1095,7 @@ def build_app(
             "logit_bias": "logit_bias",
             "stop_token_ids": "stop_token_ids",
             "allowed_token_ids": "allowed_token_ids",
+            "truncate_prompt_tokens": "truncate_prompt_tokens",
             "max_tokens": tokens,
             "structured_outputs": constraint,
             "": prompt_field,

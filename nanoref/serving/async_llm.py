@@ -52,7 +52,7 @@ from typing import Any
 
 from nanoref.config import EngineConfig
 from nanoref.engine.output_processor import RequestOutput, RequestOutputs, delta_texts
-from nanoref.engine.requests import check_request, eos_token_ids, tokenize
+from nanoref.engine.requests import check_request, eos_token_ids, tokenize, truncate_prompt
 from nanoref.llm import DEFAULT_MODEL, LLM, SETTINGS, LoRARequest, check_lora_request, grammars_for
 from nanoref.sampling_params import SamplingParams
 from nanoref.serving.engine_loop import EngineLoop, EngineStats, StepMessage, drain
@@ -216,7 +216,7 @@ class AsyncLLM:
         (LLM.generate's; the engine reads its folder when the request is queued)."""
         self._check_running()
         params = SamplingParams() if params is None else params
-        token_ids = tokenize(prompt, self.tokenizer, self.config)
+        token_ids = truncate_prompt(tokenize(prompt, self.tokenizer, self.config), params, self.config)
         check_request(token_ids, params, self.config)  # (the engine's own checks, on its config)
         check_lora_request(lora_request, self.config.enable_lora)
         if params.structured_outputs is not None:  # its grammar compiled here (cached): a bad one raises now
