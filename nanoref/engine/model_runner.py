@@ -45,7 +45,7 @@ class ModelRunner:
         self.device = device or config.device
         self.block_size = config.kvcache_block_size
         self.model = build_model(config.architecture, config.hf_config, self.device, config.dtype, config.max_model_len)
-        load_weights(self.model, config.model_folder)
+        load_weights(self.model, config.model_folder, show_progress=self.rank == 0)
         self.backend = resolve_backend(config.attention_backend, self.device)
         self.attention_layers = [m for m in self.model.modules() if isinstance(m, Attention)]
         use_backend(self.model, self.backend)  # (attention and the element-wise layers run the backend's kernels)

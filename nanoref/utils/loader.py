@@ -17,6 +17,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 from torch import nn
 
+from nanoref.utils.progress import tqdm
+
 
 class ModelFolderError(ValueError):
     """The model folder is missing, malformed, or holds a model nanoref cannot serve."""
@@ -94,15 +96,32 @@ def checkpoint_names(model: nn.Module) -> dict[str, tuple[str, Shard]]:
     return names
 
 
-def load_weights(model: nn.Module, folder: Path) -> None:
-    """Copy every checkpoint tensor into its (possibly fused) parameter; fail on anything unmatched."""
+# a checkpoint this large gets a progress bar over its shards while it loads (vLLM shows one): an 8B model's 16 GB
+# take tens of seconds to read. The tiny models of the notebooks and tests load in well under a second and show none
+PROGRESS_MIN_BYTES = 2 * 2**30
+
+
+def load_weights(model: nn.Module, folder: Path, show_progress: bool = True) -> None:
+    """Copy every checkpoint tensor into its (possibly fused) parameter; fail on anything unmatched. show_progress:
+    a bar over the shards where they hold PROGRESS_MIN_BYTES or more (a tensor-parallel rank other than 0: none)."""
+    files = weight_files(folder)
+    large = sum(file.stat().st_size for file in files) >= PROGRESS_MIN_BYTES
+    bar = tqdm(total=len(files), desc="Loading safetensors checkpoint shards", unit="shard", disable=not (
+        show_progress and large), dynamic_ncols=True)  # fmt: skip
+    try:
+        _load_files(model, folder, files, bar)
+    finally:
+        bar.close()
+
+
+def _load_files(model: nn.Module, folder: Path, files: list[Path], bar: tqdm) -> None:
     params = dict(model.named_parameters(remove_duplicate=False))
     tied = bool(getattr(getattr(model, "config", None), "tie_word_embeddings", False))
     names = checkpoint_names(model)
     loaded: dict[str, str] = {}  # checkpoint tensor -> the file it came from
     filled: dict[str, dict[Shard, str]] = {}  # parameter -> {shard it got: from which checkpoint tensor}
     tied_head: tuple[str, torch.Tensor] | None = None  # a tied checkpoint's own lm_head.weight, checked below
-    for file in weight_files(folder):
+    for file in files:
         try:
             with safe_open(str(file), framework="pt") as handle:
                 for name in handle.keys():
@@ -129,6 +148,7 @@ def load_weights(model: nn.Module, folder: Path) -> None:
                     _load_tensor(params[param_name], file.name, name, tensor, shard)
         except SafetensorError as error:  # truncated, empty or not a safetensors file at all
             raise ModelFolderError(f"{file}: not a readable safetensors file: {error}") from None
+        bar.update(1)
     if tied_head is not None:
         file_name, head = tied_head
         embedding = params["model.embed_tokens.weight"]
