@@ -1,0 +1,55 @@
+"""SamplingParams and generate's outputs where vLLM (V1) defines them: each expected value is vLLM's rule worked by
+hand on the tokens the engine generates, not the engine's own answer."""
+
+from __future__ import annotations
+
+import pytest
+
+from nanoref import LLM, SamplingParams
+
+PROMPT = "def add(a, b):"
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(num_kvcache_blocks=64)  # the built-in tiny model, with its byte-level tokenizer
+
+
+@pytest.fixture(scope="module")
+def free(llm):
+    """A greedy completion without stop rules, its token ids and the text each token adds."""
+    out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)[0]
+    ids = out["token_ids"]
+    texts = [llm.tokenizer.decode(ids[: i + 1]) for i in range(len(ids))]
+    pieces = [texts[0]] + [texts[i][len(texts[i - 1]) :] for i in range(1, len(ids))]
+    assert "".join(pieces) == out["text"] and out["finish_reason"] == "length"
+    return ids, pieces, out["text"]
+
+
+def a_token_with_its_own_text(free) -> int:
+    """The index of a token (not the first) whose text has 2+ characters and occurs once in the completion."""
+    ids, pieces, text = free
+    for i in range(1, len(ids)):
+        if len(pieces[i]) >= 2 and text.count(pieces[i]) == 1 and pieces[i].strip():
+            return i
+    raise AssertionError("no token with a text of its own")
+
+
+# -- stop strings and min_tokens ----------------------------------------------------------------------------
+def test_a_stop_string_completed_by_the_last_of_the_min_tokens_does_not_stop(llm, free):
+    """vLLM (v1/engine/detokenizer.py, PR 22014) checks stop strings only once the completion has more than
+    min_tokens tokens, and never in the text of the first min_tokens alone: the token after them must complete it."""
+    ids, pieces, text = free
+    i = a_token_with_its_own_text(free)  # token i (0-based) is completion token number i + 1
+    stop = pieces[i]
+
+    def run(min_tokens: int):
+        params = SamplingParams(temperature=0, max_tokens=len(ids), min_tokens=min_tokens, stop=[stop])
+        return llm.generate([PROMPT], params, use_tqdm=False)[0]
+
+    past = run(min_tokens=i)  # token number i + 1 > min_tokens completes it: it stops there
+    assert past["finish_reason"] == "stop" and past["stop_reason"] == stop
+    assert past["token_ids"] == ids[: i + 1] and past["text"] == text[: text.index(stop)]
+    within = run(min_tokens=i + 1)  # token number i + 1 is the last of min_tokens: not checked, and never again
+    assert within["finish_reason"] == "length" and within["stop_reason"] is None
+    assert within["token_ids"] == ids and within["text"] == text
