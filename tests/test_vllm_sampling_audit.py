@@ -53,3 +53,25 @@ def test_a_stop_string_completed_by_the_last_of_the_min_tokens_does_not_stop(llm
     within = run(min_tokens=i + 1)  # token number i + 1 is the last of min_tokens: not checked, and never again
     assert within["finish_reason"] == "length" and within["stop_reason"] is None
     assert within["token_ids"] == ids and within["text"] == text
+
+
+# -- the stop token's text ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+def test_a_stop_token_that_is_not_special_is_left_out_of_the_text(llm, free, skip_special_tokens):
+    """vLLM leaves the token that ended the completion (EOS, a stop_token_ids entry) out of the text unless
+    include_stop_str_in_output, special or not (v1/engine/detokenizer.py: update(..., stop_terminated)); it stays in
+    token_ids."""
+    ids, pieces, _ = free
+    i = a_token_with_its_own_text(free)
+    assert ids.index(ids[i]) == i  # it first occurs there
+    params = dict(temperature=0, max_tokens=len(ids), stop_token_ids=[ids[i]], skip_special_tokens=skip_special_tokens)
+    out = llm.generate([PROMPT], SamplingParams(**params), use_tqdm=False)[0]
+    assert out["finish_reason"] == "stop" and out.outputs[0].stop_reason == ids[i]
+    assert out["token_ids"] == ids[: i + 1] and out["text"] == "".join(pieces[:i])
+    kept = llm.generate([PROMPT], SamplingParams(**params, include_stop_str_in_output=True), use_tqdm=False)[0]
+    assert kept["token_ids"] == ids[: i + 1] and kept["text"] == "".join(pieces[: i + 1])
+    # a stream (text grown token by token) agrees
+    seq = llm.add_request(PROMPT, SamplingParams(**params), stream=True)
+    while not llm.is_finished():
+        llm.step()
+    assert llm.output_processor.text_so_far(seq) == "".join(pieces[:i])
