@@ -89,8 +89,11 @@ class SamplingParams:
     min_p: sample only among tokens at least min_p times as likely as the most likely one (after the temperature,
         before top_k and top_p, as in vLLM), in [0, 1]; 0 = off.
     seed: the request draws from its own generator, so its tokens do not depend on its batch; None = the engine's.
-    stop_token_ids: generating one of these ends the request ("stop", with `stop_reason` = that id).
-    min_tokens: EOS and stop_token_ids can neither be sampled nor end the request before this many tokens.
+    stop_token_ids: generating one of these ends the request ("stop", with `stop_reason` = that id); it stays in
+        token_ids, but its text (as EOS's) is left out of the text, special token or not, unless
+        include_stop_str_in_output (vLLM's rule).
+    min_tokens: EOS and stop_token_ids can neither be sampled nor end the request before this many tokens; a stop
+        string counts only once the completion is longer (the token after them must complete it), as in vLLM.
     presence_penalty: subtracted from the logit of every token already in the completion, in [-2, 2]; 0 = off.
     frequency_penalty: subtracted once per occurrence of a token in the completion, in [-2, 2]; 0 = off.
     repetition_penalty: HF's, on every token in prompt or completion (> 0 logits divided, others multiplied); 1 = off.
@@ -99,7 +102,7 @@ class SamplingParams:
         it and the top N at its position, N in [0, 20] (an evaluation harness's score of a text); the prefix cache
         does not serve such a request's prompt (each of its positions is computed).
     stop: strings that end the completion when its text contains one ("stop"); the text is cut before it.
-    include_stop_str_in_output: keep the matched stop string at the end of the text.
+    include_stop_str_in_output: keep the matched stop string (or the stop token's text) at the end of the text.
     n: how many completions to sample for the prompt (sample i of a seeded request uses seed + i).
     truncate_prompt_tokens: use only the prompt's last k tokens (left truncation); -1: as many as max_model_len
         leaves room for one generated token (vLLM's -1 keeps max_model_len, which leaves none); None = the whole
