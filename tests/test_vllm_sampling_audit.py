@@ -75,3 +75,22 @@ def test_a_stop_token_that_is_not_special_is_left_out_of_the_text(llm, free, ski
     while not llm.is_finished():
         llm.step()
     assert llm.output_processor.text_so_far(seq) == "".join(pieces[:i])
+
+
+# -- logprobs in vLLM's form ----------------------------------------------------------------------------------
+def test_each_position_of_logprobs_starts_with_the_chosen_token(llm):
+    """vLLM's dict per position (logprobs.py, append_logprobs_for_next_position) inserts the sampled (or prompt)
+    token first, then the top N ranked 1..N: a chosen token that is among the top N keeps the first place and takes
+    its top-N rank."""
+    params = SamplingParams(temperature=1.5, seed=5, max_tokens=24, logprobs=5, prompt_logprobs=5)
+    out = llm.generate(["Once upon a time there was"], params, use_tqdm=False)[0]
+    sample = out.outputs[0]
+    positions = [*zip(sample.token_ids, sample.logprobs), *zip(out.prompt_token_ids[1:], out.prompt_logprobs[1:])]
+    inside = 0
+    for token_id, position in positions:
+        assert next(iter(position)) == token_id
+        chosen = position[token_id]
+        ranks = sorted(p.rank for i, p in position.items() if i != token_id or chosen.rank <= 5)
+        assert ranks == [1, 2, 3, 4, 5] and len(position) == (5 if chosen.rank <= 5 else 6)
+        inside += 1 < chosen.rank <= 5
+    assert inside > 0, "no chosen token ranked 2..5: the check above never saw the case it is for"

@@ -245,17 +245,19 @@ class OutputProcessor:
         return output
 
     def vllm_logprobs(self, entry: TokenLogprobs | None) -> dict[int, Logprob] | None:
-        """One position's logprobs in vLLM's form: {token id: Logprob} for the chosen token and the top N."""
+        """One position's logprobs in vLLM's form: {token id: Logprob} for the chosen token, first, then the top N
+        ranked 1..N (a chosen token among them keeps the first place, with its top-N rank), as vLLM builds it."""
         if entry is None:
             return None
 
         def text(token_id: int) -> str | None:
             return None if self.tokenizer is None else self.tokenizer.decode([token_id])
 
-        found = {token_id: Logprob(logprob, rank, text(token_id)) for rank, (token_id, logprob) in
-                 enumerate(entry.top.items(), start=1)}  # fmt: skip
-        if entry.token_id not in found:
-            found = {entry.token_id: Logprob(entry.logprob, entry.rank, text(entry.token_id)), **found}
+        found = {entry.token_id: Logprob(entry.logprob, entry.rank, text(entry.token_id))}
+        for rank, (token_id, logprob) in enumerate(entry.top.items(), start=1):
+            found[token_id] = Logprob(
+                logprob, rank, found[token_id].decoded_token if token_id in found else text(token_id)
+            )
         return found
 
     @staticmethod
