@@ -88,7 +88,8 @@ class SamplingParams:
     top_p: sample among the smallest set of tokens whose probability reaches top_p; 1.0 = off.
     min_p: sample only among tokens at least min_p times as likely as the most likely one (after the temperature,
         before top_k and top_p, as in vLLM), in [0, 1]; 0 = off.
-    seed: the request draws from its own generator, so its tokens do not depend on its batch; None = the engine's.
+    seed: the request draws from its own generator, so its tokens do not depend on its batch; None (or -1, vLLM's
+        spelling) = the engine's.
     stop_token_ids: generating one of these ends the request ("stop", with `stop_reason` = that id); it stays in
         token_ids, but its text (as EOS's) is left out of the text, special token or not, unless
         include_stop_str_in_output (vLLM's rule).
@@ -97,10 +98,11 @@ class SamplingParams:
     presence_penalty: subtracted from the logit of every token already in the completion, in [-2, 2]; 0 = off.
     frequency_penalty: subtracted once per occurrence of a token in the completion, in [-2, 2]; 0 = off.
     repetition_penalty: HF's, on every token in prompt or completion (> 0 logits divided, others multiplied); 1 = off.
-    logprobs: return the log-probabilities of the top N tokens and of the chosen one per token, N in [0, 20].
+    logprobs: return the log-probabilities of the top N tokens and of the chosen one per token, N in [0, 20] (True,
+        as in vLLM: 1).
     prompt_logprobs: return, for every prompt token after the first, its log-probability given the tokens before
-        it and the top N at its position, N in [0, 20] (an evaluation harness's score of a text); the prefix cache
-        does not serve such a request's prompt (each of its positions is computed).
+        it and the top N at its position, N in [0, 20] (True: 1; an evaluation harness's score of a text); the prefix
+        cache does not serve such a request's prompt (each of its positions is computed).
     stop: strings that end the completion when its text contains one ("stop"); the text is cut before it.
     include_stop_str_in_output: keep the matched stop string (or the stop token's text) at the end of the text.
     n: how many completions to sample for the prompt (sample i of a seeded request uses seed + i).
@@ -151,6 +153,11 @@ class SamplingParams:
             self.max_tokens = MAX_TOKENS_LIMIT
         if self.top_k == -1 and _is_int(self.top_k):  # vLLM accepts -1 as "off" (its default once): nanoref's 0
             self.top_k = 0
+        if self.seed == -1 and _is_int(self.seed):  # vLLM's "no seed of its own"
+            self.seed = None
+        for name in ("logprobs", "prompt_logprobs"):  # vLLM reads True as 1
+            if getattr(self, name) is True:
+                setattr(self, name, 1)
         self.validate()
 
     @property

@@ -94,3 +94,21 @@ def test_each_position_of_logprobs_starts_with_the_chosen_token(llm):
         assert ranks == [1, 2, 3, 4, 5] and len(position) == (5 if chosen.rank <= 5 else 6)
         inside += 1 < chosen.rank <= 5
     assert inside > 0, "no chosen token ranked 2..5: the check above never saw the case it is for"
+
+
+# -- validation: what vLLM's SamplingParams takes ---------------------------------------------------------------
+def test_vllms_spellings_of_no_seed_and_of_one_logprob_are_taken():
+    """vLLM's SamplingParams.__post_init__ reads seed=-1 as None (no seed of its own) and logprobs=True,
+    prompt_logprobs=True as 1."""
+    params = SamplingParams(seed=-1, logprobs=True, prompt_logprobs=True)
+    assert params.seed is None and params.logprobs == 1 and params.prompt_logprobs == 1
+    assert type(params.logprobs) is int and type(params.prompt_logprobs) is int
+    for bad in (dict(seed=-2), dict(logprobs=False), dict(prompt_logprobs=False)):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            SamplingParams(**bad)
+
+
+def test_a_seed_of_minus_one_samples_as_an_unseeded_request(llm):
+    params = SamplingParams(temperature=1.0, seed=-1, max_tokens=4, logprobs=True)
+    out = llm.generate([PROMPT], params, use_tqdm=False)[0]
+    assert len(out["token_ids"]) == 4 and all(len(position) in (1, 2) for position in out.outputs[0].logprobs)
