@@ -112,7 +112,8 @@ class SamplingParams:
     allowed_token_ids: sample only among these token ids (every other token's logit is -inf, after the penalties
         and masks, as a grammar's mask; with structured_outputs both hold); None = off.
     logit_bias: {token id: bias} added to those tokens' logits before sampling (penalties and masks come after),
-        each bias in [-100, 100]: +100 makes a token all but certain, -100 all but impossible; None = off.
+        each bias any number, as vLLM takes it (OpenAI's range is [-100, 100]: +100 makes a token all but certain,
+        -100 all but impossible; -inf bans it); None = off.
     skip_special_tokens: leave the tokenizer's special tokens (EOS, ...) out of the text; False shows them, except
         the token that ended the completion (EOS, a stop_token_ids entry), as in vLLM.
     spaces_between_special_tokens: let the tokenizer's decoder put its spaces between added tokens that follow one
@@ -277,12 +278,10 @@ def stop_strings(stop: object) -> list[str]:
     return list(items)
 
 
-MAX_LOGIT_BIAS = 100.0  # OpenAI's range: [-100, 100]
-
-
 def check_logit_bias(logit_bias: object) -> None:
-    """Raise ValueError unless logit_bias is None or {non-negative integer token id: a bias in [-100, 100]} (the
-    vocabulary's bound is the engine's check: `check_request`)."""
+    """Raise ValueError unless logit_bias is None or {non-negative integer token id: a number, not NaN} (the
+    vocabulary's bound is the engine's check: `check_request`). Any bias is taken as given, as vLLM's SamplingParams
+    takes it (OpenAI's range is [-100, 100]; -inf, or any large negative bias, bans the token)."""
     if logit_bias is None:
         return
     if not isinstance(logit_bias, dict):
@@ -290,8 +289,8 @@ def check_logit_bias(logit_bias: object) -> None:
     for token_id, bias in logit_bias.items():
         if not _is_int(token_id) or token_id < 0:
             raise ValueError(f"logit_bias: keys must be non-negative integer token ids, got {token_id!r:.40}")
-        if not _is_real(bias) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:  # (also rejects NaN)
-            raise ValueError(f"logit_bias: the bias of token {token_id} must be in [-100, 100], got {bias!r:.40}")
+        if not _is_real(bias) or math.isnan(bias):
+            raise ValueError(f"logit_bias: the bias of token {token_id} must be a number (not NaN), got {bias!r:.40}")
 
 
 def check_seed(seed: object) -> None:

@@ -4,6 +4,7 @@ hand on the tokens the engine generates, not the engine's own answer."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from nanoref import LLM, SamplingParams
 
@@ -112,3 +113,32 @@ def test_a_seed_of_minus_one_samples_as_an_unseeded_request(llm):
     params = SamplingParams(temperature=1.0, seed=-1, max_tokens=4, logprobs=True)
     out = llm.generate([PROMPT], params, use_tqdm=False)[0]
     assert len(out["token_ids"]) == 4 and all(len(position) in (1, 2) for position in out.outputs[0].logprobs)
+
+
+@pytest.mark.parametrize("bias", [-1000.0, float("-inf")])
+def test_a_logit_bias_beyond_minus_100_is_taken_and_bans_the_token(tiny_model, bias):
+    """vLLM's SamplingParams takes any logit_bias and adds it as given (v1/sample/logits_processor builtin
+    LogitBiasLogitsProcessor): -1000 or -inf bans a token. HF's sequence_bias (the same addition) is the reference."""
+    from .helpers import hf_model
+
+    llm = LLM(tiny_model, device="cpu", num_kvcache_blocks=32)
+    prompt = [5, 6, 5, 6, 7]
+    free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)[0]
+    banned = free["token_ids"][0]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logit_bias={banned: bias})
+    assert params.logit_bias == {banned: bias}  # as given, not clamped
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        want = hf_model(tiny_model).generate(
+            ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=6,
+            sequence_bias={(banned,): -1000.0}, eos_token_id=None,
+        )[0, len(prompt):].tolist()  # fmt: skip
+    assert banned not in out["token_ids"] and out["token_ids"] == want
+    sampled = SamplingParams(temperature=1.0, seed=0, max_tokens=8, ignore_eos=True, logit_bias={banned: bias})
+    assert banned not in llm.generate([prompt], sampled, use_tqdm=False)[0]["token_ids"]
+
+
+def test_a_nan_logit_bias_is_refused_naming_the_field():
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias={3: float("nan")})
