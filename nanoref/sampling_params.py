@@ -88,18 +88,23 @@ class SamplingParams:
     top_p: sample among the smallest set of tokens whose probability reaches top_p; 1.0 = off.
     min_p: sample only among tokens at least min_p times as likely as the most likely one (after the temperature,
         before top_k and top_p, as in vLLM), in [0, 1]; 0 = off.
-    seed: the request draws from its own generator, so its tokens do not depend on its batch; None = the engine's.
-    stop_token_ids: generating one of these ends the request ("stop", with `stop_reason` = that id).
-    min_tokens: EOS and stop_token_ids can neither be sampled nor end the request before this many tokens.
+    seed: the request draws from its own generator, so its tokens do not depend on its batch; None (or -1, vLLM's
+        spelling) = the engine's.
+    stop_token_ids: generating one of these ends the request ("stop", with `stop_reason` = that id); it stays in
+        token_ids, but its text (as EOS's) is left out of the text, special token or not, unless
+        include_stop_str_in_output (vLLM's rule).
+    min_tokens: EOS and stop_token_ids can neither be sampled nor end the request before this many tokens; a stop
+        string counts only once the completion is longer (the token after them must complete it), as in vLLM.
     presence_penalty: subtracted from the logit of every token already in the completion, in [-2, 2]; 0 = off.
     frequency_penalty: subtracted once per occurrence of a token in the completion, in [-2, 2]; 0 = off.
     repetition_penalty: HF's, on every token in prompt or completion (> 0 logits divided, others multiplied); 1 = off.
-    logprobs: return the log-probabilities of the top N tokens and of the chosen one per token, N in [0, 20].
+    logprobs: return the log-probabilities of the top N tokens and of the chosen one per token, N in [0, 20] (True,
+        as in vLLM: 1).
     prompt_logprobs: return, for every prompt token after the first, its log-probability given the tokens before
-        it and the top N at its position, N in [0, 20] (an evaluation harness's score of a text); the prefix cache
-        does not serve such a request's prompt (each of its positions is computed).
+        it and the top N at its position, N in [0, 20] (True: 1; an evaluation harness's score of a text); the prefix
+        cache does not serve such a request's prompt (each of its positions is computed).
     stop: strings that end the completion when its text contains one ("stop"); the text is cut before it.
-    include_stop_str_in_output: keep the matched stop string at the end of the text.
+    include_stop_str_in_output: keep the matched stop string (or the stop token's text) at the end of the text.
     n: how many completions to sample for the prompt (sample i of a seeded request uses seed + i).
     truncate_prompt_tokens: use only the prompt's last k tokens (left truncation); -1: as many as max_model_len
         leaves room for one generated token (vLLM's -1 keeps max_model_len, which leaves none); None = the whole
@@ -107,7 +112,8 @@ class SamplingParams:
     allowed_token_ids: sample only among these token ids (every other token's logit is -inf, after the penalties
         and masks, as a grammar's mask; with structured_outputs both hold); None = off.
     logit_bias: {token id: bias} added to those tokens' logits before sampling (penalties and masks come after),
-        each bias in [-100, 100]: +100 makes a token all but certain, -100 all but impossible; None = off.
+        each bias any number, as vLLM takes it (OpenAI's range is [-100, 100]: +100 makes a token all but certain,
+        -100 all but impossible; -inf bans it); None = off.
     skip_special_tokens: leave the tokenizer's special tokens (EOS, ...) out of the text; False shows them, except
         the token that ended the completion (EOS, a stop_token_ids entry), as in vLLM.
     spaces_between_special_tokens: let the tokenizer's decoder put its spaces between added tokens that follow one
@@ -148,6 +154,11 @@ class SamplingParams:
             self.max_tokens = MAX_TOKENS_LIMIT
         if self.top_k == -1 and _is_int(self.top_k):  # vLLM accepts -1 as "off" (its default once): nanoref's 0
             self.top_k = 0
+        if self.seed == -1 and _is_int(self.seed):  # vLLM's "no seed of its own"
+            self.seed = None
+        for name in ("logprobs", "prompt_logprobs"):  # vLLM reads True as 1
+            if getattr(self, name) is True:
+                setattr(self, name, 1)
         self.validate()
 
     @property
@@ -267,12 +278,10 @@ def stop_strings(stop: object) -> list[str]:
     return list(items)
 
 
-MAX_LOGIT_BIAS = 100.0  # OpenAI's range: [-100, 100]
-
-
 def check_logit_bias(logit_bias: object) -> None:
-    """Raise ValueError unless logit_bias is None or {non-negative integer token id: a bias in [-100, 100]} (the
-    vocabulary's bound is the engine's check: `check_request`)."""
+    """Raise ValueError unless logit_bias is None or {non-negative integer token id: a number, not NaN} (the
+    vocabulary's bound is the engine's check: `check_request`). Any bias is taken as given, as vLLM's SamplingParams
+    takes it (OpenAI's range is [-100, 100]; -inf, or any large negative bias, bans the token)."""
     if logit_bias is None:
         return
     if not isinstance(logit_bias, dict):
@@ -280,8 +289,8 @@ def check_logit_bias(logit_bias: object) -> None:
     for token_id, bias in logit_bias.items():
         if not _is_int(token_id) or token_id < 0:
             raise ValueError(f"logit_bias: keys must be non-negative integer token ids, got {token_id!r:.40}")
-        if not _is_real(bias) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:  # (also rejects NaN)
-            raise ValueError(f"logit_bias: the bias of token {token_id} must be in [-100, 100], got {bias!r:.40}")
+        if not _is_real(bias) or math.isnan(bias):
+            raise ValueError(f"logit_bias: the bias of token {token_id} must be a number (not NaN), got {bias!r:.40}")
 
 
 def check_seed(seed: object) -> None:

@@ -281,7 +281,7 @@ def test_a_logit_bias_outside_the_vocabulary_is_refused_naming_it(server, offlin
     message = refused(server, "/v1/completions", {"prompt": "x", "logit_bias": {"5000": 5}}, "logit_bias")
     assert "5000" in message and "vocabulary" in message
     refused(server, "/v1/completions", {"prompt": "x", "logit_bias": {"five": 5}}, "logit_bias")
-    refused(server, "/v1/chat/completions", {"messages": MESSAGES, "logit_bias": {"5": 500}}, "logit_bias")
+    refused(server, "/v1/chat/completions", {"messages": MESSAGES, "logit_bias": {"5": "high"}}, "logit_bias")
     with pytest.raises(ValueError, match=r"logit_bias: token ids \[5000\] are outside the vocabulary"):
         offline.generate(["x"], SamplingParams(logit_bias={5000: 1.0}), use_tqdm=False)
     with pytest.raises(ValueError, match="logit_bias"):

@@ -91,11 +91,11 @@ def _rust_tokenizer(tokenizer: Any) -> Any | None:
 
 
 def hidden_stop_tokens(params: Any, eos_token_ids: set[int] | frozenset[int]) -> frozenset[int]:
-    """The token ids whose text a completion never shows: where special tokens are shown (skip_special_tokens
-    False), the token that ends the completion (EOS unless ignore_eos, a stop_token_ids entry) still is not, as in
-    vLLM, unless include_stop_str_in_output. Such a token always ends its completion (it is masked before
-    min_tokens), so leaving it out of the text never hides one in the middle. params: SamplingParams."""
-    if params.skip_special_tokens or params.include_stop_str_in_output:
+    """The token ids whose text a completion never shows: the token that ends the completion (EOS unless ignore_eos,
+    a stop_token_ids entry), special or not and whatever skip_special_tokens says, as in vLLM, unless
+    include_stop_str_in_output. Such a token always ends its completion (it is masked before min_tokens), so
+    leaving it out of the text never hides one in the middle. params: SamplingParams."""
+    if params.include_stop_str_in_output:
         return frozenset()
     return frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else frozenset(eos_token_ids))
 
@@ -167,7 +167,7 @@ class IncrementalDetokenizer:
 
     stop: strings that end the completion (see `find_stop`); include_stop: keep the matched string in the text.
     skip_special_tokens, spaces_between_special_tokens: as `decode`'s. hidden: token ids whose text never shows
-    (the stop tokens, where special tokens are shown: `hidden_stop_tokens`)."""
+    (the stop tokens: `hidden_stop_tokens`)."""
 
     def __init__(
         self,

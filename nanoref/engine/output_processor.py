@@ -134,7 +134,7 @@ class OutputProcessor:
         # the samples 1..n-1 of a request with n > 1, by its sample 0, queued once sample 0's prompt is computed
         # (then its full prompt blocks are in the prefix cache, and they share them instead of prefilling again)
         self.held_samples: dict[Sequence, list[Sequence]] = {}
-        # the EOS ids whose text a completion that shows special tokens still leaves out (`hidden_stop_tokens`):
+        # the EOS ids whose text a completion leaves out (`hidden_stop_tokens`):
         # the tokenizer's; `LLM` gives the scheduler's (its config's too)
         eos = getattr(tokenizer, "eos_token_id", None)
         self.eos_token_ids: set[int] | frozenset[int] = frozenset() if eos is None else frozenset([int(eos)])
@@ -190,7 +190,9 @@ class OutputProcessor:
     def on_token(seq: Sequence) -> bool:
         """seq just appended a token: take its logprobs and text, advance its constraint -> whether a stop string ends
         it there (then its text is cut before it, and the string is `seq.stop_reason`) or its constraint is complete.
-        Stop strings count from min_tokens on, as in vLLM (find_stop looks only at the text this token brought)."""
+        Stop strings count once the completion is longer than min_tokens, as in vLLM: the token after the first
+        min_tokens can complete one (it may begin in their text); find_stop looks only at the text this token brought
+        (and the characters before it that a stop string could straddle)."""
         out = seq.output
         if out is None:
             return False
@@ -202,7 +204,7 @@ class OutputProcessor:
         if out.detokenizer is None:
             return complete
         out.detokenizer.add([seq.last_token])
-        if seq.num_completion_tokens >= seq.sampling_params.min_tokens and out.detokenizer.find_stop() is not None:
+        if seq.num_completion_tokens > seq.sampling_params.min_tokens and out.detokenizer.find_stop() is not None:
             seq.stop_reason = out.detokenizer.stop_reason
             return True
         return complete
@@ -243,17 +245,19 @@ class OutputProcessor:
         return output
 
     def vllm_logprobs(self, entry: TokenLogprobs | None) -> dict[int, Logprob] | None:
-        """One position's logprobs in vLLM's form: {token id: Logprob} for the chosen token and the top N."""
+        """One position's logprobs in vLLM's form: {token id: Logprob} for the chosen token, first, then the top N
+        ranked 1..N (a chosen token among them keeps the first place, with its top-N rank), as vLLM builds it."""
         if entry is None:
             return None
 
         def text(token_id: int) -> str | None:
             return None if self.tokenizer is None else self.tokenizer.decode([token_id])
 
-        found = {token_id: Logprob(logprob, rank, text(token_id)) for rank, (token_id, logprob) in
-                 enumerate(entry.top.items(), start=1)}  # fmt: skip
-        if entry.token_id not in found:
-            found = {entry.token_id: Logprob(entry.logprob, entry.rank, text(entry.token_id)), **found}
+        found = {entry.token_id: Logprob(entry.logprob, entry.rank, text(entry.token_id))}
+        for rank, (token_id, logprob) in enumerate(entry.top.items(), start=1):
+            found[token_id] = Logprob(
+                logprob, rank, found[token_id].decoded_token if token_id in found else text(token_id)
+            )
         return found
 
     @staticmethod

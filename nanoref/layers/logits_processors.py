@@ -191,7 +191,11 @@ class LogitsProcessing:
             ids, rows = _flat([ids for _, ids, _ in biased])
             processing.bias_ids = to_device(ids, device)
             processing.bias_rows = to_device(np.asarray([biased[r][0] for r in rows], dtype=np.int64), device)
-            values = np.fromiter((b for _, _, biases in biased for b in biases), dtype=np.float32, count=len(ids))
+            values = np.fromiter((b for _, _, biases in biased for b in biases), dtype=np.float64, count=len(ids))
+            # a bias beyond float32 (inf, 1e39) as float32's largest: a logit then never becomes inf, which the
+            # sampler's softmax (inf - inf) would turn into NaN; -3.4e38 still gives the token probability 0
+            finite = float(np.finfo(np.float32).max)
+            values = np.clip(values, -finite, finite).astype(np.float32)
             processing.bias_values = to_device(values, device)
         if penalised:
             rows, prompts, completions, presence, frequency, repetition = zip(*penalised)
