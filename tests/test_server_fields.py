@@ -263,6 +263,25 @@ def test_a_logit_bias_of_plus_100_makes_greedy_pick_that_token(server, offline, 
     assert tokens == [offline.tokenizer.decode([favourite])] * 4
 
 
+def test_a_logit_bias_past_100_is_clamped_to_100_as_vllms_server_does(server, offline):
+    """The two likeliest first tokens, B ahead of A: A +1000 and B +150 reach the engine as +100 each (OpenAI's
+    bound), so greedy still takes B; offline, SamplingParams takes the biases as given, and A wins."""
+    first = offline.generate(["Beautiful is"], SamplingParams(temperature=0, max_tokens=1, logprobs=2), False)[0]
+    b, a = list(first["logprobs"][0].top)
+    bias = {a: 1000, b: 150}
+    body = {
+        "prompt": "Beautiful is",
+        "max_tokens": 1,
+        "temperature": 0,
+        "logit_bias": {str(k): v for k, v in bias.items()},
+    }
+    response = post(server, "/v1/completions", body)
+    assert response.status_code == 200, response.text
+    assert offline.tokenizer.encode(response.json()["choices"][0]["text"]) == [b]
+    as_given = offline.generate(["Beautiful is"], SamplingParams(temperature=0, max_tokens=1, logit_bias=bias), False)
+    assert as_given[0]["token_ids"] == [a]
+
+
 def test_logit_bias_offline_steers_sampling_and_greedy(offline):
     for params in (dict(temperature=0), dict(temperature=1.0, seed=3)):
         out = offline.generate(

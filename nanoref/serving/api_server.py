@@ -45,6 +45,7 @@ import codecs
 import contextlib
 import importlib.metadata
 import json
+import math
 import re
 import secrets
 import socket
@@ -602,8 +603,12 @@ def is_utf8(text: str) -> bool:
     return True
 
 
+MAX_LOGIT_BIAS = 100.0  # OpenAI's range: [-100, 100]
+
+
 def token_bias(body: dict) -> dict:
-    """logit_bias as SamplingParams takes it: JSON's object keys are strings ("50256"), the ids are integers."""
+    """logit_bias as SamplingParams takes it: JSON's object keys are strings ("50256"), the ids are integers; each
+    bias a number clamped to OpenAI's [-100, 100], as vLLM's server clamps it (SamplingParams itself takes any)."""
     bias = body.get("logit_bias")
     if not isinstance(bias, dict):
         return body
@@ -613,7 +618,8 @@ def token_bias(body: dict) -> dict:
             token_id = int(key)
         except ValueError:
             raise BadRequest(f"logit_bias: keys must be token ids (integers), got {key!r:.40}", "logit_bias") from None
-        converted[token_id] = value
+        is_number = isinstance(value, (int, float)) and not isinstance(value, bool) and not math.isnan(value)
+        converted[token_id] = min(MAX_LOGIT_BIAS, max(-MAX_LOGIT_BIAS, value)) if is_number else value
     return {**body, "logit_bias": converted}
 
 
