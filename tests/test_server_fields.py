@@ -4,6 +4,7 @@ model card, vLLM's metric names). A real server on 127.0.0.1."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -499,3 +500,166 @@ def test_metrics_under_vllms_names(server):
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
         assert after[name] == 0.0
     assert grew("vllm:prefix_cache_queries_total") == prompt_tokens
+
+
+# -- vLLM's cache_salt, return_token_ids, return_tokens_as_token_ids ----------------------------------------------
+GREEDY = {"max_tokens": 4, "temperature": 0}
+
+
+def cached_tokens(server, call) -> int:
+    """Prompt tokens the prefix cache served to the request `call()` makes."""
+    server.wait_until_idle()
+    before = server.engine.stats().prefix_cache_hit_tokens
+    call()
+    server.wait_until_idle()
+    return server.engine.stats().prefix_cache_hit_tokens - before
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_cache_salt_shares_prefix_cache_blocks_only_between_requests_of_the_same_salt(server, chat):
+    client = server.client()
+    prompt = list(range(400 + 100 * chat, 440 + 100 * chat))  # two full blocks and more, in no other test
+
+    def ask(salt: str | None):
+        extra = {} if salt is None else {"cache_salt": salt}
+        if chat:
+            messages = [{"role": "user", "content": client.base_url.host + " salt " * 20}]
+            return lambda: client.chat.completions.create(
+                model=MODEL, messages=messages, max_tokens=1, extra_body=extra
+            )
+        return lambda: client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, extra_body=extra)
+
+    first = [cached_tokens(server, ask(salt)) for salt in ("tenant-a", "tenant-b", None)]
+    assert first == [0, 0, 0], "a request read K/V that a request of another salt (or of none) computed"
+    again = [cached_tokens(server, ask(salt)) for salt in ("tenant-a", "tenant-b", None)]
+    assert all(hit >= 32 for hit in again), f"the same salt again should find its full blocks: {again}"
+
+
+@pytest.mark.parametrize("salt", ["", "x" * 129, "user@example.com", "a/b", "a\\b", "a\x00b", 7, ["a"]])
+def test_a_bad_cache_salt_is_a_400_naming_it_and_queues_nothing(server, salt):
+    for path, base in (("/v1/completions", {"prompt": "x"}), ("/v1/chat/completions", {"messages": MESSAGES})):
+        message = refused(server, path, {**base, "cache_salt": salt, "max_tokens": 1}, "cache_salt")
+        assert message.startswith("cache_salt must"), message
+        stats = server.engine.stats()
+        assert stats.num_running == stats.num_waiting == 0
+    with pytest.raises(openai.BadRequestError, match="cache_salt"):
+        server.client().completions.create(model=MODEL, prompt="x", extra_body={"cache_salt": salt})
+
+
+@pytest.mark.parametrize("name", ["cache_salt", "return_token_ids", "return_tokens_as_token_ids"])
+def test_the_fields_are_honoured_and_their_flags_checked(server, name):
+    assert name in COMPLETION_HONOURED and name in CHAT_HONOURED
+    if name != "cache_salt":
+        for path, base in (("/v1/completions", {"prompt": "x"}), ("/v1/chat/completions", {"messages": MESSAGES})):
+            assert "true or false" in refused(server, path, {**base, name: "yes"}, name)
+            assert post(server, path, {**base, name: None, "max_tokens": 1}).status_code == 200
+
+
+def extras(item) -> dict:
+    """The fields of an openai response object beyond OpenAI's own (vLLM's), but stop_reason, which is always there."""
+    return {key: value for key, value in (item.model_extra or {}).items() if key != "stop_reason"}
+
+
+def test_return_token_ids_in_completions_where_vllm_puts_them(server, offline):
+    """Each choice: "prompt_token_ids" (its prompt's) and "token_ids" (its tokens); in a stream, each choice's first
+    chunk has its prompt's ids (later ones null) and every chunk the ids of its new tokens."""
+    client = server.client()
+    prompts = [list(range(600, 606)), list(range(610, 613))]
+    expected = offline.generate(prompts, SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)
+    plain = client.completions.create(model=MODEL, prompt=prompts, **GREEDY)
+    assert all(not extras(choice) for choice in plain.choices)  # (asked for nothing: nothing more)
+    out = client.completions.create(model=MODEL, prompt=prompts, **GREEDY, extra_body={"return_token_ids": True})
+    for choice, prompt, want in zip(out.choices, prompts, expected):
+        assert extras(choice) == {"prompt_token_ids": prompt, "token_ids": want["token_ids"]}
+        assert choice.text == want["text"]
+    chunks = list(client.completions.create(model=MODEL, prompt=prompts, stream=True, **GREEDY,
+                                            extra_body={"return_token_ids": True}))  # fmt: skip
+    for index, (prompt, want) in enumerate(zip(prompts, expected)):
+        mine = [extras(chunk.choices[0]) for chunk in chunks if chunk.choices[0].index == index]
+        assert [piece["prompt_token_ids"] for piece in mine] == [prompt] + [None] * (len(mine) - 1)
+        assert [token for piece in mine for token in piece["token_ids"]] == want["token_ids"]
+
+
+def test_echo_with_return_token_ids_leaves_the_prompts_text_out_as_vllm_does(server, offline):
+    """vLLM's echo with return_token_ids: the client has the prompt's ids, so the text holds only what was generated;
+    the logprobs still list the prompt's tokens (each at offset 0: none of their text is in the choice's)."""
+    prompt = list(range(620, 625))
+    want = offline.generate([prompt], SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)[0]
+    body = {"prompt": prompt, "echo": True, "logprobs": 0, **GREEDY}
+    echoed = post(server, "/v1/completions", body).json()["choices"][0]
+    choice = post(server, "/v1/completions", {**body, "return_token_ids": True}).json()["choices"][0]
+    assert echoed["text"] != want["text"] and echoed["text"].endswith(want["text"])
+    assert choice["text"] == want["text"]
+    assert (choice["prompt_token_ids"], choice["token_ids"]) == (prompt, want["token_ids"])
+    logprobs = choice["logprobs"]
+    assert logprobs["tokens"] == echoed["logprobs"]["tokens"]
+    assert logprobs["text_offset"][: len(prompt)] == [0] * len(prompt)
+    generated = echoed["logprobs"]["text_offset"][len(prompt) :]
+    assert logprobs["text_offset"][len(prompt) :] == [offset - generated[0] for offset in generated]
+
+
+def test_return_token_ids_in_chat_where_vllm_puts_them(server, offline):
+    """The response's "prompt_token_ids" (the rendered messages' ids) and each choice's "token_ids"; in a stream, the
+    opening chunks carry the prompt's ids and every chunk its new tokens' ids."""
+    client = server.client()
+    prompt = post(server, "/tokenize", {"messages": MESSAGES}).json()["tokens"]
+    want = offline.chat(MESSAGES, SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)[0]
+    ask = dict(model=MODEL, messages=MESSAGES, n=2, **GREEDY, extra_body={"return_token_ids": True})
+    out = client.chat.completions.create(**ask)
+    assert extras(out)["prompt_token_ids"] == prompt and out.usage.prompt_tokens == len(prompt)
+    assert [extras(choice) for choice in out.choices] == [{"token_ids": want["token_ids"]}] * 2
+    assert not extras(client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1))
+    chunks = list(client.chat.completions.create(**ask, stream=True))
+    openings = [chunk for chunk in chunks if chunk.choices[0].delta.role == "assistant"]
+    assert [extras(chunk)["prompt_token_ids"] for chunk in openings] == [prompt, prompt]
+    for index in range(2):
+        mine = [chunk.choices[0] for chunk in chunks[2:] if chunk.choices[0].index == index]
+        assert [token for choice in mine for token in extras(choice)["token_ids"]] == want["token_ids"]
+        assert "".join(choice.delta.content or "" for choice in mine) == want["text"]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_return_tokens_as_token_ids_spells_logprobs_tokens_token_id_n(server, stream):
+    """Completions' tokens and top_logprobs' keys, chat's tokens and their alternatives: "token_id:N" (an echoed
+    prompt's tokens too); everything else (logprobs, offsets, bytes) as without it."""
+    client = server.client()
+    prompt = list(range(630, 634))
+    ask = dict(model=MODEL, prompt=prompt, logprobs=2, echo=True, stream=stream, **GREEDY)
+    ids = {"return_token_ids": True}
+
+    def completion(extra: dict) -> tuple[dict, list[int]]:
+        got = client.completions.create(**ask, extra_body=extra)
+        pieces = list(got) if stream else [got]
+        merged = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for piece in pieces:
+            for key in merged:
+                merged[key] += getattr(piece.choices[0].logprobs, key)
+        return merged, [token for piece in pieces for token in extras(piece.choices[0])["token_ids"]]
+
+    plain, token_ids = completion(ids)
+    named, _ = completion({**ids, "return_tokens_as_token_ids": True})
+    assert named["tokens"] == [f"token_id:{token}" for token in prompt + token_ids]
+    assert named["token_logprobs"] == plain["token_logprobs"] and named["text_offset"] == plain["text_offset"]
+    assert named["top_logprobs"][0] is None
+    for top, mine in zip(named["top_logprobs"][1:], plain["top_logprobs"][1:]):
+        assert all(re.fullmatch(r"token_id:\d+", key) for key in top) and sorted(top.values()) == sorted(mine.values())
+    for top, token in zip(named["top_logprobs"][len(prompt) :], token_ids):  # (greedy: each token is its top 1)
+        assert next(iter(top)) == f"token_id:{token}"
+
+    chat = dict(model=MODEL, messages=MESSAGES, logprobs=True, top_logprobs=2, stream=stream, **GREEDY)
+
+    def chat_logprobs(extra: dict) -> tuple[list, list[int]]:
+        got = client.chat.completions.create(**chat, extra_body=extra)
+        pieces = [piece.choices[0] for piece in (list(got) if stream else [got])]
+        entries = [entry for piece in pieces if piece.logprobs for entry in piece.logprobs.content]
+        return entries, [token for piece in pieces for token in extras(piece).get("token_ids", [])]
+
+    plain, token_ids = chat_logprobs(ids)
+    named, _ = chat_logprobs({**ids, "return_tokens_as_token_ids": True})
+    assert [entry.token for entry in named] == [f"token_id:{token}" for token in token_ids]
+    assert [(entry.logprob, entry.bytes) for entry in named] == [(entry.logprob, entry.bytes) for entry in plain]
+    for entry, mine in zip(named, plain):
+        assert all(re.fullmatch(r"token_id:\d+", top.token) for top in entry.top_logprobs)
+        assert [(top.logprob, top.bytes) for top in entry.top_logprobs] == [
+            (t.logprob, t.bytes) for t in mine.top_logprobs
+        ]

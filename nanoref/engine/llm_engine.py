@@ -16,7 +16,15 @@ from nanoref.engine.hooks import NO_ENGINE_HOOKS, EngineHooks
 from nanoref.engine.metrics import EngineMetrics, StepRecord
 from nanoref.engine.model_runner import ModelRunner
 from nanoref.engine.output_processor import GenerateOutput, OutputProcessor, StreamPiece
-from nanoref.engine.requests import check_request, eos_token_ids, params_list, prompt_list, tokenize, truncate_prompt
+from nanoref.engine.requests import (
+    check_request,
+    eos_token_ids,
+    params_list,
+    prompt_cache_salt,
+    prompt_list,
+    tokenize,
+    truncate_prompt,
+)
 from nanoref.engine.scheduler import Scheduler
 from nanoref.engine.sequence import Sequence, SequenceStatus
 from nanoref.sampling_params import SamplingParams
@@ -108,16 +116,23 @@ class LLMEngine:
         return tokenize(prompt, self.tokenizer, self.config)
 
     def make_samples(
-        self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None, stream: bool = False
+        self,
+        prompt: str | list[int] | dict,
+        params: SamplingParams,
+        request_id: str | None = None,
+        stream: bool = False,
     ) -> list[Sequence]:
         """A checked request's `params.n` samples, not yet queued: everything that can fail about a request fails
         here. Sample i has `index` i and, when the request is seeded, the seed params.seed + i. stream: keep its text
-        up to date after every step (`OutputProcessor.attach`)."""
+        up to date after every step (`OutputProcessor.attach`). A prompt dict's "cache_salt" (vLLM's) becomes each
+        sample's `cache_salt`: the prefix cache shares their blocks only with requests of the same salt."""
+        salt = prompt_cache_salt(prompt)
         token_ids = truncate_prompt(self.tokenize(prompt), params, self.config)
         check_request(token_ids, params, self.config)
         samples = []
         for index in range(params.n):
             seq = Sequence(token_ids, params, self.config.kvcache_block_size, seq_id=next(self._seq_ids))
+            seq.cache_salt = salt  # (before `attach` and LoRA's `bind`, which keep it inside salts of their own)
             if params.seed is not None:
                 seq.generator = torch.Generator(device=self.config.device).manual_seed(params.seed + index)
             samples.append(seq)
@@ -275,7 +290,7 @@ class LLMEngine:
             finally:
                 bar.close()
         metrics = self.metrics.requests if return_metrics else None
-        texts = [prompt if isinstance(prompt, str) else None for prompt in prompts]
+        texts = [prompt if isinstance(prompt, str) else _prompt_text(prompt) for prompt in prompts]
         return [self.output_processor.request_output(s, metrics, text) for s, text in zip(requests, texts)]
 
     def stream(
@@ -299,3 +314,8 @@ class LLMEngine:
         finally:  # closed early, or a step raised: this request ends here, the others run on
             for seq in samples:
                 self.abort_request(seq)
+
+
+def _prompt_text(prompt: object) -> str | None:
+    """The text of a prompt dict ({"prompt": text, ...}, vLLM's `RequestOutput.prompt`); None for ids."""
+    return prompt.get("prompt") if isinstance(prompt, dict) else None

@@ -13,7 +13,7 @@ from nanoref.sampling_params import SamplingParams
 
 def tokenize(prompt: str | list[int] | dict, tokenizer: Any | None, config: EngineConfig) -> list[int]:
     """A prompt as token ids: a string (through the tokenizer), a sequence of integer ids, or vLLM's prompt dicts
-    ({"prompt": text}, {"prompt_token_ids": ids})."""
+    ({"prompt": text}, {"prompt_token_ids": ids}, either with a "cache_salt": see `prompt_cache_salt`)."""
     if isinstance(prompt, dict):
         prompt = _unpack_prompt_dict(prompt)
     if isinstance(prompt, str):
@@ -31,16 +31,52 @@ def tokenize(prompt: str | list[int] | dict, tokenizer: Any | None, config: Engi
 
 
 def _unpack_prompt_dict(prompt: dict) -> str | list[int]:
-    """vLLM's TextPrompt / TokensPrompt -> the text or the ids. Their other keys (multi-modal data, embeddings, a
-    cache salt) ask for what this engine does not do: refused, not dropped."""
+    """vLLM's TextPrompt / TokensPrompt -> the text or the ids (a "cache_salt" beside them is `prompt_cache_salt`'s).
+    Their other keys (multi-modal data, embeddings) ask for what this engine does not do: refused, not dropped."""
     keys = sorted(map(str, prompt))
+    if "cache_salt" in keys:
+        keys.remove("cache_salt")
     if keys == ["prompt"]:
         if not isinstance(prompt["prompt"], str):
             raise TypeError(f"a prompt dict's 'prompt' must be a string, got {type(prompt['prompt']).__name__}")
         return prompt["prompt"]
     if keys == ["prompt_token_ids"]:
         return prompt["prompt_token_ids"]
-    raise ValueError(f"a prompt dict holds 'prompt' (text) or 'prompt_token_ids' (ids) and nothing else, got {keys}")
+    raise ValueError(
+        "a prompt dict holds 'prompt' (text) or 'prompt_token_ids' (ids), and maybe 'cache_salt', and nothing else, "
+        f"got {sorted(map(str, prompt))}"
+    )
+
+
+# vLLM's limits on a cache salt: a non-empty string of at most 128 characters, none of them '@', '/', '\\' or NUL
+MAX_CACHE_SALT_CHARS = 128
+CACHE_SALT_FORBIDDEN = "@/\\\x00"
+
+
+def check_cache_salt(salt: object) -> str | None:
+    """A request's cache salt as vLLM takes it (None: none) -> the salt; TypeError for a value that is not a string,
+    ValueError for an empty one, a longer one than MAX_CACHE_SALT_CHARS, or one that holds a forbidden character."""
+    if salt is None:
+        return None
+    if not isinstance(salt, str):
+        raise TypeError(f"cache_salt must be a non-empty string, got {type(salt).__name__}")
+    if not salt:
+        raise ValueError("cache_salt must be a non-empty string, got ''")
+    if len(salt) > MAX_CACHE_SALT_CHARS:
+        raise ValueError(f"cache_salt must be at most {MAX_CACHE_SALT_CHARS} characters, got {len(salt)}")
+    bad = next((char for char in salt if char in CACHE_SALT_FORBIDDEN), None)
+    if bad is not None:
+        raise ValueError(f"cache_salt must not contain '@', '/', '\\' or NUL, got one with {bad!r}")
+    return salt
+
+
+def prompt_cache_salt(prompt: object) -> str | None:
+    """The cache salt of a prompt (vLLM's prompt dicts' "cache_salt"; None: none, and for a prompt that is no dict),
+    checked (`check_cache_salt`). The prefix cache shares K/V only between requests of the same salt: a client
+    cannot learn, from how fast its prompt is served, whether a client of another salt (or of none) sent it."""
+    if not isinstance(prompt, dict):
+        return None
+    return check_cache_salt(prompt.get("cache_salt"))
 
 
 def truncate_prompt(token_ids: list[int], params: SamplingParams, config: EngineConfig) -> list[int]:

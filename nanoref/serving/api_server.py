@@ -32,6 +32,10 @@ prompt's, scored as `SamplingParams.prompt_logprobs` scores them (the first one 
 on), as vLLM does; with max_tokens 0 the prompt is all there is (how an evaluation harness scores a text: the engine
 samples one token, which is not returned). In a stream the prompt comes with each choice's first chunk.
 
+vLLM's extras (docs/serving.md): `cache_salt` keeps a request's K/V apart in the prefix cache (the engine's
+`Sequence.cache_salt`, through vLLM's prompt dicts); `return_token_ids` adds the prompt's and each choice's token ids
+where vLLM puts them, and `return_tokens_as_token_ids` spells logprobs' tokens "token_id:N" (`respond`).
+
 Logprobs in a stream: a piece of text is held back while it ends in half a character or in a possible start of a
 stop string, so a step's tokens and the text it lets out need not line up. Each token's logprobs go out with the
 first chunk sent at or after the step that made the token (a step whose text is all held back sends no chunk; its
@@ -70,8 +74,8 @@ from starlette.requests import ClientDisconnect
 from nanoref.config import EngineConfig
 from nanoref.engine.chat import chat_prompt
 from nanoref.engine.detokenizer import REPLACEMENT_CHAR, decode
+from nanoref.engine.requests import check_cache_salt, truncate_prompt
 from nanoref.engine.requests import tokenize as prompt_token_ids  # (the /tokenize route takes the name)
-from nanoref.engine.requests import truncate_prompt
 from nanoref.layers.logits_processors import TokenLogprobs
 from nanoref.sampling_params import MAX_TOKENS_LIMIT, SamplingParams, StructuredOutputsParams, stop_strings
 from nanoref.serving.async_llm import AsyncLLM, RequestOutput
@@ -125,6 +129,10 @@ CHAT_HONOURED = {"model", "messages", "stream", "stream_options", "add_special_t
 CHAT_HONOURED |= {"response_format", "structured_outputs"}
 CHAT_HONOURED |= {"tools", "tool_choice", "parallel_tool_calls"}  # (tool_calls.py)
 CHAT_HONOURED |= {"logprobs", "top_logprobs", "add_generation_prompt", "continue_final_message", "chat_template_kwargs"}
+# vLLM's: the prefix cache's salt, and the token ids in the response (see `respond`)
+OUTPUT_FIELDS = {"cache_salt", "return_token_ids", "return_tokens_as_token_ids"}
+COMPLETION_HONOURED |= OUTPUT_FIELDS
+CHAT_HONOURED |= OUTPUT_FIELDS
 # - accepted and unused, as vLLM takes them: who is asking, and a hint for a cache this server keeps by itself
 ACCEPTED_UNUSED = {"user", "safety_identifier", "prompt_cache_key"}
 # - not supported: a 400 naming the field unless it is null or one of these values (its default: "off")
@@ -146,11 +154,8 @@ NOT_SUPPORTED_COMMON: dict[str, tuple] = {
     "priority": (0,),
     "request_id": (),
     "session_id": (),
-    "return_tokens_as_token_ids": (False,),
-    "return_token_ids": (False,),
     "return_token_offsets": (False,),
     "return_mm_kwargs": (True,),
-    "cache_salt": (),
     "kv_transfer_params": (),
     "ec_transfer_params": (),
     "vllm_xargs": (),
@@ -378,26 +383,50 @@ def _logprob(value: float) -> float:
     return max(value, -9999.0)  # OpenAI's floor for "very unlikely" (-inf is not JSON)
 
 
-def chat_logprob(token_text: TokenTexts, entry: TokenLogprobs) -> dict:
-    """One token in chat's format: its text, logprob, bytes and the top-N alternatives, most likely first."""
+def token_name(token_id: int, text: str, as_id: bool) -> str:
+    """A token as logprobs spell it: its text, or (vLLM's return_tokens_as_token_ids) "token_id:N", which names
+    every token apart, those whose text is no valid UTF-8 alone too."""
+    return f"token_id:{token_id}" if as_id else text
+
+
+def chat_logprob(token_text: TokenTexts, entry: TokenLogprobs, as_ids: bool = False) -> dict:
+    """One token in chat's format: its text, logprob, bytes and the top-N alternatives, most likely first. as_ids:
+    each token spelled "token_id:N" (its bytes still the token's own)."""
     text, raw = token_text(entry.token_id)
     top = []
     for token_id, logprob in entry.top.items():
         top_text, top_raw = token_text(token_id)
-        top.append({"token": top_text, "logprob": _logprob(logprob), "bytes": top_raw})
-    return {"token": text, "logprob": _logprob(entry.logprob), "bytes": raw, "top_logprobs": top}
+        top.append({"token": token_name(token_id, top_text, as_ids), "logprob": _logprob(logprob), "bytes": top_raw})
+    token = token_name(entry.token_id, text, as_ids)
+    return {"token": token, "logprob": _logprob(entry.logprob), "bytes": raw, "top_logprobs": top}
 
 
-def completion_logprobs(token_text: TokenTexts, entries: list[TokenLogprobs | int], choice: Choice) -> dict:
+def completion_logprobs(
+    token_text: TokenTexts, entries: list[TokenLogprobs | int], choice: Choice, as_ids: bool = False
+) -> dict:
     """Tokens in completions' format; an entry that is a bare token id is a token without a score (an echoed
     prompt's first: null logprob and top_logprobs). text_offset: where in the choice's text each token starts,
     counted on its bytes: a character belongs to the token that holds its last byte (a token that ends half-way
     through a character has it start with the next one), and the U+FFFD that stands for bytes no later byte
-    completes belongs to the token that holds those bytes."""
+    completes belongs to the token that holds those bytes; a prompt token whose text the choice's text leaves out
+    (`Choice.num_hidden`) starts where the text does. as_ids: tokens (and top_logprobs' keys) spelled "token_id:N"."""
     tokens, values, tops, offsets = [], [], [], []
     for entry in entries:
         scored = isinstance(entry, TokenLogprobs)
-        text, raw = token_text(entry.token_id if scored else entry)
+        token_id = entry.token_id if scored else entry
+        text, raw = token_text(token_id)
+        tokens.append(token_name(token_id, text, as_ids))
+        if scored:
+            values.append(_logprob(entry.logprob))
+            top = {token_name(i, token_text(i)[0], as_ids): _logprob(value) for i, value in entry.top.items()}
+            tops.append(top)
+        else:
+            values.append(None)
+            tops.append(None)
+        if choice.num_hidden:
+            choice.num_hidden -= 1
+            offsets.append(choice.num_chars)
+            continue
         pending, _ = choice.decoder.getstate()
         piece = choice.decoder.decode(bytes(raw))
         if pending and raw and _breaks(pending, raw[0]):  # the earlier token's U+FFFD comes out now: its own
@@ -405,13 +434,6 @@ def completion_logprobs(token_text: TokenTexts, entries: list[TokenLogprobs | in
             piece = piece[1:]
         offsets.append(choice.num_chars)
         choice.num_chars += len(piece)
-        tokens.append(text)
-        if not scored:
-            values.append(None)
-            tops.append(None)
-            continue
-        values.append(_logprob(entry.logprob))
-        tops.append({token_text(token_id)[0]: _logprob(logprob) for token_id, logprob in entry.top.items()})
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
 
 
@@ -448,10 +470,12 @@ def vllm_prompt_logprobs(token_text: TokenTexts, scores: list[TokenLogprobs | No
 @dataclass(frozen=True)
 class Echo:
     """A completions request's echo: each prompt's text (its choices' texts start with it) and whether anything is
-    generated after it (max_tokens 0: no)."""
+    generated after it (max_tokens 0: no). shown: False with return_token_ids, where the texts are "" (vLLM's: the
+    client has the prompt's ids), and the logprobs still list the prompt's tokens."""
 
     texts: list[str]
     generate: bool = True
+    shown: bool = True
 
 
 def echo_fields(body: dict) -> tuple[dict, bool, bool]:
@@ -505,21 +529,31 @@ class Choice:
     decoder: codecs.IncrementalDecoder = field(default_factory=lambda: codecs.getincrementaldecoder("utf-8")("replace"))
     echo: str | None = None  # completions' echo: the prompt's text, which the choice's text starts with
     generate: bool = True  # False: max_tokens 0 with echo, the prompt is all the choice holds
+    echo_shown: bool = True  # False: echo's prompt tokens are in the logprobs but not in the text (Echo.shown)
+    num_hidden: int = 0  # logprobs entries still to send whose text the choice's text leaves out
     prompt_logprobs: list[TokenLogprobs | None] | None = None  # its request's, where asked
+    prompt_token_ids: list[int] | None = None  # its prompt's (after any truncate_prompt_tokens)
+    token_ids: list[int] = field(default_factory=list)  # the tokens its text holds (return_token_ids)
+    unsent_token_ids: list[int] = field(default_factory=list)  # those a stream has not sent yet
+    prompt_ids_sent: bool = False  # a stream sent its prompt's ids (with its first chunk)
 
     def take(self, out: RequestOutput, prompt_logprobs: list[TokenLogprobs | None] | None = None) -> str:
         """Book an output of the choice's sample -> the text it adds to the choice (an echo's first output's starts
         with the prompt's). prompt_logprobs: its request's (they come with sample 0's first output)."""
         first = self.num_prompt_tokens == 0
         self.num_prompt_tokens = out.num_prompt_tokens
+        self.prompt_token_ids = out.prompt_token_ids
         self.prompt_logprobs = self.prompt_logprobs or prompt_logprobs
         if first and self.echo is not None and self.num_logprobs is not None:
             self.logprobs.extend(echoed_prompt(out.prompt_token_ids, self.prompt_logprobs, self.num_logprobs))
+            self.num_hidden = 0 if self.echo_shown else len(out.prompt_token_ids)
         text = out.text if self.generate else ""
         self.text = (self.echo or "") + (out.cumulative_text if self.generate else "")
         self.num_tokens = len(out.cumulative_token_ids) if self.generate else 0
         if self.generate:
             self.logprobs.extend(out.logprobs)
+            self.token_ids = out.cumulative_token_ids
+            self.unsent_token_ids.extend(out.token_ids)
         self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
         return (self.echo or "") + text if first else text
 
@@ -1060,11 +1094,13 @@ def build_app(
         where: str = "",
         model: str | None = None,
         asked_tokens: int | None = None,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """engine.generate, its errors as the request's: `blamed` maps a word of the engine's message to the request
         field it names (its last entry, "": the field of the prompt); model: the request's (an adapter's name, or
         the base model's); asked_tokens: the max_tokens the client set (None: the server's default, which the
-        context may cut short)."""
+        context may cut short); cache_salt: the request's (checked: `request_cache_salt`), which the prefix cache
+        keeps its K/V apart by."""
         if not engine.is_running:
             raise engine_stopped()
         if isinstance(prompt, str) and not prompt.isascii():
@@ -1085,6 +1121,8 @@ def build_app(
                     prompt_token_ids(prompt, engine.tokenizer, engine.config), params, engine.config
                 )
                 params = replace(params, max_tokens=room_left(len(prompt), engine.config))
+            if cache_salt is not None:  # (vLLM's prompt dicts)
+                prompt = {"prompt" if isinstance(prompt, str) else "prompt_token_ids": prompt, "cache_salt": cache_salt}
             return engine.generate(prompt, params, request_id, adapters.lora_request(model))
         except (ValueError, TypeError) as error:
             param = next(name for word, name in blamed.items() if word in str(error))
@@ -1114,6 +1152,21 @@ def build_app(
         if not isinstance(value, bool):
             raise BadRequest(f"{name} must be true or false, got {value!r:.40}", name)
         return value
+
+    def request_cache_salt(body: dict) -> str | None:
+        """vLLM's cache_salt: a non-empty string of at most 128 characters without '@', '/', '\\' or NUL (None:
+        none); anything else is a 400 naming it."""
+        try:
+            return check_cache_salt(body.get("cache_salt"))
+        except (TypeError, ValueError) as error:
+            raise BadRequest(str(error), "cache_salt") from None
+
+    def output_options(body: dict) -> dict[str, bool]:
+        """vLLM's return_token_ids and return_tokens_as_token_ids, checked -> `respond`'s keywords."""
+        return {
+            "return_token_ids": check_flag(body, "return_token_ids", False),
+            "as_ids": check_flag(body, "return_tokens_as_token_ids", False),
+        }
 
     def encode(text: str, add_special_tokens: bool) -> list[int] | str:
         """A prompt's text as the engine takes it: the text itself where the engine's tokenizing (with special
@@ -1158,10 +1211,20 @@ def build_app(
         chat: bool,
         echo: Echo | None = None,
         tools: ToolChoice | None = None,
+        return_token_ids: bool = False,
+        as_ids: bool = False,
     ) -> Response:
         """Collect the outputs of the request's prompts into one response, or stream them as server-sent events.
         Choice k is sample k % n of prompt k // n, as in OpenAI's API. echo: completions' (see Echo); tools: chat's
-        tool calls (each choice's text read by its own reader, whole or piece by piece: tool_calls.py)."""
+        tool calls (each choice's text read by its own reader, whole or piece by piece: tool_calls.py).
+
+        return_token_ids (vLLM's): the prompt's token ids and each choice's generated ones, where vLLM puts them:
+        completions give each choice "prompt_token_ids" and "token_ids"; chat gives the response "prompt_token_ids"
+        and each choice "token_ids". In a stream, a completions choice's first chunk carries its prompt's ids (later
+        ones null), chat's opening chunks carry them (then sent once the first output is in, as vLLM does), and
+        every chunk carries the ids of the tokens since the previous one (a step whose text is all held back sends
+        no chunk: its ids ride with the next one, as logprobs do). as_ids (vLLM's return_tokens_as_token_ids):
+        logprobs' tokens spelled "token_id:N"."""
         n = params.n
         head = {
             "id": request_id,
@@ -1172,6 +1235,7 @@ def build_app(
         choices = [Choice(index, num_logprobs=params.logprobs) for index in range(len(streams) * n)]
         for choice in choices if echo is not None else ():
             choice.echo, choice.generate = echo.texts[choice.index // n], echo.generate
+            choice.echo_shown = echo.shown
         seen_prompts: set[int] = set()
         prompt_logprobs: dict[int, list] = {}  # by prompt: its request's, from its sample 0's first output
         readers = {choice.index: tools.reader() for choice in choices} if tools else {}
@@ -1205,8 +1269,8 @@ def build_app(
                 return None
             entries, choice.logprobs = choice.logprobs, []
             if chat:
-                return {"content": [chat_logprob(token_text, entry) for entry in entries]}
-            return completion_logprobs(token_text, entries, choice)
+                return {"content": [chat_logprob(token_text, entry, as_ids) for entry in entries]}
+            return completion_logprobs(token_text, entries, choice, as_ids)
 
         def usage() -> dict:
             prompt = sum(choice.num_prompt_tokens for choice in choices[::n])
@@ -1241,18 +1305,24 @@ def build_app(
                         message["tool_calls"] = assemble(read)
                         ending["finish_reason"] = tools.finish_reason(choice.finish_reason, reader.called)
                     result.append({"index": choice.index, "message": message, **ending})
+                    if return_token_ids:  # (vLLM's extra field; the prompt's: the response's)
+                        result[-1]["token_ids"] = choice.token_ids
                 else:
                     result.append({"index": choice.index, "text": choice.text, **ending})
                     if params.prompt_logprobs is not None:  # (vLLM's extra field)
                         result[-1]["prompt_logprobs"] = vllm_prompt_logprobs(token_text, choice.prompt_logprobs or [])
-            return JSONResponse(
-                {
-                    **head,
-                    "object": "chat.completion" if chat else "text_completion",
-                    "choices": result,
-                    "usage": usage(),
-                }
-            )
+                    if return_token_ids:  # (vLLM's extra fields)
+                        result[-1]["prompt_token_ids"] = choice.prompt_token_ids
+                        result[-1]["token_ids"] = choice.token_ids
+            response = {
+                **head,
+                "object": "chat.completion" if chat else "text_completion",
+                "choices": result,
+                "usage": usage(),
+            }
+            if chat and return_token_ids:
+                response["prompt_token_ids"] = choices[0].prompt_token_ids
+            return JSONResponse(response)
 
         # vLLM's: a stream_options object (an empty one too) includes usage unless include_usage is false or null
         options = body.get("stream_options")
@@ -1280,24 +1350,37 @@ def build_app(
                 body = {"index": choice.index, "delta": delta, "logprobs": logprobs(choice)}
             else:
                 body = {"index": choice.index, "text": text, "logprobs": logprobs(choice)}
-            return {**head, "choices": [{**body, "finish_reason": None, **ending}]}
+            ids = {}
+            if return_token_ids:  # (vLLM's extra fields)
+                if not chat:
+                    ids["prompt_token_ids"] = None if choice.prompt_ids_sent else choice.prompt_token_ids
+                    choice.prompt_ids_sent = True
+                ids["token_ids"], choice.unsent_token_ids = choice.unsent_token_ids, []
+            return {**head, "choices": [{**body, "finish_reason": None, **ending, **ids}]}
+
+        def openings(prompt_token_ids: list[int] | None) -> Iterator[str]:
+            """OpenAI's first chat chunk of each choice, which opens the assistant's message (with return_token_ids,
+            vLLM's top-level prompt_token_ids)."""
+            ids = {"prompt_token_ids": prompt_token_ids} if return_token_ids else {}
+            for choice in choices:
+                opening = {"role": "assistant", "content": ""}
+                body = {"index": choice.index, "delta": opening, "logprobs": None, "finish_reason": None}
+                yield event({**head, "choices": [body], **ids})
 
         async def events() -> AsyncIterator[str]:
             merged = merge(streams)
             async with aclosing(merged):
-                if chat:  # OpenAI's first chat chunk of each choice opens the assistant's message
-                    for choice in choices:
-                        opening = {"role": "assistant", "content": ""}
-                        yield event(
-                            {
-                                **head,
-                                "choices": [
-                                    {"index": choice.index, "delta": opening, "logprobs": None, "finish_reason": None}
-                                ],
-                            }
-                        )
+                opened = not chat
+                if not opened and not return_token_ids:  # (else they wait for the prompt's ids: the first output)
+                    for opening in openings(None):
+                        yield opening
+                    opened = True
                 try:
                     async for prompt, out in merged:
+                        if not opened:
+                            for opening in openings(out.prompt_token_ids):
+                                yield opening
+                            opened = True
                         choice, text = take(prompt, out)
                         payload = chunk(choice, text, out.finished)
                         if payload is not None:
@@ -1326,6 +1409,7 @@ def build_app(
         fields_body, echo, generate = echo_fields(body)
         params = sampling_params(fields_body, COMPLETION_FIELDS, {"max_tokens": DEFAULT_COMPLETION_MAX_TOKENS})
         add_special_tokens = check_flag(body, "add_special_tokens", True)
+        salt, options = request_cache_salt(body), output_options(body)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         blamed = blamed_fields(body, "prompt")
         asked = params.max_tokens if body.get("max_tokens") else None  # (0 with echo: the prompt alone)
@@ -1336,15 +1420,20 @@ def build_app(
                 where = f"prompt {i}: " if len(prompts) > 1 else ""
                 if isinstance(prompt, str):
                     prompt = encode(prompt, add_special_tokens)
-                streams.append(start(prompt, params, blamed, f"{request_id}-{i}", where, body.get("model"), asked))
+                model = body.get("model")
+                streams.append(start(prompt, params, blamed, f"{request_id}-{i}", where, model, asked, salt))
             return streams
 
         def echo_texts() -> list[str]:  # (a prompt of token ids: its decoded text)
             return [p if isinstance(p, str) else tokenizer.decode(p) for p in prompts]
 
         streams = await off_the_loop(open_streams, heavy)
-        texts = Echo(await off_the_loop(echo_texts, heavy), generate) if echo else None
-        return await respond(request, body, params, streams, request_id, chat=False, echo=texts)
+        texts = None
+        if echo and options["return_token_ids"]:  # (vLLM's: the prompt's text is left out, its ids are there)
+            texts = Echo([""] * len(prompts), generate, shown=False)
+        elif echo:
+            texts = Echo(await off_the_loop(echo_texts, heavy), generate)
+        return await respond(request, body, params, streams, request_id, chat=False, echo=texts, **options)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -1357,20 +1446,22 @@ def build_app(
             raise BadRequest(str(error), error.param) from None
         params, blamed = tool_constraint(body, params, tools, blamed_fields(body, "messages"))
         add_special_tokens = check_flag(body, "add_special_tokens", False)  # (vLLM's: the template writes them)
+        salt, options = request_cache_salt(body), output_options(body)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         asked = params.max_tokens if body.get(blamed["max_tokens"]) is not None else None
 
         def open_stream() -> list[AsyncIterator[RequestOutput]]:
             prompt = encode(render_chat(body, tools.tools if tools else None), add_special_tokens)
+            model = body.get("model")
             try:
-                return [start(prompt, params, blamed, request_id, model=body.get("model"), asked_tokens=asked)]
+                return [start(prompt, params, blamed, request_id, model=model, asked_tokens=asked, cache_salt=salt)]
             except BadRequest as error:  # (the grammar library refused the schema made of the tools)
                 if error.param != "tools" or tools is None:
                     raise
                 raise BadRequest(tools.refused(error.message), "tools") from None
 
         streams = await off_the_loop(open_stream, heavy)
-        return await respond(request, body, params, streams, request_id, chat=True, tools=tools)
+        return await respond(request, body, params, streams, request_id, chat=True, tools=tools, **options)
 
     @app.get("/v1/models")
     async def models() -> dict:

@@ -52,7 +52,7 @@ from typing import Any
 
 from nanoref.config import EngineConfig
 from nanoref.engine.output_processor import RequestOutput, RequestOutputs, delta_texts
-from nanoref.engine.requests import check_request, eos_token_ids, tokenize, truncate_prompt
+from nanoref.engine.requests import check_request, eos_token_ids, prompt_cache_salt, tokenize, truncate_prompt
 from nanoref.llm import DEFAULT_MODEL, LLM, SETTINGS, LoRARequest, check_lora_request, grammars_for
 from nanoref.sampling_params import SamplingParams
 from nanoref.serving.engine_loop import EngineLoop, EngineStats, StepMessage, drain
@@ -203,7 +203,7 @@ class AsyncLLM:
     # -- the caller's side (the event loop) -------------------------------------------------------
     def generate(
         self,
-        prompt: str | list[int],
+        prompt: str | list[int] | dict,
         params: SamplingParams | None = None,
         request_id: str | None = None,
         lora_request: LoRARequest | None = None,
@@ -213,14 +213,18 @@ class AsyncLLM:
         (ValueError/TypeError) raises here, before anything is queued; the request is queued when the first output
         is awaited, and a duplicate request_id raises ValueError there. Leaving the iteration early (break,
         aclose, cancellation) aborts every sample of the request. lora_request: the LoRA adapter it runs under
-        (LLM.generate's; the engine reads its folder when the request is queued)."""
+        (LLM.generate's; the engine reads its folder when the request is queued). prompt: as LLM.generate's, vLLM's
+        prompt dicts included (with a "cache_salt": the prefix cache shares K/V only among requests of that salt)."""
         self._check_running()
         params = SamplingParams() if params is None else params
+        salt = prompt_cache_salt(prompt)
         token_ids = truncate_prompt(tokenize(prompt, self.tokenizer, self.config), params, self.config)
         check_request(token_ids, params, self.config)  # (the engine's own checks, on its config)
         check_lora_request(lora_request, self.config.enable_lora)
         if params.structured_outputs is not None:  # its grammar compiled here (cached): a bad one raises now
             self._check_constraint(params)
+        if salt is not None:  # (the engine takes it as LLM.generate does)
+            token_ids = {"prompt_token_ids": token_ids, "cache_salt": salt}
         return self._stream(token_ids, params, request_id or f"req-{uuid.uuid4().hex}", lora_request)
 
     def _check_constraint(self, params: SamplingParams) -> None:
@@ -245,9 +249,15 @@ class AsyncLLM:
             raise RuntimeError("this AsyncLLM is closed")
 
     async def _stream(
-        self, token_ids: list[int], params: SamplingParams, request_id: str, lora_request: LoRARequest | None = None
+        self,
+        prompt: list[int] | dict,
+        params: SamplingParams,
+        request_id: str,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
+        """prompt: its checked token ids, or vLLM's {"prompt_token_ids": ids, "cache_salt": salt}."""
         loop = asyncio.get_running_loop()
+        token_ids = prompt["prompt_token_ids"] if isinstance(prompt, dict) else prompt
         outputs = RequestOutputs(request_id, params.n, self.tokenizer, params, self._eos_token_ids, token_ids)
         request = _Request(next(self._keys), loop, outputs)
         with self._requests_lock:  # (with _on_exit: a request is either failed by it or refused here)
@@ -258,7 +268,7 @@ class AsyncLLM:
         unfinished = params.n  # samples whose finished output has not arrived yet
         finished = False
         try:
-            self._engine.send(("add", request.key, request_id, token_ids, params, lora_request))
+            self._engine.send(("add", request.key, request_id, prompt, params, lora_request))
             while not finished:
                 items = [await request.queue.get()]
                 while not request.queue.empty():  # what queued up while the consumer was busy: sent as one

@@ -3,7 +3,8 @@
 The same loop runs in a thread of the server's process or in a process of its own (engine_process.py); it knows
 neither. It takes commands from `receive` and hands what each step made to `send`, ONE `StepMessage` per step:
 
-    in:  ("add", key, request_id, prompt_token_ids, params, lora_request)   # checked by the caller already
+    in:  ("add", key, request_id, prompt, params, lora_request)   # checked by the caller already; prompt: its
+                                                                       # ids, or {"prompt_token_ids", "cache_salt"}
          ("abort", key)
          ("read", [key, ...])    # these requests' consumers took their last output: they may get the next one
          ("stop",)               # every request in flight ends with "abort", then the loop returns
@@ -131,10 +132,10 @@ class EngineLoop:
                     if active is not None:
                         active.unread = False
             elif kind == "add":
-                _, key, request_id, token_ids, params, lora_request = command
+                _, key, request_id, prompt, params, lora_request = command
                 try:  # (checked by the caller: this raises only if the caller's checks fell behind the engine's, or
                     # an adapter's folder changed since the server checked it)
-                    seqs = self.llm.make_samples(token_ids, params, request_id, lora_request=lora_request)
+                    seqs = self.llm.make_samples(prompt, params, request_id, lora_request=lora_request)
                 except Exception as error:
                     self.errors.append((key, error))
                     continue
