@@ -179,7 +179,7 @@ def test_prompt_logprobs_on_each_cpu_attention_backend(tiny_model, backend):
         (-1, "every token of the vocabulary"),
         (21, "integer in \\[0, 20\\]"),
         (-2, "integer in \\[0, 20\\]"),
-        (True, "integer in \\[0, 20\\]"),
+        (False, "integer in \\[0, 20\\]"),
         ("3", "integer in \\[0, 20\\]"),
     ],
 )

@@ -16,15 +16,7 @@ from nanoref.engine.hooks import NO_ENGINE_HOOKS, EngineHooks
 from nanoref.engine.metrics import EngineMetrics, StepRecord
 from nanoref.engine.model_runner import ModelRunner
 from nanoref.engine.output_processor import GenerateOutput, OutputProcessor, StreamPiece
-from nanoref.engine.requests import (
-    check_request,
-    eos_token_ids,
-    params_list,
-    prompt_cache_salt,
-    prompt_list,
-    tokenize,
-    truncate_prompt,
-)
+from nanoref.engine.requests import eos_token_ids, params_list, prompt_list, prompt_text, request_tokens, tokenize
 from nanoref.engine.scheduler import Scheduler
 from nanoref.engine.sequence import Sequence, SequenceStatus
 from nanoref.sampling_params import SamplingParams
@@ -126,13 +118,11 @@ class LLMEngine:
         here. Sample i has `index` i and, when the request is seeded, the seed params.seed + i. stream: keep its text
         up to date after every step (`OutputProcessor.attach`). A prompt dict's "cache_salt" (vLLM's) becomes each
         sample's `cache_salt`: the prefix cache shares their blocks only with requests of the same salt."""
-        salt = prompt_cache_salt(prompt)
-        token_ids = truncate_prompt(self.tokenize(prompt), params, self.config)
-        check_request(token_ids, params, self.config)
+        token_ids, salt = request_tokens(prompt, params, self.tokenizer, self.config)
         samples = []
         for index in range(params.n):
             seq = Sequence(token_ids, params, self.config.kvcache_block_size, seq_id=next(self._seq_ids))
-            seq.cache_salt = salt  # (before `attach` and LoRA's `bind`, which keep it inside salts of their own)
+            seq.cache_salt = salt  # (`attach` and the hooks keep it inside salts of their own)
             if params.seed is not None:
                 seq.generator = torch.Generator(device=self.config.device).manual_seed(params.seed + index)
             samples.append(seq)
@@ -290,8 +280,8 @@ class LLMEngine:
             finally:
                 bar.close()
         metrics = self.metrics.requests if return_metrics else None
-        texts = [prompt if isinstance(prompt, str) else _prompt_text(prompt) for prompt in prompts]
-        return [self.output_processor.request_output(s, metrics, text) for s, text in zip(requests, texts)]
+        outputs = self.output_processor.request_output
+        return [outputs(samples, metrics, prompt_text(prompt)) for samples, prompt in zip(requests, prompts)]
 
     def stream(
         self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None
@@ -314,8 +304,3 @@ class LLMEngine:
         finally:  # closed early, or a step raised: this request ends here, the others run on
             for seq in samples:
                 self.abort_request(seq)
-
-
-def _prompt_text(prompt: object) -> str | None:
-    """The text of a prompt dict ({"prompt": text, ...}, vLLM's `RequestOutput.prompt`); None for ids."""
-    return prompt.get("prompt") if isinstance(prompt, dict) else None

@@ -93,6 +93,27 @@ def truncate_prompt(token_ids: list[int], params: SamplingParams, config: Engine
     return token_ids[-(limit - 1 if k == -1 else k) :]
 
 
+Prompt = str | list[int] | dict  # text, token ids, or one of vLLM's prompt dicts
+
+
+def request_tokens(
+    prompt: Prompt, params: SamplingParams, tokenizer: Any | None, config: EngineConfig
+) -> tuple[list[int], str | None]:
+    """A request's prompt as the engine serves it -> (its token ids, truncated as `params` ask; its cache salt),
+    checked (`check_request`): ValueError or TypeError naming the problem."""
+    salt = prompt_cache_salt(prompt)
+    token_ids = truncate_prompt(tokenize(prompt, tokenizer, config), params, config)
+    check_request(token_ids, params, config)
+    return token_ids, salt
+
+
+def prompt_text(prompt: Prompt) -> str | None:
+    """A prompt's text (a prompt dict's "prompt"; vLLM's `RequestOutput.prompt`); None for token ids."""
+    if isinstance(prompt, dict):
+        return prompt.get("prompt")
+    return prompt if isinstance(prompt, str) else None
+
+
 def check_request(token_ids: list[int], params: SamplingParams, config: EngineConfig) -> None:
     """Raise ValueError, naming the problem, for a request the engine could never serve. config: the engine's, with
     its KV block count (what a process without the engine, a server's front, can check a request against too)."""

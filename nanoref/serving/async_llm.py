@@ -52,7 +52,7 @@ from typing import Any
 
 from nanoref.config import EngineConfig
 from nanoref.engine.output_processor import RequestOutput, RequestOutputs, delta_texts
-from nanoref.engine.requests import check_request, eos_token_ids, prompt_cache_salt, tokenize, truncate_prompt
+from nanoref.engine.requests import eos_token_ids, request_tokens
 from nanoref.llm import DEFAULT_MODEL, LLM, SETTINGS, LoRARequest, check_lora_request, grammars_for
 from nanoref.sampling_params import SamplingParams
 from nanoref.serving.engine_loop import EngineLoop, EngineStats, StepMessage, drain
@@ -217,9 +217,7 @@ class AsyncLLM:
         prompt dicts included (with a "cache_salt": the prefix cache shares K/V only among requests of that salt)."""
         self._check_running()
         params = SamplingParams() if params is None else params
-        salt = prompt_cache_salt(prompt)
-        token_ids = truncate_prompt(tokenize(prompt, self.tokenizer, self.config), params, self.config)
-        check_request(token_ids, params, self.config)  # (the engine's own checks, on its config)
+        token_ids, salt = request_tokens(prompt, params, self.tokenizer, self.config)  # (the engine's own checks)
         check_lora_request(lora_request, self.config.enable_lora)
         if params.structured_outputs is not None:  # its grammar compiled here (cached): a bad one raises now
             self._check_constraint(params)
