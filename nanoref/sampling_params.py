@@ -84,8 +84,10 @@ class SamplingParams:
     max_tokens: the most completion tokens to generate ("length" when reached); None (vLLM's spelling): as many as
         the engine's max_model_len leaves room for (stored as MAX_TOKENS_LIMIT).
     ignore_eos: keep generating past EOS (stop_token_ids still stop).
-    top_k: sample among the k most likely tokens only; 0 = off (-1, vLLM's old "off", is taken as 0).
-    top_p: sample among the smallest set of tokens whose probability reaches top_p; 1.0 = off.
+    top_k: sample among the k most likely tokens only (a token tied with the k-th stays); 0 = off (-1, vLLM's old
+        "off", is taken as 0).
+    top_p: sample among the smallest set of tokens whose probability reaches top_p, over the tokens top_k keeps
+        (renormalised over them, as vLLM and HF do); 1.0 = off.
     min_p: sample only among tokens at least min_p times as likely as the most likely one (after the temperature,
         before top_k and top_p, as in vLLM), in [0, 1]; 0 = off.
     seed: the request draws from its own generator, so its tokens do not depend on its batch; None (or -1, vLLM's

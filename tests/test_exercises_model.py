@@ -104,8 +104,8 @@ def rotary_one_sign_wrong(x, cos, sin):  # x1*sin subtracted in the second half 
         (
             check_apply_top_k_top_p,
             top_p_strict,
-            "top_p=0.7.*you drop the token that crosses top_p: keep a token "
-            "while the tokens ranked above it have probability < top_p",
+            "top_p=0.7.*you drop the token that crosses top_p:\\skeep a token "
+            "while the top_k survivors ranked above it have probability < top_p",
         ),
     ],
 )
@@ -170,18 +170,34 @@ def test_an_exception_in_a_notebook_cell_names_the_cells_line_not_its_temporary_
     assert "return torch.cat((x1 * cos - x2 * sin" in message  # the cell's source line
 
 
+def top_k_cut(sorted_logits, top_k):
+    # (the reference's top-k on logits sorted best first: every logit >= the k-th largest)
+    vocab = sorted_logits.shape[-1]
+    k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)[:, None]
+    return sorted_logits.masked_fill(sorted_logits < sorted_logits.gather(-1, k - 1), float("-inf"))
+
+
 def top_p_without_off(logits, top_k, top_p):
-    # the nucleus rule right, but top_p 1.0 used as a threshold too: a float32 cumsum can reach 1.0 early
+    # the rule right (ties kept, top-p over the survivors), but top_p 1.0 used as a threshold too: a float32 cumsum
+    # can reach 1.0 early
     sorted_logits, order = logits.sort(dim=-1, descending=True)
+    sorted_logits = top_k_cut(sorted_logits, top_k)
     probs = sorted_logits.softmax(dim=-1)
     drop = probs.cumsum(dim=-1) - probs >= top_p[:, None]
-    ranks = torch.arange(logits.shape[-1])[None, :]
-    drop |= ranks >= torch.where(top_k > 0, top_k, logits.shape[-1])[:, None]
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
 
 
-def top_p_after_top_k(logits, top_k, top_p):
-    # HF's warpers chained: top-k first, then top-p on the softmax of the survivors alone (renormalised over them)
+def top_p_on_the_whole_row(logits, top_k, top_p):
+    # each cut on the row's original distribution, side by side, instead of top-p over the top-k survivors
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    probs = sorted_logits.softmax(dim=-1)
+    drop = (probs.cumsum(dim=-1) - probs >= top_p[:, None]) & (top_p[:, None] < 1.0)
+    sorted_logits = top_k_cut(sorted_logits, top_k).masked_fill(drop, float("-inf"))
+    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+
+
+def top_k_by_rank(logits, top_k, top_p):
+    # top-p right, but top-k keeps exactly k ranks: a token tied with the k-th largest logit is dropped
     vocab = logits.shape[-1]
     sorted_logits, order = logits.sort(dim=-1, descending=True)
     ranks = torch.arange(vocab)[None, :]
@@ -192,13 +208,42 @@ def top_p_after_top_k(logits, top_k, top_p):
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_top_p_over_the_top_k_survivors_fails_on_every_draw(seed):
+def test_top_p_on_the_whole_row_fails_on_every_draw(seed):
     # the random rows catch it only when their nucleus ends inside the top k; the worked row (top_k=2, top_p=0.5,
     # probabilities 0.30 and 0.25 first) on every run
     torch.manual_seed(seed)
-    with pytest.raises(ExerciseFailure, match="not renormalised over the top_k survivors") as failure:
-        check_apply_top_k_top_p(top_p_after_top_k, engine=False)
+    with pytest.raises(ExerciseFailure, match="not on the row's whole distribution") as failure:
+        check_apply_top_k_top_p(top_p_on_the_whole_row, engine=False)
     assert_readable_failure(failure.value)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_top_k_by_rank_fails_on_every_draw_at_a_tie(seed):
+    torch.manual_seed(seed)
+    with pytest.raises(ExerciseFailure, match="(?s)top_k=2, top_p=1.0.*compare values, not ranks") as failure:
+        check_apply_top_k_top_p(top_k_by_rank, engine=False)
+    assert_readable_failure(failure.value)
+
+
+def test_nanorefs_top_k_and_top_p_are_hfs_warpers_on_fresh_logits():
+    """The oracle: HF's TopKLogitsWarper, then TopPLogitsWarper, row by row, on fresh logits with ties."""
+    from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+
+    seed = torch.seed()
+    logits = (torch.randn(24, 300) * 3).round(decimals=1)  # (B, V): rounded, so that ties occur
+    top_k = torch.randint(0, 40, (24,))
+    top_p = torch.where(torch.rand(24) < 0.3, 1.0, torch.rand(24).clamp(min=0.05))
+    got = apply_top_k_top_p(logits, top_k, top_p)
+    for row in range(24):
+        want = logits[row : row + 1]
+        if top_k[row] > 0:
+            want = TopKLogitsWarper(int(top_k[row]))(None, want)
+        if top_p[row] < 1.0:
+            want = TopPLogitsWarper(float(top_p[row]))(None, want)
+        # (the kept logits as a sorted list: where tied logits straddle the nucleus's edge, which of them stays is
+        # the sort's choice, in HF's code as in nanoref's)
+        kept, wanted = (x[torch.isfinite(x)].sort().values for x in (got[row], want[0]))
+        assert torch.equal(kept, wanted), f"seed {seed}, row {row}"
 
 
 def test_a_top_p_that_treats_one_as_a_threshold_fails_on_a_long_tail():

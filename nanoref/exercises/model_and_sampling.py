@@ -121,8 +121,12 @@ def check_silu_and_mul(fn: Callable, *, engine: bool = True) -> None:
 
 
 # -- top-k / top-p --------------------------------------------------------------------------------
-TOP_P_RULE = "keep a token while the tokens ranked above it have probability < top_p"
+TOP_P_RULE = "keep a token while the top_k survivors ranked above it have probability < top_p, renormalised over them"
 TOP_P_OFF = "top_p=1.0 means off: keep every token; a float32 cumsum can reach 1.0 before the last token"
+TOP_K_TIES = (
+    "a token whose logit equals the k-th largest stays: top_k keeps every logit >= the k-th largest (as HF's and "
+    "vLLM's do), so a tie can keep more than k tokens; compare values, not ranks"
+)
 
 
 def _long_tail(generator: torch.Generator, vocab: int = 1024) -> torch.Tensor:
@@ -137,38 +141,48 @@ def _long_tail(generator: torch.Generator, vocab: int = 1024) -> torch.Tensor:
     return logits
 
 
-TOP_K_THEN_P = (
-    "top_p is measured on the row's whole distribution, not renormalised over the top_k survivors: a token must pass "
-    "both tests, each on the original logits (HF's warpers, one after the other, renormalise)"
+TOP_P_ON_WHOLE_ROW = (
+    "top_p is measured over the top_k survivors, renormalised over them (each cut after the other, as HF's warpers "
+    "and vLLM's sampler make them), not on the row's whole distribution"
 )
 
 
-def _top_p_after_top_k(row: torch.Tensor, k: int, p: float) -> torch.Tensor:
-    """(V,) bool: the tokens kept by the usual slip of chaining the two cuts, top-p on the softmax of the logits that
-    survived top-k (renormalised over them), as HF's TopKLogitsWarper then TopPLogitsWarper do."""
+def _top_p_on_whole_row(row: torch.Tensor, k: int, p: float) -> torch.Tensor:
+    """(V,) bool: the tokens kept by the slip of measuring top-p on the whole distribution, beside top-k, instead of
+    on the top-k survivors renormalised."""
     vocab = row.shape[0]
     ranked, order = row.sort(descending=True)  # (V,)
-    ranked = ranked.masked_fill(torch.arange(vocab) >= (k if k > 0 else vocab), float("-inf"))
-    probs = ranked.softmax(-1)  # (V,): renormalised over the top k
-    keep = torch.isfinite(ranked) & ((probs.cumsum(-1) - probs < p) | (p >= 1.0))
+    probs = ranked.softmax(-1)  # (V,): the whole distribution
+    keep = (ranked >= ranked[min(k if k > 0 else vocab, vocab) - 1]) & ((probs.cumsum(-1) - probs < p) | (p >= 1.0))
     return torch.zeros(vocab, dtype=torch.bool).scatter(0, order, keep)
 
 
 def _interacting_row(generator: torch.Generator, vocab: int = 50) -> torch.Tensor:
-    """(1, V) logits on which top_k=2, top_p=0.5 keep two tokens, but top-p over the two survivors renormalised keeps
-    one: probabilities 0.30 and 0.25 for two random tokens, 0.45 spread over the rest. The second token's better
-    ranked mass is 0.30 < 0.5 of the whole distribution, but 0.30 / 0.55 > 0.5 of the renormalised one, so the
-    chained cuts fail this row on every run."""
+    """(1, V) logits on which top_k=2, top_p=0.5 keep one token, but top-p on the whole distribution keeps two:
+    probabilities 0.30 and 0.25 for two random tokens, 0.45 spread over the rest. The second token's better ranked
+    mass is 0.30 / 0.55 > 0.5 of the two survivors renormalised, but 0.30 < 0.5 of the whole distribution, so the
+    slip fails this row on every run."""
     probs = torch.full((vocab,), 0.45 / (vocab - 2))  # (V,)
     best, second = torch.randperm(vocab, generator=generator)[:2].tolist()
     probs[best], probs[second] = 0.30, 0.25
     return probs.log()[None, :]
 
 
+def _tied_row(generator: torch.Generator, vocab: int = 50) -> torch.Tensor:
+    """(1, V) random logits whose 2nd and 3rd largest are equal: top_k=2 keeps three tokens (random logits never tie,
+    so only this row catches top-k by rank on every run)."""
+    logits = 2 * torch.randn(vocab, generator=generator)  # (V,)
+    order = logits.argsort(descending=True)
+    logits[order[2]] = logits[order[1]]
+    return logits[None, :]
+
+
 def _masking_hint(row: torch.Tensor, k: int, p: float, kept_got: torch.Tensor, kept_want: torch.Tensor) -> str:
     """The rule a row's wrong mask broke, in one line."""
-    if 0 < k < row.shape[0] and p < 1.0 and torch.equal(kept_got, _top_p_after_top_k(row, k, p)):
-        return TOP_K_THEN_P
+    if 0 < k < row.shape[0] and p < 1.0 and torch.equal(kept_got, _top_p_on_whole_row(row, k, p)):
+        return TOP_P_ON_WHOLE_ROW
+    if 0 < k and int(kept_want.sum()) > k and int(kept_got.sum()) == k:
+        return TOP_K_TIES
     order = row.argsort(descending=True)  # (V,): token ids best first
     ranked_got, ranked_want = kept_got[order], kept_want[order]  # (V,) each, in rank order
     last = int(ranked_want.nonzero().max())  # the rank of the lowest-ranked token to keep
@@ -179,7 +193,10 @@ def _masking_hint(row: torch.Tensor, k: int, p: float, kept_got: torch.Tensor, k
         return f"you drop the token that crosses top_p: {TOP_P_RULE}"
     if p < 1.0 and not missing.any() and extra.nonzero().flatten().tolist() == [last + 1] and (k <= 0 or k > last + 1):
         return f"you keep one token past the nucleus: {TOP_P_RULE}"
-    return "keep a token if it is in the top_k (0 = all) and the tokens ranked above it have probability < top_p"
+    return (
+        "keep a token if its logit is >= the k-th largest (top_k 0 = all) and the top_k survivors ranked above it "
+        "have probability < top_p, renormalised over them"
+    )
 
 
 def _check_masking(fn: Callable, logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> None:
@@ -232,9 +249,11 @@ def check_apply_top_k_top_p(fn: Callable, *, engine: bool = True) -> None:
     top_p = torch.tensor([1.0, 1.0, 0.7, 0.5, 1.0, 1.0, 0.05, 0.99], dtype=torch.float32)
     logits = 2 * torch.randn(len(top_k), vocab, generator=generator)  # (B, V) float32
     _check_masking(fn, logits, top_k, top_p)
-    # both cuts on, where top-p over the top-k survivors renormalised keeps fewer tokens: the random rows catch that
-    # only on some draws (when the nucleus ends inside the top k), this row on every run
+    # both cuts on, where top-p on the whole distribution keeps more tokens than on the top-k survivors: the random
+    # rows catch that only on some draws (when the nucleus ends inside the top k), this row on every run
     _check_masking(fn, _interacting_row(generator), torch.tensor([2]), torch.tensor([0.5]))
+    # a tie with the k-th largest logit, which stays
+    _check_masking(fn, _tied_row(generator), torch.tensor([2]), torch.tensor([1.0]))
     # off on a long tail whose float32 cumsum reaches 1.0 before its last tokens: 1.0 must mean off, not a threshold
     tail = _long_tail(generator)[None, :]  # (1, V)
     _check_masking(fn, tail, torch.tensor([0]), torch.tensor([1.0]))

@@ -2,10 +2,10 @@
 
 Logit biases, penalties and min_tokens masks come first, where a row asks for them (`logits_processors.py`).
 temperature 0 is greedy (argmax). Otherwise: scale by 1/temperature, keep the tokens at least min_p times as
-likely as the most likely one, the top_k largest logits and the smallest set whose probability reaches top_p,
-then draw. The draw uses the exponential-race
-trick (argmax of p / E with E ~ Exp(1) is a sample from p), which needs no sort and lets a seeded
-request draw its noise from its own generator, so its output does not depend on its batch.
+likely as the most likely one, then the top_k largest logits (ties with the k-th too), then of those the smallest
+set whose probability, renormalised over them, reaches top_p (HF's and vLLM's order), then draw. The draw uses
+the exponential-race trick (argmax of p / E with E ~ Exp(1) is a sample from p), which needs no sort and lets a
+seeded request draw its noise from its own generator, so its output does not depend on its batch.
 
 Which path a batch takes is decided on the host, from facts the engine already knows from each
 request's `SamplingParams` (`SamplingBatch`): asking the device (`bool(mask.any())`) would be a host
@@ -90,18 +90,23 @@ class SamplingBatch:
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
-    """logits: (B, V) float32; top_k: (B,) int (0 = off); top_p: (B,) float (1.0 = off) -> masked (B, V)."""
+    """logits: (B, V) float32; top_k: (B,) int (0 = off); top_p: (B,) float (1.0 = off) -> masked (B, V).
+
+    One cut after the other, as HF's warpers and vLLM's sampler make them: top-k keeps every token whose logit is at
+    least the k-th largest (a tie with it stays), then top-p keeps, of those, the smallest best-ranked set whose
+    probability renormalised over them reaches top_p."""
     vocab = logits.shape[-1]
     sorted_logits, order = logits.sort(dim=-1, descending=True)  # (B, V)
     ranks = torch.arange(vocab, device=logits.device)[None, :]  # (1, V)
-    k = torch.where(top_k > 0, top_k, vocab)[:, None]  # (B, 1)
-    drop = ranks >= k  # (B, V): beyond the top k
-    probs = sorted_logits.softmax(dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs  # (B, V): probability of the better-ranked tokens
+    k = torch.where(top_k > 0, top_k, vocab).clamp(max=vocab)[:, None]  # (B, 1): 0 means all
+    kth = sorted_logits.gather(-1, k - 1)  # (B, 1): the k-th largest logit
+    sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))  # (B, V): the top k (and ties)
+    probs = sorted_logits.softmax(dim=-1)  # (B, V): renormalised over the top-k survivors
+    mass_before = probs.cumsum(dim=-1) - probs  # (B, V): probability of the better-ranked survivors
     # the nucleus already reached top_p without this token; top_p 1.0 is "off", not a threshold: float32
     # sums can reach 1.0 before the tail, which would drop it from rows that never asked for top_p
     # (the most likely token always stays, as in vLLM's sampler: a top_p that float32 rounds to 0 keeps one token)
-    drop |= (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0) & (ranks > 0)
+    drop = (mass_before >= top_p[:, None]) & (top_p[:, None] < 1.0) & (ranks > 0)
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
 
