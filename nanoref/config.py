@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import copy
 import os
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
 from pathlib import Path
 
 import torch
 
 from nanoref.models import Qwen3Config, load_model_config
 from nanoref.ops.backends import BACKEND_NAMES, FLASH_ATTN_BACKENDS, choose_backend
-from nanoref.sampling_params import check_seed
-from nanoref.utils.loader import ModelFolderError, weight_files
+from nanoref.sampling_params import MAX_LOGPROBS, check_seed
+from nanoref.utils.loader import TOKENIZER_FILES, ModelFolderError, resolve_model_folder, weight_files
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # vLLM's other spellings of the same types (its --dtype choices): code written for vLLM passes them
@@ -128,14 +128,56 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # vLLM's engine arguments under vLLM's names (docs/usage.md, "vLLM's engine arguments"). Honoured:
+    # the prefix cache (off: every request, and each of its n samples, computes its own prompt, as vLLM's)
+    enable_prefix_caching: bool = True
+    # None or True: a prompt longer than what is left of a step's token budget is prefilled in chunks; False: every
+    # prompt in one step, whole (max_num_batched_tokens then defaults to at least max_model_len, and may not be less)
+    enable_chunked_prefill: bool | None = None
+    max_logprobs: int = MAX_LOGPROBS  # the most logprobs / prompt_logprobs a request may ask for (at most 20)
+    tokenizer: str | Path | None = None  # a local folder whose tokenizer serves in place of the model folder's
+    tokenizer_mode: str = "auto"  # "auto" or "hf": the fast tokenizer where the folder has one; "slow": the slow one
+    served_model_name: str | list[str] | None = None  # the model's name(s) in the API (the server's)
+    # accepted and checked, and nothing in nanoref changes (see VLLM_NO_OPS below for why)
+    trust_remote_code: bool = False
+    download_dir: str | Path | None = None
+    disable_log_stats: bool = False
+    swap_space: float | None = None
+    max_seq_len_to_capture: int | None = None
+    load_format: str = "auto"  # "auto" or "safetensors": nanoref reads *.safetensors, and nothing else
+    # refused unless None: what they ask for nanoref does not have (VLLM_REFUSED)
+    revision: str | None = None
+    tokenizer_revision: str | None = None
+    quantization: str | None = None
+    compilation_config: int | dict | None = None
+    # vLLM's names for settings nanoref has under its own (VLLM_ALIASES): either name, not both with two values
+    block_size: InitVar[int | None] = None
+    num_gpu_blocks_override: InitVar[int | None] = None
+    async_scheduling: InitVar[bool | None] = None
     # filled in by __post_init__: the folder and its parsed config.json (read once, here)
     model_folder: Path = field(init=False)
     architecture: str = field(init=False)  # the HF class name the model is built from
     hf_config: Qwen3Config = field(init=False)
+    tokenizer_folder: Path = field(init=False)  # the tokenizer's folder: `tokenizer`, or the model folder
 
-    def __post_init__(self) -> None:
+    def __post_init__(
+        self, block_size: int | None, num_gpu_blocks_override: int | None, async_scheduling: bool | None
+    ) -> None:
+        aliases = {"block_size": block_size, "num_gpu_blocks_override": num_gpu_blocks_override}
+        for alias, value in {**aliases, "async_scheduling": async_scheduling}.items():
+            name = VLLM_ALIASES[alias]
+            if value is None:
+                continue
+            if getattr(self, name) is not None and getattr(self, name) != value:
+                raise ValueError(
+                    f"{alias}={value!r} and {name}={getattr(self, name)!r} are one setting (vLLM's name and "
+                    "nanoref's): give one of them"
+                )
+            _set(self, **{name: value})
+        self._check_vllm_arguments()
         folder, architecture, hf_config = load_model_config(self.model)
         _set(self, model_folder=folder, architecture=architecture, hf_config=hf_config)
+        _set(self, tokenizer_folder=folder if self.tokenizer is None else _tokenizer_folder(self.tokenizer))
         _set(self, device=parse_device(self.device))
         _set(self, dtype=parse_dtype(self.dtype, self.device))
         for name in ("enforce_eager", "disable_cascade_attn"):
@@ -145,6 +187,7 @@ class EngineConfig:
             _set(self, overlap_scheduling=self.device.type == "cuda" and self.speculative_config is None)
         if not isinstance(self.overlap_scheduling, bool):
             raise ValueError(f"overlap_scheduling must be True, False or None, got {self.overlap_scheduling!r}")
+        budget_given = self.max_num_batched_tokens is not None
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             value = getattr(self, name)
             if value is None:
@@ -170,6 +213,14 @@ class EngineConfig:
             raise ValueError(
                 f"max_model_len must be an integer in [2, {limit}] (the model's limit), got {self.max_model_len!r}"
             )
+        if self.enable_chunked_prefill is False and self.max_num_batched_tokens < self.max_model_len:
+            if budget_given:  # (vLLM's rule: a prompt must fit one step whole)
+                raise ValueError(
+                    f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than max_model_len "
+                    f"({self.max_model_len}): with enable_chunked_prefill=False every prompt is prefilled whole, in "
+                    "one step; raise max_num_batched_tokens or lower max_model_len"
+                )
+            _set(self, max_num_batched_tokens=self.max_model_len)  # (as vLLM raises its default)
         blocks = self.num_kvcache_blocks
         if blocks is not None and (not _is_int(blocks) or blocks <= 0):
             raise ValueError(f"num_kvcache_blocks must be a positive integer or None, got {self.num_kvcache_blocks!r}")
@@ -187,6 +238,52 @@ class EngineConfig:
         if self.speculative_config is not None:
             self._check_speculative()
         self._check_lora()
+
+    def _check_vllm_arguments(self) -> None:
+        """vLLM's engine arguments (before the model folder is read: a bad one is the error, whatever the folder)."""
+        for name in ("enable_prefix_caching", "trust_remote_code", "disable_log_stats"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.enable_chunked_prefill is not None and not isinstance(self.enable_chunked_prefill, bool):
+            raise ValueError(f"enable_chunked_prefill must be True, False or None, got {self.enable_chunked_prefill!r}")
+        if not _is_int(self.max_logprobs) or not 0 <= self.max_logprobs <= MAX_LOGPROBS:
+            raise ValueError(
+                f"max_logprobs must be an integer in [0, {MAX_LOGPROBS}]: nanoref returns at most the top "
+                f"{MAX_LOGPROBS} logprobs (vLLM's -1, the whole vocabulary, is not served), got {self.max_logprobs!r}"
+            )
+        if self.tokenizer is not None and not isinstance(self.tokenizer, (str, os.PathLike)):
+            raise ValueError(f"tokenizer must be the path of a tokenizer folder or None, got {self.tokenizer!r}")
+        if self.tokenizer_mode in ("mistral", "custom"):
+            raise ValueError(
+                f"tokenizer_mode={self.tokenizer_mode!r} is not available in nanoref: it loads Hugging Face tokenizers "
+                "only (Qwen3's); use 'auto' (or 'hf'), or 'slow'"
+            )
+        if self.tokenizer_mode not in TOKENIZER_MODES:
+            raise ValueError(f"tokenizer_mode must be one of {list(TOKENIZER_MODES)}, got {self.tokenizer_mode!r}")
+        names = self.served_model_name
+        names = [names] if isinstance(names, str) else names
+        if names is not None and (
+            not isinstance(names, (list, tuple)) or not names or not all(isinstance(n, str) and n for n in names)
+        ):
+            raise ValueError(
+                f"served_model_name must be a non-empty name or list of names, or None, got {self.served_model_name!r}"
+            )
+        if self.download_dir is not None and not isinstance(self.download_dir, (str, os.PathLike)):
+            raise ValueError(f"download_dir must be a folder's path or None, got {self.download_dir!r}")
+        space = self.swap_space
+        if space is not None and (isinstance(space, bool) or not isinstance(space, (int, float)) or not space >= 0):
+            raise ValueError(f"swap_space must be a number of GiB >= 0 or None, got {space!r}")
+        length = self.max_seq_len_to_capture
+        if length is not None and (not _is_int(length) or length <= 0):
+            raise ValueError(f"max_seq_len_to_capture must be a positive integer or None, got {length!r}")
+        if self.load_format not in ("auto", "safetensors"):
+            raise ValueError(
+                f"load_format={self.load_format!r} is not available in nanoref: it reads a local folder's "
+                "*.safetensors weights only; use 'auto' or 'safetensors'"
+            )
+        for name, why in VLLM_REFUSED.items():
+            if getattr(self, name) is not None:
+                raise ValueError(f"{name}={getattr(self, name)!r} is not available in nanoref: {why}")
 
     def resolved(self) -> EngineConfig:
         """This config with the concrete attention backend and KV block size. "auto" may run a tiny flash-attn
@@ -287,6 +384,46 @@ class EngineConfig:
                     f"{spec.draft_config.max_position_embeddings} positions, fewer than "
                     f"max_model_len={self.max_model_len}: lower max_model_len"
                 )
+
+
+# vLLM's names for settings nanoref has under its own: LLM(block_size=32) is LLM(kvcache_block_size=32)
+VLLM_ALIASES = {
+    "block_size": "kvcache_block_size",
+    "num_gpu_blocks_override": "num_kvcache_blocks",
+    "async_scheduling": "overlap_scheduling",
+}
+TOKENIZER_MODES = ("auto", "hf", "slow")  # vLLM's "auto" and "hf" both load the fast tokenizer where there is one
+# vLLM's arguments that change nothing in nanoref, and why (docs/usage.md says the same)
+VLLM_NO_OPS = {
+    "trust_remote_code": "nanoref runs no code from a model folder, trusted or not: its models are its own classes, "
+    "and tokenizers load without the folder's code",
+    "download_dir": "nanoref loads local folders only and never downloads",
+    "disable_log_stats": "nanoref logs no stats; its metrics are always kept (llm.metrics, the server's /metrics)",
+    "swap_space": "a preempted sequence is recomputed, never swapped out (as in vLLM's V1 engine, where it is unused)",
+    "max_seq_len_to_capture": "a decode CUDA graph reads each sequence's length and block table as inputs, so one "
+    "graph serves every length up to max_model_len",
+}
+# vLLM's arguments nanoref refuses unless they are None, and why
+VLLM_REFUSED = {
+    "revision": "it names a version on the Hugging Face Hub, and nanoref loads local folders only: download that "
+    "revision (`hf download MODEL --revision REV --local-dir DIR`) and pass the folder",
+    "tokenizer_revision": "it names a version on the Hugging Face Hub, and nanoref loads local folders only: download "
+    "that revision and pass its folder as tokenizer",
+    "quantization": "nanoref runs unquantized weights only (its 8-bit option is the KV cache's: kv_cache_dtype='fp8')",
+    "compilation_config": "nanoref has no compilation settings: on CUDA it always compiles its element-wise layers "
+    "with torch.compile and records decode CUDA graphs (enforce_eager=True turns the graphs off)",
+}
+
+
+def _tokenizer_folder(tokenizer: str | os.PathLike) -> Path:
+    """The `tokenizer` setting's folder, checked: it exists and holds a tokenizer."""
+    try:
+        folder = resolve_model_folder(tokenizer)
+    except ModelFolderError as error:
+        raise ModelFolderError(f"tokenizer: {error}") from None
+    if not any((folder / name).exists() for name in TOKENIZER_FILES):
+        raise ModelFolderError(f"tokenizer: {folder} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)})")
+    return folder
 
 
 SPECULATIVE_KEYS = (

@@ -6,7 +6,9 @@ the model runner, tensor parallelism (`nanoref/parallel/`) as the runner's subcl
 (`nanoref/overlap.py`) or the speculative loop (`nanoref/speculative/`, with a draft model's runner beside the
 target's) as the engine's step loop, LoRA adapters (`nanoref/lora/hooks.py`: slots on the runner's model, an
 admission rule for the scheduler, each request's adapter as its sequences' cache salt), and structured output
-(`nanoref/structured_output.py`: each constrained sample's grammar matcher as its output's constraint).
+(`nanoref/structured_output.py`: each constrained sample's grammar matcher as its output's constraint); with
+enable_prefix_caching=False each sequence's own cache salt, and with enable_chunked_prefill=False an admission rule
+that starts a prompt only where the step has room for all of it.
 `torch.compile` applies itself: the element-wise layers compile on their first CUDA call (`nanoref/utils/compile.py`).
 On CUDA the prefill's kernels are compiled while the engine is built (`nanoref/warmup.py`), not by its first requests.
 """
@@ -25,7 +27,7 @@ from typing import Any
 
 from nanoref.cascade import CASCADE_MIN_SEQS, reads_shared_prefixes
 from nanoref.cascade import attach as attach_cascade
-from nanoref.config import EngineConfig
+from nanoref.config import VLLM_ALIASES, EngineConfig
 from nanoref.cuda_graphs import DecodeGraphs
 from nanoref.engine.chat import chat_prompt
 from nanoref.engine.hooks import EngineHooks, RunnerHooks
@@ -94,6 +96,14 @@ class LLM(LLMEngine):
         max_lora_rank: the largest rank r they take (default 16), max_cpu_loras: adapters kept read on the host
         (default max_loras). One device only (not with tensor_parallel_size > 1); with speculative decoding the
         target verifies under each request's adapter and a draft model proposes without one.
+    vLLM's engine arguments, under vLLM's names (docs/usage.md lists what each does here): block_size,
+        num_gpu_blocks_override and async_scheduling are kvcache_block_size, num_kvcache_blocks and
+        overlap_scheduling; enable_prefix_caching=False: no request reads K/V another computed (nor do a request's
+        n samples share their prompt's); enable_chunked_prefill=False: every prompt is prefilled whole, in one
+        step; max_logprobs: the most logprobs a request may ask for; tokenizer: a tokenizer folder other than the
+        model's; tokenizer_mode: "auto"/"hf" or "slow". trust_remote_code, download_dir, disable_log_stats,
+        swap_space, max_seq_len_to_capture, served_model_name and load_format ("auto" or "safetensors") change
+        nothing here; revision, tokenizer_revision, quantization and compilation_config are refused (ValueError).
     """
 
     def __init__(self, model: str | Path = DEFAULT_MODEL, **settings) -> None:
@@ -105,7 +115,7 @@ class LLM(LLMEngine):
         config = EngineConfig(model, **settings).resolved()
         spec = config.speculative_config
         if spec is not None and spec.method == "draft_model":  # (before anything is built)
-            check_draft_tokenizer(spec.model_folder, config.model_folder)
+            check_draft_tokenizer(spec.model_folder, config.tokenizer_folder)
         unpaid = unpaid_draft(config)
         if unpaid is not None:  # (engine_hooks and build_runner then leave the draft out)
             warnings.warn(unpaid, RuntimeWarning, stacklevel=2)
@@ -126,7 +136,7 @@ class LLM(LLMEngine):
             return lambda samples: None
         params.structured_outputs.validate()
         if self.tokenizer is None:
-            raise ValueError(f"{self.config.model_folder} has no tokenizer: structured_outputs needs one")
+            raise ValueError(f"{self.config.tokenizer_folder} has no tokenizer: structured_outputs needs one")
         if self.grammars is None:  # (two threads may both make one: either serves)
             self.grammars = grammars_for(self.tokenizer, self.config, self.scheduler.eos_token_ids)
         compiled = self.grammars.compile(params.structured_outputs)
@@ -153,6 +163,9 @@ class LLM(LLMEngine):
         lora_request = check_lora_request(lora_request, self.lora is not None)
         constrain = self.constrain(params) if isinstance(params, SamplingParams) else lambda samples: None
         samples = super().make_samples(prompt, params, request_id, stream)
+        if not self.config.enable_prefix_caching:  # a salt no other sequence has: its blocks are its own
+            for seq in samples:
+                seq.cache_salt = ("no prefix caching", seq.seq_id, seq.cache_salt)
         if lora_request is not None:
             self.lora.bind(samples, lora_request)
         constrain(samples)
@@ -165,6 +178,9 @@ class LLM(LLMEngine):
             if self.lora is not None:
                 self.lora.commit(samples)
             super().enqueue_samples(samples)
+            if not self.config.enable_prefix_caching:  # nothing to wait for: sample 0's blocks are not theirs to read
+                for seq in self.output_processor.held_samples.pop(samples[0], []):
+                    self.enqueue(seq)
             if self.lora is not None:
                 self.lora.count(samples[0])
 
@@ -236,7 +252,7 @@ class LLM(LLMEngine):
                     chat_prompt(
                         self.tokenizer,
                         conversation,
-                        self.config.model_folder,
+                        self.config.tokenizer_folder,
                         add_generation_prompt=add_generation_prompt,
                         continue_final_message=continue_final_message,
                         chat_template_kwargs=chat_template_kwargs,
@@ -248,7 +264,8 @@ class LLM(LLMEngine):
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
 
-SETTINGS = {f.name for f in fields(EngineConfig) if f.init and f.name != "model"}
+# every setting: EngineConfig's fields, and vLLM's other names for some of them (VLLM_ALIASES)
+SETTINGS = {f.name for f in fields(EngineConfig) if f.init and f.name != "model"} | set(VLLM_ALIASES)
 # help(LLM) and inspect.signature(LLM) list every setting, with EngineConfig's defaults
 LLM.__init__.__signature__ = inspect.Signature(
     [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)]
@@ -258,6 +275,7 @@ LLM.__init__.__signature__ = inspect.Signature(
         for f in fields(EngineConfig)
         if f.name in SETTINGS
     ]
+    + [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None) for name in VLLM_ALIASES]
 )
 
 
@@ -271,7 +289,8 @@ def check_lora_adapter(config: EngineConfig, lora_request: LoRARequest) -> None:
 def engine_hooks(config: EngineConfig, lora: LoRAHooks | None = None) -> EngineHooks:
     """The engine's hooks for a config: its step loop, the lookahead a verify step needs, and with LoRA adapters
     the rule that keeps a batch's adapters to max_loras."""
-    admission = {"can_admit": lora.can_admit} if lora is not None else {}
+    rules = [rule for rule in (lora and lora.can_admit, whole_prompts(config)) if rule]
+    admission = {"can_admit": lambda *seqs: all(rule(*seqs) for rule in rules)} if rules else {}
     spec = config.speculative_config
     if spec is None:
         return EngineHooks(make_step_loop=OverlappedLoop if config.overlap_scheduling else PlainLoop, **admission)
@@ -282,6 +301,22 @@ def engine_hooks(config: EngineConfig, lora: LoRAHooks | None = None) -> EngineH
         return EngineHooks(make_step_loop=plain, **admission)
     loop = partial(SpeculativeLoop, make_verify_graphs=DecodeGraphs, make_plain_loop=plain)
     return EngineHooks(make_step_loop=loop, num_lookahead_tokens=spec.num_speculative_tokens, **admission)
+
+
+def whole_prompts(config: EngineConfig) -> Callable | None:
+    """With enable_chunked_prefill=False (else None): EngineHooks.can_admit that starts a prompt only where what is
+    left of the step's token budget holds all of it, as vLLM's scheduler does without chunked prefill (a prompt
+    that does not fit waits, and the next in line may go). A prompt alone in a step always fits
+    (max_num_batched_tokens >= max_model_len). Counted before the prefix cache's hits, which vLLM counts first."""
+    if config.enable_chunked_prefill is not False:
+        return None
+    budget = config.max_num_batched_tokens
+
+    def can_admit(seq: Any, running: Iterable, scheduled: list) -> bool:
+        used = sum(other.num_scheduled_tokens for other in scheduled[:-1])  # (seq is last)
+        return seq.num_tokens - seq.num_computed_tokens <= budget - used
+
+    return can_admit
 
 
 def decode_graphs(runner: ModelRunner, lora: LoRAHooks | None = None) -> DecodeGraphs | None:

@@ -42,6 +42,22 @@ ENGINE_SETTINGS = (
     "max_loras",
     "max_lora_rank",
     "max_cpu_loras",
+    # vLLM's engine arguments (EngineConfig says what each does in nanoref)
+    "kvcache_block_size",
+    "num_gpu_blocks_override",
+    "enable_prefix_caching",
+    "enable_chunked_prefill",
+    "async_scheduling",
+    "max_logprobs",
+    "tokenizer",
+    "tokenizer_mode",
+    "revision",
+    "tokenizer_revision",
+    "download_dir",
+    "load_format",
+    "quantization",
+    "swap_space",
+    "max_seq_len_to_capture",
 )
 
 
@@ -98,6 +114,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="accepted for vLLM's scripts: nanoref never logs requests",
     )
+    parser.add_argument(
+        "--disable-log-stats",
+        action="store_true",
+        help="accepted for vLLM's scripts: nanoref never logs stats (they are served at /metrics)",
+    )
     engine = parser.add_argument_group("engine")
     engine.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
     engine.add_argument(
@@ -116,6 +137,94 @@ def build_parser() -> argparse.ArgumentParser:
         help="the longest prompt + completion, in tokens (default: the model's limit, capped at 4096)",
     )
     engine.add_argument("--num-kvcache-blocks", type=int, default=None, help="KV blocks (default: from memory)")
+    engine.add_argument(
+        "--num-gpu-blocks-override", type=int, default=None, help="vLLM's name for --num-kvcache-blocks (give one)"
+    )
+    engine.add_argument(
+        "--block-size",
+        dest="kvcache_block_size",
+        type=int,
+        default=None,
+        help="tokens per KV block: a power of two from 16 to 256 (16 unless flash-attn serves: then 256)",
+    )
+    engine.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="reuse the K/V of a prompt prefix another request computed (default on; --no-enable-prefix-caching: "
+        "every request, and each of its n samples, computes its whole prompt)",
+    )
+    engine.add_argument(
+        "--enable-chunked-prefill",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="prefill a prompt longer than what is left of a step's token budget in chunks (default on; "
+        "--no-enable-chunked-prefill: every prompt whole, in one step, which needs --max-num-batched-tokens >= "
+        "--max-model-len)",
+    )
+    engine.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="schedule and launch each decode step while the device runs the one before (default: on for CUDA)",
+    )
+    engine.add_argument(
+        "--max-logprobs",
+        type=int,
+        default=None,
+        help="the most logprobs (top_logprobs) or prompt_logprobs a request may ask for, 0 to 20 (default 20)",
+    )
+    engine.add_argument(
+        "--tokenizer", default=None, metavar="FOLDER", help="a tokenizer folder other than MODEL's (default: MODEL's)"
+    )
+    engine.add_argument(
+        "--tokenizer-mode",
+        default=None,
+        help="auto or hf (the fast tokenizer where the folder has one; default), or slow",
+    )
+    engine.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="accepted for vLLM's scripts: nanoref runs no code from a model folder, trusted or not",
+    )
+    engine.add_argument(
+        "--download-dir", default=None, help="accepted for vLLM's scripts: nanoref never downloads (MODEL is a folder)"
+    )
+    engine.add_argument(
+        "--load-format", default=None, help="auto or safetensors (the same: nanoref reads *.safetensors only)"
+    )
+    engine.add_argument(
+        "--revision", default=None, help="refused: a Hugging Face Hub version; nanoref loads local folders only"
+    )
+    engine.add_argument(
+        "--tokenizer-revision",
+        default=None,
+        help="refused: a Hugging Face Hub version; nanoref loads local folders only",
+    )
+    engine.add_argument(
+        "--quantization",
+        "-q",
+        default=None,
+        help="refused: nanoref runs unquantized weights only (see --kv-cache-dtype)",
+    )
+    engine.add_argument(
+        "--swap-space",
+        type=float,
+        default=None,
+        help="accepted for vLLM's scripts: a preempted request is recomputed, never swapped to the host",
+    )
+    engine.add_argument(
+        "--max-seq-len-to-capture",
+        type=int,
+        default=None,
+        help="accepted for vLLM's scripts: a decode CUDA graph serves every length up to --max-model-len",
+    )
+    engine.add_argument(
+        "--compilation-config",
+        "-O",
+        default=None,
+        help="refused: nanoref has no compilation settings (--enforce-eager turns decode CUDA graphs off)",
+    )
     engine.add_argument(
         "--gpu-memory-utilization",
         type=float,
@@ -281,6 +390,8 @@ def main(argv: list[str] | None = None) -> int:
         "enforce_eager": args.enforce_eager,
         "tensor_parallel_size": args.tensor_parallel_size,
         **({"enable_lora": True} if args.enable_lora else {}),
+        **({"trust_remote_code": True} if args.trust_remote_code else {}),
+        **({"compilation_config": args.compilation_config} if args.compilation_config is not None else {}),
         **({"speculative_config": speculative_config} if speculative_config is not None else {}),
         **{name: getattr(args, name) for name in ENGINE_SETTINGS if getattr(args, name) is not None},
     }

@@ -72,10 +72,10 @@ class LLMEngine:
         add (engine/hooks.py; nanoref/llm.py gives them)."""
         self._lock = threading.RLock()  # held by generate, step, add_request and the aborts
         # before the model runner, which may start worker processes: a folder that fails fails before them
-        self.tokenizer = load_tokenizer(config.model_folder)
+        self.tokenizer = load_tokenizer(config.tokenizer_folder, use_fast=config.tokenizer_mode != "slow")
         self.model_runner = make_runner(config)
         self.config = config = self.model_runner.config  # (with the KV block count the runner measured)
-        self.output_processor = OutputProcessor(self.tokenizer, config.model_folder)
+        self.output_processor = OutputProcessor(self.tokenizer, config.tokenizer_folder)
         try:
             self.scheduler = Scheduler(
                 max_num_seqs=config.max_num_seqs,

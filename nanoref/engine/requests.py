@@ -18,7 +18,7 @@ def tokenize(prompt: str | list[int] | dict, tokenizer: Any | None, config: Engi
         prompt = _unpack_prompt_dict(prompt)
     if isinstance(prompt, str):
         if tokenizer is None:
-            raise ValueError(f"{config.model_folder} has no tokenizer: pass prompts as lists of token ids")
+            raise ValueError(f"{config.tokenizer_folder} has no tokenizer: pass prompts as lists of token ids")
         return tokenizer.encode(prompt)
     if isinstance(prompt, (bytes, bytearray, dict, set, frozenset)) or not hasattr(prompt, "__iter__"):
         raise TypeError(f"a prompt must be a string or a list of integer token ids, got {type(prompt).__name__}")
@@ -135,6 +135,12 @@ def check_request(token_ids: list[int], params: SamplingParams, config: EngineCo
     bad = sorted(t for t in params.allowed_token_ids or () if not t < vocab_size)
     if bad:
         raise ValueError(f"allowed_token_ids: token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+    for kind, asked in (("sample", params.logprobs), ("prompt", params.prompt_logprobs)):
+        if asked and asked > config.max_logprobs:  # (vLLM's check, and its words: 0 asks for the chosen token only)
+            raise ValueError(
+                f"Requested {kind} logprobs of {int(asked)}, which is greater than max allowed: {config.max_logprobs} "
+                "(the engine's max_logprobs)"
+            )
     limit = config.max_model_len
     if len(token_ids) >= limit:
         raise ValueError(

@@ -1184,7 +1184,7 @@ def build_app(
             return chat_prompt(
                 tokenizer,
                 body.get("messages"),
-                folder,
+                engine.config.tokenizer_folder,
                 chat_template_kwargs=body.get("chat_template_kwargs"),
                 tools=tools,
                 **options,

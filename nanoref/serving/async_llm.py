@@ -128,7 +128,7 @@ class AsyncLLM:
     def __init__(self, llm: LLM, *, owns_llm: bool = False) -> None:
         """The thread form on `llm`; owns_llm: close() also closes the LLM (from_model's)."""
         if llm.tokenizer is None:
-            raise ValueError(f"{llm.config.model_folder} has no tokenizer: streamed text needs one")
+            raise ValueError(f"{llm.config.tokenizer_folder} has no tokenizer: streamed text needs one")
         self._begin(llm, llm.tokenizer)
         self._engine: Any = EngineThread(llm, self._on_message, self._on_exit, owns_llm)
         self.config: EngineConfig = self._engine.config
@@ -182,15 +182,16 @@ class AsyncLLM:
             except BaseException:  # (a folder without a tokenizer): stop its workers now, not when the error is dropped
                 llm.close()
                 raise
-        return cls._in_process(model, settings, config.model_folder)
+        return cls._in_process(model, settings, config)
 
     @classmethod
-    def _in_process(cls, model: str | Path, settings: dict, folder: Path) -> AsyncLLM:
+    def _in_process(cls, model: str | Path, settings: dict, config: EngineConfig) -> AsyncLLM:
         from nanoref.serving.engine_process import EngineProcess
 
-        tokenizer = load_tokenizer(folder)  # this side's own, for the checks and nothing else
+        # this side's own, for the checks and nothing else
+        tokenizer = load_tokenizer(config.tokenizer_folder, use_fast=config.tokenizer_mode != "slow")
         if tokenizer is None:
-            raise ValueError(f"{folder} has no tokenizer: streamed text needs one")
+            raise ValueError(f"{config.tokenizer_folder} has no tokenizer: streamed text needs one")
         engine = cls.__new__(cls)
         engine._begin(None, tokenizer)
         engine._stats = None
@@ -235,7 +236,7 @@ class AsyncLLM:
             return
         params.structured_outputs.validate()
         if self.tokenizer is None:
-            raise ValueError(f"{self.config.model_folder} has no tokenizer: structured_outputs needs one")
+            raise ValueError(f"{self.config.tokenizer_folder} has no tokenizer: structured_outputs needs one")
         if self._grammars is None:
             self._grammars = grammars_for(self.tokenizer, self.config, self._eos_token_ids)
         self._grammars.compile(params.structured_outputs)

@@ -98,7 +98,7 @@ class EngineLoop:
 
     def __init__(self, llm: LLM, receive: Callable[[bool], list[tuple]], send: Callable[[StepMessage], None]) -> None:
         if llm.tokenizer is None:
-            raise ValueError(f"{llm.config.model_folder} has no tokenizer: streamed text needs one")
+            raise ValueError(f"{llm.config.tokenizer_folder} has no tokenizer: streamed text needs one")
         self.llm, self.receive, self.send = llm, receive, send
         self.requests: dict[int, _Active] = {}  # key -> a request queued in the engine, until its last delta
         self.errors: list[tuple[int, BaseException]] = []  # not sent yet

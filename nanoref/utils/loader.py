@@ -196,20 +196,27 @@ def _load_tensor(param: nn.Parameter, file_name: str, name: str, tensor: torch.T
         raise ModelFolderError(f"{file_name}: tensor {name!r}: {error}") from None
 
 
-def load_tokenizer(folder: Path) -> Any | None:
-    """The folder's HF tokenizer, or None when it has none (token-id prompts still work)."""
-    names = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
-    present = [name for name in names if (folder / name).exists()]
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json")  # a folder with one of these has one
+
+
+def load_tokenizer(folder: Path, use_fast: bool = True) -> Any | None:
+    """The folder's HF tokenizer, or None when it has none (token-id prompts still work). use_fast=False: the slow
+    (Python) tokenizer (vLLM's tokenizer_mode="slow"), which needs the folder's vocabulary files."""
+    present = [name for name in TOKENIZER_FILES if (folder / name).exists()]
     if not present:
         return None
     from transformers import AutoTokenizer
 
     try:
-        tokenizer = AutoTokenizer.from_pretrained(str(folder))
+        tokenizer = AutoTokenizer.from_pretrained(str(folder), use_fast=use_fast)
     except Exception as error:  # corrupt JSON, missing keys, unknown classes: all "this folder's tokenizer"
         raise ModelFolderError(
             f"{folder}: the tokenizer ({', '.join(present)}) could not be loaded: {type(error).__name__}: {error}"
         ) from None
+    if not use_fast and tokenizer.is_fast:  # (transformers 5 loads most tokenizers fast whatever it is asked)
+        raise ModelFolderError(
+            f"tokenizer_mode='slow': {folder} has no slow tokenizer that this transformers version loads; use 'auto'"
+        )
     # nanoref checks prompt lengths against max_model_len itself, with its own message; without this the
     # tokenizer first warns about its own (often unrelated) model_max_length
     tokenizer.model_max_length = 1 << 62
