@@ -111,6 +111,10 @@ class SamplingParams:
     truncate_prompt_tokens: use only the prompt's last k tokens (left truncation); -1: as many as max_model_len
         leaves room for one generated token (vLLM's -1 keeps max_model_len, which leaves none); None = the whole
         prompt.
+    bad_words: words the completion must not contain (vLLM's rule): each word's tokens (as the tokenizer encodes it
+        without its leading blanks, and with one leading space where that gives as many tokens, the first another)
+        are never completed: a word of one token is never sampled, a longer one's last token never follows the rest
+        of it; None = off.
     allowed_token_ids: sample only among these token ids (every other token's logit is -inf, after the penalties
         and masks, as a grammar's mask; with structured_outputs both hold); None = off.
     logit_bias: {token id: bias} added to those tokens' logits before sampling (penalties and masks come after),
@@ -144,6 +148,7 @@ class SamplingParams:
     n: int = 1
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
     truncate_prompt_tokens: int | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
@@ -177,6 +182,7 @@ class SamplingParams:
             or self.has_penalties
             or bool(self.logit_bias)
             or self.allowed_token_ids is not None
+            or bool(self.bad_words)
             or self.structured_outputs is not None
         )
 
@@ -246,6 +252,11 @@ class SamplingParams:
         k = self.truncate_prompt_tokens
         if k is not None and (not _is_int(k) or not (k == -1 or k >= 1)):
             raise ValueError(f"truncate_prompt_tokens must be None, -1 or an integer >= 1, got {k!r:.40}")
+        words = self.bad_words
+        if words is not None and (
+            not isinstance(words, (list, tuple)) or not all(isinstance(word, str) and word.strip() for word in words)
+        ):
+            raise ValueError(f"bad_words must be None or a list of non-blank strings, got {words!r:.80}")
         ids = self.allowed_token_ids
         if ids is not None and (
             not isinstance(ids, (list, tuple)) or not ids or not all(_is_int(t) and t >= 0 for t in ids)

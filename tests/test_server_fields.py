@@ -221,6 +221,25 @@ def test_allowed_token_ids_keep_sampling_among_them(server, offline):
     refused(server, "/v1/chat/completions", {"messages": MESSAGES, "allowed_token_ids": []}, "allowed_token_ids")
 
 
+def test_bad_words_keep_a_word_out_of_the_completion(server, offline):
+    """The word's tokens (as the tokenizer writes " is", one token) never appear in the completion's token ids (the
+    model may still spell a word with other tokens: vLLM bans the tokenizer's spellings only)."""
+    word = offline.tokenizer.encode(" is", add_special_tokens=False)
+    body = {"prompt": "Beautiful is better than", "max_tokens": 24, "temperature": 0, "return_token_ids": True}
+
+    def token_ids(**more) -> list[int]:
+        response = post(server, "/v1/completions", {**body, **more})
+        assert response.status_code == 200, response.text
+        return response.json()["choices"][0]["token_ids"]
+
+    def holds(tokens: list[int]) -> bool:
+        return any(tokens[i : i + len(word)] == word for i in range(len(tokens)))
+
+    assert holds(token_ids()), "the free completion never says it: the check is too weak"
+    assert not holds(token_ids(bad_words=["is"]))
+    refused(server, "/v1/completions", {"prompt": "x", "bad_words": "better"}, "bad_words")
+
+
 def test_truncate_prompt_tokens_keeps_the_prompts_end(server):
     client = server.client()
     long_ids = [5 + i % 900 for i in range(700)]  # past the built-in model's max_model_len (512)

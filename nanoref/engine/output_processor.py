@@ -114,6 +114,21 @@ class SampleOutput:
     # `allowed()` -> the tokens it allows next as a packed bitmask, (ceil(V / 32),) int32, read by the sampling
     # inputs; `accept(token_id)` -> whether the sample is complete after it, called here on every token
     constraint: Any = None
+    # SamplingParams.bad_words as token ids (`bad_words_token_ids`), shared by the request's samples
+    bad_words_ids: list[list[int]] = field(default_factory=list)
+
+
+def bad_words_token_ids(tokenizer: Any, words: list[str]) -> list[list[int]]:
+    """Each bad word's tokens as vLLM bans them: the word as written (its leading blanks stripped), and with one
+    leading space where that begins with another token in as many tokens (the word in the middle of a text)."""
+    banned = []
+    for word in words:
+        plain = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        banned.append(plain)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        if spaced[0] != plain[0] and len(spaced) == len(plain):
+            banned.append(spaced)
+    return banned
 
 
 @dataclass
@@ -164,10 +179,11 @@ class OutputProcessor:
     def attach(self, samples: list[Sequence], request_id: str | None, stream: bool) -> None:
         """Give a request's samples their outputs. stream: keep each one's text up to date after every step (for a
         caller that shows it as it grows); a request with stop strings gets that either way."""
-        stop = samples[0].sampling_params.stop_strings
-        if (stream or stop) and self.tokenizer is None:
-            need = "a stream of text" if stream else "stop strings"
+        stop, bad_words = samples[0].sampling_params.stop_strings, samples[0].sampling_params.bad_words
+        if (stream or stop or bad_words) and self.tokenizer is None:
+            need = "a stream of text" if stream else "stop strings" if stop else "bad_words"
             raise ValueError(f"{self.model_folder} has no tokenizer: {need} needs one")
+        banned = bad_words_token_ids(self.tokenizer, bad_words) if bad_words else []
         if samples[0].sampling_params.prompt_logprobs is not None:  # every prompt position computed (see above)
             salt = ("prompt_logprobs", samples[0].seq_id, samples[0].cache_salt)
             for seq in samples:
@@ -184,7 +200,7 @@ class OutputProcessor:
                     params.spaces_between_special_tokens,
                     hidden_stop_tokens(params, self.eos_token_ids),
                 )
-            seq.output = SampleOutput(index, request_id, detokenizer)
+            seq.output = SampleOutput(index, request_id, detokenizer, bad_words_ids=banned)
 
     @staticmethod
     def on_token(seq: Sequence) -> bool:

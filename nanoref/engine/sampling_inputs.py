@@ -91,6 +91,10 @@ def row_processing(
         masked.append((row, seq.output.constraint))  # its allowed tokens filled with the others' in build()
     if p.allowed_token_ids is not None:
         masked.append((row, pack_token_ids(p.allowed_token_ids, vocab)))  # (W,): as a constraint's allowed tokens
+    if p.bad_words and seq.output is not None:
+        banned = banned_next(seq.output.bad_words_ids, seq.completion_token_ids + more, num_unknown)
+        if banned:
+            masked.append((row, banned))
     if p.logit_bias:
         masked.append((row, list(p.logit_bias), list(p.logit_bias.values())))
     if p.has_penalties:
@@ -101,6 +105,20 @@ def row_processing(
         stop_ids = list(p.stop_token_ids) + eos
         if stop_ids:
             masked.append((row, stop_ids))
+
+
+def banned_next(bad_words_ids: list[list[int]], completion: list[int], num_unknown: int) -> list[int]:
+    """The tokens a sample may not take next: each bad word's last token where the completion ends with the rest
+    of the word (vLLM's rule: a word of one token always; the completion's own tokens only, not the prompt's)."""
+    banned = []
+    for word in bad_words_ids:
+        rest = word[:-1]
+        if rest:
+            assert not num_unknown, "a bad word of several tokens needs the completion's last tokens' values"
+            if len(rest) > len(completion) or completion[len(completion) - len(rest) :] != rest:
+                continue
+        banned.append(word[-1])
+    return banned
 
 
 def step_logprobs(seqs: list[Sequence], batch: SamplingBatch, logits: torch.Tensor) -> torch.Tensor | None:

@@ -100,6 +100,7 @@ SAMPLING_FIELDS = {
     "min_p": "min_p",
     "allowed_token_ids": "allowed_token_ids",
     "truncate_prompt_tokens": "truncate_prompt_tokens",
+    "bad_words": "bad_words",
     "seed": "seed",
     "stop": "stop",
     "n": "n",
@@ -150,7 +151,6 @@ NOT_SUPPORTED_COMMON: dict[str, tuple] = {
     "early_stopping": (False,),
     "truncation_side": ("left",),  # (truncate_prompt_tokens keeps the prompt's end, as vLLM's default side)
     "logprob_token_ids": (),
-    "bad_words": ([],),
     "priority": (0,),
     "request_id": (),
     "session_id": (),
