@@ -91,9 +91,10 @@ def schedule_ahead(scheduler: Scheduler, in_flight: list[Sequence]) -> list[Sequ
     - a running sequence is not in flight, or one in flight is mid-prompt;
     - the blocks for every row do not fit: schedule() may have to preempt, which needs finished sequences
       gone first (this keeps preemption decisions the same as the plain loop's);
-    - a sequence in flight asks for penalties, bad_words, logprobs or structured output: penalties, a bad word's
-      earlier tokens and a grammar's matcher read the token values, and logprobs are read back per step
-      (min_tokens needs only the count, which the host knows: it overlaps).
+    - a sequence in flight asks for penalties, bad words of several tokens, logprobs or structured output:
+      penalties, a bad word's earlier tokens and a grammar's matcher read the token values, and logprobs are read
+      back per step (min_tokens needs only the count, which the host knows: it overlaps; so does a one-token bad
+      word, a mask that reads no token).
     A sequence whose token count alone ends it (max_tokens, max_model_len) gets no row. One that will sample
     EOS cannot be known here: it gets a row, and the loop drops that row's token (`commit_ahead`).
     """
@@ -103,7 +104,7 @@ def schedule_ahead(scheduler: Scheduler, in_flight: list[Sequence]) -> list[Sequ
         return []  # a prompt chunk samples no token: there is nothing to feed forward
     if any(
         seq.sampling_params.has_penalties
-        or seq.sampling_params.bad_words
+        or (seq.sampling_params.bad_words and any(len(word) > 1 for word in seq.output.bad_words_ids))
         or seq.sampling_params.logprobs is not None
         or seq.sampling_params.structured_outputs is not None
         for seq in in_flight

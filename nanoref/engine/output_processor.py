@@ -16,6 +16,7 @@ prompt, and sample 0 alone scores it).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
@@ -34,7 +35,44 @@ class Logprob(NamedTuple):
     decoded_token: str | None = None
 
 
-class CompletionOutput(dict):
+def vllm_logprobs(entry: TokenLogprobs | None, token_text: Callable[[int], str | None]) -> dict[int, Logprob] | None:
+    """One position's logprobs in vLLM's form: {token id: Logprob} for the chosen token, first, then the top N
+    ranked 1..N (a chosen token among them keeps the first place, with its top-N rank), as vLLM builds it.
+    token_text: a token's text (`OutputProcessor.token_text`)."""
+    if entry is None:
+        return None
+    found = {entry.token_id: Logprob(entry.logprob, entry.rank, token_text(entry.token_id))}
+    for rank, (token_id, logprob) in enumerate(entry.top.items(), start=1):
+        found[token_id] = Logprob(
+            logprob, rank, found[token_id].decoded_token if token_id in found else token_text(token_id)
+        )
+    return found
+
+
+class VllmLogprobs:
+    """vLLM's form of a list of TokenLogprobs, made on first read: made eagerly, decoding every listed token's text
+    took 0.23 s beside a 1.0 s `generate` (32 requests x 128 tokens, logprobs=20, the built-in model on this CPU),
+    which a caller who reads the dicts' own "logprobs" never needs. Pickled, the converted lists travel and the
+    output stage's decoder stays behind."""
+
+    token_text: Callable[[int], str | None] | None = None  # the output stage's `token_text`
+    _converted: dict[str, list | None]
+
+    def _vllm_form(self, key: str) -> list[dict[int, Logprob] | None] | None:
+        converted = self.__dict__.setdefault("_converted", {})
+        if key not in converted:
+            entries = self.get(key)
+            text = self.token_text or (lambda token_id: None)
+            converted[key] = None if entries is None else [vllm_logprobs(entry, text) for entry in entries]
+        return converted[key]
+
+    def __getstate__(self) -> dict:
+        for key in self._keys:
+            self._vllm_form(key)
+        return {name: value for name, value in self.__dict__.items() if name != "token_text"}
+
+
+class CompletionOutput(VllmLogprobs, dict):
     """One sample of a finished request as `generate` returns it: a dict ("text", "token_ids", "finish_reason"; with
     stop strings "stop_reason", with logprobs "logprobs": a TokenLogprobs per token), which reads as vLLM's
     CompletionOutput too: `.index`, `.text`, `.token_ids`, `.finish_reason`, `.stop_reason` (the stop string or stop
@@ -42,7 +80,7 @@ class CompletionOutput(dict):
     and the top N; None where not asked for), `.cumulative_logprob`, `.finished()`."""
 
     stop_reason: int | str | None = None
-    vllm_logprobs: list[dict[int, Logprob]] | None = None
+    _keys = ("logprobs",)
 
     @property
     def index(self) -> int:
@@ -62,7 +100,7 @@ class CompletionOutput(dict):
 
     @property
     def logprobs(self) -> list[dict[int, Logprob]] | None:
-        return self.vllm_logprobs
+        return self._vllm_form("logprobs")
 
     @property
     def cumulative_logprob(self) -> float | None:
@@ -74,7 +112,7 @@ class CompletionOutput(dict):
         return self["finish_reason"] is not None
 
 
-class GenerateOutput(dict):
+class GenerateOutput(VllmLogprobs, dict):
     """A finished request as `generate` returns it: a dict of its sample 0 (`CompletionOutput`'s keys; "outputs"
     with every sample's when n > 1; "prompt_logprobs" where asked for), which reads as vLLM's RequestOutput too, so
     code written for vLLM's `LLM.generate` runs: `.outputs` (every sample's CompletionOutput, n >= 1),
@@ -85,8 +123,12 @@ class GenerateOutput(dict):
     request_id: str = ""
     prompt: str | None = None
     prompt_token_ids: list[int]
-    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     finished = True
+    _keys = ("prompt_logprobs",)
+
+    @property
+    def prompt_logprobs(self) -> list[dict[int, Logprob] | None] | None:
+        return self._vllm_form("prompt_logprobs")
 
     @property
     def metrics(self):
@@ -153,6 +195,7 @@ class OutputProcessor:
         # the tokenizer's; `LLM` gives the scheduler's (its config's too)
         eos = getattr(tokenizer, "eos_token_id", None)
         self.eos_token_ids: set[int] | frozenset[int] = frozenset() if eos is None else frozenset([int(eos)])
+        self._token_texts: dict[int, str] = {}  # `token_text`'s, by id
 
     # -- n samples ------------------------------------------------------------------------------
     def hold(self, samples: list[Sequence]) -> None:
@@ -255,26 +298,17 @@ class OutputProcessor:
             output["logprobs"] = seq.output.logprobs  # one TokenLogprobs per completion token
         if metrics is not None:
             output["metrics"] = metrics
-        output.stop_reason = seq.stop_reason
-        if "logprobs" in output:
-            output.vllm_logprobs = [self.vllm_logprobs(entry) for entry in output["logprobs"]]
+        output.stop_reason, output.token_text = seq.stop_reason, self.token_text
         return output
 
-    def vllm_logprobs(self, entry: TokenLogprobs | None) -> dict[int, Logprob] | None:
-        """One position's logprobs in vLLM's form: {token id: Logprob} for the chosen token, first, then the top N
-        ranked 1..N (a chosen token among them keeps the first place, with its top-N rank), as vLLM builds it."""
-        if entry is None:
+    def token_text(self, token_id: int) -> str | None:
+        """A token's text alone (vLLM's `Logprob.decoded_token`), decoded once per id; None without a tokenizer."""
+        if self.tokenizer is None:
             return None
-
-        def text(token_id: int) -> str | None:
-            return None if self.tokenizer is None else self.tokenizer.decode([token_id])
-
-        found = {entry.token_id: Logprob(entry.logprob, entry.rank, text(entry.token_id))}
-        for rank, (token_id, logprob) in enumerate(entry.top.items(), start=1):
-            found[token_id] = Logprob(
-                logprob, rank, found[token_id].decoded_token if token_id in found else text(token_id)
-            )
-        return found
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
+        return text
 
     @staticmethod
     def prompt_logprobs(seq: Sequence) -> list[TokenLogprobs | None] | None:
@@ -316,8 +350,7 @@ class OutputProcessor:
         output.request_id = first.output.request_id if first.output.request_id is not None else str(first.seq_id)
         output.prompt = prompt
         output.prompt_token_ids = first.token_ids[: first.num_prompt_tokens]
-        scored = output.get("prompt_logprobs")
-        output.prompt_logprobs = None if scored is None else [self.vllm_logprobs(entry) for entry in scored]
+        output.token_text = self.token_text
         return output
 
     def pieces(self, sent: dict[Sequence, list[int]]) -> list[StreamPiece]:
