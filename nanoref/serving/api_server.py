@@ -1111,15 +1111,12 @@ def build_app(
                 message = f"{where}the text holds a lone UTF-16 surrogate ({bad}): it is not text"
                 raise BadRequest(message, blamed[""]) from None
         try:  # the engine's checks of the prompt (empty, too long, outside the vocabulary) and of the KV budget
-            if asked_tokens is not None:  # (tokenized here to count it, once: the ids go on to the engine)
-                prompt = truncate_prompt(
-                    prompt_token_ids(prompt, engine.tokenizer, engine.config), params, engine.config
-                )
+            if asked_tokens is not None or params.max_tokens == MAX_TOKENS_LIMIT:  # (counted here, tokenized once)
+                config = engine.config
+                prompt = truncate_prompt(prompt_token_ids(prompt, engine.tokenizer, config), params, config)
+            if asked_tokens is not None:  # (the ids go on to the engine)
                 check_room(len(prompt), asked_tokens, engine.config.max_model_len, where, blamed["max_tokens"])
             elif params.max_tokens == MAX_TOKENS_LIMIT:  # chat's default: the room left, in a cache that may be smaller
-                prompt = truncate_prompt(
-                    prompt_token_ids(prompt, engine.tokenizer, engine.config), params, engine.config
-                )
                 params = replace(params, max_tokens=room_left(len(prompt), engine.config))
             if cache_salt is not None:  # (vLLM's prompt dicts)
                 prompt = {"prompt" if isinstance(prompt, str) else "prompt_token_ids": prompt, "cache_salt": cache_salt}
