@@ -177,10 +177,7 @@ class LLM(LLMEngine):
         with self._lock:
             if self.lora is not None:
                 self.lora.commit(samples)
-            super().enqueue_samples(samples)
-            if not self.config.enable_prefix_caching:  # nothing to wait for: sample 0's blocks are not theirs to read
-                for seq in self.output_processor.held_samples.pop(samples[0], []):
-                    self.enqueue(seq)
+            super().enqueue_samples(samples)  # (without prefix caching, each sample's own salt: none is held)
             if self.lora is not None:
                 self.lora.count(samples[0])
 

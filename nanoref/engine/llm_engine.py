@@ -171,10 +171,11 @@ class LLMEngine:
     def enqueue_samples(self, samples: list[Sequence]) -> None:
         """Queue a request's samples: sample 0 now, the others once its prompt is computed (after the step that
         samples its first token, `queue_held_samples`), so that they find its full prompt blocks in the prefix
-        cache. Queued together they would all prefill the prompt: blocks are published when their step ends."""
+        cache. Queued together they would all prefill the prompt: blocks are published when their step ends. (A
+        sample of another cache salt could never read those blocks: it is queued now.)"""
         with self._lock, held_interrupts():
-            self.enqueue(samples[0])
-            self.output_processor.hold(samples)
+            for seq in [samples[0], *self.output_processor.hold(samples)]:  # (and those that wait for nothing)
+                self.enqueue(seq)
 
     def queue_held_samples(self) -> None:
         """Queue the held samples whose sample 0 has computed its prompt (or finished: then there is nothing to

@@ -198,10 +198,14 @@ class OutputProcessor:
         self._token_texts: dict[int, str] = {}  # `token_text`'s, by id
 
     # -- n samples ------------------------------------------------------------------------------
-    def hold(self, samples: list[Sequence]) -> None:
-        """Hold a request's samples 1..n-1 until its sample 0 (queued now) has computed its prompt."""
-        if len(samples) > 1:
-            self.held_samples[samples[0]] = samples[1:]
+    def hold(self, samples: list[Sequence]) -> list[Sequence]:
+        """Hold a request's samples 1..n-1 until its sample 0 (queued now) has computed its prompt -> those not held:
+        a sample whose cache salt differs from sample 0's could never read its blocks, so it waits for nothing."""
+        first, rest = samples[0], samples[1:]
+        held = [seq for seq in rest if seq.cache_salt == first.cache_salt]
+        if held:
+            self.held_samples[first] = held
+        return [seq for seq in rest if seq.cache_salt != first.cache_salt]
 
     def ready_samples(self) -> list[Sequence]:
         """The held samples to queue now: those whose sample 0 has computed its prompt (or finished: then there is
