@@ -225,12 +225,11 @@ def test_bad_words_keep_a_word_out_of_the_completion(server, offline):
     """The word's tokens (as the tokenizer writes " is", one token) never appear in the completion's token ids (the
     model may still spell a word with other tokens: vLLM bans the tokenizer's spellings only)."""
     word = offline.tokenizer.encode(" is", add_special_tokens=False)
-    body = {"prompt": "Beautiful is better than", "max_tokens": 24, "temperature": 0, "return_token_ids": True}
+    client = server.client()  # (the openai client, as a user sends vLLM's extras: extra_body)
 
     def token_ids(**more) -> list[int]:
-        response = post(server, "/v1/completions", {**body, **more})
-        assert response.status_code == 200, response.text
-        return response.json()["choices"][0]["token_ids"]
+        args = dict(model=MODEL, prompt="Beautiful is better than", max_tokens=24, temperature=0)
+        return client.completions.create(**args, extra_body={"return_token_ids": True, **more}).choices[0].token_ids
 
     def holds(tokens: list[int]) -> bool:
         return any(tokens[i : i + len(word)] == word for i in range(len(tokens)))
