@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from nanoref.models import Qwen3Config, load_model_config
+from nanoref.models.generation_config import GenerationDefaults, read_generation_defaults
 from nanoref.ops.backends import BACKEND_NAMES, FLASH_ATTN_BACKENDS, choose_backend
 from nanoref.sampling_params import MAX_LOGPROBS, check_seed
 from nanoref.utils.loader import TOKENIZER_FILES, ModelFolderError, resolve_model_folder, weight_files
@@ -138,6 +139,11 @@ class EngineConfig:
     tokenizer: str | Path | None = None  # a local folder whose tokenizer serves in place of the model folder's
     tokenizer_mode: str = "auto"  # "auto" or "hf": the fast tokenizer where the folder has one; "slow": the slow one
     served_model_name: str | list[str] | None = None  # the model's name(s) in the API (the server's)
+    # the model's recommended sampling (models/generation_config.py): "auto" reads the model folder's
+    # generation_config.json (the defaults of a request that names none, and its extra EOS ids); "vllm": SamplingParams'
+    # own defaults (the file's EOS ids still stop); or a folder whose generation_config.json serves instead
+    generation_config: str | Path = "auto"
+    override_generation_config: dict | None = None  # sampling defaults laid over the file's ({"temperature": 0.7})
     # accepted and checked, and nothing in nanoref changes (see VLLM_NO_OPS below for why)
     trust_remote_code: bool = False
     download_dir: str | Path | None = None
@@ -159,6 +165,7 @@ class EngineConfig:
     architecture: str = field(init=False)  # the HF class name the model is built from
     hf_config: Qwen3Config = field(init=False)
     tokenizer_folder: Path = field(init=False)  # the tokenizer's folder: `tokenizer`, or the model folder
+    generation_defaults: GenerationDefaults = field(init=False, compare=False)  # read from generation_config
 
     def __post_init__(
         self, block_size: int | None, num_gpu_blocks_override: int | None, async_scheduling: bool | None
@@ -178,6 +185,10 @@ class EngineConfig:
         folder, architecture, hf_config = load_model_config(self.model)
         _set(self, model_folder=folder, architecture=architecture, hf_config=hf_config)
         _set(self, tokenizer_folder=folder if self.tokenizer is None else _tokenizer_folder(self.tokenizer))
+        defaults = read_generation_defaults(
+            self.generation_config, self.override_generation_config, folder, hf_config.vocab_size
+        )
+        _set(self, generation_defaults=defaults)
         _set(self, device=parse_device(self.device))
         _set(self, dtype=parse_dtype(self.dtype, self.device))
         for name in ("enforce_eager", "disable_cascade_attn"):

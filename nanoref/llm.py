@@ -129,6 +129,12 @@ class LLM(LLMEngine):
         """The model folder's tokenizer, as vLLM's LLM.get_tokenizer (None where the folder has none)."""
         return self.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The SamplingParams of a call that gives none, as vLLM's: the model's generation_config.json sampling
+        settings (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens as max_tokens) over
+        SamplingParams' defaults; SamplingParams() with generation_config="vllm" (models/generation_config.py)."""
+        return self.config.generation_defaults.sampling_params()
+
     def constrain(self, params: SamplingParams) -> Callable[[list], None]:
         """Check a request's structured_outputs and compile its grammar (cached) before anything is made ->
         what gives its samples their matchers (ValueError naming the problem: nothing is queued)."""
@@ -150,7 +156,7 @@ class LLM(LLMEngine):
     def make_samples(
         self,
         prompt: str | list[int],
-        params: SamplingParams,
+        params: SamplingParams | None,
         request_id: str | None = None,
         stream: bool = False,
         lora_request: LoRARequest | None = None,
@@ -215,7 +221,6 @@ class LLM(LLMEngine):
         lora_request: LoRARequest | None = None,
     ):
         """LLMEngine.stream, under the request's LoRA adapter (None: the base model)."""
-        params = SamplingParams() if params is None else params
         return self._stream(self.make_samples(prompt, params, request_id, stream=True, lora_request=lora_request))
 
     def chat(

@@ -51,6 +51,7 @@ ENGINE_SETTINGS = (
     "max_logprobs",
     "tokenizer",
     "tokenizer_mode",
+    "generation_config",
     "revision",
     "tokenizer_revision",
     "download_dir",
@@ -258,6 +259,21 @@ def build_parser() -> argparse.ArgumentParser:
         '\'{"model": DRAFT_FOLDER, "num_speculative_tokens": 4}\' (default: off)',
     )
     engine.add_argument(
+        "--generation-config",
+        default=None,
+        metavar="auto|vllm|FOLDER",
+        help="the defaults of the sampling fields a request leaves out: auto (the model's generation_config.json: "
+        "its temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens; default), vllm (SamplingParams' "
+        "own), or a folder whose generation_config.json serves instead",
+    )
+    engine.add_argument(
+        "--override-generation-config",
+        default=None,
+        metavar="JSON",
+        help="sampling defaults laid over the generation config's, e.g. '{\"temperature\": 0.5}'; its "
+        "max_new_tokens caps every request's max_tokens",
+    )
+    engine.add_argument(
         "--attention-backend", default="auto", help="auto, torch, triton, cpp, flash_attn or flash_attn+triton"
     )
     engine.add_argument(
@@ -312,6 +328,19 @@ def name_the_flag(parser: argparse.ArgumentParser, message: str) -> str:
     return f"{flag}: {message}" if flag else message
 
 
+def json_object(text: str | None, flag: str) -> dict | None:
+    """A flag's JSON object (None: the flag was not given); ValueError naming the flag."""
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError as error:
+        raise ValueError(f"{flag} is not valid JSON ({error}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{flag} must be a JSON object, got {text!r}")
+    return value
+
+
 class Terminated(Exception):
     """SIGTERM arrived (and uvicorn, which had it first, has shut the server down)."""
 
@@ -337,20 +366,12 @@ def main(argv: list[str] | None = None) -> int:
         print("error: --api-key must not be empty (leave it out to serve without a key)", file=sys.stderr)
         return 2
     api_key = args.api_key if args.api_key is not None else api_key_from_environment()
-    speculative_config = None
-    if args.speculative_config is not None:
-        try:
-            speculative_config = json.loads(args.speculative_config)
-        except ValueError as error:
-            print(
-                f"error: --speculative-config is not valid JSON ({error}): {args.speculative_config!r}", file=sys.stderr
-            )
-            return 2
-        if not isinstance(speculative_config, dict):
-            print(
-                f"error: --speculative-config must be a JSON object, got {args.speculative_config!r}", file=sys.stderr
-            )
-            return 2
+    try:
+        speculative_config = json_object(args.speculative_config, "--speculative-config")
+        override_generation_config = json_object(args.override_generation_config, "--override-generation-config")
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     if not 0 < args.switch_interval <= 1:
         print(f"error: --switch-interval must be in (0, 1] seconds, got {args.switch_interval}", file=sys.stderr)
         return 2
@@ -393,6 +414,7 @@ def main(argv: list[str] | None = None) -> int:
         **({"trust_remote_code": True} if args.trust_remote_code else {}),
         **({"compilation_config": args.compilation_config} if args.compilation_config is not None else {}),
         **({"speculative_config": speculative_config} if speculative_config is not None else {}),
+        **({"override_generation_config": override_generation_config} if override_generation_config else {}),
         **{name: getattr(args, name) for name in ENGINE_SETTINGS if getattr(args, name) is not None},
     }
     try:
@@ -419,6 +441,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     host, port = sock.getsockname()[:2]
     print(f"nanoref serves {name!r} on http://{host}:{port}/v1 (Ctrl-C stops it)", flush=True)
+    defaults = engine.config.generation_defaults.sampling
+    if defaults:  # (as vLLM says it: a client may not expect the model's temperature)
+        listed = ", ".join(f"{key}={value}" for key, value in defaults.items())
+        print(f"requests that leave them out sample with the model's generation config: {listed}", flush=True)
     tool_settings = {
         "enable_auto_tool_choice": args.enable_auto_tool_choice,
         "tool_call_parser": args.tool_call_parser,

@@ -110,15 +110,16 @@ class LLMEngine:
     def make_samples(
         self,
         prompt: str | list[int] | dict,
-        params: SamplingParams,
+        params: SamplingParams | None,
         request_id: str | None = None,
         stream: bool = False,
     ) -> list[Sequence]:
         """A checked request's `params.n` samples, not yet queued: everything that can fail about a request fails
         here. Sample i has `index` i and, when the request is seeded, the seed params.seed + i. stream: keep its text
         up to date after every step (`OutputProcessor.attach`). A prompt dict's "cache_salt" (vLLM's) becomes each
-        sample's `cache_salt`: the prefix cache shares their blocks only with requests of the same salt."""
-        token_ids, salt = request_tokens(prompt, params, self.tokenizer, self.config)
+        sample's `cache_salt`: the prefix cache shares their blocks only with requests of the same salt. params None:
+        the model's defaults (`EngineConfig.generation_defaults`)."""
+        token_ids, salt, params = request_tokens(prompt, params, self.tokenizer, self.config)
         samples = []
         for index in range(params.n):
             seq = Sequence(token_ids, params, self.config.kvcache_block_size, seq_id=next(self._seq_ids))
@@ -253,7 +254,7 @@ class LLMEngine:
         prompts = prompt_list(prompts)
         options = request_options or [{}] * len(prompts)
         requests = []  # every request checked before any is queued, so one bad prompt leaves nothing queued
-        for index, (prompt, params) in enumerate(zip(prompts, params_list(sampling_params, len(prompts)))):
+        for index, (prompt, params) in enumerate(zip(prompts, params_list(sampling_params, prompts, self.config))):
             try:
                 requests.append(self.make_samples(prompt, params, **options[index]))
             except (ValueError, TypeError) as error:
@@ -292,7 +293,7 @@ class LLMEngine:
         `StreamPiece` per sample and step that added tokens or text; a sample's last piece has finished=True. The
         pieces' text concatenates to `generate`'s. Closing the iterator early (a `break`) aborts the request and
         frees its blocks. The request is checked here (a bad one raises now) and queued at the first piece."""
-        samples = self.make_samples(prompt, SamplingParams() if params is None else params, request_id, stream=True)
+        samples = self.make_samples(prompt, params, request_id, stream=True)
         return self._stream(samples)
 
     def _stream(self, samples: list[Sequence]) -> Iterator[StreamPiece]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numbers
 import operator
+from dataclasses import replace
 from typing import Any
 
 from nanoref.config import EngineConfig
@@ -97,14 +98,28 @@ Prompt = str | list[int] | dict  # text, token ids, or one of vLLM's prompt dict
 
 
 def request_tokens(
-    prompt: Prompt, params: SamplingParams, tokenizer: Any | None, config: EngineConfig
-) -> tuple[list[int], str | None]:
-    """A request's prompt as the engine serves it -> (its token ids, truncated as `params` ask; its cache salt),
-    checked (`check_request`): ValueError or TypeError naming the problem."""
+    prompt: Prompt, params: SamplingParams | None, tokenizer: Any | None, config: EngineConfig
+) -> tuple[list[int], str | None, SamplingParams]:
+    """A request as the engine serves it -> (its prompt's token ids, truncated as `params` ask; its cache salt; its
+    params with the generation config's EOS ids among its stop ids: `with_generation_stops`), checked
+    (`check_request`): ValueError or TypeError naming the problem. params None: the model's defaults."""
+    params = config.generation_defaults.sampling_params() if params is None else params
     salt = prompt_cache_salt(prompt)
     token_ids = truncate_prompt(tokenize(prompt, tokenizer, config), params, config)
     check_request(token_ids, params, config)
-    return token_ids, salt
+    return token_ids, salt, with_generation_stops(params, config, tokenizer)
+
+
+def with_generation_stops(params: SamplingParams, config: EngineConfig, tokenizer: Any | None) -> SamplingParams:
+    """params, or a copy whose stop_token_ids also hold the generation config's EOS ids that are not the model's EOS
+    already (vLLM's `update_from_generation_config`: Qwen3's <|endoftext|> beside config.json's <|im_end|>). A
+    completion ended by one of them names it as its stop_reason; ignore_eos ignores them too. The caller's params
+    are never changed."""
+    if params.ignore_eos:
+        return params
+    known = eos_token_ids(config, tokenizer) | set(params.stop_token_ids)
+    extra = [t for t in config.generation_defaults.eos_token_ids if t not in known]
+    return replace(params, stop_token_ids=[*params.stop_token_ids, *extra]) if extra else params
 
 
 def prompt_text(prompt: Prompt) -> str | None:
@@ -171,10 +186,14 @@ def prompt_list(prompts: object) -> list:
     return prompts
 
 
-def params_list(sampling_params: SamplingParams | list[SamplingParams] | None, count: int) -> list[SamplingParams]:
-    """`generate`'s sampling params, one per prompt: None (the defaults) or one for all, or a list of `count`."""
+def params_list(
+    sampling_params: SamplingParams | list[SamplingParams] | None, prompts: list, config: EngineConfig
+) -> list[SamplingParams]:
+    """`generate`'s sampling params, one per prompt: None (the model's defaults: `GenerationDefaults`) or one for
+    all, or a list of one per prompt."""
+    count = len(prompts)
     if sampling_params is None:
-        sampling_params = SamplingParams()
+        sampling_params = config.generation_defaults.sampling_params()
     if isinstance(sampling_params, SamplingParams):
         return [sampling_params] * count
     if isinstance(sampling_params, (str, bytes, dict)) or not hasattr(sampling_params, "__iter__"):

@@ -77,6 +77,7 @@ from nanoref.engine.detokenizer import REPLACEMENT_CHAR, decode
 from nanoref.engine.requests import check_cache_salt, truncate_prompt
 from nanoref.engine.requests import tokenize as prompt_token_ids  # (the /tokenize route takes the name)
 from nanoref.layers.logits_processors import TokenLogprobs
+from nanoref.models.generation_config import GenerationDefaults
 from nanoref.sampling_params import MAX_TOKENS_LIMIT, SamplingParams, StructuredOutputsParams, stop_strings
 from nanoref.serving.async_llm import AsyncLLM, RequestOutput
 from nanoref.serving.lora_modules import LoRAModules, lora_routes, served_model_names
@@ -737,10 +738,11 @@ def check_limit(name: str, target: str, value: Any) -> None:
             )
 
 
-def chat_sampling_params(body: dict) -> SamplingParams:
+def chat_sampling_params(body: dict, defaults: dict) -> SamplingParams:
     """Chat's logprobs is a switch and top_logprobs the count (vLLM: logprobs=top_logprobs if logprobs); an error
     in the count names top_logprobs. With no max_tokens / max_completion_tokens a reply may fill the room the
-    context leaves after the prompt (vLLM's chat default; completions default to 16)."""
+    context leaves after the prompt (vLLM's chat default; completions default to 16). defaults: the model's
+    (`request_defaults`)."""
     body = dict(body)
     logprobs, top = body.pop("logprobs", None), body.pop("top_logprobs", None)
     if logprobs is not None and not isinstance(logprobs, bool):
@@ -749,8 +751,26 @@ def chat_sampling_params(body: dict) -> SamplingParams:
         raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
     if logprobs:
         body["top_logprobs"] = 0 if top is None else top
-        return sampling_params(body, {**CHAT_FIELDS, "top_logprobs": "logprobs"}, CHAT_DEFAULTS)
-    return sampling_params(body, CHAT_FIELDS, CHAT_DEFAULTS)
+        return sampling_params(body, {**CHAT_FIELDS, "top_logprobs": "logprobs"}, {**defaults, **CHAT_DEFAULTS})
+    return sampling_params(body, CHAT_FIELDS, {**defaults, **CHAT_DEFAULTS})
+
+
+def request_defaults(generation: GenerationDefaults) -> dict[str, Any]:
+    """The values of the sampling fields a request leaves out, where the model's generation config sets them
+    (vLLM's `default_sampling_params`: temperature, top_p, top_k, min_p, repetition_penalty); max_tokens is each
+    endpoint's own (completions 16; chat the room left, or the config's max_new_tokens where that is less)."""
+    return {name: value for name, value in generation.sampling.items() if name != "max_tokens"}
+
+
+def capped(params: SamplingParams, cap: int | None) -> SamplingParams:
+    """params with max_tokens cut to the generation config's cap (vLLM's override_max_tokens: the max_new_tokens of
+    --override-generation-config, or of a --generation-config folder), whatever the request asked for."""
+    if cap is None or params.max_tokens <= cap:
+        return params
+    try:
+        return replace(params, max_tokens=cap)
+    except ValueError as error:  # (a min_tokens above the cap)
+        raise BadRequest(f"{error} (the server's max_tokens cap is {cap})", "min_tokens") from None
 
 
 def tool_constraint(
@@ -987,6 +1007,8 @@ def build_app(
     app.state.metrics = metrics = ServerMetrics(engine, names[0])
     adapters = lora_modules or LoRAModules(engine.config, names)
     tokenizer, folder = engine.tokenizer, engine.config.model_folder
+    generation = engine.config.generation_defaults  # the model's sampling defaults (models/generation_config.py)
+    model_defaults, max_tokens_cap = request_defaults(generation), generation.max_tokens_cap
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, error: APIError) -> JSONResponse:
@@ -1117,7 +1139,8 @@ def build_app(
             if asked_tokens is not None:  # (the ids go on to the engine)
                 check_room(len(prompt), asked_tokens, engine.config.max_model_len, where, blamed["max_tokens"])
             elif params.max_tokens == MAX_TOKENS_LIMIT:  # chat's default: the room left, in a cache that may be smaller
-                params = replace(params, max_tokens=room_left(len(prompt), engine.config))
+                room = room_left(len(prompt), engine.config)  # (or the model's max_new_tokens, where that is less)
+                params = replace(params, max_tokens=min(room, generation.sampling.get("max_tokens", room)))
             if cache_salt is not None:  # (vLLM's prompt dicts)
                 prompt = {"prompt" if isinstance(prompt, str) else "prompt_token_ids": prompt, "cache_salt": cache_salt}
             return engine.generate(prompt, params, request_id, adapters.lora_request(model))
@@ -1404,7 +1427,8 @@ def build_app(
         check_fields(body, COMPLETION_HONOURED, NOT_SUPPORTED_COMPLETION)
         prompts = prompt_batch(body.get("prompt"))
         fields_body, echo, generate = echo_fields(body)
-        params = sampling_params(fields_body, COMPLETION_FIELDS, {"max_tokens": DEFAULT_COMPLETION_MAX_TOKENS})
+        completion_defaults = {**model_defaults, "max_tokens": DEFAULT_COMPLETION_MAX_TOKENS}
+        params = capped(sampling_params(fields_body, COMPLETION_FIELDS, completion_defaults), max_tokens_cap)
         add_special_tokens = check_flag(body, "add_special_tokens", True)
         salt, options = request_cache_salt(body), output_options(body)
         request_id = f"cmpl-{uuid.uuid4().hex}"
@@ -1436,7 +1460,7 @@ def build_app(
     async def chat_completions(request: Request) -> Response:
         body, heavy = await read_body(request)
         check_fields(body, CHAT_HONOURED, NOT_SUPPORTED_CHAT)
-        params = chat_sampling_params(body)
+        params = capped(chat_sampling_params(body, model_defaults), max_tokens_cap)
         try:
             tools = tool_choice(body, enable_auto_tool_choice, exclude_tools_when_tool_choice_none)
         except ToolRequestError as error:

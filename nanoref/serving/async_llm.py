@@ -215,10 +215,11 @@ class AsyncLLM:
         is awaited, and a duplicate request_id raises ValueError there. Leaving the iteration early (break,
         aclose, cancellation) aborts every sample of the request. lora_request: the LoRA adapter it runs under
         (LLM.generate's; the engine reads its folder when the request is queued). prompt: as LLM.generate's, vLLM's
-        prompt dicts included (with a "cache_salt": the prefix cache shares K/V only among requests of that salt)."""
+        prompt dicts included (with a "cache_salt": the prefix cache shares K/V only among requests of that salt).
+        params None: the model's defaults (its generation_config.json: `LLM.get_default_sampling_params`)."""
         self._check_running()
-        params = SamplingParams() if params is None else params
-        token_ids, salt = request_tokens(prompt, params, self.tokenizer, self.config)  # (the engine's own checks)
+        # the engine's own checks; params with the generation config's EOS ids among its stop ids (their text hidden)
+        token_ids, salt, params = request_tokens(prompt, params, self.tokenizer, self.config)
         check_lora_request(lora_request, self.config.enable_lora)
         if params.structured_outputs is not None:  # its grammar compiled here (cached): a bad one raises now
             self._check_constraint(params)

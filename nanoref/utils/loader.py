@@ -46,16 +46,21 @@ def read_config(folder: Path) -> dict[str, Any]:
     config_path = folder / "config.json"
     if not config_path.is_file():
         raise ModelFolderError(f"{folder} has no config.json: is it a Hugging Face model folder?")
+    return read_json_object(config_path, "a model config")
+
+
+def read_json_object(path: Path, what: str) -> dict[str, Any]:
+    """A JSON file that holds one object (what: the words for it in an error) -> the object."""
     try:
-        raw = json.loads(config_path.read_bytes().decode("utf-8"))
+        raw = json.loads(path.read_bytes().decode("utf-8"))
     except UnicodeDecodeError as error:
-        raise ModelFolderError(f"{config_path} is not UTF-8 text: {error}") from None
+        raise ModelFolderError(f"{path} is not UTF-8 text: {error}") from None
     except json.JSONDecodeError as error:
-        raise ModelFolderError(f"{config_path} is not valid JSON: {error}") from None
+        raise ModelFolderError(f"{path} is not valid JSON: {error}") from None
     except RecursionError:
-        raise ModelFolderError(f"{config_path} is nested too deeply to be a model config") from None
+        raise ModelFolderError(f"{path} is nested too deeply to be {what}") from None
     if not isinstance(raw, dict):
-        raise ModelFolderError(f"{config_path} must hold a JSON object")
+        raise ModelFolderError(f"{path} must hold a JSON object")
     return raw
 
 
