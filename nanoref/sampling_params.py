@@ -127,6 +127,8 @@ class SamplingParams:
         decoders that add spaces, e.g. WordPiece's; byte-level BPE's, Qwen's, adds none).
     structured_outputs: a StructuredOutputsParams the output must follow (JSON schema, regex, choice, grammar);
         None = free text.
+    detokenize: False: make no text (every text is "", a logprob's decoded_token None), only token ids, as vLLM's
+        (its throughput benchmarks' switch); stop strings need text, so stop with it is a ValueError.
     """
 
     temperature: float = 1.0
@@ -153,6 +155,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     structured_outputs: StructuredOutputsParams | None = None
+    detokenize: bool = True
 
     def __post_init__(self) -> None:
         if self.stop_token_ids is None:  # (vLLM's default spelling of "none")
@@ -238,7 +241,10 @@ class SamplingParams:
                 f"prompt_logprobs must be None or an integer in [0, {MAX_LOGPROBS}] (0 = each prompt token's own "
                 f"only), got {self.prompt_logprobs!r}"
             )
-        stop_strings(self.stop)
+        if stop_strings(self.stop) and self.detokenize is False:  # (vLLM's words)
+            raise ValueError(
+                "stop strings are only supported when detokenize is True. Set detokenize=True to use stop."
+            )
         if not isinstance(self.include_stop_str_in_output, bool):
             raise ValueError(
                 f"include_stop_str_in_output must be True or False, got {self.include_stop_str_in_output!r}"
@@ -246,7 +252,7 @@ class SamplingParams:
         if not _is_int(self.n) or self.n < 1:
             raise ValueError(f"n (completions per prompt) must be an integer >= 1, got {self.n!r}")
         check_logit_bias(self.logit_bias)
-        for name in ("skip_special_tokens", "spaces_between_special_tokens"):
+        for name in ("skip_special_tokens", "spaces_between_special_tokens", "detokenize"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         k = self.truncate_prompt_tokens

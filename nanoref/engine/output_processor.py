@@ -238,7 +238,7 @@ class OutputProcessor:
         for index, seq in enumerate(samples):
             params = seq.sampling_params
             detokenizer = None
-            if stream or stop:
+            if (stream or stop) and params.detokenize:  # (stop strings need text: never without detokenize)
                 detokenizer = IncrementalDetokenizer(
                     self.tokenizer,
                     stop,
@@ -274,8 +274,11 @@ class OutputProcessor:
 
     @staticmethod
     def text_so_far(seq: Sequence) -> str:
-        """A streamed sample's text so far (its final text once it finished: whatever was held back is released)."""
+        """A streamed sample's text so far (its final text once it finished: whatever was held back is released);
+        "" for a request with detokenize=False."""
         detokenizer = seq.output.detokenizer
+        if detokenizer is None:
+            return ""
         if seq.is_finished:
             detokenizer.finish()  # (again, if it was already: nothing is held back any more)
         return detokenizer.text
@@ -292,6 +295,8 @@ class OutputProcessor:
         token_ids = seq.completion_token_ids
         if seq.output.detokenizer is not None:  # its text as it grew, so the stream and generate agree
             text = self.text_so_far(seq)  # (cut at its stop string, if one matched)
+        elif not seq.sampling_params.detokenize:
+            text = ""
         else:
             text = None if self.tokenizer is None else self.decode(seq.sampling_params, token_ids)
         output = CompletionOutput() if index is None else CompletionOutput(index=index)
@@ -302,8 +307,13 @@ class OutputProcessor:
             output["logprobs"] = seq.output.logprobs  # one TokenLogprobs per completion token
         if metrics is not None:
             output["metrics"] = metrics
-        output.stop_reason, output.token_text = seq.stop_reason, self.token_text
+        output.stop_reason, output.token_text = seq.stop_reason, self.token_text_for(seq.sampling_params)
         return output
+
+    def token_text_for(self, params: SamplingParams) -> Callable[[int], str | None]:
+        """What gives a request's logprobs their decoded_token: `token_text`, or None for each with detokenize=False
+        (vLLM's)."""
+        return self.token_text if params.detokenize else lambda token_id: None
 
     def token_text(self, token_id: int) -> str | None:
         """A token's text alone (vLLM's `Logprob.decoded_token`), decoded once per id; None without a tokenizer."""
@@ -354,7 +364,7 @@ class OutputProcessor:
         output.request_id = first.output.request_id if first.output.request_id is not None else str(first.seq_id)
         output.prompt = prompt
         output.prompt_token_ids = first.token_ids[: first.num_prompt_tokens]
-        output.token_text = self.token_text
+        output.token_text = self.token_text_for(first.sampling_params)
         return output
 
     def pieces(self, sent: dict[Sequence, list[int]]) -> list[StreamPiece]:
@@ -457,7 +467,7 @@ class RequestOutputs:
                 spaces_between_special_tokens=params.spaces_between_special_tokens,
                 hidden=hidden,
             )
-            for _ in range(num_samples)
+            for _ in range(num_samples if params.detokenize else 0)  # (without: every delta's text is "")
         ]
 
     def output(self, delta: SampleDelta, text: str) -> RequestOutput:

@@ -199,7 +199,7 @@ class EngineLoop:
         tokens = seq.completion_token_ids
         if len(tokens) == sample.num_sent_tokens and not seq.is_finished:
             return None
-        streamed = seq.output.detokenizer is not None
+        streamed = seq.output.detokenizer is not None or not seq.sampling_params.detokenize  # (no text: "")
         text = self.llm.output_processor.text_so_far(seq) if streamed else None  # (the final text once finished)
         metrics = self.llm.metrics.requests.pop(seq.seq_id, None) if seq.is_finished else None
         if metrics is not None:
