@@ -29,7 +29,7 @@ from nanoref.cascade import CASCADE_MIN_SEQS, reads_shared_prefixes
 from nanoref.cascade import attach as attach_cascade
 from nanoref.config import VLLM_ALIASES, EngineConfig
 from nanoref.cuda_graphs import DecodeGraphs
-from nanoref.engine.chat import chat_prompt
+from nanoref.engine.chat import chat_prompt, check_content_format
 from nanoref.engine.hooks import EngineHooks, RunnerHooks
 from nanoref.engine.llm_engine import LLMEngine, PlainLoop
 from nanoref.engine.model_runner import ModelRunner
@@ -234,6 +234,8 @@ class LLM(LLMEngine):
         continue_final_message: bool = False,
         chat_template_kwargs: dict | None = None,
         tools: list[dict] | None = None,
+        chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
     ) -> list[GenerateOutput]:
         """Generate the assistant's reply to one conversation ([{"role", "content"}, ...]) or to each of a list of
         them, through the model folder's chat template; returns what `generate` returns, one dict per conversation.
@@ -242,8 +244,11 @@ class LLM(LLMEngine):
         message instead; chat_template_kwargs are the template's own variables (Qwen3's `enable_thinking`).
         tools: the functions the model may call, OpenAI's `[{"type": "function", "function": {...}}]`, laid out by
         the template (as vLLM's LLM.chat: the reply is text; the server's `tool_choice` parses and constrains calls).
-        Messages as `nanoref/engine/chat.py` takes them.
+        chat_template: a Jinja template's text in place of the folder's (vLLM's; a base model has none);
+        chat_template_content_format: "auto" or "string", vLLM's names for what nanoref does (a message's text parts
+        reach the template as one string). Messages as `nanoref/engine/chat.py` takes them.
         """
+        check_content_format(chat_template_content_format)
         conversations = (
             messages if messages and isinstance(messages, list) and isinstance(messages[0], list) else [messages]
         )
@@ -259,6 +264,7 @@ class LLM(LLMEngine):
                         continue_final_message=continue_final_message,
                         chat_template_kwargs=chat_template_kwargs,
                         tools=tools,
+                        chat_template=chat_template,
                     )
                 )
             except (ValueError, TypeError) as error:

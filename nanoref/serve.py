@@ -18,6 +18,7 @@ The other flags are vLLM's too, where nanoref has the feature (`--model`, `--max
 from __future__ import annotations
 
 import argparse
+import codecs
 import json
 import os
 import re
@@ -316,7 +317,40 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help='leave the tools out of the prompt of a request with tool_choice "none" (default: rendered, as vLLM)',
     )
+    chat = parser.add_argument_group("chat")
+    chat.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE|TEMPLATE",
+        help="a Jinja chat template (a file, or the template itself on one line) in place of the model folder's",
+    )
+    chat.add_argument(
+        "--chat-template-content-format",
+        default="auto",
+        help="auto or string: a message's text parts reach the template as one string (openai is refused)",
+    )
     return parser
+
+
+def load_chat_template(value: str) -> str:
+    """--chat-template's template, as vLLM reads the flag: a file's text, or the value itself where it holds Jinja's
+    characters ({, } or a newline; escapes such as \\n decoded); ValueError for a file that cannot be read, or a
+    template that does not parse."""
+    from nanoref.engine.chat import check_chat_template
+
+    try:
+        with open(value, encoding="utf-8") as file:
+            template = file.read()
+    except (OSError, UnicodeDecodeError) as error:
+        if not any(char in value for char in "{}\n"):
+            raise ValueError(
+                f"--chat-template {value!r} looks like a file path, but it cannot be read: {error}"
+            ) from None
+        template = codecs.decode(value, "unicode_escape")
+    try:
+        return check_chat_template(template)
+    except ValueError as error:
+        raise ValueError(f"--chat-template: {error}") from None
 
 
 def name_the_flag(parser: argparse.ArgumentParser, message: str) -> str:
@@ -381,6 +415,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         import uvicorn
 
+        from nanoref.engine.chat import check_content_format
         from nanoref.serving.api_server import build_app
         from nanoref.serving.async_llm import AsyncLLM
         from nanoref.serving.lora_modules import LoRAModules, parse_lora_modules, served_model_names
@@ -399,6 +434,8 @@ def main(argv: list[str] | None = None) -> int:
         if lora_modules and not args.enable_lora:
             raise ValueError("--lora-modules needs --enable-lora")
         check_tool_settings(args.enable_auto_tool_choice, args.tool_call_parser)
+        check_content_format(args.chat_template_content_format)
+        chat_template = None if args.chat_template is None else load_chat_template(args.chat_template)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
@@ -450,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
         "tool_call_parser": args.tool_call_parser,
         "exclude_tools_when_tool_choice_none": args.exclude_tools_when_tool_choice_none,
     }
-    app = build_app(engine, names, lora_modules=adapters, api_key=api_key, **tool_settings)
+    app = build_app(engine, names, lora_modules=adapters, api_key=api_key, chat_template=chat_template, **tool_settings)
     server = uvicorn.Server(uvicorn.Config(app, log_level=args.uvicorn_log_level))
     # This process is the server's own: threads share its GIL, the event loop streaming responses and the engine
     # thread stepping (or, with the engine in its own process, the thread reading its messages). A thread that

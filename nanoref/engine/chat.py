@@ -20,6 +20,8 @@ Messages arrive as OpenAI's clients send them, and reach the template as vLLM pa
   it cannot be combined with `add_generation_prompt=True` (vLLM's rule, and transformers').
 - `chat_template_kwargs` are the template's own variables (Qwen3's `enable_thinking`); one the template never
   reads would change nothing, so it is an error that names it.
+- `chat_template` (vLLM's) is a template of the caller's in place of the folder's (a base model has none); a template
+  that does not parse is an error naming its line, found before any message is rendered.
 """
 
 from __future__ import annotations
@@ -49,9 +51,13 @@ def chat_prompt(
     continue_final_message: bool = False,
     chat_template_kwargs: dict | None = None,
     tools: list[dict] | None = None,
+    chat_template: str | None = None,
 ) -> str:
     """messages ([{"role": ..., "content": ...}, ...]) as the prompt text the model's template makes of them (and the
-    tools the model may call, when given). ValueError/TypeError naming the first bad message or argument."""
+    tools the model may call, when given); chat_template: a template's text in place of the folder's.
+    ValueError/TypeError naming the first bad message or argument."""
+    if chat_template is not None:
+        check_chat_template(chat_template)
     conversation = check_messages(messages)
     for name, value in (
         ("add_generation_prompt", add_generation_prompt),
@@ -71,7 +77,7 @@ def chat_prompt(
         )
     if tokenizer is None:
         raise ValueError(f"{folder} has no tokenizer: chat needs one, with a chat template")
-    template = getattr(tokenizer, "chat_template", None)
+    template = chat_template if chat_template is not None else getattr(tokenizer, "chat_template", None)
     if not template:
         raise ValueError(
             f"{folder}'s tokenizer has no chat template: add a `chat_template` to its tokenizer_config.json, or a "
@@ -99,8 +105,39 @@ def chat_prompt(
         add_generation_prompt=add_generation_prompt,
         continue_final_message=continue_final_message,
         **({"tools": tools} if tools is not None else {}),
+        **({"chat_template": chat_template} if chat_template is not None else {}),
         **kwargs,
     )
+
+
+def check_content_format(content_format: object) -> None:
+    """vLLM's chat_template_content_format: "auto" and "string" are what nanoref does (text parts joined into one
+    string); "openai" (the parts as a list) is refused, naming why."""
+    if content_format == "openai":
+        raise ValueError(
+            "chat_template_content_format='openai' (content as a list of parts) is not available: nanoref passes a "
+            "message's text parts to the template as one string, which Qwen3's template reads; use 'auto' or 'string'"
+        )
+    if content_format not in ("auto", "string"):
+        raise ValueError(f"chat_template_content_format must be 'auto' or 'string', got {content_format!r}")
+
+
+def check_chat_template(template: object) -> str:
+    """A chat template's text, checked: a non-empty string that parses as Jinja (as transformers renders it: with
+    loop controls); TypeError or ValueError naming the problem and its line."""
+    import jinja2
+
+    if not isinstance(template, str):
+        raise TypeError(f"chat_template must be a Jinja template's text, got {type(template).__name__}")
+    if not template.strip():
+        raise ValueError("chat_template is empty")
+    try:
+        jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
+    except jinja2.TemplateSyntaxError as error:
+        raise ValueError(
+            f"chat_template does not parse as a Jinja template: line {error.lineno}: {error.message}"
+        ) from None
+    return template
 
 
 def check_template_kwargs(chat_template_kwargs: object, source: str) -> dict:

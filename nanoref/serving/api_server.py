@@ -72,7 +72,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from nanoref.config import EngineConfig
-from nanoref.engine.chat import chat_prompt
+from nanoref.engine.chat import chat_prompt, check_chat_template
 from nanoref.engine.detokenizer import REPLACEMENT_CHAR, decode
 from nanoref.engine.requests import check_cache_salt, truncate_prompt
 from nanoref.engine.requests import tokenize as prompt_token_ids  # (the /tokenize route takes the name)
@@ -985,6 +985,7 @@ def build_app(
     tool_call_parser: str | None = None,
     exclude_tools_when_tool_choice_none: bool = False,
     api_key: str | None = None,
+    chat_template: str | None = None,
 ) -> FastAPI:
     """The FastAPI app serving `engine` as the model `served_model_name` (the app does not close the engine); a
     list of names serves it under each, responses naming the first (vLLM's --served-model-name).
@@ -993,8 +994,11 @@ def build_app(
     (tool_calls.py), vLLM's settings: enable_auto_tool_choice lets the model choose ("auto") and needs
     tool_call_parser ("hermes"); exclude_tools_when_tool_choice_none leaves the tools out of a "none" request's prompt.
     api_key: the /v1 routes answer 401 to a request without `Authorization: Bearer <api_key>` (APIKeyMiddleware).
-    ValueError naming a bad setting."""
+    chat_template: a Jinja template's text that renders chat messages in place of the model folder's (vLLM's
+    --chat-template). ValueError naming a bad setting."""
     check_tool_settings(enable_auto_tool_choice, tool_call_parser)
+    if chat_template is not None:
+        check_chat_template(chat_template)
     if api_key is not None and (not isinstance(api_key, str) or not api_key):
         raise ValueError(f"api_key must be a non-empty string or None, got {api_key!r}")
     app = FastAPI(title="nanoref")
@@ -1207,6 +1211,7 @@ def build_app(
                 engine.config.tokenizer_folder,
                 chat_template_kwargs=body.get("chat_template_kwargs"),
                 tools=tools,
+                chat_template=chat_template,
                 **options,
             )
         except (ValueError, TypeError) as error:
