@@ -1200,7 +1200,10 @@ def build_app(
         return tokenizer.encode(text, add_special_tokens=False)
 
     def render_chat(body: dict, tools: list[dict] | None = None) -> str:
-        """The request's messages (and tools) through the model's chat template (a 400 naming the field at fault)."""
+        """The request's messages (and tools) through the model's chat template (a 400 naming the field at fault,
+        and naming the messages where the template itself refuses them: its raise_exception, as vLLM answers it)."""
+        import jinja2
+
         options = {}
         for name, default in (("add_generation_prompt", True), ("continue_final_message", False)):
             options[name] = check_flag(body, name, default)
@@ -1222,6 +1225,8 @@ def build_app(
             if message.startswith("cannot set both"):
                 named = ["continue_final_message"]
             raise BadRequest(message, named[0] if named else "messages") from None
+        except jinja2.TemplateError as error:
+            raise BadRequest(f"the chat template refused the messages: {error}", "messages") from None
 
     async def off_the_loop(work: Callable[[], Any], heavy: bool) -> Any:
         """work() in a worker thread when the request is long (tokenizing it would stall every stream), else here."""
