@@ -1437,7 +1437,9 @@ def build_app(
         check_fields(body, COMPLETION_HONOURED, NOT_SUPPORTED_COMPLETION)
         prompts = prompt_batch(body.get("prompt"))
         fields_body, echo, generate = echo_fields(body)
-        completion_defaults = {**model_defaults, "max_tokens": DEFAULT_COMPLETION_MAX_TOKENS}
+        # 16 where max_tokens is left out; a null one is none (vLLM's: the room left, or the model's max_new_tokens)
+        null = "max_tokens" in body and body["max_tokens"] is None
+        completion_defaults = {**model_defaults, "max_tokens": None if null else DEFAULT_COMPLETION_MAX_TOKENS}
         params = capped(sampling_params(fields_body, COMPLETION_FIELDS, completion_defaults), max_tokens_cap)
         add_special_tokens = check_flag(body, "add_special_tokens", True)
         salt, options = request_cache_salt(body), output_options(body)
