@@ -89,6 +89,31 @@ def test_the_server_renders_chat_and_tokenize_with_its_chat_template(llm):
         assert tokens == llm.get_tokenizer().encode(RENDERED, add_special_tokens=False)
 
 
+STRICT = (  # (the kind of check Gemma's and Mistral's templates make)
+    "{% if messages[0]['role'] != 'user' %}{{ raise_exception('the first message must be the user\\'s') }}"
+    "{% endif %}" + TEMPLATE
+)
+
+
+def test_a_chat_template_that_refuses_the_messages_is_a_400_naming_them():
+    pytest.importorskip("openai")
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("uvicorn")
+    from nanoref.serving.async_llm import AsyncLLM
+
+    from .helpers import running_server
+
+    system_first = [{"role": "system", "content": "Be brief."}, *MESSAGES]
+    with running_server(AsyncLLM(LLM(device="cpu"), owns_llm=True), "m", chat_template=STRICT) as server:
+        for route, body in (("/v1/chat/completions", {"model": "m", "max_tokens": 2}), ("/tokenize", {})):
+            reply = httpx.post(f"{server.url}{route}", json={**body, "messages": system_first}, timeout=30)
+            assert reply.status_code == 400, (route, reply.text)
+            error = reply.json()["error"]
+            assert "the first message must be the user's" in error["message"] and error["param"] == "messages"
+        ok = httpx.post(f"{server.url}/tokenize", json={"messages": MESSAGES}, timeout=30)  # (the control)
+        assert ok.status_code == 200
+
+
 def test_serve_reads_chat_template_as_vllm_does(tmp_path, capsys):
     from nanoref.serve import load_chat_template, main
 
@@ -102,3 +127,22 @@ def test_serve_reads_chat_template_as_vllm_does(tmp_path, capsys):
     assert "error: --chat-template: chat_template does not parse as a Jinja template" in capsys.readouterr().err
     assert main(["--device", "cpu", "--port", "0", "--chat-template-content-format", "openai"]) == 2
     assert "chat_template_content_format='openai'" in capsys.readouterr().err
+
+
+def test_a_chat_template_given_is_the_one_its_errors_name(llm):
+    """The folder's template renders tools and tool_calls: an error about a template given in its place names that
+    one, not the folder's."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    call = {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    calling = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [call]}]
+    for kwargs, conversation, what in [
+        (dict(tools=tools), MESSAGES, "never renders tools"),
+        ({}, calling, "never renders tool_calls"),
+    ]:
+        llm.chat(conversation, SamplingParams(max_tokens=1), use_tqdm=False, **kwargs)  # (the control: the folder's)
+        with pytest.raises(ValueError, match=f"the chat_template given {what}") as raised:
+            llm.chat(conversation, GREEDY, use_tqdm=False, chat_template=TEMPLATE, **kwargs)
+        assert str(DEFAULT_MODEL) not in str(raised.value)
+    with pytest.raises(ValueError, match="'enable_thinking' is not a variable of the chat_template given"):
+        llm.chat(MESSAGES, GREEDY, use_tqdm=False, chat_template=TEMPLATE, chat_template_kwargs={"enable_thinking": 0})
+    assert llm.is_finished()

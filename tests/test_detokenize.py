@@ -81,3 +81,14 @@ def test_stop_strings_need_detokenize():
         SamplingParams(stop=["."], detokenize=False)
     with pytest.raises(ValueError, match="detokenize must be True or False, got 'no'"):
         SamplingParams(detokenize="no")
+
+
+def test_detokenize_false_streams_from_a_folder_without_a_tokenizer(tiny_model):
+    llm = LLM(str(tiny_model), device="cpu")  # (no tokenizer: generate gives token ids alone)
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, detokenize=False)
+    expected = llm.generate([[3, 1, 4, 1, 5]], params, use_tqdm=False)[0]["token_ids"]
+    pieces = list(llm.stream([3, 1, 4, 1, 5], params))
+    assert [t for piece in pieces for t in piece.token_ids] == expected and len(expected) == 5
+    assert all(piece.text == "" for piece in pieces) and pieces[-1].finished
+    with pytest.raises(ValueError, match="has no tokenizer: a stream of text needs one"):  # (the control)
+        llm.stream([3, 1, 4, 1, 5], SamplingParams(max_tokens=5))

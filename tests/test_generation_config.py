@@ -212,3 +212,21 @@ def test_a_generation_config_folders_max_new_tokens_caps_every_request_on_the_se
         with pytest.raises(openai.BadRequestError, match=r"min_tokens.*max_tokens cap is 5") as raised:
             client.completions.create(model="m", prompt=PROMPTS[0], max_tokens=10, extra_body={"min_tokens": 8})
         assert raised.value.body["param"] == "min_tokens"
+
+
+def test_a_completion_that_sends_max_tokens_null_gets_the_room_left_or_the_models_max_new_tokens(tmp_path):
+    """vLLM's completions default to 16 only where max_tokens is left out: a null one is no limit of the request's
+    (vLLM's get_max_tokens: the generation config's max_new_tokens, or the room the context leaves)."""
+    folder = model_with(tmp_path, {"temperature": 0.0, "max_new_tokens": 20})
+    with served_server({"model": folder, "max_model_len": 64}) as server:
+        client = server.client()
+        for prompt in (PROMPTS[0], " ".join(PROMPTS * 3)):  # room 59 (the file's 20 is less), then room < 20
+            completion = client.completions.create(
+                model="m", prompt=prompt, max_tokens=None, extra_body={"ignore_eos": True}
+            )
+            room = 64 - completion.usage.prompt_tokens
+            assert completion.usage.completion_tokens == min(20, room)
+            assert completion.choices[0].finish_reason == "length"
+        assert room < 20  # (the second prompt's)
+        left_out = client.completions.create(model="m", prompt=PROMPTS[0], extra_body={"ignore_eos": True})
+        assert left_out.usage.completion_tokens == 16  # (the control: completions' own default)

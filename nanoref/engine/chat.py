@@ -84,21 +84,22 @@ def chat_prompt(
             "chat_template.jinja file (or send plain prompts to completions instead)"
         )
     source = template if isinstance(template, str) else "\n".join(template.values())  # (named templates: a dict)
+    whose = f"{folder}'s chat template" if chat_template is None else "the chat_template given"  # (the one rendering)
     for index, message in enumerate(conversation):
         if "tool_calls" in message and "tool_calls" not in source:
             raise ValueError(
-                f"messages[{index}] has tool_calls, but {folder}'s chat template never renders tool_calls (they would "
-                "be left out of the prompt): use a model whose template does, such as Qwen3's"
+                f"messages[{index}] has tool_calls, but {whose} never renders tool_calls (they would be left out of "
+                "the prompt): use a template that does, such as Qwen3's"
             )
     if tools is not None:
         if not isinstance(tools, list) or not all(isinstance(tool, dict) for tool in tools):
             raise TypeError(f"tools must be a list of tool dicts, got {tools!r:.80}")
         if "tools" not in source:
             raise ValueError(
-                f"tools are given, but {folder}'s chat template never renders tools (the model would not see them): "
-                "use a model whose template does, such as Qwen3's"
+                f"tools are given, but {whose} never renders tools (the model would not see them): use a template "
+                "that does, such as Qwen3's"
             )
-    kwargs = check_template_kwargs(chat_template_kwargs, source)
+    kwargs = check_template_kwargs(chat_template_kwargs, source, chat_template is not None)
     return tokenizer.apply_chat_template(
         conversation,
         tokenize=False,
@@ -140,8 +141,9 @@ def check_chat_template(template: object) -> str:
     return template
 
 
-def check_template_kwargs(chat_template_kwargs: object, source: str) -> dict:
-    """chat_template_kwargs as a dict of the template's own variables; ValueError naming one it never reads."""
+def check_template_kwargs(chat_template_kwargs: object, source: str, given: bool = False) -> dict:
+    """chat_template_kwargs as a dict of the template's own variables; ValueError naming one it never reads.
+    given: the template is the caller's chat_template, not the model's."""
     if chat_template_kwargs is None:
         return {}
     if not isinstance(chat_template_kwargs, dict) or not all(isinstance(k, str) for k in chat_template_kwargs):
@@ -154,9 +156,10 @@ def check_template_kwargs(chat_template_kwargs: object, source: str) -> dict:
     used = template_variables(source)
     unused = sorted(set(chat_template_kwargs) - used) if used is not None else []
     if unused:
+        whose = "the chat_template given" if given else "this model's chat template"
         raise ValueError(
-            f"chat_template_kwargs: {unused[0]!r} is not a variable of this model's chat template, so it would change "
-            f"nothing (the template reads: {sorted(used - {'messages', 'add_generation_prompt'})})"
+            f"chat_template_kwargs: {unused[0]!r} is not a variable of {whose}, so it would change nothing "
+            f"(the template reads: {sorted(used - {'messages', 'add_generation_prompt'})})"
         )
     return dict(chat_template_kwargs)
 

@@ -227,8 +227,9 @@ class OutputProcessor:
         """Give a request's samples their outputs. stream: keep each one's text up to date after every step (for a
         caller that shows it as it grows); a request with stop strings gets that either way."""
         stop, bad_words = samples[0].sampling_params.stop_strings, samples[0].sampling_params.bad_words
-        if (stream or stop or bad_words) and self.tokenizer is None:
-            need = "a stream of text" if stream else "stop strings" if stop else "bad_words"
+        text = stream and samples[0].sampling_params.detokenize  # (detokenize=False streams token ids alone)
+        if (text or stop or bad_words) and self.tokenizer is None:
+            need = "a stream of text" if text else "stop strings" if stop else "bad_words"
             raise ValueError(f"{self.model_folder} has no tokenizer: {need} needs one")
         banned = bad_words_token_ids(self.tokenizer, bad_words) if bad_words else []
         if samples[0].sampling_params.prompt_logprobs is not None:  # every prompt position computed (see above)

@@ -1200,7 +1200,10 @@ def build_app(
         return tokenizer.encode(text, add_special_tokens=False)
 
     def render_chat(body: dict, tools: list[dict] | None = None) -> str:
-        """The request's messages (and tools) through the model's chat template (a 400 naming the field at fault)."""
+        """The request's messages (and tools) through the model's chat template (a 400 naming the field at fault,
+        and naming the messages where the template itself refuses them: its raise_exception, as vLLM answers it)."""
+        import jinja2
+
         options = {}
         for name, default in (("add_generation_prompt", True), ("continue_final_message", False)):
             options[name] = check_flag(body, name, default)
@@ -1222,6 +1225,8 @@ def build_app(
             if message.startswith("cannot set both"):
                 named = ["continue_final_message"]
             raise BadRequest(message, named[0] if named else "messages") from None
+        except jinja2.TemplateError as error:
+            raise BadRequest(f"the chat template refused the messages: {error}", "messages") from None
 
     async def off_the_loop(work: Callable[[], Any], heavy: bool) -> Any:
         """work() in a worker thread when the request is long (tokenizing it would stall every stream), else here."""
@@ -1432,7 +1437,9 @@ def build_app(
         check_fields(body, COMPLETION_HONOURED, NOT_SUPPORTED_COMPLETION)
         prompts = prompt_batch(body.get("prompt"))
         fields_body, echo, generate = echo_fields(body)
-        completion_defaults = {**model_defaults, "max_tokens": DEFAULT_COMPLETION_MAX_TOKENS}
+        # 16 where max_tokens is left out; a null one is none (vLLM's: the room left, or the model's max_new_tokens)
+        null = "max_tokens" in body and body["max_tokens"] is None
+        completion_defaults = {**model_defaults, "max_tokens": None if null else DEFAULT_COMPLETION_MAX_TOKENS}
         params = capped(sampling_params(fields_body, COMPLETION_FIELDS, completion_defaults), max_tokens_cap)
         add_special_tokens = check_flag(body, "add_special_tokens", True)
         salt, options = request_cache_salt(body), output_options(body)
