@@ -138,6 +138,16 @@ def test_min_tokens_matches_hf_min_new_tokens(tiny_model, tmp_path):
     assert_no_block_leaked(llm)
 
 
+def test_min_tokens_masks_eos_under_ignore_eos_too():
+    """vLLM masks every stop id before min_tokens, EOS included whatever ignore_eos says (ignore_eos only keeps EOS
+    from ending the request): a bias that makes EOS certain shows it nowhere in the first min_tokens tokens."""
+    llm = LLM(device="cpu")
+    eos = llm.get_tokenizer().eos_token_id
+    params = SamplingParams(temperature=0, max_tokens=6, min_tokens=3, ignore_eos=True, logit_bias={eos: 100.0})
+    tokens = llm.generate(["Beautiful is better than"], params, use_tqdm=False)[0]["token_ids"]
+    assert len(tokens) == 6 and eos not in tokens[:3] and tokens[3:] == [eos] * 3
+
+
 @pytest.mark.parametrize("ignore_eos", [False, True])
 def test_the_schedulers_finish_rule_lets_no_stop_token_end_a_request_short_of_min_tokens(ignore_eos):
     """The scheduler's own rule, the sampler's mask aside (which keeps stop tokens from being sampled there at all):

@@ -101,7 +101,8 @@ def row_processing(
         prompt, completion = seq.token_ids[: seq.num_prompt_tokens], seq.completion_token_ids + more
         penalised.append((row, prompt, completion, p.presence_penalty, p.frequency_penalty, p.repetition_penalty))
     if seq.num_completion_tokens + len(more) + num_unknown < p.min_tokens:
-        eos = [] if p.ignore_eos else sorted(t for t in eos_token_ids if t < vocab)  # (a tokenizer's may not be)
+        # EOS too under ignore_eos, as vLLM masks every stop id before min_tokens (a tokenizer's id may be past vocab)
+        eos = sorted(t for t in eos_token_ids if t < vocab)
         stop_ids = list(p.stop_token_ids) + eos
         if stop_ids:
             masked.append((row, stop_ids))
