@@ -317,6 +317,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help='leave the tools out of the prompt of a request with tool_choice "none" (default: rendered, as vLLM)',
     )
+    parser.add_argument(
+        "--enable-request-id-headers",
+        action="store_true",
+        help="every response carries X-Request-Id: the request's own header, else a fresh id (vLLM's flag)",
+    )
     chat = parser.add_argument_group("chat")
     chat.add_argument(
         "--chat-template",
@@ -487,7 +492,15 @@ def main(argv: list[str] | None = None) -> int:
         "tool_call_parser": args.tool_call_parser,
         "exclude_tools_when_tool_choice_none": args.exclude_tools_when_tool_choice_none,
     }
-    app = build_app(engine, names, lora_modules=adapters, api_key=api_key, chat_template=chat_template, **tool_settings)
+    app = build_app(
+        engine,
+        names,
+        lora_modules=adapters,
+        api_key=api_key,
+        chat_template=chat_template,
+        enable_request_id_headers=args.enable_request_id_headers,
+        **tool_settings,
+    )
     server = uvicorn.Server(uvicorn.Config(app, log_level=args.uvicorn_log_level))
     # This process is the server's own: threads share its GIL, the event loop streaming responses and the engine
     # thread stepping (or, with the engine in its own process, the thread reading its messages). A thread that

@@ -133,8 +133,8 @@ CHAT_HONOURED |= {"tools", "tool_choice", "parallel_tool_calls"}  # (tool_calls.
 CHAT_HONOURED |= {"logprobs", "top_logprobs", "add_generation_prompt", "continue_final_message", "chat_template_kwargs"}
 # vLLM's: the prefix cache's salt, and the token ids in the response (see `respond`)
 OUTPUT_FIELDS = {"cache_salt", "return_token_ids", "return_tokens_as_token_ids"}
-COMPLETION_HONOURED |= OUTPUT_FIELDS
-CHAT_HONOURED |= OUTPUT_FIELDS
+COMPLETION_HONOURED |= OUTPUT_FIELDS | {"request_id"}  # (vLLM's: the response's id, unless X-Request-Id names one)
+CHAT_HONOURED |= OUTPUT_FIELDS | {"request_id"}
 # - accepted and unused, as vLLM takes them: who is asking, and a hint for a cache this server keeps by itself
 ACCEPTED_UNUSED = {"user", "safety_identifier", "prompt_cache_key"}
 # - not supported: a 400 naming the field unless it is null or one of these values (its default: "off")
@@ -153,7 +153,6 @@ NOT_SUPPORTED_COMMON: dict[str, tuple] = {
     "truncation_side": ("left",),  # (truncate_prompt_tokens keeps the prompt's end, as vLLM's default side)
     "logprob_token_ids": (),
     "priority": (0,),
-    "request_id": (),
     "session_id": (),
     "return_token_offsets": (False,),
     "return_mm_kwargs": (True,),
@@ -279,6 +278,29 @@ class APIKeyMiddleware:
                 await JSONResponse(error_body(message, None, 401), 401, headers=headers)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+class RequestIdHeaderMiddleware:
+    """vLLM's --enable-request-id-headers: every response carries `X-Request-Id`, the request's own header where it
+    sent one, else a fresh id (streamed responses too: the header is added as the response starts)."""
+
+    def __init__(self, app: Callable) -> None:
+        self.app = app
+
+    async def __call__(self, scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope["headers"]).get(b"x-request-id")
+        request_id = given if given is not None else uuid.uuid4().hex.encode()
+
+        async def send_with_id(message: dict) -> None:
+            if message["type"] == "http.response.start":
+                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"x-request-id"]
+                message = {**message, "headers": [*headers, (b"x-request-id", request_id)]}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
 
 
 def is_json_content_type(value: str | None) -> bool:
@@ -986,6 +1008,7 @@ def build_app(
     exclude_tools_when_tool_choice_none: bool = False,
     api_key: str | None = None,
     chat_template: str | None = None,
+    enable_request_id_headers: bool = False,
 ) -> FastAPI:
     """The FastAPI app serving `engine` as the model `served_model_name` (the app does not close the engine); a
     list of names serves it under each, responses naming the first (vLLM's --served-model-name).
@@ -995,7 +1018,8 @@ def build_app(
     tool_call_parser ("hermes"); exclude_tools_when_tool_choice_none leaves the tools out of a "none" request's prompt.
     api_key: the /v1 routes answer 401 to a request without `Authorization: Bearer <api_key>` (APIKeyMiddleware).
     chat_template: a Jinja template's text that renders chat messages in place of the model folder's (vLLM's
-    --chat-template). ValueError naming a bad setting."""
+    --chat-template); enable_request_id_headers: every response carries X-Request-Id (RequestIdHeaderMiddleware).
+    ValueError naming a bad setting."""
     check_tool_settings(enable_auto_tool_choice, tool_call_parser)
     if chat_template is not None:
         check_chat_template(chat_template)
@@ -1004,6 +1028,8 @@ def build_app(
     app = FastAPI(title="nanoref")
     if api_key is not None:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    if enable_request_id_headers:
+        app.add_middleware(RequestIdHeaderMiddleware)
     names = served_model_names(served_model_name)
     if lora_modules is not None and lora_modules.names != names:
         raise ValueError(f"lora_modules serves the base model as {lora_modules.names!r}, the app as {names!r}")
@@ -1184,6 +1210,17 @@ def build_app(
             return check_cache_salt(body.get("cache_salt"))
         except (TypeError, ValueError) as error:
             raise BadRequest(str(error), "cache_salt") from None
+
+    def request_ids(request: Request, body: dict, prefix: str) -> tuple[str, str]:
+        """vLLM's request id -> (the response's id: prefix + the X-Request-Id header, else the body's request_id, else
+        a fresh id; the engine's id for it, unique whatever a client sends: two requests may share an id)."""
+        given = request.headers.get("x-request-id", body.get("request_id"))
+        if given is not None and not isinstance(given, str):
+            raise BadRequest(f"request_id must be a string, got {type(given).__name__}", "request_id")
+        fresh = uuid.uuid4().hex
+        if given is None:
+            return prefix + fresh, prefix + fresh
+        return prefix + given, f"{prefix}{given}-{fresh[:8]}"
 
     def output_options(body: dict) -> dict[str, bool]:
         """vLLM's return_token_ids and return_tokens_as_token_ids, checked -> `respond`'s keywords."""
@@ -1443,7 +1480,7 @@ def build_app(
         params = capped(sampling_params(fields_body, COMPLETION_FIELDS, completion_defaults), max_tokens_cap)
         add_special_tokens = check_flag(body, "add_special_tokens", True)
         salt, options = request_cache_salt(body), output_options(body)
-        request_id = f"cmpl-{uuid.uuid4().hex}"
+        request_id, engine_id = request_ids(request, body, "cmpl-")
         blamed = blamed_fields(body, "prompt")
         asked = params.max_tokens if body.get("max_tokens") else None  # (0 with echo: the prompt alone)
 
@@ -1454,7 +1491,7 @@ def build_app(
                 if isinstance(prompt, str):
                     prompt = encode(prompt, add_special_tokens)
                 model = body.get("model")
-                streams.append(start(prompt, params, blamed, f"{request_id}-{i}", where, model, asked, salt))
+                streams.append(start(prompt, params, blamed, f"{engine_id}-{i}", where, model, asked, salt))
             return streams
 
         def echo_texts() -> list[str]:  # (a prompt of token ids: its decoded text)
@@ -1480,14 +1517,14 @@ def build_app(
         params, blamed = tool_constraint(body, params, tools, blamed_fields(body, "messages"))
         add_special_tokens = check_flag(body, "add_special_tokens", False)  # (vLLM's: the template writes them)
         salt, options = request_cache_salt(body), output_options(body)
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        request_id, engine_id = request_ids(request, body, "chatcmpl-")
         asked = params.max_tokens if body.get(blamed["max_tokens"]) is not None else None
 
         def open_stream() -> list[AsyncIterator[RequestOutput]]:
             prompt = encode(render_chat(body, tools.tools if tools else None), add_special_tokens)
             model = body.get("model")
             try:
-                return [start(prompt, params, blamed, request_id, model=model, asked_tokens=asked, cache_salt=salt)]
+                return [start(prompt, params, blamed, engine_id, model=model, asked_tokens=asked, cache_salt=salt)]
             except BadRequest as error:  # (the grammar library refused the schema made of the tools)
                 if error.param != "tools" or tools is None:
                     raise
