@@ -33,6 +33,8 @@ UVICORN_LOG_LEVELS = ["critical", "error", "warning", "info", "debug", "trace"] 
 API_KEY_VARIABLES = ("VLLM_API_KEY", "NANOREF_API_KEY")  # --api-key's default, in this order
 # the engine settings whose flag is the setting's name in vLLM's spelling (--max-num-seqs -> max_num_seqs), passed
 # to the engine only when given: the engine's own defaults (per device) apply otherwise
+# vLLM's CORS flags that take a JSON list (and --allow-credentials): build_app's settings of the same names
+CORS_LISTS = ("allowed_origins", "allowed_methods", "allowed_headers")
 ENGINE_SETTINGS = (
     "max_num_seqs",
     "max_num_batched_tokens",
@@ -322,6 +324,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="every response carries X-Request-Id: the request's own header, else a fresh id (vLLM's flag)",
     )
+    cors = parser.add_argument_group("CORS (which web pages may call the server from a browser)")
+    for name in CORS_LISTS:
+        flag = "--" + name.replace("_", "-")
+        cors.add_argument(flag, default=None, metavar="JSON", help=f'a JSON list of {name[8:]} (default ["*"])')
+    cors.add_argument("--allow-credentials", action="store_true", help="allow credentials (cookies, default: no)")
     chat = parser.add_argument_group("chat")
     chat.add_argument(
         "--chat-template",
@@ -367,6 +374,19 @@ def name_the_flag(parser: argparse.ArgumentParser, message: str) -> str:
     return f"{flag}: {message}" if flag else message
 
 
+def json_list(text: str | None, flag: str) -> list[str] | None:
+    """A flag's JSON list of strings (None: the flag was not given); ValueError naming the flag."""
+    if text is None:
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError as error:
+        raise ValueError(f"{flag} is not valid JSON ({error}): {text!r}") from None
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        raise ValueError(f"{flag} must be a JSON list of strings, e.g. '[\"*\"]', got {text!r}")
+    return value
+
+
 def json_object(text: str | None, flag: str) -> dict | None:
     """A flag's JSON object (None: the flag was not given); ValueError naming the flag."""
     if text is None:
@@ -407,6 +427,7 @@ def main(argv: list[str] | None = None) -> int:
     api_key = args.api_key if args.api_key is not None else api_key_from_environment()
     try:
         speculative_config = json_object(args.speculative_config, "--speculative-config")
+        cors = {name: json_list(getattr(args, name), "--" + name.replace("_", "-")) for name in CORS_LISTS}
         override_generation_config = json_object(args.override_generation_config, "--override-generation-config")
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
@@ -499,6 +520,8 @@ def main(argv: list[str] | None = None) -> int:
         api_key=api_key,
         chat_template=chat_template,
         enable_request_id_headers=args.enable_request_id_headers,
+        allow_credentials=args.allow_credentials,
+        **{name: value for name, value in cors.items() if value is not None},
         **tool_settings,
     )
     server = uvicorn.Server(uvicorn.Config(app, log_level=args.uvicorn_log_level))

@@ -65,6 +65,7 @@ from itertools import islice
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -1009,6 +1010,10 @@ def build_app(
     api_key: str | None = None,
     chat_template: str | None = None,
     enable_request_id_headers: bool = False,
+    allowed_origins: list[str] = ("*",),
+    allow_credentials: bool = False,
+    allowed_methods: list[str] = ("*",),
+    allowed_headers: list[str] = ("*",),
 ) -> FastAPI:
     """The FastAPI app serving `engine` as the model `served_model_name` (the app does not close the engine); a
     list of names serves it under each, responses naming the first (vLLM's --served-model-name).
@@ -1019,7 +1024,8 @@ def build_app(
     api_key: the /v1 routes answer 401 to a request without `Authorization: Bearer <api_key>` (APIKeyMiddleware).
     chat_template: a Jinja template's text that renders chat messages in place of the model folder's (vLLM's
     --chat-template); enable_request_id_headers: every response carries X-Request-Id (RequestIdHeaderMiddleware).
-    ValueError naming a bad setting."""
+    allowed_origins, allow_credentials, allowed_methods, allowed_headers: CORS, vLLM's settings and defaults (a page
+    of any origin may call the server from a browser, as vLLM's allows). ValueError naming a bad setting."""
     check_tool_settings(enable_auto_tool_choice, tool_call_parser)
     if chat_template is not None:
         check_chat_template(chat_template)
@@ -1030,6 +1036,20 @@ def build_app(
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     if enable_request_id_headers:
         app.add_middleware(RequestIdHeaderMiddleware)
+    cors = {"allowed_origins": allowed_origins, "allowed_methods": allowed_methods, "allowed_headers": allowed_headers}
+    for name, values in cors.items():
+        if isinstance(values, str) or not all(isinstance(value, str) for value in values):
+            raise ValueError(f"{name} must be a list of strings, got {values!r}")
+    if not isinstance(allow_credentials, bool):
+        raise ValueError(f"allow_credentials must be True or False, got {allow_credentials!r}")
+    # outermost: a browser can read the API key check's 401 too (a preflight, unasked for a key, passes that check)
+    app.add_middleware(
+        CORSMiddleware,
+        allow_origins=list(allowed_origins),
+        allow_credentials=allow_credentials,
+        allow_methods=list(allowed_methods),
+        allow_headers=list(allowed_headers),
+    )
     names = served_model_names(served_model_name)
     if lora_modules is not None and lora_modules.names != names:
         raise ValueError(f"lora_modules serves the base model as {lora_modules.names!r}, the app as {names!r}")
