@@ -324,6 +324,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="every response carries X-Request-Id: the request's own header, else a fresh id (vLLM's flag)",
     )
+    parser.add_argument(
+        "--enable-prompt-tokens-details",
+        action="store_true",
+        help="usage.prompt_tokens_details.cached_tokens: the prompt tokens the prefix cache served (vLLM's flag)",
+    )
     cors = parser.add_argument_group("CORS (which web pages may call the server from a browser)")
     for name in CORS_LISTS:
         flag = "--" + name.replace("_", "-")
@@ -520,6 +525,7 @@ def main(argv: list[str] | None = None) -> int:
         api_key=api_key,
         chat_template=chat_template,
         enable_request_id_headers=args.enable_request_id_headers,
+        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
         allow_credentials=args.allow_credentials,
         **{name: value for name, value in cors.items() if value is not None},
         **tool_settings,

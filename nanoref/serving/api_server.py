@@ -544,6 +544,7 @@ class Choice:
     index: int
     text: str = ""
     num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # of its prompt, served from the prefix cache (known once it finished)
     num_tokens: int = 0
     num_logprobs: int | None = None  # the request's logprobs count (None: none asked for)
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # not sent yet
@@ -566,6 +567,8 @@ class Choice:
         with the prompt's). prompt_logprobs: its request's (they come with sample 0's first output)."""
         first = self.num_prompt_tokens == 0
         self.num_prompt_tokens = out.num_prompt_tokens
+        if out.metrics is not None:
+            self.num_cached_tokens = out.metrics.num_cached_tokens
         self.prompt_token_ids = out.prompt_token_ids
         self.prompt_logprobs = self.prompt_logprobs or prompt_logprobs
         if first and self.echo is not None and self.num_logprobs is not None:
@@ -1010,6 +1013,7 @@ def build_app(
     api_key: str | None = None,
     chat_template: str | None = None,
     enable_request_id_headers: bool = False,
+    enable_prompt_tokens_details: bool = False,
     allowed_origins: list[str] = ("*",),
     allow_credentials: bool = False,
     allowed_methods: list[str] = ("*",),
@@ -1023,7 +1027,9 @@ def build_app(
     tool_call_parser ("hermes"); exclude_tools_when_tool_choice_none leaves the tools out of a "none" request's prompt.
     api_key: the /v1 routes answer 401 to a request without `Authorization: Bearer <api_key>` (APIKeyMiddleware).
     chat_template: a Jinja template's text that renders chat messages in place of the model folder's (vLLM's
-    --chat-template); enable_request_id_headers: every response carries X-Request-Id (RequestIdHeaderMiddleware).
+    --chat-template); enable_request_id_headers: every response carries X-Request-Id (RequestIdHeaderMiddleware);
+    enable_prompt_tokens_details: usage gains vLLM's prompt_tokens_details.cached_tokens (the prompt tokens the
+    prefix cache served), where there were any.
     allowed_origins, allow_credentials, allowed_methods, allowed_headers: CORS, vLLM's settings and defaults (a page
     of any origin may call the server from a browser, as vLLM's allows). ValueError naming a bad setting."""
     check_tool_settings(enable_auto_tool_choice, tool_call_parser)
@@ -1362,7 +1368,11 @@ def build_app(
         def usage() -> dict:
             prompt = sum(choice.num_prompt_tokens for choice in choices[::n])
             completion = sum(choice.num_tokens for choice in choices)
-            return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+            counts = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+            cached = sum(choice.num_cached_tokens for choice in choices[::n])  # (each prompt's sample 0's)
+            if enable_prompt_tokens_details and cached:  # (vLLM's: only where the cache served some)
+                counts["prompt_tokens_details"] = {"cached_tokens": cached}
+            return counts
 
         if not body.get("stream"):
             merged = merge(streams)

@@ -1,6 +1,7 @@
 """vLLM's request ids on the server: a request's `X-Request-Id` header, else its body's `request_id`, names its response
 (`cmpl-<id>`, `chatcmpl-<id>`), streamed chunks too; two requests may share one; `--enable-request-id-headers` puts
-`X-Request-Id` on every response. Real HTTP on 127.0.0.1 (OpenAI's client and httpx), the built-in model."""
+`X-Request-Id` on every response; `--enable-prompt-tokens-details` counts the prompt tokens the prefix cache served.
+Real HTTP on 127.0.0.1 (OpenAI's client and httpx), the built-in model."""
 
 from __future__ import annotations
 
@@ -80,3 +81,24 @@ def test_without_the_flag_no_response_carries_the_header():
             headers={"X-Request-Id": "t"}, timeout=TIMEOUT,
         )  # fmt: skip
         assert response.json()["id"] == "cmpl-t" and "x-request-id" not in response.headers
+
+
+def test_prompt_tokens_details_count_the_prompt_tokens_the_prefix_cache_served(server):
+    """--enable-prompt-tokens-details: a prompt of 40 ids sent again finds its 2 full blocks of 16 in the cache."""
+    engine = AsyncLLM(LLM(device="cpu", num_kvcache_blocks=64, kvcache_block_size=16), owns_llm=True)
+    prompt = list(range(100, 140))  # 40 tokens: two full blocks and 8 more
+    with running_server(engine, "m", enable_prompt_tokens_details=True) as detailed:
+        client = detailed.client()
+        first = client.completions.create(model="m", prompt=prompt, max_tokens=2)
+        assert first.usage.prompt_tokens == 40 and first.usage.prompt_tokens_details is None  # (nothing cached yet)
+        again = client.completions.create(model="m", prompt=prompt, max_tokens=2)
+        assert again.usage.prompt_tokens_details.cached_tokens == 32
+        chunks = list(
+            client.completions.create(
+                model="m", prompt=prompt, max_tokens=2, stream=True, stream_options={"include_usage": True}
+            )
+        )
+        assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 32
+    plain = server.client().completions.create(model="m", prompt=prompt, max_tokens=2)  # the control: no flag
+    plain = server.client().completions.create(model="m", prompt=prompt, max_tokens=2)
+    assert plain.usage.prompt_tokens_details is None
