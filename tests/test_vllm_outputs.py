@@ -114,3 +114,36 @@ def test_get_tokenizer_is_the_engines_tokenizer(llm):
         tokenizer is llm.tokenizer
         and llm.generate([ids], SamplingParams(max_tokens=1), use_tqdm=False)[0].prompt_token_ids == ids
     )
+
+
+# -- AsyncLLM's outputs, as vLLM's AsyncLLM gives them (RequestOutputKind.CUMULATIVE, its default) --------------------
+def test_async_outputs_read_as_vllms_cumulative_request_outputs(llm):
+    """vLLM's AsyncLLM loop, `async for output in engine.generate(...)`, then `output.outputs[0].text`: each output
+    holds the whole text so far, the last one the finished completion, equal to offline generate's."""
+    import asyncio
+
+    from nanoref.serving.async_llm import AsyncLLM
+
+    from .helpers import SERVER_TIMEOUT
+
+    params = SamplingParams(temperature=0, max_tokens=8, logprobs=2, stop=["\n\n\n"])
+    expected = llm.generate(["Hello, my name is"], params, use_tqdm=False)[0]
+    engine = AsyncLLM(llm)
+    try:
+
+        async def served() -> list:
+            return [output async for output in engine.generate("Hello, my name is", params, "request-1")]
+
+        outputs = asyncio.run(asyncio.wait_for(served(), SERVER_TIMEOUT))
+    finally:
+        engine.close()
+    texts = [output.outputs[0].text for output in outputs]
+    assert all(later.startswith(earlier) for earlier, later in zip(texts, texts[1:]))  # cumulative, never a delta
+    final = outputs[-1]
+    assert final.finished and final.request_id == "request-1" and final.prompt == "Hello, my name is"
+    completion = final.outputs[0]
+    assert completion.text == expected.outputs[0].text and completion.token_ids == expected.outputs[0].token_ids
+    assert completion.finish_reason == expected.outputs[0].finish_reason and completion.finished()
+    assert completion.logprobs == expected.outputs[0].logprobs  # vLLM's form, decoded tokens and all
+    assert len(outputs[0].outputs[0].logprobs) == len(outputs[0].outputs[0].token_ids)  # (so far, not ahead)
+    assert all(output.outputs[0].finish_reason is None for output in outputs[:-1])

@@ -38,7 +38,7 @@ class Logprob(NamedTuple):
 def vllm_logprobs(entry: TokenLogprobs | None, token_text: Callable[[int], str | None]) -> dict[int, Logprob] | None:
     """One position's logprobs in vLLM's form: {token id: Logprob} for the chosen token, first, then the top N
     ranked 1..N (a chosen token among them keeps the first place, with its top-N rank), as vLLM builds it.
-    token_text: a token's text (`OutputProcessor.token_text`)."""
+    token_text: a token's text (`token_texts`)."""
     if entry is None:
         return None
     found = {entry.token_id: Logprob(entry.logprob, entry.rank, token_text(entry.token_id))}
@@ -195,7 +195,7 @@ class OutputProcessor:
         # the tokenizer's; `LLM` gives the scheduler's (its config's too)
         eos = getattr(tokenizer, "eos_token_id", None)
         self.eos_token_ids: set[int] | frozenset[int] = frozenset() if eos is None else frozenset([int(eos)])
-        self._token_texts: dict[int, str] = {}  # `token_text`'s, by id
+        self.token_text = token_texts(tokenizer)  # a token's text alone (vLLM's Logprob.decoded_token)
 
     # -- n samples ------------------------------------------------------------------------------
     def hold(self, samples: list[Sequence]) -> list[Sequence]:
@@ -316,15 +316,6 @@ class OutputProcessor:
         (vLLM's)."""
         return self.token_text if params.detokenize else lambda token_id: None
 
-    def token_text(self, token_id: int) -> str | None:
-        """A token's text alone (vLLM's `Logprob.decoded_token`), decoded once per id; None without a tokenizer."""
-        if self.tokenizer is None:
-            return None
-        text = self._token_texts.get(token_id)
-        if text is None:
-            text = self._token_texts[token_id] = self.tokenizer.decode([token_id])
-        return text
-
     @staticmethod
     def prompt_logprobs(seq: Sequence) -> list[TokenLogprobs | None] | None:
         """A request's prompt logprobs (seq: its sample 0), once its whole prompt is scored: None for the first
@@ -430,6 +421,24 @@ class RequestOutput:
     # where SamplingParams.prompt_logprobs asked: the request's, on sample 0's first output (None for the first
     # prompt token, then each prompt token's TokenLogprobs, as `LLM.generate`'s "prompt_logprobs"); else None
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    prompt: str | None = None  # the request's prompt, where it was given as text (vLLM's RequestOutput.prompt)
+    # what `outputs` reads: the sample's logprobs so far (the first `num_logprobs_so_far` of a list that grows; None:
+    # not asked for) and the tokens' texts (vLLM's decoded_token)
+    logprobs_so_far: list[TokenLogprobs] | None = field(default=None, repr=False)
+    num_logprobs_so_far: int = field(default=0, repr=False)
+    token_text: Callable[[int], str | None] | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def outputs(self) -> list[CompletionOutput]:
+        """This output as vLLM's AsyncLLM gives it by default (RequestOutputKind.CUMULATIVE): a list of this
+        sample's CompletionOutput, its whole text, token ids and logprobs so far (`.outputs[0].text`), its
+        finish_reason and stop_reason once it finished. (A request with n > 1 gives one sample's per output.)"""
+        output = CompletionOutput(index=self.index, text=self.cumulative_text, token_ids=self.cumulative_token_ids)
+        output["finish_reason"] = self.finish_reason
+        if self.logprobs_so_far is not None:
+            output["logprobs"] = self.logprobs_so_far[: self.num_logprobs_so_far]
+        output.stop_reason, output.token_text = self.stop_reason, self.token_text
+        return [output]
 
     def followed_by(self, later: RequestOutput) -> RequestOutput:
         """This output and the next one of the same sample as one (a consumer that fell behind reads both at once)."""
@@ -456,10 +465,14 @@ class RequestOutputs:
         params: SamplingParams,
         eos_token_ids: set[int],
         prompt_token_ids: list[int] | None = None,
+        prompt: str | None = None,
     ) -> None:
-        self.request_id, self.prompt_token_ids = request_id, prompt_token_ids
+        self.request_id, self.prompt_token_ids, self.prompt = request_id, prompt_token_ids, prompt
         self.token_ids: list[list[int]] = [[] for _ in range(num_samples)]  # each sample's tokens so far
         self.texts = [""] * num_samples  # and its text
+        # and its logprobs, where asked for (`RequestOutput.outputs` reads them)
+        self.logprobs = None if params.logprobs is None else [[] for _ in range(num_samples)]
+        self.token_text = token_texts(tokenizer) if params.detokenize else None
         hidden = hidden_stop_tokens(params, eos_token_ids)
         self.detokenizers = [
             IncrementalDetokenizer(
@@ -477,6 +490,9 @@ class RequestOutputs:
         tokens = self.token_ids[delta.index]
         tokens.extend(delta.token_ids)
         self.texts[delta.index] += text
+        logprobs = None if self.logprobs is None else self.logprobs[delta.index]
+        if logprobs is not None:
+            logprobs.extend(delta.logprobs)
         return RequestOutput(
             request_id=self.request_id,
             text=text,
@@ -492,7 +508,25 @@ class RequestOutputs:
             logprobs=delta.logprobs,
             prompt_token_ids=self.prompt_token_ids,
             prompt_logprobs=delta.prompt_logprobs,
+            prompt=self.prompt,
+            logprobs_so_far=logprobs,
+            num_logprobs_so_far=0 if logprobs is None else len(logprobs),
+            token_text=self.token_text,
         )
+
+
+def token_texts(tokenizer: Any) -> Callable[[int], str | None]:
+    """A token's text alone (vLLM's `Logprob.decoded_token`), decoded once per id; None without a tokenizer."""
+    if tokenizer is None:
+        return lambda token_id: None
+    texts: dict[int, str] = {}
+
+    def text(token_id: int) -> str:
+        if token_id not in texts:
+            texts[token_id] = tokenizer.decode([token_id])
+        return texts[token_id]
+
+    return text
 
 
 def delta_texts(live: list[tuple[RequestOutputs, SampleDelta]]) -> list[str]:

@@ -52,7 +52,7 @@ from typing import Any
 
 from nanoref.config import EngineConfig
 from nanoref.engine.output_processor import RequestOutput, RequestOutputs, delta_texts
-from nanoref.engine.requests import eos_token_ids, request_tokens
+from nanoref.engine.requests import eos_token_ids, prompt_text, request_tokens
 from nanoref.llm import DEFAULT_MODEL, LLM, SETTINGS, LoRARequest, check_lora_request, grammars_for
 from nanoref.sampling_params import SamplingParams
 from nanoref.serving.engine_loop import EngineLoop, EngineStats, StepMessage, drain
@@ -225,7 +225,8 @@ class AsyncLLM:
             self._check_constraint(params)
         if salt is not None:  # (the engine takes it as LLM.generate does)
             token_ids = {"prompt_token_ids": token_ids, "cache_salt": salt}
-        return self._stream(token_ids, params, request_id or f"req-{uuid.uuid4().hex}", lora_request)
+        request_id = request_id or f"req-{uuid.uuid4().hex}"
+        return self._stream(token_ids, params, request_id, lora_request, prompt_text(prompt))
 
     def _check_constraint(self, params: SamplingParams) -> None:
         """Compile the request's grammar (ValueError naming what the grammar library refused). The thread form
@@ -254,11 +255,13 @@ class AsyncLLM:
         params: SamplingParams,
         request_id: str,
         lora_request: LoRARequest | None = None,
+        text: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """prompt: its checked token ids, or vLLM's {"prompt_token_ids": ids, "cache_salt": salt}."""
+        """prompt: its checked token ids, or vLLM's {"prompt_token_ids": ids, "cache_salt": salt}; text: the prompt's
+        text, where it was given as text (the outputs' `prompt`)."""
         loop = asyncio.get_running_loop()
         token_ids = prompt["prompt_token_ids"] if isinstance(prompt, dict) else prompt
-        outputs = RequestOutputs(request_id, params.n, self.tokenizer, params, self._eos_token_ids, token_ids)
+        outputs = RequestOutputs(request_id, params.n, self.tokenizer, params, self._eos_token_ids, token_ids, text)
         request = _Request(next(self._keys), loop, outputs)
         with self._requests_lock:  # (with _on_exit: a request is either failed by it or refused here)
             self._check_running()
