@@ -379,29 +379,19 @@ def name_the_flag(parser: argparse.ArgumentParser, message: str) -> str:
     return f"{flag}: {message}" if flag else message
 
 
-def json_list(text: str | None, flag: str) -> list[str] | None:
-    """A flag's JSON list of strings (None: the flag was not given); ValueError naming the flag."""
+def json_flag(text: str | None, flag: str, kind: type[dict] | type[list]) -> dict | list[str] | None:
+    """A flag's JSON value (None: the flag was not given): an object for `dict`, a list of strings for `list`;
+    ValueError naming the flag."""
     if text is None:
         return None
     try:
         value = json.loads(text)
     except ValueError as error:
         raise ValueError(f"{flag} is not valid JSON ({error}): {text!r}") from None
-    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
-        raise ValueError(f"{flag} must be a JSON list of strings, e.g. '[\"*\"]', got {text!r}")
-    return value
-
-
-def json_object(text: str | None, flag: str) -> dict | None:
-    """A flag's JSON object (None: the flag was not given); ValueError naming the flag."""
-    if text is None:
-        return None
-    try:
-        value = json.loads(text)
-    except ValueError as error:
-        raise ValueError(f"{flag} is not valid JSON ({error}): {text!r}") from None
-    if not isinstance(value, dict):
+    if kind is dict and not isinstance(value, dict):
         raise ValueError(f"{flag} must be a JSON object, got {text!r}")
+    if kind is list and (not isinstance(value, list) or not all(isinstance(item, str) for item in value)):
+        raise ValueError(f"{flag} must be a JSON list of strings, e.g. '[\"*\"]', got {text!r}")
     return value
 
 
@@ -431,9 +421,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     api_key = args.api_key if args.api_key is not None else api_key_from_environment()
     try:
-        speculative_config = json_object(args.speculative_config, "--speculative-config")
-        cors = {name: json_list(getattr(args, name), "--" + name.replace("_", "-")) for name in CORS_LISTS}
-        override_generation_config = json_object(args.override_generation_config, "--override-generation-config")
+        speculative_config = json_flag(args.speculative_config, "--speculative-config", dict)
+        cors = {name: json_flag(getattr(args, name), "--" + name.replace("_", "-"), list) for name in CORS_LISTS}
+        override_generation_config = json_flag(args.override_generation_config, "--override-generation-config", dict)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
