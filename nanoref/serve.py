@@ -502,7 +502,8 @@ def main(argv: list[str] | None = None) -> int:
     defaults = engine.config.generation_defaults.sampling
     if defaults:  # (as vLLM says it: a client may not expect the model's temperature)
         listed = ", ".join(f"{key}={value}" for key, value in defaults.items())
-        print(f"requests that leave them out sample with the model's generation config: {listed}", flush=True)
+        print(f"sampling defaults from the model's generation config (--generation-config vllm: none): {listed}")
+        sys.stdout.flush()
     tool_settings = {
         "enable_auto_tool_choice": args.enable_auto_tool_choice,
         "tool_call_parser": args.tool_call_parser,
