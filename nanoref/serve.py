@@ -132,13 +132,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     engine.add_argument("--max-num-seqs", type=int, default=None, help="requests per step (default: per device)")
     engine.add_argument(
-        "--max-num-batched-tokens", type=int, default=None, help="tokens per step (default: per device)"
+        "--max-num-batched-tokens",
+        type=human_readable_int,
+        default=None,
+        help="tokens per step, e.g. 8192, 8k or 8K (default: per device)",
     )
     engine.add_argument(
         "--max-model-len",
-        type=int,
+        type=human_readable_int,
         default=None,
-        help="the longest prompt + completion, in tokens (default: the model's limit, capped at 4096)",
+        help="the longest prompt + completion, in tokens, e.g. 32768, 32k (32,000) or 32K (32,768) (default: the "
+        "model's limit, capped at 4096)",
     )
     engine.add_argument("--num-kvcache-blocks", type=int, default=None, help="KV blocks (default: from memory)")
     engine.add_argument(
@@ -377,6 +381,22 @@ def name_the_flag(parser: argparse.ArgumentParser, message: str) -> str:
     setting = re.match(r"[a-z_]+", message)
     flag = flags.get(setting.group()) if setting else None
     return f"{flag}: {message}" if flag else message
+
+
+def human_readable_int(value: str) -> int:
+    """vLLM's token counts on the command line: an integer, or one with a suffix, k / m / g (10**3, 10**6, 10**9:
+    "25.6k" is 25,600) or K / M / G (2**10, 2**20, 2**30, whole numbers only: "32K" is 32,768)."""
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgKMG])", value.strip())
+    if match is None:
+        try:
+            return int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer (or one like 8k or 32K): {value!r}") from None
+    number, suffix = match.groups()
+    if suffix.isupper() and "." in number:
+        raise argparse.ArgumentTypeError(f"a binary suffix ({suffix}) takes a whole number, got {value!r}")
+    scale = {"k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}[suffix]
+    return int(float(number) * scale) if suffix.islower() else int(number) * scale
 
 
 def json_flag(text: str | None, flag: str, kind: type[dict] | type[list]) -> dict | list[str] | None:

@@ -55,6 +55,15 @@ def test_vllm_engine_flags_reach_the_engine(monkeypatch):
     assert serve_settings(monkeypatch, ["-tp", "2"])["tensor_parallel_size"] == 2  # vLLM's short form
 
 
+def test_token_counts_take_vllms_human_readable_suffixes(monkeypatch, capsys):
+    settings = serve_settings(monkeypatch, ["--max-model-len", "2k", "--max-num-batched-tokens", "8K"])
+    assert settings["max_model_len"] == 2000 and settings["max_num_batched_tokens"] == 8192
+    assert serve_settings(monkeypatch, ["--max-model-len", "1.5k"])["max_model_len"] == 1500
+    with pytest.raises(SystemExit):  # (argparse's error, exit code 2)
+        serve_settings(monkeypatch, ["--max-model-len", "1.5K"])
+    assert "a binary suffix (K) takes a whole number" in capsys.readouterr().err
+
+
 def test_model_as_an_option_as_vllm_takes_it(monkeypatch, tmp_path, capsys):
     models = []
 
