@@ -123,6 +123,30 @@ def test_an_engine_dropped_in_a_reference_cycle_never_breaks_the_next_capture(ti
     assert new.generate(prompts, params, use_tqdm=False) == expected
 
 
+def test_a_dropped_engine_in_a_reference_cycle_leaves_its_memory_to_the_next(tiny_model):
+    """`del llm`, then a new engine sized from memory: the dropped engine may still wait in a reference cycle (a CUDA
+    graph's; on an H100 the next LLM() found no memory for its cache), so sizing collects it first. Its cache took a
+    share of the GPU; the next engine gets about the same share, not what the old one left."""
+    import gc
+
+    free, total = torch.cuda.mem_get_info()
+    utilization = min(1.0, (total - free) / total + 0.1)
+    old = LLM(tiny_model, gpu_memory_utilization=utilization)
+    old.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)
+    blocks = old.model_runner.num_kvcache_blocks
+    cycle: list = [old]
+    cycle.append(cycle)
+    enabled = gc.isenabled()
+    gc.disable()  # (no automatic collection may free it first: only the engine's own)
+    try:
+        del old, cycle  # garbage now, freed only by a collection (as a dropped engine's graphs are)
+        new = LLM(tiny_model, gpu_memory_utilization=utilization)
+    finally:
+        if enabled:
+            gc.enable()
+    assert new.model_runner.num_kvcache_blocks > 0.9 * blocks
+
+
 def test_decode_graphs_replay_one_schedule_a_step(tiny_model):
     """The Triton decode's schedule (the sequences longest context first) is made by a step's first attention layer
     and recorded in the decode graphs: each replay sorts that step's context lengths once, never once per layer,
