@@ -147,3 +147,13 @@ def test_async_outputs_read_as_vllms_cumulative_request_outputs(llm):
     assert completion.logprobs == expected.outputs[0].logprobs  # vLLM's form, decoded tokens and all
     assert len(outputs[0].outputs[0].logprobs) == len(outputs[0].outputs[0].token_ids)  # (so far, not ahead)
     assert all(output.outputs[0].finish_reason is None for output in outputs[:-1])
+
+
+def test_num_cached_tokens_counts_the_prompt_tokens_the_prefix_cache_served():
+    """vLLM's RequestOutput.num_cached_tokens: a prompt of 40 ids sent again finds its 2 full blocks of 16 cached."""
+    llm = LLM(num_kvcache_blocks=64, kvcache_block_size=16)
+    prompt = list(range(100, 140))
+    params = SamplingParams(temperature=0, max_tokens=2)
+    assert llm.generate([prompt], params, use_tqdm=False)[0].num_cached_tokens == 0
+    assert llm.generate([prompt], params, use_tqdm=False)[0].num_cached_tokens == 32
+    assert llm.generate([prompt[:20]], params, use_tqdm=False)[0].num_cached_tokens == 16  # (one full block)

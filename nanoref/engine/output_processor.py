@@ -117,12 +117,14 @@ class GenerateOutput(VllmLogprobs, dict):
     with every sample's when n > 1; "prompt_logprobs" where asked for), which reads as vLLM's RequestOutput too, so
     code written for vLLM's `LLM.generate` runs: `.outputs` (every sample's CompletionOutput, n >= 1),
     `.request_id`, `.prompt` (the text, where the prompt was given as text, else None), `.prompt_token_ids`,
-    `.prompt_logprobs` (vLLM's form: None for the first token, then {token id: Logprob}), `.finished`, `.metrics`."""
+    `.prompt_logprobs` (vLLM's form: None for the first token, then {token id: Logprob}), `.finished`, `.metrics`,
+    `.num_cached_tokens`."""
 
     outputs: list[CompletionOutput]
     request_id: str = ""
     prompt: str | None = None
     prompt_token_ids: list[int]
+    num_cached_tokens: int = 0  # its prompt tokens the prefix cache served (sample 0's, at its latest admission)
     finished = True
     _keys = ("prompt_logprobs",)
 
@@ -356,6 +358,7 @@ class OutputProcessor:
         output.request_id = first.output.request_id if first.output.request_id is not None else str(first.seq_id)
         output.prompt = prompt
         output.prompt_token_ids = first.token_ids[: first.num_prompt_tokens]
+        output.num_cached_tokens = first.num_prefix_hit_tokens
         output.token_text = self.token_text_for(first.sampling_params)
         return output
 
