@@ -29,7 +29,7 @@ from nanoref.cascade import CASCADE_MIN_SEQS, reads_shared_prefixes
 from nanoref.cascade import attach as attach_cascade
 from nanoref.config import VLLM_ALIASES, EngineConfig
 from nanoref.cuda_graphs import DecodeGraphs
-from nanoref.engine.chat import chat_prompt, check_content_format
+from nanoref.engine.chat import chat_prompt, check_chat_template, check_content_format
 from nanoref.engine.hooks import EngineHooks, RunnerHooks
 from nanoref.engine.llm_engine import LLMEngine, PlainLoop
 from nanoref.engine.model_runner import ModelRunner
@@ -249,6 +249,8 @@ class LLM(LLMEngine):
         reach the template as one string). Messages as `nanoref/engine/chat.py` takes them.
         """
         check_content_format(chat_template_content_format)
+        if chat_template is not None:  # (once for every conversation)
+            check_chat_template(chat_template)
         conversations = (
             messages if messages and isinstance(messages, list) and isinstance(messages[0], list) else [messages]
         )

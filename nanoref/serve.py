@@ -31,10 +31,10 @@ from nanoref.llm import DEFAULT_MODEL
 ENGINE_PROCESS = {"auto": None, "on": True, "off": False}  # --engine-process -> AsyncLLM.from_model's engine_process
 UVICORN_LOG_LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]  # vLLM's --uvicorn-log-level choices
 API_KEY_VARIABLES = ("VLLM_API_KEY", "NANOREF_API_KEY")  # --api-key's default, in this order
-# the engine settings whose flag is the setting's name in vLLM's spelling (--max-num-seqs -> max_num_seqs), passed
-# to the engine only when given: the engine's own defaults (per device) apply otherwise
 # vLLM's CORS flags that take a JSON list (and --allow-credentials): build_app's settings of the same names
 CORS_LISTS = ("allowed_origins", "allowed_methods", "allowed_headers")
+# the engine settings whose flag is the setting's name in vLLM's spelling (--max-num-seqs -> max_num_seqs), passed
+# to the engine only when given: the engine's own defaults (per device) apply otherwise
 ENGINE_SETTINGS = (
     "max_num_seqs",
     "max_num_batched_tokens",

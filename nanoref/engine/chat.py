@@ -20,8 +20,9 @@ Messages arrive as OpenAI's clients send them, and reach the template as vLLM pa
   it cannot be combined with `add_generation_prompt=True` (vLLM's rule, and transformers').
 - `chat_template_kwargs` are the template's own variables (Qwen3's `enable_thinking`); one the template never
   reads would change nothing, so it is an error that names it.
-- `chat_template` (vLLM's) is a template of the caller's in place of the folder's (a base model has none); a template
-  that does not parse is an error naming its line, found before any message is rendered.
+- `chat_template` (vLLM's) is a template of the caller's in place of the folder's (a base model has none); its
+  callers check it once (`check_chat_template`: a template that does not parse is an error naming its line), before
+  any message is rendered.
 """
 
 from __future__ import annotations
@@ -54,10 +55,9 @@ def chat_prompt(
     chat_template: str | None = None,
 ) -> str:
     """messages ([{"role": ..., "content": ...}, ...]) as the prompt text the model's template makes of them (and the
-    tools the model may call, when given); chat_template: a template's text in place of the folder's.
-    ValueError/TypeError naming the first bad message or argument."""
-    if chat_template is not None:
-        check_chat_template(chat_template)
+    tools the model may call, when given); chat_template: a template's text in place of the folder's, checked by the
+    caller (`check_chat_template`, once, not per conversation). ValueError/TypeError naming the first bad message or
+    argument."""
     conversation = check_messages(messages)
     for name, value in (
         ("add_generation_prompt", add_generation_prompt),
