@@ -67,14 +67,17 @@ def attach(runner) -> StepHook | None:
     """RunnerHooks.attach: before each decode step, the sequences' shared prefix lengths into the step's Context."""
     if not reads_shared_prefixes(runner):
         return None
+    # (what the hook needs, not the runner: the runner holds the hook, and a hook holding the runner back would keep
+    # a dropped engine's KV cache alive until a cyclic collection)
+    block_size, device = runner.block_size, runner.device
 
     def set_shared_prefix_lens(seqs: list[Sequence], step: StepInputs) -> None:
         if step.is_prefill:
             return
         arrays = step.arrays
         first_positions = arrays["context_lens"] - step.decode_query_len  # (B,) each sequence's first query
-        lens = shared_prefix_lens(arrays["block_tables"], first_positions, runner.block_size)
+        lens = shared_prefix_lens(arrays["block_tables"], first_positions, block_size)
         if lens is not None:
-            get_context().shared_prefix_lens = upload_arrays({"lens": lens}, runner.device)["lens"]  # (B,) int32
+            get_context().shared_prefix_lens = upload_arrays({"lens": lens}, device)["lens"]  # (B,) int32
 
     return set_shared_prefix_lens

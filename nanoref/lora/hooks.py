@@ -24,7 +24,7 @@ import threading
 from collections.abc import Callable, Iterable
 from itertools import chain
 from typing import Any, NamedTuple
-from weakref import WeakKeyDictionary, WeakSet
+from weakref import WeakKeyDictionary, WeakSet, ref
 
 import numpy as np
 
@@ -66,7 +66,9 @@ class LoRAHooks:
         self.config = config
         self.max_loras = config.max_loras
         self.manager: LoRAManager | None = None  # (once the runner's model exists)
-        self.runner = None  # the runner whose model has the slots
+        # the runner whose model has the slots, weakly: the runner holds this object's step hook, and a strong
+        # reference back would keep a dropped engine's model and KV cache alive until a cyclic collection
+        self.runner: ref | None = None
         self.rows_are_base = True  # row_slots holds -1 everywhere (a base-only step has nothing to write)
         # the requests queued per adapter name, over the engine's life
         self.num_requests: dict[str, int] = {}
@@ -81,7 +83,7 @@ class LoRAHooks:
     def attach(self, runner) -> StepHook:
         """RunnerHooks.attach: slots on the runner's model, filled before each of its forwards."""
         c = self.config
-        self.runner = runner
+        self.runner = ref(runner)
         self.manager = LoRAManager(
             runner.model,
             c.hf_config,
@@ -109,7 +111,7 @@ class LoRAHooks:
     def decode_graphs(self, runner, make: Callable[[], Any]) -> Any:
         """The runner's decode replayer: for the runner whose model has the slots (`attach`), `make()` recorded with
         and without the delta (see GraphsByRowMix); for another (a speculative draft's), `make()` once."""
-        if self.manager is None or runner is not self.runner:
+        if self.manager is None or self.runner is None or runner is not self.runner():
             return make()
         return GraphsByRowMix(self.manager, make)
 
