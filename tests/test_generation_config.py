@@ -72,6 +72,19 @@ def test_ignore_eos_ignores_the_generation_configs_eos_ids_and_generation_config
     assert out["token_ids"][-1] == newline and out.outputs[0].stop_reason == newline
 
 
+def test_min_tokens_masks_the_generation_configs_eos_ids_under_ignore_eos_too(tmp_path):
+    # vLLM masks every stop id it knows before min_tokens, the file's EOS ids among them, whatever ignore_eos says
+    newline = newline_id()
+    folder = model_with(tmp_path, {"eos_token_id": [0, newline]})
+    pushed = dict(temperature=0.0, max_tokens=6, logit_bias={newline: 100.0})
+    llm = LLM(folder, device="cpu")
+    for ignore_eos in (True, False):
+        params = SamplingParams(**pushed, min_tokens=3, ignore_eos=ignore_eos)
+        ids = llm.generate(PROMPTS[:1], params, use_tqdm=False)[0]["token_ids"]
+        assert newline not in ids[:3], (ignore_eos, ids)
+        assert ids[3:] == ([newline] * 3 if ignore_eos else [newline]), (ignore_eos, ids)
+
+
 # -- sampling defaults -----------------------------------------------------------------------------------------------
 def test_the_generation_configs_sampling_is_what_a_call_without_params_samples_with(tmp_path):
     folder = model_with(tmp_path, {**HOT, "max_new_tokens": 6, "do_sample": True})

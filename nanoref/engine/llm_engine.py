@@ -93,9 +93,11 @@ class LLMEngine:
             raise
         # the block manager writes each sequence's table into this array's rows; the model runner reads them
         self.model_runner.block_tables = self.scheduler.block_manager.tables
-        # EOS, which the sampler masks while a request is short of its min_tokens, and the output stage keeps out of
-        # the text whatever skip_special_tokens says
-        self.model_runner.eos_token_ids = self.output_processor.eos_token_ids = self.scheduler.eos_token_ids
+        # EOS, which the output stage keeps out of the text whatever skip_special_tokens says, and which the sampler
+        # masks while a request is short of its min_tokens, with the generation config's EOS ids (as vLLM masks every
+        # stop id it knows, ignore_eos or not)
+        self.output_processor.eos_token_ids = self.scheduler.eos_token_ids
+        self.model_runner.eos_token_ids = self.scheduler.eos_token_ids | set(config.generation_defaults.eos_token_ids)
         self.metrics = EngineMetrics()  # step records and per-request metrics (see engine/metrics.py)
         self._seq_ids = count()  # this engine's sequence ids: its first request is 0, whatever ran before
         self.failed: list[Sequence] = []  # the sequences the latest step that raised aborted
