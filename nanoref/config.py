@@ -141,8 +141,9 @@ class EngineConfig:
     served_model_name: str | list[str] | None = None  # the model's name(s) in the API (the server's)
     # the model's recommended sampling (models/generation_config.py): "auto" reads the model folder's
     # generation_config.json (the defaults of a request that names none, and its extra EOS ids); "vllm": SamplingParams'
-    # own defaults (the file's EOS ids still stop); or a folder whose generation_config.json serves instead
-    generation_config: str | Path = "auto"
+    # own defaults (the file's EOS ids still stop); or a folder whose generation_config.json serves instead (or defaults
+    # already read: a speculative draft's engine takes its target's)
+    generation_config: str | Path | GenerationDefaults = "auto"
     override_generation_config: dict | None = None  # sampling defaults laid over the file's ({"temperature": 0.7})
     # accepted and checked, and nothing in nanoref changes (see VLLM_NO_OPS below for why)
     trust_remote_code: bool = False

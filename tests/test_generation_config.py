@@ -85,6 +85,19 @@ def test_min_tokens_masks_the_generation_configs_eos_ids_under_ignore_eos_too(tm
         assert ids[3:] == ([newline] * 3 if ignore_eos else [newline]), (ignore_eos, ids)
 
 
+def test_a_draft_models_generation_config_is_never_read(tmp_path):
+    # requests take the target's defaults and EOS ids: a draft folder's file (here one that is not JSON) stops nothing
+    draft = model_with(tmp_path, "{not json", name="draft")
+    spec = {"method": "draft_model", "model": draft, "num_speculative_tokens": 2, "min_tokens_per_step": 0}
+    llm = LLM(device="cpu", speculative_config=spec)
+    assert llm.model_runner.draft is not None
+    greedy = SamplingParams(temperature=0.0, max_tokens=8)
+    expected = LLM(device="cpu").generate(PROMPTS, greedy, use_tqdm=False)
+    assert [o["token_ids"] for o in llm.generate(PROMPTS, greedy, use_tqdm=False)] == [o["token_ids"] for o in expected]
+    with pytest.raises(ValueError, match="generation_config.json"):  # (the control: as a target, the file is read)
+        LLM(draft, device="cpu")
+
+
 # -- sampling defaults -----------------------------------------------------------------------------------------------
 def test_the_generation_configs_sampling_is_what_a_call_without_params_samples_with(tmp_path):
     folder = model_with(tmp_path, {**HOT, "max_new_tokens": 6, "do_sample": True})

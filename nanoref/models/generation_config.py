@@ -56,7 +56,10 @@ def read_generation_defaults(
 ) -> GenerationDefaults:
     """The engine's `generation_config` ("auto", "vllm" or a folder) and `override_generation_config` -> its
     defaults, checked: a value SamplingParams refuses, or an EOS id outside the vocabulary, is a ModelFolderError
-    (a ValueError) naming the file and the key, before anything is built."""
+    (a ValueError) naming the file and the key, before anything is built. Defaults already read are taken as they
+    are (a speculative draft's engine takes its target's: the draft folder's own file is never read)."""
+    if isinstance(setting, GenerationDefaults) and not overrides:
+        return setting
     if setting in ("auto", "vllm"):
         folder = model_folder
     elif isinstance(setting, (str, Path)):

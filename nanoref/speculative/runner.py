@@ -79,6 +79,7 @@ def draft_engine_config(config: EngineConfig) -> EngineConfig:
         attention_backend=config.attention_backend,
         kv_cache_dtype=config.kv_cache_dtype,
         overlap_scheduling=False,
+        generation_config=config.generation_defaults,  # (requests take the target's; the draft's file is not read)
     ).resolved()
 
 
