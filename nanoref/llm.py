@@ -16,8 +16,6 @@ On CUDA the prefill's kernels are compiled while the engine is built (`nanoref/w
 from __future__ import annotations
 
 import inspect
-import os
-import sys
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import fields
@@ -40,7 +38,7 @@ from nanoref.lora.hooks import LoRAHooks, check_lora_request, lora_request_list 
 from nanoref.lora.request import LoRARequest
 from nanoref.overlap import OverlappedLoop
 from nanoref.parallel.runner import TensorParallelRunner
-from nanoref.parallel.state import ParallelState
+from nanoref.parallel.state import ParallelState, end_follower_process
 from nanoref.sampling_params import SamplingParams
 from nanoref.speculative.loop import SpeculativeLoop
 from nanoref.speculative.runner import SpeculativeRunner, unpaid_draft
@@ -375,10 +373,5 @@ def build_runner(
         runner = TensorParallelRunner(config, parallel, build=build_runner, hooks=hooks)
     if parallel is None and runner.rank > 0:  # torchrun: every rank but 0 follows rank 0, then its process ends
         runner.serve()
-        # End here, without the interpreter's teardown: after a model has run, a torchrun follower that exits
-        # normally aborts in C++ static destructors about one time in five (seen on this project's CPU machine,
-        # torch 2.13), which torchrun reports as a failed rank.
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
+        end_follower_process(0)  # (without the interpreter's teardown: see there why)
     return runner

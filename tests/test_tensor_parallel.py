@@ -248,6 +248,7 @@ def test_torchrun_one_host_two_processes(tp_models, tmp_path):
         timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
+    assert "leaked" not in result.stderr, result.stderr[-3000:]  # (see the test below)
     tokens = json.loads(out.read_text())
     assert tokens == [hf_greedy(folder, p, 12) for p in prompts]
     returned = sorted(path.name for path in tmp_path.glob("tokens.json.rank*"))
@@ -584,3 +585,21 @@ def test_a_script_without_a_main_guard_is_told_to_add_one(tp_models, tmp_path):
     assert result.returncode != 0
     assert "TensorParallelError: tensor-parallel rank 1 re-imported the script" in result.stderr, result.stderr[-3000:]
     assert "under `if __name__ == '__main__':`" in result.stderr
+
+
+def test_a_script_whose_workers_end_leaves_nothing_for_the_resource_tracker(tp_models, tmp_path):
+    """A worker ends without the interpreter's teardown (os._exit), which used to skip releasing the named semaphore
+    its weights' progress bar had made: multiprocessing's resource tracker then warned of "leaked semaphore objects"
+    at the end of every script that ran a tensor-parallel engine."""
+    script = tmp_path / "guarded.py"
+    script.write_text(
+        "from nanoref import LLM, SamplingParams\n"
+        "if __name__ == '__main__':\n"
+        f"    llm = LLM({str(tp_models['gqa2'])!r}, device='cpu', tensor_parallel_size=2)\n"
+        "    print(llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3), use_tqdm=False)[0]['token_ids'])\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert len(json.loads(result.stdout)) == 3
+    assert "leaked" not in result.stderr, result.stderr[-3000:]

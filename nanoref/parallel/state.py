@@ -19,6 +19,9 @@ one process each have theirs, and closing one closes its group alone; a closed g
 
 from __future__ import annotations
 
+import multiprocessing.util
+import os
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -38,6 +41,24 @@ from torch.distributed.distributed_c10d import (
 )
 
 from nanoref.utils.tracing import trace
+
+
+def end_follower_process(code: int) -> None:
+    """End a follower rank's process (a spawned worker, a torchrun follower) at once, without the interpreter's
+    teardown: after the group's last barrier a process that exits normally still aborts in C++ static destructors now
+    and then ("terminate called without an active exception", exit code -6: about one time in five to twelve on this
+    project's CPU machine, torch 2.13), which torchrun reports as a failed rank; and after an error, rank 0 may wait in
+    a collective the group's teardown would join. Before it goes: its output flushed, and the named semaphores it made
+    (tqdm's lock across processes, made by the weights' progress bar) unregistered from multiprocessing's resource
+    tracker, as a normal exit would (otherwise the tracker warns of "leaked semaphore objects" at every
+    tensor-parallel run's end). Those are multiprocessing's exit-time finalizers: its `_run_finalizers(0)`, the first
+    thing its own exit handler runs."""
+    try:
+        multiprocessing.util._run_finalizers(0)  # noqa: SLF001 (multiprocessing's exit step, run before os._exit)
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 class TensorParallelError(RuntimeError):

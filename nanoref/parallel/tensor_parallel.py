@@ -51,7 +51,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from nanoref.parallel.state import CollectiveTimeout, ParallelState, RankGroup, TensorParallelError
+from nanoref.parallel.state import (
+    CollectiveTimeout,
+    ParallelState,
+    RankGroup,
+    TensorParallelError,
+    end_follower_process,
+)
 from nanoref.utils import seams
 from nanoref.utils.heap import freeze_heap
 
@@ -470,14 +476,9 @@ def worker_main(config: EngineConfig, rank: int, port: int, conn: Connection, ru
             conn.send(("error", f"rank {rank}: {traceback.format_exc()}"))
         except OSError:
             pass
-        os._exit(1)  # do not run the group's teardown: rank 0 may be waiting in a collective with us
+        end_follower_process(1)  # not the group's teardown: rank 0 may be waiting in a collective with us
     conn.close()
-    # End without the interpreter's teardown, like a torchrun follower (nanoref/llm.py): after the group's last
-    # barrier, a worker that exits normally still aborts in C++ teardown now and then ("terminate called without an
-    # active exception", exit code -6: seen about one time in twelve on this project's CPU machine, torch 2.13)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    end_follower_process(0)  # (without the interpreter's teardown, like a torchrun follower: see there why)
 
 
 def receive(group: RankGroup) -> tuple:
