@@ -124,9 +124,10 @@ def test_an_engine_dropped_in_a_reference_cycle_never_breaks_the_next_capture(ti
 
 
 def test_a_dropped_engine_in_a_reference_cycle_leaves_its_memory_to_the_next(tiny_model):
-    """`del llm`, then a new engine sized from memory: the dropped engine may still wait in a reference cycle (a CUDA
-    graph's; on an H100 the next LLM() found no memory for its cache), so sizing collects it first. Its cache took a
-    share of the GPU; the next engine gets about the same share, not what the old one left."""
+    """`del llm`, then a new engine sized from memory: the dropped engine may still wait in a reference cycle (one the
+    caller made, as here; on an H100 the engine's own, before its step hooks held their runner weakly: the next LLM()
+    found no memory for its cache), so sizing collects it first. Its cache took a share of the GPU; the next engine
+    gets about the same share, not what the old one left."""
     import gc
 
     free, total = torch.cuda.mem_get_info()
