@@ -16,7 +16,7 @@ from nanoref.engine.hooks import NO_ENGINE_HOOKS, EngineHooks
 from nanoref.engine.metrics import EngineMetrics, StepRecord
 from nanoref.engine.model_runner import ModelRunner
 from nanoref.engine.output_processor import GenerateOutput, OutputProcessor, StreamPiece
-from nanoref.engine.requests import eos_token_ids, params_list, prompt_list, prompt_text, request_tokens, tokenize
+from nanoref.engine.requests import params_list, prompt_list, prompt_text, request_tokens, tokenize
 from nanoref.engine.scheduler import Scheduler
 from nanoref.engine.sequence import Sequence, SequenceStatus
 from nanoref.sampling_params import SamplingParams
@@ -75,7 +75,7 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(config.tokenizer_folder, use_fast=config.tokenizer_mode != "slow")
         self.model_runner = make_runner(config)
         self.config = config = self.model_runner.config  # (with the KV block count the runner measured)
-        self.output_processor = OutputProcessor(self.tokenizer, config.tokenizer_folder)
+        self.output_processor = OutputProcessor(self.tokenizer, config)
         try:
             self.scheduler = Scheduler(
                 max_num_seqs=config.max_num_seqs,
@@ -83,7 +83,7 @@ class LLMEngine:
                 max_model_len=config.max_model_len,
                 num_kvcache_blocks=config.num_kvcache_blocks,
                 kvcache_block_size=config.kvcache_block_size,
-                eos_token_ids=eos_token_ids(config, self.tokenizer),
+                eos_token_ids=self.output_processor.eos_token_ids,
                 num_lookahead_tokens=hooks.num_lookahead_tokens,
                 on_token=self.output_processor.on_token,
                 can_admit=hooks.can_admit,
@@ -93,10 +93,8 @@ class LLMEngine:
             raise
         # the block manager writes each sequence's table into this array's rows; the model runner reads them
         self.model_runner.block_tables = self.scheduler.block_manager.tables
-        # EOS, which the output stage keeps out of the text whatever skip_special_tokens says, and which the sampler
-        # masks while a request is short of its min_tokens, with the generation config's EOS ids (as vLLM masks every
-        # stop id it knows, ignore_eos or not)
-        self.output_processor.eos_token_ids = self.scheduler.eos_token_ids
+        # the ids the sampler masks while a request is short of its min_tokens: EOS and the generation config's EOS ids
+        # (as vLLM masks every stop id it knows, ignore_eos or not)
         self.model_runner.eos_token_ids = self.scheduler.eos_token_ids | set(config.generation_defaults.eos_token_ids)
         self.metrics = EngineMetrics()  # step records and per-request metrics (see engine/metrics.py)
         self._seq_ids = count()  # this engine's sequence ids: its first request is 0, whatever ran before

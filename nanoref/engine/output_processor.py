@@ -18,13 +18,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from nanoref.engine.detokenizer import IncrementalDetokenizer, add_many, decode, hidden_stop_tokens
 from nanoref.engine.metrics import RequestMetrics
+from nanoref.engine.requests import eos_token_ids
 from nanoref.engine.sequence import Sequence
 from nanoref.layers.logits_processors import StepLogprobs, TokenLogprobs
 from nanoref.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from nanoref.config import EngineConfig
 
 
 class Logprob(NamedTuple):
@@ -187,16 +191,15 @@ class StreamPiece:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer, model_folder) -> None:
+    def __init__(self, tokenizer, config: EngineConfig) -> None:
         self.tokenizer = tokenizer
-        self.model_folder = model_folder
+        self.model_folder = config.tokenizer_folder
         # the samples 1..n-1 of a request with n > 1, by its sample 0, queued once sample 0's prompt is computed
         # (then its full prompt blocks are in the prefix cache, and they share them instead of prefilling again)
         self.held_samples: dict[Sequence, list[Sequence]] = {}
-        # the EOS ids whose text a completion leaves out (`hidden_stop_tokens`):
-        # the tokenizer's; `LLM` gives the scheduler's (its config's too)
-        eos = getattr(tokenizer, "eos_token_id", None)
-        self.eos_token_ids: set[int] | frozenset[int] = frozenset() if eos is None else frozenset([int(eos)])
+        # the EOS ids whose text a completion leaves out whatever skip_special_tokens says (`hidden_stop_tokens`): the
+        # model config's and the tokenizer's (the scheduler stops on the same ones)
+        self.eos_token_ids: set[int] = eos_token_ids(config, tokenizer)
         self.token_text = token_texts(tokenizer)  # a token's text alone (vLLM's Logprob.decoded_token)
 
     # -- n samples ------------------------------------------------------------------------------
