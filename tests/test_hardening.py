@@ -135,6 +135,12 @@ def test_del_frees_the_engine_at_once(tiny_model, settings):
     spec = settings.get("speculative_config")
     if spec is not None and spec.get("model") == "tiny":
         settings = {**settings, "speculative_config": {**spec, "model": tiny_model}}
+    if settings.get("attention_backend") == "triton":  # where its kernels run: the GPU, else the CPU's interpreter
+        pytest.importorskip("triton", reason="Triton is not installed (Linux wheels only)")
+        from nanoref.ops.triton_setup import import_triton, kernel_device
+
+        import_triton()
+        settings = {**settings, "device": str(kernel_device())}
     enabled = gc.isenabled()
     gc.disable()
     try:
