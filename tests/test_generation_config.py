@@ -240,6 +240,23 @@ def test_a_generation_config_folders_max_new_tokens_caps_every_request_on_the_se
         assert raised.value.body["param"] == "min_tokens"
 
 
+def test_the_server_checks_the_max_tokens_a_client_asked_for_against_the_room_before_its_cap(tmp_path):
+    # vLLM's server refuses a max_tokens the context cannot hold beside the prompt, whatever its override cap would
+    # cut it to (the cap applies to requests that fit)
+    import openai
+
+    folder = model_with(tmp_path, {"max_new_tokens": 5})
+    with served_server({"generation_config": folder, "max_model_len": 64}) as server:
+        client = server.client()
+        with pytest.raises(openai.BadRequestError, match="'max_tokens' or 'max_completion_tokens' is too large: 64"):
+            client.completions.create(model="m", prompt=PROMPTS[0], max_tokens=64)
+        with pytest.raises(openai.BadRequestError, match="is too large: 64") as raised:
+            client.chat.completions.create(model="m", messages=MESSAGES, max_completion_tokens=64)
+        assert raised.value.body["param"] == "max_completion_tokens"
+        fits = client.completions.create(model="m", prompt=PROMPTS[0], max_tokens=40, temperature=0.0)
+        assert fits.usage.completion_tokens == 5  # (capped)
+
+
 def test_a_completion_that_sends_max_tokens_null_gets_the_room_left_or_the_models_max_new_tokens(tmp_path):
     """vLLM's completions default to 16 only where max_tokens is left out: a null one is no limit of the request's
     (vLLM's get_max_tokens: the generation config's max_new_tokens, or the room the context leaves)."""

@@ -1507,12 +1507,15 @@ def build_app(
         # 16 where max_tokens is left out; a null one is none (vLLM's: the room left, or the model's max_new_tokens)
         null = "max_tokens" in body and body["max_tokens"] is None
         completion_defaults = {**model_defaults, "max_tokens": None if null else DEFAULT_COMPLETION_MAX_TOKENS}
-        params = capped(sampling_params(fields_body, COMPLETION_FIELDS, completion_defaults), max_tokens_cap)
+        params = sampling_params(fields_body, COMPLETION_FIELDS, completion_defaults)
+        # the client's own max_tokens (0 with echo: the prompt alone), which vLLM checks against the room the prompt
+        # leaves before its cap applies
+        asked = params.max_tokens if body.get("max_tokens") else None
+        params = capped(params, max_tokens_cap)
         add_special_tokens = check_flag(body, "add_special_tokens", True)
         salt, options = request_cache_salt(body), output_options(body)
         request_id, engine_id = request_ids(request, body, "cmpl-")
         blamed = blamed_fields(body, "prompt")
-        asked = params.max_tokens if body.get("max_tokens") else None  # (0 with echo: the prompt alone)
 
         def open_streams() -> list[AsyncIterator[RequestOutput]]:
             streams = []
@@ -1539,7 +1542,9 @@ def build_app(
     async def chat_completions(request: Request) -> Response:
         body, heavy = await read_body(request)
         check_fields(body, CHAT_HONOURED, NOT_SUPPORTED_CHAT)
-        params = capped(chat_sampling_params(body, model_defaults), max_tokens_cap)
+        params = chat_sampling_params(body, model_defaults)
+        asked_max_tokens = params.max_tokens  # (the client's, checked against the room before the cap, as vLLM does)
+        params = capped(params, max_tokens_cap)
         try:
             tools = tool_choice(body, enable_auto_tool_choice, exclude_tools_when_tool_choice_none)
         except ToolRequestError as error:
@@ -1548,7 +1553,7 @@ def build_app(
         add_special_tokens = check_flag(body, "add_special_tokens", False)  # (vLLM's: the template writes them)
         salt, options = request_cache_salt(body), output_options(body)
         request_id, engine_id = request_ids(request, body, "chatcmpl-")
-        asked = params.max_tokens if body.get(blamed["max_tokens"]) is not None else None
+        asked = asked_max_tokens if body.get(blamed["max_tokens"]) is not None else None
 
         def open_stream() -> list[AsyncIterator[RequestOutput]]:
             prompt = encode(render_chat(body, tools.tools if tools else None), add_special_tokens)
