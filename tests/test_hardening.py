@@ -129,9 +129,10 @@ def test_llm_leaves_the_global_rng_alone(tiny_model):
     ids=["plain", "overlapped", "speculative", "draft", "cascade-hook", "lora-hook"],
 )
 def test_del_frees_the_engine_at_once(tiny_model, settings):
-    # nothing the engine holds refers back to it or its runner strongly (the step loop, a step hook, LoRA's slots):
-    # no cycle keeps the KV cache (or tensor-parallel workers) alive until the next cyclic collection, which a new
-    # engine sizing its cache from free memory would race (on an H100 the next LLM() found no memory for its cache)
+    # nothing the engine holds refers back to it or its runner strongly (the step loop, a step hook, LoRA's slots), nor
+    # a parameter to its layer (its weight_loader): no cycle keeps the KV cache, the weights (or tensor-parallel
+    # workers) alive until the next cyclic collection, which a new engine sizing its cache from free memory would
+    # race (on an H100 the next LLM() found no memory for its cache)
     spec = settings.get("speculative_config")
     if spec is not None and spec.get("model") == "tiny":
         settings = {**settings, "speculative_config": {**spec, "model": tiny_model}}
@@ -153,8 +154,10 @@ def test_del_frees_the_engine_at_once(tiny_model, settings):
             "its model": weakref.ref(runner.model),
             "its KV cache": weakref.ref(runner.kv_cache),
         }
+        weights = [weakref.ref(param) for param in runner.model.parameters()]
         del llm, runner
         alive = [name for name, ref in held.items() if ref() is not None]
+        alive += [f"{n} of its {len(weights)} weights"] if (n := sum(ref() is not None for ref in weights)) else []
         assert not alive, f"{', '.join(alive)} outlived `del llm`: a reference cycle holds them"
     finally:
         if enabled:
