@@ -96,6 +96,9 @@ def test_a_draft_models_generation_config_is_never_read(tmp_path):
     assert [o["token_ids"] for o in llm.generate(PROMPTS, greedy, use_tqdm=False)] == [o["token_ids"] for o in expected]
     with pytest.raises(ValueError, match="generation_config.json"):  # (the control: as a target, the file is read)
         LLM(draft, device="cpu")
+    with pytest.raises(ValueError, match="override_generation_config with generation_config given as defaults"):
+        defaults = llm.config.generation_defaults
+        LLM(draft, device="cpu", generation_config=defaults, override_generation_config={"top_k": 2})
 
 
 # -- sampling defaults -----------------------------------------------------------------------------------------------

@@ -58,7 +58,12 @@ def read_generation_defaults(
     defaults, checked: a value SamplingParams refuses, or an EOS id outside the vocabulary, is a ModelFolderError
     (a ValueError) naming the file and the key, before anything is built. Defaults already read are taken as they
     are (a speculative draft's engine takes its target's: the draft folder's own file is never read)."""
-    if isinstance(setting, GenerationDefaults) and not overrides:
+    if isinstance(setting, GenerationDefaults):
+        if overrides:
+            raise ValueError(
+                "override_generation_config with generation_config given as defaults already read: lay the overrides "
+                "over them where they were read"
+            )
         return setting
     if setting in ("auto", "vllm"):
         folder = model_folder
