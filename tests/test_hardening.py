@@ -164,6 +164,20 @@ def test_del_frees_the_engine_at_once(tiny_model, settings):
             gc.enable()
 
 
+def test_a_model_still_pickles_with_its_weak_weight_loaders(tiny_model):
+    # a parameter's weight_loader calls its layer weakly (no cycle keeps a dropped engine's weights): pickled, it is
+    # the unpickled layer's, as the bound method it stands for would be
+    import pickle
+
+    model = LLM(tiny_model, num_kvcache_blocks=16).model_runner.model
+    copied = pickle.loads(pickle.dumps(model))
+    layer, original = copied.model.layers[0].self_attn.o_proj, model.model.layers[0].self_attn.o_proj
+    layer.weight.weight_loader(layer.weight, torch.ones_like(layer.weight))
+    assert torch.equal(layer.weight, torch.ones_like(layer.weight))
+    assert not torch.equal(original.weight, layer.weight), "the copy's loader wrote into the original's layer"
+    assert layer.weight.weight_loader._bound().__self__ is layer
+
+
 # -- loose types ----------------------------------------------------------------------------------
 # (a dict is vLLM's prompt dict: test_api_bad_input_audit.py refuses one without its keys)
 @pytest.mark.parametrize("prompt", [b"abc", {1, 2}, [True, False], [1.0, 2.0], 7.5])

@@ -20,7 +20,7 @@ from nanoref.parallel.state import all_reduce, gather_last_dim, get_parallel_sta
 from nanoref.utils.context import get_context
 from nanoref.utils.seams import seam
 from nanoref.utils.tracing import trace
-from nanoref.utils.weak import weak_method
+from nanoref.utils.weak import WeakBoundMethod
 
 
 def vocab_parallel_embed(
@@ -45,8 +45,8 @@ class VocabEmbedding(nn.Module):
         self.vocab_start, self.vocab_end = shard_range(vocab_size, self.tp_rank, self.tp_size)
         rows = -(-vocab_size // self.tp_size)  # every rank the same shape: the last ranks' tails are zero padding
         self.weight = nn.Parameter(torch.empty(rows, hidden_size))
-        self.weight.weight_loader = weak_method(self.weight_loader)  # (weakly: no layer <-> parameter cycle)
-        self.weight.shard_of = weak_method(self.shard)  # the loader's tied-head check compares this rank's rows
+        self.weight.weight_loader = WeakBoundMethod(self.weight_loader)  # (weakly: no layer <-> parameter cycle)
+        self.weight.shard_of = WeakBoundMethod(self.shard)  # the loader's tied-head check compares this rank's rows
         self.weight.full_shape = (vocab_size, hidden_size)
 
     def shard(self, full: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nanoref.parallel.state import all_reduce, get_parallel_state, tp_rank, tp_size
-from nanoref.utils.weak import weak_method
+from nanoref.utils.weak import WeakBoundMethod
 
 
 def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
@@ -43,11 +43,11 @@ class Linear(nn.Module):
     def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(output_size, input_size))
-        self.weight.weight_loader = weak_method(self.weight_loader)  # (weakly: no layer <-> parameter cycle)
+        self.weight.weight_loader = WeakBoundMethod(self.weight_loader)  # (weakly: no layer <-> parameter cycle)
         self.bias = None
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size))
-            self.bias.weight_loader = weak_method(self.weight_loader)
+            self.bias.weight_loader = WeakBoundMethod(self.weight_loader)
 
     def weight_loader(
         self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: int | str | None = None

@@ -33,7 +33,7 @@ from nanoref.engine.sequence import Sequence
 from nanoref.engine.step_inputs import StepInputs
 from nanoref.lora.manager import LoRAManager
 from nanoref.lora.request import LoRARequest
-from nanoref.utils.weak import weak_method
+from nanoref.utils.weak import WeakBoundMethod
 
 
 class SaltedAdapter(NamedTuple):
@@ -93,7 +93,7 @@ class LoRAHooks:
             max_cpu_loras=c.max_cpu_loras,
             max_num_tokens=max_forward_rows(c),
         )
-        self.manager.in_flight = weak_method(self.in_flight)  # (weakly: the hooks hold the manager)
+        self.manager.in_flight = WeakBoundMethod(self.in_flight)  # (weakly: the hooks hold the manager)
         return self.set_step_slots
 
     def set_step_slots(self, seqs: list[Sequence], step: StepInputs) -> None:

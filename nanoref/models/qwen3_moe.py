@@ -38,7 +38,7 @@ from nanoref.ops.moe_grouped import grouped_path_serves, moe_experts_grouped
 from nanoref.parallel.state import all_reduce, get_parallel_state
 from nanoref.utils.seams import seam
 from nanoref.utils.tracing import trace, tracing_enabled
-from nanoref.utils.weak import weak_method
+from nanoref.utils.weak import WeakBoundMethod
 
 # -- routing and the experts: small pure functions -------------------------------------------------
 
@@ -114,8 +114,8 @@ class Qwen3MoeExperts(nn.Module):
         rows = self.intermediate_size
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * rows, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, rows))
-        self.gate_up_proj.weight_loader = weak_method(self.weight_loader)  # (weakly: no layer <-> parameter cycle)
-        self.down_proj.weight_loader = weak_method(self.weight_loader)
+        self.gate_up_proj.weight_loader = WeakBoundMethod(self.weight_loader)  # (weakly: no layer <-> parameter cycle)
+        self.down_proj.weight_loader = WeakBoundMethod(self.weight_loader)
 
     def weight_loader(
         self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, int | None] | None = None
