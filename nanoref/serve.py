@@ -522,8 +522,10 @@ def main(argv: list[str] | None = None) -> int:
     defaults = engine.config.generation_defaults.sampling
     if defaults:  # (as vLLM says it: a client may not expect the model's temperature)
         listed = ", ".join(f"{key}={value}" for key, value in defaults.items())
-        print(f"sampling defaults from the model's generation config (--generation-config vllm: none): {listed}")
-        sys.stdout.flush()
+        print(
+            f"sampling defaults from the model's generation config (--generation-config vllm: none): {listed}",
+            flush=True,
+        )
     tool_settings = {
         "enable_auto_tool_choice": args.enable_auto_tool_choice,
         "tool_call_parser": args.tool_call_parser,

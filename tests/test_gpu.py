@@ -140,7 +140,7 @@ def test_a_dropped_engine_in_a_reference_cycle_leaves_its_memory_to_the_next(tin
     enabled = gc.isenabled()
     gc.disable()  # (no automatic collection may free it first: only the engine's own)
     try:
-        del old, cycle  # garbage now, freed only by a collection (as a dropped engine's graphs are)
+        del old, cycle  # garbage now, freed only by a collection (the caller's own cycle holds it)
         new = LLM(tiny_model, gpu_memory_utilization=utilization)
     finally:
         if enabled:

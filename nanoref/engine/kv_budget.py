@@ -34,9 +34,9 @@ def kv_blocks_from_memory(runner) -> int:
         wanted = config.max_num_seqs * runner.max_blocks_per_seq
         return max(1, min(wanted, cpu_memory_available() // 4 // per_block))
     device = runner.device
-    # an engine the caller dropped may still wait in a reference cycle that only the cyclic collector frees (one of the
-    # caller's, or, before the step hooks held their runner weakly, the engine's own: on an H100 `del llm` then a new
-    # LLM() found no memory for its cache): collect it first, or its KV cache counts as used here
+    # an engine the caller dropped may still wait in a reference cycle of the caller's objects, which only the cyclic
+    # collector frees: collect it first, or its KV cache counts as used here (on an H100, `del llm` then a new LLM()
+    # found no memory for its cache)
     gc.collect()
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
