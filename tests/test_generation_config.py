@@ -258,6 +258,18 @@ def test_the_server_checks_the_max_tokens_a_client_asked_for_against_the_room_be
         assert raised.value.body["param"] == "max_completion_tokens"
         fits = client.completions.create(model="m", prompt=PROMPTS[0], max_tokens=40, temperature=0.0)
         assert fits.usage.completion_tokens == 5  # (capped)
+        # a min_tokens above the cap too: the room is still what is named (vLLM checks it first), on both endpoints
+        with pytest.raises(openai.BadRequestError, match="is too large: 64") as raised:
+            client.completions.create(model="m", prompt=PROMPTS[0], max_tokens=64, extra_body={"min_tokens": 8})
+        assert raised.value.body["param"] == "max_tokens"
+        with pytest.raises(openai.BadRequestError, match="is too large: 64") as raised:
+            client.chat.completions.create(
+                model="m", messages=MESSAGES, max_completion_tokens=64, extra_body={"min_tokens": 8}
+            )
+        assert raised.value.body["param"] == "max_completion_tokens"
+        with pytest.raises(openai.BadRequestError, match=r"min_tokens.*max_tokens cap is 5") as raised:  # (it fits)
+            client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=20, extra_body={"min_tokens": 8})
+        assert raised.value.body["param"] == "min_tokens"
 
 
 def test_a_completion_that_sends_max_tokens_null_gets_the_room_left_or_the_models_max_new_tokens(tmp_path):

@@ -788,15 +788,17 @@ def request_defaults(generation: GenerationDefaults) -> dict[str, Any]:
     return {name: value for name, value in generation.sampling.items() if name != "max_tokens"}
 
 
-def capped(params: SamplingParams, cap: int | None) -> SamplingParams:
+def capped(params: SamplingParams, cap: int | None) -> tuple[SamplingParams, BadRequest | None]:
     """params with max_tokens cut to the generation config's cap (vLLM's override_max_tokens: the max_new_tokens of
-    --override-generation-config, or of a --generation-config folder), whatever the request asked for."""
+    --override-generation-config, or of a --generation-config folder), whatever the request asked for -> (params,
+    None), or (params uncut, the error) where min_tokens is above the cap: raised once the asked max_tokens has been
+    checked against the room the prompt leaves (vLLM checks that first)."""
     if cap is None or params.max_tokens <= cap:
-        return params
+        return params, None
     try:
-        return replace(params, max_tokens=cap)
+        return replace(params, max_tokens=cap), None
     except ValueError as error:  # (a min_tokens above the cap)
-        raise BadRequest(f"{error} (the server's max_tokens cap is {cap})", "min_tokens") from None
+        return params, BadRequest(f"{error} (the server's max_tokens cap is {cap})", "min_tokens")
 
 
 def tool_constraint(
@@ -1173,12 +1175,13 @@ def build_app(
         model: str | None = None,
         asked_tokens: int | None = None,
         cache_salt: str | None = None,
+        cap_error: BadRequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """engine.generate, its errors as the request's: `blamed` maps a word of the engine's message to the request
         field it names (its last entry, "": the field of the prompt); model: the request's (an adapter's name, or
         the base model's); asked_tokens: the max_tokens the client set (None: the server's default, which the
         context may cut short); cache_salt: the request's (checked: `request_cache_salt`), which the prefix cache
-        keeps its K/V apart by."""
+        keeps its K/V apart by; cap_error: `capped`'s, raised after the room check."""
         if not engine.is_running:
             raise engine_stopped()
         if isinstance(prompt, str) and not prompt.isascii():
@@ -1197,6 +1200,8 @@ def build_app(
             elif params.max_tokens == MAX_TOKENS_LIMIT:  # chat's default: the room left, in a cache that may be smaller
                 room = room_left(len(prompt), engine.config)  # (or the model's max_new_tokens, where that is less)
                 params = replace(params, max_tokens=min(room, generation.sampling.get("max_tokens", room)))
+            if cap_error is not None:  # (a min_tokens above the cap: once the asked max_tokens is known to fit)
+                raise cap_error
             if cache_salt is not None:  # (vLLM's prompt dicts)
                 prompt = {"prompt" if isinstance(prompt, str) else "prompt_token_ids": prompt, "cache_salt": cache_salt}
             return engine.generate(prompt, params, request_id, adapters.lora_request(model))
@@ -1511,7 +1516,7 @@ def build_app(
         # the client's own max_tokens (0 with echo: the prompt alone), which vLLM checks against the room the prompt
         # leaves before its cap applies
         asked = params.max_tokens if body.get("max_tokens") else None
-        params = capped(params, max_tokens_cap)
+        params, cap_error = capped(params, max_tokens_cap)
         add_special_tokens = check_flag(body, "add_special_tokens", True)
         salt, options = request_cache_salt(body), output_options(body)
         request_id, engine_id = request_ids(request, body, "cmpl-")
@@ -1524,7 +1529,7 @@ def build_app(
                 if isinstance(prompt, str):
                     prompt = encode(prompt, add_special_tokens)
                 model = body.get("model")
-                streams.append(start(prompt, params, blamed, f"{engine_id}-{i}", where, model, asked, salt))
+                streams.append(start(prompt, params, blamed, f"{engine_id}-{i}", where, model, asked, salt, cap_error))
             return streams
 
         def echo_texts() -> list[str]:  # (a prompt of token ids: its decoded text)
@@ -1544,7 +1549,7 @@ def build_app(
         check_fields(body, CHAT_HONOURED, NOT_SUPPORTED_CHAT)
         params = chat_sampling_params(body, model_defaults)
         asked_max_tokens = params.max_tokens  # (the client's, checked against the room before the cap, as vLLM does)
-        params = capped(params, max_tokens_cap)
+        params, cap_error = capped(params, max_tokens_cap)
         try:
             tools = tool_choice(body, enable_auto_tool_choice, exclude_tools_when_tool_choice_none)
         except ToolRequestError as error:
@@ -1559,7 +1564,7 @@ def build_app(
             prompt = encode(render_chat(body, tools.tools if tools else None), add_special_tokens)
             model = body.get("model")
             try:
-                return [start(prompt, params, blamed, engine_id, model=model, asked_tokens=asked, cache_salt=salt)]
+                return [start(prompt, params, blamed, engine_id, "", model, asked, salt, cap_error)]
             except BadRequest as error:  # (the grammar library refused the schema made of the tools)
                 if error.param != "tools" or tools is None:
                     raise
