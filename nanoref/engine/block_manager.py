@@ -192,8 +192,9 @@ class BlockManager:
         for _ in range(len(hits), seq.num_blocks):
             seq.block_table.append(self._take_free_block())
         self.tables.write(seq)
-        seq.num_prefix_hit_tokens = len(hits) * self.block_size
-        seq.num_computed_tokens = seq.num_prefix_hit_tokens
+        seq.num_computed_tokens = len(hits) * self.block_size
+        # the first admission's hits (vLLM's num_cached_tokens): a recomputed sequence's are partly its own K/V
+        seq.num_prefix_hit_tokens = seq.num_prefix_hit_tokens if seq.num_preemptions else seq.num_computed_tokens
         seq.num_hashed_blocks = len(hits)
         seq.forward_epoch = self.forward_epoch  # its K/V (the hits included) is the current forward's
 

@@ -128,7 +128,7 @@ class GenerateOutput(VllmLogprobs, dict):
     request_id: str = ""
     prompt: str | None = None
     prompt_token_ids: list[int]
-    num_cached_tokens: int = 0  # its prompt tokens the prefix cache served (sample 0's, at its latest admission)
+    num_cached_tokens: int = 0  # its prompt tokens the prefix cache served (sample 0's, when first admitted: vLLM's)
     finished = True
     _keys = ("prompt_logprobs",)
 

@@ -36,7 +36,7 @@ class Sequence:
         self.num_computed_tokens = 0
         # tokens that a step is about to compute (set by the scheduler, consumed by postprocess)
         self.num_scheduled_tokens = 0
-        # prompt tokens found in the prefix cache at the last allocation
+        # prompt tokens found in the prefix cache when first admitted (vLLM's num_cached_tokens)
         self.num_prefix_hit_tokens = 0
         # leading blocks whose hash the block manager has registered
         self.num_hashed_blocks = 0
