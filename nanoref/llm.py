@@ -32,6 +32,7 @@ from nanoref.engine.hooks import EngineHooks, RunnerHooks
 from nanoref.engine.llm_engine import LLMEngine, PlainLoop
 from nanoref.engine.model_runner import ModelRunner
 from nanoref.engine.output_processor import GenerateOutput
+from nanoref.engine.prefix_cache import reset_prefix_cache
 from nanoref.engine.requests import prompt_list
 from nanoref.lora.adapters import load_adapter
 from nanoref.lora.hooks import LoRAHooks, check_lora_request, lora_request_list  # (re-exported: the server)
@@ -126,6 +127,12 @@ class LLM(LLMEngine):
     def get_tokenizer(self) -> Any:
         """The model folder's tokenizer, as vLLM's LLM.get_tokenizer (None where the folder has none)."""
         return self.tokenizer
+
+    def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache, as vLLM's LLM.reset_prefix_cache: no later request reads K/V an earlier one
+        computed. False (and a RuntimeWarning), with nothing changed, while a request added with `add_request`
+        is unfinished."""
+        return reset_prefix_cache(self.scheduler.block_manager)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """The SamplingParams of a call that gives none, as vLLM's: the model's generation_config.json sampling

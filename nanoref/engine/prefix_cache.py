@@ -1,0 +1,30 @@
+"""Emptying the prefix cache (vLLM's `LLM.reset_prefix_cache`): no later request reads K/V computed before it.
+
+Benchmarks call it between timed runs, so that a run that replays earlier prompts times their prefill again; after a
+change of weights (a new checkpoint loaded in place) it keeps requests from reading K/V the old weights made.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+from nanoref.engine.block_manager import BlockManager
+
+
+def reset_prefix_cache(manager: BlockManager) -> bool:
+    """Forget every cached block of `manager` (nanoref's forward's, an exercise forward's, every cache salt's) ->
+    True; or, as vLLM does, change nothing and return False (with a RuntimeWarning) while a request still holds
+    blocks: its blocks would publish their hashes again as its steps fill them."""
+    if manager.used_block_ids:
+        warnings.warn(
+            f"reset_prefix_cache: unfinished requests still hold KV blocks ({len(manager.used_block_ids)}); nothing "
+            "was reset (call it once they finish or are aborted)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return False
+    for block in manager.blocks:  # every block is free (ref_count 0): none holds K/V that a request still reads
+        block.hash, block.token_ids, block.forward = -1, [], None
+    manager.hash_to_block_id.clear()
+    manager.forward_tables.clear()
+    return True
