@@ -57,3 +57,22 @@ def test_a_reset_while_a_request_holds_blocks_changes_nothing_and_warns(tiny_mod
     assert cached_tokens(llm, prompt)[1] == 32, "a refused reset still emptied the cache"
     assert llm.reset_prefix_cache() is True  # (once the request is done)
     assert cached_tokens(llm, prompt)[1] == 0
+
+
+def test_a_draft_model_after_a_reset_still_decodes_hfs_tokens(tiny_model):
+    """The draft's K/V sits in the target's blocks, trusted where it recorded a block's tokens: a reset gives every
+    block new (empty) tokens, so no record of a block before it matches after."""
+    from nanoref.testing import EVERY_STEP
+
+    spec = {"model": tiny_model, "num_speculative_tokens": 3, **EVERY_STEP}
+    prompt = random_prompts(seed=63, lengths=[40])[0]
+    llm = LLM(tiny_model, device="cpu", num_kvcache_blocks=32, kvcache_block_size=16, speculative_config=spec)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    hits = []
+    for reset in (False, True, False):  # a cold run, a run after a reset, then a replay the cache serves
+        if reset:
+            assert llm.reset_prefix_cache() is True
+        tokens, hit = cached_tokens(llm, prompt, params)
+        assert_matches_hf(tiny_model, [prompt], [{"token_ids": tokens}], 12)
+        hits.append(hit)
+    assert hits == [0, 0, 32]
