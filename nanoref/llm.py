@@ -130,9 +130,10 @@ class LLM(LLMEngine):
 
     def reset_prefix_cache(self) -> bool:
         """Empty the prefix cache, as vLLM's LLM.reset_prefix_cache: no later request reads K/V an earlier one
-        computed. False (and a RuntimeWarning), with nothing changed, while a request added with `add_request`
-        is unfinished."""
-        return reset_prefix_cache(self.scheduler.block_manager)
+        computed. False (and a RuntimeWarning), with nothing changed, while a request holds KV blocks (one added
+        with `add_request` that has run a step and is not finished). Between steps: it waits for one in flight."""
+        with self._lock:
+            return reset_prefix_cache(self.scheduler.block_manager)
 
     def get_default_sampling_params(self) -> SamplingParams:
         """The SamplingParams of a call that gives none, as vLLM's: the model's generation_config.json sampling

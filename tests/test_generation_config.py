@@ -270,6 +270,18 @@ def test_the_server_checks_the_max_tokens_a_client_asked_for_against_the_room_be
         with pytest.raises(openai.BadRequestError, match=r"min_tokens.*max_tokens cap is 5") as raised:  # (it fits)
             client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=20, extra_body={"min_tokens": 8})
         assert raised.value.body["param"] == "min_tokens"
+        # no max_tokens (chat's default, the room left): the cap's error, not one about a max_tokens never sent
+        with pytest.raises(openai.BadRequestError, match=r"min_tokens.*max_tokens cap is 5") as raised:
+            client.chat.completions.create(model="m", messages=MESSAGES, extra_body={"min_tokens": 8})
+        assert raised.value.body["param"] == "min_tokens"
+        # several prompts: every prompt's room is checked before the cap's error (the second one's does not fit)
+        long_prompt = " ".join(PROMPTS * 3)
+        with pytest.raises(openai.BadRequestError, match="prompt 1: 'max_tokens' or 'max_completion_tokens' is too"):
+            client.completions.create(
+                model="m", prompt=[PROMPTS[0], long_prompt], max_tokens=30, extra_body={"min_tokens": 8}
+            )
+        with pytest.raises(openai.BadRequestError, match=r"min_tokens.*max_tokens cap is 5"):  # (both fit)
+            client.completions.create(model="m", prompt=[PROMPTS[0]] * 2, max_tokens=30, extra_body={"min_tokens": 8})
 
 
 def test_a_completion_that_sends_max_tokens_null_gets_the_room_left_or_the_models_max_new_tokens(tmp_path):

@@ -76,3 +76,19 @@ def test_a_draft_model_after_a_reset_still_decodes_hfs_tokens(tiny_model):
         assert_matches_hf(tiny_model, [prompt], [{"token_ids": tokens}], 12)
         hits.append(hit)
     assert hits == [0, 0, 32]
+
+
+def test_a_reset_waits_for_a_step_in_flight_on_another_thread(tiny_model):
+    """AsyncLLM's thread form steps the engine on its own thread: a reset must not run between a step's admission
+    and its forward (it would clear the hashes of blocks just handed out as hits)."""
+    import threading
+
+    llm = LLM(tiny_model, device="cpu", num_kvcache_blocks=32, kvcache_block_size=16)
+    results = []
+    with llm._lock:  # (a step holds it from scheduling to its outputs)
+        other = threading.Thread(target=lambda: results.append(llm.reset_prefix_cache()))
+        other.start()
+        other.join(timeout=0.5)
+        assert other.is_alive() and not results, "reset_prefix_cache ran while a step held the engine"
+    other.join(timeout=30)
+    assert results == [True]

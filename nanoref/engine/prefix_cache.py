@@ -14,7 +14,8 @@ from nanoref.engine.block_manager import BlockManager
 def reset_prefix_cache(manager: BlockManager) -> bool:
     """Forget every cached block of `manager` (nanoref's forward's, an exercise forward's, every cache salt's) ->
     True; or, as vLLM does, change nothing and return False (with a RuntimeWarning) while a request still holds
-    blocks: its blocks would publish their hashes again as its steps fill them."""
+    blocks: its blocks would publish their hashes again as its steps fill them, chained to hashes the reset
+    cleared. The caller holds the engine's lock (no step may run meanwhile)."""
     if manager.used_block_ids:
         warnings.warn(
             f"reset_prefix_cache: unfinished requests still hold KV blocks ({len(manager.used_block_ids)}); nothing "

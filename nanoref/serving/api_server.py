@@ -1197,11 +1197,11 @@ def build_app(
                 prompt = truncate_prompt(prompt_token_ids(prompt, engine.tokenizer, config), params, config)
             if asked_tokens is not None:  # (the ids go on to the engine)
                 check_room(len(prompt), asked_tokens, engine.config.max_model_len, where, blamed["max_tokens"])
-            elif params.max_tokens == MAX_TOKENS_LIMIT:  # chat's default: the room left, in a cache that may be smaller
-                room = room_left(len(prompt), engine.config)  # (or the model's max_new_tokens, where that is less)
-                params = replace(params, max_tokens=min(room, generation.sampling.get("max_tokens", room)))
             if cap_error is not None:  # (a min_tokens above the cap: once the asked max_tokens is known to fit)
                 raise cap_error
+            if asked_tokens is None and params.max_tokens == MAX_TOKENS_LIMIT:  # chat's default: the room left,
+                room = room_left(len(prompt), engine.config)  # in a cache that may be smaller (or the model's
+                params = replace(params, max_tokens=min(room, generation.sampling.get("max_tokens", room)))  # cap)
             if cache_salt is not None:  # (vLLM's prompt dicts)
                 prompt = {"prompt" if isinstance(prompt, str) else "prompt_token_ids": prompt, "cache_salt": cache_salt}
             return engine.generate(prompt, params, request_id, adapters.lora_request(model))
@@ -1523,13 +1523,20 @@ def build_app(
         blamed = blamed_fields(body, "prompt")
 
         def open_streams() -> list[AsyncIterator[RequestOutput]]:
-            streams = []
+            streams, refused = [], None
             for i, prompt in enumerate(prompts):  # every prompt checked before any is queued (at the first output)
                 where = f"prompt {i}: " if len(prompts) > 1 else ""
                 if isinstance(prompt, str):
                     prompt = encode(prompt, add_special_tokens)
-                model = body.get("model")
-                streams.append(start(prompt, params, blamed, f"{engine_id}-{i}", where, model, asked, salt, cap_error))
+                model, prompt_id = body.get("model"), f"{engine_id}-{i}"
+                try:
+                    streams.append(start(prompt, params, blamed, prompt_id, where, model, asked, salt, cap_error))
+                except BadRequest as error:  # the cap's error once every prompt's room is checked (vLLM's order)
+                    if error is not cap_error:
+                        raise
+                    refused = error
+            if refused is not None:
+                raise refused
             return streams
 
         def echo_texts() -> list[str]:  # (a prompt of token ids: its decoded text)
