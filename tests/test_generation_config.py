@@ -234,7 +234,9 @@ def test_a_generation_config_folders_max_new_tokens_caps_every_request_on_the_se
         client = server.client()
         completion = client.completions.create(model="m", prompt=PROMPTS[0], max_tokens=10, temperature=0.0)
         assert completion.usage.completion_tokens == 5 and completion.choices[0].finish_reason == "length"
-        chat = client.chat.completions.create(model="m", messages=MESSAGES, max_completion_tokens=10)
+        chat = client.chat.completions.create(  # (sampled at temperature 1: ignore_eos, so 5 tokens on any draw)
+            model="m", messages=MESSAGES, max_completion_tokens=10, extra_body={"ignore_eos": True}
+        )
         assert chat.usage.completion_tokens == 5
         import openai
 
