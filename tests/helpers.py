@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
+import pytest
 import torch
 
 from nanoref.ops import attention_cpp, gather_paged
@@ -20,6 +22,12 @@ TINY_CONFIGS = {
     ),
 }
 
+
+# structured output's grammar library is an optional extra: a test whose requests need it skips, naming it, where it
+# is not installed (a GPU machine's image, say) rather than failing on the server's 400 "needs the xgrammar package"
+needs_xgrammar = pytest.mark.skipif(
+    importlib.util.find_spec("xgrammar") is None, reason="xgrammar is not installed (pip install 'nanoref[structured]')"
+)
 
 # what attention_backend="auto" gives on a CPU: nanoref's C++ kernels where this machine can build them
 CPU_DEFAULT_BACKEND = "torch" if attention_cpp.missing_build_tools() else "cpp"

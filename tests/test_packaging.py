@@ -56,3 +56,10 @@ def test_the_setup_script_pins_one_torch_release_on_every_machine():
     torch_installs = [line for line in installs if "torch" in line]
     assert len(torch_installs) == 3, torch_installs  # CUDA, an explicit index, the default CPU build
     assert all(line.startswith('"${pip[@]}" "$torch_pin"') for line in torch_installs), torch_installs
+
+
+def test_the_packages_version_is_pyprojects():
+    """`nanoref.__version__` (what the server's /version returns, installed or not) is the version pip installs."""
+    import nanoref
+
+    assert nanoref.__version__ == tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]

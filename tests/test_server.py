@@ -19,7 +19,7 @@ from nanoref import LLM, SamplingParams  # noqa: E402
 from nanoref.serving.async_llm import AsyncLLM  # noqa: E402
 
 from .helpers import SERVER_TIMEOUT as TIMEOUT  # noqa: E402
-from .helpers import Server, assert_no_block_leaked, running_server  # noqa: E402
+from .helpers import Server, assert_no_block_leaked, needs_xgrammar, running_server  # noqa: E402
 
 MODEL = "nanoref-test"
 SETTINGS = dict(device="cpu", num_kvcache_blocks=256)  # the built-in model, in both the server and offline
@@ -279,6 +279,7 @@ def test_a_server_on_an_engine_process_equals_offline_generate(process_server, o
     assert httpx.get(f"{process_server.url}/health", timeout=TIMEOUT).json() == {"status": "ok"}
 
 
+@needs_xgrammar
 def test_structured_outputs_on_an_engine_process_are_served_and_a_bad_one_is_a_400(process_server):
     # (the default of `python -m nanoref.serve`: this side has no LLM, yet checks the grammar before queueing)
     body = {"model": MODEL, "prompt": "Is it?", "max_tokens": 5, "structured_outputs": {"choice": ["yes", "no"]}}

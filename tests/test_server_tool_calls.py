@@ -22,7 +22,7 @@ from nanoref.serving.async_llm import AsyncLLM  # noqa: E402
 from nanoref.serving.tool_calls import AUTO_NEEDS_FLAGS  # noqa: E402
 
 from .helpers import SERVER_TIMEOUT as TIMEOUT  # noqa: E402
-from .helpers import Server, running_server  # noqa: E402
+from .helpers import Server, needs_xgrammar, running_server  # noqa: E402
 
 MODEL = "nanoref-tools"
 MESSAGES = [{"role": "user", "content": "Weather in Oslo?"}]
@@ -125,6 +125,7 @@ def assert_stream_adds_up(server, whole, **request):
 
 
 # -- "required" and a named function: a grammar makes the call ------------------------------------------------------
+@needs_xgrammar
 def test_required_returns_one_or_more_calls_that_validate_whole_and_streamed(server):
     request = dict(tools=[PING, TIME], tool_choice="required", max_tokens=200, temperature=1.0, seed=0, n=3)
     whole = ask(server, **request)
@@ -136,6 +137,7 @@ def test_required_returns_one_or_more_calls_that_validate_whole_and_streamed(ser
     assert_stream_adds_up(server, whole, **request)
 
 
+@needs_xgrammar
 def test_required_without_parallel_calls_makes_one_call_per_choice(server):
     # (86: what the 512-token context leaves beside the two tools' 426-token prompt; more is vLLM's 400)
     request = dict(tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False, max_tokens=86)
@@ -145,6 +147,7 @@ def test_required_without_parallel_calls_makes_one_call_per_choice(server):
     assert_stream_adds_up(server, whole, temperature=1.0, seed=0, n=3, **request)
 
 
+@needs_xgrammar
 def test_a_named_function_is_called_with_arguments_that_validate_and_finish_reason_stop(server):
     request = dict(tools=[WEATHER, TIME], tool_choice=NAMED, max_tokens=86, temperature=1.0, seed=1, n=2)  # (above)
     whole = ask(server, **request)
@@ -154,6 +157,7 @@ def test_a_named_function_is_called_with_arguments_that_validate_and_finish_reas
     assert_stream_adds_up(server, whole, **request)
 
 
+@needs_xgrammar
 def test_required_cut_short_keeps_its_whole_items_and_returns_the_rest_as_content(server):
     whole = ask(server, tools=[WEATHER], tool_choice="required", max_tokens=30, temperature=0)
     choice = whole.choices[0]
@@ -163,6 +167,7 @@ def test_required_cut_short_keeps_its_whole_items_and_returns_the_rest_as_conten
 
 
 # -- "auto": Qwen3's <tool_call> blocks read out of free text -------------------------------------------------------
+@needs_xgrammar
 def test_auto_reads_the_hermes_blocks_the_model_writes(server):
     # (the regex makes the model spell its text nearly a character per token: the two tools' prompt leaves room)
     request = dict(
@@ -183,6 +188,7 @@ def test_auto_reads_the_hermes_blocks_the_model_writes(server):
     assert calls_of(single.message) == calls_of(choice.message)[:1]  # (vLLM's filter: the first call)
 
 
+@needs_xgrammar
 def test_auto_keeps_a_block_that_is_no_call_as_content(server):
     malformed = r'<tool_call>\n\{"name": "get_weather", "arguments": "[a-z]{3}"\}\n</tool_call>'
     request = dict(
@@ -205,6 +211,7 @@ def test_auto_on_the_tiny_model_answers_in_text_as_with_tool_choice_none(server)
 
 
 # -- flags, the prompt, and bad requests ------------------------------------------------------------------------------
+@needs_xgrammar
 def test_auto_without_the_flags_is_vllms_400_and_the_grammar_modes_need_none(plain_server):
     for request in ({"tools": [WEATHER]}, {"tools": [WEATHER], "tool_choice": "auto"}):
         response = post(plain_server, {"messages": MESSAGES, "max_tokens": 4, **request})

@@ -47,7 +47,6 @@ from __future__ import annotations
 import asyncio
 import codecs
 import contextlib
-import importlib.metadata
 import json
 import math
 import re
@@ -1719,9 +1718,8 @@ def serve_in_background(
 
 
 def package_version() -> str:
-    """nanoref's version as installed (pyproject.toml's); "unknown" when it runs from a folder it was not
-    installed from. (Read from the package metadata: the package's own __init__ sits above this module.)"""
-    try:
-        return importlib.metadata.version("nanoref")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown"
+    """nanoref's version (`nanoref.__version__`, which tests/test_packaging.py holds equal to pyproject.toml's): the
+    same whether the package was installed or runs from a folder on PYTHONPATH, where it has no package metadata."""
+    from nanoref import __version__  # (here, not above: the package's __init__ sits above this module)
+
+    return __version__
