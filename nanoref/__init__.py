@@ -5,8 +5,7 @@ from nanoref.llm import DEFAULT_MODEL, LLM, LoRARequest
 from nanoref.sampling_params import SamplingParams, StructuredOutputsParams
 from nanoref.utils.loader import ModelFolderError
 from nanoref.utils.tracing import trace_shapes
-
-__version__ = "0.1.0"
+from nanoref.utils.version import __version__
 
 __all__ = [
     "DEFAULT_MODEL",

@@ -32,7 +32,7 @@ from nanoref.engine.hooks import EngineHooks, RunnerHooks
 from nanoref.engine.llm_engine import LLMEngine, PlainLoop
 from nanoref.engine.model_runner import ModelRunner
 from nanoref.engine.output_processor import GenerateOutput
-from nanoref.engine.prefix_cache import reset_prefix_cache
+from nanoref.engine.prefix_cache import reset_prefix_cache, warn_blocks_held
 from nanoref.engine.requests import prompt_list
 from nanoref.lora.adapters import load_adapter
 from nanoref.lora.hooks import LoRAHooks, check_lora_request, lora_request_list  # (re-exported: the server)
@@ -132,6 +132,14 @@ class LLM(LLMEngine):
         """Empty the prefix cache, as vLLM's LLM.reset_prefix_cache: no later request reads K/V an earlier one
         computed. False (and a RuntimeWarning), with nothing changed, while a request holds KV blocks (one added
         with `add_request` that has run a step and is not finished). Between steps: it waits for one in flight."""
+        num_blocks_held = self.clear_prefix_cache()
+        if num_blocks_held:
+            warn_blocks_held(num_blocks_held)
+        return not num_blocks_held
+
+    def clear_prefix_cache(self) -> int:
+        """reset_prefix_cache without its warning -> 0 once emptied, else the KV blocks unfinished requests hold
+        (nothing changed): for a caller that reports a refusal its own way (AsyncLLM's engine loop)."""
         with self._lock:
             return reset_prefix_cache(self.scheduler.block_manager)
 

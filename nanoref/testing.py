@@ -185,3 +185,20 @@ def make_random_lora(
 # (nanoref/speculative/policy.py turns speculation off where it would not pay): for tests and lessons about the
 # mechanism
 EVERY_STEP = {"disable_by_batch_size": 0, "min_tokens_per_step": 0}
+
+# notebook -> the optional packages its cells need beyond the dev extra's test tools (Triton publishes Linux wheels
+# only; the others are extras of their own): the notebook tests skip such a notebook, naming what is missing
+NOTEBOOK_NEEDS = {
+    "03_triton_kv_store": ("triton",),
+    "04_paged_decode_attention": ("triton",),
+    "11_serving": ("fastapi", "uvicorn", "prometheus_client", "openai"),
+    "13_structured_output": ("xgrammar", "jsonschema"),
+    "14_lora": ("peft",),
+}
+
+
+def missing_packages(notebook: str) -> list[str]:
+    """The packages notebook (its stem, "13_structured_output") needs that this environment lacks."""
+    import importlib.util
+
+    return [name for name in NOTEBOOK_NEEDS.get(notebook, ()) if importlib.util.find_spec(name) is None]

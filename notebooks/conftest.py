@@ -1,5 +1,6 @@
-"""pytest for the notebooks: 03 and 04 run Triton kernels, so they are skipped, with the reason
-shown, where Triton is not installed (it publishes wheels for Linux only).
+"""pytest for the notebooks: a notebook whose cells need an optional package is skipped, naming it, where that is not
+installed (`nanoref.testing.NOTEBOOK_NEEDS`: 03 and 04 run Triton kernels, and Triton publishes wheels for Linux
+only; 11 serves with FastAPI, 13 needs the grammar library, 14 peft).
 
 The stored outputs come from a CPU run (float32, token-exact with HF transformers). On a machine with a GPU the
 kernels that nbval starts get NANOREF_DEVICE=cpu, so an `LLM(...)` made without `device=` runs on the CPU in
@@ -14,21 +15,18 @@ kernels are built (or found in the cache) here, before the first notebook runs, 
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import pytest
 
-TRITON_NOTEBOOKS = ("03_triton_kv_store.ipynb", "04_paged_decode_attention.ipynb")
+from nanoref.testing import missing_packages
 
 
 def pytest_collection_modifyitems(config, items):
-    if importlib.util.find_spec("triton") is not None:
-        return
-    skip = pytest.mark.skip(reason="Triton is not installed (Linux wheels only): the Triton notebooks cannot run")
     for item in items:
-        if item.path.name in TRITON_NOTEBOOKS:
-            item.add_marker(skip)
+        missing = missing_packages(item.path.stem) if item.path.suffix == ".ipynb" else []
+        if missing:
+            item.add_marker(pytest.mark.skip(reason=f"{item.path.name} needs {', '.join(missing)}, not installed here"))
 
 
 KERNEL_ENV = {"NANOREF_DEVICE": "cpu", "PYDEVD_DISABLE_FILE_VALIDATION": "1"}

@@ -3,6 +3,8 @@ blocks it changes nothing and says so."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from nanoref import LLM, SamplingParams
@@ -92,3 +94,131 @@ def test_a_reset_waits_for_a_step_in_flight_on_another_thread(tiny_model):
         assert other.is_alive() and not results, "reset_prefix_cache ran while a step held the engine"
     other.join(timeout=30)
     assert results == [True]
+
+
+# -- AsyncLLM (vLLM's async reset_prefix_cache), in both forms, and the server's development route ------------------
+ASYNC_SETTINGS = dict(device="cpu", num_kvcache_blocks=32, kvcache_block_size=16)  # the built-in model: a tokenizer
+
+
+async def served(engine, prompt: list[int], params: SamplingParams = GREEDY) -> tuple[list[int], int]:
+    """A prompt served to its end -> (its tokens, its prompt tokens the prefix cache served)."""
+    from .test_async_llm import collect
+
+    outputs = await collect(engine.generate(prompt, params))
+    return outputs[-1].cumulative_token_ids, outputs[-1].num_cached_tokens
+
+
+@pytest.mark.parametrize("engine_process", [False, True], ids=["thread", "process"])
+def test_async_llm_reset_prefix_cache_between_steps_and_refused_while_a_request_holds_blocks(engine_process):
+    from nanoref.serving.async_llm import AsyncLLM
+
+    from .test_async_llm import run, until
+
+    prompt, other = random_prompts(seed=63, lengths=[40, 20])
+    engine = AsyncLLM.from_model(engine_process=engine_process, **ASYNC_SETTINGS)
+
+    async def scenario() -> None:
+        first, hits = await served(engine, prompt)
+        assert hits == 0
+        again, hits = await served(engine, prompt)
+        assert hits == 32 and again == first  # (the control: the cache serves a replay)
+        assert await engine.reset_prefix_cache() is True
+        after, hits = await served(engine, prompt)
+        assert hits == 0 and after == first, "a prompt replayed after reset_prefix_cache was served from the cache"
+        # a request in flight holds blocks: the reset changes nothing, says so, and the request goes on
+        stream = engine.generate(other, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
+        pieces = [await anext(stream)]
+        with pytest.warns(RuntimeWarning, match=r"unfinished requests still hold KV blocks \(\d+\); nothing was"):
+            assert await engine.reset_prefix_cache() is False
+        pieces += [out async for out in stream]
+        assert pieces[-1].finished and len(pieces[-1].cumulative_token_ids) == 64
+        assert (await served(engine, prompt))[1] == 32, "a refused reset still emptied the cache"
+        await until(lambda: engine.stats().num_kv_blocks_used == 0, "the finished requests' blocks freed")
+        with pytest.raises(ValueError, match="reset_running_requests is not supported by nanoref"):
+            await engine.reset_prefix_cache(reset_running_requests=True)
+        with pytest.raises(ValueError, match="reset_connector is not supported by nanoref"):
+            await engine.reset_prefix_cache(reset_connector=True)
+
+    try:
+        run(scenario())
+    finally:
+        engine.close()
+    with pytest.raises(RuntimeError, match="this AsyncLLM is closed"):
+        run(engine.reset_prefix_cache())
+
+
+def test_a_reset_awaited_when_the_engine_ends_fails_rather_than_hangs():
+    """The engine thread dies between the command and its reply: the awaiting caller gets the reason."""
+    from nanoref.serving.async_llm import AsyncLLM
+
+    from .test_async_llm import run
+
+    engine = AsyncLLM(LLM(**ASYNC_SETTINGS), owns_llm=True)
+    sent = []
+    engine._engine.send = sent.append  # (the command never reaches the loop: as if the engine were gone)
+
+    async def scenario() -> None:
+        waiting = asyncio.ensure_future(engine.reset_prefix_cache())
+        await asyncio.sleep(0.05)
+        assert sent == [("reset_prefix_cache", sent[0][1])] and not waiting.done()
+        engine._on_exit("the engine thread ended unexpectedly")
+        with pytest.raises(RuntimeError, match="the engine thread ended unexpectedly"):
+            await waiting
+
+    try:
+        run(scenario())
+    finally:
+        del engine._engine.send
+        engine.close()
+
+
+def test_the_servers_dev_route_resets_the_cache_only_in_dev_mode(monkeypatch):
+    httpx = pytest.importorskip("httpx")
+    pytest.importorskip("uvicorn")
+    pytest.importorskip("fastapi")
+    from nanoref.serving.api_server import serve_in_background
+    from nanoref.serving.async_llm import AsyncLLM
+
+    from .helpers import SERVER_TIMEOUT
+
+    prompt = random_prompts(seed=64, lengths=[40])[0]
+    engine = AsyncLLM(LLM(**ASYNC_SETTINGS), owns_llm=True)
+    body = {"model": "m", "prompt": prompt, "max_tokens": 4, "temperature": 0}
+
+    def cached(url: str) -> int:
+        response = httpx.post(f"{url}/v1/completions", json=body, timeout=SERVER_TIMEOUT).json()
+        return (response["usage"].get("prompt_tokens_details") or {}).get("cached_tokens", 0)  # (only where some)
+
+    try:
+        monkeypatch.delenv("VLLM_SERVER_DEV_MODE", raising=False)
+        monkeypatch.delenv("NANOREF_SERVER_DEV_MODE", raising=False)
+        with serve_in_background(engine, "m") as url:  # as vLLM: no such route outside dev mode
+            assert httpx.post(f"{url}/reset_prefix_cache", timeout=SERVER_TIMEOUT).status_code == 404
+        monkeypatch.setenv("VLLM_SERVER_DEV_MODE", "1")
+        with serve_in_background(engine, "m", enable_prompt_tokens_details=True) as url:
+            cached(url)
+            assert cached(url) == 32  # (the control: a replay is served from the cache)
+            reset = httpx.post(f"{url}/reset_prefix_cache", timeout=SERVER_TIMEOUT)
+            assert reset.status_code == 200, reset.text
+            assert cached(url) == 0, "a prompt replayed after POST /reset_prefix_cache was served from the cache"
+            for query, named in (("reset_running_requests=true", "reset_running_requests=true is not supported"),
+                                 ("reset_external=1", "reset_external=true is not supported"),
+                                 ("reset_external=maybe", "reset_external must be true or false, got 'maybe'"),
+                                 ("device=gpu", "unknown query parameter 'device'")):  # fmt: skip
+                refused = httpx.post(f"{url}/reset_prefix_cache?{query}", timeout=SERVER_TIMEOUT)
+                assert refused.status_code == 400 and named in refused.json()["error"]["message"], refused.text
+            assert cached(url) == 32, "a refused reset emptied the cache"
+            with httpx.stream(
+                "POST",
+                f"{url}/v1/completions",
+                timeout=SERVER_TIMEOUT,
+                json={**body, "max_tokens": 200, "ignore_eos": True, "stream": True},
+            ) as stream:
+                lines = stream.iter_lines()
+                assert next(line for line in lines if line.startswith("data: "))  # (the request holds blocks now)
+                busy = httpx.post(f"{url}/reset_prefix_cache", timeout=SERVER_TIMEOUT)
+                assert busy.status_code == 409 and "still hold KV blocks" in busy.json()["error"]["message"]
+                assert [line for line in lines if line][-1] == "data: [DONE]"  # (the stream goes on to its end)
+            assert cached(url) == 32, "a refused reset emptied the cache"
+    finally:
+        engine.close()

@@ -292,6 +292,7 @@ def person_model(pydantic):
 
 
 @pytest.mark.parametrize("method", ["json_schema", "function_calling"])
+@needs_xgrammar
 def test_langchain_with_structured_output_returns_a_valid_object(server, langchain, method):
     Person = person_model(langchain[1])
     model = chat_model(server, langchain, max_tokens=200, temperature=0)
@@ -299,6 +300,7 @@ def test_langchain_with_structured_output_returns_a_valid_object(server, langcha
     assert isinstance(person, Person) and len(person.name) <= 8 and 0 <= person.age <= 120
 
 
+@needs_xgrammar
 def test_langchain_json_mode_returns_an_object(server, langchain):
     """json_mode asks for a JSON object, not for the schema (which OpenAI's API leaves to the prompt, and the tiny model
     cannot read): a model that takes any object parses what the grammar makes."""
@@ -312,6 +314,7 @@ def test_langchain_json_mode_returns_an_object(server, langchain):
     assert isinstance(parsed, Anything) and isinstance(parsed.model_extra, dict)
 
 
+@needs_xgrammar
 def test_langchain_bind_tools_required_returns_valid_calls_streamed_alike(server, langchain):
     GetTime = pydantic_tool(langchain[1])
     model = chat_model(server, langchain, max_tokens=150, temperature=1.0, seed=3).bind_tools(
@@ -329,6 +332,7 @@ def test_langchain_bind_tools_required_returns_valid_calls_streamed_alike(server
     assert [(c["name"], c["args"]) for c in streamed.tool_calls] == [(c["name"], c["args"]) for c in reply.tool_calls]
 
 
+@needs_xgrammar
 def test_langchain_bind_tools_auto_gets_the_tiny_models_text_or_the_calls_it_writes(server, langchain):
     GetTime = pydantic_tool(langchain[1])
     free = chat_model(server, langchain, max_tokens=16, temperature=0).bind_tools([GetTime]).invoke("Time?")
@@ -369,6 +373,7 @@ def test_the_serve_command_refuses_bad_tool_flags_before_loading(argv, message, 
 
 
 @pytest.mark.slow  # (a server process of its own: ~15 s here)
+@needs_xgrammar
 def test_the_serve_command_with_auto_tool_choice_reads_calls():
     import os
     import signal

@@ -400,6 +400,7 @@ class SampleDelta(NamedTuple):
     # where SamplingParams.prompt_logprobs asks: the request's, on sample 0's first delta (OutputProcessor's
     # prompt_logprobs: None for the first prompt token, then one entry per prompt token)
     prompt_logprobs: list[TokenLogprobs | None] | None = None
+    num_cached_tokens: int = 0  # the request's prompt tokens the prefix cache served (sample 0's first admission)
 
 
 @dataclass
@@ -428,6 +429,8 @@ class RequestOutput:
     # prompt token, then each prompt token's TokenLogprobs, as `LLM.generate`'s "prompt_logprobs"); else None
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     prompt: str | None = None  # the request's prompt, where it was given as text (vLLM's RequestOutput.prompt)
+    # vLLM's: the request's prompt tokens the prefix cache served, fixed when it was first scheduled
+    num_cached_tokens: int = 0
     # what `outputs` reads: the sample's logprobs so far (the first `num_logprobs_so_far` of a list that grows; None:
     # not asked for) and the tokens' texts (vLLM's decoded_token)
     logprobs_so_far: list[TokenLogprobs] | None = field(default=None, repr=False)
@@ -515,6 +518,7 @@ class RequestOutputs:
             prompt_token_ids=self.prompt_token_ids,
             prompt_logprobs=delta.prompt_logprobs,
             prompt=self.prompt,
+            num_cached_tokens=delta.num_cached_tokens,
             logprobs_so_far=logprobs,
             num_logprobs_so_far=0 if logprobs is None else len(logprobs),
             token_text=self.token_text,

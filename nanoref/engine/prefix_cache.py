@@ -11,21 +11,26 @@ import warnings
 from nanoref.engine.block_manager import BlockManager
 
 
-def reset_prefix_cache(manager: BlockManager) -> bool:
-    """Forget every cached block of `manager` (nanoref's forward's, an exercise forward's, every cache salt's) ->
-    True; or, as vLLM does, change nothing and return False (with a RuntimeWarning) while a request still holds
-    blocks: its blocks would publish their hashes again as its steps fill them, chained to hashes the reset
-    cleared. The caller holds the engine's lock (no step may run meanwhile)."""
+def reset_prefix_cache(manager: BlockManager) -> int:
+    """Forget every cached block of `manager` (nanoref's forward's, an exercise forward's, every cache salt's) -> 0;
+    or, as vLLM does, change nothing while a request still holds blocks (its blocks would publish their hashes again
+    as its steps fill them, chained to hashes the reset cleared) -> the number of blocks held. The caller holds the
+    engine's lock (no step may run meanwhile) and reports a refusal (`warn_blocks_held`)."""
     if manager.used_block_ids:
-        warnings.warn(
-            f"reset_prefix_cache: unfinished requests still hold KV blocks ({len(manager.used_block_ids)}); nothing "
-            "was reset (call it once they finish or are aborted)",
-            RuntimeWarning,
-            stacklevel=3,
-        )
-        return False
+        return len(manager.used_block_ids)
     for block in manager.blocks:  # every block is free (ref_count 0): none holds K/V that a request still reads
         block.hash, block.token_ids, block.forward = -1, [], None
     manager.hash_to_block_id.clear()
     manager.forward_tables.clear()
-    return True
+    return 0
+
+
+def warn_blocks_held(num_blocks: int, stacklevel: int = 3) -> None:
+    """The RuntimeWarning of a refused reset (vLLM logs one): stacklevel 3 names the caller of the method that calls
+    this."""
+    warnings.warn(
+        f"reset_prefix_cache: unfinished requests still hold KV blocks ({num_blocks}); nothing was reset (call it "
+        "once they finish or are aborted)",
+        RuntimeWarning,
+        stacklevel=stacklevel,
+    )

@@ -49,6 +49,7 @@ import codecs
 import contextlib
 import json
 import math
+import os
 import re
 import secrets
 import socket
@@ -90,6 +91,7 @@ from nanoref.serving.tool_calls import (
     check_tools,
     tool_choice,
 )
+from nanoref.utils.version import __version__
 
 # request field -> SamplingParams field, as vLLM maps them. Fields SamplingParams lacks in this build are
 # refused with a 400 naming them (rather than silently ignored: the client asked for something)
@@ -249,6 +251,7 @@ ERROR_TYPES = {
     404: "NotFoundError",
     405: "MethodNotAllowedError",
     408: "RequestTimeoutError",
+    409: "ConflictError",
     413: "RequestTooLargeError",
     503: "ServiceUnavailableError",
 }
@@ -1614,6 +1617,9 @@ def build_app(
     async def version() -> dict:
         return {"version": package_version()}
 
+    if dev_mode_enabled():
+        dev_routes(app, engine)
+
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict:
         """vLLM's: {"prompt", "add_special_tokens": true} or {"messages", "add_generation_prompt": true,
@@ -1717,9 +1723,34 @@ def serve_in_background(
             raise RuntimeError(f"the server did not stop within {timeout} s")
 
 
-def package_version() -> str:
-    """nanoref's version (`nanoref.__version__`, which tests/test_packaging.py holds equal to pyproject.toml's): the
-    same whether the package was installed or runs from a folder on PYTHONPATH, where it has no package metadata."""
-    from nanoref import __version__  # (here, not above: the package's __init__ sits above this module)
+DEV_MODE = ("VLLM_SERVER_DEV_MODE", "NANOREF_SERVER_DEV_MODE")  # vLLM's opt-in to its development routes
+QUERY_BOOLS = {"true": True, "1": True, "yes": True, "on": True, "false": False, "0": False, "no": False, "off": False}
 
+
+def dev_mode_enabled() -> bool:
+    return any(os.environ.get(name, "").strip().lower() in ("1", "true") for name in DEV_MODE)
+
+
+def dev_routes(app: FastAPI, engine: AsyncLLM) -> None:
+    """vLLM's development routes, there only with VLLM_SERVER_DEV_MODE=1 (as vLLM: open like /metrics, so off by
+    default): POST /reset_prefix_cache empties the engine's prefix cache (a benchmark calls it between timed runs;
+    a trainer after it changed the weights) -> 200, or vLLM's 409 while requests in flight hold KV blocks."""
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache(request: Request) -> Response:
+        options = {"reset_running_requests": False, "reset_external": False}
+        for name, value in request.query_params.items():
+            if name not in options:
+                raise BadRequest(f"unknown query parameter {name!r} (reset_prefix_cache takes {list(options)})", name)
+            if value.strip().lower() not in QUERY_BOOLS:
+                raise BadRequest(f"{name} must be true or false, got {value!r}", name)
+            if QUERY_BOOLS[value.strip().lower()]:
+                raise BadRequest(f"{name}=true is not supported by nanoref (it resets only an idle cache)", name)
+        if await engine.clear_prefix_cache():  # (the blocks requests in flight hold: the 409 says so, no warning)
+            raise APIError("Prefix cache reset failed: requests in flight still hold KV blocks", None, 409)
+        return Response(status_code=200)
+
+
+def package_version() -> str:
+    """nanoref's version, the same whether the package was installed or runs from a folder on PYTHONPATH."""
     return __version__

@@ -52,6 +52,7 @@ from typing import Any
 
 from nanoref.config import EngineConfig
 from nanoref.engine.output_processor import RequestOutput, RequestOutputs, delta_texts
+from nanoref.engine.prefix_cache import warn_blocks_held
 from nanoref.engine.requests import eos_token_ids, prompt_text, request_tokens
 from nanoref.llm import DEFAULT_MODEL, LLM, SETTINGS, LoRARequest, check_lora_request, grammars_for
 from nanoref.sampling_params import SamplingParams
@@ -145,6 +146,7 @@ class AsyncLLM:
         self._closed = False
         self._failure: str | None = None  # why the engine is gone, when it died
         self._grammars = None  # the process form's grammar compiler (llm.grammars_for), to check constraints
+        self._replies: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}  # key -> its awaiter
 
     @functools.cached_property
     def _eos_token_ids(self) -> set[int]:
@@ -318,6 +320,35 @@ class AsyncLLM:
         if request is not None:
             self._engine.send(("abort", request.key))
 
+    async def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
+        """vLLM's: empty the engine's prefix cache between two of its steps, so that no later request reads K/V an
+        earlier one computed (LLM.reset_prefix_cache's rule) -> True; False (and a RuntimeWarning), with nothing
+        changed, while a request in flight holds KV blocks. vLLM's two options are not taken: nanoref does not
+        preempt running requests to reset, and has no KV connector (True raises ValueError naming it)."""
+        for name, value in (("reset_running_requests", reset_running_requests), ("reset_connector", reset_connector)):
+            if value is not False:
+                raise ValueError(f"{name} is not supported by nanoref's reset_prefix_cache (only False)")
+        num_blocks_held = await self.clear_prefix_cache()
+        if num_blocks_held:
+            warn_blocks_held(num_blocks_held, stacklevel=2)
+        return not num_blocks_held
+
+    async def clear_prefix_cache(self) -> int:
+        """reset_prefix_cache without its warning -> 0 once emptied, else the KV blocks that requests in flight hold
+        (nothing changed): LLM.clear_prefix_cache, run by the engine's loop between steps (the server's route)."""
+        loop = asyncio.get_running_loop()
+        answer = loop.create_future()
+        key = next(self._keys)
+        with self._requests_lock:  # (with _on_exit: either failed by it or refused here)
+            self._check_running()
+            self._replies[key] = (loop, answer)
+        try:
+            self._engine.send(("reset_prefix_cache", key))
+            return await answer
+        finally:
+            with self._requests_lock:
+                self._replies.pop(key, None)
+
     @property
     def is_running(self) -> bool:
         """The engine is alive and taking requests."""
@@ -361,6 +392,19 @@ class AsyncLLM:
                 loop.call_soon_threadsafe(_publish, items)
             except RuntimeError:  # the consumers' event loop is closed: nobody is left to read them
                 pass
+        for key, answer in message.replies:
+            self._answer(key, answer)
+
+    def _answer(self, key: int, answer: int | BaseException) -> None:
+        """A command's reply (or why none will come) to its awaiter, on the awaiter's event loop."""
+        with self._requests_lock:
+            waiting = self._replies.pop(key, None)
+        if waiting is not None:
+            loop, future = waiting
+            try:
+                loop.call_soon_threadsafe(_settle, future, answer)
+            except RuntimeError:  # its event loop is closed: nobody awaits it
+                pass
 
     def _on_exit(self, reason: str) -> None:
         """The engine ended without being asked to: every request in flight fails, and so does every later one."""
@@ -373,9 +417,22 @@ class AsyncLLM:
         whose last output is queued ends with that)."""
         with self._requests_lock:
             pending = list(self._by_key.values())
+            awaiting = list(self._replies)
         if pending:
             error = RuntimeError(why)
             self._on_message(StepMessage([], [(request.key, error) for request in pending], self._stats))
+        for key in awaiting:  # a command whose reply will never come (reset_prefix_cache)
+            self._answer(key, RuntimeError(why))
+
+
+def _settle(future: asyncio.Future, answer: int | BaseException) -> None:
+    """On the awaiter's event loop: a command's reply into its future (unless the awaiter was cancelled)."""
+    if future.done():
+        return
+    if isinstance(answer, BaseException):
+        future.set_exception(answer)
+    else:
+        future.set_result(answer)
 
 
 def _publish(items: list[tuple[_Request, RequestOutput | BaseException]]) -> None:

@@ -7,8 +7,9 @@ neither. It takes commands from `receive` and hands what each step made to `send
                                                                        # ids, or {"prompt_token_ids", "cache_salt"}
          ("abort", key)
          ("read", [key, ...])    # these requests' consumers took their last output: they may get the next one
+         ("reset_prefix_cache", key)  # empty the prefix cache between steps: a reply (key, blocks still held)
          ("stop",)               # every request in flight ends with "abort", then the loop returns
-    out: StepMessage(deltas, errors, stats)
+    out: StepMessage(deltas, errors, stats, replies)
 
 `key` is the caller's number for one submission (a request id may come back once its request is done; a key never
 does). One message per step, not one per request or token: a hand-off between threads or processes costs a
@@ -76,6 +77,7 @@ class StepMessage(NamedTuple):
     deltas: list[SampleDelta]
     errors: list[tuple[int, BaseException]]  # (key, why): a failed step fails the requests in it
     stats: EngineStats  # after the step
+    replies: list[tuple[int, int]] = []  # (key, answer) to the commands that ask for one (never mutated: a default)
 
 
 @dataclass(eq=False)  # compared by identity: two samples are never the same one
@@ -102,6 +104,7 @@ class EngineLoop:
         self.llm, self.receive, self.send = llm, receive, send
         self.requests: dict[int, _Active] = {}  # key -> a request queued in the engine, until its last delta
         self.errors: list[tuple[int, BaseException]] = []  # not sent yet
+        self.replies: list[tuple[int, int]] = []  # not sent yet
         self.queried_tokens = self.hit_tokens = 0  # prefix-cache counters
         # speculative decoding: tokens proposed, accepted, and the sequences' rows of the verify steps
         self.draft_tokens = self.accepted_tokens = self.verified_rows = 0
@@ -145,6 +148,8 @@ class EngineLoop:
                 active = self.requests.get(command[1])
                 if active is not None:
                     self.abort(active)
+            elif kind == "reset_prefix_cache":  # (between steps: no step holds the engine now)
+                self.replies.append((command[1], self.llm.clear_prefix_cache()))
             elif kind == "stop":
                 stopping = True
         return stopping
@@ -189,9 +194,9 @@ class EngineLoop:
             if all(sample.done for sample in active.samples):
                 del self.requests[key]
         stats = self.stats()
-        if deltas or self.errors or stats != self.sent_stats:
-            errors, self.errors, self.sent_stats = self.errors, [], stats
-            self.send(StepMessage(deltas, errors, stats))
+        if deltas or self.errors or self.replies or stats != self.sent_stats:
+            errors, replies, self.errors, self.replies, self.sent_stats = self.errors, self.replies, [], [], stats
+            self.send(StepMessage(deltas, errors, stats, replies))
 
     def delta(self, key: int, sample: _Sample) -> SampleDelta | None:
         """What the sample made since its last delta (None: nothing new)."""
@@ -217,6 +222,7 @@ class EngineLoop:
             logprobs=seq.output.logprobs[sample.num_sent_tokens : len(tokens)],
             metrics=metrics,
             prompt_logprobs=self.llm.output_processor.prompt_logprobs(seq) if sample.num_sent_tokens == 0 else None,
+            num_cached_tokens=self.requests[key].samples[0].seq.num_prefix_hit_tokens,  # (the request's: sample 0's)
         )
         sample.num_sent_tokens, sample.done = len(tokens), seq.is_finished
         if text is not None:
