@@ -191,6 +191,8 @@ EVERY_STEP = {"disable_by_batch_size": 0, "min_tokens_per_step": 0}
 NOTEBOOK_NEEDS = {
     "03_triton_kv_store": ("triton",),
     "04_paged_decode_attention": ("triton",),
+    # (its stored outputs hold every run: Triton's, structured output's and LoRA's against peft)
+    "10_capstone": ("triton", "xgrammar", "peft"),
     "11_serving": ("fastapi", "uvicorn", "prometheus_client", "openai"),
     "13_structured_output": ("xgrammar", "jsonschema"),
     "14_lora": ("peft",),

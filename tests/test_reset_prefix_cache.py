@@ -126,12 +126,14 @@ def test_async_llm_reset_prefix_cache_between_steps_and_refused_while_a_request_
         after, hits = await served(engine, prompt)
         assert hits == 0 and after == first, "a prompt replayed after reset_prefix_cache was served from the cache"
         # a request in flight holds blocks: the reset changes nothing, says so, and the request goes on
-        stream = engine.generate(other, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
+        # (400 tokens: far more steps than the reset's round trip takes)
+        stream = engine.generate(other, SamplingParams(temperature=0, max_tokens=400, ignore_eos=True))
         pieces = [await anext(stream)]
-        with pytest.warns(RuntimeWarning, match=r"unfinished requests still hold KV blocks \(\d+\); nothing was"):
+        with pytest.warns(RuntimeWarning, match=r"unfinished requests still hold KV blocks \(\d+\); nothing was") as w:
             assert await engine.reset_prefix_cache() is False
+        assert w[0].filename == __file__, "the warning names nanoref's line, not the caller's"
         pieces += [out async for out in stream]
-        assert pieces[-1].finished and len(pieces[-1].cumulative_token_ids) == 64
+        assert pieces[-1].finished and len(pieces[-1].cumulative_token_ids) == 400
         assert (await served(engine, prompt))[1] == 32, "a refused reset still emptied the cache"
         await until(lambda: engine.stats().num_kv_blocks_used == 0, "the finished requests' blocks freed")
         with pytest.raises(ValueError, match="reset_running_requests is not supported by nanoref"):
@@ -212,7 +214,7 @@ def test_the_servers_dev_route_resets_the_cache_only_in_dev_mode(monkeypatch):
                 "POST",
                 f"{url}/v1/completions",
                 timeout=SERVER_TIMEOUT,
-                json={**body, "max_tokens": 200, "ignore_eos": True, "stream": True},
+                json={**body, "max_tokens": 400, "ignore_eos": True, "stream": True},
             ) as stream:
                 lines = stream.iter_lines()
                 assert next(line for line in lines if line.startswith("data: "))  # (the request holds blocks now)
@@ -220,5 +222,33 @@ def test_the_servers_dev_route_resets_the_cache_only_in_dev_mode(monkeypatch):
                 assert busy.status_code == 409 and "still hold KV blocks" in busy.json()["error"]["message"]
                 assert [line for line in lines if line][-1] == "data: [DONE]"  # (the stream goes on to its end)
             assert cached(url) == 32, "a refused reset emptied the cache"
+            engine.close()  # the engine gone: a 503 as every route gives, not a 500
+            gone = httpx.post(f"{url}/reset_prefix_cache", timeout=SERVER_TIMEOUT)
+            assert gone.status_code == 503 and "the engine has stopped" in gone.json()["error"]["message"], gone.text
+    finally:
+        engine.close()
+
+
+def test_a_reset_that_fails_in_the_engine_loop_fails_its_caller_and_the_engine_serves_on():
+    from nanoref.serving.async_llm import AsyncLLM
+
+    from .test_async_llm import run
+
+    llm = LLM(**ASYNC_SETTINGS)
+    engine = AsyncLLM(llm, owns_llm=True)
+
+    def broken() -> int:
+        raise OSError("injected: the block manager failed")
+
+    llm.clear_prefix_cache = broken
+
+    async def scenario() -> None:
+        with pytest.raises(OSError, match="injected: the block manager failed"):
+            await engine.reset_prefix_cache()
+        tokens, _ = await served(engine, random_prompts(seed=65, lengths=[8])[0])
+        assert len(tokens) == GREEDY.max_tokens and engine.is_running
+
+    try:
+        run(scenario())
     finally:
         engine.close()

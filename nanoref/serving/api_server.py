@@ -1618,7 +1618,7 @@ def build_app(
         return {"version": package_version()}
 
     if dev_mode_enabled():
-        dev_routes(app, engine)
+        dev_routes(app, engine, engine_stopped)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict:
@@ -1731,10 +1731,11 @@ def dev_mode_enabled() -> bool:
     return any(os.environ.get(name, "").strip().lower() in ("1", "true") for name in DEV_MODE)
 
 
-def dev_routes(app: FastAPI, engine: AsyncLLM) -> None:
+def dev_routes(app: FastAPI, engine: AsyncLLM, engine_stopped: Callable[[object], APIError]) -> None:
     """vLLM's development routes, there only with VLLM_SERVER_DEV_MODE=1 (as vLLM: open like /metrics, so off by
     default): POST /reset_prefix_cache empties the engine's prefix cache (a benchmark calls it between timed runs;
-    a trainer after it changed the weights) -> 200, or vLLM's 409 while requests in flight hold KV blocks."""
+    a trainer after it changed the weights) -> 200, or vLLM's 409 while requests in flight hold KV blocks (a 503 once
+    the engine has stopped, as every route)."""
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache(request: Request) -> Response:
@@ -1746,7 +1747,11 @@ def dev_routes(app: FastAPI, engine: AsyncLLM) -> None:
                 raise BadRequest(f"{name} must be true or false, got {value!r}", name)
             if QUERY_BOOLS[value.strip().lower()]:
                 raise BadRequest(f"{name}=true is not supported by nanoref (it resets only an idle cache)", name)
-        if await engine.clear_prefix_cache():  # (the blocks requests in flight hold: the 409 says so, no warning)
+        try:
+            num_blocks_held = await engine.clear_prefix_cache()
+        except RuntimeError as error:  # the engine is gone (before it was asked, or before it answered)
+            raise engine_stopped(error) from None
+        if num_blocks_held:  # (requests in flight hold blocks: the 409 says so, no warning)
             raise APIError("Prefix cache reset failed: requests in flight still hold KV blocks", None, 409)
         return Response(status_code=200)
 

@@ -330,7 +330,7 @@ class AsyncLLM:
                 raise ValueError(f"{name} is not supported by nanoref's reset_prefix_cache (only False)")
         num_blocks_held = await self.clear_prefix_cache()
         if num_blocks_held:
-            warn_blocks_held(num_blocks_held, stacklevel=2)
+            warn_blocks_held(num_blocks_held)  # (naming the line that awaited this)
         return not num_blocks_held
 
     async def clear_prefix_cache(self) -> int:

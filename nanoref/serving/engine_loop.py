@@ -7,7 +7,8 @@ neither. It takes commands from `receive` and hands what each step made to `send
                                                                        # ids, or {"prompt_token_ids", "cache_salt"}
          ("abort", key)
          ("read", [key, ...])    # these requests' consumers took their last output: they may get the next one
-         ("reset_prefix_cache", key)  # empty the prefix cache between steps: a reply (key, blocks still held)
+         ("reset_prefix_cache", key)  # empty the prefix cache between steps: a reply (key, blocks still held
+                                      # or the error that stopped it)
          ("stop",)               # every request in flight ends with "abort", then the loop returns
     out: StepMessage(deltas, errors, stats, replies)
 
@@ -77,7 +78,8 @@ class StepMessage(NamedTuple):
     deltas: list[SampleDelta]
     errors: list[tuple[int, BaseException]]  # (key, why): a failed step fails the requests in it
     stats: EngineStats  # after the step
-    replies: list[tuple[int, int]] = []  # (key, answer) to the commands that ask for one (never mutated: a default)
+    replies: list[tuple[int, int | Exception]] = []  # (key, answer) to the commands that ask for one (a default never
+    # mutated)
 
 
 @dataclass(eq=False)  # compared by identity: two samples are never the same one
@@ -104,7 +106,7 @@ class EngineLoop:
         self.llm, self.receive, self.send = llm, receive, send
         self.requests: dict[int, _Active] = {}  # key -> a request queued in the engine, until its last delta
         self.errors: list[tuple[int, BaseException]] = []  # not sent yet
-        self.replies: list[tuple[int, int]] = []  # not sent yet
+        self.replies: list[tuple[int, int | Exception]] = []  # not sent yet
         self.queried_tokens = self.hit_tokens = 0  # prefix-cache counters
         # speculative decoding: tokens proposed, accepted, and the sequences' rows of the verify steps
         self.draft_tokens = self.accepted_tokens = self.verified_rows = 0
@@ -149,7 +151,10 @@ class EngineLoop:
                 if active is not None:
                     self.abort(active)
             elif kind == "reset_prefix_cache":  # (between steps: no step holds the engine now)
-                self.replies.append((command[1], self.llm.clear_prefix_cache()))
+                try:
+                    self.replies.append((command[1], self.llm.clear_prefix_cache()))
+                except Exception as error:  # its caller gets the error; the loop serves on
+                    self.replies.append((command[1], error))
             elif kind == "stop":
                 stopping = True
         return stopping

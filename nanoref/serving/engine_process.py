@@ -221,7 +221,8 @@ def serve_engine(model: str, settings: dict, commands, outputs) -> None:
                     outputs.send(message)
                 except (pickle.PicklingError, TypeError, AttributeError):  # an error that does not pickle: in words
                     errors = [(key, _picklable(error)) for key, error in message.errors]
-                    outputs.send(message._replace(errors=errors))
+                    replies = [(k, _picklable(a) if isinstance(a, BaseException) else a) for k, a in message.replies]
+                    outputs.send(message._replace(errors=errors, replies=replies))
             except OSError:  # the parent went away (BrokenPipeError): the reader will say "stop"
                 return
 
