@@ -12,6 +12,7 @@ import copy
 import os
 from dataclasses import InitVar, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -19,7 +20,7 @@ from nanoref.models import Qwen3Config, load_model_config
 from nanoref.models.generation_config import GenerationDefaults, read_generation_defaults
 from nanoref.ops.backends import BACKEND_NAMES, FLASH_ATTN_BACKENDS, choose_backend
 from nanoref.sampling_params import MAX_LOGPROBS, check_seed
-from nanoref.utils.loader import TOKENIZER_FILES, ModelFolderError, resolve_model_folder, weight_files
+from nanoref.utils.loader import TOKENIZER_FILES, ModelFolderError, load_tokenizer, resolve_model_folder, weight_files
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # vLLM's other spellings of the same types (its --dtype choices): code written for vLLM passes them
@@ -138,6 +139,9 @@ class EngineConfig:
     max_logprobs: int = MAX_LOGPROBS  # the most logprobs / prompt_logprobs a request may ask for (at most 20)
     tokenizer: str | Path | None = None  # a local folder whose tokenizer serves in place of the model folder's
     tokenizer_mode: str = "auto"  # "auto" or "hf": the fast tokenizer where the folder has one; "slow": the slow one
+    # vLLM's: load no tokenizer (prompts are token ids; outputs carry token ids and no text, as from a folder without
+    # one): for a caller that tokenizes and detokenizes itself
+    skip_tokenizer_init: bool = False
     served_model_name: str | list[str] | None = None  # the model's name(s) in the API (the server's)
     # the model's recommended sampling (models/generation_config.py): "auto" reads the model folder's
     # generation_config.json (the defaults of a request that names none, and its extra EOS ids); "vllm": SamplingParams'
@@ -192,7 +196,7 @@ class EngineConfig:
         _set(self, generation_defaults=defaults)
         _set(self, device=parse_device(self.device))
         _set(self, dtype=parse_dtype(self.dtype, self.device))
-        for name in ("enforce_eager", "disable_cascade_attn"):
+        for name in ("enforce_eager", "disable_cascade_attn", "skip_tokenizer_init"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.overlap_scheduling is None:  # (speculative decoding has its own loop: see _check_speculative)
@@ -296,6 +300,20 @@ class EngineConfig:
         for name, why in VLLM_REFUSED.items():
             if getattr(self, name) is not None:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not available in nanoref: {why}")
+
+    @property
+    def no_tokenizer(self) -> str:
+        """The start of an error about a tokenizer the engine lacks: its folder has none, or none was loaded."""
+        if self.skip_tokenizer_init:
+            return f"{self.tokenizer_folder}: skip_tokenizer_init=True loads no tokenizer"
+        return f"{self.tokenizer_folder} has no tokenizer"
+
+    def load_tokenizer(self) -> Any | None:
+        """The engine's tokenizer: the tokenizer folder's (tokenizer_mode's kind), or None where that folder has
+        none or skip_tokenizer_init asks for none."""
+        if self.skip_tokenizer_init:
+            return None
+        return load_tokenizer(self.tokenizer_folder, use_fast=self.tokenizer_mode != "slow")
 
     def resolved(self) -> EngineConfig:
         """This config with the concrete attention backend and KV block size. "auto" may run a tiny flash-attn

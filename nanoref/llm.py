@@ -156,7 +156,7 @@ class LLM(LLMEngine):
             return lambda samples: None
         params.structured_outputs.validate()
         if self.tokenizer is None:
-            raise ValueError(f"{self.config.tokenizer_folder} has no tokenizer: structured_outputs needs one")
+            raise ValueError(f"{self.config.no_tokenizer}: structured_outputs needs one")
         if self.grammars is None:  # (two threads may both make one: either serves)
             self.grammars = grammars_for(self.tokenizer, self.config, self.scheduler.eos_token_ids)
         compiled = self.grammars.compile(params.structured_outputs)

@@ -457,7 +457,7 @@ def main(argv: list[str] | None = None) -> int:
         import uvicorn
 
         from nanoref.engine.chat import check_content_format
-        from nanoref.serving.api_server import build_app
+        from nanoref.serving.api_server import build_app, check_serves_text
         from nanoref.serving.async_llm import AsyncLLM
         from nanoref.serving.lora_modules import LoRAModules, parse_lora_modules, served_model_names
         from nanoref.serving.tool_calls import check_tool_settings
@@ -507,6 +507,13 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, TypeError, RuntimeError) as error:  # (ModelFolderError is a ValueError)
         sock.close()
         print(f"error: {name_the_flag(parser, str(error))}", file=sys.stderr)
+        return 2
+    try:  # (an engine runs without a tokenizer, on token ids; the server reads and writes text)
+        check_serves_text(engine.config, engine.tokenizer)
+    except ValueError as error:
+        engine.close()
+        sock.close()
+        print(f"error: {error}", file=sys.stderr)
         return 2
     names = names or ["nanoref/default_model" if model == str(DEFAULT_MODEL) else model]
     name = names[0]

@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from nanoref import LLM, LoRARequest, SamplingParams
+from nanoref.serving import async_llm
 from nanoref.serving.async_llm import AsyncLLM
 from nanoref.testing import make_random_lora
 
@@ -19,10 +20,16 @@ def alive_workers() -> list:
     return [proc for proc in multiprocessing.active_children() if proc.name.startswith("nanoref-tp-rank")]
 
 
-def test_an_async_llm_that_fails_to_start_stops_the_workers_of_the_llm_it_made(tiny_model):
-    """The folder has no tokenizer, which the thread form needs: from_model made the LLM (and its tensor-parallel
-    worker) first. The worker stops before the error reaches the caller, who may keep it (a notebook does)."""
-    with pytest.raises(ValueError, match="has no tokenizer") as caught:
+def test_an_async_llm_that_fails_to_start_stops_the_workers_of_the_llm_it_made(tiny_model, monkeypatch):
+    """The engine thread cannot start (a process at its thread limit): from_model made the LLM (and its
+    tensor-parallel worker) first. The worker stops before the error reaches the caller, who may keep it (a notebook
+    does)."""
+
+    def no_thread(*args, **kwargs):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(async_llm, "EngineThread", no_thread)
+    with pytest.raises(RuntimeError, match="can't start new thread") as caught:
         AsyncLLM.from_model(tiny_model, engine_process=False, device="cpu", tensor_parallel_size=2)
     assert caught.value is not None
     assert alive_workers() == []

@@ -193,3 +193,26 @@ def test_served_model_names_are_each_accepted_and_responses_name_the_first():
         response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=SERVER_TIMEOUT)
         assert response.status_code == 404
         assert "'first', 'alias'" in response.json()["error"]["message"]
+
+
+def test_a_model_folder_without_a_tokenizer_is_refused_and_its_engine_closed(tiny_model, monkeypatch, capsys):
+    """The server reads and writes text: a folder without a tokenizer (the tiny test model's) is one line, exit 2,
+    and the engine it started is closed; an app on an engine without one is refused too."""
+    from nanoref import LLM
+    from nanoref.serving.api_server import build_app
+
+    made = []
+    from_model = AsyncLLM.from_model
+    monkeypatch.setattr(AsyncLLM, "from_model", lambda *a, **k: made.append(from_model(*a, **k)) or made[-1])
+    assert main([str(tiny_model), "--device", "cpu", "--port", "0", "--engine-process", "off"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1
+    assert "has no tokenizer: the server reads and writes text" in err, err
+    assert len(made) == 1 and not made[0].is_running, "the engine was left running"
+    monkeypatch.undo()
+    engine = AsyncLLM(LLM(device="cpu", skip_tokenizer_init=True, num_kvcache_blocks=16), owns_llm=True)
+    try:
+        with pytest.raises(ValueError, match="skip_tokenizer_init=True loads no tokenizer: the server reads and"):
+            build_app(engine, "m")
+    finally:
+        engine.close()

@@ -155,6 +155,77 @@ def test_tokenizer_folder_serves_a_model_folder_that_has_none(tmp_path):
     assert llm.generate([PROMPT], GREEDY, use_tqdm=False)[0]["text"] == reference["text"]
 
 
+# -- skip_tokenizer_init --------------------------------------------------------------------------------------------
+TOKEN_IDS = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, detokenize=False)
+
+
+def test_skip_tokenizer_init_loads_none_and_serves_token_ids_as_the_engine_with_one(monkeypatch):
+    import asyncio
+
+    from nanoref.serving.async_llm import AsyncLLM
+
+    loaded = []
+    monkeypatch.setattr(nanoref.config, "load_tokenizer", lambda *a, **k: loaded.append(a) or None)
+    skipped = LLM(device="cpu", skip_tokenizer_init=True, num_kvcache_blocks=32)
+    assert skipped.get_tokenizer() is None and loaded == [], "skip_tokenizer_init=True still loaded the tokenizer"
+    monkeypatch.undo()
+    reference = LLM(device="cpu", num_kvcache_blocks=32)
+    prompt = reference.get_tokenizer().encode(PROMPT)
+    expected = reference.generate([prompt], TOKEN_IDS, use_tqdm=False)[0]["token_ids"]
+    assert skipped.generate([prompt], TOKEN_IDS, use_tqdm=False)[0]["token_ids"] == expected
+    greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    assert skipped.generate([prompt], greedy, use_tqdm=False)[0]["text"] is None  # (as from a folder without one)
+    # what needs a tokenizer says that it was skipped (the folder has one)
+    for call, needs in (
+        (lambda: skipped.generate([PROMPT], TOKEN_IDS, use_tqdm=False), "pass prompts as lists of token ids"),
+        (lambda: list(skipped.stream(prompt, greedy)), "a stream of text needs one"),
+        (lambda: skipped.generate([prompt], SamplingParams(detokenize=False, bad_words=["x"])), "bad_words needs"),
+    ):
+        with pytest.raises(ValueError, match=f"skip_tokenizer_init=True loads no tokenizer: {needs}"):
+            call()
+    assert skipped.scheduler.is_finished()  # (nothing queued)
+    engine = AsyncLLM(skipped)  # the thread form: token ids in and out
+
+    async def stream() -> list[int]:
+        with pytest.raises(ValueError, match="skip_tokenizer_init=True loads no tokenizer: a stream of text needs"):
+            engine.generate(prompt, greedy)
+        outputs = [out async for out in engine.generate(prompt, TOKEN_IDS)]
+        assert all(out.text == "" for out in outputs) and outputs[-1].finished
+        return outputs[-1].cumulative_token_ids
+
+    try:
+        assert asyncio.run(asyncio.wait_for(stream(), 60)) == expected
+    finally:
+        engine.close()
+
+
+def test_an_engine_process_with_skip_tokenizer_init_streams_token_ids():
+    import asyncio
+
+    from nanoref.serving.async_llm import AsyncLLM
+
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    expected = LLM(device="cpu", num_kvcache_blocks=32).generate([prompt], TOKEN_IDS, use_tqdm=False)[0]["token_ids"]
+    engine = AsyncLLM.from_model(engine_process=True, device="cpu", skip_tokenizer_init=True, num_kvcache_blocks=32)
+    assert engine.tokenizer is None
+
+    async def stream() -> list[int]:
+        outputs = [out async for out in engine.generate(prompt, TOKEN_IDS)]
+        return outputs[-1].cumulative_token_ids
+
+    try:
+        assert asyncio.run(asyncio.wait_for(stream(), 60)) == expected
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_skip_tokenizer_init_must_be_a_bool(value, monkeypatch):
+    nothing_is_built(monkeypatch)
+    with pytest.raises(ValueError, match=f"skip_tokenizer_init must be True or False, got {value!r}"):
+        cpu_llm(skip_tokenizer_init=value)
+
+
 def test_a_tokenizer_folder_that_is_missing_or_holds_none_is_refused(tmp_path, monkeypatch):
     nothing_is_built(monkeypatch)
     with pytest.raises(ValueError, match="tokenizer: model folder .* does not exist"):

@@ -22,7 +22,6 @@ from nanoref.engine.sequence import Sequence, SequenceStatus
 from nanoref.sampling_params import SamplingParams
 from nanoref.utils import seams
 from nanoref.utils.interrupts import held_interrupts, interruptibly
-from nanoref.utils.loader import load_tokenizer
 from nanoref.utils.progress import tqdm
 
 
@@ -72,7 +71,7 @@ class LLMEngine:
         add (engine/hooks.py; nanoref/llm.py gives them)."""
         self._lock = threading.RLock()  # held by generate, step, add_request and the aborts
         # before the model runner, which may start worker processes: a folder that fails fails before them
-        self.tokenizer = load_tokenizer(config.tokenizer_folder, use_fast=config.tokenizer_mode != "slow")
+        self.tokenizer = config.load_tokenizer()
         self.model_runner = make_runner(config)
         self.config = config = self.model_runner.config  # (with the KV block count the runner measured)
         self.output_processor = OutputProcessor(self.tokenizer, config)

@@ -193,7 +193,7 @@ class StreamPiece:
 class OutputProcessor:
     def __init__(self, tokenizer, config: EngineConfig) -> None:
         self.tokenizer = tokenizer
-        self.model_folder = config.tokenizer_folder
+        self.no_tokenizer = config.no_tokenizer  # (the start of an error where a request needs one)
         # the samples 1..n-1 of a request with n > 1, by its sample 0, queued once sample 0's prompt is computed
         # (then its full prompt blocks are in the prefix cache, and they share them instead of prefilling again)
         self.held_samples: dict[Sequence, list[Sequence]] = {}
@@ -235,7 +235,7 @@ class OutputProcessor:
         text = stream and samples[0].sampling_params.detokenize  # (detokenize=False streams token ids alone)
         if (text or stop or bad_words) and self.tokenizer is None:
             need = "a stream of text" if text else "stop strings" if stop else "bad_words"
-            raise ValueError(f"{self.model_folder} has no tokenizer: {need} needs one")
+            raise ValueError(f"{self.no_tokenizer}: {need} needs one")
         banned = bad_words_token_ids(self.tokenizer, bad_words) if bad_words else []
         if samples[0].sampling_params.prompt_logprobs is not None:  # every prompt position computed (see above)
             salt = ("prompt_logprobs", samples[0].seq_id, samples[0].cache_salt)

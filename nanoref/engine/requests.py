@@ -19,7 +19,7 @@ def tokenize(prompt: str | list[int] | dict, tokenizer: Any | None, config: Engi
         prompt = _unpack_prompt_dict(prompt)
     if isinstance(prompt, str):
         if tokenizer is None:
-            raise ValueError(f"{config.tokenizer_folder} has no tokenizer: pass prompts as lists of token ids")
+            raise ValueError(f"{config.no_tokenizer}: pass prompts as lists of token ids")
         return tokenizer.encode(prompt)
     if isinstance(prompt, (bytes, bytearray, dict, set, frozenset)) or not hasattr(prompt, "__iter__"):
         raise TypeError(f"a prompt must be a string or a list of integer token ids, got {type(prompt).__name__}")

@@ -91,6 +91,7 @@ from nanoref.serving.tool_calls import (
     check_tools,
     tool_choice,
 )
+from nanoref.utils.loader import TOKENIZER_FILES
 from nanoref.utils.version import __version__
 
 # request field -> SamplingParams field, as vLLM maps them. Fields SamplingParams lacks in this build are
@@ -1036,6 +1037,7 @@ def build_app(
     prefix cache served), where there were any.
     allowed_origins, allow_credentials, allowed_methods, allowed_headers: CORS, vLLM's settings and defaults (a page
     of any origin may call the server from a browser, as vLLM's allows). ValueError naming a bad setting."""
+    check_serves_text(engine.config, engine.tokenizer)
     check_tool_settings(enable_auto_tool_choice, tool_call_parser)
     if chat_template is not None:
         check_chat_template(chat_template)
@@ -1721,6 +1723,17 @@ def serve_in_background(
         sock.close()
         if thread.is_alive():
             raise RuntimeError(f"the server did not stop within {timeout} s")
+
+
+def check_serves_text(config: EngineConfig, tokenizer: Any = True) -> None:
+    """ValueError where the engine has no tokenizer (its folder holds none, or skip_tokenizer_init): the server reads
+    and writes text, chat templates and tool calls. tokenizer: the engine's, where it was loaded already."""
+    if (
+        config.skip_tokenizer_init
+        or tokenizer is None
+        or not any((config.tokenizer_folder / name).exists() for name in TOKENIZER_FILES)
+    ):
+        raise ValueError(f"{config.no_tokenizer}: the server reads and writes text, so it needs one")
 
 
 DEV_MODE = ("VLLM_SERVER_DEV_MODE", "NANOREF_SERVER_DEV_MODE")  # vLLM's opt-in to its development routes

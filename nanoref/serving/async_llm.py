@@ -58,7 +58,6 @@ from nanoref.llm import DEFAULT_MODEL, LLM, SETTINGS, LoRARequest, check_lora_re
 from nanoref.sampling_params import SamplingParams
 from nanoref.serving.engine_loop import EngineLoop, EngineStats, StepMessage, drain
 from nanoref.utils import seams
-from nanoref.utils.loader import load_tokenizer
 
 __all__ = ["AsyncLLM", "EngineStats", "RequestOutput", "coalesce"]
 
@@ -128,8 +127,6 @@ class AsyncLLM:
 
     def __init__(self, llm: LLM, *, owns_llm: bool = False) -> None:
         """The thread form on `llm`; owns_llm: close() also closes the LLM (from_model's)."""
-        if llm.tokenizer is None:
-            raise ValueError(f"{llm.config.tokenizer_folder} has no tokenizer: streamed text needs one")
         self._begin(llm, llm.tokenizer)
         self._engine: Any = EngineThread(llm, self._on_message, self._on_exit, owns_llm)
         self.config: EngineConfig = self._engine.config
@@ -181,7 +178,7 @@ class AsyncLLM:
             llm = LLM(model, **settings)
             try:
                 return cls(llm, owns_llm=True)
-            except BaseException:  # (a folder without a tokenizer): stop its workers now, not when the error is dropped
+            except BaseException:  # (a thread that cannot start): stop its workers now, not when the error is dropped
                 llm.close()
                 raise
         return cls._in_process(model, settings, config)
@@ -191,9 +188,7 @@ class AsyncLLM:
         from nanoref.serving.engine_process import EngineProcess
 
         # this side's own, for the checks and nothing else
-        tokenizer = load_tokenizer(config.tokenizer_folder, use_fast=config.tokenizer_mode != "slow")
-        if tokenizer is None:
-            raise ValueError(f"{config.tokenizer_folder} has no tokenizer: streamed text needs one")
+        tokenizer = config.load_tokenizer()
         engine = cls.__new__(cls)
         engine._begin(None, tokenizer)
         engine._stats = None
@@ -222,6 +217,8 @@ class AsyncLLM:
         self._check_running()
         # the engine's own checks; params with the generation config's EOS ids among its stop ids (their text hidden)
         token_ids, salt, params = request_tokens(prompt, params, self.tokenizer, self.config)
+        if self.tokenizer is None:  # (a folder without one, or skip_tokenizer_init): token ids in and out only
+            check_needs_no_tokenizer(params, self.config)
         check_lora_request(lora_request, self.config.enable_lora)
         if params.structured_outputs is not None:  # its grammar compiled here (cached): a bad one raises now
             self._check_constraint(params)
@@ -240,7 +237,7 @@ class AsyncLLM:
             return
         params.structured_outputs.validate()
         if self.tokenizer is None:
-            raise ValueError(f"{self.config.tokenizer_folder} has no tokenizer: structured_outputs needs one")
+            raise ValueError(f"{self.config.no_tokenizer}: structured_outputs needs one")
         if self._grammars is None:
             self._grammars = grammars_for(self.tokenizer, self.config, self._eos_token_ids)
         self._grammars.compile(params.structured_outputs)
@@ -423,6 +420,13 @@ class AsyncLLM:
             self._on_message(StepMessage([], [(request.key, error) for request in pending], self._stats))
         for key in awaiting:  # a command whose reply will never come (reset_prefix_cache)
             self._answer(key, RuntimeError(why))
+
+
+def check_needs_no_tokenizer(params: SamplingParams, config: EngineConfig) -> None:
+    """ValueError naming what of a request needs the tokenizer an engine without one lacks (LLM.stream's rule)."""
+    need = "a stream of text" if params.detokenize else "bad_words" if params.bad_words else None
+    if need is not None:
+        raise ValueError(f"{config.no_tokenizer}: {need} needs one (token ids only: SamplingParams(detokenize=False))")
 
 
 def _settle(future: asyncio.Future, answer: int | BaseException) -> None:

@@ -101,8 +101,6 @@ class EngineLoop:
     StepMessage per step to `send`, until ("stop",). While it runs, the LLM is this loop's alone."""
 
     def __init__(self, llm: LLM, receive: Callable[[bool], list[tuple]], send: Callable[[StepMessage], None]) -> None:
-        if llm.tokenizer is None:
-            raise ValueError(f"{llm.config.tokenizer_folder} has no tokenizer: streamed text needs one")
         self.llm, self.receive, self.send = llm, receive, send
         self.requests: dict[int, _Active] = {}  # key -> a request queued in the engine, until its last delta
         self.errors: list[tuple[int, BaseException]] = []  # not sent yet
