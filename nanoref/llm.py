@@ -113,7 +113,7 @@ class LLM(LLMEngine):
             )
         config = EngineConfig(model, **settings).resolved()
         spec = config.speculative_config
-        if spec is not None and spec.method == "draft_model":  # (before anything is built)
+        if spec is not None and spec.method == "draft_model" and not config.skip_tokenizer_init:  # (before building)
             check_draft_tokenizer(spec.model_folder, config.tokenizer_folder)
         unpaid = unpaid_draft(config)
         if unpaid is not None:  # (engine_hooks and build_runner then leave the draft out)
@@ -263,6 +263,8 @@ class LLM(LLMEngine):
         reach the template as one string). Messages as `nanoref/engine/chat.py` takes them.
         """
         check_content_format(chat_template_content_format)
+        if self.tokenizer is None:  # (its folder has none, or skip_tokenizer_init)
+            raise ValueError(f"{self.config.no_tokenizer}: chat needs one, with a chat template")
         if chat_template is not None:  # (once for every conversation)
             check_chat_template(chat_template)
         conversations = (

@@ -419,6 +419,19 @@ class Terminated(Exception):
     """SIGTERM arrived (and uvicorn, which had it first, has shut the server down)."""
 
 
+def check_serves_text_before_loading(model: str, settings: dict) -> None:
+    """A folder without a tokenizer refused before an engine loads the model (`check_serves_text`); a setting the
+    config refuses is left for `AsyncLLM.from_model` to raise, as it does for every other setting."""
+    from nanoref.config import EngineConfig
+    from nanoref.serving.api_server import check_serves_text
+
+    try:
+        config = EngineConfig(model, **settings)
+    except (ValueError, TypeError):
+        return
+    check_serves_text(config)
+
+
 def api_key_from_environment() -> str | None:
     """--api-key's default: VLLM_API_KEY (vLLM's variable), else NANOREF_API_KEY; unset or empty: no key."""
     return next((os.environ[name] for name in API_KEY_VARIABLES if os.environ.get(name)), None)
@@ -503,6 +516,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: cannot listen on {args.host}:{args.port}: {error}", file=sys.stderr)
         return 2
     try:
+        check_serves_text_before_loading(model, settings)
         engine = AsyncLLM.from_model(model, engine_process=ENGINE_PROCESS[args.engine_process], **settings)
     except (ValueError, TypeError, RuntimeError) as error:  # (ModelFolderError is a ValueError)
         sock.close()

@@ -16,6 +16,7 @@ httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
 
+from nanoref import serve  # noqa: E402
 from nanoref.serve import build_parser, main  # noqa: E402
 from nanoref.serving.async_llm import AsyncLLM  # noqa: E402
 
@@ -204,10 +205,18 @@ def test_a_model_folder_without_a_tokenizer_is_refused_and_its_engine_closed(tin
     made = []
     from_model = AsyncLLM.from_model
     monkeypatch.setattr(AsyncLLM, "from_model", lambda *a, **k: made.append(from_model(*a, **k)) or made[-1])
+    for engine_process in ("on", "off", "auto"):  # refused before any engine loads the model
+        assert main([str(tiny_model), "--device", "cpu", "--port", "0", "--engine-process", engine_process]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1
+        assert "has no tokenizer: the server reads and writes text" in err, err
+    assert made == [], "an engine was made for a folder the server refuses"
+    monkeypatch.undo()
+    # and where the check before loading passed (a tokenizer removed meanwhile), the engine made is closed
+    monkeypatch.setattr(serve, "check_serves_text_before_loading", lambda *a: None)
+    monkeypatch.setattr(AsyncLLM, "from_model", lambda *a, **k: made.append(from_model(*a, **k)) or made[-1])
     assert main([str(tiny_model), "--device", "cpu", "--port", "0", "--engine-process", "off"]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("error: ") and err.count("\n") == 1
-    assert "has no tokenizer: the server reads and writes text" in err, err
+    assert "has no tokenizer: the server reads and writes text" in capsys.readouterr().err
     assert len(made) == 1 and not made[0].is_running, "the engine was left running"
     monkeypatch.undo()
     engine = AsyncLLM(LLM(device="cpu", skip_tokenizer_init=True, num_kvcache_blocks=16), owns_llm=True)

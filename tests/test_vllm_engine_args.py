@@ -11,6 +11,7 @@ import nanoref.llm
 from nanoref import LLM, SamplingParams
 from nanoref.config import DEVICE_DEFAULTS, EngineConfig
 from nanoref.llm import DEFAULT_MODEL
+from nanoref.testing import EVERY_STEP
 
 from .helpers import serve_settings
 
@@ -180,6 +181,7 @@ def test_skip_tokenizer_init_loads_none_and_serves_token_ids_as_the_engine_with_
         (lambda: skipped.generate([PROMPT], TOKEN_IDS, use_tqdm=False), "pass prompts as lists of token ids"),
         (lambda: list(skipped.stream(prompt, greedy)), "a stream of text needs one"),
         (lambda: skipped.generate([prompt], SamplingParams(detokenize=False, bad_words=["x"])), "bad_words needs"),
+        (lambda: skipped.chat([{"role": "user", "content": "hi"}]), "chat needs one"),
     ):
         with pytest.raises(ValueError, match=f"skip_tokenizer_init=True loads no tokenizer: {needs}"):
             call()
@@ -217,6 +219,16 @@ def test_an_engine_process_with_skip_tokenizer_init_streams_token_ids():
         assert asyncio.run(asyncio.wait_for(stream(), 60)) == expected
     finally:
         engine.close()
+
+
+def test_skip_tokenizer_init_with_a_draft_model_loads_no_tokenizer_to_compare(monkeypatch):
+    """A draft's tokenizer is checked against the target's by loading both: with skip_tokenizer_init, neither."""
+    monkeypatch.setattr(nanoref.llm, "check_draft_tokenizer", lambda *a: pytest.fail("tokenizers were loaded"))
+    spec = {"method": "draft_model", "model": str(DEFAULT_MODEL), "num_speculative_tokens": 2, **EVERY_STEP}
+    llm = LLM(device="cpu", skip_tokenizer_init=True, speculative_config=spec, num_kvcache_blocks=32)
+    assert llm.get_tokenizer() is None
+    assert len(llm.generate([[3, 1, 4, 1, 5]], TOKEN_IDS, use_tqdm=False)[0]["token_ids"]) == 4
+    assert sum(record.num_draft_tokens for record in llm.metrics.steps) > 0, "the draft never proposed"
 
 
 @pytest.mark.parametrize("value", ["yes", 1, None])

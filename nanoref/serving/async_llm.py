@@ -424,9 +424,10 @@ class AsyncLLM:
 
 def check_needs_no_tokenizer(params: SamplingParams, config: EngineConfig) -> None:
     """ValueError naming what of a request needs the tokenizer an engine without one lacks (LLM.stream's rule)."""
-    need = "a stream of text" if params.detokenize else "bad_words" if params.bad_words else None
-    if need is not None:
-        raise ValueError(f"{config.no_tokenizer}: {need} needs one (token ids only: SamplingParams(detokenize=False))")
+    if params.detokenize:  # (vLLM streams "" there; nanoref says so, as LLM.stream does)
+        raise ValueError(f"{config.no_tokenizer}: a stream of text needs one (token ids only: detokenize=False)")
+    if params.bad_words:
+        raise ValueError(f"{config.no_tokenizer}: bad_words needs one")
 
 
 def _settle(future: asyncio.Future, answer: int | BaseException) -> None:
