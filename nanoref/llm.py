@@ -32,7 +32,7 @@ from nanoref.engine.hooks import EngineHooks, RunnerHooks
 from nanoref.engine.llm_engine import LLMEngine, PlainLoop
 from nanoref.engine.model_runner import ModelRunner
 from nanoref.engine.output_processor import GenerateOutput
-from nanoref.engine.prefix_cache import reset_prefix_cache, warn_blocks_held
+from nanoref.engine.prefix_cache import check_reset_options, reset_prefix_cache, warn_blocks_held
 from nanoref.engine.requests import prompt_list
 from nanoref.lora.adapters import load_adapter
 from nanoref.lora.hooks import LoRAHooks, check_lora_request, lora_request_list  # (re-exported: the server)
@@ -128,10 +128,13 @@ class LLM(LLMEngine):
         """The model folder's tokenizer, as vLLM's LLM.get_tokenizer (None where the folder has none)."""
         return self.tokenizer
 
-    def reset_prefix_cache(self) -> bool:
+    def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
         """Empty the prefix cache, as vLLM's LLM.reset_prefix_cache: no later request reads K/V an earlier one
         computed. False (and a RuntimeWarning), with nothing changed, while a request holds KV blocks (one added
-        with `add_request` that has run a step and is not finished). Between steps: it waits for one in flight."""
+        with `add_request` that has run a step and is not finished). Between steps: it waits for one in flight.
+        vLLM's two options are not taken (True is a ValueError naming it): nanoref preempts no running request to
+        reset, and has no KV connector."""
+        check_reset_options(reset_running_requests, reset_connector)
         num_blocks_held = self.clear_prefix_cache()
         if num_blocks_held:
             warn_blocks_held(num_blocks_held)

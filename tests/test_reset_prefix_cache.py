@@ -59,6 +59,11 @@ def test_a_reset_while_a_request_holds_blocks_changes_nothing_and_warns(tiny_mod
     assert cached_tokens(llm, prompt)[1] == 32, "a refused reset still emptied the cache"
     assert llm.reset_prefix_cache() is True  # (once the request is done)
     assert cached_tokens(llm, prompt)[1] == 0
+    cached_tokens(llm, prompt)
+    for option in ("reset_running_requests", "reset_connector"):  # vLLM's options: False only (its default)
+        assert llm.reset_prefix_cache(**{option: False}) is True
+        with pytest.raises(ValueError, match=f"{option} is not supported by nanoref's reset_prefix_cache"):
+            llm.reset_prefix_cache(**{option: True})
 
 
 def test_a_draft_model_after_a_reset_still_decodes_hfs_tokens(tiny_model):

@@ -25,6 +25,14 @@ def reset_prefix_cache(manager: BlockManager) -> int:
     return 0
 
 
+def check_reset_options(reset_running_requests: object, reset_connector: object) -> None:
+    """vLLM's two options of reset_prefix_cache, which nanoref does not take: it preempts no running request to
+    reset, and has no KV connector (ValueError naming one that is not False)."""
+    for name, value in (("reset_running_requests", reset_running_requests), ("reset_connector", reset_connector)):
+        if value is not False:
+            raise ValueError(f"{name} is not supported by nanoref's reset_prefix_cache (only False)")
+
+
 def warn_blocks_held(num_blocks: int, stacklevel: int = 3) -> None:
     """The RuntimeWarning of a refused reset (vLLM logs one): stacklevel 3 names the caller of the method that calls
     this."""

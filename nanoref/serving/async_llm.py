@@ -52,7 +52,7 @@ from typing import Any
 
 from nanoref.config import EngineConfig
 from nanoref.engine.output_processor import RequestOutput, RequestOutputs, delta_texts
-from nanoref.engine.prefix_cache import warn_blocks_held
+from nanoref.engine.prefix_cache import check_reset_options, warn_blocks_held
 from nanoref.engine.requests import eos_token_ids, prompt_text, request_tokens
 from nanoref.llm import DEFAULT_MODEL, LLM, SETTINGS, LoRARequest, check_lora_request, grammars_for
 from nanoref.sampling_params import SamplingParams
@@ -322,9 +322,7 @@ class AsyncLLM:
         earlier one computed (LLM.reset_prefix_cache's rule) -> True; False (and a RuntimeWarning), with nothing
         changed, while a request in flight holds KV blocks. vLLM's two options are not taken: nanoref does not
         preempt running requests to reset, and has no KV connector (True raises ValueError naming it)."""
-        for name, value in (("reset_running_requests", reset_running_requests), ("reset_connector", reset_connector)):
-            if value is not False:
-                raise ValueError(f"{name} is not supported by nanoref's reset_prefix_cache (only False)")
+        check_reset_options(reset_running_requests, reset_connector)
         num_blocks_held = await self.clear_prefix_cache()
         if num_blocks_held:
             warn_blocks_held(num_blocks_held)  # (naming the line that awaited this)
