@@ -1037,7 +1037,6 @@ def build_app(
     prefix cache served), where there were any.
     allowed_origins, allow_credentials, allowed_methods, allowed_headers: CORS, vLLM's settings and defaults (a page
     of any origin may call the server from a browser, as vLLM's allows). ValueError naming a bad setting."""
-    check_serves_text(engine.config, engine.tokenizer)
     check_tool_settings(enable_auto_tool_choice, tool_call_parser)
     if chat_template is not None:
         check_chat_template(chat_template)
@@ -1065,6 +1064,7 @@ def build_app(
     names = served_model_names(served_model_name)
     if lora_modules is not None and lora_modules.names != names:
         raise ValueError(f"lora_modules serves the base model as {lora_modules.names!r}, the app as {names!r}")
+    check_serves_text(engine.config, engine.tokenizer)  # (after the settings' own checks)
     app.state.engine = engine
     app.state.metrics = metrics = ServerMetrics(engine, names[0])
     adapters = lora_modules or LoRAModules(engine.config, names)
