@@ -63,3 +63,40 @@ def test_the_packages_version_is_pyprojects():
     import nanoref
 
     assert nanoref.__version__ == tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+
+
+# a notebook's import -> the distribution that brings it, where the names differ
+DISTRIBUTION_OF = {"IPython": "ipykernel", "yaml": "pyyaml", "PIL": "pillow"}
+
+
+def test_the_notebooks_extra_brings_every_package_a_notebook_imports():
+    """`pip install nanoref[notebooks]` (and `[classroom]`, which includes it) is enough to run every notebook: each
+    top-level import of a notebook's code cells is the standard library's, nanoref's, an engine dependency, or in the
+    extra; and each package `nanoref.testing.NOTEBOOK_NEEDS` names is declared there (or is an engine dependency)."""
+    import ast
+    import json
+    import sys
+
+    from nanoref.testing import NOTEBOOK_NEEDS
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    provided = {_name(r) for r in project["dependencies"] + project["optional-dependencies"]["notebooks"]}
+    assert "nanoref[notebooks]" in project["optional-dependencies"]["classroom"]
+    missing = {}
+    for notebook in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        cells = json.loads(notebook.read_text())["cells"]
+        source = "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "code")
+        lines = [line for line in source.splitlines() if not line.lstrip().startswith(("%", "!"))]  # (magics)
+        for node in ast.walk(ast.parse("\n".join(lines))):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            for name in (n.split(".")[0] for n in names):
+                if name in sys.stdlib_module_names or name == "nanoref":
+                    continue
+                if _name(DISTRIBUTION_OF.get(name, name)) not in provided:
+                    missing.setdefault(notebook.name, set()).add(name)
+        for package in NOTEBOOK_NEEDS.get(notebook.stem, ()):
+            if _name(package) not in provided:
+                missing.setdefault(notebook.name, set()).add(package)
+    assert missing == {}, f"imported by notebooks but not in the notebooks extra: {missing}"
