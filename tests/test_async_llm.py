@@ -140,6 +140,37 @@ def test_abort_by_id_ends_that_stream_with_abort_and_the_others_run_on(engine, l
     assert short[-1].finish_reason == "length" and len(short[-1].cumulative_token_ids) == GREEDY.max_tokens
 
 
+def test_abort_takes_several_ids_as_vllms_and_check_health_and_get_tokenizer_answer(engine, llm):
+    async def main():
+        streams = [engine.generate(prompt, LONG, request_id=f"r{i}") for i, prompt in enumerate(PROMPTS[:3])]
+        firsts = [await stream.__anext__() for stream in streams]
+        await engine.check_health()  # (running: returns)
+        assert await engine.get_tokenizer() is llm.tokenizer and not engine.errored
+        with pytest.raises(TypeError, match="request_id must be a string or an iterable of strings"):
+            await engine.abort(["r0", 7])
+        await engine.abort(["r0", "r2", "never-sent"])  # (an unknown id is ignored, as one alone is)
+        ends = [(await collect(stream))[-1] for stream in (streams[0], streams[2])]
+        await engine.abort("r1")
+        await collect(streams[1])
+        return firsts, ends
+
+    firsts, ends = run(main())
+    assert all(end.finish_reason == "abort" and len(end.cumulative_token_ids) < LONG.max_tokens for end in ends)
+    engine.close()
+    assert engine.errored
+    with pytest.raises(RuntimeError, match="this AsyncLLM is closed"):
+        run(engine.check_health())
+
+
+def test_get_tokenizer_of_an_engine_without_one_says_why():
+    engine = AsyncLLM(LLM(device="cpu", num_kvcache_blocks=16, skip_tokenizer_init=True), owns_llm=True)
+    try:
+        with pytest.raises(ValueError, match="skip_tokenizer_init=True loads no tokenizer: there is no tokenizer"):
+            run(engine.get_tokenizer())
+    finally:
+        engine.close()
+
+
 def test_a_bad_request_raises_at_once_and_queues_nothing(engine, llm):
     with pytest.raises(ValueError, match="empty"):
         engine.generate("", GREEDY)

@@ -45,7 +45,7 @@ import itertools
 import queue
 import threading
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -309,13 +309,35 @@ class AsyncLLM:
         if keys:
             self._engine.send(("read", keys))
 
-    async def abort(self, request_id: str) -> None:
-        """End a request in flight: each of its unfinished samples ends with a last output whose finish_reason is
-        "abort". An unknown or finished id is ignored (it may have just finished)."""
+    async def abort(self, request_id: str | Iterable[str]) -> None:
+        """End a request in flight (or each of several ids, as vLLM's): each of its unfinished samples ends with a
+        last output whose finish_reason is "abort". An unknown or finished id is ignored (it may have just finished)."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        if not all(isinstance(one, str) for one in ids):
+            raise TypeError(f"request_id must be a string or an iterable of strings, got {request_id!r}")
         with self._requests_lock:
-            request = self._requests.get(request_id)
-        if request is not None:
-            self._engine.send(("abort", request.key))
+            requests = [self._requests.get(one) for one in ids]
+        for request in requests:
+            if request is not None:
+                self._engine.send(("abort", request.key))
+
+    async def get_tokenizer(self) -> Any:
+        """vLLM's: the engine's tokenizer (ValueError where it has none: skip_tokenizer_init, or none in the folder)."""
+        if self.tokenizer is None:
+            raise ValueError(f"{self.config.no_tokenizer}: there is no tokenizer to get")
+        return self.tokenizer
+
+    async def check_health(self) -> None:
+        """vLLM's: return while the engine runs; raise RuntimeError saying why once it is gone or closed."""
+        with self._requests_lock:
+            self._check_running()
+        if not self._engine.is_alive():
+            raise RuntimeError("the engine has stopped: this AsyncLLM serves no more requests; start a new one")
+
+    @property
+    def errored(self) -> bool:
+        """vLLM's: the engine is no longer running (it died, or was closed)."""
+        return not self.is_running
 
     async def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
         """vLLM's: empty the engine's prefix cache between two of its steps, so that no later request reads K/V an
