@@ -179,6 +179,32 @@ def test_a_reset_awaited_when_the_engine_ends_fails_rather_than_hangs():
         engine.close()
 
 
+def test_a_reset_whose_caller_is_cancelled_leaves_nothing_waiting_and_a_late_reply_is_dropped():
+    from nanoref.serving.async_llm import AsyncLLM
+
+    from .test_async_llm import run
+
+    engine = AsyncLLM(LLM(**ASYNC_SETTINGS), owns_llm=True)
+    sent = []
+    engine._engine.send = sent.append  # (held back: the reply comes after the caller gave up)
+
+    async def scenario() -> None:
+        waiting = asyncio.ensure_future(engine.reset_prefix_cache())
+        await asyncio.sleep(0.05)
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        assert engine._replies == {}, "a cancelled reset left its awaiter registered"
+        engine._answer(sent[0][1], 0)  # the engine's late reply: nobody awaits it, nothing breaks
+
+    try:
+        run(scenario())
+        del engine._engine.send
+        assert run(engine.reset_prefix_cache()) is True  # (the engine answers the next one as usual)
+    finally:
+        engine.close()
+
+
 def test_the_servers_dev_route_resets_the_cache_only_in_dev_mode(monkeypatch):
     httpx = pytest.importorskip("httpx")
     pytest.importorskip("uvicorn")

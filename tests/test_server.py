@@ -47,6 +47,8 @@ def offline_text(server: Server, llm: LLM, prompt: str, **params) -> str:
 def test_models_and_health(server):
     assert [m.id for m in server.client().models.list().data] == [MODEL]
     assert httpx.get(f"{server.url}/health", timeout=TIMEOUT).json() == {"status": "ok"}
+    for method in ("GET", "POST"):  # vLLM's /ping (SageMaker's health check)
+        assert httpx.request(method, f"{server.url}/ping", timeout=TIMEOUT).json() == {"status": "ok"}
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])

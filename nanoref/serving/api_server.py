@@ -2,7 +2,7 @@
 
     POST /v1/completions        {"model", "prompt", "max_tokens", "temperature", ..., "stream"}
     POST /v1/chat/completions   {"model", "messages": [{"role", "content"}, ...], ...}
-    GET  /v1/models, /health, /metrics (Prometheus text, nanoref's names and vLLM's), /version
+    GET  /v1/models, /health (and /ping), /metrics (Prometheus text, nanoref's names and vLLM's), /version
     POST /tokenize, /detokenize (vLLM's)
     POST /v1/load_lora_adapter, /v1/unload_lora_adapter   (LoRA adapters, where allowed: lora_modules.py)
 
@@ -266,7 +266,7 @@ def error_body(message: str, param: str | None, status: int) -> dict:
 class APIKeyMiddleware:
     """vLLM's --api-key: a request to a /v1 route without the header `Authorization: Bearer <key>` is a 401 in
     OpenAI's error body (which OpenAI's clients raise as AuthenticationError), answered before its body is read.
-    Other routes (/health, /metrics, /version, /tokenize, /detokenize) stay open, as vLLM leaves them."""
+    Other routes (/health, /ping, /metrics, /version, /tokenize, /detokenize) stay open, as vLLM leaves them."""
 
     def __init__(self, app: Callable, api_key: str) -> None:
         self.app = app
@@ -1676,6 +1676,8 @@ def build_app(
         return {"prompt": text}
 
     @app.get("/health")
+    @app.get("/ping")  # (vLLM's, for SageMaker's health check: the same answer, GET or POST)
+    @app.post("/ping")
     async def health() -> Response:
         if not engine.is_running:
             return JSONResponse(error_body("the engine has stopped", None, 503), status_code=503)
