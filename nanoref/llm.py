@@ -125,7 +125,8 @@ class LLM(LLMEngine):
         self.grammars: Grammars | None = None  # made on the first request with structured_outputs
 
     def get_tokenizer(self) -> Any:
-        """The model folder's tokenizer, as vLLM's LLM.get_tokenizer (None where the folder has none)."""
+        """The model folder's tokenizer, as vLLM's LLM.get_tokenizer; None where the engine has none (a folder
+        without one, or skip_tokenizer_init), where vLLM's raises a ValueError."""
         return self.tokenizer
 
     def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:

@@ -8,7 +8,7 @@ import time
 import pytest
 
 from nanoref import LLM, SamplingParams
-from nanoref.serving.async_llm import AsyncLLM
+from nanoref.serving.async_llm import AsyncLLM, EngineDeadError
 
 from .helpers import assert_no_block_leaked
 
@@ -146,8 +146,9 @@ def test_abort_takes_several_ids_as_vllms_and_check_health_and_get_tokenizer_ans
         firsts = [await stream.__anext__() for stream in streams]
         await engine.check_health()  # (running: returns)
         assert await engine.get_tokenizer() is llm.tokenizer and not engine.errored
-        with pytest.raises(TypeError, match="request_id must be a string or an iterable of strings"):
-            await engine.abort(["r0", 7])
+        for bad in (["r0", 7], 7, None):
+            with pytest.raises(TypeError, match="request_id must be a string or an iterable of strings"):
+                await engine.abort(bad)
         await engine.abort(["r0", "r2", "never-sent"])  # (an unknown id is ignored, as one alone is)
         ends = [(await collect(stream))[-1] for stream in (streams[0], streams[2])]
         await engine.abort("r1")
@@ -158,7 +159,7 @@ def test_abort_takes_several_ids_as_vllms_and_check_health_and_get_tokenizer_ans
     assert all(end.finish_reason == "abort" and len(end.cumulative_token_ids) < LONG.max_tokens for end in ends)
     engine.close()
     assert engine.errored
-    with pytest.raises(RuntimeError, match="this AsyncLLM is closed"):
+    with pytest.raises(EngineDeadError, match="this AsyncLLM is closed"):
         run(engine.check_health())
 
 

@@ -49,6 +49,8 @@ def test_models_and_health(server):
     assert httpx.get(f"{server.url}/health", timeout=TIMEOUT).json() == {"status": "ok"}
     for method in ("GET", "POST"):  # vLLM's /ping (SageMaker's health check)
         assert httpx.request(method, f"{server.url}/ping", timeout=TIMEOUT).json() == {"status": "ok"}
+    wrong = httpx.put(f"{server.url}/ping", timeout=TIMEOUT)
+    assert wrong.status_code == 405 and set(wrong.headers["allow"].replace(" ", "").split(",")) == {"GET", "POST"}
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])

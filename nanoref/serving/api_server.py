@@ -1676,8 +1676,7 @@ def build_app(
         return {"prompt": text}
 
     @app.get("/health")
-    @app.get("/ping")  # (vLLM's, for SageMaker's health check: the same answer, GET or POST)
-    @app.post("/ping")
+    @app.api_route("/ping", methods=["GET", "POST"])  # (vLLM's, for SageMaker's health check: the same answer)
     async def health() -> Response:
         if not engine.is_running:
             return JSONResponse(error_body("the engine has stopped", None, 503), status_code=503)

@@ -59,7 +59,11 @@ from nanoref.sampling_params import SamplingParams
 from nanoref.serving.engine_loop import EngineLoop, EngineStats, StepMessage, drain
 from nanoref.utils import seams
 
-__all__ = ["AsyncLLM", "EngineStats", "RequestOutput", "coalesce"]
+__all__ = ["AsyncLLM", "EngineDeadError", "EngineStats", "RequestOutput", "coalesce"]
+
+
+class EngineDeadError(RuntimeError):
+    """vLLM's name for an engine that is gone (it died, or was closed): `AsyncLLM.check_health` raises it."""
 
 
 @dataclass(eq=False)  # compared by identity: two requests are never the same one
@@ -312,7 +316,10 @@ class AsyncLLM:
     async def abort(self, request_id: str | Iterable[str]) -> None:
         """End a request in flight (or each of several ids, as vLLM's): each of its unfinished samples ends with a
         last output whose finish_reason is "abort". An unknown or finished id is ignored (it may have just finished)."""
-        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        try:
+            ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        except TypeError:  # (not iterable)
+            ids = [request_id]
         if not all(isinstance(one, str) for one in ids):
             raise TypeError(f"request_id must be a string or an iterable of strings, got {request_id!r}")
         with self._requests_lock:
@@ -328,11 +335,15 @@ class AsyncLLM:
         return self.tokenizer
 
     async def check_health(self) -> None:
-        """vLLM's: return while the engine runs; raise RuntimeError saying why once it is gone or closed."""
-        with self._requests_lock:
-            self._check_running()
+        """vLLM's: return while the engine runs; raise EngineDeadError (a RuntimeError) saying why once it is gone
+        or closed."""
+        try:
+            with self._requests_lock:
+                self._check_running()
+        except RuntimeError as error:
+            raise EngineDeadError(str(error)) from None
         if not self._engine.is_alive():
-            raise RuntimeError("the engine has stopped: this AsyncLLM serves no more requests; start a new one")
+            raise EngineDeadError("the engine has stopped: this AsyncLLM serves no more requests; start a new one")
 
     @property
     def errored(self) -> bool:
