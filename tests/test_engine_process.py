@@ -12,7 +12,7 @@ import signal
 import pytest
 
 from nanoref import LLM, ModelFolderError, SamplingParams
-from nanoref.serving.async_llm import AsyncLLM, EngineThread
+from nanoref.serving.async_llm import AsyncLLM, EngineDeadError, EngineThread
 from nanoref.serving.engine_process import EngineProcess
 from nanoref.utils import seams
 
@@ -170,12 +170,14 @@ def test_killing_the_engine_process_fails_its_requests_and_every_later_one():
             stream = engine.generate("Beautiful is better than", LONG)
             await stream.__anext__()
             os.kill(process.pid, signal.SIGKILL)
-            with pytest.raises(RuntimeError, match="ended unexpectedly.*killed by signal 9"):
+            with pytest.raises(EngineDeadError, match="ended unexpectedly.*killed by signal 9"):  # (vLLM's)
                 await collect(stream)
+            with pytest.raises(EngineDeadError, match="ended unexpectedly.*start a new one"):
+                await engine.check_health()
 
         run(main())
-        assert not engine.is_running
-        with pytest.raises(RuntimeError, match="ended unexpectedly.*start a new one"):
+        assert not engine.is_running and engine.errored
+        with pytest.raises(EngineDeadError, match="ended unexpectedly.*start a new one"):
             engine.generate("Hello", GREEDY)
         assert process.exitcode == -signal.SIGKILL and process not in multiprocessing.active_children()
     finally:

@@ -156,7 +156,7 @@ def test_async_llm_reset_prefix_cache_between_steps_and_refused_while_a_request_
 
 def test_a_reset_awaited_when_the_engine_ends_fails_rather_than_hangs():
     """The engine thread dies between the command and its reply: the awaiting caller gets the reason."""
-    from nanoref.serving.async_llm import AsyncLLM
+    from nanoref.serving.async_llm import AsyncLLM, EngineDeadError
 
     from .test_async_llm import run
 
@@ -169,7 +169,7 @@ def test_a_reset_awaited_when_the_engine_ends_fails_rather_than_hangs():
         await asyncio.sleep(0.05)
         assert sent == [("reset_prefix_cache", sent[0][1])] and not waiting.done()
         engine._on_exit("the engine thread ended unexpectedly")
-        with pytest.raises(RuntimeError, match="the engine thread ended unexpectedly"):
+        with pytest.raises(EngineDeadError, match="the engine thread ended unexpectedly"):
             await waiting
 
     try:

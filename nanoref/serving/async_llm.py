@@ -63,7 +63,8 @@ __all__ = ["AsyncLLM", "EngineDeadError", "EngineStats", "RequestOutput", "coale
 
 
 class EngineDeadError(RuntimeError):
-    """vLLM's name for an engine that is gone (it died, or was closed): `AsyncLLM.check_health` raises it."""
+    """vLLM's name for an engine that is gone (it died, or was closed): `generate`, `check_health` and
+    `reset_prefix_cache` raise it from then on."""
 
 
 @dataclass(eq=False)  # compared by identity: two requests are never the same one
@@ -247,10 +248,11 @@ class AsyncLLM:
         self._grammars.compile(params.structured_outputs)
 
     def _check_running(self) -> None:
+        """EngineDeadError (vLLM's; a RuntimeError) once the engine died or this AsyncLLM was closed."""
         if self._failure is not None:
-            raise RuntimeError(f"{self._failure}: this AsyncLLM serves no more requests; start a new one")
+            raise EngineDeadError(f"{self._failure}: this AsyncLLM serves no more requests; start a new one")
         if self._closed:
-            raise RuntimeError("this AsyncLLM is closed")
+            raise EngineDeadError("this AsyncLLM is closed")
 
     async def _stream(
         self,
@@ -337,11 +339,8 @@ class AsyncLLM:
     async def check_health(self) -> None:
         """vLLM's: return while the engine runs; raise EngineDeadError (a RuntimeError) saying why once it is gone
         or closed."""
-        try:
-            with self._requests_lock:
-                self._check_running()
-        except RuntimeError as error:
-            raise EngineDeadError(str(error)) from None
+        with self._requests_lock:
+            self._check_running()
         if not self._engine.is_alive():
             raise EngineDeadError("the engine has stopped: this AsyncLLM serves no more requests; start a new one")
 
@@ -447,10 +446,10 @@ class AsyncLLM:
             pending = list(self._by_key.values())
             awaiting = list(self._replies)
         if pending:
-            error = RuntimeError(why)
+            error = EngineDeadError(why)
             self._on_message(StepMessage([], [(request.key, error) for request in pending], self._stats))
         for key in awaiting:  # a command whose reply will never come (reset_prefix_cache)
-            self._answer(key, RuntimeError(why))
+            self._answer(key, EngineDeadError(why))
 
 
 def check_needs_no_tokenizer(params: SamplingParams, config: EngineConfig) -> None:
