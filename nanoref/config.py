@@ -20,7 +20,14 @@ from nanoref.models import Qwen3Config, load_model_config
 from nanoref.models.generation_config import GenerationDefaults, read_generation_defaults
 from nanoref.ops.backends import BACKEND_NAMES, FLASH_ATTN_BACKENDS, choose_backend
 from nanoref.sampling_params import MAX_LOGPROBS, check_seed
-from nanoref.utils.loader import TOKENIZER_FILES, ModelFolderError, load_tokenizer, resolve_model_folder, weight_files
+from nanoref.utils.loader import (
+    TOKENIZER_FILES,
+    ModelFolderError,
+    load_tokenizer,
+    resolve_model_folder,
+    tokenizer_files,
+    weight_files,
+)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # vLLM's other spellings of the same types (its --dtype choices): code written for vLLM passes them
@@ -302,6 +309,11 @@ class EngineConfig:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not available in nanoref: {why}")
 
     @property
+    def has_tokenizer(self) -> bool:
+        """Whether the engine loads a tokenizer (its tokenizer folder has one, and skip_tokenizer_init is off)."""
+        return not self.skip_tokenizer_init and bool(tokenizer_files(self.tokenizer_folder))
+
+    @property
     def no_tokenizer(self) -> str:
         """The start of an error about a tokenizer the engine lacks: its folder has none, or none was loaded."""
         if self.skip_tokenizer_init:
@@ -451,7 +463,7 @@ def _tokenizer_folder(tokenizer: str | os.PathLike) -> Path:
         folder = resolve_model_folder(tokenizer)
     except ModelFolderError as error:
         raise ModelFolderError(f"tokenizer: {error}") from None
-    if not any((folder / name).exists() for name in TOKENIZER_FILES):
+    if not tokenizer_files(folder):
         raise ModelFolderError(f"tokenizer: {folder} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)})")
     return folder
 

@@ -470,7 +470,7 @@ def main(argv: list[str] | None = None) -> int:
         import uvicorn
 
         from nanoref.engine.chat import check_content_format
-        from nanoref.serving.api_server import build_app, check_serves_text
+        from nanoref.serving.api_server import build_app
         from nanoref.serving.async_llm import AsyncLLM
         from nanoref.serving.lora_modules import LoRAModules, parse_lora_modules, served_model_names
         from nanoref.serving.tool_calls import check_tool_settings
@@ -522,18 +522,28 @@ def main(argv: list[str] | None = None) -> int:
         sock.close()
         print(f"error: {name_the_flag(parser, str(error))}", file=sys.stderr)
         return 2
-    try:  # (an engine runs without a tokenizer, on token ids; the server reads and writes text)
-        check_serves_text(engine.config, engine.tokenizer)
-    except ValueError as error:
-        engine.close()
-        sock.close()
-        print(f"error: {error}", file=sys.stderr)
-        return 2
     names = names or ["nanoref/default_model" if model == str(DEFAULT_MODEL) else model]
     name = names[0]
-    try:  # every adapter's folder checked against the model before the server listens
+    tool_settings = {
+        "enable_auto_tool_choice": args.enable_auto_tool_choice,
+        "tool_call_parser": args.tool_call_parser,
+        "exclude_tools_when_tool_choice_none": args.exclude_tools_when_tool_choice_none,
+    }
+    try:  # every adapter's folder checked against the model, and the app built, before the server listens
         adapters = LoRAModules(engine.config, names, lora_modules)
-    except ValueError as error:  # (LoRAAdapterError too)
+        app = build_app(
+            engine,
+            names,
+            lora_modules=adapters,
+            api_key=api_key,
+            chat_template=chat_template,
+            enable_request_id_headers=args.enable_request_id_headers,
+            enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+            allow_credentials=args.allow_credentials,
+            **{name: value for name, value in cors.items() if value is not None},
+            **tool_settings,
+        )
+    except ValueError as error:  # (LoRAAdapterError too): the engine is made already, so it is closed
         engine.close()
         sock.close()
         print(f"error: {error}", file=sys.stderr)
@@ -547,23 +557,6 @@ def main(argv: list[str] | None = None) -> int:
             f"sampling defaults from the model's generation config (--generation-config vllm: none): {listed}",
             flush=True,
         )
-    tool_settings = {
-        "enable_auto_tool_choice": args.enable_auto_tool_choice,
-        "tool_call_parser": args.tool_call_parser,
-        "exclude_tools_when_tool_choice_none": args.exclude_tools_when_tool_choice_none,
-    }
-    app = build_app(
-        engine,
-        names,
-        lora_modules=adapters,
-        api_key=api_key,
-        chat_template=chat_template,
-        enable_request_id_headers=args.enable_request_id_headers,
-        enable_prompt_tokens_details=args.enable_prompt_tokens_details,
-        allow_credentials=args.allow_credentials,
-        **{name: value for name, value in cors.items() if value is not None},
-        **tool_settings,
-    )
     server = uvicorn.Server(uvicorn.Config(app, log_level=args.uvicorn_log_level))
     # This process is the server's own: threads share its GIL, the event loop streaming responses and the engine
     # thread stepping (or, with the engine in its own process, the thread reading its messages). A thread that

@@ -91,7 +91,6 @@ from nanoref.serving.tool_calls import (
     check_tools,
     tool_choice,
 )
-from nanoref.utils.loader import TOKENIZER_FILES
 from nanoref.utils.version import __version__
 
 # request field -> SamplingParams field, as vLLM maps them. Fields SamplingParams lacks in this build are
@@ -1064,7 +1063,7 @@ def build_app(
     names = served_model_names(served_model_name)
     if lora_modules is not None and lora_modules.names != names:
         raise ValueError(f"lora_modules serves the base model as {lora_modules.names!r}, the app as {names!r}")
-    check_serves_text(engine.config, engine.tokenizer)  # (after the settings' own checks)
+    check_serves_text(engine.config)  # (after the settings' own checks)
     app.state.engine = engine
     app.state.metrics = metrics = ServerMetrics(engine, names[0])
     adapters = lora_modules or LoRAModules(engine.config, names)
@@ -1726,14 +1725,10 @@ def serve_in_background(
             raise RuntimeError(f"the server did not stop within {timeout} s")
 
 
-def check_serves_text(config: EngineConfig, tokenizer: Any = True) -> None:
+def check_serves_text(config: EngineConfig) -> None:
     """ValueError where the engine has no tokenizer (its folder holds none, or skip_tokenizer_init): the server reads
-    and writes text, chat templates and tool calls. tokenizer: the engine's, where it was loaded already."""
-    if (
-        config.skip_tokenizer_init
-        or tokenizer is None
-        or not any((config.tokenizer_folder / name).exists() for name in TOKENIZER_FILES)
-    ):
+    and writes text, chat templates and tool calls."""
+    if not config.has_tokenizer:
         raise ValueError(f"{config.no_tokenizer}: the server reads and writes text, so it needs one")
 
 

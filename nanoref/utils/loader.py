@@ -204,10 +204,15 @@ def _load_tensor(param: nn.Parameter, file_name: str, name: str, tensor: torch.T
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json")  # a folder with one of these has one
 
 
+def tokenizer_files(folder: Path) -> list[str]:
+    """The folder's tokenizer files among TOKENIZER_FILES (none: the folder has no tokenizer)."""
+    return [name for name in TOKENIZER_FILES if (folder / name).exists()]
+
+
 def load_tokenizer(folder: Path, use_fast: bool = True) -> Any | None:
     """The folder's HF tokenizer, or None when it has none (token-id prompts still work). use_fast=False: the slow
     (Python) tokenizer (vLLM's tokenizer_mode="slow"), which needs the folder's vocabulary files."""
-    present = [name for name in TOKENIZER_FILES if (folder / name).exists()]
+    present = tokenizer_files(folder)
     if not present:
         return None
     from transformers import AutoTokenizer
