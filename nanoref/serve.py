@@ -333,6 +333,11 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="usage.prompt_tokens_details.cached_tokens: the prompt tokens the prefix cache served (vLLM's flag)",
     )
+    parser.add_argument(
+        "--enable-force-include-usage",
+        action="store_true",
+        help="every stream ends with a usage chunk, as if it asked for stream_options.include_usage (vLLM's flag)",
+    )
     cors = parser.add_argument_group("CORS (which web pages may call the server from a browser)")
     for name in CORS_LISTS:
         flag = "--" + name.replace("_", "-")
@@ -539,6 +544,7 @@ def main(argv: list[str] | None = None) -> int:
             chat_template=chat_template,
             enable_request_id_headers=args.enable_request_id_headers,
             enable_prompt_tokens_details=args.enable_prompt_tokens_details,
+            enable_force_include_usage=args.enable_force_include_usage,
             allow_credentials=args.allow_credentials,
             **{name: value for name, value in cors.items() if value is not None},
             **tool_settings,

@@ -225,3 +225,21 @@ def test_a_model_folder_without_a_tokenizer_is_refused_and_its_engine_closed(tin
             build_app(engine, "m")
     finally:
         engine.close()
+
+
+def test_the_app_flags_reach_the_app(monkeypatch, capsys):
+    """Each of the server's own switches (not the engine's) reaches build_app; left out, each is off."""
+    seen: list[dict] = []
+
+    def capture(engine, names, **options):
+        seen.append(options)
+        raise ValueError("stop here")
+
+    monkeypatch.setattr("nanoref.serving.api_server.build_app", capture)
+    flags = ["--enable-request-id-headers", "--enable-prompt-tokens-details", "--enable-force-include-usage"]
+    for argv in (flags, []):
+        assert main(["--device", "cpu", "--port", "0", "--engine-process", "off", *argv]) == 2
+        assert "stop here" in capsys.readouterr().err
+    switches = [flag[2:].replace("-", "_") for flag in flags]
+    assert [seen[0][name] for name in switches] == [True] * 3
+    assert [seen[1][name] for name in switches] == [False] * 3

@@ -1018,6 +1018,7 @@ def build_app(
     chat_template: str | None = None,
     enable_request_id_headers: bool = False,
     enable_prompt_tokens_details: bool = False,
+    enable_force_include_usage: bool = False,
     allowed_origins: list[str] = ("*",),
     allow_credentials: bool = False,
     allowed_methods: list[str] = ("*",),
@@ -1033,7 +1034,8 @@ def build_app(
     chat_template: a Jinja template's text that renders chat messages in place of the model folder's (vLLM's
     --chat-template); enable_request_id_headers: every response carries X-Request-Id (RequestIdHeaderMiddleware);
     enable_prompt_tokens_details: usage gains vLLM's prompt_tokens_details.cached_tokens (the prompt tokens the
-    prefix cache served), where there were any.
+    prefix cache served), where there were any; enable_force_include_usage: every stream ends with a usage chunk, as
+    `stream_options: {"include_usage": true}` asks (vLLM's --enable-force-include-usage).
     allowed_origins, allow_credentials, allowed_methods, allowed_headers: CORS, vLLM's settings and defaults (a page
     of any origin may call the server from a browser, as vLLM's allows). ValueError naming a bad setting."""
     check_tool_settings(enable_auto_tool_choice, tool_call_parser)
@@ -1429,9 +1431,12 @@ def build_app(
                 response["prompt_token_ids"] = choices[0].prompt_token_ids
             return JSONResponse(response)
 
-        # vLLM's: a stream_options object (an empty one too) includes usage unless include_usage is false or null
+        # vLLM's: a stream_options object (an empty one too) includes usage unless include_usage is false or null;
+        # --enable-force-include-usage includes it in every stream
         options = body.get("stream_options")
-        include_usage = options is not None and options.get("include_usage", True) is True
+        include_usage = enable_force_include_usage or (
+            options is not None and options.get("include_usage", True) is True
+        )
 
         def event(payload: dict) -> str:
             return f"data: {json.dumps(payload)}\n\n"
