@@ -125,8 +125,10 @@ class LLM(LLMEngine):
         self.grammars: Grammars | None = None  # made on the first request with structured_outputs
 
     def get_tokenizer(self) -> Any:
-        """The model folder's tokenizer, as vLLM's LLM.get_tokenizer; None where the engine has none (a folder
-        without one, or skip_tokenizer_init), where vLLM's raises a ValueError."""
+        """The model folder's tokenizer, as vLLM's LLM.get_tokenizer: a ValueError where the engine has none (a folder
+        without one, or skip_tokenizer_init); `llm.tokenizer` is None there."""
+        if self.tokenizer is None:
+            raise ValueError(f"{self.config.no_tokenizer}: there is no tokenizer to get")
         return self.tokenizer
 
     def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:

@@ -168,7 +168,9 @@ def test_skip_tokenizer_init_loads_none_and_serves_token_ids_as_the_engine_with_
     loaded = []
     monkeypatch.setattr(nanoref.config, "load_tokenizer", lambda *a, **k: loaded.append(a) or None)
     skipped = LLM(device="cpu", skip_tokenizer_init=True, num_kvcache_blocks=32)
-    assert skipped.get_tokenizer() is None and loaded == [], "skip_tokenizer_init=True still loaded the tokenizer"
+    assert skipped.tokenizer is None and loaded == [], "skip_tokenizer_init=True still loaded the tokenizer"
+    with pytest.raises(ValueError, match="skip_tokenizer_init"):  # (vLLM's)
+        skipped.get_tokenizer()
     monkeypatch.undo()
     reference = LLM(device="cpu", num_kvcache_blocks=32)
     prompt = reference.get_tokenizer().encode(PROMPT)
@@ -226,7 +228,7 @@ def test_skip_tokenizer_init_with_a_draft_model_loads_no_tokenizer_to_compare(mo
     monkeypatch.setattr(nanoref.llm, "check_draft_tokenizer", lambda *a: pytest.fail("tokenizers were loaded"))
     spec = {"method": "draft_model", "model": str(DEFAULT_MODEL), "num_speculative_tokens": 2, **EVERY_STEP}
     llm = LLM(device="cpu", skip_tokenizer_init=True, speculative_config=spec, num_kvcache_blocks=32)
-    assert llm.get_tokenizer() is None
+    assert llm.tokenizer is None
     assert len(llm.generate([[3, 1, 4, 1, 5]], TOKEN_IDS, use_tqdm=False)[0]["token_ids"]) == 4
     assert sum(record.num_draft_tokens for record in llm.metrics.steps) > 0, "the draft never proposed"
 
