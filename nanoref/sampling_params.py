@@ -212,9 +212,8 @@ class SamplingParams:
         if not isinstance(ids, (list, tuple)) or not all(_is_int(t) and t >= 0 for t in ids):
             raise ValueError(f"stop_token_ids must be a list of non-negative integer token ids, got {ids!r}")
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
-            raise ValueError(
-                f"min_tokens must be an integer in [0, max_tokens = {self.max_tokens}], got {self.min_tokens!r}"
-            )
+            limit = "" if self.max_tokens == MAX_TOKENS_LIMIT else f" = {self.max_tokens}"
+            raise ValueError(f"min_tokens must be an integer in [0, max_tokens{limit}], got {self.min_tokens!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not _is_real(value) or not -2.0 <= value <= 2.0:

@@ -129,6 +129,8 @@ def test_bad_prompts_are_named_and_engine_keeps_serving(tiny_model):
         llm.generate([list(range(64))], greedy, use_tqdm=False)
     with pytest.raises(ValueError, match="KV blocks"):
         llm.generate([good], SamplingParams(max_tokens=100), use_tqdm=False)  # 64 tokens = 4 blocks > 3
+    with pytest.raises(ValueError, match="prompt 0: the prompt has 48 tokens.* 4 KV blocks .* shorten the prompt"):
+        llm.generate([list(range(1, 49))], greedy, use_tqdm=False)  # (49 tokens, a generated one too: 4 blocks > 3)
     with pytest.raises(ValueError, match="2 SamplingParams for 1 prompts"):
         llm.generate([good], [greedy, greedy], use_tqdm=False)
     with pytest.raises(TypeError, match="prompt 0: a prompt must be a string or a list of integer token ids"):

@@ -155,6 +155,8 @@ def test_user_is_accepted_and_changes_nothing(server):
     assert choice_text(post(server, "/v1/completions", {**body, "user": "ada"}), chat=False) == plain
     answer = server.client().chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, user="ada")
     assert answer.choices[0].finish_reason in ("length", "stop")
+    for name in ("user", "safety_identifier", "prompt_cache_key"):  # (accepted unused, but typed: a string)
+        assert f"{name} must be a string, got 5" in refused(server, "/v1/completions", {**body, name: 5}, name)
 
 
 def test_the_completions_default_max_tokens_is_16(server):

@@ -201,19 +201,49 @@ def test_an_error_names_the_field_it_is_about(server, path, body, param):
     assert server.blocks_used() == 0 and server.engine.llm.is_finished()
 
 
+def test_the_engines_limits_name_the_field_that_asked_past_them():
+    """max_logprobs (vLLM's words) names logprobs / prompt_logprobs / chat's top_logprobs; a prompt the KV cache
+    cannot hold even with max_tokens 1 names the prompt (messages), not max_tokens, which lowering cannot help."""
+    engine = AsyncLLM(LLM(device="cpu", num_kvcache_blocks=4, kvcache_block_size=16, max_logprobs=5), owns_llm=True)
+    long_text = "Beautiful is better than ugly. " * 20  # (over 64 tokens: 4 blocks of 16)
+    cases = [
+        ("completions", {"prompt": PROMPT, "logprobs": 10}, "logprobs", "greater than max allowed: 5"),
+        ("completions", {"prompt": PROMPT, "prompt_logprobs": 10}, "prompt_logprobs", "greater than max allowed"),
+        ("chat/completions", {"messages": MESSAGES, "logprobs": True, "top_logprobs": 10}, "top_logprobs", "max"),
+        ("chat/completions", {"messages": [{"role": "user", "content": long_text}]}, "messages", "shorten the prompt"),
+        ("completions", {"prompt": long_text}, "prompt", "shorten the prompt"),
+    ]
+    with running_server(engine, MODEL) as running:
+        for path, body, param, words in cases:
+            response = httpx.post(f"{running.url}/v1/{path}", json={"max_tokens": 1, **body}, timeout=TIMEOUT)
+            assert words in assert_openai_error(response, 400, param)["message"]
+        assert running.blocks_used() == 0
+
+
 @pytest.mark.parametrize(
     ("path", "body", "param"),
     [
         ("completions", {"prompt": "Flat \ud800 is"}, "prompt"),
         ("completions", {"prompt": ["Flat is", "\udfff"]}, "prompt"),
         ("chat/completions", {"messages": [{"role": "user", "content": "\ud83d"}]}, "messages"),
+        ("completions", {"prompt": PROMPT, "bad_words": ["ok\udfff"]}, "bad_words"),
+        ("completions", {"prompt": PROMPT, "request_id": "\ud800"}, "request_id"),
+        ("chat/completions", {"messages": MESSAGES, "request_id": "\ud800"}, "request_id"),
+        ("completions", {"prompt": PROMPT, "stop": ["\ud800"]}, "stop"),
+        ("completions", {"prompt": PROMPT, "cache_salt": "\ud800"}, "cache_salt"),
+        ("completions", {"prompt": PROMPT, "te\udc00mp": 1}, "te\\udc00mp"),  # (a key: named escaped)
+        ("tokenize", {"prompt": "a", "\udc00": 1}, "\\udc00"),
     ],
-    ids=["prompt", "batch", "chat"],
+    ids=["prompt", "batch", "chat", "bad_words", "request_id", "chat-request_id", "stop", "cache_salt", "key", "tok"],
 )
 def test_a_lone_surrogate_is_a_400_that_says_so(server, path, body, param):
+    """Anywhere in the body (a key too): a tokenizer cannot read it, nor can a reply that repeats it be encoded."""
     content = json.dumps({"max_tokens": 2, **body}).encode()  # ("\\ud800": JSON's escape, as a client sends it)
-    response = httpx.post(f"{server.url}/v1/{path}", content=content, timeout=TIMEOUT)
+    url = f"{server.url}/{path}" if path == "tokenize" else f"{server.url}/v1/{path}"
+    response = httpx.post(url, content=content, timeout=TIMEOUT)
     assert "lone UTF-16 surrogate" in assert_openai_error(response, 400, param)["message"]
+    assert response.json()["error"]["message"].isascii()
+    serves_on(server)
 
 
 def test_include_usage_that_is_no_bool_is_a_400(server):

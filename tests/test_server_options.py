@@ -128,8 +128,13 @@ NEWLINE = 199  # the built-in tokenizer's "\n"
 @STREAM
 @pytest.mark.parametrize(
     "params",
-    [dict(stop_token_ids=[NEWLINE]), dict(stop_token_ids=[NEWLINE], min_tokens=9), dict(min_tokens=4, max_tokens=6)],
-    ids=["stop_token_ids", "min_tokens", "min_tokens-alone"],
+    [
+        dict(stop_token_ids=[NEWLINE]),
+        dict(stop_token_ids=[NEWLINE], min_tokens=9),
+        dict(min_tokens=4, max_tokens=6),
+        dict(min_tokens=70, max_tokens=72),  # (past SamplingParams' default max_tokens)
+    ],
+    ids=["stop_token_ids", "min_tokens", "min_tokens-alone", "min_tokens-past-64"],
 )
 def test_stop_token_ids_and_min_tokens_equal_offline_generate(server, offline, stream, params):
     params = dict(temperature=0, **{"max_tokens": 24, **params})

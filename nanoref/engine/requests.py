@@ -162,8 +162,15 @@ def check_request(token_ids: list[int], params: SamplingParams, config: EngineCo
             f"the prompt has {len(token_ids)} tokens but max_model_len is {limit}: "
             f"at most {limit - 1} prompt tokens leave room for a generated one"
         )
+    num_blocks, block_size = config.num_kvcache_blocks, config.kvcache_block_size
+    if blocks_needed(len(token_ids) + 1, block_size) > num_blocks:  # (no max_tokens could make it fit)
+        raise ValueError(
+            f"the prompt has {len(token_ids)} tokens, and with one generated token it needs "
+            f"{blocks_needed(len(token_ids) + 1, block_size)} KV blocks but the cache has only {num_blocks} "
+            f"(of {block_size} tokens): raise num_kvcache_blocks or shorten the prompt"
+        )
     longest = min(len(token_ids) + int(params.max_tokens), limit)  # (a NumPy integer could overflow here)
-    needed, num_blocks = blocks_needed(longest, config.kvcache_block_size), config.num_kvcache_blocks
+    needed = blocks_needed(longest, block_size)
     if needed > num_blocks:
         raise ValueError(
             f"the request needs up to {needed} KV blocks ({longest} tokens) but the "

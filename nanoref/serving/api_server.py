@@ -646,7 +646,11 @@ def check_fields(body: dict, honoured: set[str], not_supported: dict[str, tuple]
     """Refuse, with a 400 naming it, a field the endpoint neither honours nor accepts unused, and a field it does
     not support with any value but null or its default."""
     for name, value in body.items():
-        if name in honoured or name in ACCEPTED_UNUSED:
+        if name in honoured:
+            continue
+        if name in ACCEPTED_UNUSED:  # (unused, but a client that sends a number has a bug to hear of: vLLM's 400)
+            if value is not None and not isinstance(value, str):
+                raise BadRequest(f"{name} must be a string, got {value!r:.40}", name)
             continue
         if name not in not_supported:
             raise BadRequest(f"unknown field {name!r:.60}: this server does not know it (a typo?)", name[:60])
@@ -655,6 +659,46 @@ def check_fields(body: dict, honoured: set[str], not_supported: dict[str, tuple]
         allowed = "".join(f" or {default!r}" for default in not_supported[name])
         message = REFUSALS.get(name, f"{name} is not supported by this server (only null{allowed})")
         raise BadRequest(message, name)
+
+
+def parse_json(raw: bytes) -> tuple[Any, tuple[str, str] | None]:
+    """A request body's JSON -> (its value, where it holds a lone UTF-16 surrogate: `lone_surrogate_at`)."""
+    value = json.loads(raw)
+    return value, lone_surrogate_at(value)
+
+
+def lone_surrogate_at(body: Any) -> tuple[str, str] | None:
+    """Where a JSON value holds a lone UTF-16 surrogate (in a string or a key), which JSON can spell ("\\ud800") and
+    no text holds -> (its path, e.g. "messages[0].content", the surrogate as \\uXXXX), or None. Iterative: a body
+    nested as deep as JSON parses cannot exhaust the stack here."""
+    if not isinstance(body, (dict, list)):
+        bad = lone_surrogate(body) if isinstance(body, str) else None
+        return None if bad is None else ("", bad)
+    stack: list[tuple[str, Any]] = [("", body)]
+    while stack:
+        path, value = stack.pop()
+        pairs = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, item in pairs:  # (a path is made only for what is bad or nested: a prompt of ids makes none)
+            if isinstance(key, str) and (bad := lone_surrogate(key)) is not None:
+                return ascii(f"{path}.{key}" if path else key)[1:-1], bad
+            if isinstance(item, str):
+                if (bad := lone_surrogate(item)) is not None:
+                    return child_path(path, key), bad
+            elif isinstance(item, (dict, list)):
+                stack.append((child_path(path, key), item))
+    return None
+
+
+def child_path(path: str, key: str | int) -> str:
+    """The path of a JSON value's item: `messages[0]`, `messages[0].content`."""
+    return f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}" if path else key
+
+
+def lone_surrogate(text: str) -> str | None:
+    """The first lone UTF-16 surrogate in `text` as \\uXXXX, or None where it has none (where it is UTF-8)."""
+    if text.isascii() or is_utf8(text):
+        return None
+    return next(f"\\u{ord(char):04x}" for char in text if 0xD800 <= ord(char) <= 0xDFFF)
 
 
 def is_utf8(text: str) -> bool:
@@ -686,6 +730,26 @@ def token_bias(body: dict) -> dict:
     return {**body, "logit_bias": converted}
 
 
+def check_json_schema_format(json_schema: dict) -> None:
+    """OpenAI's `response_format.json_schema` object: a `name` (a string), the `schema`, and `description` (a string)
+    and `strict` (a boolean) or neither; anything else is a 400 naming it rather than ignored."""
+    unknown = sorted(set(json_schema) - {"name", "description", "schema", "strict"})
+    if unknown:
+        taken = "name, description, schema, strict"
+        message = f"response_format.json_schema: unknown field {unknown[0]!r:.60} (it takes {taken})"
+        raise BadRequest(message, "response_format")
+    if not isinstance(json_schema.get("name"), str) or not json_schema["name"]:
+        got = json_schema.get("name")
+        raise BadRequest(
+            f"response_format.json_schema.name must be a non-empty string, got {got!r:.60}", "response_format"
+        )
+    for name, kind, described in (("description", str, "a string"), ("strict", bool, "a boolean")):
+        value = json_schema.get(name)
+        if value is not None and not isinstance(value, kind):
+            message = f"response_format.json_schema.{name} must be {described} or null, got {value!r:.60}"
+            raise BadRequest(message, "response_format")
+
+
 def structured_outputs(body: dict) -> StructuredOutputsParams | None:
     """What the request's output must follow: vLLM's `structured_outputs` ({"json": schema} or regex, choice,
     grammar, json_object), or OpenAI's `response_format` ({"type": "json_object"}, or {"type": "json_schema",
@@ -700,6 +764,7 @@ def structured_outputs(body: dict) -> StructuredOutputsParams | None:
         if kind == "json_object":
             given = {"json_object": True}
         elif isinstance(schema, dict) and isinstance(schema.get("schema"), dict):
+            check_json_schema_format(schema)
             given = {"json": schema["schema"]}
         elif kind == "json_schema":
             message = 'response_format {"type": "json_schema"} needs "json_schema": {"name": ..., "schema": {...}}'
@@ -738,8 +803,9 @@ def sampling_params(body: dict, mapping: dict[str, str], defaults: dict | None =
             continue
         if target not in known:
             raise BadRequest(f"{name!r} is not supported by this server's SamplingParams", name)
-        try:  # each field alone first, so that the error names the request's own field
-            SamplingParams(**{target: body[name]})
+        try:  # each field alone first, so that the error names the request's own field (beside no max_tokens
+            # limit: min_tokens is checked against the request's max_tokens below, not SamplingParams' default)
+            SamplingParams(**{"max_tokens": None, target: body[name]})
         except (ValueError, TypeError) as error:
             raise BadRequest(str(error) if name == target else f"{name}: {error}", name) from None
         values[target] = body[name]
@@ -1133,12 +1199,16 @@ def build_app(
                 f"the request body must be JSON, sent with Content-Type: application/json; got {content_type!r:.80}"
             )
         try:
-            body = await asyncio.to_thread(json.loads, raw) if heavy else json.loads(raw)
+            body, surrogate = await asyncio.to_thread(parse_json, raw) if heavy else parse_json(raw)
         # (a number of over 4,300 digits is a ValueError; an array nested a few thousand deep, a RecursionError)
         except (ValueError, RecursionError) as error:
             raise BadRequest(f"the request body is not valid JSON: {error}") from None
         if not isinstance(body, dict):
             raise BadRequest(f"the request body must be a JSON object, got {type(body).__name__}")
+        if surrogate is not None:  # (refused before any field is read: no tokenizer, and no reply, can encode it)
+            path, bad = surrogate
+            param = re.match(r"[^.\[]*", path).group()
+            raise BadRequest(f"{path} holds a lone UTF-16 surrogate ({bad}): it is not text", param)
         if adapters.resolve(body.get("model")) is False:  # (a 404, as vLLM's)
             known = ", ".join(map(repr, [*names, *adapters.adapters]))
             raise APIError(f"the model {body['model']!r} does not exist; this server serves {known}", "model", 404)
@@ -1189,13 +1259,6 @@ def build_app(
         keeps its K/V apart by; cap_error: `capped`'s, raised after the room check."""
         if not engine.is_running:
             raise engine_stopped()
-        if isinstance(prompt, str) and not prompt.isascii():
-            try:  # JSON can spell half of a UTF-16 pair ("\ud800"): no text, and the tokenizer's error says nothing
-                prompt.encode("utf-8")
-            except UnicodeEncodeError as error:
-                bad = f"\\u{ord(error.object[error.start]):04x}"
-                message = f"{where}the text holds a lone UTF-16 surrogate ({bad}): it is not text"
-                raise BadRequest(message, blamed[""]) from None
         try:  # the engine's checks of the prompt (empty, too long, outside the vocabulary) and of the KV budget
             if asked_tokens is not None or params.max_tokens == MAX_TOKENS_LIMIT:  # (counted here, tokenized once)
                 config = engine.config
@@ -1228,6 +1291,8 @@ def build_app(
             "truncate_prompt_tokens": "truncate_prompt_tokens",
             "max_tokens": tokens,
             "structured_outputs": constraint,
+            "sample logprobs": "top_logprobs" if prompt_field == "messages" else "logprobs",  # (chat's count)
+            "prompt logprobs": "prompt_logprobs",
             "": prompt_field,
         }
 
@@ -1649,11 +1714,7 @@ def build_app(
             raise BadRequest(str(error), error.param) from None
 
         def work() -> list[int]:
-            text = render_chat(body, tools) if chat else body["prompt"]
-            if not is_utf8(text):
-                raise BadRequest(
-                    "the text holds a lone UTF-16 surrogate: it is not text", "messages" if chat else "prompt"
-                )
+            text = render_chat(body, tools) if chat else body["prompt"]  # (no lone surrogate: read_body)
             return tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
         tokens = await off_the_loop(work, heavy)
