@@ -57,3 +57,17 @@ def test_a_bad_request_raises_at_the_call_and_queues_nothing(llm):
     with pytest.raises(ValueError, match="empty"):
         llm.stream("", SamplingParams())
     assert llm.is_finished()
+
+
+def test_a_stream_whose_request_another_call_ran_to_its_end_yields_the_rest(llm):
+    """generate (here, or in another thread) runs every queued request, the stream's too: the stream then yields what
+    it has not given yet and ends, instead of stepping an engine with nothing queued."""
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    expected = llm.generate([PROMPT], params, use_tqdm=False)[0]
+    stream = llm.stream(PROMPT, params)
+    first = next(stream)
+    llm.generate(["Explicit is"], SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)  # (runs the stream's)
+    rest = list(stream)
+    assert first.text + "".join(piece.text for piece in rest) == expected["text"]
+    assert rest[-1].finished and rest[-1].finish_reason == "length"
+    assert_no_block_leaked(llm)

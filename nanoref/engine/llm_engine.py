@@ -265,9 +265,8 @@ class LLMEngine:
             self.metrics.clear()
             for samples in requests:
                 self.enqueue_samples(samples)
-            total = sum(map(len, requests))
             make_bar = use_tqdm if callable(use_tqdm) else partial(tqdm, disable=not use_tqdm)
-            bar = make_bar(total=total, desc="Generating", dynamic_ncols=True)
+            bar = make_bar(total=sum(map(len, requests)), desc="Generating", dynamic_ncols=True)
             rates = {}  # the latest prefill and decode step's tokens per second
             try:
                 while not self.is_finished():
@@ -300,7 +299,9 @@ class LLMEngine:
         sent = {seq: [0, 0] for seq in samples}  # seq -> [tokens, characters] already yielded
         try:
             while sent:
-                self.step()
+                with self._lock:  # (another caller's generate or step loop may have run it to its end meanwhile)
+                    if not all(seq.is_finished for seq in sent):
+                        self.step()
                 yield from self.output_processor.pieces(sent)
         finally:  # closed early, or a step raised: this request ends here, the others run on
             for seq in samples:
