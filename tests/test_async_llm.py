@@ -179,6 +179,11 @@ def test_a_bad_request_raises_at_once_and_queues_nothing(engine, llm):
         engine.generate([5, 100_000], GREEDY)
     with pytest.raises(TypeError, match="SamplingParams"):
         engine.generate("Hello", {"max_tokens": 3})
+    for bad_id in (5, b"id", ["a"]):  # (vLLM's ids are strings: abort(5) could never reach it)
+        with pytest.raises(TypeError, match="request_id must be a string or None, got"):
+            engine.generate("Hello", GREEDY, request_id=bad_id)
+        with pytest.raises(TypeError, match="request_id must be a string or None"):
+            llm.add_request("Hello", GREEDY, request_id=bad_id)
     assert engine._engine._inbox.empty() and llm.is_finished()
 
     async def duplicate():

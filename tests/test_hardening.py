@@ -274,6 +274,13 @@ CONFIG_EDITS = [
     (lambda c: c["rope_parameters"].update(rope_theta=-1.0), "rope_theta must be a positive finite number"),
     (lambda c: c.update(tie_word_embeddings="yes"), "tie_word_embeddings must be true or false"),
     (lambda c: c.update(eos_token_id="2"), "eos_token_id must be a token id or a list of them"),
+    (lambda c: c.update(eos_token_id=5000), r"eos_token_id 5000 is outside the vocabulary \[0, "),
+    (lambda c: c.update(hidden_act="gelu"), "hidden_act 'gelu' is not supported"),
+    # (transformers makes every layer a sliding-window one from these; nanoref would run full attention)
+    (lambda c: c.update(use_sliding_window=True, sliding_window=4, max_window_layers=0), "use_sliding_window must"),
+    (lambda c: c.update(layer_types=["sliding_attention"] * c["num_hidden_layers"]), "layer_types holds 'sliding"),
+    (lambda c: c.update(num_hidden_layers=c["num_hidden_layers"] + 1), r"layer_types must be a list of num_hidden"),
+    (lambda c: c.update(dtype="bogus"), "dtype must name a torch dtype"),
 ]
 
 

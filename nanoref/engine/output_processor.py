@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from nanoref.engine.detokenizer import IncrementalDetokenizer, add_many, decode, hidden_stop_tokens
 from nanoref.engine.metrics import RequestMetrics
-from nanoref.engine.requests import eos_token_ids
+from nanoref.engine.requests import check_request_id, eos_token_ids
 from nanoref.engine.sequence import Sequence
 from nanoref.layers.logits_processors import StepLogprobs, TokenLogprobs
 from nanoref.sampling_params import SamplingParams
@@ -231,6 +231,7 @@ class OutputProcessor:
     def attach(self, samples: list[Sequence], request_id: str | None, stream: bool) -> None:
         """Give a request's samples their outputs. stream: keep each one's text up to date after every step (for a
         caller that shows it as it grows); a request with stop strings gets that either way."""
+        check_request_id(request_id)
         stop, bad_words = samples[0].sampling_params.stop_strings, samples[0].sampling_params.bad_words
         text = stream and samples[0].sampling_params.detokenize  # (detokenize=False streams token ids alone)
         if (text or stop or bad_words) and self.tokenizer is None:

@@ -178,6 +178,12 @@ def check_request(token_ids: list[int], params: SamplingParams, config: EngineCo
         )
 
 
+def check_request_id(request_id: object) -> None:
+    """A request's id is the caller's string (vLLM's), or None (one is made up): TypeError for anything else."""
+    if request_id is not None and not isinstance(request_id, str):
+        raise TypeError(f"request_id must be a string or None, got {request_id!r:.60}")
+
+
 def prompt_list(prompts: object) -> list:
     """`generate`'s prompts as a list: one string or prompt dict, or a list, tuple, generator, or a 2-D tensor/array
     of ids."""

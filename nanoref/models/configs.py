@@ -11,6 +11,8 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import torch
+
 
 @dataclass
 class Qwen3Config:
@@ -80,7 +82,35 @@ class Qwen3Config:
             )
         if config.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {config.head_dim}")
+        bad_eos = [e for e in eos_ids if e >= config.vocab_size]
+        if bad_eos:
+            raise ValueError(f"eos_token_id {bad_eos[0]} is outside the vocabulary [0, {config.vocab_size})")
+        _check_the_forward_is_nanorefs(raw, config.num_hidden_layers)
         return config
+
+
+def _check_the_forward_is_nanorefs(raw: dict[str, Any], num_layers: int) -> None:
+    """Fields that would change the forward to one nanoref does not run (a SiLU MLP attending over the whole context
+    in every layer), and a dtype that names no dtype: ValueError naming the field, rather than another model's
+    output, or transformers' error when the tokenizer loads."""
+    act = raw.get("hidden_act", "silu")
+    if act != "silu":
+        raise ValueError(f"hidden_act {act!r} is not supported (Qwen3's MLP uses 'silu')")
+    if raw.get("use_sliding_window", False) is not False:
+        raise ValueError("use_sliding_window must be false: nanoref attends over the whole context")
+    layer_types = raw.get("layer_types")
+    if layer_types is not None:
+        if not isinstance(layer_types, list) or len(layer_types) != num_layers:
+            raise ValueError(
+                f"layer_types must be a list of num_hidden_layers ({num_layers}) entries, got {layer_types!r:.80}"
+            )
+        other = [kind for kind in layer_types if kind != "full_attention"]
+        if other:
+            raise ValueError(f"layer_types holds {other[0]!r:.40}: nanoref runs 'full_attention' layers only")
+    for key in ("dtype", "torch_dtype"):  # (transformers 5's name and 4's; nanoref's own dtype setting decides)
+        value = raw.get(key)
+        if value is not None and not (isinstance(value, str) and isinstance(getattr(torch, value, None), torch.dtype)):
+            raise ValueError(f"{key} must name a torch dtype (e.g. 'bfloat16'), got {value!r:.40}")
 
 
 def _integer(raw: dict[str, Any], key: str, default: int | None = None, minimum: int = 1) -> int:
@@ -145,11 +175,6 @@ class Qwen3MoeConfig(Qwen3Config):
             isinstance(i, int) and not isinstance(i, bool) and 0 <= i < layers for i in mlp_only
         ):
             raise ValueError(f"mlp_only_layers must be a list of layer indices in [0, {layers}), got {mlp_only!r}")
-        act = raw.get("hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"hidden_act {act!r} is not supported (Qwen3-MoE's experts use 'silu')")
-        if raw.get("use_sliding_window", False) is not False:
-            raise ValueError("use_sliding_window must be false: nanoref attends over the whole context")
         return cls(
             **asdict(dense),
             num_experts=num_experts,

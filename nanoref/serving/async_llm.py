@@ -53,7 +53,7 @@ from typing import Any
 from nanoref.config import EngineConfig
 from nanoref.engine.output_processor import RequestOutput, RequestOutputs, delta_texts
 from nanoref.engine.prefix_cache import check_reset_options, warn_blocks_held
-from nanoref.engine.requests import eos_token_ids, prompt_text, request_tokens
+from nanoref.engine.requests import check_request_id, eos_token_ids, prompt_text, request_tokens
 from nanoref.llm import DEFAULT_MODEL, LLM, SETTINGS, LoRARequest, check_lora_request, grammars_for
 from nanoref.sampling_params import SamplingParams
 from nanoref.serving.engine_loop import EngineLoop, EngineStats, StepMessage, drain
@@ -220,6 +220,7 @@ class AsyncLLM:
         prompt dicts included (with a "cache_salt": the prefix cache shares K/V only among requests of that salt).
         params None: the model's defaults (its generation_config.json: `LLM.get_default_sampling_params`)."""
         self._check_running()
+        check_request_id(request_id)
         # the engine's own checks; params with the generation config's EOS ids among its stop ids (their text hidden)
         token_ids, salt, params = request_tokens(prompt, params, self.tokenizer, self.config)
         if self.tokenizer is None:  # (a folder without one, or skip_tokenizer_init): token ids in and out only
@@ -229,7 +230,7 @@ class AsyncLLM:
             self._check_constraint(params)
         if salt is not None:  # (the engine takes it as LLM.generate does)
             token_ids = {"prompt_token_ids": token_ids, "cache_salt": salt}
-        request_id = request_id or f"req-{uuid.uuid4().hex}"
+        request_id = f"req-{uuid.uuid4().hex}" if request_id is None else request_id
         return self._stream(token_ids, params, request_id, lora_request, prompt_text(prompt))
 
     def _check_constraint(self, params: SamplingParams) -> None:
