@@ -42,8 +42,9 @@ def hf_scores(prompt_ids: list[int]) -> torch.Tensor:
 
 def assert_prompt_part(logprobs: dict, prompt_ids: list[int], tokenizer, num_top: int) -> None:
     """The first len(prompt_ids) tokens of a completions logprobs object are the prompt's: the first unscored
-    (null), each later one its HF log-probability, with HF's top num_top at its position, and text offsets that
-    add up the tokens' texts."""
+    (null), each later one its HF log-probability, with top_logprobs holding that token first, then HF's top
+    num_top at its position (OpenAI's and vLLM's up to num_top + 1), and text offsets that add up the tokens'
+    texts."""
     size = len(prompt_ids)
     tokens = [tokenizer.decode([t]) for t in prompt_ids]
     assert logprobs["tokens"][:size] == tokens
@@ -51,10 +52,11 @@ def assert_prompt_part(logprobs: dict, prompt_ids: list[int], tokenizer, num_top
     expected = hf_scores(prompt_ids)
     want = [row[t].item() for row, t in zip(expected, prompt_ids[1:])]
     assert logprobs["token_logprobs"][1:size] == pytest.approx(want, abs=1e-4)
-    for top, row in zip(logprobs["top_logprobs"][1:size], expected):
+    for top, row, token_id in zip(logprobs["top_logprobs"][1:size], expected, prompt_ids[1:]):
         best = row.topk(num_top)
-        assert list(top) == [tokenizer.decode([t]) for t in best.indices.tolist()]
-        assert list(top.values()) == pytest.approx(best.values.tolist(), abs=1e-4)
+        chosen_and_best = dict.fromkeys([token_id, *best.indices.tolist()])  # (the token once, where it is first)
+        assert list(top) == [tokenizer.decode([t]) for t in chosen_and_best]
+        assert list(top.values()) == pytest.approx([row[t].item() for t in chosen_and_best], abs=1e-4)
     assert logprobs["text_offset"][:size] == [sum(map(len, tokens[:i])) for i in range(size)]
 
 

@@ -176,6 +176,23 @@ def test_completion_logprobs_equal_offline_generate(server, offline, stream):
             assert "".join(chunk_logprobs.tokens) == text
 
 
+@pytest.mark.parametrize("num_top", [0, 2])
+def test_completion_top_logprobs_hold_the_chosen_token_then_the_top_n(server, offline, num_top):
+    """OpenAI's completions (and vLLM's): up to logprobs + 1 entries, the chosen token's first; sampled at temperature
+    2 (seeded), so that chosen tokens outside the top N come (checked: one does), and logprobs 0 is the chosen alone."""
+    params = dict(temperature=2.0, seed=11, max_tokens=16, ignore_eos=True, logprobs=num_top)
+    expected = generate(server, offline, [PROMPT], **params)[0]
+    choices, _ = complete(server, False, prompt=PROMPT, **params)
+    tops, tokenizer = choices[0]["logprobs"]["top_logprobs"], offline.tokenizer
+    outside = 0
+    for top, entry in zip(tops, expected["logprobs"], strict=True):
+        chosen_and_top = dict.fromkeys([entry.token_id, *entry.top])
+        assert top == {tokenizer.decode([t]): ({**entry.top, entry.token_id: entry.logprob})[t] for t in chosen_and_top}
+        assert next(iter(top)) == tokenizer.decode([entry.token_id])
+        outside += entry.token_id not in entry.top
+    assert outside > 0, "every chosen token was among the top N: the test shows nothing"
+
+
 def test_streamed_logprobs_behind_held_back_text_all_arrive(server, offline):
     # " implicit" is held back token by token while it could still be the stop string: its logprobs wait too
     params = dict(temperature=0, max_tokens=24, logprobs=1, stop=" implicit.\nSimple")

@@ -430,8 +430,9 @@ def chat_logprob(token_text: TokenTexts, entry: TokenLogprobs, as_ids: bool = Fa
 def completion_logprobs(
     token_text: TokenTexts, entries: list[TokenLogprobs | int], choice: Choice, as_ids: bool = False
 ) -> dict:
-    """Tokens in completions' format; an entry that is a bare token id is a token without a score (an echoed
-    prompt's first: null logprob and top_logprobs). text_offset: where in the choice's text each token starts,
+    """Tokens in completions' format (top_logprobs: the chosen token first, then the top N, as OpenAI's and vLLM's);
+    an entry that is a bare token id is a token without a score (an echoed prompt's first: null logprob and
+    top_logprobs). text_offset: where in the choice's text each token starts,
     counted on its bytes: a character belongs to the token that holds its last byte (a token that ends half-way
     through a character has it start with the next one), and the U+FFFD that stands for bytes no later byte
     completes belongs to the token that holds those bytes; a prompt token whose text the choice's text leaves out
@@ -444,7 +445,9 @@ def completion_logprobs(
         tokens.append(token_name(token_id, text, as_ids))
         if scored:
             values.append(_logprob(entry.logprob))
-            top = {token_name(i, token_text(i)[0], as_ids): _logprob(value) for i, value in entry.top.items()}
+            # OpenAI's completions (and vLLM's): the chosen token first, then the top N: up to N + 1 entries
+            chosen_and_top = {token_id: entry.logprob, **entry.top}
+            top = {token_name(i, token_text(i)[0], as_ids): _logprob(value) for i, value in chosen_and_top.items()}
             tops.append(top)
         else:
             values.append(None)
