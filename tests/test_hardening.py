@@ -277,7 +277,10 @@ CONFIG_EDITS = [
     (lambda c: c.update(eos_token_id=5000), r"eos_token_id 5000 is outside the vocabulary \[0, "),
     (lambda c: c.update(hidden_act="gelu"), "hidden_act 'gelu' is not supported"),
     # (transformers makes every layer a sliding-window one from these; nanoref would run full attention)
-    (lambda c: c.update(use_sliding_window=True, sliding_window=4, max_window_layers=0), "use_sliding_window must"),
+    (
+        lambda c: c.pop("layer_types") and c.update(use_sliding_window=True, sliding_window=4, max_window_layers=0),
+        "use_sliding_window is on",
+    ),
     (lambda c: c.update(layer_types=["sliding_attention"] * c["num_hidden_layers"]), "layer_types holds 'sliding"),
     (lambda c: c.update(num_hidden_layers=c["num_hidden_layers"] + 1), r"layer_types must be a list of num_hidden"),
     (lambda c: c.update(dtype="bogus"), "dtype must name a torch dtype"),
@@ -289,6 +292,23 @@ def test_bad_config_values_name_file_and_field(tmp_path, tiny_model, edit, match
     folder = copy_with_config(tmp_path, tiny_model, edit)
     with pytest.raises(ModelFolderError, match=f"config.json: {match}"):
         LLM(folder)
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda c: c.update(use_sliding_window=True),  # (its layer_types, all full attention, decide)
+        lambda c: c.pop("layer_types") and c.update(use_sliding_window=True, sliding_window=None),
+        lambda c: c.pop("layer_types") and c.update(use_sliding_window=True, max_window_layers=c["num_hidden_layers"]),
+        lambda c: c.update(use_sliding_window=None, dtype="float16", torch_dtype="bfloat16"),
+    ],
+    ids=["layer-types-decide", "no-window", "window-past-the-last-layer", "null-switch-and-dtypes"],
+)
+def test_configs_transformers_runs_as_full_attention_load(tmp_path, tiny_model, edit):
+    """The sliding-window rule is transformers' own, not any mention of a window: these configs attend over the
+    whole context there too, and load (and generate) here."""
+    folder = copy_with_config(tmp_path, tiny_model, edit)
+    assert LLM(folder, device="cpu", num_kvcache_blocks=8).generate([[1, 2, 3]], GREEDY, use_tqdm=False)[0]["token_ids"]
 
 
 @pytest.mark.parametrize(

@@ -308,7 +308,7 @@ def test_stacked_and_per_expert_tensors_together_are_refused(tmp_path, moe_model
         (lambda c: c.update(mlp_only_layers=[4]), r"mlp_only_layers must be a list of layer indices in \[0, 4\)"),
         (lambda c: c.update(mlp_only_layers=3), "mlp_only_layers must be a list"),
         (lambda c: c.update(hidden_act="gelu"), "hidden_act 'gelu' is not supported"),
-        (lambda c: c.update(use_sliding_window=True), "use_sliding_window must be false"),
+        (lambda c: c.update(use_sliding_window=True, sliding_window=4), "use_sliding_window must be false"),
     ],
 )
 def test_malformed_moe_config_is_named(tmp_path, moe_models, edit, message):

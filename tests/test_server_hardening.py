@@ -201,6 +201,18 @@ def test_an_error_names_the_field_it_is_about(server, path, body, param):
     assert server.blocks_used() == 0 and server.engine.llm.is_finished()
 
 
+def test_a_min_tokens_past_the_room_chats_default_leaves_names_min_tokens(server):
+    """No max_tokens: chat's default is the room the context leaves, and a min_tokens past it names min_tokens (its
+    message names max_tokens too, which the client never sent)."""
+    body = {"model": MODEL, "messages": MESSAGES, "min_tokens": 10**6}
+    response = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=TIMEOUT)
+    assert (
+        "min_tokens must be an integer in [0, max_tokens = "
+        in assert_openai_error(response, 400, "min_tokens")["message"]
+    )
+    serves_on(server)
+
+
 def test_the_engines_limits_name_the_field_that_asked_past_them():
     """max_logprobs (vLLM's words) names logprobs / prompt_logprobs / chat's top_logprobs; a prompt the KV cache
     cannot hold even with max_tokens 1 names the prompt (messages), not max_tokens, which lowering cannot help."""
@@ -233,8 +245,23 @@ def test_the_engines_limits_name_the_field_that_asked_past_them():
         ("completions", {"prompt": PROMPT, "cache_salt": "\ud800"}, "cache_salt"),
         ("completions", {"prompt": PROMPT, "te\udc00mp": 1}, "te\\udc00mp"),  # (a key: named escaped)
         ("tokenize", {"prompt": "a", "\udc00": 1}, "\\udc00"),
+        ("completions", {"prompt": PROMPT, "stop": ["a\ud800" + "\U0001f600" * 100]}, "stop"),  # (a long one)
+        ("completions", {"prompt": PROMPT, "\ud800" + "\U0001f600" * 100: 1}, ("\\ud800" + "\\U0001f600" * 8)[:80]),
     ],
-    ids=["prompt", "batch", "chat", "bad_words", "request_id", "chat-request_id", "stop", "cache_salt", "key", "tok"],
+    ids=[
+        "prompt",
+        "batch",
+        "chat",
+        "bad_words",
+        "request_id",
+        "chat-request_id",
+        "stop",
+        "cache_salt",
+        "key",
+        "tok",
+        "long-text",
+        "long-key",
+    ],  # fmt: skip
 )
 def test_a_lone_surrogate_is_a_400_that_says_so(server, path, body, param):
     """Anywhere in the body (a key too): a tokenizer cannot read it, nor can a reply that repeats it be encoded."""
@@ -242,7 +269,8 @@ def test_a_lone_surrogate_is_a_400_that_says_so(server, path, body, param):
     url = f"{server.url}/{path}" if path == "tokenize" else f"{server.url}/v1/{path}"
     response = httpx.post(url, content=content, timeout=TIMEOUT)
     assert "lone UTF-16 surrogate" in assert_openai_error(response, 400, param)["message"]
-    assert response.json()["error"]["message"].isascii()
+    message = response.json()["error"]["message"]
+    assert message.isascii() and len(message) < 160, "the path is cut short, as every name a message repeats"
     serves_on(server)
 
 

@@ -96,8 +96,8 @@ def _check_the_forward_is_nanorefs(raw: dict[str, Any], num_layers: int) -> None
     act = raw.get("hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"hidden_act {act!r} is not supported (Qwen3's MLP uses 'silu')")
-    if raw.get("use_sliding_window", False) is not False:
-        raise ValueError("use_sliding_window must be false: nanoref attends over the whole context")
+    # transformers' rule: layer_types where given; else layers from max_window_layers (28) on slide, where
+    # use_sliding_window is on and sliding_window (4096) is not null
     layer_types = raw.get("layer_types")
     if layer_types is not None:
         if not isinstance(layer_types, list) or len(layer_types) != num_layers:
@@ -107,10 +107,21 @@ def _check_the_forward_is_nanorefs(raw: dict[str, Any], num_layers: int) -> None
         other = [kind for kind in layer_types if kind != "full_attention"]
         if other:
             raise ValueError(f"layer_types holds {other[0]!r:.40}: nanoref runs 'full_attention' layers only")
+    elif sliding_window(raw) is not None and raw.get("max_window_layers", 28) < num_layers:
+        raise ValueError(
+            "use_sliding_window is on (layers from max_window_layers on would attend over a window of "
+            f"{sliding_window(raw)} tokens): nanoref attends over the whole context"
+        )
     for key in ("dtype", "torch_dtype"):  # (transformers 5's name and 4's; nanoref's own dtype setting decides)
         value = raw.get(key)
         if value is not None and not (isinstance(value, str) and isinstance(getattr(torch, value, None), torch.dtype)):
             raise ValueError(f"{key} must name a torch dtype (e.g. 'bfloat16'), got {value!r:.40}")
+
+
+def sliding_window(raw: dict[str, Any]) -> Any:
+    """The window config.json asks for (transformers' rule): sliding_window (4096 where absent) where
+    use_sliding_window is on, else None."""
+    return raw.get("sliding_window", 4096) if raw.get("use_sliding_window") else None
 
 
 def _integer(raw: dict[str, Any], key: str, default: int | None = None, minimum: int = 1) -> int:
@@ -175,6 +186,8 @@ class Qwen3MoeConfig(Qwen3Config):
             isinstance(i, int) and not isinstance(i, bool) and 0 <= i < layers for i in mlp_only
         ):
             raise ValueError(f"mlp_only_layers must be a list of layer indices in [0, {layers}), got {mlp_only!r}")
+        if sliding_window(raw) is not None:  # (transformers' Qwen3-MoE: then every layer slides)
+            raise ValueError("use_sliding_window must be false: nanoref attends over the whole context")
         return cls(
             **asdict(dense),
             num_experts=num_experts,

@@ -664,37 +664,57 @@ def check_fields(body: dict, honoured: set[str], not_supported: dict[str, tuple]
         raise BadRequest(message, name)
 
 
+# a lone surrogate reaches json.loads as JSON's escape (\ud800) or as its UTF-8 bytes (decoded with surrogatepass):
+# a body with neither (most: emoji come as pairs of escapes, which match, or as 4-byte UTF-8, which does not) is
+# not walked
+MAYBE_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
+
+
 def parse_json(raw: bytes) -> tuple[Any, tuple[str, str] | None]:
     """A request body's JSON -> (its value, where it holds a lone UTF-16 surrogate: `lone_surrogate_at`)."""
     value = json.loads(raw)
-    return value, lone_surrogate_at(value)
+    if MAYBE_SURROGATE.search(raw):
+        try:  # (in C: a body of valid escaped pairs, emoji say, is not walked in Python)
+            json.dumps(value, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            return value, lone_surrogate_at(value)
+    return value, None
 
 
 def lone_surrogate_at(body: Any) -> tuple[str, str] | None:
     """Where a JSON value holds a lone UTF-16 surrogate (in a string or a key), which JSON can spell ("\\ud800") and
-    no text holds -> (its path, e.g. "messages[0].content", the surrogate as \\uXXXX), or None. Iterative: a body
-    nested as deep as JSON parses cannot exhaust the stack here."""
+    no text holds -> (its path, e.g. "messages[0].content", at most 80 characters, the surrogate as \\uXXXX), or
+    None. Iterative (a body nested as deep as JSON parses cannot exhaust the stack here); a container's path is
+    made only once something in it is found (links to its parent until then)."""
     if not isinstance(body, (dict, list)):
         bad = lone_surrogate(body) if isinstance(body, str) else None
         return None if bad is None else ("", bad)
-    stack: list[tuple[str, Any]] = [("", body)]
+    links: list[tuple[int, str | int]] = [(-1, "")]  # a walked container's (parent's link, its key there)
+    stack: list[tuple[Any, int]] = [(body, 0)]
     while stack:
-        path, value = stack.pop()
-        pairs = value.items() if isinstance(value, dict) else enumerate(value)
-        for key, item in pairs:  # (a path is made only for what is bad or nested: a prompt of ids makes none)
+        value, link = stack.pop()
+        for key, item in value.items() if isinstance(value, dict) else enumerate(value):
             if isinstance(key, str) and (bad := lone_surrogate(key)) is not None:
-                return ascii(f"{path}.{key}" if path else key)[1:-1], bad
+                return ascii(json_path(links, link, key))[1:-1][:80], bad
             if isinstance(item, str):
                 if (bad := lone_surrogate(item)) is not None:
-                    return child_path(path, key), bad
-            elif isinstance(item, (dict, list)):
-                stack.append((child_path(path, key), item))
+                    return json_path(links, link, key)[:80], bad
+            elif item and isinstance(item, (dict, list)):
+                links.append((link, key))
+                stack.append((item, len(links) - 1))
     return None
 
 
-def child_path(path: str, key: str | int) -> str:
-    """The path of a JSON value's item: `messages[0]`, `messages[0].content`."""
-    return f"{path}[{key}]" if isinstance(key, int) else f"{path}.{key}" if path else key
+def json_path(links: list[tuple[int, str | int]], link: int, key: str | int) -> str:
+    """The path of the item `key` of the container at `link` (`lone_surrogate_at`): `messages[0].content`."""
+    keys = [key]
+    while link > 0:
+        link, parent_key = links[link]
+        keys.append(parent_key)
+    path = ""
+    for step in reversed(keys):
+        path = f"{path}[{step}]" if isinstance(step, int) else f"{path}.{step}" if path else step
+    return path
 
 
 def lone_surrogate(text: str) -> str | None:
@@ -1288,6 +1308,7 @@ def build_app(
         tokens = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
         constraint = "structured_outputs" if body.get("structured_outputs") is not None else "response_format"
         return {
+            "min_tokens": "min_tokens",  # (before max_tokens, which its message names too)
             "logit_bias": "logit_bias",
             "stop_token_ids": "stop_token_ids",
             "allowed_token_ids": "allowed_token_ids",
