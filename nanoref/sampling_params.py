@@ -6,6 +6,8 @@ import math
 import numbers
 from dataclasses import dataclass, field
 
+from nanoref.utils.text import check_text
+
 _INT64_MAX = 2**63 - 1  # top_k travels to the sampler as an int64 tensor
 _SEED_LIMIT = 2**64  # torch.Generator.manual_seed takes an unsigned 64-bit seed
 # positions and sequence lengths travel to the device as int32: no sequence can ever be longer, so a larger
@@ -262,6 +264,8 @@ class SamplingParams:
             not isinstance(words, (list, tuple)) or not all(isinstance(word, str) and word.strip() for word in words)
         ):
             raise ValueError(f"bad_words must be None or a list of non-blank strings, got {words!r:.80}")
+        for word in words or ():
+            check_text(word, "a bad word")
         ids = self.allowed_token_ids
         if ids is not None and (
             not isinstance(ids, (list, tuple)) or not ids or not all(_is_int(t) and t >= 0 for t in ids)
@@ -293,6 +297,8 @@ def stop_strings(stop: object) -> list[str]:
         raise ValueError(f"stop must be None, a string or a list of strings, got {stop!r}")
     if "" in items:
         raise ValueError("stop strings must be non-empty: an empty one would match before any text")
+    for item in items:  # (one could never match: generated text holds none)
+        check_text(item, "a stop string")
     return list(items)
 
 

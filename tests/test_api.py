@@ -351,3 +351,17 @@ def test_a_finished_sequence_shows_its_finish_reason_and_token_counts(tiny_model
     while not llm.is_finished():
         llm.step()
     assert repr(seq) == "Sequence(id=0, FINISHED (length), tokens=7: 3 prompt + 4 completion)"
+
+
+def test_text_holding_a_lone_surrogate_is_named_before_the_tokenizer_sees_it():
+    """Python (and JSON) can spell half of a UTF-16 pair, "\\udc00", which no text holds: the tokenizer's own error
+    ("TextEncodeInput must be Union[...]") does not say so."""
+    llm = LLM(device="cpu", num_kvcache_blocks=16)
+    greedy = SamplingParams(temperature=0, max_tokens=2)
+    with pytest.raises(ValueError, match=r"prompt 1: the prompt holds a lone UTF-16 surrogate \(\\udc00\)"):
+        llm.generate(["Flat is", "Flat \udc00 is"], greedy, use_tqdm=False)
+    with pytest.raises(ValueError, match="a stop string holds a lone UTF-16 surrogate"):
+        SamplingParams(stop=["ok", "\ud800"])
+    with pytest.raises(ValueError, match="a bad word holds a lone UTF-16 surrogate"):
+        SamplingParams(bad_words=["\ud800 x"])
+    assert llm.is_finished() and llm.generate(["Flat is"], greedy, use_tqdm=False)[0]["token_ids"]

@@ -10,6 +10,7 @@ from typing import Any
 from nanoref.config import EngineConfig
 from nanoref.engine.block_manager import blocks_needed
 from nanoref.sampling_params import SamplingParams
+from nanoref.utils.text import check_text
 
 
 def tokenize(prompt: str | list[int] | dict, tokenizer: Any | None, config: EngineConfig) -> list[int]:
@@ -20,6 +21,7 @@ def tokenize(prompt: str | list[int] | dict, tokenizer: Any | None, config: Engi
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ValueError(f"{config.no_tokenizer}: pass prompts as lists of token ids")
+        check_text(prompt, "the prompt")
         return tokenizer.encode(prompt)
     if isinstance(prompt, (bytes, bytearray, dict, set, frozenset)) or not hasattr(prompt, "__iter__"):
         raise TypeError(f"a prompt must be a string or a list of integer token ids, got {type(prompt).__name__}")

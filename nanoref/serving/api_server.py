@@ -91,6 +91,7 @@ from nanoref.serving.tool_calls import (
     check_tools,
     tool_choice,
 )
+from nanoref.utils.text import is_utf8, lone_surrogate
 from nanoref.utils.version import __version__
 
 # request field -> SamplingParams field, as vLLM maps them. Fields SamplingParams lacks in this build are
@@ -715,22 +716,6 @@ def json_path(links: list[tuple[int, str | int]], link: int, key: str | int) -> 
     for step in reversed(keys):
         path = f"{path}[{step}]" if isinstance(step, int) else f"{path}.{step}" if path else step
     return path
-
-
-def lone_surrogate(text: str) -> str | None:
-    """The first lone UTF-16 surrogate in `text` as \\uXXXX, or None where it has none (where it is UTF-8)."""
-    if text.isascii() or is_utf8(text):
-        return None
-    return next(f"\\u{ord(char):04x}" for char in text if 0xD800 <= ord(char) <= 0xDFFF)
-
-
-def is_utf8(text: str) -> bool:
-    """Whether the text can be UTF-8 (JSON can spell half of a UTF-16 pair, "\\ud800", which cannot)."""
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
 
 
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range: [-100, 100]
