@@ -33,7 +33,7 @@ from nanoref.engine.llm_engine import LLMEngine, PlainLoop
 from nanoref.engine.model_runner import ModelRunner
 from nanoref.engine.output_processor import GenerateOutput
 from nanoref.engine.prefix_cache import check_reset_options, reset_prefix_cache, warn_blocks_held
-from nanoref.engine.requests import prompt_list
+from nanoref.engine.requests import check_generate_options, prompt_list
 from nanoref.lora.adapters import load_adapter
 from nanoref.lora.hooks import LoRAHooks, check_lora_request, lora_request_list  # (re-exported: the server)
 from nanoref.lora.request import LoRARequest
@@ -218,6 +218,7 @@ class LLM(LLMEngine):
         """LLMEngine.generate, with vLLM's lora_request: one adapter for every prompt, or a list with one per
         prompt (None entries run on the base model); needs enable_lora. A call that fails leaves none of the
         adapters it loaded behind."""
+        check_generate_options(use_tqdm, return_metrics)
         prompts = prompt_list(prompts)
         loras = lora_request_list(lora_request, len(prompts), self.lora is not None)
         if not any(loras):

@@ -365,3 +365,15 @@ def test_text_holding_a_lone_surrogate_is_named_before_the_tokenizer_sees_it():
     with pytest.raises(ValueError, match="a bad word holds a lone UTF-16 surrogate"):
         SamplingParams(bad_words=["\ud800 x"])
     assert llm.is_finished() and llm.generate(["Flat is"], greedy, use_tqdm=False)[0]["token_ids"]
+
+
+def test_generates_switches_are_checked(tiny_model):
+    """use_tqdm takes True, False or vLLM's callable; a string would read as true (and "no" show a bar)."""
+    llm = LLM(tiny_model, device="cpu", num_kvcache_blocks=8)
+    greedy = SamplingParams(temperature=0, max_tokens=2)
+    with pytest.raises(TypeError, match="use_tqdm must be True, False or a callable that makes a progress bar"):
+        llm.generate([[1, 2]], greedy, use_tqdm="no")
+    with pytest.raises(TypeError, match="return_metrics must be True or False, got 'yes'"):
+        llm.generate([[1, 2]], greedy, use_tqdm=False, return_metrics="yes")
+    assert llm.is_finished()
+    assert llm.generate([[1, 2]], greedy, use_tqdm=False, return_metrics=True)[0]["metrics"] is not None

@@ -186,6 +186,15 @@ def check_request_id(request_id: object) -> None:
         raise TypeError(f"request_id must be a string or None, got {request_id!r:.60}")
 
 
+def check_generate_options(use_tqdm: object, return_metrics: object) -> None:
+    """generate's switches: use_tqdm True, False or the callable that makes the bar (vLLM's), return_metrics a bool
+    (TypeError naming one: "no" would otherwise read as true)."""
+    if not isinstance(use_tqdm, bool) and not callable(use_tqdm):
+        raise TypeError(f"use_tqdm must be True, False or a callable that makes a progress bar, got {use_tqdm!r:.40}")
+    if not isinstance(return_metrics, bool):
+        raise TypeError(f"return_metrics must be True or False, got {return_metrics!r:.40}")
+
+
 def prompt_list(prompts: object) -> list:
     """`generate`'s prompts as a list: one string or prompt dict, or a list, tuple, generator, or a 2-D tensor/array
     of ids."""
