@@ -190,3 +190,13 @@ def test_llm_chat_lays_out_tools_through_the_template():
     assert "get_weather" in prompt and prompt != chat_prompt(llm.tokenizer, MESSAGES, DEFAULT_MODEL)
     expected = llm.generate([prompt], GREEDY, use_tqdm=False)
     assert llm.chat(MESSAGES, GREEDY, use_tqdm=False, tools=tools) == expected
+
+
+def test_openais_developer_role_is_refused_with_the_role_to_send():
+    """Qwen3's template renders no "developer" message (it would vanish from the prompt): the error says to send
+    it as "system", the role OpenAI's newer models renamed."""
+    messages = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    with pytest.raises(
+        ValueError, match=r"messages\[0\]\['role'\] must be one of .* got 'developer': send it as 'system'"
+    ):
+        chat_prompt(load_tokenizer(DEFAULT_MODEL), messages, DEFAULT_MODEL)

@@ -188,7 +188,10 @@ def check_messages(messages: object) -> list[dict]:
             raise TypeError(f"{where} must be a dict with a 'role' and a 'content', got {message!r:.80}")
         role = message["role"]
         if role not in ROLES:
-            raise ValueError(f"{where}['role'] must be one of {ROLES}, got {role!r:.40}")
+            # (OpenAI's "developer" is its newer models' "system"; Qwen3's template renders no such role, and would
+            # drop the message without a word, as vLLM's server then does)
+            hint = ": send it as 'system'" if role == "developer" else ""
+            raise ValueError(f"{where}['role'] must be one of {ROLES}, got {role!r:.40}{hint}")
         unknown = sorted(set(message) - KEYS[role], key=str)
         if unknown:
             raise TypeError(
