@@ -121,6 +121,21 @@ def test_preemption_and_chunked_prefill_stay_exact_with_mixed_adapters(tiny_mode
     assert_no_block_leaked(llm)
 
 
+@pytest.mark.parametrize("middle", [50, 40], ids=["refused-then-blocked", "refused-then-admitted"])
+def test_a_prompt_prefilled_in_chunks_goes_before_one_its_adapter_kept_waiting(tiny_model, adapters, middle):
+    """max_loras 1: the second request (another adapter) is refused, the third (the first's adapter) starts and is
+    cut into chunks behind it. The chunked one must continue first: behind a refused request that then waits for
+    blocks it held its own forever ("nothing could be scheduled"), and once the refused one was admitted beside it
+    a step mixed two adapters (ValueError from the adapter slots)."""
+    prompts = [[(7 * i) % 250 + 3 for i in range(length)] for length in (10, middle, 100)]
+    x, y = adapters["all-r8"], adapters["mlp-r2"]
+    loras = [x, y, x]
+    llm = lora_llm(tiny_model, max_loras=1, max_num_batched_tokens=16, num_kvcache_blocks=10, kvcache_block_size=16)
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras)
+    assert_exact(tiny_model, prompts, loras, outputs)
+    assert_no_block_leaked(llm)
+
+
 def test_more_adapters_than_slots_wait_their_turn_and_are_swapped_in_lru(tiny_model, adapters):
     """Four adapters, two slots, three kept on the host: no step ever mixes more than two adapters (the rest
     wait), adapters go in and out of the slots (and the host cache), and every token is still exact."""

@@ -78,8 +78,7 @@ class Scheduler:
         """-> (sequences to run, is_prefill). Each gets `num_scheduled_tokens` set."""
         self.preempted = []
         self.scheduled = []
-        scheduled = self._schedule_prefill()
-        if scheduled:
+        if scheduled := self._schedule_prefill():
             return scheduled, True
         scheduled = self._schedule_decode()
         assert scheduled, "nothing could be scheduled"
@@ -106,9 +105,12 @@ class Scheduler:
             if seq.num_computed_tokens + chunk < seq.num_tokens:
                 break  # a chunk of a longer prompt: it stays first in line for the next step
         for seq in scheduled:  # the whole prompts leave the queue; a partial chunk stays in line
-            if seq.num_computed_tokens + seq.num_scheduled_tokens < seq.num_tokens:
-                break
             self.waiting.remove(seq)  # (the first, unless a sequence not admitted stays before it)
+            if seq.num_computed_tokens + seq.num_scheduled_tokens < seq.num_tokens:
+                # first in line, ahead of any not admitted: it holds its blocks, and must not wait behind one that
+                # waits for blocks, nor have another admitted beside it without counting it (can_admit)
+                self.waiting.appendleft(seq)
+                break
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
         return scheduled
