@@ -208,6 +208,34 @@ def test_collect_solutions_names_a_name_nothing_defines(tmp_path):
         collect_solutions(tmp_path)
 
 
+@pytest.mark.parametrize("broken", ["syntax", "deleted"])
+def test_an_answer_that_never_ran_gets_no_points_behind_nanorefs_import(tmp_path, broken):
+    """Notebook 02 teaches with nanoref's rms_norm under the exercise's name: an answer cell that fails (or was
+    deleted) left the test checking nanoref's own, full marks under nbgrader. The test now fails, saying so."""
+    path = exercise_notebook(tmp_path / "mine.ipynb", "gate, up = x.chunk(2, dim=-1)\n    return (gate")
+    nb = nbformat.read(path, as_version=4)
+    nb.cells.insert(0, nbformat.v4.new_code_cell("from nanoref.layers.activation import silu_and_mul"))
+    if broken == "deleted":
+        del nb.cells[1]
+    nbformat.write(nb, path)
+    results = check(path)
+    assert results and not any(result.passed for result in results), [r.message for r in results]
+    if broken == "deleted":  # (the syntax error is reported as it is: the check never ran)
+        assert "silu_and_mul here is nanoref's own" in results[-1].message, results[-1].message
+
+
+def test_an_answer_that_leaves_the_stub_after_its_return_is_written(tmp_path):
+    """nbgrader's `raise NotImplementedError()` left below the learner's own return never runs: the answer is
+    written, for check and for the capstone alike."""
+    body = (
+        "gate, up = x.chunk(2, dim=-1)\n    return torch.nn.functional.silu(gate) * up\n    raise NotImplementedError()"
+    )
+    path = exercise_notebook(tmp_path / "mine.ipynb", body)
+    [result] = check(path)
+    assert result.passed, result.message
+    assert set(collect_solutions(tmp_path)) == {"silu_and_mul"}
+
+
 def test_check_reports_each_graded_cell(tmp_path):
     right = exercise_notebook(
         tmp_path / "right.ipynb", "gate, up = x.chunk(2, dim=-1)\n    return torch.nn.functional.silu(gate) * up"

@@ -46,7 +46,42 @@ def _exercise(cell: dict, notebook: Path) -> Exercise | None:
     if cell.get("cell_type") != "code" or not meta.get("solution") or not grade_id.startswith("ex_"):
         return None
     source = _source(cell)
-    return Exercise(grade_id[3:], notebook, source, started=UNSTARTED not in source)
+    return Exercise(grade_id[3:], notebook, source, started=not holds_the_stub(source))
+
+
+def holds_the_stub(source: str) -> bool:
+    """Whether a solution cell still holds nbgrader's stub where it would run: a bare `raise NotImplementedError()`
+    that no `return` or `raise` before it in its block makes unreachable. An answer that leaves the stub after its
+    own return, or raises NotImplementedError("...") for a case it does not serve, is written."""
+    if UNSTARTED not in source:
+        return False
+    try:
+        tree = ast.parse(
+            "\n".join("" if line.lstrip().startswith(("%", "!")) else line for line in source.splitlines())
+        )
+    except SyntaxError:  # (not run yet either way: the check reports the SyntaxError)
+        return False
+    for node in ast.walk(tree):
+        for field in ("body", "orelse", "finalbody"):
+            block = getattr(node, field, None)
+            if not isinstance(block, list):
+                continue
+            for statement in block:
+                if isinstance(statement, (ast.Return, ast.Raise)) and not _is_stub(statement):
+                    break  # (what follows in this block never runs)
+                if _is_stub(statement):
+                    return True
+    return False
+
+
+def _is_stub(statement: ast.stmt) -> bool:
+    """`raise NotImplementedError()` (or without the parentheses), as nbgrader writes it."""
+    if not isinstance(statement, ast.Raise) or statement.cause is not None:
+        return False
+    raised = statement.exc
+    if isinstance(raised, ast.Call) and not raised.args and not raised.keywords:
+        raised = raised.func
+    return isinstance(raised, ast.Name) and raised.id == "NotImplementedError"
 
 
 def exercises(notebook: str | Path) -> Iterator[Exercise]:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 import itertools
 import linecache
+import sys
 import sysconfig
 import tempfile
 import traceback
@@ -103,7 +105,9 @@ def call_learner(
     """`fn(*args, **kwargs)`, the learner's function, as every check calls it: an exception it raises becomes an
     ExerciseFailure that names the learner's own line (file:line and its source) and, where `hint(error)` knows
     one, the fix (short: the first line stays readable); `case`, the inputs in words, comes after.
-    NotImplementedError (an exercise not written yet: nbgrader's stub) passes through as it is."""
+    NotImplementedError (an exercise not written yet: nbgrader's stub) passes through as it is. A function of
+    nanoref's own, checked from a notebook, is a failure (`check_is_the_learners`)."""
+    check_is_the_learners(fn, name)
     try:
         return fn(*args, **kwargs)
     except (NotImplementedError, ExerciseFailure):
@@ -117,6 +121,32 @@ def call_learner(
             + f"\n{details}"
             + (f"\n(on {case})" if case else "")
         ) from error
+
+
+# nanoref's own code, where a learner's answer never lives (the exercises' and the classroom's wrappers aside)
+_NANOREF = Path(__file__).resolve().parents[1]
+_WRAPPERS = (_NANOREF / "exercises", _NANOREF / "classroom")
+
+
+def check_is_the_learners(fn: Callable, name: str) -> None:
+    """A notebook imports nanoref's function under the exercise's name to teach with it, and the learner's answer
+    cell then defines its own: where that cell failed, or was deleted or moved below its test, the name still holds
+    nanoref's, which would pass every check. Checked from a notebook cell (a test of nanoref's may check nanoref's
+    own), such a function is an ExerciseFailure saying so."""
+    code = getattr(inspect.unwrap(fn), "__code__", None)
+    if code is None or not Path(code.co_filename).resolve().is_relative_to(_NANOREF):
+        return
+    if any(Path(code.co_filename).resolve().is_relative_to(folder) for folder in _WRAPPERS):
+        return
+    frame = sys._getframe(1)
+    while frame is not None and not is_notebook_cell(frame.f_code.co_filename):
+        frame = frame.f_back
+    if frame is not None:
+        raise ExerciseFailure(
+            f"{name} here is nanoref's own ({fn.__module__}.{fn.__qualname__}), not your answer: run your {name} cell "
+            "above this one, and fix what it raises (a cell that fails, or was deleted or moved below this one, "
+            "leaves nanoref's function under that name)"
+        )
 
 
 _MODELS: dict[tuple, Path] = {}
