@@ -271,8 +271,16 @@ def test_collect_solutions_names_a_broken_cell_and_an_unknown_seam(tmp_path):
     exercise_notebook(broken / "a.ipynb", "return x +")
     with pytest.raises(
         ClassroomError, match="a.ipynb, exercise `silu_and_mul`: its cell fails on its own with SyntaxError"
-    ):
+    ) as raised:
         collect_solutions(broken)
+    assert "must import what it needs" not in str(raised.value), "an import hint for a syntax error misleads"
+    importing = tmp_path / "importing"
+    importing.mkdir()
+    nb = nbformat.read(exercise_notebook(importing / "c.ipynb", "return x"), as_version=4)
+    nb.cells[0].source = "from torch.nn.functional import no_such_function\n" + nb.cells[0].source
+    nbformat.write(nb, importing / "c.ipynb")
+    with pytest.raises(ClassroomError, match="ImportError.*a solution cell must import what it needs at its top"):
+        collect_solutions(importing)
     unknown = tmp_path / "unknown"
     unknown.mkdir()
     nb = nbformat.read(exercise_notebook(unknown / "b.ipynb", "return x"), as_version=4)
@@ -384,6 +392,16 @@ def test_build_errors_are_one_line(tmp_path):
     (notebooks / "01_broken.ipynb").write_text("{not json")
     status, err = classroom("build", "--out", str(tmp_path / "course"), "--notebooks", str(notebooks))
     assert_one_error_line(status, err, "01_broken.ipynb is not a notebook: not valid JSON")
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "1.5"])
+def test_a_timeout_that_is_no_limit_is_refused(value, capsys):
+    """nbclient reads a timeout of 0 or less as none at all: a learner's endless loop would never be stopped."""
+    from nanoref.classroom.__main__ import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["check", "x.ipynb", "--timeout", value])
+    assert exited.value.code == 2 and "argument --timeout:" in capsys.readouterr().err
 
 
 # -- check: what it cannot run is named, what is missing fails --------------------------------------------------

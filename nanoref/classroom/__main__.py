@@ -9,6 +9,17 @@ from pathlib import Path
 from nanoref.classroom import COURSE_ID, NOTEBOOKS_DIR, ClassroomError, build, run_check
 
 
+def positive_seconds(text: str) -> int:
+    """--timeout's value: a whole number of seconds >= 1 (nbclient reads 0 or less as no limit at all)."""
+    try:
+        seconds = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number of seconds: {text!r}") from None
+    if seconds < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 second, got {seconds}")
+    return seconds
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m nanoref.classroom", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -21,7 +32,9 @@ def main(argv: list[str] | None = None) -> int:
         "check", help="run a notebook and report each graded cell (the capstone: each engine run)"
     )
     check_parser.add_argument("notebook", type=Path)
-    check_parser.add_argument("--timeout", type=int, default=600, help="seconds per cell")
+    check_parser.add_argument(
+        "--timeout", type=positive_seconds, default=600, help="seconds a cell may run before it fails (default 600)"
+    )
     args = parser.parse_args(argv)
     try:
         if args.command == "build":

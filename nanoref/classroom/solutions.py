@@ -166,9 +166,15 @@ def _import_cell(exercise: Exercise, folder: Path) -> Callable:
         spec.loader.exec_module(module)
     except Exception as error:
         del sys.modules[module_name]
+        # (the hint where a name is missing: a cell run alone lacks what other cells imported)
+        hint = (
+            " (a solution cell must import what it needs at its top)"
+            if isinstance(error, (NameError, ImportError))
+            else ""
+        )
         raise ClassroomError(
             f"{exercise.notebook.name}, exercise `{exercise.seam}`: its cell fails on its own with "
-            f"{type(error).__name__}: {error} (a solution cell must import what it needs at its top)"
+            f"{type(error).__name__}: {error}{hint}"
         ) from None
     # a name from another cell raises NameError only when the function runs, deep in the engine: found here instead
     unbound = _unbound_names(exercise, module)
