@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import subprocess
 import textwrap
 import traceback
 from collections.abc import Iterator
@@ -81,8 +82,9 @@ def _execute(nb, notebook: Path, timeout: int, *, allow_errors: bool) -> tuple[i
         resources={"metadata": {"path": str(notebook.resolve().parent)}},
         on_cell_start=lambda cell, cell_index: running.append(cell_index),
     )
-    try:
-        client.execute()
+    try:  # (the kernel process's own log, e.g. its traceback as a timed-out cell is stopped, is no learner's concern:
+        # every cell's output reaches the report through the notebook's messages)
+        client.execute(stderr=subprocess.DEVNULL)
     except CellTimeoutError:
         return running[-1], f"did not finish within --timeout {timeout} s"
     except DeadKernelError:
