@@ -7,6 +7,7 @@ import os
 import sys
 
 from nanoref.llm import DEFAULT_MODEL
+from nanoref.utils.flags import name_the_flag
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT: what a shell reports for a tool stopped by Ctrl-C
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what a shell reports for a tool whose reader went away
@@ -59,7 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Exit status: 0 done, 2 bad input (arguments, model folder), 1 a runtime failure, 130 Ctrl-C, 141 the reader
     of stdout went away (`| head -1`). A failure is one `error: ...` line on stderr, never a traceback."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     try:
         _run(args)
     except KeyboardInterrupt:
@@ -71,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_BROKEN_PIPE
     except BadInput as error:
-        print(f"error: {error}", file=sys.stderr)
+        print(f"error: {name_the_flag(parser, str(error))}", file=sys.stderr)
         return 2
     except (RuntimeError, OSError, ImportError) as error:  # TensorParallelError, a backend that cannot run here...
         print(f"error: {error}", file=sys.stderr)

@@ -27,6 +27,7 @@ import socket
 import sys
 
 from nanoref.llm import DEFAULT_MODEL
+from nanoref.utils.flags import name_the_flag
 
 ENGINE_PROCESS = {"auto": None, "on": True, "off": False}  # --engine-process -> AsyncLLM.from_model's engine_process
 UVICORN_LOG_LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]  # vLLM's --uvicorn-log-level choices
@@ -377,15 +378,6 @@ def load_chat_template(value: str) -> str:
         return check_chat_template(template)
     except ValueError as error:
         raise ValueError(f"--chat-template: {error}") from None
-
-
-def name_the_flag(parser: argparse.ArgumentParser, message: str) -> str:
-    """The engine's message about a setting (`max_num_seqs must be ...`) led by the flag that set it
-    (`--max-num-seqs: max_num_seqs must be ...`): the user typed the flag, not the setting's name."""
-    flags = {action.dest: action.option_strings[0] for action in parser._actions if action.option_strings}
-    setting = re.match(r"[a-z_]+", message)
-    flag = flags.get(setting.group()) if setting else None
-    return f"{flag}: {message}" if flag else message
 
 
 def human_readable_int(value: str) -> int:

@@ -228,7 +228,9 @@ def test_cli_bad_device_is_one_line(capsys):
 
     assert main(["hello", "--device", "tpu"]) == 2
     err = capsys.readouterr().err
-    assert err == "error: device must be 'cpu' or 'cuda', got 'tpu'\n"
+    assert err == "error: --device: device must be 'cpu' or 'cuda', got 'tpu'\n"  # (led by the flag typed)
+    assert main(["hello", "--device", "cpu", "--max-tokens", "0"]) == 2
+    assert capsys.readouterr().err.startswith("error: --max-tokens: max_tokens must be a positive integer")
 
 
 def test_trace_names_the_stages_it_has(tiny_model):
