@@ -394,14 +394,33 @@ def test_build_errors_are_one_line(tmp_path):
     assert_one_error_line(status, err, "01_broken.ipynb is not a notebook: not valid JSON")
 
 
+def test_a_kernel_that_does_not_start_is_one_error_with_its_last_words(tmp_path, monkeypatch):
+    """The kernel's stderr goes to a file (its noise stays out of the learner's terminal), so where it fails to
+    start (no ipykernel in the environment, say) the error carries what it said."""
+    spec = tmp_path / "jupyter" / "kernels" / "python3"
+    spec.mkdir(parents=True)
+    said = "import sys; sys.stderr.write('No module named ipykernel_launcher\\n'); sys.exit(1)"
+    (spec / "kernel.json").write_text(
+        json.dumps({"argv": [sys.executable, "-c", said], "display_name": "broken", "language": "python"})
+    )
+    monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))
+    path = exercise_notebook(tmp_path / "mine.ipynb", "return x")
+    with pytest.raises(ClassroomError, match="kernel did not start .*last words: No module named ipykernel_launcher"):
+        check(path, timeout=30)
+
+
 @pytest.mark.parametrize("value", ["0", "-5", "1.5"])
-def test_a_timeout_that_is_no_limit_is_refused(value, capsys):
+def test_a_timeout_that_is_no_limit_is_refused(value, capsys, tmp_path):
     """nbclient reads a timeout of 0 or less as none at all: a learner's endless loop would never be stopped."""
     from nanoref.classroom.__main__ import main
 
     with pytest.raises(SystemExit) as exited:
         main(["check", "x.ipynb", "--timeout", value])
     assert exited.value.code == 2 and "argument --timeout:" in capsys.readouterr().err
+    with pytest.raises(ClassroomError, match="timeout must be a whole number of seconds >= 1"):  # (the API too)
+        check(
+            exercise_notebook(tmp_path / "mine.ipynb", "return x"), timeout=float(value) if "." in value else int(value)
+        )
 
 
 # -- check: what it cannot run is named, what is missing fails --------------------------------------------------

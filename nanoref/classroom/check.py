@@ -3,9 +3,10 @@ one line per engine run."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
-import subprocess
+import tempfile
 import textwrap
 import traceback
 from collections.abc import Iterator
@@ -73,6 +74,9 @@ def _execute(nb, notebook: Path, timeout: int, *, allow_errors: bool) -> tuple[i
     from nbclient import NotebookClient
     from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
 
+    if isinstance(timeout, bool) or not isinstance(timeout, int) or timeout < 1:  # (nbclient: 0 or less, no limit)
+        raise ClassroomError(f"timeout must be a whole number of seconds >= 1, got {timeout!r}")
+
     running: list[int] = []  # the index of the cell being run (nbclient's hook), to name one that never finished
     client = NotebookClient(
         nb,
@@ -82,16 +86,32 @@ def _execute(nb, notebook: Path, timeout: int, *, allow_errors: bool) -> tuple[i
         resources={"metadata": {"path": str(notebook.resolve().parent)}},
         on_cell_start=lambda cell, cell_index: running.append(cell_index),
     )
-    try:  # (the kernel process's own log, e.g. its traceback as a timed-out cell is stopped, is no learner's concern:
-        # every cell's output reaches the report through the notebook's messages)
-        client.execute(stderr=subprocess.DEVNULL)
-    except CellTimeoutError:
-        return running[-1], f"did not finish within --timeout {timeout} s"
-    except DeadKernelError:
-        return running[-1], "the kernel died while it ran (a crash, or the process exited)"
-    except CellExecutionError as error:
-        return running[-1], f"{error.ename}: {error.evalue}".strip()
+    # the kernel process's own log goes to a file: its noise (a ZMQ traceback as a timed-out cell is stopped, a TCP
+    # warning every run) stays out of the learner's terminal, and its last lines say why a kernel died or never
+    # started (every cell's output reaches the report through the notebook's messages)
+    with tempfile.TemporaryFile() as kernel_log:
+        try:
+            client.execute(stderr=kernel_log)
+        except CellTimeoutError:
+            return running[-1], f"did not finish within --timeout {timeout} s"
+        except DeadKernelError:
+            died = "the kernel died while it ran (a crash, or the process exited)"
+            return running[-1], died + _last_words(kernel_log)
+        except CellExecutionError as error:
+            return running[-1], f"{error.ename}: {error.evalue}".strip()
+        except RuntimeError as error:  # ("Kernel died before replying to kernel_info": it never started)
+            # nbclient leaves its exit-time cleanup of the kernel that never was registered: it would fail at exit
+            atexit.unregister(client._cleanup_kernel)
+            raise ClassroomError(f"the notebook's kernel did not start ({error})" + _last_words(kernel_log)) from None
     return len(nb.cells), ""
+
+
+def _last_words(kernel_log) -> str:
+    """The last lines the kernel process wrote to its stderr (its traceback, a missing module), for a message."""
+    kernel_log.seek(0)
+    lines = [line for line in kernel_log.read().decode("utf-8", "replace").splitlines() if line.strip()]
+    lines = [line for line in lines if "running over TCP without encryption" not in line]
+    return "; the kernel's last words: " + " | ".join(lines[-3:]) if lines else ""
 
 
 def _as_the_capstone_runs_it(cells: list, notebook: Path) -> None:
