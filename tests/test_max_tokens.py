@@ -40,4 +40,4 @@ def test_the_largest_max_tokens_generates_up_to_max_model_len(tiny_model):
 def test_the_cli_refuses_max_tokens_past_the_bound(tiny_model, capsys, max_tokens):
     code = main(["--model", str(tiny_model), "--device", "cpu", "--max-tokens", max_tokens, "ignored"])
     assert code == 2
-    assert "error: max_tokens must be a positive integer of at most 2**31 - 1" in capsys.readouterr().err
+    assert "error: --max-tokens: max_tokens must be a positive integer of at most 2**31 - 1" in capsys.readouterr().err
