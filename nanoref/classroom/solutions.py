@@ -56,9 +56,7 @@ def holds_the_stub(source: str) -> bool:
     if UNSTARTED not in source:
         return False
     try:
-        tree = ast.parse(
-            "\n".join("" if line.lstrip().startswith(("%", "!")) else line for line in source.splitlines())
-        )
+        tree = ast.parse(_without_magics(source))
     except SyntaxError:  # (not run yet either way: the check reports the SyntaxError)
         return False
     for node in ast.walk(tree):
@@ -72,6 +70,11 @@ def holds_the_stub(source: str) -> bool:
                 if _is_stub(statement):
                     return True
     return False
+
+
+def _without_magics(source: str) -> str:
+    """A cell's code with its IPython lines (`%magic`, `!shell`) blanked, so that Python's parser reads the rest."""
+    return "\n".join("" if line.lstrip().startswith(("%", "!")) else line for line in source.splitlines())
 
 
 def _is_stub(statement: ast.stmt) -> bool:
@@ -113,9 +116,8 @@ def _globals_read(code: types.CodeType) -> Iterator[str]:
 
 def _names_bound_at_top(source: str) -> set[str]:
     """The names a cell binds in the notebook's namespace (imports, defs, assignments; not inside functions)."""
-    code = "\n".join("" if line.lstrip().startswith(("%", "!")) else line for line in source.splitlines())
     try:
-        tree = ast.parse(code)
+        tree = ast.parse(_without_magics(source))
     except SyntaxError:
         return set()
     names: set[str] = set()

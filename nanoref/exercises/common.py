@@ -134,9 +134,8 @@ def check_is_the_learners(fn: Callable, name: str) -> None:
     nanoref's, which would pass every check. Checked from a notebook cell (a test of nanoref's may check nanoref's
     own), such a function is an ExerciseFailure saying so."""
     code = getattr(inspect.unwrap(fn), "__code__", None)
-    if code is None or not Path(code.co_filename).resolve().is_relative_to(_NANOREF):
-        return
-    if any(Path(code.co_filename).resolve().is_relative_to(folder) for folder in _WRAPPERS):
+    source = Path(code.co_filename).resolve() if code is not None else None
+    if source is None or not source.is_relative_to(_NANOREF) or any(map(source.is_relative_to, _WRAPPERS)):
         return
     frame = sys._getframe(1)
     while frame is not None and not is_notebook_cell(frame.f_code.co_filename):
