@@ -89,7 +89,13 @@ def test_the_serving_benchmark_counts_a_process_and_its_children_cpu_time_apart(
 
 
 @pytest.mark.parametrize(
-    "name", ["beside_peer_h100.json", "beside_peer_h200_warmup.json", "beside_peer_h100_fp8_abc.json"]
+    "name",
+    [
+        "beside_peer_h100.json",
+        "beside_peer_h200_warmup.json",
+        "beside_peer_h100_fp8_abc.json",
+        "beside_peer_h100_87219e9.json",
+    ],
 )
 def test_the_beside_peer_figure_is_drawn_from_each_committed_lease(tmp_path, name):
     """The H100 lease's JSON names its model; the older ones do not (the figure then says Qwen3-0.6B); an fp8
