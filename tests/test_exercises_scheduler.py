@@ -17,10 +17,14 @@ def test_nanorefs_own_lookup_passes_with_the_engine():
     check_find_cached_prefix(find_cached_prefix)
 
 
-def lookup_variant(*, keep_last=False, skip_misses=False, chained=True, check_tokens=True, skip_collisions=False):
+def lookup_variant(
+    *, keep_last=False, drop_one=False, skip_misses=False, chained=True, check_tokens=True, skip_collisions=False
+):
     def lookup(token_ids, block_size, hash_to_block_id, blocks):
         hits, prefix_hash = [], -1
         count = len(token_ids) // block_size if keep_last else (len(token_ids) - 1) // block_size
+        if drop_one:  # "never the block holding the last token" read as "never the last full block"
+            count = len(token_ids) // block_size - 1
         for index in range(count):
             tokens = token_ids[index * block_size : (index + 1) * block_size]
             prefix_hash = chain_hash(tokens, prefix_hash if chained else -1)
@@ -41,6 +45,7 @@ def lookup_variant(*, keep_last=False, skip_misses=False, chained=True, check_to
     "wrong, message",
     [
         (lookup_variant(keep_last=True), r"exactly 3 blocks .*expected \[\d+, \d+\]:\s+the last token is always"),
+        (lookup_variant(drop_one=True), r"3 full blocks and 1 more token .*expected \[\d+, \d+, \d+\]:.*here 3"),
         (lookup_variant(skip_misses=True), "block 0 of the prompt is no longer cached.*stop at the first block"),
         (lookup_variant(chained=False), "chain_hash\\(its tokens, the hash of block i - 1\\)"),
         (lookup_variant(check_tokens=False), "hash collision.*compare the block's token_ids"),
@@ -82,3 +87,24 @@ def test_nanorefs_preemption_choice_passes_with_the_engine():
 def test_wrong_preemption_choices_fail_with_a_message(wrong, message):
     with pytest.raises(ExerciseFailure, match="(?s)" + message):
         check_choose_preemption_victim(wrong, engine=False)
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("blocks", [lambda n, size: n // size - 1, lambda n, size: (n - 2) // size])
+def test_a_lookup_that_leaves_out_a_full_block_before_the_last_token_fails_on_every_seed(blocks, seed):
+    """The prompts that end one token past a block boundary are the only ones where these off-by-ones differ from
+    (len - 1) // block_size; the engine's run cannot tell (fewer hits generate the same tokens)."""
+
+    def lookup(token_ids, block_size, hash_to_block_id, blocks_pool):
+        hits, prefix_hash = [], -1
+        for index in range(blocks(len(token_ids), block_size)):
+            tokens = token_ids[index * block_size : (index + 1) * block_size]
+            prefix_hash = chain_hash(tokens, prefix_hash)
+            block_id = hash_to_block_id.get(prefix_hash, -1)
+            if block_id == -1 or blocks_pool[block_id].token_ids != tokens:
+                break
+            hits.append(block_id)
+        return hits
+
+    with pytest.raises(ExerciseFailure, match="(?s)1 more token.*only the block holding the last token is left out"):
+        check_find_cached_prefix(lookup, seed=seed, engine=False)

@@ -58,6 +58,18 @@ def _cases(rng: random.Random, block_size: int):
         exact,
         cache,
     )
+    # one token past 3 full blocks: all 3 count, so leaving out the block before the last token's (len // block_size
+    # - 1, or (len - 2) // block_size) fails here on every run; the prompts above end where those agree
+    one_more = tokens(3 * block_size + 1)
+    cache = _Cache(24, block_size, rng)
+    cache.store_prefix(one_more, 3)
+    yield (
+        f"a prompt of 3 full blocks and 1 more token ({3 * block_size + 1} tokens), all 3 cached",
+        "only the block holding the last token is left out: a full block before it counts, "
+        "(len(token_ids) - 1) // block_size of them, here 3",
+        one_more,
+        cache,
+    )
     cache = _Cache(24, block_size, rng)
     cache.store_prefix(prompt, 3)
     first = cache.hash_to_block_id.pop(chain_hash(prompt[:block_size]))  # block 0 evicted; blocks 1, 2 still there
