@@ -131,6 +131,22 @@ def substring(text, stops):  # `end in stop`: holds back an end that no stop str
     return 0
 
 
+def shortest_window(text, stops):  # min where max belongs: ends no longer than the shortest stop string
+    for length in range(min(min(map(len, stops)), len(text)), 0, -1):
+        if any(stop.startswith(text[-length:]) for stop in stops):
+            return length
+    return 0
+
+
+def test_a_hold_back_that_tries_ends_only_as_long_as_the_shortest_stop_string_fails_on_every_seed():
+    """Random texts show this mistake only on some seeds; a worked case shows it on every one, with its hint."""
+    for seed in range(40):
+        with pytest.raises(ExerciseFailure) as failure:
+            check_stop_hold_back(shortest_window, seed=seed, engine=False)
+        message = str(failure.value).replace("\n", " ")
+        assert "try ends as long as the longest stop string, max(map(len, stops)), not min" in message, (seed, message)
+
+
 @pytest.mark.parametrize(
     "wrong, hint",
     [

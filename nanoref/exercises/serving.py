@@ -156,6 +156,9 @@ def _hold_cases(rng: random.Random) -> Iterator[tuple[str, str, list[str]]]:
     yield "a text shorter than the stop string, all of it its beginning", "ST", ["STOP"]
     yield "the longest match comes from the second stop string", "the EN", ["N!", "END"]
     yield "an empty text", "", ["STOP"]
+    # the end that matches is longer than the shortest stop string: an answer that tries ends only as long as the
+    # shortest (min where max belongs) fails here on every run, not only on the random texts that happen to show it
+    yield "the end begins the longer of two stop strings, and is longer than the shorter one", "we STO", ["a", "STOP"]
     for _ in range(200):
         yield "random text", _text(rng, 0, 10), _stops(rng)
 
@@ -177,6 +180,12 @@ def _hold_hint(text: str, stops: list[str], got: int, want: int) -> str:
         return (
             f"off by one: the end {tail!r} is a whole stop string, and {want} characters must wait: try ends as "
             "long as the longest stop string, len(stop) included (find_stop_string then cuts it)"
+        )
+    shortest = min(map(len, stops))
+    if shortest < want and got == stop_hold_back(text[-shortest:], stops):  # the ends tried stopped at the shortest
+        return (
+            f"the end {tail!r} ({want} characters) begins {begins!r}, and is longer than the shortest stop string "
+            f"({shortest} characters): try ends as long as the longest stop string, max(map(len, stops)), not min"
         )
     if got == want - 1 and not (got and any(stop.startswith(text[-got:]) for stop in stops)):
         return (
