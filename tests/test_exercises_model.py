@@ -146,6 +146,25 @@ def test_an_exception_in_the_learners_function_names_their_line_and_the_fix():
     assert_readable_failure(failure.value)
 
 
+def rotary_split_along_tokens(x, cos, sin):
+    x1, x2 = x.float().chunk(2)  # chunk's default axis is 0: the tokens, not each head's D values
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+def test_a_rotary_that_splits_the_tokens_is_told_to_split_the_last_axis_not_to_add_the_head_axis_it_has():
+    with pytest.raises(ExerciseFailure) as failure:
+        check_apply_rotary(rotary_split_along_tokens, engine=False)
+    first = str(failure.value).replace("\n", " ")
+    assert "split the last axis, x.chunk(2, dim=-1)" in first
+    assert "add a head axis" not in first
+
+
+def test_a_silu_and_mul_that_splits_the_rows_is_told_to_split_each_row():
+    with pytest.raises(ExerciseFailure, match=r"x.chunk\(2, dim=-1\)"):
+        check_silu_and_mul(lambda x: F.silu(x.chunk(2)[0]) * x.chunk(2)[1], engine=False)
+
+
 CELL = """import torch
 
 def rotary_without_head_axis(x, cos, sin):

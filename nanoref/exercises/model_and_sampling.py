@@ -6,6 +6,7 @@ message that says what differs and what to look at, then runs the real engine wi
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 import torch
@@ -38,12 +39,19 @@ def _rotary_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -
 
 
 def _rotary_shape_hint(x: torch.Tensor, cos: torch.Tensor) -> Callable[[Exception], str | None]:
-    """The fix for the usual shape error: (N, H, D/2) halves times (N, D/2) cos/sin, which cannot broadcast."""
+    """The fix for the usual shape errors: (N, H, D/2) halves times (N, D/2) cos/sin, which cannot broadcast; or x
+    split along its first axis (chunk's default), so that the halves have D values where cos has D/2."""
 
     def hint(error: Exception) -> str | None:
-        if isinstance(error, RuntimeError) and "must match the size of tensor" in str(error):
-            return f"cos is (N, D/2) = {tuple(cos.shape)}, x {tuple(x.shape)}: add a head axis, cos[:, None, :]"
-        return None
+        if not (isinstance(error, RuntimeError) and "must match the size of tensor" in str(error)):
+            return None
+        head_dim = x.shape[-1]
+        if re.search(rf"\({head_dim}\) must match the size of tensor b \({head_dim // 2}\)", str(error)):
+            return (
+                f"a half of x has {head_dim} values where cos has {head_dim // 2}: split the last axis, "
+                "x.chunk(2, dim=-1) (chunk's default, dim=0, splits the tokens)"
+            )
+        return f"cos is (N, D/2) = {tuple(cos.shape)}, x {tuple(x.shape)}: add a head axis, cos[:, None, :]"
 
     return hint
 
@@ -94,6 +102,13 @@ def check_apply_rotary(fn: Callable, *, engine: bool = True) -> None:
 
 
 # -- SwiGLU -------------------------------------------------------------------------------------
+def _silu_shape_hint(error: Exception) -> str | None:
+    """The fix for x split along its rows (chunk's default axis) where gate and up are the halves of each row."""
+    if isinstance(error, RuntimeError) and "must match the size of tensor" in str(error):
+        return "gate and up are the two halves of each row: x.chunk(2, dim=-1) (chunk's default, dim=0, splits rows)"
+    return None
+
+
 def check_silu_and_mul(fn: Callable, *, engine: bool = True) -> None:
     """`fn(x)` with x = [gate | up] against nanoref's `silu_and_mul`, then generation with it against HF."""
     generator = input_generator()
@@ -101,7 +116,7 @@ def check_silu_and_mul(fn: Callable, *, engine: bool = True) -> None:
     for dtype in (torch.float32, torch.bfloat16):
         x = (3 * torch.randn(7, 2 * intermediate, generator=generator)).to(dtype)  # (N, 2 I)
         want = silu_and_mul(x)
-        got = call_learner(fn, "silu_and_mul", x, case=f"{dtype}")
+        got = call_learner(fn, "silu_and_mul", x, case=f"{dtype}", hint=_silu_shape_hint)
         expect_tensor(got, f"silu_and_mul on a {dtype} input of shape {tuple(x.shape)}", want.shape, want.dtype)
         tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
         if torch.allclose(got.float(), want.float(), **tolerance):
