@@ -206,6 +206,25 @@ def test_a_router_softmax_in_bf16_fails_naming_the_float32_rule():
     assert_readable_failure(failure.value)
 
 
+def logits_in_float32(hidden, router_weight, top_k, norm_topk_prob):
+    # the softmax in float32, as asked, but over logits from a float32 product: not the checkpoint's (HF's) logits
+    logits = F.linear(hidden.float(), router_weight.float())
+    weights, ids = logits.softmax(dim=-1).topk(top_k, dim=-1)
+    if norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return logits.to(hidden.dtype), weights.to(hidden.dtype), ids
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_router_whose_product_runs_in_float32_is_told_so_not_that_its_float32_softmax_is_missing(seed):
+    with pytest.raises(ExerciseFailure) as failure:
+        check_moe_route(logits_in_float32, seed=seed, engine=False)
+    message = str(failure.value).replace("\n", " ")
+    assert "router_logits in hidden's dtype (not float32)" in message
+    assert "the router's softmax must run in float32" not in message
+    assert_readable_failure(failure.value)
+
+
 def test_nanorefs_router_passes_on_other_draws():
     for seed in range(5):
         check_moe_route(route, seed=seed, engine=False)

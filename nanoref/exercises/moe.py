@@ -22,7 +22,7 @@ from nanoref.exercises.common import (
     input_generator,
     scratch_folder,
 )
-from nanoref.exercises.tensors import check_rounding, describe_row, expect_tensor, first_bad_row
+from nanoref.exercises.tensors import check_rounding, describe_row, expect_tensor, first_bad_row, ulps_apart
 from nanoref.layers.activation import silu_and_mul
 from nanoref.models.qwen3_moe import moe_experts, route
 from nanoref.testing import make_tiny_qwen3_moe
@@ -55,6 +55,11 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
 
 # -- the router ---------------------------------------------------------------------------------------------
 SOFTMAX_RULE = "the router's softmax must run in float32: softmax(router_logits, dim=-1, dtype=torch.float32)"
+LOGITS_RULE = (
+    "router_logits in hidden's dtype (not float32), as HF's gate computes them; only the softmax runs in float32. "
+    "Logits computed in float32 pick other experts and weights than the checkpoint's model: F.linear(hidden, "
+    "router_weight), then softmax(router_logits, dim=-1, dtype=torch.float32)"
+)
 
 
 def _near_ties(hidden: torch.Tensor, router_weight: torch.Tensor, top_k: int) -> None:
@@ -107,8 +112,11 @@ def check_moe_route(fn: Callable, *, seed: int | None = None, engine: bool = Tru
         want_logits, _, want_ids = route(hidden, router_weight, top_k, norm)
         _check_router_logits(logits, want_logits, case)
         probs = torch.softmax(want_logits, dim=-1, dtype=torch.float32)  # (N, E): the reference probabilities
-        _check_topk_ids(ids, probs, want_ids, top_k, dtype, case)
-        _check_topk_weights(weights, probs, ids, logits, norm, dtype, case)
+        # the probabilities of logits computed in float32 (a product run in float32, its result cast back): the slip
+        # LOGITS_RULE names, where the logits are 16-bit (in float32 they are the reference)
+        slip = F.linear(hidden.float(), router_weight.float()).softmax(dim=-1) if dtype != torch.float32 else None
+        _check_topk_ids(ids, probs, want_ids, top_k, dtype, case, slip)
+        _check_topk_weights(weights, probs, ids, logits, norm, dtype, case, slip)
     if engine:
         check_generation({"moe_route": fn}, model=tiny_moe_model())
 
@@ -134,7 +142,13 @@ def _check_router_logits(logits: object, want: torch.Tensor, case: str) -> None:
 
 
 def _check_topk_ids(
-    ids: object, probs: torch.Tensor, want_ids: torch.Tensor, top_k: int, dtype: torch.dtype, case: str
+    ids: object,
+    probs: torch.Tensor,
+    want_ids: torch.Tensor,
+    top_k: int,
+    dtype: torch.dtype,
+    case: str,
+    slip: torch.Tensor | None = None,
 ) -> None:
     if isinstance(ids, torch.Tensor) and ids.dtype != torch.int64:
         raise ExerciseFailure(f"{case}: topk_ids has dtype {ids.dtype}, expected torch.int64 (torch.topk's indices)")
@@ -154,6 +168,8 @@ def _check_topk_ids(
                 f"but the {top_k} most probable are {want_ids[row].tolist()} "
                 f"({[round(p, 6) for p in best[row].tolist()]})"
             )
+            if slip is not None and torch.equal(ids[row], slip[row].topk(top_k).indices):
+                raise ExerciseFailure(f"{case}: {LOGITS_RULE}" + details)
             if dtype == torch.bfloat16 and torch.equal(mine.to(dtype), best[row].to(dtype)):
                 raise ExerciseFailure(
                     f"{case}: {SOFTMAX_RULE}" + details + ": rounded to bfloat16 they are equal, and the pick among "
@@ -178,11 +194,17 @@ def _check_topk_weights(
     norm: bool,
     dtype: torch.dtype,
     case: str,
+    slip: torch.Tensor | None = None,
 ) -> None:
     weights = expect_tensor(weights, f"{case}: topk_weights", ids.shape, dtype)
     kept = probs.gather(1, ids)  # (N, K) float32: the picked experts' probabilities
     renormalised = kept / kept.sum(dim=-1, keepdim=True)  # (N, K)
     want = (renormalised if norm else kept).to(dtype)
+    if slip is not None and _close(weights, want) and not torch.equal(weights, want):
+        slipped = slip.gather(1, ids)  # (N, K)
+        slipped = (slipped / slipped.sum(dim=-1, keepdim=True) if norm else slipped).to(dtype)
+        if int(ulps_apart(weights, slipped).max()) <= 1:
+            check_rounding(weights, want, f"{case}: topk_weights", LOGITS_RULE)
     if _close(weights, want):
         check_rounding(
             weights, want, f"{case}: topk_weights", SOFTMAX_RULE + ", the weights cast to hidden's dtype last"
