@@ -49,9 +49,18 @@ def x_scaled_in_place(x, lora_a, lora_b, row_slots, scalings):
     return delta
 
 
+def b_transposed_again(x, lora_a, lora_b, row_slots, scalings):
+    delta = torch.zeros(x.shape[0], lora_b.shape[-1], dtype=x.dtype)
+    for slot in range(lora_a.shape[0]):
+        rows = row_slots == slot
+        delta[rows] = scalings[slot] * (x[rows] @ lora_a[slot].T) @ lora_b[slot].T  # lora_b is (R, out) already
+    return delta
+
+
 @pytest.mark.parametrize(
     ("wrong", "hint"),
     [
+        (b_transposed_again, r"lora_b\[s\] is \(R, out\), B stored transposed already"),
         (unscaled, "multiply by scalings"),
         (base_rows_on_slot_0, "a base-model row \\(slot -1\\) got a delta"),
         (every_row_on_slot_0, "each row must use its own slot"),

@@ -68,6 +68,16 @@ def _hint(x, lora_a, lora_b, row_slots, scalings, got: torch.Tensor) -> str | No
 _INPUTS = ("x", "lora_a", "lora_b", "row_slots", "scalings")
 
 
+def _shape_hint(error: Exception) -> str | None:
+    """The fix for a product of the wrong shapes: A or B taken the other way round."""
+    if isinstance(error, RuntimeError) and "cannot be multiplied" in str(error):
+        return (
+            "lora_a[s] is (R, in): x @ lora_a[s].T is (n, R); lora_b[s] is (R, out), B stored transposed already: "
+            "(x @ lora_a[s].T) @ lora_b[s] is (n, out)"
+        )
+    return None
+
+
 def _unchanged(given: list[torch.Tensor], originals: tuple[torch.Tensor, ...], case: str) -> None:
     """The learner's function must leave its inputs as they were: in the engine every adapted projection of every
     layer reads the same row_slots and scalings, so a row_slots.clamp_(min=0) (to index with it) serves slot 0's
@@ -95,7 +105,7 @@ def check_lora_delta(fn: Callable, *, seed: int | None = None, engine: bool = Tr
             x, lora_a, lora_b, row_slots, scalings = _case(generator, num_rows, num_slots, rank, dtype)
             case = f"{num_rows} rows, {num_slots} slots of rank {rank}, {dtype}; row_slots {row_slots.tolist()}"
             given = [t.clone() for t in (x, lora_a, lora_b, row_slots, scalings)]
-            got = call_learner(fn, "lora_delta", *given, case=case)
+            got = call_learner(fn, "lora_delta", *given, case=case, hint=_shape_hint)
             _unchanged(given, (x, lora_a, lora_b, row_slots, scalings), case)
             want = lora_delta_reference(x, lora_a, lora_b, row_slots, scalings)
             expect_tensor(got, f"lora_delta on {case}", want.shape, want.dtype)
