@@ -25,6 +25,7 @@ import re
 import signal
 import socket
 import sys
+import threading
 
 from nanoref.llm import DEFAULT_MODEL
 from nanoref.utils.flags import name_the_flag
@@ -438,9 +439,37 @@ def _terminated(signum, frame) -> None:
     raise Terminated
 
 
+def keep_alive_on_engine_death() -> bool:
+    """vLLM's VLLM_KEEP_ALIVE_ON_ENGINE_DEATH (an integer, 0 by default): nonzero keeps the server up, answering 503,
+    once its engine died."""
+    try:
+        return bool(int(os.environ.get("VLLM_KEEP_ALIVE_ON_ENGINE_DEATH") or 0))
+    except ValueError:
+        return False
+
+
+def stop_when_the_engine_dies(engine, server, stopped: threading.Event, poll: float = 0.25) -> threading.Event:
+    """vLLM's watchdog: once the engine died (its process killed, say), say why on stderr and stop the server, whose
+    requests in flight have failed already, so that a supervisor sees it end and can start it again; until it
+    stops, /health answers 503 -> an event set when that happened. `stopped`: the server ended otherwise."""
+    died = threading.Event()
+
+    def watch() -> None:
+        while not stopped.wait(poll):
+            if engine.errored:
+                print(f"error: {engine.dead_error}; the server stops", file=sys.stderr, flush=True)
+                died.set()
+                server.should_exit = True
+                return
+
+    threading.Thread(target=watch, name="nanoref-engine-watchdog", daemon=True).start()
+    return died
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Exit status: 0 after a clean stop (Ctrl-C), 2 bad input (arguments, model folder, an address in use). On
-    SIGTERM it stops as on Ctrl-C (the server, then the engine), then ends by that signal, as uvicorn does."""
+    """Exit status: 0 after a clean stop (Ctrl-C), 1 when the engine died (vLLM's server stops then too, unless
+    VLLM_KEEP_ALIVE_ON_ENGINE_DEATH is set), 2 bad input (arguments, model folder, an address in use). On SIGTERM it
+    stops as on Ctrl-C (the server, then the engine), then ends by that signal, as uvicorn does."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.model_option is not None and args.model is not None and args.model_option != args.model:
@@ -567,6 +596,8 @@ def main(argv: list[str] | None = None) -> int:
     # the engine left unclosed)
     previous = signal.signal(signal.SIGTERM, _terminated)
     terminated = False
+    stopped = threading.Event()
+    died = threading.Event() if keep_alive_on_engine_death() else stop_when_the_engine_dies(engine, server, stopped)
     try:
         server.run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn hands Ctrl-C back once it has shut down: that is the clean stop
@@ -574,9 +605,12 @@ def main(argv: list[str] | None = None) -> int:
     except Terminated:
         terminated = True
     finally:
+        stopped.set()
         signal.signal(signal.SIGTERM, previous)
         engine.close()
         sock.close()
+    if died.is_set():
+        return 1
     if terminated:  # end by the signal, as uvicorn does (a supervisor reads the exit status; a shell says 143)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.raise_signal(signal.SIGTERM)

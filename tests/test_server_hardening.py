@@ -573,6 +573,48 @@ def test_the_serve_command_refuses_an_address_in_use_before_loading_the_model(ca
 
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the engine process through /proc")
+def test_the_serve_command_stops_when_its_engine_process_dies_as_vllms():
+    # vLLM's server stops once its engine is dead, so that a supervisor sees it end (and may start it again)
+    command = [sys.executable, "-m", "nanoref.serve", "--device", "cpu", "--port", "0", "--engine-process", "on"]
+    env = {key: value for key, value in os.environ.items() if key != "VLLM_KEEP_ALIVE_ON_ENGINE_DEATH"}
+    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = server.stdout.readline()
+        assert " on http://" in line, line + server.stderr.read()
+        url = line.split(" on ", 1)[1].split()[0]
+        (engine,) = {
+            pid for pid in children_of(server.pid) if "resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_text()
+        }
+        body = {"prompt": PROMPT, "max_tokens": 400, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{url}/completions", json=body, timeout=TIMEOUT) as response:
+            events = []
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    if len(events) == 1:
+                        os.kill(engine, signal.SIGKILL)
+        assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == 503, events[-2:]
+        assert server.wait(TIMEOUT) == 1
+        err = server.stderr.read()
+        assert "Traceback" not in err
+        assert f"error: the engine process (pid {engine}) ended unexpectedly (killed by signal 9); the server" in err
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+
+
+@pytest.mark.parametrize("value, keep", [(None, False), ("0", False), ("1", True), ("", False)])
+def test_vllms_keep_alive_on_engine_death_variable_is_read_as_vllm_reads_it(value, keep, monkeypatch):
+    from nanoref.serve import keep_alive_on_engine_death
+
+    monkeypatch.delenv("VLLM_KEEP_ALIVE_ON_ENGINE_DEATH", raising=False)
+    if value is not None:
+        monkeypatch.setenv("VLLM_KEEP_ALIVE_ON_ENGINE_DEATH", value)
+    assert keep_alive_on_engine_death() is keep
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the engine process through /proc")
 def test_the_serve_command_stops_the_engine_on_sigterm_and_ends_by_it():
     command = [sys.executable, "-m", "nanoref.serve", "--device", "cpu", "--port", "0", "--engine-process", "on"]
     server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ)
