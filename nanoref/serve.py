@@ -116,6 +116,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="uvicorn's log level (default warning: errors only, no access log; vLLM's default is info)",
     )
     parser.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=0,
+        metavar="SECONDS",
+        help="how long a stop (Ctrl-C, SIGTERM) lets the requests in flight finish before it cuts their connections "
+        "(which aborts them), as vLLM's (default 0: at once)",
+    )
+    parser.add_argument(
         "--disable-log-requests",
         action="store_true",
         help="accepted for vLLM's scripts: nanoref never logs requests",
@@ -439,6 +447,28 @@ def _terminated(signum, frame) -> None:
     raise Terminated
 
 
+def bounded_shutdown(server_class: type, timeout: float) -> type:
+    """uvicorn's Server whose shutdown lets the responses in flight go on for at most `timeout` seconds, then cuts
+    their connections: each request then ends as one whose client left (aborted, its blocks freed), quietly. Left
+    to itself, uvicorn waits for every response to end, for ever when a client stopped reading its stream."""
+    import asyncio
+
+    class Server(server_class):
+        async def shutdown(self, sockets=None) -> None:
+            async def cut() -> None:
+                await asyncio.sleep(timeout)
+                for connection in list(self.server_state.connections):
+                    connection.transport.abort()  # (close() would wait to send what a stalled client never reads)
+
+            cutter = asyncio.ensure_future(cut())
+            try:
+                await super().shutdown(sockets)
+            finally:
+                cutter.cancel()
+
+    return Server
+
+
 def keep_alive_on_engine_death() -> bool:
     """vLLM's VLLM_KEEP_ALIVE_ON_ENGINE_DEATH (an integer, 0 by default): nonzero keeps the server up, answering 503,
     once its engine died."""
@@ -488,6 +518,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if not 0 < args.switch_interval <= 1:
         print(f"error: --switch-interval must be in (0, 1] seconds, got {args.switch_interval}", file=sys.stderr)
+        return 2
+    if not 0 <= args.shutdown_timeout < float("inf"):
+        print(f"error: --shutdown-timeout must be 0 or more seconds, got {args.shutdown_timeout}", file=sys.stderr)
         return 2
     if not 0 <= args.port <= 65535:  # (checked before the model loads, as every argument is)
         print(f"error: --port must be in [0, 65535] (0: any free port), got {args.port}", file=sys.stderr)
@@ -584,7 +617,9 @@ def main(argv: list[str] | None = None) -> int:
             f"sampling defaults from the model's generation config (--generation-config vllm: none): {listed}",
             flush=True,
         )
-    server = uvicorn.Server(uvicorn.Config(app, log_level=args.uvicorn_log_level))
+    server = bounded_shutdown(uvicorn.Server, args.shutdown_timeout)(
+        uvicorn.Config(app, log_level=args.uvicorn_log_level)
+    )
     # This process is the server's own: threads share its GIL, the event loop streaming responses and the engine
     # thread stepping (or, with the engine in its own process, the thread reading its messages). A thread that
     # wants the GIL waits up to the switch interval for the other to let go, and the engine thread wants it back

@@ -3,6 +3,7 @@ a dead engine, SIGTERM. Every server runs on 127.0.0.1; every call and loop is b
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -602,6 +603,82 @@ def test_the_serve_command_stops_when_its_engine_process_dies_as_vllms():
         if server.poll() is None:
             server.kill()
             server.wait()
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the engine process through /proc")
+def test_the_serve_command_stops_on_sigterm_while_a_client_has_stopped_reading_its_stream():
+    # uvicorn alone waits for every response to end: a client that stops reading its stream held the stop for ever
+    command = [sys.executable, "-m", "nanoref.serve", "--device", "cpu", "--port", "0"]
+    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ)
+    try:
+        line = server.stdout.readline()
+        assert " on http://" in line, line + server.stderr.read()
+        host, port = line.split("http://", 1)[1].split("/", 1)[0].split(":")
+        engine = {
+            pid for pid in children_of(server.pid) if "resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_text()
+        }
+        # ~20 MB of events, far more than the sockets' buffers hold: the server's writes stall
+        body = json.dumps(
+            {"prompt": PROMPT, "max_tokens": 480, "n": 64, "logprobs": 5, "ignore_eos": True, "stream": True}
+        )
+        with socket.socket() as client:
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            client.settimeout(TIMEOUT)
+            client.connect((host, int(port)))
+            head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            client.sendall(f"{head}Content-Length: {len(body)}\r\n\r\n{body}".encode())
+            assert client.recv(12) == b"HTTP/1.1 200"  # streaming has begun; nothing more is read
+            server.send_signal(signal.SIGTERM)
+            assert server.wait(TIMEOUT) == -signal.SIGTERM
+        err = server.stderr.read()
+        assert "Traceback" not in err and "ERROR" not in err, err
+        for pid in engine:
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+
+
+@pytest.mark.parametrize("grace", [0.0, TIMEOUT], ids=["at-once", "drained"])
+def test_a_stop_lets_streams_finish_for_shutdown_timeout_seconds_then_cuts_them(server, grace):
+    import uvicorn
+
+    from nanoref.serve import bounded_shutdown
+    from nanoref.serving.api_server import build_app
+
+    app = build_app(server.engine, MODEL)
+    bounded = bounded_shutdown(uvicorn.Server, grace)(uvicorn.Config(app, log_level="warning"))
+    sock = socket.create_server(("127.0.0.1", 0))
+    thread = threading.Thread(target=bounded.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while not bounded.started:
+            assert time.monotonic() < deadline and thread.is_alive()
+            time.sleep(0.01)
+        events = []
+        with pytest.raises(httpx.RemoteProtocolError) if not grace else contextlib.nullcontext():
+            body = {**LONG, "n": 8, "stream": True}  # (long enough to be running still when the cut comes)
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=TIMEOUT) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[6:])
+                        if len(events) == 1:
+                            bounded.should_exit = True  # as Ctrl-C or SIGTERM does
+        thread.join(TIMEOUT)
+        assert not thread.is_alive()
+        if grace:  # the stream ran to its end
+            assert events[-1] == "[DONE]" and json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
+        else:  # cut: its request was aborted
+            assert "[DONE]" not in events
+        server.wait_until_idle()
+    finally:
+        bounded.should_exit = True
+        thread.join(TIMEOUT)
+        sock.close()
 
 
 @pytest.mark.parametrize("value, keep", [(None, False), ("0", False), ("1", True), ("", False)])
