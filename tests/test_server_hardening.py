@@ -285,11 +285,11 @@ IGNORED_STREAM_OPTIONS = [
     # (vLLM's 400: "Stream options can only be defined when `stream=True`.")
     ("completions", {"prompt": PROMPT, "stream_options": {"include_usage": True}}, "stream"),
     ("chat/completions", {"messages": MESSAGES, "stream": False, "stream_options": {"include_usage": False}}, "stream"),
-    # vLLM's usage in every chunk, which this server does not send
+    # vLLM's usage in every chunk without usage, which vLLM ignores
     (
         "completions",
-        {"prompt": PROMPT, "stream": True, "stream_options": {"continuous_usage_stats": True}},
-        "continuous",
+        {"prompt": PROMPT, "stream": True, "stream_options": {"include_usage": False, "continuous_usage_stats": True}},
+        "continuous_usage_stats needs include_usage",
     ),
     (
         "chat/completions",
@@ -308,6 +308,35 @@ def test_stream_options_that_would_be_ignored_are_a_400(server, path, body, word
     response = httpx.post(f"{server.url}/v1/{path}", json={"max_tokens": 2, **body}, timeout=TIMEOUT)
     assert word in assert_openai_error(response, 400, "stream_options")["message"]
     assert server.blocks_used() == 0 and server.engine.llm.is_finished()
+
+
+@pytest.mark.parametrize("path", ["completions", "chat/completions"])
+def test_continuous_usage_stats_puts_each_choices_usage_so_far_in_every_chunk_as_vllm(server, path):
+    chat = path.startswith("chat")
+    prompt = {"messages": MESSAGES, "logprobs": True} if chat else {"prompt": PROMPT, "logprobs": 0}
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    body = {**prompt, "max_tokens": 6, "n": 2, "ignore_eos": True, "stream": True, "stream_options": options}
+    response = httpx.post(f"{server.url}/v1/{path}", json=body, timeout=TIMEOUT)
+    assert response.status_code == 200, response.text
+    chunks = [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: {")]
+    final = chunks[-1]
+    assert final["choices"] == [] and final["usage"]["completion_tokens"] == 12
+    prompt_tokens = final["usage"]["prompt_tokens"]
+    received = {0: 0, 1: 0}  # each choice's tokens so far, counted from its logprobs
+    for chunk in chunks[:-1]:
+        (choice,) = chunk["choices"]
+        if choice["logprobs"] is not None:
+            entries = choice["logprobs"]["content"] if chat else choice["logprobs"]["tokens"]
+            received[choice["index"]] += len(entries)
+        expected = {"prompt_tokens": prompt_tokens, "completion_tokens": received[choice["index"]]}
+        assert chunk["usage"] == expected | {"total_tokens": prompt_tokens + received[choice["index"]]}, chunk
+    assert received == {0: 6, 1: 6}
+    response = httpx.post(
+        f"{server.url}/v1/{path}",
+        json={**body, "stream_options": {"continuous_usage_stats": "yes"}},
+        timeout=TIMEOUT,
+    )
+    assert "must be true or false" in assert_openai_error(response, 400, "stream_options")["message"]
 
 
 def test_a_max_tokens_the_context_cannot_hold_is_a_400_as_in_vllm(server):
