@@ -25,6 +25,7 @@ import re
 import signal
 import socket
 import sys
+import threading
 
 from nanoref.llm import DEFAULT_MODEL
 from nanoref.utils.flags import name_the_flag
@@ -113,6 +114,14 @@ def build_parser() -> argparse.ArgumentParser:
         choices=UVICORN_LOG_LEVELS,
         default="warning",
         help="uvicorn's log level (default warning: errors only, no access log; vLLM's default is info)",
+    )
+    parser.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=0,
+        metavar="SECONDS",
+        help="how long a stop (Ctrl-C, SIGTERM) lets the requests in flight finish before it cuts their connections "
+        "(which aborts them), as vLLM's (default 0: at once)",
     )
     parser.add_argument(
         "--disable-log-requests",
@@ -438,9 +447,59 @@ def _terminated(signum, frame) -> None:
     raise Terminated
 
 
+def bounded_shutdown(server_class: type, timeout: float) -> type:
+    """uvicorn's Server whose shutdown lets the responses in flight go on for at most `timeout` seconds, then cuts
+    their connections: each request then ends as one whose client left (aborted, its blocks freed), quietly. Left
+    to itself, uvicorn waits for every response to end, for ever when a client stopped reading its stream."""
+    import asyncio
+
+    class Server(server_class):
+        async def shutdown(self, sockets=None) -> None:
+            async def cut() -> None:
+                await asyncio.sleep(timeout)
+                for connection in list(self.server_state.connections):
+                    connection.transport.abort()  # (close() would wait to send what a stalled client never reads)
+
+            cutter = asyncio.ensure_future(cut())
+            try:
+                await super().shutdown(sockets)
+            finally:
+                cutter.cancel()
+
+    return Server
+
+
+def keep_alive_on_engine_death() -> bool:
+    """vLLM's VLLM_KEEP_ALIVE_ON_ENGINE_DEATH (an integer, 0 by default): nonzero keeps the server up, answering 503,
+    once its engine died."""
+    try:
+        return bool(int(os.environ.get("VLLM_KEEP_ALIVE_ON_ENGINE_DEATH") or 0))
+    except ValueError:
+        return False
+
+
+def stop_when_the_engine_dies(engine, server, stopped: threading.Event, poll: float = 0.25) -> threading.Event:
+    """vLLM's watchdog: once the engine died (its process killed, say), say why on stderr and stop the server, whose
+    requests in flight have failed already, so that a supervisor sees it end and can start it again; until it
+    stops, /health answers 503 -> an event set when that happened. `stopped`: the server ended otherwise."""
+    died = threading.Event()
+
+    def watch() -> None:
+        while not stopped.wait(poll):
+            if engine.errored:
+                print(f"error: {engine.dead_error}; the server stops", file=sys.stderr, flush=True)
+                died.set()
+                server.should_exit = True
+                return
+
+    threading.Thread(target=watch, name="nanoref-engine-watchdog", daemon=True).start()
+    return died
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Exit status: 0 after a clean stop (Ctrl-C), 2 bad input (arguments, model folder, an address in use). On
-    SIGTERM it stops as on Ctrl-C (the server, then the engine), then ends by that signal, as uvicorn does."""
+    """Exit status: 0 after a clean stop (Ctrl-C), 1 when the engine died (vLLM's server stops then too, unless
+    VLLM_KEEP_ALIVE_ON_ENGINE_DEATH is set), 2 bad input (arguments, model folder, an address in use). On SIGTERM it
+    stops as on Ctrl-C (the server, then the engine), then ends by that signal, as uvicorn does."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.model_option is not None and args.model is not None and args.model_option != args.model:
@@ -459,6 +518,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if not 0 < args.switch_interval <= 1:
         print(f"error: --switch-interval must be in (0, 1] seconds, got {args.switch_interval}", file=sys.stderr)
+        return 2
+    if not 0 <= args.shutdown_timeout < float("inf"):
+        print(f"error: --shutdown-timeout must be 0 or more seconds, got {args.shutdown_timeout}", file=sys.stderr)
         return 2
     if not 0 <= args.port <= 65535:  # (checked before the model loads, as every argument is)
         print(f"error: --port must be in [0, 65535] (0: any free port), got {args.port}", file=sys.stderr)
@@ -555,7 +617,9 @@ def main(argv: list[str] | None = None) -> int:
             f"sampling defaults from the model's generation config (--generation-config vllm: none): {listed}",
             flush=True,
         )
-    server = uvicorn.Server(uvicorn.Config(app, log_level=args.uvicorn_log_level))
+    server = bounded_shutdown(uvicorn.Server, args.shutdown_timeout)(
+        uvicorn.Config(app, log_level=args.uvicorn_log_level)
+    )
     # This process is the server's own: threads share its GIL, the event loop streaming responses and the engine
     # thread stepping (or, with the engine in its own process, the thread reading its messages). A thread that
     # wants the GIL waits up to the switch interval for the other to let go, and the engine thread wants it back
@@ -567,6 +631,8 @@ def main(argv: list[str] | None = None) -> int:
     # the engine left unclosed)
     previous = signal.signal(signal.SIGTERM, _terminated)
     terminated = False
+    stopped = threading.Event()
+    died = threading.Event() if keep_alive_on_engine_death() else stop_when_the_engine_dies(engine, server, stopped)
     try:
         server.run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn hands Ctrl-C back once it has shut down: that is the clean stop
@@ -574,9 +640,12 @@ def main(argv: list[str] | None = None) -> int:
     except Terminated:
         terminated = True
     finally:
+        stopped.set()
         signal.signal(signal.SIGTERM, previous)
         engine.close()
         sock.close()
+    if died.is_set():
+        return 1
     if terminated:  # end by the signal, as uvicorn does (a supervisor reads the exit status; a shell says 143)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.raise_signal(signal.SIGTERM)

@@ -177,6 +177,9 @@ def test_killing_the_engine_process_fails_its_requests_and_every_later_one():
 
         run(main())
         assert not engine.is_running and engine.errored
+        assert (
+            str(engine.dead_error) == f"the engine process (pid {process.pid}) ended unexpectedly (killed by signal 9)"
+        )
         with pytest.raises(EngineDeadError, match="ended unexpectedly.*start a new one"):
             engine.generate("Hello", GREEDY)
         assert process.exitcode == -signal.SIGKILL and process not in multiprocessing.active_children()
@@ -196,6 +199,7 @@ def test_close_stops_the_engine_process_and_leaves_none_behind():
         os.kill(process.pid, 0)
     with pytest.raises(RuntimeError, match="closed"):
         engine.generate("Hello", GREEDY)
+    assert str(engine.dead_error) == "this AsyncLLM is closed"
 
 
 def test_a_failing_start_raises_the_engine_process_reason_and_leaves_no_process(tmp_path):

@@ -3,6 +3,7 @@ a dead engine, SIGTERM. Every server runs on 127.0.0.1; every call and loop is b
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -284,11 +285,11 @@ IGNORED_STREAM_OPTIONS = [
     # (vLLM's 400: "Stream options can only be defined when `stream=True`.")
     ("completions", {"prompt": PROMPT, "stream_options": {"include_usage": True}}, "stream"),
     ("chat/completions", {"messages": MESSAGES, "stream": False, "stream_options": {"include_usage": False}}, "stream"),
-    # vLLM's usage in every chunk, which this server does not send
+    # vLLM's usage in every chunk without usage, which vLLM ignores
     (
         "completions",
-        {"prompt": PROMPT, "stream": True, "stream_options": {"continuous_usage_stats": True}},
-        "continuous",
+        {"prompt": PROMPT, "stream": True, "stream_options": {"include_usage": False, "continuous_usage_stats": True}},
+        "continuous_usage_stats needs include_usage",
     ),
     (
         "chat/completions",
@@ -307,6 +308,35 @@ def test_stream_options_that_would_be_ignored_are_a_400(server, path, body, word
     response = httpx.post(f"{server.url}/v1/{path}", json={"max_tokens": 2, **body}, timeout=TIMEOUT)
     assert word in assert_openai_error(response, 400, "stream_options")["message"]
     assert server.blocks_used() == 0 and server.engine.llm.is_finished()
+
+
+@pytest.mark.parametrize("path", ["completions", "chat/completions"])
+def test_continuous_usage_stats_puts_each_choices_usage_so_far_in_every_chunk_as_vllm(server, path):
+    chat = path.startswith("chat")
+    prompt = {"messages": MESSAGES, "logprobs": True} if chat else {"prompt": PROMPT, "logprobs": 0}
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    body = {**prompt, "max_tokens": 6, "n": 2, "ignore_eos": True, "stream": True, "stream_options": options}
+    response = httpx.post(f"{server.url}/v1/{path}", json=body, timeout=TIMEOUT)
+    assert response.status_code == 200, response.text
+    chunks = [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: {")]
+    final = chunks[-1]
+    assert final["choices"] == [] and final["usage"]["completion_tokens"] == 12
+    prompt_tokens = final["usage"]["prompt_tokens"]
+    received = {0: 0, 1: 0}  # each choice's tokens so far, counted from its logprobs
+    for chunk in chunks[:-1]:
+        (choice,) = chunk["choices"]
+        if choice["logprobs"] is not None:
+            entries = choice["logprobs"]["content"] if chat else choice["logprobs"]["tokens"]
+            received[choice["index"]] += len(entries)
+        expected = {"prompt_tokens": prompt_tokens, "completion_tokens": received[choice["index"]]}
+        assert chunk["usage"] == expected | {"total_tokens": prompt_tokens + received[choice["index"]]}, chunk
+    assert received == {0: 6, 1: 6}
+    response = httpx.post(
+        f"{server.url}/v1/{path}",
+        json={**body, "stream_options": {"continuous_usage_stats": "yes"}},
+        timeout=TIMEOUT,
+    )
+    assert "must be true or false" in assert_openai_error(response, 400, "stream_options")["message"]
 
 
 def test_a_max_tokens_the_context_cannot_hold_is_a_400_as_in_vllm(server):
@@ -570,6 +600,124 @@ def test_the_serve_command_refuses_an_address_in_use_before_loading_the_model(ca
     with socket.create_server(("127.0.0.1", 0)) as taken:
         assert main(["--device", "cpu", "--port", str(taken.getsockname()[1])]) == 2
     assert capsys.readouterr().err.startswith("error: cannot listen on 127.0.0.1:")
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the engine process through /proc")
+def test_the_serve_command_stops_when_its_engine_process_dies_as_vllms():
+    # vLLM's server stops once its engine is dead, so that a supervisor sees it end (and may start it again)
+    command = [sys.executable, "-m", "nanoref.serve", "--device", "cpu", "--port", "0", "--engine-process", "on"]
+    env = {key: value for key, value in os.environ.items() if key != "VLLM_KEEP_ALIVE_ON_ENGINE_DEATH"}
+    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = server.stdout.readline()
+        assert " on http://" in line, line + server.stderr.read()
+        url = line.split(" on ", 1)[1].split()[0]
+        (engine,) = {
+            pid for pid in children_of(server.pid) if "resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_text()
+        }
+        body = {"prompt": PROMPT, "max_tokens": 400, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{url}/completions", json=body, timeout=TIMEOUT) as response:
+            events = []
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    if len(events) == 1:
+                        os.kill(engine, signal.SIGKILL)
+        assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == 503, events[-2:]
+        assert server.wait(TIMEOUT) == 1
+        err = server.stderr.read()
+        assert "Traceback" not in err
+        assert f"error: the engine process (pid {engine}) ended unexpectedly (killed by signal 9); the server" in err
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the engine process through /proc")
+def test_the_serve_command_stops_on_sigterm_while_a_client_has_stopped_reading_its_stream():
+    # uvicorn alone waits for every response to end: a client that stops reading its stream held the stop for ever
+    command = [sys.executable, "-m", "nanoref.serve", "--device", "cpu", "--port", "0"]
+    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ)
+    try:
+        line = server.stdout.readline()
+        assert " on http://" in line, line + server.stderr.read()
+        host, port = line.split("http://", 1)[1].split("/", 1)[0].split(":")
+        engine = {
+            pid for pid in children_of(server.pid) if "resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_text()
+        }
+        # ~20 MB of events, far more than the sockets' buffers hold: the server's writes stall
+        body = json.dumps(
+            {"prompt": PROMPT, "max_tokens": 480, "n": 64, "logprobs": 5, "ignore_eos": True, "stream": True}
+        )
+        with socket.socket() as client:
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            client.settimeout(TIMEOUT)
+            client.connect((host, int(port)))
+            head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            client.sendall(f"{head}Content-Length: {len(body)}\r\n\r\n{body}".encode())
+            assert client.recv(12) == b"HTTP/1.1 200"  # streaming has begun; nothing more is read
+            server.send_signal(signal.SIGTERM)
+            assert server.wait(TIMEOUT) == -signal.SIGTERM
+        err = server.stderr.read()
+        assert "Traceback" not in err and "ERROR" not in err, err
+        for pid in engine:
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+
+
+@pytest.mark.parametrize("grace", [0.0, TIMEOUT], ids=["at-once", "drained"])
+def test_a_stop_lets_streams_finish_for_shutdown_timeout_seconds_then_cuts_them(server, grace):
+    import uvicorn
+
+    from nanoref.serve import bounded_shutdown
+    from nanoref.serving.api_server import build_app
+
+    app = build_app(server.engine, MODEL)
+    bounded = bounded_shutdown(uvicorn.Server, grace)(uvicorn.Config(app, log_level="warning"))
+    sock = socket.create_server(("127.0.0.1", 0))
+    thread = threading.Thread(target=bounded.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while not bounded.started:
+            assert time.monotonic() < deadline and thread.is_alive()
+            time.sleep(0.01)
+        events = []
+        with pytest.raises(httpx.RemoteProtocolError) if not grace else contextlib.nullcontext():
+            body = {**LONG, "n": 8, "stream": True}  # (long enough to be running still when the cut comes)
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=TIMEOUT) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[6:])
+                        if len(events) == 1:
+                            bounded.should_exit = True  # as Ctrl-C or SIGTERM does
+        thread.join(TIMEOUT)
+        assert not thread.is_alive()
+        if grace:  # the stream ran to its end
+            assert events[-1] == "[DONE]" and json.loads(events[-2])["choices"][0]["finish_reason"] == "length"
+        else:  # cut: its request was aborted
+            assert "[DONE]" not in events
+        server.wait_until_idle()
+    finally:
+        bounded.should_exit = True
+        thread.join(TIMEOUT)
+        sock.close()
+
+
+@pytest.mark.parametrize("value, keep", [(None, False), ("0", False), ("1", True), ("", False)])
+def test_vllms_keep_alive_on_engine_death_variable_is_read_as_vllm_reads_it(value, keep, monkeypatch):
+    from nanoref.serve import keep_alive_on_engine_death
+
+    monkeypatch.delenv("VLLM_KEEP_ALIVE_ON_ENGINE_DEATH", raising=False)
+    if value is not None:
+        monkeypatch.setenv("VLLM_KEEP_ALIVE_ON_ENGINE_DEATH", value)
+    assert keep_alive_on_engine_death() is keep
 
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the engine process through /proc")

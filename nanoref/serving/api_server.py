@@ -1233,11 +1233,14 @@ def build_app(
         # an option the server would not act on is refused, as a body field is (check_fields)
         unknown = sorted(set(options) - {"include_usage", "continuous_usage_stats"})
         if unknown:
-            message = f"stream_options: unknown field {unknown[0]!r:.60} (this server takes include_usage)"
-            raise BadRequest(message, "stream_options")
+            message = f"stream_options: unknown field {unknown[0]!r:.60} (this server takes include_usage and "
+            raise BadRequest(message + "continuous_usage_stats)", "stream_options")
         every_chunk = options.get("continuous_usage_stats")  # (vLLM's usage in every chunk)
-        if every_chunk is not None and every_chunk is not False:
-            message = "stream_options.continuous_usage_stats is not supported by this server (only null or false)"
+        if every_chunk is not None and not isinstance(every_chunk, bool):
+            message = f"stream_options.continuous_usage_stats must be true or false, got {every_chunk!r:.60}"
+            raise BadRequest(message, "stream_options")
+        if every_chunk and options.get("include_usage", True) is not True:  # (vLLM ignores it then)
+            message = "stream_options.continuous_usage_stats needs include_usage (usage in every chunk is usage too)"
             raise BadRequest(message, "stream_options")
         if options and not body.get("stream"):  # (vLLM's rule; an empty object is no option)
             raise BadRequest("stream_options can only be defined when stream is true (as in vLLM)", "stream_options")
@@ -1511,6 +1514,16 @@ def build_app(
         include_usage = enable_force_include_usage or (
             options is not None and options.get("include_usage", True) is True
         )
+        every_chunk = options is not None and options.get("continuous_usage_stats") is True  # (vLLM's)
+
+        def running_usage(num_prompt_tokens: int, num_tokens: int) -> dict:
+            """continuous_usage_stats: a chunk's usage, its choice's tokens so far (vLLM's)."""
+            if not every_chunk:
+                return {}
+            total = num_prompt_tokens + num_tokens
+            return {
+                "usage": {"prompt_tokens": num_prompt_tokens, "completion_tokens": num_tokens, "total_tokens": total}
+            }
 
         def event(payload: dict) -> str:
             return f"data: {json.dumps(payload)}\n\n"
@@ -1540,29 +1553,32 @@ def build_app(
                     ids["prompt_token_ids"] = None if choice.prompt_ids_sent else choice.prompt_token_ids
                     choice.prompt_ids_sent = True
                 ids["token_ids"], choice.unsent_token_ids = choice.unsent_token_ids, []
-            return {**head, "choices": [{**body, "finish_reason": None, **ending, **ids}]}
+            payload = {**head, "choices": [{**body, "finish_reason": None, **ending, **ids}]}
+            return payload | running_usage(choice.num_prompt_tokens, choice.num_tokens)
 
-        def openings(prompt_token_ids: list[int] | None) -> Iterator[str]:
+        def openings(out: RequestOutput | None) -> Iterator[str]:
             """OpenAI's first chat chunk of each choice, which opens the assistant's message (with return_token_ids,
-            vLLM's top-level prompt_token_ids)."""
-            ids = {"prompt_token_ids": prompt_token_ids} if return_token_ids else {}
+            vLLM's top-level prompt_token_ids; with continuous_usage_stats, the usage of the prompt: both from `out`,
+            the first output)."""
+            ids = {"prompt_token_ids": out.prompt_token_ids} if return_token_ids else {}
+            usage = running_usage(out.num_prompt_tokens, 0) if every_chunk else {}
             for choice in choices:
                 opening = {"role": "assistant", "content": ""}
                 body = {"index": choice.index, "delta": opening, "logprobs": None, "finish_reason": None}
-                yield event({**head, "choices": [body], **ids})
+                yield event({**head, "choices": [body], **ids, **usage})
 
         async def events() -> AsyncIterator[str]:
             merged = merge(streams)
             async with aclosing(merged):
                 opened = not chat
-                if not opened and not return_token_ids:  # (else they wait for the prompt's ids: the first output)
+                if not opened and not (return_token_ids or every_chunk):  # (else they wait for the first output)
                     for opening in openings(None):
                         yield opening
                     opened = True
                 try:
                     async for prompt, out in merged:
                         if not opened:
-                            for opening in openings(out.prompt_token_ids):
+                            for opening in openings(out):
                                 yield opening
                             opened = True
                         choice, text = take(prompt, out)

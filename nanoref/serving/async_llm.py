@@ -378,6 +378,12 @@ class AsyncLLM:
                 self._replies.pop(key, None)
 
     @property
+    def dead_error(self) -> EngineDeadError:
+        """vLLM's: the error that says why the engine is gone (why it died, or that this AsyncLLM was closed)."""
+        why = self._failure or ("this AsyncLLM is closed" if self._closed else "the engine has stopped")
+        return EngineDeadError(why)
+
+    @property
     def is_running(self) -> bool:
         """The engine is alive and taking requests."""
         return not self._closed and self._failure is None and self._engine.is_alive()
