@@ -12,6 +12,7 @@ Two levels:
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
 import pytest
@@ -21,6 +22,9 @@ from hypothesis import strategies as st
 from nanoref import LLM, SamplingParams
 from nanoref.engine.scheduler import Scheduler
 from nanoref.engine.sequence import Sequence, SequenceStatus
+from nanoref.testing import EVERY_STEP
+
+from .helpers import assert_no_block_leaked
 
 VOCAB = 3  # a tiny alphabet: random prompts share prefixes, so the prefix cache gets real work
 EOS = 2
@@ -221,3 +225,84 @@ def test_greedy_outputs_under_tight_budget_equal_ample(tiny_model):
 
     check()
     assert seen["preempted"] >= 5, seen  # the tight budgets really did preempt
+
+
+# -- the real engine, driven step by step with mixed requests -------------------------------------
+LOOPS = {
+    "plain": {},
+    "overlapped": {"overlap_scheduling": True},
+    "ngram": {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3, **EVERY_STEP}},
+}
+
+
+def mixed_requests(rng: random.Random, greedy_only: bool) -> list[tuple[list[int], SamplingParams, int, int | None]]:
+    """(prompt, params, the step before which it is added, the step before which it is aborted or None): greedy and
+    seeded samples, n up to 3, min_tokens, stop ids, logprobs, prompts that share a prefix or repeat a phrase."""
+    prefix = [rng.randrange(1, 1024) for _ in range(20)]
+    requests = []
+    for _ in range(rng.randrange(3, 7)):
+        body = [rng.randrange(1, 1024) for _ in range(rng.randrange(1, 30))]
+        body = body if rng.random() < 0.6 else (body[:3] * 10)[: len(body)]
+        seeded = not greedy_only and rng.random() < 0.5
+        max_tokens = rng.randrange(1, 20)
+        params = SamplingParams(
+            temperature=0.9 if seeded else 0,
+            seed=rng.randrange(100) if seeded else None,
+            n=rng.choice([1, 1, 2, 3]),
+            max_tokens=max_tokens,
+            min_tokens=rng.choice([0, 0, rng.randrange(max_tokens + 1)]),
+            ignore_eos=rng.random() < 0.5,
+            stop_token_ids=rng.sample(range(1024), 40) if rng.random() < 0.3 else [],
+            logprobs=rng.choice([None, 2]),
+            prompt_logprobs=rng.choice([None, None, 1]),
+        )
+        requests.append((prefix + body if rng.random() < 0.5 else body, params, rng.choice([0, 0, rng.randrange(8)]),
+                         rng.randrange(1, 10) if rng.random() < 0.2 else None))  # fmt: skip
+    return requests
+
+
+@pytest.mark.slow  # the real engine, a dozen workloads
+@pytest.mark.parametrize("loop", LOOPS)
+def test_mixed_requests_added_and_aborted_between_steps_each_give_what_they_give_alone(loop):
+    """The built-in model under a KV budget its largest request just fits, few sequences and small prefill chunks:
+    requests added between steps, some aborted mid-way (some of their samples), in the plain, overlapped and
+    speculative loops. Every sample not aborted gives what its request gives alone (tokens, finish and stop
+    reasons, logprobs), an aborted one ends "abort", and every block and queue is empty afterwards."""
+    seen = {"preempted": 0, "aborted": 0}
+    for seed in range(4):
+        rng = random.Random(seed)
+        requests = mixed_requests(rng, greedy_only=loop == "ngram")  # (a verify step draws otherwise than a plain one)
+        reference = LLM(device="cpu", num_kvcache_blocks=64)
+        alone = [reference.generate([prompt], params, use_tqdm=False)[0] for prompt, params, _, _ in requests]
+        budget = max(-(-(len(prompt) + params.max_tokens + 3) // 16) for prompt, params, _, _ in requests)
+        llm = LLM(device="cpu", num_kvcache_blocks=budget, max_num_seqs=rng.choice([2, 3]),
+                  max_num_batched_tokens=rng.choice([16, 40]), **LOOPS[loop])  # fmt: skip
+        samples, aborted, step = {}, set(), 0
+        while len(samples) < len(requests) or not llm.is_finished():
+            for i, (prompt, params, arrival, abort_at) in enumerate(requests):
+                if arrival == step:
+                    samples[i] = llm.add_samples(prompt, params)
+                if abort_at == step and i in samples:
+                    for seq in samples[i] if rng.random() < 0.5 else samples[i][:1]:
+                        aborted |= set() if seq.is_finished else {seq}
+                        llm.abort_request(seq)
+            if not llm.is_finished():
+                llm.step()
+            step += 1
+        assert_no_block_leaked(llm)
+        assert llm.scheduler.is_finished() and not llm.output_processor.held_samples
+        for i, expected in enumerate(alone):
+            out = llm.output_processor.request_output(samples[i])
+            assert len(out.outputs) == requests[i][1].n
+            for seq, got, want in zip(samples[i], out.outputs, expected.outputs):
+                if seq in aborted:
+                    assert got.finish_reason == "abort"
+                    continue
+                assert (got.token_ids, got.finish_reason, got.stop_reason) == (
+                    want.token_ids, want.finish_reason, want.stop_reason), f"seed {seed}, request {i}"  # fmt: skip
+                assert [e.token_id for e in got.get("logprobs", [])] == [e.token_id for e in want.get("logprobs", [])]
+            if samples[i][0] not in aborted and requests[i][1].prompt_logprobs:
+                assert [e and e.token_id for e in out["prompt_logprobs"]] == [None, *requests[i][0][1:]]
+        seen["preempted"] += llm.scheduler.num_preemptions > 0
+        seen["aborted"] += bool(aborted)
+    assert seen["preempted"] >= 2 and seen["aborted"] >= 1, seen  # the workloads did preempt and abort

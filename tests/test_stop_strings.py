@@ -43,6 +43,24 @@ def test_a_stop_string_across_tokens_ends_the_request_with_the_text_cut_before_i
     assert kept["text"] == plain["text"][: plain["text"].index(stop) + len(stop)]
 
 
+def test_a_stop_string_found_in_the_text_of_a_stop_token_shown_in_the_output_is_the_stop_reason(llm):
+    """include_stop_str_in_output shows a stop token's text; a stop string found in it ends the request with the text
+    cut after it, and (as in vLLM, which looks for stop strings after the token's stop) is the `stop_reason`, not
+    the token id. Without include_stop_str_in_output the token's text is hidden: the token id is the reason."""
+    plain = llm.generate([PROMPT], seeded(), use_tqdm=False)[0]
+    token, text_before = plain["token_ids"][1], llm.tokenizer.decode(plain["token_ids"][:1])
+    token_text = llm.tokenizer.decode(plain["token_ids"][:2])[len(text_before) :]
+    stop = next(c for c in token_text if c.isalnum())  # a character of the second token's text only
+    assert stop not in text_before
+    fields = dict(stop=[stop], stop_token_ids=[token])
+    kept = llm.generate([PROMPT], seeded(**fields, include_stop_str_in_output=True), use_tqdm=False)[0]
+    assert kept["token_ids"] == plain["token_ids"][:2] and kept["finish_reason"] == "stop"
+    assert kept["text"] == text_before + token_text[: token_text.index(stop) + 1]
+    assert kept["stop_reason"] == kept.outputs[0].stop_reason == stop
+    hidden = llm.generate([PROMPT], seeded(**fields), use_tqdm=False)[0]
+    assert (hidden["text"], hidden["stop_reason"]) == (text_before, token)
+
+
 @pytest.mark.parametrize("overlap", [False, True], ids=["plain", "overlapped"])
 def test_a_stream_never_shows_part_of_the_stop_string_and_ends_as_generate(llm, overlap):
     engine = LLM(device="cpu", overlap_scheduling=overlap)
