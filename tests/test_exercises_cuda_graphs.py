@@ -8,7 +8,14 @@ from nanoref import LLM, SamplingParams, exercises
 from nanoref.cuda_graphs import pad_decode_batch
 from nanoref.exercises import ExerciseFailure, check_pad_decode_batch
 
-from .helpers import Counting, assert_called_every_decode_step, enable_bucketed_decode, hf_greedy, random_prompts
+from .helpers import (
+    Counting,
+    assert_called_every_decode_step,
+    assert_readable_failure,
+    enable_bucketed_decode,
+    hf_greedy,
+    random_prompts,
+)
 
 
 def copies_without_padding(buffers, input_ids, positions, slot_mapping, context_lens, block_tables):
@@ -39,6 +46,17 @@ def returns_the_buffers(buffers, *args):
     return buffers
 
 
+def pads_every_buffer_with_minus_one(buffers, *args):
+    pad_decode_batch(buffers, *args)
+    for name in ("input_ids", "positions"):
+        buffers[name][len(args[0]) :] = -1  # -1 everywhere, as for the slots: not a valid index
+
+
+def copies_all_columns(buffers, input_ids, positions, slot_mapping, context_lens, block_tables):
+    pad_decode_batch(buffers, input_ids, positions, slot_mapping, context_lens, block_tables)
+    buffers["block_tables"][: len(input_ids)] = block_tables  # the buffer is max_blocks wide, the step's W
+
+
 def test_reference_passes_alone_and_in_the_engine():
     check_pad_decode_batch(pad_decode_batch)
 
@@ -59,6 +77,20 @@ def test_in_bucket_rewrite_is_accepted():
 def test_wrong_answers_are_named(wrong, message):
     with pytest.raises(ExerciseFailure, match="(?s)" + message):
         check_pad_decode_batch(wrong, engine=False)
+
+
+def test_padding_ids_or_positions_of_minus_one_are_named_before_the_engine_runs():
+    # they passed the check alone; the engine then failed with a bare "IndexError: index out of range in self"
+    # (on a GPU a device-side assert, which ends the process)
+    with pytest.raises(ExerciseFailure, match=r"padding row 5 has input_ids -1: .*token id \(embedding\)") as failure:
+        check_pad_decode_batch(pads_every_buffer_with_minus_one, engine=False)
+    assert_readable_failure(failure.value)
+
+
+def test_block_tables_copied_at_the_buffers_width_are_told_the_columns():
+    with pytest.raises(ExerciseFailure, match=r"(?s)raised RuntimeError.*\['block_tables'\]\[:B, :W\]") as failure:
+        check_pad_decode_batch(copies_all_columns, engine=False)
+    assert_readable_failure(failure.value)
 
 
 def test_bucketed_decode_on_cpu_matches_hf_with_preemption(tiny_model):

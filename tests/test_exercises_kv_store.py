@@ -189,3 +189,66 @@ def test_the_launcher_names_the_renamed_constexprs_of_a_seam_kernel():
     with use(store_kvcache_kernel=old_names_kernel), pytest.raises(TypeError, match="`D` is now called `ROW`"):
         store_kvcache_triton(key, key, k_cache, v_cache, torch.tensor([0, -1, 5]))
     assert not k_cache.any(), "nothing is stored"
+
+
+@triton.jit
+def stores_at_the_token_index_kernel(key_ptr, key_stride, value_ptr, value_stride, k_cache_ptr, v_cache_ptr,
+                                     slot_mapping_ptr, ROW: tl.constexpr, BLOCK_ROW: tl.constexpr):  # fmt: skip
+    token = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot < 0:
+        return
+    cols = tl.arange(0, BLOCK_ROW)
+    mask = cols < ROW
+    tl.store(k_cache_ptr + token * ROW + cols, tl.load(key_ptr + token * key_stride + cols, mask=mask), mask=mask)
+    tl.store(v_cache_ptr + token * ROW + cols, tl.load(value_ptr + token * value_stride + cols, mask=mask), mask=mask)
+
+
+@triton.jit
+def swapped_caches_kernel(key_ptr, key_stride, value_ptr, value_stride, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+                          ROW: tl.constexpr, BLOCK_ROW: tl.constexpr):  # fmt: skip
+    token = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot < 0:
+        return
+    cols = tl.arange(0, BLOCK_ROW)
+    mask = cols < ROW
+    tl.store(v_cache_ptr + slot * ROW + cols, tl.load(key_ptr + token * key_stride + cols, mask=mask), mask=mask)
+    tl.store(k_cache_ptr + slot * ROW + cols, tl.load(value_ptr + token * value_stride + cols, mask=mask), mask=mask)
+
+
+@triton.jit
+def cache_rows_at_input_strides_kernel(key_ptr, key_stride, value_ptr, value_stride, k_cache_ptr, v_cache_ptr,
+                                       slot_mapping_ptr, ROW: tl.constexpr, BLOCK_ROW: tl.constexpr):  # fmt: skip
+    token = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot < 0:
+        return
+    cols = tl.arange(0, BLOCK_ROW)
+    mask = cols < ROW
+    key = tl.load(key_ptr + token * key_stride + cols, mask=mask)
+    value = tl.load(value_ptr + token * value_stride + cols, mask=mask)
+    tl.store(k_cache_ptr + slot * key_stride + cols, key, mask=mask)  # the cache's rows are ROW apart
+    tl.store(v_cache_ptr + slot * value_stride + cols, value, mask=mask)
+
+
+@pytest.mark.parametrize("seed", [0, 3])
+@pytest.mark.parametrize(
+    "wrong, message",
+    [
+        # both were told "slot 0 is a slot like any other; only a negative slot means store nothing": slot 0 always
+        # holds a token, so it was the first wrong row whatever the mistake
+        (
+            stores_at_the_token_index_kernel,
+            r"slot 0 of k_cache .*holds token \d+'s row\. Token i's row goes to its slot",
+        ),
+        (swapped_caches_kernel, r"slot 0 of k_cache .*holds token \d+'s value row: store key rows into k_cache"),
+        # value's rows are up to 4.5 ROW apart: slot * value_stride wrote past the guard blocks, corrupting memory
+        # under the interpreter (its message changed from run to run)
+        (cache_rows_at_input_strides_kernel, r"slot \d+ of k_cache .*nothing was stored there"),
+    ],
+)
+def test_a_kernel_writing_at_the_wrong_row_is_told_which_row_it_wrote(wrong, message, seed):
+    with pytest.raises(ExerciseFailure, match="(?s)" + message) as failure:
+        check_store_kvcache_kernel(wrong, seed=seed, engine=False)
+    assert "slot 0 is a slot like any other" not in str(failure.value)

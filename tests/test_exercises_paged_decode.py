@@ -112,3 +112,55 @@ def test_nanorefs_triton_merge_passes():
     from nanoref.ops.attention_triton import merge_splits
 
     check_merge_splits(merge_splits, engine=False)
+
+
+def full_blocks_then_remainder(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale=None, causal=True):
+    """Reads the full blocks, then L % block_size tokens of the last one: at a block boundary that is 0, so a history
+    of exactly k * block_size tokens loses its whole last block (right for every length but those)."""
+    block_size, group = k_cache.shape[1], q.shape[2] // k_cache.shape[2]
+    out = torch.empty_like(q)
+    for b in range(q.shape[0]):
+        length = int(cache_seqlens[b])
+        blocks = block_table[b, : (length + block_size - 1) // block_size].long()
+        k = torch.cat([k_cache[blocks[:-1]].flatten(0, 1), k_cache[blocks[-1], : length % block_size]])
+        v = torch.cat([v_cache[blocks[:-1]].flatten(0, 1), v_cache[blocks[-1], : length % block_size]])
+        kh, vh = k.repeat_interleave(group, 1).transpose(0, 1), v.repeat_interleave(group, 1).transpose(0, 1)
+        out[b] = F.scaled_dot_product_attention(q[b].transpose(0, 1), kh, vh, scale=softmax_scale).transpose(0, 1)
+    return out
+
+
+def squeezes_every_axis(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale=None, causal=True):
+    """Batched over the sequences through q.squeeze(): (B, H, D) for B > 1, but (H, D) for a batch of one."""
+    group = q.shape[2] // k_cache.shape[2]
+    scale = softmax_scale if softmax_scale is not None else q.shape[-1] ** -0.5
+    k = k_cache[block_table.long().clamp(min=0)].flatten(1, 2).repeat_interleave(group, 2)  # (B, L, H, D)
+    v = v_cache[block_table.long().clamp(min=0)].flatten(1, 2).repeat_interleave(group, 2)
+    scores = torch.einsum("bhd,blhd->bhl", q.squeeze().float(), k.float()) * scale
+    unwritten = torch.arange(k.shape[1])[None, :] >= cache_seqlens[:, None]  # (B, L)
+    probs = scores.masked_fill(unwritten[:, None, :], float("-inf")).softmax(-1)
+    return torch.einsum("bhl,blhd->bhd", probs, v.float()).unsqueeze(1).to(q.dtype)
+
+
+@pytest.mark.parametrize("seed", [0, 11, 12345])
+def test_a_history_at_a_block_boundary_is_checked_on_every_seed(seed):
+    # the histories were 1, 15, 33 and 70 tokens, none a multiple of the block size: this answer passed them all
+    with pytest.raises(ExerciseFailure, match=r"(?s)history of 32 tokens.*fills its last block") as failure:
+        check_paged_decode_attention(full_blocks_then_remainder, seed=seed, engine=False)
+    assert_readable_failure(failure.value)
+
+
+@pytest.mark.parametrize("seed", [0, 11, 12345])
+def test_an_answer_that_fails_for_a_batch_of_one_is_told_so(seed):
+    # every case had 4 sequences, and the engine check's decode batches too: q.squeeze() passed them all
+    with pytest.raises(ExerciseFailure, match=r"(?s)with B = 1, does a squeeze\(\).*a batch of one") as failure:
+        check_paged_decode_attention(squeezes_every_axis, seed=seed, engine=False)
+    assert_readable_failure(failure.value)
+
+
+def test_an_output_without_its_batch_axis_for_a_batch_of_one_is_told_so():
+    def drops_the_batch_axis(q, *args, **kwargs):
+        out = attention_torch.paged_decode_attention(q, *args, **kwargs)
+        return out.squeeze() if q.shape[0] == 1 else out  # (H, D) for B = 1
+
+    with pytest.raises(ExerciseFailure, match=r"batch of one.*shape \(8, 32\), expected \(1, 1, 8, 32\)"):
+        check_paged_decode_attention(drops_the_batch_axis, engine=False)

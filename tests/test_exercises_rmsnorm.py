@@ -169,3 +169,16 @@ def test_a_long_first_line_breaks_after_its_last_clause_that_fits():
     lines = str(ExerciseFailure(message)).splitlines()
     assert lines == ["case: " + "x" * 150 + ".", "the rule comes next, " + "y" * 100, "values"]
     assert str(ExerciseFailure("short: as it is\nvalues")) == "short: as it is\nvalues"
+
+
+def test_an_add_rms_norm_on_the_variance_is_not_told_to_upcast_float32_inputs():
+    # it was told "Compute the statistic in float32 (x.float())" on float32 inputs, where it already did
+    def variance_fused(x, residual, weight, eps):
+        summed = x.float() + residual.float()
+        normed = summed * torch.rsqrt(summed.var(dim=-1, keepdim=True, unbiased=False) + eps)  # LayerNorm's statistic
+        return weight * normed.to(x.dtype), summed.to(x.dtype)
+
+    with pytest.raises(ExerciseFailure, match=r"(?s)^float32 inputs: row 0 of normed.*not the variance") as failure:
+        check_add_rms_norm(variance_fused, engine=False)
+    assert "x.float()" not in str(failure.value)
+    assert_readable_failure(failure.value)

@@ -93,3 +93,41 @@ def test_the_engine_check_catches_what_the_unit_check_would():
             max_num_batched_tokens=24,
             kvcache_block_size=16,
         )
+
+
+def slot_offset_from_the_chunk_start(token_ids, num_cached, num_new, block_tables, block_size):
+    """The block from the token's position, the offset from its index in the chunk: right wherever the chunk starts
+    at a block boundary (fresh prompts, prefix hits), wrong for a chunk that starts mid-block."""
+    flat = prefill_metadata(token_ids, num_cached, num_new, block_tables, block_size)
+    slots = []
+    for start, count, table in zip(num_cached, num_new, block_tables):
+        slots.extend(
+            table[t // block_size] * block_size + (t - start) % block_size for t in range(start, start + count)
+        )
+    return flat._replace(slot_mapping=slots)
+
+
+@pytest.mark.parametrize("seed", [0, 5, 13, 21, 99])
+def test_a_slot_offset_counted_from_the_chunk_start_fails_on_every_seed(seed):
+    # the later chunk could start at a block boundary (seed 5 did, for both block sizes), where this answer is right
+    with pytest.raises(ExerciseFailure, match=r"slot_mapping\[\d+\] \(sequence 2's .*% \d+ \(its block tables") as f:
+        check_prefill_metadata(slot_offset_from_the_chunk_start, seed=seed, engine=False)
+    assert_readable_failure(f.value)
+
+
+@pytest.mark.parametrize("argument", ["num_cached", "block_tables"])
+def test_an_answer_that_changes_its_inputs_is_told_so(argument):
+    # the expected values were computed after the call, from the changed inputs: a zeroed num_cached was reported as
+    # wrong input_ids "at position 0", a sorted block table as a wrong slot
+    def changes_its_inputs(token_ids, num_cached, num_new, block_tables, block_size):
+        flat = prefill_metadata(token_ids, num_cached, num_new, block_tables, block_size)
+        if argument == "num_cached":
+            num_cached[:] = [0] * len(num_cached)
+        else:
+            for table in block_tables:
+                table.sort()
+        return flat
+
+    with pytest.raises(ExerciseFailure, match=f"changed its {argument} argument in place") as failure:
+        check_prefill_metadata(changes_its_inputs, engine=False)
+    assert_readable_failure(failure.value)

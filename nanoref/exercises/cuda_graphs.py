@@ -36,6 +36,15 @@ def _stale_buffers(max_rows: int, max_blocks: int, generator: torch.Generator) -
     )
 
 
+def _shape_hint(error: Exception) -> str | None:
+    if not isinstance(error, RuntimeError) or "size" not in str(error):
+        return None
+    return (
+        "the step has B rows and its block tables W columns, the bucket's buffers S >= B rows and max_blocks >= W "
+        "columns: write into buffers[name][:B], and into buffers['block_tables'][:B, :W]"
+    )
+
+
 def check_pad_decode_batch(fn: Callable, *, engine: bool = True) -> None:
     """`fn(buffers, input_ids, positions, slot_mapping, context_lens, block_tables)` fills a bucket in place."""
     generator = input_generator()
@@ -53,7 +62,9 @@ def check_pad_decode_batch(fn: Callable, *, engine: bool = True) -> None:
             block_tables=torch.randint(32, 64, (batch, width), generator=generator, dtype=torch.int32),
         )
         where = f"(a batch of {batch} in a bucket of {bucket}, block tables {width} wide of {max_blocks})"
-        returned = call_learner(fn, "pad_decode_batch", views, *(step[name] for name in STATIC_INPUTS), case=where)
+        returned = call_learner(
+            fn, "pad_decode_batch", views, *(step[name] for name in STATIC_INPUTS), case=where, hint=_shape_hint
+        )
         if returned is not None:
             raise ExerciseFailure(
                 f"pad_decode_batch returned a {type(returned).__name__}: it must fill `buffers` in place and return "
@@ -95,6 +106,15 @@ def check_pad_decode_batch(fn: Callable, *, engine: bool = True) -> None:
                 f"padding row {row} has slot {int(full['slot_mapping'][row])} {where}: the replay stores its K/V "
                 "there, over a live sequence's cache entry. Padding rows need slot -1 (the KV store skips those)"
             )
+        for name in ("input_ids", "positions"):  # the replay embeds and rotates every row, padding rows too
+            values = full[name][batch:bucket]
+            if (values < 0).any():
+                row = batch + int((values < 0).nonzero()[0])
+                raise ExerciseFailure(
+                    f"padding row {row} has {name} {int(full[name][row])}: the replay still looks up every row's "
+                    "token id (embedding) and position (RoPE), so padding rows keep valid ones (what an earlier step "
+                    f"left); only slot_mapping takes -1\n{where}"
+                )
         lens = full["context_lens"][batch:bucket]
         if (lens != 0).any():
             row = batch + int((lens != 0).nonzero()[0])

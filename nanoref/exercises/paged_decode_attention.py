@@ -52,13 +52,15 @@ def _mistake(q, k_cache, v_cache, seqlens, table, scale, mistake: str) -> torch.
             length = int((table[b] >= 0).sum()) * block_size
         elif mistake == "one key short":  # cache_seqlens taken to exclude the new token
             length -= 1
-        elif mistake == "one key too many":
-            length += 1
+        elif mistake == "one key too many":  # at a full last block there is no next key: what it reads is not defined
+            length = length + 1 if length % block_size else 0
         elif mistake == "whole blocks only":  # length // block_size blocks: the partly written last one dropped
             length = length // block_size * block_size
+        elif mistake == "full last block dropped":  # the last block read as its L % block_size tokens: 0 when full
+            length -= block_size if length % block_size == 0 else 0
         elif mistake == "top-left causal":  # SDPA's is_causal with 1 query and L keys: the query sees key 0 only
             length = min(length, 1)
-        if length < 1:  # no key at all: the mistake's output is not defined (NaN); compared on the other rows only
+        if length < 1:  # no key at all, or a mistake not defined here: NaN, compared on the other rows only
             out[b] = float("nan")
             continue
         if mistake == "physical order":  # the first blocks of the cache, whatever the block table says
@@ -85,6 +87,8 @@ _HINTS = {
     "written yet)",
     "whole blocks only": "the partly written last block is dropped: L tokens span (L + block_size - 1) // block_size "
     "blocks",
+    "full last block dropped": "a history of exactly k * block_size tokens fills its last block: that block holds "
+    "block_size tokens there, not L % block_size = 0 (read the first L tokens of the gathered blocks)",
     "top-left causal": "the query sees key 0 only: is_causal aligns the mask top-left; in decode the new token sees "
     "every key, no mask",
 }
@@ -95,19 +99,36 @@ def _head(t: torch.Tensor, b: int, h: int) -> str:
     return "[" + ", ".join(f"{v:.4g}" for v in t[b, 0, h, :3].double().tolist()) + ", ...]"
 
 
+def _batch_of_one_hint(error: Exception) -> str:
+    return "it runs for several sequences: with B = 1, does a squeeze() without an axis drop the batch axis too?"
+
+
 def check_paged_decode_attention(fn: Callable, *, seed: int = 0, engine: bool = True) -> None:
     """`fn(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale, causal)` against the naive oracle,
     then in the engine in place of the backend's decode."""
     generator = torch.Generator().manual_seed(seed)
-    lens = [1, 15, 33, 70]
-    for dtype, scale in ((torch.float32, 0.3), (torch.float32, None), (torch.bfloat16, 0.2)):
+    # 32: a history at a block boundary, whose last block is full; then a batch of one sequence, as when one runs
+    many, one = [1, 15, 32, 33, 70], [21]
+    for dtype, scale, lens in (
+        (torch.float32, 0.3, many),
+        (torch.float32, None, many),
+        (torch.bfloat16, 0.2, many),
+        (torch.float32, None, one),
+    ):
         q, k_cache, v_cache, seqlens, table = _paged_case(generator, lens, 16, dtype)
         case = f"{str(dtype).removeprefix('torch.')}, softmax_scale={scale}, histories of {lens} tokens"
+        if len(lens) == 1:
+            case = f"a batch of one sequence (q of shape {tuple(q.shape)}), " + case
         args = (q.clone(), k_cache.clone(), v_cache.clone())
         got = call_learner(
-            fn, "paged_decode_attention", *args, case=case,
+            fn, "paged_decode_attention", *args, case=case, hint=_batch_of_one_hint if len(lens) == 1 else None,
             cache_seqlens=seqlens.clone(), block_table=table.clone(), softmax_scale=scale, causal=True,
         )  # fmt: skip
+        if len(lens) == 1 and isinstance(got, torch.Tensor) and tuple(got.shape) != tuple(q.shape):
+            raise ExerciseFailure(
+                f"{case}: the output has shape {tuple(got.shape)}, expected {tuple(q.shape)}: with B = 1, squeeze() "
+                "without an axis drops the batch axis too; squeeze(1) and unsqueeze(1) name the query-length axis"
+            )
         got = expect_tensor(got, f"{case}: the output", q.shape, dtype)
         if not (torch.equal(args[1], k_cache) and torch.equal(args[2], v_cache)):
             raise ExerciseFailure(f"{case}: your function changed the KV cache; attention only reads it")

@@ -175,7 +175,12 @@ def check_add_rms_norm(fn: Callable, *, seed: int = 0, engine: bool = True) -> N
             raise ExerciseFailure(f"{case}: the results come in the wrong order: return (normed, new_residual)")
         hint = "The new residual is x + residual (add in float32, hand it back in the input dtype)."
         _compare(new_residual, want_residual, "the new residual", case, hint)
-        hint = "normed is rms_norm(x + residual) of the float32 sum; " + _upcast_hint(normed)
+        hint = "normed is rms_norm(x + residual) of the float32 sum; " + (
+            _upcast_hint(normed)
+            if dtype != torch.float32  # float32 inputs: no upcast to get wrong, so the formula is
+            else "divide it by sqrt(mean(sum**2) over the last axis + eps), a mean of squares (not the variance, "
+            "which subtracts the mean first), and multiply by the weight once"
+        )
         _compare(normed, want_normed, "normed", case, hint)
         summed = (x + residual).to(dtype)  # (T, hidden): the sum rounded to the input dtype
         suspects = {

@@ -8,10 +8,12 @@ from nanoref.exercises.common import ExerciseFailure, check_generation
 from nanoref.ops.store_kvcache import store_kvcache_torch
 from nanoref.utils.seams import use
 
-# the cache the kernel writes: _BLOCKS blocks of _PAGE slots, with one guard block before it and _BLOCKS + 1 after
-# it (a slot arithmetic off by up to BLOCK_ROW / ROW < 2 lands in the guard, where the check names it, rather than
-# past the tensor, which would corrupt the process's memory under the interpreter)
+# the cache the kernel writes: _BLOCKS blocks of _PAGE slots, with one guard block before it and _AFTER after it (a
+# slot arithmetic off by up to 4.5x, slot * BLOCK_ROW or slot * value_stride where slot * ROW belongs, lands in the
+# guard, where the check names it, rather than past the tensor, which would corrupt the process's memory under the
+# interpreter: value's rows are 4 * ROW + 8 values apart, at most 4.5 ROW)
 _BLOCKS, _PAGE = 6, 8
+_AFTER = 5 * _BLOCKS
 
 
 def _case(generator: torch.Generator, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
@@ -26,7 +28,7 @@ def _case(generator: torch.Generator, num_kv_heads: int, head_dim: int, dtype: t
     key = qkv[:, 8 : 8 + row].view(n, num_kv_heads, head_dim)  # (n, Hk, head_dim), row stride > ROW
     wide = torch.randn(n, 4 * row + 8, generator=generator).to(device, dtype)  # a wider buffer: value_stride > key's
     value = wide[:, 8 + row : 8 + 2 * row].view(n, num_kv_heads, head_dim)
-    stale = torch.randn(2, 2 * blocks + 2, page, num_kv_heads, head_dim, generator=generator).to(device, dtype)
+    stale = torch.randn(2, 1 + blocks + _AFTER, page, num_kv_heads, head_dim, generator=generator).to(device, dtype)
     pool = blocks * page
     middle = 1 + torch.randperm(pool - 2, generator=generator)[: n - 2]  # distinct slots 1 .. pool - 2
     slots = torch.cat([torch.tensor([0, pool - 1]), middle])[torch.randperm(n, generator=generator)]  # in no order
@@ -37,10 +39,17 @@ def _case(generator: torch.Generator, num_kv_heads: int, head_dim: int, dtype: t
 
 
 def _describe(
-    got: torch.Tensor, want: torch.Tensor, key: torch.Tensor, slots: torch.Tensor, name: str, other_stride: int
+    got: torch.Tensor,
+    want: torch.Tensor,
+    key: torch.Tensor,
+    slots: torch.Tensor,
+    name: str,
+    other_input: torch.Tensor,
+    stale: torch.Tensor,
 ) -> str:
-    """Which row of the cache (with its guard blocks) is wrong, and the likely reason (other_stride: the row stride
-    of the other input, key's for v_cache and value's for k_cache)."""
+    """Which row of the cache (with its guard blocks) is wrong, and the likely reason (key: the input this cache
+    stores; other_input: the other one, value for k_cache and key for v_cache; stale: the cache before the store)."""
+    other_stride = other_input.stride(0)
     page, row = got.shape[1], got.shape[2] * got.shape[3]
     got_rows, want_rows = got.reshape(-1, row), want.reshape(-1, row)  # guard block, cache, guard block
     bad = (got_rows != want_rows).any(dim=1).nonzero().flatten().tolist()
@@ -52,7 +61,10 @@ def _describe(
             "return before storing anything when it is negative"
         )
     if slot >= _BLOCKS * page:
-        return f"a row past the end of {name} changed (slot {slot}): check the slot arithmetic, slot * ROW"
+        return (
+            f"a row past the end of {name} changed (slot {slot}): check the slot arithmetic: the cache's rows are ROW "
+            "values apart, whatever the inputs' strides, so slot s starts at slot * ROW"
+        )
     tokens = (slots == slot).nonzero().flatten().tolist()
     if not tokens:
         lanes = (got_rows[first] != want_rows[first]).nonzero().flatten().tolist()
@@ -82,8 +94,20 @@ def _describe(
             message + f": only its first {len(lanes)} value(s) differ, as when the store of slot {slot - 1} writes "
             "past its ROW values: load and store with `mask=cols < ROW` (and mask exactly cols < ROW)"
         )
-    if slot == 0:
-        return message + ": slot 0 is a slot like any other; only a negative slot means store nothing (slot < 0)"
+    if torch.equal(got_rows[first], stale.reshape(-1, row)[first]):  # nothing was stored there
+        if slot == 0:
+            return message + ": slot 0 is a slot like any other; only a negative slot means store nothing (slot < 0)"
+        return message + ": nothing was stored there; store token i's row at slot_mapping[i] * ROW + cols"
+    own_rows, other_rows = key.reshape(len(slots), row), other_input.reshape(len(slots), row)  # (N, ROW)
+    which = (own_rows == got_rows[first]).all(dim=1).nonzero().flatten().tolist()
+    if which:
+        return message + (
+            f": it holds token {which[0]}'s row. Token i's row goes to its slot, slot_mapping[i]: write it at "
+            f"{name.replace('_cache', '_cache_ptr')} + slot * ROW + cols, not at the token's index"
+        )
+    if torch.equal(got_rows[first], other_rows[token]):
+        own, other_name = ("key", "value") if name == "k_cache" else ("value", "key")
+        return message + f": it holds token {token}'s {other_name} row: store {own} rows into {name}"
     return message + ": read token i's row at key_ptr + i * key_stride + cols, write it at slot * ROW + cols"
 
 
@@ -133,9 +157,9 @@ def check_store_kvcache_kernel(kernel, *, seed: int = 0, engine: bool = True) ->
         case = f"{str(dtype).removeprefix('torch.')}, Hk={num_kv_heads}, D={head_dim} (ROW={num_kv_heads * head_dim})"
         for index, (name, source) in enumerate((("k_cache", key), ("v_cache", value))):
             if not torch.equal(got[index], want[index]):
-                other_stride = (value if index == 0 else key).stride(0)
+                other = value if index == 0 else key
                 raise ExerciseFailure(
-                    f"{case}: " + _describe(got[index], want[index], source, slots, name, other_stride)
+                    f"{case}: " + _describe(got[index], want[index], source, slots, name, other, stale[index])
                 )
     if engine:
         check_generation({"store_kvcache_kernel": kernel}, attention_backend="triton")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import random
 from collections.abc import Callable
 
@@ -10,6 +11,7 @@ import torch
 from nanoref.engine.step_inputs import prefill_metadata
 from nanoref.exercises.common import ExerciseFailure, call_learner, check_generation, random_prompts
 
+_INPUTS = ("token_ids", "num_cached", "num_new", "block_tables")
 _FIELDS = ("input_ids", "positions", "cu_seqlens_q", "cu_seqlens_k", "slot_mapping")
 
 
@@ -26,7 +28,8 @@ def _as_list(value: object, name: str) -> list[int]:
 def _case(rng: random.Random, block_size: int, num_blocks: int):
     """A step of 4 sequences: fresh prompts, prefix-cache hits (whole blocks) and mid-prompt chunks. The later
     chunk always stops short of the sequence's end (tokens after it that this step does not compute), so keys counted
-    as len(token_ids[b]) instead of num_cached[b] + num_new[b] fail on every seed."""
+    as len(token_ids[b]) instead of num_cached[b] + num_new[b] fail on every seed; it starts mid-block, so a slot offset
+    counted from the chunk's start instead of the token's position fails on every seed too."""
     free = list(range(num_blocks))
     rng.shuffle(free)  # scattered blocks, as after a while of serving
     token_ids, num_cached, num_new, block_tables = [], [], [], []
@@ -35,8 +38,8 @@ def _case(rng: random.Random, block_size: int, num_blocks: int):
         cached = 0
         if kind == "prefix hit":
             cached = block_size * rng.randint(1, (length - 1) // block_size)
-        elif kind == "later chunk":
-            cached = rng.randint(3, length - 2)
+        elif kind == "later chunk":  # starting mid-block, as a chunk cut by the token budget does
+            cached = rng.choice([c for c in range(3, length - 1) if c % block_size])
         new = length - cached if kind != "later chunk" else rng.randint(1, length - cached - 1)
         token_ids.append([rng.randrange(1, 256) for _ in range(length)])
         num_cached.append(cached)
@@ -98,10 +101,17 @@ def check_prefill_metadata(fn: Callable, *, seed: int = 0, engine: bool = True) 
     rng = random.Random(seed)
     for block_size in (4, 16):
         case = _case(rng, block_size, num_blocks=64)
+        expected = prefill_metadata(*case, block_size)
+        before = copy.deepcopy(case)
         result = call_learner(fn, "prefill_metadata", *case, block_size, case=f"block_size {block_size}")
+        for name, given, original in zip(_INPUTS, case, before):
+            if given != original:
+                raise ExerciseFailure(
+                    f"block_size {block_size}: your prefill_metadata changed its {name} argument in place; the engine "
+                    "passes each sequence's own token_ids and block_table lists, so read the inputs and build new lists"
+                )
         if not (isinstance(result, (tuple, list)) and len(result) == 5):
             raise ExerciseFailure(f"return 5 values {_FIELDS}, got {type(result).__name__}")
-        expected = prefill_metadata(*case, block_size)
         for field, got, want in zip(_FIELDS, result, expected):
             got = _as_list(got, field)
             if len(got) != len(want):
