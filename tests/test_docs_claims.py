@@ -52,6 +52,19 @@ def test_every_repository_path_the_docs_quote_exists():
     assert missing == []
 
 
+def test_every_environment_variable_the_package_reads_is_documented():
+    # the package reads a variable by its name, a string (NANOREF_DEVICE, VLLM_API_KEY, ...); .ci's scripts as $NAME
+    read = {
+        name
+        for path in (ROOT / "nanoref").rglob("*.py")
+        for name in re.findall(r"[\"']((?:NANOREF|VLLM)_[A-Z][A-Z0-9_]*)[\"']", path.read_text())
+    }
+    read |= {name for path in (ROOT / ".ci").iterdir() for name in re.findall(r"\$\{?(NANOREF_\w+)", path.read_text())}
+    assert read, "no environment variable found: the pattern no longer matches how the code names them"
+    documented = "".join(doc.read_text() for doc in DOCS)
+    assert sorted(name for name in read if f"`{name}" not in documented) == []
+
+
 # -- LLM's settings -------------------------------------------------------------------------------------------------
 def documented_signature() -> dict[str, object]:
     """usage.md's `LLM(model, *, name=default, ...)` as {name: default}."""
