@@ -36,26 +36,26 @@ from beside_peer import workload  # noqa: E402  (the same 256-request stream)
 def allreduce_micros(runner, rows: list[int], repeats: int = 50) -> dict[int, float]:
     """One all-reduce of a (rows, hidden) activation in the model's dtype, µs (median of `repeats`)."""
     import torch
-    import torch.distributed as dist
 
-    hidden = runner.hf_config.hidden_size
+    all_reduce = runner.parallel.group.all_reduce  # the engine's own process groups (it never makes a default one)
+    hidden = runner.config.hf_config.hidden_size
     result = {}
     for n in rows:
         x = torch.randn(n, hidden, device=runner.device, dtype=runner.config.dtype)
         for _ in range(5):
-            dist.all_reduce(x)
+            all_reduce(x)
         times = []
         for _ in range(repeats):
             if x.is_cuda:
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
-                dist.all_reduce(x)
+                all_reduce(x)
                 end.record()
                 end.synchronize()
                 times.append(start.elapsed_time(end) * 1e3)
             else:  # (--smoke on a CPU)
                 t0 = time.perf_counter()
-                dist.all_reduce(x)
+                all_reduce(x)
                 times.append((time.perf_counter() - t0) * 1e6)
         result[n] = statistics.median(times)
     return result

@@ -190,3 +190,24 @@ def test_the_split_decode_probe_explains_itself_and_names_what_it_needs_without_
     if not torch.cuda.is_available():
         result = run_script("benchmarks/split_decode_probe.py")
         assert result.returncode != 0 and "needs a CUDA GPU" in result.stderr
+
+
+@pytest.mark.slow
+def test_tp_scaling_times_an_all_reduce_on_every_rank_of_a_tensor_parallel_engine():
+    """tp_scaling.py's all-reduce timing, which each rank of its tp=2 engine runs on its own model runner: it read an
+    attribute the runner does not have and then used torch.distributed's default group, which nanoref never makes, so
+    `--smoke`, the run docs/benchmarks.md offers for a CPU, failed after its tp=1 leg. Here on two gloo ranks."""
+    code = """
+import json, sys
+sys.path.insert(0, "benchmarks")
+from tp_scaling import allreduce_micros
+from nanoref import LLM
+if __name__ == "__main__":
+    with LLM(device="cpu", tensor_parallel_size=2, num_kvcache_blocks=8) as llm:
+        print(json.dumps(llm.model_runner.run_on_all_ranks(allreduce_micros, [1, 3], 2)))
+"""
+    result = run_script("-c", code)
+    assert result.returncode == 0, result.stderr[-3000:]
+    per_rank = json.loads(result.stdout.splitlines()[-1])
+    assert len(per_rank) == 2
+    assert all(set(micros) == {"1", "3"} and all(us > 0 for us in micros.values()) for micros in per_rank)
