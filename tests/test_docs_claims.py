@@ -181,6 +181,9 @@ def test_the_python_examples_run_on_the_built_in_model(name, capsys):
         assert tuple(q) == (1, 1, config.num_attention_heads, config.head_dim)
 
 
+CHECK_THROUGH_WITH_VENV = r"bash\s+(\S*)\.ci/with-venv\s+python\s+-m\s+nanoref\.classroom\s+check\s+(\S+)"
+
+
 def test_a_notebook_checked_through_with_venv_is_named_from_the_repositorys_root():
     # .ci/with-venv runs its command from the repository's root, wherever it is called from: called as
     # `bash .ci/with-venv` the shell is in the repository's root too, so "$PWD/x" is the repository's x (a course's
@@ -189,7 +192,7 @@ def test_a_notebook_checked_through_with_venv_is_named_from_the_repositorys_root
 
     wrong = []
     for name, doc in [*((doc.name, doc.read_text()) for doc in DOCS), ("the student handout", HANDOUT)]:
-        for script, path in re.findall(r"bash (\S*)\.ci/with-venv python -m nanoref\.classroom check (\S+)", doc):
+        for script, path in re.findall(CHECK_THROUGH_WITH_VENV, doc):
             path = path.rstrip(",.;)").strip("`\"'")
             if script:  # /path/to/nanoref/.ci/with-venv, from the learner's folder
                 if not path.startswith("$PWD/"):
