@@ -104,9 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--api-key",
         default=None,
-        help="require `Authorization: Bearer API_KEY` on the /v1 routes (others answer 401), as vLLM's; /health, "
-        "/metrics, /version, /tokenize and /detokenize stay open, as in vLLM (default: the environment's "
-        f"{' or '.join(API_KEY_VARIABLES)}, as vLLM reads the first; else no key)",
+        help="require `Authorization: Bearer API_KEY` on the /v1 routes (a request without it: 401), as vLLM's; "
+        "/health, /ping, /metrics, /version, /tokenize and /detokenize stay open, as in vLLM (default: the "
+        f"environment's {' or '.join(API_KEY_VARIABLES)}, as vLLM reads the first; else no key)",
     )
     parser.add_argument(
         "--uvicorn-log-level",
