@@ -65,6 +65,38 @@ def test_every_environment_variable_the_package_reads_is_documented():
     assert sorted(name for name in read if f"`{name}" not in documented) == []
 
 
+def layout_sections() -> dict[str, str]:
+    """layout.md's tree of nanoref/: each entry at its indentation ("engine/", "llm.py") -> its text."""
+    tree = re.search(r"```\nnanoref/\n(.*?)\n(?=\S)", text("docs/layout.md"), re.S)[1]
+    sections: dict[str, str] = {}
+    for line in tree.splitlines():
+        if entry := re.match(r"  (\S+)\s", line):
+            name = entry[1]
+        sections[name] = sections.get(name, "") + line
+    return sections
+
+
+def test_layout_md_names_every_module_of_the_package():
+    sections = layout_sections()
+    missing = []
+    for path in sorted((ROOT / "nanoref").rglob("*.py")):
+        parts = path.relative_to(ROOT / "nanoref").parts
+        if path.stem == "__init__" or "default_model" in parts:
+            continue
+        if len(parts) == 1:  # an entry of its own, or named in another's (serve.py in serving/'s)
+            named = path.name in sections or re.search(rf"(?<![\w/]){re.escape(path.name)}", "".join(sections.values()))
+        else:  # in its folder's entry, by file name or module name (a kernel's "_triton" twin as "+ _triton")
+            section = sections.get(f"{parts[0]}/", "")
+            named = (
+                bool(re.search(rf"\b{path.stem}\b", section))
+                or (path.stem.endswith("_triton") and "+ _triton" in section)
+                or (path.stem == "__main__" and f"python -m nanoref.{parts[0]}" in section)
+            )
+        if not named:
+            missing.append(path.relative_to(ROOT).as_posix())
+    assert missing == []
+
+
 # -- LLM's settings -------------------------------------------------------------------------------------------------
 def documented_signature() -> dict[str, object]:
     """usage.md's `LLM(model, *, name=default, ...)` as {name: default}."""
