@@ -110,7 +110,7 @@ def run_engine(folder: str, tp: int, runs: int, profile: bool, smoke: bool = Fal
         rows = [1, 16, 64, 256, 512, 4096, 16384]
         per_rank = llm.model_runner.run_on_all_ranks(allreduce_micros, rows)
         result["allreduce_us"] = {str(n): per_rank[0][n] for n in rows}
-        layers = llm.model_runner.hf_config.num_hidden_layers
+        layers = llm.config.hf_config.num_hidden_layers
         result["allreduces_per_step"] = 2 * layers + 1  # o_proj and down_proj per layer, and the embedding
     if profile:
         result["profile"] = profile_decode(llm, batch=8, prompt_len=64) if smoke else profile_decode(llm)
