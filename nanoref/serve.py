@@ -125,7 +125,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="accepted for vLLM's scripts: nanoref never logs stats (they are served at /metrics)",
     )
     engine = parser.add_argument_group("engine")
-    engine.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    engine.add_argument(
+        "--device",
+        default=None,
+        help="cpu or cuda (default: the environment's NANOREF_DEVICE, else cuda when available)",
+    )
     engine.add_argument(
         "--dtype",
         default=None,
@@ -238,9 +242,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--gpu-memory-utilization",
         type=float,
         default=None,
-        help="CUDA: the share of the GPU's memory the engine may fill, KV cache included (default 0.9); a CPU ignores "
-        "it, as vLLM's does: its KV cache holds max-num-seqs full-length sequences, at most a quarter of the free "
-        "RAM (--num-kvcache-blocks sets it)",
+        help="CUDA: the share of the whole GPU's memory in use once the KV cache is made, memory other processes "
+        "hold included (Nano-vLLM's rule; default 0.9); a CPU ignores it, as vLLM's does: its KV cache holds "
+        "max-num-seqs full-length sequences, at most a quarter of the free RAM (--num-kvcache-blocks sets it)",
     )
     engine.add_argument(
         "--enforce-eager", action="store_true", help="run decode steps eagerly, without CUDA graphs (CUDA only)"
