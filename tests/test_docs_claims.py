@@ -97,6 +97,17 @@ def test_layout_md_names_every_module_of_the_package():
     assert missing == []
 
 
+def test_every_route_of_the_server_is_documented():
+    routes = {
+        path
+        for module in (ROOT / "nanoref" / "serving").glob("*.py")
+        for path in re.findall(r"@app\.(?:get|post|put|delete|api_route)\(\"([^\"]+)\"", module.read_text())
+    }
+    assert "/v1/completions" in routes, "no route found: the pattern no longer matches how the server declares them"
+    documented = "".join(doc.read_text() for doc in DOCS)
+    assert sorted(path for path in routes if not re.search(rf"{re.escape(path)}(?![\w/])", documented)) == []
+
+
 # -- LLM's settings -------------------------------------------------------------------------------------------------
 def documented_signature() -> dict[str, object]:
     """usage.md's `LLM(model, *, name=default, ...)` as {name: default}."""
