@@ -245,3 +245,14 @@ def test_a_notebook_checked_through_with_venv_is_named_from_the_repositorys_root
             if not (ROOT / in_repo).is_file():
                 wrong.append(f"{name}: {path}")
     assert wrong == []
+
+
+def test_no_doc_runs_nbgrader_through_with_venv():
+    # nbgrader's commands read the course folder they run in; .ci/with-venv runs its command from the repository's root
+    wrong = [
+        f"{doc.name}: {line.strip()}"
+        for doc in DOCS
+        for line in doc.read_text().splitlines()
+        if re.search(r"\.ci/with-venv\s+nbgrader\b", line)
+    ]
+    assert wrong == []
