@@ -123,6 +123,12 @@ def test_usage_md_shows_llms_signature_with_its_defaults():
     assert documented_signature() == actual
 
 
+def test_llms_docstring_describes_every_engine_setting():
+    # help(LLM) shows the signature and this text: each setting is named in it with what it does
+    settings = {f.name for f in fields(EngineConfig) if f.init and f.name != "model"}
+    assert sorted(name for name in settings if not re.search(rf"\b{name}\b", LLM.__doc__)) == []
+
+
 def test_usage_md_table_describes_every_engine_setting_and_no_other():
     table = re.search(r"\| argument \| meaning \|\n(.*?)\n\n", text("docs/usage.md"), re.S)[1]
     named = {name for row in table.splitlines() for name in re.findall(r"`(\w+)`", row.split(" | ")[0])}
