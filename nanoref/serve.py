@@ -305,7 +305,8 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="+",
         default=[],
         metavar="NAME=PATH",
-        help='adapters to serve, each under its name (a request\'s "model"); needs --enable-lora',
+        help="adapters to serve, each under its name (a request's \"model\"): NAME=PATH, or vLLM's JSON form "
+        '\'{"name": NAME, "path": PATH}\'; needs --enable-lora',
     )
     lora.add_argument("--max-loras", type=int, default=None, help="adapters one batch mixes (default 1)")
     lora.add_argument("--max-lora-rank", type=int, default=None, help="the largest adapter rank (default 16)")
@@ -481,11 +482,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         names = served_model_names(args.served_model_name) if args.served_model_name else []
+        names = names or ["nanoref/default_model" if model == str(DEFAULT_MODEL) else model]
     except ValueError as error:
         print(f"error: --served-model-name: {error}", file=sys.stderr)
         return 2
     try:
-        lora_modules = parse_lora_modules(args.lora_modules)
+        lora_modules = parse_lora_modules(args.lora_modules, names)
         if lora_modules and not args.enable_lora:
             raise ValueError("--lora-modules needs --enable-lora")
         check_tool_settings(args.enable_auto_tool_choice, args.tool_call_parser)
@@ -523,7 +525,6 @@ def main(argv: list[str] | None = None) -> int:
         sock.close()
         print(f"error: {name_the_flag(parser, str(error))}", file=sys.stderr)
         return 2
-    names = names or ["nanoref/default_model" if model == str(DEFAULT_MODEL) else model]
     name = names[0]
     tool_settings = {
         "enable_auto_tool_choice": args.enable_auto_tool_choice,
