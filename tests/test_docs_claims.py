@@ -262,3 +262,9 @@ def test_no_doc_runs_nbgrader_through_with_venv():
         if re.search(r"\.ci/with-venv\s+nbgrader\b", line)
     ]
     assert wrong == []
+
+
+def test_the_sites_front_page_links_every_page_of_docs():
+    linked = set(re.findall(r"\]\((\w+\.md)", text("docs/index.md")))
+    pages = {path.name for path in (ROOT / "docs").glob("*.md")} - {"index.md"}
+    assert sorted(pages - linked) == []
