@@ -268,3 +268,27 @@ def test_the_sites_front_page_links_every_page_of_docs():
     linked = set(re.findall(r"\]\((\w+\.md)", text("docs/index.md")))
     pages = {path.name for path in (ROOT / "docs").glob("*.md")} - {"index.md"}
     assert sorted(pages - linked) == []
+
+
+def test_every_metric_the_docs_name_is_one_the_server_exports():
+    # the names a dashboard queries: a counter's sample is NAME_total, a histogram's family NAME (NAME_bucket, ...)
+    pytest.importorskip("uvicorn")
+    pytest.importorskip("prometheus_client")
+    import urllib.request
+
+    from nanoref.serving.api_server import serve_in_background
+    from nanoref.serving.async_llm import AsyncLLM
+    from nanoref.serving.lora_modules import LoRAModules
+
+    engine = AsyncLLM(LLM(device="cpu", num_kvcache_blocks=16, enable_lora=True))
+    try:
+        adapters = LoRAModules(engine.config, "m", {})
+        with serve_in_background(engine, "m", lora_modules=adapters) as url:
+            exposition = urllib.request.urlopen(url.removesuffix("/v1") + "/metrics", timeout=30).read().decode()
+    finally:
+        engine.close()
+    exported = set(re.findall(r"^# (?:HELP|TYPE) (\S+)", exposition, re.M))
+    exported |= {re.sub(r"_(bucket|sum|count)$", "", name) for name in re.findall(r"^([^#\s{]+)", exposition, re.M)}
+    named = {name for doc in DOCS for name in re.findall(r"`((?:nanoref_|vllm:)\w+)", doc.read_text())}
+    assert named, "no metric found in the docs: the pattern no longer matches how they name them"
+    assert sorted(named - exported) == []
