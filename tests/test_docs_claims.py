@@ -192,7 +192,7 @@ def test_every_flag_the_docs_pass_to_python_m_nanoref_or_its_server_exists():
 # -- the course plan ------------------------------------------------------------------------------------------------
 def test_teaching_md_gives_each_exercise_its_notebooks_points():
     rows = re.findall(r"^\| `(\d\d_\w+)` \|(.*)$", text("docs/teaching.md"), re.M)
-    assert rows
+    assert {notebook for notebook, _ in rows} == {path.stem for path in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb")}
     for notebook, row in rows:
         exercises = row.split(" | ")[1]
         documented = {name: int(points) for name, points in re.findall(r"`(\w+)` \((\d+)", exercises)}
@@ -201,6 +201,20 @@ def test_teaching_md_gives_each_exercise_its_notebooks_points():
             cell["metadata"]["nbgrader"]["grade_id"].removeprefix("ex_").removesuffix("_test"): cell["metadata"][
                 "nbgrader"
             ]["points"]
+            for cell in cells
+            if cell.get("metadata", {}).get("nbgrader", {}).get("grade")
+        }
+        assert documented == graded, notebook
+
+
+def test_readmes_notebook_table_lists_every_notebook_with_its_exercises():
+    rows = dict(re.findall(r"^\| `(\d\d_\w+)` \|(.*)$", text("README.md"), re.M))
+    assert set(rows) == {path.stem for path in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb")}
+    for notebook, row in rows.items():
+        documented = set(re.findall(r"`(\w+)`", row.split(" | ")[-1]))
+        cells = json.loads((ROOT / "notebooks" / f"{notebook}.ipynb").read_text())["cells"]
+        graded = {
+            cell["metadata"]["nbgrader"]["grade_id"].removeprefix("ex_").removesuffix("_test")
             for cell in cells
             if cell.get("metadata", {}).get("nbgrader", {}).get("grade")
         }
