@@ -36,26 +36,26 @@ from beside_peer import workload  # noqa: E402  (the same 256-request stream)
 def allreduce_micros(runner, rows: list[int], repeats: int = 50) -> dict[int, float]:
     """One all-reduce of a (rows, hidden) activation in the model's dtype, µs (median of `repeats`)."""
     import torch
-    import torch.distributed as dist
 
-    hidden = runner.hf_config.hidden_size
+    all_reduce = runner.parallel.group.all_reduce  # the engine's own process groups (it never makes a default one)
+    hidden = runner.config.hf_config.hidden_size
     result = {}
     for n in rows:
         x = torch.randn(n, hidden, device=runner.device, dtype=runner.config.dtype)
         for _ in range(5):
-            dist.all_reduce(x)
+            all_reduce(x)
         times = []
         for _ in range(repeats):
             if x.is_cuda:
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
-                dist.all_reduce(x)
+                all_reduce(x)
                 end.record()
                 end.synchronize()
                 times.append(start.elapsed_time(end) * 1e3)
             else:  # (--smoke on a CPU)
                 t0 = time.perf_counter()
-                dist.all_reduce(x)
+                all_reduce(x)
                 times.append((time.perf_counter() - t0) * 1e6)
         result[n] = statistics.median(times)
     return result
@@ -110,7 +110,7 @@ def run_engine(folder: str, tp: int, runs: int, profile: bool, smoke: bool = Fal
         rows = [1, 16, 64, 256, 512, 4096, 16384]
         per_rank = llm.model_runner.run_on_all_ranks(allreduce_micros, rows)
         result["allreduce_us"] = {str(n): per_rank[0][n] for n in rows}
-        layers = llm.model_runner.hf_config.num_hidden_layers
+        layers = llm.config.hf_config.num_hidden_layers
         result["allreduces_per_step"] = 2 * layers + 1  # o_proj and down_proj per layer, and the embedding
     if profile:
         result["profile"] = profile_decode(llm, batch=8, prompt_len=64) if smoke else profile_decode(llm)

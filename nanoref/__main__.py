@@ -32,7 +32,11 @@ def build_parser() -> argparse.ArgumentParser:
     sampling.add_argument("--seed", type=int, default=None, help="make sampling reproducible")
     sampling.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
     engine = parser.add_argument_group("engine")
-    engine.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    engine.add_argument(
+        "--device",
+        default=None,
+        help="cpu or cuda (default: the environment's NANOREF_DEVICE, else cuda when available)",
+    )
     engine.add_argument(
         "--dtype",
         default=None,

@@ -68,7 +68,11 @@ class LLM(LLMEngine):
         that default). dtype: bfloat16 on CUDA, float32 on CPU.
     max_num_seqs, max_num_batched_tokens: sequences per step, and tokens per prefill step (longer prompts are
         prefilled in chunks); default 512 and 16,384 on CUDA (what a GPU needs to be busy), 64 and 4,096 on a CPU.
+    max_model_len: prompt + generated tokens per sequence; default the model's limit, capped at 4096.
     num_kvcache_blocks: an explicit count overrides the one derived from memory.
+    gpu_memory_utilization: CUDA: the share of the whole GPU's memory in use once the KV cache is made, what other
+        processes hold included (default 0.9, vLLM's name); a CPU ignores it.
+    kv_cache_dtype: "auto" (the model's dtype), "fp8" (= "fp8_e4m3") or "fp8_e5m2": K/V stored as 8-bit floats.
     attention_backend: "torch" (reference), "triton" (GPU; CPU through the interpreter), "cpp" (CPU: nanoref's
         C++ kernels, built on first use; needs a C++ compiler and ninja), "flash_attn" (CUDA,
         when installed), "flash_attn+triton" (flash-attn's prefill, nanoref's Triton decode) or "auto"
@@ -100,9 +104,13 @@ class LLM(LLMEngine):
         overlap_scheduling; enable_prefix_caching=False: no request reads K/V another computed (nor do a request's
         n samples share their prompt's); enable_chunked_prefill=False: every prompt is prefilled whole, in one
         step; max_logprobs: the most logprobs a request may ask for; tokenizer: a tokenizer folder other than the
-        model's; tokenizer_mode: "auto"/"hf" or "slow". trust_remote_code, download_dir, disable_log_stats,
-        swap_space, max_seq_len_to_capture, served_model_name and load_format ("auto" or "safetensors") change
-        nothing here; revision, tokenizer_revision, quantization and compilation_config are refused (ValueError).
+        model's; tokenizer_mode: "auto"/"hf" or "slow"; skip_tokenizer_init=True: no tokenizer (prompts and
+        outputs are token ids); generation_config: "auto" (the folder's generation_config.json: the sampling
+        defaults of a request that names none, and its extra EOS ids), "vllm" (SamplingParams' own) or a folder
+        whose file serves instead, override_generation_config a dict laid over it. trust_remote_code, download_dir,
+        disable_log_stats, swap_space, max_seq_len_to_capture, served_model_name and load_format ("auto" or
+        "safetensors") change nothing here; revision, tokenizer_revision, quantization and compilation_config are
+        refused (ValueError).
     """
 
     def __init__(self, model: str | Path = DEFAULT_MODEL, **settings) -> None:

@@ -105,9 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--api-key",
         default=None,
-        help="require `Authorization: Bearer API_KEY` on the /v1 routes (others answer 401), as vLLM's; /health, "
-        "/metrics, /version, /tokenize and /detokenize stay open, as in vLLM (default: the environment's "
-        f"{' or '.join(API_KEY_VARIABLES)}, as vLLM reads the first; else no key)",
+        help="require `Authorization: Bearer API_KEY` on the /v1 routes (a request without it: 401), as vLLM's; "
+        "/health, /ping, /metrics, /version, /tokenize and /detokenize stay open, as in vLLM (default: the "
+        f"environment's {' or '.join(API_KEY_VARIABLES)}, as vLLM reads the first; else no key)",
     )
     parser.add_argument(
         "--uvicorn-log-level",
@@ -134,7 +134,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="accepted for vLLM's scripts: nanoref never logs stats (they are served at /metrics)",
     )
     engine = parser.add_argument_group("engine")
-    engine.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    engine.add_argument(
+        "--device",
+        default=None,
+        help="cpu or cuda (default: the environment's NANOREF_DEVICE, else cuda when available)",
+    )
     engine.add_argument(
         "--dtype",
         default=None,
@@ -247,9 +251,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--gpu-memory-utilization",
         type=float,
         default=None,
-        help="CUDA: the share of the GPU's memory the engine may fill, KV cache included (default 0.9); a CPU ignores "
-        "it, as vLLM's does: its KV cache holds max-num-seqs full-length sequences, at most a quarter of the free "
-        "RAM (--num-kvcache-blocks sets it)",
+        help="CUDA: the share of the whole GPU's memory in use once the KV cache is made, memory other processes "
+        "hold included (Nano-vLLM's rule; default 0.9); a CPU ignores it, as vLLM's does: its KV cache holds "
+        "max-num-seqs full-length sequences, at most a quarter of the free RAM (--num-kvcache-blocks sets it)",
     )
     engine.add_argument(
         "--enforce-eager", action="store_true", help="run decode steps eagerly, without CUDA graphs (CUDA only)"
@@ -310,7 +314,8 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="+",
         default=[],
         metavar="NAME=PATH",
-        help='adapters to serve, each under its name (a request\'s "model"); needs --enable-lora',
+        help="adapters to serve, each under its name (a request's \"model\"): NAME=PATH, or vLLM's JSON form "
+        '\'{"name": NAME, "path": PATH}\'; needs --enable-lora',
     )
     lora.add_argument("--max-loras", type=int, default=None, help="adapters one batch mixes (default 1)")
     lora.add_argument("--max-lora-rank", type=int, default=None, help="the largest adapter rank (default 16)")
@@ -539,11 +544,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         names = served_model_names(args.served_model_name) if args.served_model_name else []
+        names = names or ["nanoref/default_model" if model == str(DEFAULT_MODEL) else model]
     except ValueError as error:
         print(f"error: --served-model-name: {error}", file=sys.stderr)
         return 2
     try:
-        lora_modules = parse_lora_modules(args.lora_modules)
+        lora_modules = parse_lora_modules(args.lora_modules, names)
         if lora_modules and not args.enable_lora:
             raise ValueError("--lora-modules needs --enable-lora")
         check_tool_settings(args.enable_auto_tool_choice, args.tool_call_parser)
@@ -581,7 +587,6 @@ def main(argv: list[str] | None = None) -> int:
         sock.close()
         print(f"error: {name_the_flag(parser, str(error))}", file=sys.stderr)
         return 2
-    names = names or ["nanoref/default_model" if model == str(DEFAULT_MODEL) else model]
     name = names[0]
     tool_settings = {
         "enable_auto_tool_choice": args.enable_auto_tool_choice,

@@ -190,3 +190,27 @@ def test_the_split_decode_probe_explains_itself_and_names_what_it_needs_without_
     if not torch.cuda.is_available():
         result = run_script("benchmarks/split_decode_probe.py")
         assert result.returncode != 0 and "needs a CUDA GPU" in result.stderr
+
+
+@pytest.mark.slow
+def test_tp_scaling_smoke_runs_its_tensor_parallel_leg_on_a_cpu(tmp_path):
+    """tp_scaling.py --smoke, the run docs/benchmarks.md offers for a CPU: its tp=2 leg (here in one process of its own)
+    timed the all-reduces reading an attribute the runner does not have, on torch.distributed's default group, which
+    nanoref never makes, and counted the layers through another missing attribute: the run failed after its tp=1 leg.
+    """
+    code = f"""
+import json, sys
+from pathlib import Path
+sys.path.insert(0, "benchmarks")
+from tp_scaling import make_model, run_engine
+if __name__ == "__main__":
+    folder = make_model(Path({str(tmp_path / "model")!r}), smoke=True)
+    print(json.dumps(run_engine(str(folder), 2, 1, False, smoke=True)))
+"""
+    result = run_script("-c", code)
+    assert result.returncode == 0, result.stderr[-3000:]
+    record = json.loads(result.stdout.splitlines()[-1])
+    assert record["tp"] == 2 and len(record["times"]) == 1
+    assert set(record["allreduce_us"]) == {"1", "16", "64", "256", "512", "4096", "16384"}
+    assert all(us > 0 for us in record["allreduce_us"].values())
+    assert record["allreduces_per_step"] == 2 * 2 + 1  # make_tiny_qwen3's two layers, and the embedding

@@ -52,6 +52,62 @@ def test_every_repository_path_the_docs_quote_exists():
     assert missing == []
 
 
+def test_every_environment_variable_the_package_reads_is_documented():
+    # the package reads a variable by its name, a string (NANOREF_DEVICE, VLLM_API_KEY, ...); .ci's scripts as $NAME
+    read = {
+        name
+        for path in (ROOT / "nanoref").rglob("*.py")
+        for name in re.findall(r"[\"']((?:NANOREF|VLLM)_[A-Z][A-Z0-9_]*)[\"']", path.read_text())
+    }
+    read |= {name for path in (ROOT / ".ci").iterdir() for name in re.findall(r"\$\{?(NANOREF_\w+)", path.read_text())}
+    assert read, "no environment variable found: the pattern no longer matches how the code names them"
+    documented = "".join(doc.read_text() for doc in DOCS)
+    assert sorted(name for name in read if f"`{name}" not in documented) == []
+
+
+def layout_sections() -> dict[str, str]:
+    """layout.md's tree of nanoref/: each entry at its indentation ("engine/", "llm.py") -> its text."""
+    tree = re.search(r"```\nnanoref/\n(.*?)\n(?=\S)", text("docs/layout.md"), re.S)[1]
+    sections: dict[str, str] = {}
+    for line in tree.splitlines():
+        if entry := re.match(r"  (\S+)\s", line):
+            name = entry[1]
+        sections[name] = sections.get(name, "") + line
+    return sections
+
+
+def test_layout_md_names_every_module_of_the_package():
+    sections = layout_sections()
+    missing = []
+    for path in sorted((ROOT / "nanoref").rglob("*.py")):
+        parts = path.relative_to(ROOT / "nanoref").parts
+        if path.stem == "__init__" or "default_model" in parts:
+            continue
+        if len(parts) == 1:  # an entry of its own, or named in another's (serve.py in serving/'s)
+            named = path.name in sections or re.search(rf"(?<![\w/]){re.escape(path.name)}", "".join(sections.values()))
+        else:  # in its folder's entry, by file name or module name (a kernel's "_triton" twin as "+ _triton")
+            section = sections.get(f"{parts[0]}/", "")
+            named = (
+                bool(re.search(rf"\b{path.stem}\b", section))
+                or (path.stem.endswith("_triton") and "+ _triton" in section)
+                or (path.stem == "__main__" and f"python -m nanoref.{parts[0]}" in section)
+            )
+        if not named:
+            missing.append(path.relative_to(ROOT).as_posix())
+    assert missing == []
+
+
+def test_every_route_of_the_server_is_documented():
+    routes = {
+        path
+        for module in (ROOT / "nanoref" / "serving").glob("*.py")
+        for path in re.findall(r"@app\.(?:get|post|put|delete|api_route)\(\"([^\"]+)\"", module.read_text())
+    }
+    assert "/v1/completions" in routes, "no route found: the pattern no longer matches how the server declares them"
+    documented = "".join(doc.read_text() for doc in DOCS)
+    assert sorted(path for path in routes if not re.search(rf"{re.escape(path)}(?![\w/])", documented)) == []
+
+
 # -- LLM's settings -------------------------------------------------------------------------------------------------
 def documented_signature() -> dict[str, object]:
     """usage.md's `LLM(model, *, name=default, ...)` as {name: default}."""
@@ -65,6 +121,12 @@ def test_usage_md_shows_llms_signature_with_its_defaults():
     parameters = inspect.signature(LLM).parameters
     actual = {name: p.default for name, p in parameters.items() if p.kind is inspect.Parameter.KEYWORD_ONLY}
     assert documented_signature() == actual
+
+
+def test_llms_docstring_describes_every_engine_setting():
+    # help(LLM) shows the signature and this text: each setting is named in it with what it does
+    settings = {f.name for f in fields(EngineConfig) if f.init and f.name != "model"}
+    assert sorted(name for name in settings if not re.search(rf"\b{name}\b", LLM.__doc__)) == []
 
 
 def test_usage_md_table_describes_every_engine_setting_and_no_other():
@@ -130,7 +192,7 @@ def test_every_flag_the_docs_pass_to_python_m_nanoref_or_its_server_exists():
 # -- the course plan ------------------------------------------------------------------------------------------------
 def test_teaching_md_gives_each_exercise_its_notebooks_points():
     rows = re.findall(r"^\| `(\d\d_\w+)` \|(.*)$", text("docs/teaching.md"), re.M)
-    assert rows
+    assert {notebook for notebook, _ in rows} == {path.stem for path in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb")}
     for notebook, row in rows:
         exercises = row.split(" | ")[1]
         documented = {name: int(points) for name, points in re.findall(r"`(\w+)` \((\d+)", exercises)}
@@ -139,6 +201,20 @@ def test_teaching_md_gives_each_exercise_its_notebooks_points():
             cell["metadata"]["nbgrader"]["grade_id"].removeprefix("ex_").removesuffix("_test"): cell["metadata"][
                 "nbgrader"
             ]["points"]
+            for cell in cells
+            if cell.get("metadata", {}).get("nbgrader", {}).get("grade")
+        }
+        assert documented == graded, notebook
+
+
+def test_readmes_notebook_table_lists_every_notebook_with_its_exercises():
+    rows = dict(re.findall(r"^\| `(\d\d_\w+)` \|(.*)$", text("README.md"), re.M))
+    assert set(rows) == {path.stem for path in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb")}
+    for notebook, row in rows.items():
+        documented = set(re.findall(r"`(\w+)`", row.split(" | ")[-1]))
+        cells = json.loads((ROOT / "notebooks" / f"{notebook}.ipynb").read_text())["cells"]
+        graded = {
+            cell["metadata"]["nbgrader"]["grade_id"].removeprefix("ex_").removesuffix("_test")
             for cell in cells
             if cell.get("metadata", {}).get("nbgrader", {}).get("grade")
         }
@@ -168,12 +244,65 @@ def test_the_python_examples_run_on_the_built_in_model(name, capsys):
         assert tuple(q) == (1, 1, config.num_attention_heads, config.head_dim)
 
 
+CHECK_THROUGH_WITH_VENV = r"bash\s+(\S*)\.ci/with-venv\s+python\s+-m\s+nanoref\.classroom\s+check\s+(\S+)"
+
+
 def test_a_notebook_checked_through_with_venv_is_named_from_the_repositorys_root():
-    # .ci/with-venv runs its command from the repository's root, wherever it is called from
+    # .ci/with-venv runs its command from the repository's root, wherever it is called from: called as
+    # `bash .ci/with-venv` the shell is in the repository's root too, so "$PWD/x" is the repository's x (a course's
+    # student copy of a notebook is the notebook's); called by its path in the checkout, "$PWD/x" is the caller's
+    from nanoref.classroom.build import HANDOUT
+
     wrong = []
-    for doc in DOCS:
-        for path in re.findall(r"\.ci/with-venv python -m nanoref\.classroom check (\S+)", doc.read_text()):
-            path = path.strip("`\"'")
-            if not path.startswith("$PWD/") and not (ROOT / path).is_file():
-                wrong.append(f"{doc.name}: {path}")
+    for name, doc in [*((doc.name, doc.read_text()) for doc in DOCS), ("the student handout", HANDOUT)]:
+        for script, path in re.findall(CHECK_THROUGH_WITH_VENV, doc):
+            path = path.rstrip(",.;)").strip("`\"'")
+            if script:  # /path/to/nanoref/.ci/with-venv, from the learner's folder
+                if not path.startswith("$PWD/"):
+                    wrong.append(f"{name}: {path} (not a full path, from {script}.ci/with-venv)")
+                continue
+            in_repo = re.sub(r"^course/release/\w+/", "notebooks/", path.removeprefix("$PWD/"))
+            if not (ROOT / in_repo).is_file():
+                wrong.append(f"{name}: {path}")
     assert wrong == []
+
+
+def test_no_doc_runs_nbgrader_through_with_venv():
+    # nbgrader's commands read the course folder they run in; .ci/with-venv runs its command from the repository's root
+    wrong = [
+        f"{doc.name}: {line.strip()}"
+        for doc in DOCS
+        for line in doc.read_text().splitlines()
+        if re.search(r"\.ci/with-venv\s+nbgrader\b", line)
+    ]
+    assert wrong == []
+
+
+def test_the_sites_front_page_links_every_page_of_docs():
+    linked = set(re.findall(r"\]\((\w+\.md)", text("docs/index.md")))
+    pages = {path.name for path in (ROOT / "docs").glob("*.md")} - {"index.md"}
+    assert sorted(pages - linked) == []
+
+
+def test_every_metric_the_docs_name_is_one_the_server_exports():
+    # the names a dashboard queries: a counter's sample is NAME_total, a histogram's family NAME (NAME_bucket, ...)
+    pytest.importorskip("uvicorn")
+    pytest.importorskip("prometheus_client")
+    import urllib.request
+
+    from nanoref.serving.api_server import serve_in_background
+    from nanoref.serving.async_llm import AsyncLLM
+    from nanoref.serving.lora_modules import LoRAModules
+
+    engine = AsyncLLM(LLM(device="cpu", num_kvcache_blocks=16, enable_lora=True))
+    try:
+        adapters = LoRAModules(engine.config, "m", {})
+        with serve_in_background(engine, "m", lora_modules=adapters) as url:
+            exposition = urllib.request.urlopen(url.removesuffix("/v1") + "/metrics", timeout=30).read().decode()
+    finally:
+        engine.close()
+    exported = set(re.findall(r"^# (?:HELP|TYPE) (\S+)", exposition, re.M))
+    exported |= {re.sub(r"_(bucket|sum|count)$", "", name) for name in re.findall(r"^([^#\s{]+)", exposition, re.M)}
+    named = {name for doc in DOCS for name in re.findall(r"`((?:nanoref_|vllm:)\w+)", doc.read_text())}
+    assert named, "no metric found in the docs: the pattern no longer matches how they name them"
+    assert sorted(named - exported) == []

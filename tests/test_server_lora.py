@@ -183,6 +183,15 @@ def test_an_engine_process_serves_adapters(folders, offline):
         (["--enable-lora", "--lora-modules", "a=/x", "a=/y"], "names 'a' twice"),
         (["--enable-lora", "--max-loras", "0"], "max_loras must be a positive integer"),
         (["--enable-lora", "--lora-modules", "sql=/no/such/folder"], "no such folder"),
+        # vLLM's JSON form reaches the folder check too; its base_model_name must be the model served
+        (["--enable-lora", "--lora-modules", '{"name": "sql", "path": "/no/such/folder"}'], "no such folder"),
+        (
+            ["--enable-lora", "--lora-modules", '{"name": "sql", "path": "/x", "base_model_name": "other"}'],
+            "base_model_name 'other', but this server serves 'nanoref/default_model'",
+        ),
+        (["--enable-lora", "--lora-modules", '{"name": "sql"}'], 'needs a "name" and a "path"'),
+        (["--enable-lora", "--lora-modules", '{"name": "sql", "path": "/x", "rank": 8}'], 'takes "name", "path"'),
+        (["--enable-lora", "--lora-modules", '{"name": "sql", '], "is not valid JSON"),
     ],
 )
 def test_the_serve_command_refuses_bad_lora_flags(argv, message, capsys):
@@ -191,6 +200,14 @@ def test_the_serve_command_refuses_bad_lora_flags(argv, message, capsys):
     assert main(["--device", "cpu", "--port", "0", "--engine-process", "off", *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err, err
+
+
+def test_lora_modules_take_vllms_json_form_beside_name_equals_path():
+    from nanoref.serving.lora_modules import parse_lora_modules
+
+    chat = '{"name": "chat", "path": "/a/chat", "base_model_name": "base"}'
+    values = ["sql=/a/sql", chat, '{"name":"m","path":"/m"}']
+    assert parse_lora_modules(values, ["base"]) == {"sql": "/a/sql", "chat": "/a/chat", "m": "/m"}
 
 
 def test_an_adapter_for_the_engine_needs_enable_lora():

@@ -63,9 +63,9 @@ From this folder, with the environment's Python:
 runs the notebook top to bottom (the file is not changed) with each answer imported on its own, as the capstone
 imports it, and prints every graded cell as `pass` or `FAIL` with the check's message, and your points.
 `python -m nanoref.classroom check 10_capstone.ipynb` runs the capstone with all of your answers and prints one
-`pass` or `FAIL` line per engine run. (Through the repository's script, give the notebook's full path:
-`bash .ci/with-venv python -m nanoref.classroom check "$PWD/07_model_and_sampling.ipynb"`, since it runs from
-the checkout.)
+`pass` or `FAIL` line per engine run. (Through the repository's script, from this folder, give the script's
+path in the checkout and the notebook's full path, since the script runs from the checkout:
+`bash /path/to/nanoref/.ci/with-venv python -m nanoref.classroom check "$PWD/07_model_and_sampling.ipynb"`.)
 
 ## How it is graded
 

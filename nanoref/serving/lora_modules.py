@@ -17,6 +17,7 @@ the engine and its prefix cache. Unloading removes the name: requests in flight 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import time
 from collections.abc import Callable
@@ -36,17 +37,42 @@ def runtime_updates_allowed() -> bool:
     return any(os.environ.get(name, "").strip().lower() in ("1", "true") for name in RUNTIME_UPDATES)
 
 
-def parse_lora_modules(values: list[str]) -> dict[str, str]:
-    """--lora-modules' `name=path` entries -> {name: path}; ValueError naming a malformed or repeated one."""
+def parse_lora_modules(values: list[str], base_names: list[str] | None = None) -> dict[str, str]:
+    """--lora-modules' entries -> {name: path}: `name=path`, or vLLM's JSON form `{"name": ..., "path": ...}`, whose
+    `base_model_name` (vLLM's label for the adapter's base) must then be one of `base_names`, the served model's
+    names: this server serves one base model. ValueError naming a malformed or repeated one."""
     modules: dict[str, str] = {}
     for value in values:
-        name, sep, path = value.partition("=")
-        if not sep or not name.strip() or not path.strip():
-            raise ValueError(f"--lora-modules takes name=path entries, got {value!r}")
+        if value.lstrip().startswith("{"):
+            name, path = _json_lora_module(value, base_names)
+        else:
+            name, sep, path = value.partition("=")
+            if not sep or not name.strip() or not path.strip():
+                raise ValueError(
+                    f'--lora-modules takes name=path entries (or {{"name": ..., "path": ...}}), got {value!r}'
+                )
         if name in modules:
             raise ValueError(f"--lora-modules names {name!r} twice")
         modules[name] = path
     return modules
+
+
+def _json_lora_module(value: str, base_names: list[str] | None) -> tuple[str, str]:
+    try:
+        entry = json.loads(value)
+    except ValueError as error:
+        raise ValueError(f"--lora-modules: {value!r} is not valid JSON ({error})") from None
+    unknown = sorted(set(entry) - {"name", "path", "base_model_name"}) if isinstance(entry, dict) else None
+    if unknown is None or unknown:
+        raise ValueError(f'--lora-modules: {value!r} takes "name", "path" and "base_model_name" only')
+    name, path, base = entry.get("name"), entry.get("path"), entry.get("base_model_name")
+    if not (isinstance(name, str) and name.strip() and isinstance(path, str) and path.strip()):
+        raise ValueError(f'--lora-modules: {value!r} needs a "name" and a "path" (non-empty strings)')
+    if base is not None and base_names is not None and base not in base_names:
+        raise ValueError(
+            f"--lora-modules: {name!r} names base_model_name {base!r}, but this server serves {base_names[0]!r}"
+        )
+    return name, path
 
 
 def served_model_names(served_model_name: str | list[str]) -> list[str]:
