@@ -15,7 +15,8 @@ EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what a shell reports for a tool whose r
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m nanoref",
+        # the console script an install puts on PATH is named `nanoref`; a module run's argv[0] is __main__.py
+        prog="nanoref" if os.path.basename(sys.argv[0]) == "nanoref" else "python -m nanoref",
         description="Generate text with nanoref's paged engine. Without --model it uses the tiny model "
         "shipped in the package (trained on the Zen of Python and stdlib docstrings: a toy, for demos).",
     )

@@ -131,3 +131,13 @@ def test_a_prompt_that_is_not_utf8_is_named():
         result.stderr.decode()
         == "error: prompt 1 is not valid UTF-8 (byte 0xe9 at byte 3): pass prompts as UTF-8 text\n"
     )
+
+
+@pytest.mark.parametrize(
+    "argv0, prog", [("/venv/bin/nanoref", "nanoref"), ("/repo/nanoref/__main__.py", "python -m nanoref")]
+)
+def test_the_usage_line_names_the_command_as_it_was_run(monkeypatch, argv0, prog):
+    from nanoref.__main__ import build_parser
+
+    monkeypatch.setattr(sys, "argv", [argv0])
+    assert build_parser().format_usage().startswith(f"usage: {prog} ")
