@@ -478,22 +478,28 @@ def keep_alive_on_engine_death() -> bool:
         return False
 
 
-def stop_when_the_engine_dies(engine, server, stopped: threading.Event, poll: float = 0.25) -> threading.Event:
+def stop_when_the_engine_dies(
+    engine, server, stopped: threading.Event, poll: float = 0.25
+) -> tuple[threading.Event, threading.Thread]:
     """vLLM's watchdog: once the engine died (its process killed, say), say why on stderr and stop the server, whose
     requests in flight have failed already, so that a supervisor sees it end and can start it again; until it
-    stops, /health answers 503 -> an event set when that happened. `stopped`: the server ended otherwise."""
+    stops, /health answers 503 -> (an event set when that happened, the watchdog's thread). `stopped`: the server
+    ended otherwise (the engine is closed after it is set). An engine that ends while the server stops already (a
+    SIGTERM sent to the whole process group, as systemd sends it, reaches the engine process too) is no death."""
     died = threading.Event()
 
     def watch() -> None:
         while not stopped.wait(poll):
-            if engine.errored:
+            # (errored read first: a clean stop sets `stopped`, then closes the engine, which makes it errored)
+            if engine.errored and not (stopped.is_set() or server.should_exit):
                 print(f"error: {engine.dead_error}; the server stops", file=sys.stderr, flush=True)
                 died.set()
                 server.should_exit = True
                 return
 
-    threading.Thread(target=watch, name="nanoref-engine-watchdog", daemon=True).start()
-    return died
+    watchdog = threading.Thread(target=watch, name="nanoref-engine-watchdog", daemon=True)
+    watchdog.start()
+    return died, watchdog
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -632,7 +638,11 @@ def main(argv: list[str] | None = None) -> int:
     previous = signal.signal(signal.SIGTERM, _terminated)
     terminated = False
     stopped = threading.Event()
-    died = threading.Event() if keep_alive_on_engine_death() else stop_when_the_engine_dies(engine, server, stopped)
+    died, watchdog = (
+        (threading.Event(), None)
+        if keep_alive_on_engine_death()
+        else stop_when_the_engine_dies(engine, server, stopped)
+    )
     try:
         server.run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn hands Ctrl-C back once it has shut down: that is the clean stop
@@ -641,6 +651,8 @@ def main(argv: list[str] | None = None) -> int:
         terminated = True
     finally:
         stopped.set()
+        if watchdog is not None:
+            watchdog.join()
         signal.signal(signal.SIGTERM, previous)
         engine.close()
         sock.close()
