@@ -470,12 +470,15 @@ def bounded_shutdown(server_class: type, timeout: float) -> type:
 
 
 def keep_alive_on_engine_death() -> bool:
-    """vLLM's VLLM_KEEP_ALIVE_ON_ENGINE_DEATH (an integer, 0 by default): nonzero keeps the server up, answering 503,
-    once its engine died."""
+    """vLLM's VLLM_KEEP_ALIVE_ON_ENGINE_DEATH (an integer, 0 by default; empty is unset): nonzero keeps the server
+    up, answering 503, once its engine died. Another value is a ValueError naming the variable (vLLM's int() fails
+    on it too), not a setting silently read as 0."""
+    value = os.environ.get("VLLM_KEEP_ALIVE_ON_ENGINE_DEATH", "").strip()
     try:
-        return bool(int(os.environ.get("VLLM_KEEP_ALIVE_ON_ENGINE_DEATH") or 0))
+        return bool(int(value or 0))
     except ValueError:
-        return False
+        message = f"VLLM_KEEP_ALIVE_ON_ENGINE_DEATH must be an integer (1: keep the server up), got {value!r}"
+        raise ValueError(message) from None
 
 
 def stop_when_the_engine_dies(
@@ -527,6 +530,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if not 0 <= args.shutdown_timeout < float("inf"):
         print(f"error: --shutdown-timeout must be 0 or more seconds, got {args.shutdown_timeout}", file=sys.stderr)
+        return 2
+    try:
+        keep_alive = keep_alive_on_engine_death()
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
         return 2
     if not 0 <= args.port <= 65535:  # (checked before the model loads, as every argument is)
         print(f"error: --port must be in [0, 65535] (0: any free port), got {args.port}", file=sys.stderr)
@@ -638,11 +646,7 @@ def main(argv: list[str] | None = None) -> int:
     previous = signal.signal(signal.SIGTERM, _terminated)
     terminated = False
     stopped = threading.Event()
-    died, watchdog = (
-        (threading.Event(), None)
-        if keep_alive_on_engine_death()
-        else stop_when_the_engine_dies(engine, server, stopped)
-    )
+    died, watchdog = (threading.Event(), None) if keep_alive else stop_when_the_engine_dies(engine, server, stopped)
     try:
         server.run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn hands Ctrl-C back once it has shut down: that is the clean stop

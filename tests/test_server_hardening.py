@@ -808,6 +808,17 @@ def test_vllms_keep_alive_on_engine_death_variable_is_read_as_vllm_reads_it(valu
     assert keep_alive_on_engine_death() is keep
 
 
+@pytest.mark.parametrize("value", ["true", "yes", "on"])
+def test_a_keep_alive_on_engine_death_that_is_no_integer_is_an_error_before_the_model_loads(value, monkeypatch, capsys):
+    # vLLM reads the variable with int(); read as 0 instead, "true" would silently stop the server on engine death
+    from nanoref.serve import main
+
+    monkeypatch.setenv("VLLM_KEEP_ALIVE_ON_ENGINE_DEATH", value)
+    assert main(["--device", "cpu", "--port", "70000"]) == 2  # (a bad port too: a check that misses it never serves)
+    message = f"error: VLLM_KEEP_ALIVE_ON_ENGINE_DEATH must be an integer (1: keep the server up), got {value!r}\n"
+    assert capsys.readouterr().err == message
+
+
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the engine process through /proc")
 def test_the_serve_command_stops_the_engine_on_sigterm_and_ends_by_it():
     command = [sys.executable, "-m", "nanoref.serve", "--device", "cpu", "--port", "0", "--engine-process", "on"]
