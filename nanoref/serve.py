@@ -475,30 +475,39 @@ def bounded_shutdown(server_class: type, timeout: float) -> type:
 
 
 def keep_alive_on_engine_death() -> bool:
-    """vLLM's VLLM_KEEP_ALIVE_ON_ENGINE_DEATH (an integer, 0 by default): nonzero keeps the server up, answering 503,
-    once its engine died."""
+    """vLLM's VLLM_KEEP_ALIVE_ON_ENGINE_DEATH (an integer, 0 by default; empty is unset): nonzero keeps the server
+    up, answering 503, once its engine died. Another value is a ValueError naming the variable (vLLM's int() fails
+    on it too), not a setting silently read as 0."""
+    value = os.environ.get("VLLM_KEEP_ALIVE_ON_ENGINE_DEATH", "").strip()
     try:
-        return bool(int(os.environ.get("VLLM_KEEP_ALIVE_ON_ENGINE_DEATH") or 0))
+        return bool(int(value or 0))
     except ValueError:
-        return False
+        message = f"VLLM_KEEP_ALIVE_ON_ENGINE_DEATH must be an integer (1: keep the server up), got {value!r}"
+        raise ValueError(message) from None
 
 
-def stop_when_the_engine_dies(engine, server, stopped: threading.Event, poll: float = 0.25) -> threading.Event:
+def stop_when_the_engine_dies(
+    engine, server, stopped: threading.Event, poll: float = 0.25
+) -> tuple[threading.Event, threading.Thread]:
     """vLLM's watchdog: once the engine died (its process killed, say), say why on stderr and stop the server, whose
     requests in flight have failed already, so that a supervisor sees it end and can start it again; until it
-    stops, /health answers 503 -> an event set when that happened. `stopped`: the server ended otherwise."""
+    stops, /health answers 503 -> (an event set when that happened, the watchdog's thread). `stopped`: the server
+    ended otherwise (the engine is closed after it is set). An engine that ends while the server stops already (a
+    SIGTERM sent to the whole process group, as systemd sends it, reaches the engine process too) is no death."""
     died = threading.Event()
 
     def watch() -> None:
         while not stopped.wait(poll):
-            if engine.errored:
+            # (errored read first: a clean stop sets `stopped`, then closes the engine, which makes it errored)
+            if engine.errored and not (stopped.is_set() or server.should_exit):
                 print(f"error: {engine.dead_error}; the server stops", file=sys.stderr, flush=True)
                 died.set()
                 server.should_exit = True
                 return
 
-    threading.Thread(target=watch, name="nanoref-engine-watchdog", daemon=True).start()
-    return died
+    watchdog = threading.Thread(target=watch, name="nanoref-engine-watchdog", daemon=True)
+    watchdog.start()
+    return died, watchdog
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -526,6 +535,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if not 0 <= args.shutdown_timeout < float("inf"):
         print(f"error: --shutdown-timeout must be 0 or more seconds, got {args.shutdown_timeout}", file=sys.stderr)
+        return 2
+    try:
+        keep_alive = keep_alive_on_engine_death()
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
         return 2
     if not 0 <= args.port <= 65535:  # (checked before the model loads, as every argument is)
         print(f"error: --port must be in [0, 65535] (0: any free port), got {args.port}", file=sys.stderr)
@@ -637,7 +651,7 @@ def main(argv: list[str] | None = None) -> int:
     previous = signal.signal(signal.SIGTERM, _terminated)
     terminated = False
     stopped = threading.Event()
-    died = threading.Event() if keep_alive_on_engine_death() else stop_when_the_engine_dies(engine, server, stopped)
+    died, watchdog = (threading.Event(), None) if keep_alive else stop_when_the_engine_dies(engine, server, stopped)
     try:
         server.run(sockets=[sock])
     except KeyboardInterrupt:  # uvicorn hands Ctrl-C back once it has shut down: that is the clean stop
@@ -646,6 +660,8 @@ def main(argv: list[str] | None = None) -> int:
         terminated = True
     finally:
         stopped.set()
+        if watchdog is not None:
+            watchdog.join()
         signal.signal(signal.SIGTERM, previous)
         engine.close()
         sock.close()

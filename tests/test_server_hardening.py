@@ -671,7 +671,9 @@ def test_the_serve_command_stops_on_sigterm_while_a_client_has_stopped_reading_i
 
 
 @pytest.mark.parametrize("grace", [0.0, TIMEOUT], ids=["at-once", "drained"])
-def test_a_stop_lets_streams_finish_for_shutdown_timeout_seconds_then_cuts_them(server, grace):
+def test_a_stop_lets_streams_finish_for_shutdown_timeout_seconds_then_cuts_them(server, grace, monkeypatch):
+    if not grace:  # (the cut comes ~0.2 s after the first event: a fast machine must not end the stream before it)
+        slow_steps(server, monkeypatch)
     import uvicorn
 
     from nanoref.serve import bounded_shutdown
@@ -710,6 +712,94 @@ def test_a_stop_lets_streams_finish_for_shutdown_timeout_seconds_then_cuts_them(
         sock.close()
 
 
+class WatchedEngine:
+    """An AsyncLLM's face to the engine watchdog: `errored` (True once dead or closed) and `dead_error`; `on_read`
+    runs at each read of `errored`, before it answers (what the server does meanwhile)."""
+
+    def __init__(self, on_read=lambda: None) -> None:
+        self.closed, self.on_read, self.reads = False, on_read, threading.Semaphore(0)
+        self.dead_error = "the engine process (pid 1) ended unexpectedly (killed by signal 15)"
+
+    @property
+    def errored(self) -> bool:
+        self.on_read()
+        self.reads.release()
+        return self.closed
+
+
+def watch_engine(engine: WatchedEngine, stopped: threading.Event, server, capsys) -> tuple[bool, str]:
+    """The watchdog on `engine` until it has read `errored` twice (or acted, or the server ended), then the server's
+    end -> (whether it said the engine died, what it wrote on stderr)."""
+    from nanoref.serve import stop_when_the_engine_dies
+
+    died, watchdog = stop_when_the_engine_dies(engine, server, stopped, poll=0.001)
+    for _ in range(2):
+        assert engine.reads.acquire(timeout=TIMEOUT)
+        if died.is_set() or stopped.is_set():
+            break
+    stopped.set()
+    watchdog.join(TIMEOUT)
+    assert not watchdog.is_alive()
+    return died.is_set(), capsys.readouterr().err
+
+
+def test_the_engine_watchdog_stops_the_server_once_the_engine_died(capsys):
+    server, stopped, engine = type("Server", (), {"should_exit": False})(), threading.Event(), WatchedEngine()
+    engine.closed = True  # (died: errored, and the server is not stopping)
+    died, err = watch_engine(engine, stopped, server, capsys)
+    assert died and server.should_exit
+    assert err == f"error: {engine.dead_error}; the server stops\n"
+
+
+def test_the_engine_watchdog_is_quiet_when_a_clean_stop_closes_the_engine_as_it_looks(capsys):
+    # the server's end comes between the watchdog's wake-up and its look at the engine: main sets `stopped`, then
+    # closes the engine, which is errored from then on (here uvicorn's run ended without should_exit, as when its
+    # startup fails); that end is no engine death
+    server, stopped = type("Server", (), {"should_exit": False})(), threading.Event()
+    engine = WatchedEngine()
+
+    def stop_now() -> None:
+        stopped.set()
+        engine.closed = True
+
+    engine.on_read = stop_now
+    died, err = watch_engine(engine, stopped, server, capsys)
+    assert not died and err == ""
+
+
+def test_an_engine_that_ends_while_the_server_stops_is_no_death(capsys):
+    # systemd (and `kill -TERM -PGID`) sends SIGTERM to the whole process group: uvicorn starts its shutdown and the
+    # engine process dies of the same signal; the server must end by SIGTERM, not exit 1 saying the engine died
+    server, stopped, engine = type("Server", (), {"should_exit": True})(), threading.Event(), WatchedEngine()
+    engine.closed = True
+    died, err = watch_engine(engine, stopped, server, capsys)
+    assert not died and err == ""
+
+
+def test_the_serve_command_ends_by_a_sigterm_sent_to_its_whole_process_group():
+    # systemd's stop (KillMode=control-group, its default) and `kill -TERM -PGID` signal every process of the server,
+    # the engine process too: the server must end by SIGTERM, as for its own, not exit 1 saying its engine died
+    command = [sys.executable, "-m", "nanoref.serve", "--device", "cpu", "--port", "0", "--engine-process", "on"]
+    env = {key: value for key, value in os.environ.items() if key != "VLLM_KEEP_ALIVE_ON_ENGINE_DEATH"}
+    server = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
+    )
+    try:
+        line = server.stdout.readline()
+        assert " on http://" in line, line + server.stderr.read()
+        url = line.split(" on ", 1)[1].split()[0]
+        body = {"prompt": PROMPT, "max_tokens": 2}  # (answered: uvicorn runs, its signal handlers are in place)
+        assert httpx.post(f"{url}/completions", json=body, timeout=TIMEOUT).status_code == 200
+        os.killpg(server.pid, signal.SIGTERM)
+        assert server.wait(TIMEOUT) == -signal.SIGTERM
+        err = server.stderr.read()
+        assert "Traceback" not in err and "ended unexpectedly" not in err, err
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
+
+
 @pytest.mark.parametrize("value, keep", [(None, False), ("0", False), ("1", True), ("", False)])
 def test_vllms_keep_alive_on_engine_death_variable_is_read_as_vllm_reads_it(value, keep, monkeypatch):
     from nanoref.serve import keep_alive_on_engine_death
@@ -718,6 +808,17 @@ def test_vllms_keep_alive_on_engine_death_variable_is_read_as_vllm_reads_it(valu
     if value is not None:
         monkeypatch.setenv("VLLM_KEEP_ALIVE_ON_ENGINE_DEATH", value)
     assert keep_alive_on_engine_death() is keep
+
+
+@pytest.mark.parametrize("value", ["true", "yes", "on"])
+def test_a_keep_alive_on_engine_death_that_is_no_integer_is_an_error_before_the_model_loads(value, monkeypatch, capsys):
+    # vLLM reads the variable with int(); read as 0 instead, "true" would silently stop the server on engine death
+    from nanoref.serve import main
+
+    monkeypatch.setenv("VLLM_KEEP_ALIVE_ON_ENGINE_DEATH", value)
+    assert main(["--device", "cpu", "--port", "70000"]) == 2  # (a bad port too: a check that misses it never serves)
+    message = f"error: VLLM_KEEP_ALIVE_ON_ENGINE_DEATH must be an integer (1: keep the server up), got {value!r}\n"
+    assert capsys.readouterr().err == message
 
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the engine process through /proc")

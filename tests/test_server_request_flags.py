@@ -119,5 +119,11 @@ def test_force_include_usage_ends_every_stream_with_its_usage(server):
             chunks = list(client.chat.completions.create(messages=MESSAGES, stream=True, **extra, **ASK))
             assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 4
         assert client.completions.create(prompt="Beautiful is", **ASK).usage.completion_tokens == 4
+        # vLLM's: the forced usage is usage enough for continuous_usage_stats, which include_usage false then keeps
+        options = {"include_usage": False, "continuous_usage_stats": True}
+        chunks = list(client.completions.create(prompt="Beautiful is", stream=True, stream_options=options, **ASK))
+        assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 4
+        counts = [chunk.usage.completion_tokens for chunk in chunks[:-1]]  # (every chunk has its usage so far)
+        assert counts == sorted(counts) and counts[-1] == 4 and chunks[0].usage.prompt_tokens > 0
     plain = list(server.client().completions.create(prompt="Beautiful is", stream=True, **ASK))
     assert plain and all(chunk.usage is None for chunk in plain)

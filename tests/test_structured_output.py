@@ -378,3 +378,20 @@ def test_a_model_padded_past_its_tokenizer_never_gets_a_padding_token(tmp_path):
     )
     for sample in llm.generate(["hello"], params, use_tqdm=False)[0]["outputs"]:
         assert max(sample["token_ids"]) < 1024 and re.fullmatch(regex, sample["text"]), sample
+
+
+def test_a_stop_token_id_that_completes_the_grammar_is_the_stop_reason(llm):
+    """The token that completes a grammar and is one of stop_token_ids ends the request with that id as its
+    stop_reason (vLLM's), as any stop id does: the grammar being complete finds no stop string to report instead."""
+    eos = min(llm.scheduler.eos_token_ids)  # (ignore_eos: only stop_token_ids can name it as the reason)
+    for detokenize in (True, False):
+        params = SamplingParams(
+            temperature=0,
+            max_tokens=12,
+            ignore_eos=True,
+            stop_token_ids=[eos],
+            detokenize=detokenize,
+            structured_outputs=constrained(choice=["yes"]),
+        )
+        output = llm.generate(["Answer:"], params, use_tqdm=False)[0].outputs[0]
+        assert (output.token_ids[-1], output.finish_reason, output.stop_reason) == (eos, "stop", eos), detokenize

@@ -189,14 +189,14 @@ class Scheduler:
     def finish_reason(self, seq: Sequence, token_id: int, stopped: bool = False) -> str | None:
         """Why seq ends with the token it just appended: "stop" or "length"; None: it goes on. The stop_token_ids
         entry that ended it is kept as `seq.stop_reason`. While seq is short of its min_tokens, no token stops it
-        (the sampler also masks EOS and the stop ids). stopped: the output stage found a stop string (then that string,
-        already `seq.stop_reason`, stays the reason where the token is also a stop id, as vLLM reports it)."""
+        (the sampler also masks EOS and the stop ids). stopped: the output stage found a stop string (which then stays
+        `seq.stop_reason` where the token is also a stop id, as in vLLM) or the request's grammar is complete."""
         params = seq.sampling_params
         if seq.num_completion_tokens > params.min_tokens:  # (this token is number num_completion_tokens)
             if not params.ignore_eos and token_id in self.eos_token_ids:
                 return "stop"
             if token_id in params.stop_token_ids:
-                seq.stop_reason = seq.stop_reason if stopped else token_id
+                seq.stop_reason = seq.stop_reason if stopped and seq.stop_reason is not None else token_id
                 return "stop"
         if stopped:
             return "stop"

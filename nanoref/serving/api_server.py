@@ -1239,9 +1239,9 @@ def build_app(
         if every_chunk is not None and not isinstance(every_chunk, bool):
             message = f"stream_options.continuous_usage_stats must be true or false, got {every_chunk!r:.60}"
             raise BadRequest(message, "stream_options")
-        if every_chunk and options.get("include_usage", True) is not True:  # (vLLM ignores it then)
+        if every_chunk and not enable_force_include_usage and options.get("include_usage", True) is not True:
             message = "stream_options.continuous_usage_stats needs include_usage (usage in every chunk is usage too)"
-            raise BadRequest(message, "stream_options")
+            raise BadRequest(message, "stream_options")  # (vLLM ignores it then; --enable-force-include-usage not)
         if options and not body.get("stream"):  # (vLLM's rule; an empty object is no option)
             raise BadRequest("stream_options can only be defined when stream is true (as in vLLM)", "stream_options")
         return body, heavy
