@@ -4,8 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
+import signal
+import subprocess
+import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -312,32 +319,55 @@ def children_of(pid: int) -> set[int]:
     return found
 
 
-@pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the engine process through /proc")
-def test_the_serve_command_with_engine_process_on_serves_and_stops_on_ctrl_c():
-    import os
-    import signal
-    import subprocess
-    import sys
+@dataclass
+class ServeCommand:
+    process: subprocess.Popen  # `python -m nanoref.serve ...`, its stdout and stderr piped
+    url: str  # http://127.0.0.1:PORT/v1
+    engine: set[int]  # the pids of its children but multiprocessing's resource tracker: the engine process, if any
 
-    command = [sys.executable, "-m", "nanoref.serve", "--device", "cpu", "--port", "0", "--engine-process", "on"]
-    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ)
-    try:
-        line = server.stdout.readline()  # "nanoref serves ... on http://127.0.0.1:PORT/v1 (Ctrl-C stops it)"
-        assert " on http://" in line, line + server.stderr.read()
-        url = line.split(" on ", 1)[1].split()[0]
-        children = children_of(server.pid)  # the engine process (and multiprocessing's resource tracker)
-        engine = {pid for pid in children if "resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_text()}
-        assert len(engine) == 1
-        body = {"prompt": "Beautiful is", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
-        answer = httpx.post(f"{url}/completions", json=body, timeout=TIMEOUT).json()
-        assert answer["usage"]["completion_tokens"] == 4
-        server.send_signal(signal.SIGINT)
-        assert server.wait(TIMEOUT) == 0, server.stderr.read()
-        assert "Traceback" not in server.stderr.read()
-        for pid in engine:  # the engine process went with the server (stopped and reaped by it)
+    def assert_the_engine_is_gone(self) -> None:  # stopped and reaped by the server before it ended
+        for pid in self.engine:
             with pytest.raises(ProcessLookupError):
                 os.kill(pid, 0)
+
+
+@contextmanager
+def serve_command(*flags: str, env: dict | None = None, new_session: bool = False) -> Iterator[ServeCommand]:
+    """`python -m nanoref.serve --device cpu --port 0 *flags` in a process of its own, once it serves; killed (its
+    whole session with new_session) if it still runs when the block ends."""
+    command = [sys.executable, "-m", "nanoref.serve", "--device", "cpu", "--port", "0", *flags]
+    process = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=os.environ if env is None else env,
+        start_new_session=new_session,
+    )
+    try:
+        line = process.stdout.readline()  # "nanoref serves ... on http://127.0.0.1:PORT/v1 (Ctrl-C stops it)"
+        assert " on http://" in line, line + process.stderr.read()
+        url = line.split(" on ", 1)[1].split()[0]
+        children = children_of(process.pid) if Path("/proc").is_dir() else set()  # (and the resource tracker)
+        engine = {pid for pid in children if "resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_text()}
+        yield ServeCommand(process, url, engine)
     finally:
-        if server.poll() is None:
-            server.kill()
-            server.wait()
+        if process.poll() is None:
+            if new_session:
+                os.killpg(process.pid, signal.SIGKILL)
+            else:
+                process.kill()
+            process.wait()
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the engine process through /proc")
+def test_the_serve_command_with_engine_process_on_serves_and_stops_on_ctrl_c():
+    with serve_command("--engine-process", "on") as server:
+        assert len(server.engine) == 1
+        body = {"prompt": "Beautiful is", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+        answer = httpx.post(f"{server.url}/completions", json=body, timeout=TIMEOUT).json()
+        assert answer["usage"]["completion_tokens"] == 4
+        server.process.send_signal(signal.SIGINT)
+        assert server.process.wait(TIMEOUT) == 0, server.process.stderr.read()
+        assert "Traceback" not in server.process.stderr.read()
+        server.assert_the_engine_is_gone()  # the engine process went with the server

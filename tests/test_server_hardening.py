@@ -10,8 +10,6 @@ import os
 import signal
 import socket
 import struct
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -39,7 +37,7 @@ from nanoref.serving.async_llm import AsyncLLM  # noqa: E402
 
 from .helpers import SERVER_TIMEOUT as TIMEOUT  # noqa: E402
 from .helpers import running_server  # noqa: E402
-from .test_server import children_of, scrape  # noqa: E402
+from .test_server import scrape, serve_command  # noqa: E402
 
 MODEL = "nanoref-test"
 SETTINGS = dict(device="cpu", num_kvcache_blocks=256)
@@ -605,18 +603,11 @@ def test_the_serve_command_refuses_an_address_in_use_before_loading_the_model(ca
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the engine process through /proc")
 def test_the_serve_command_stops_when_its_engine_process_dies_as_vllms():
     # vLLM's server stops once its engine is dead, so that a supervisor sees it end (and may start it again)
-    command = [sys.executable, "-m", "nanoref.serve", "--device", "cpu", "--port", "0", "--engine-process", "on"]
     env = {key: value for key, value in os.environ.items() if key != "VLLM_KEEP_ALIVE_ON_ENGINE_DEATH"}
-    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    try:
-        line = server.stdout.readline()
-        assert " on http://" in line, line + server.stderr.read()
-        url = line.split(" on ", 1)[1].split()[0]
-        (engine,) = {
-            pid for pid in children_of(server.pid) if "resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_text()
-        }
+    with serve_command("--engine-process", "on", env=env) as server:
+        (engine,) = server.engine
         body = {"prompt": PROMPT, "max_tokens": 400, "ignore_eos": True, "stream": True}
-        with httpx.stream("POST", f"{url}/completions", json=body, timeout=TIMEOUT) as response:
+        with httpx.stream("POST", f"{server.url}/completions", json=body, timeout=TIMEOUT) as response:
             events = []
             for line in response.iter_lines():
                 if line.startswith("data: "):
@@ -624,28 +615,17 @@ def test_the_serve_command_stops_when_its_engine_process_dies_as_vllms():
                     if len(events) == 1:
                         os.kill(engine, signal.SIGKILL)
         assert events[-1] == "[DONE]" and json.loads(events[-2])["error"]["code"] == 503, events[-2:]
-        assert server.wait(TIMEOUT) == 1
-        err = server.stderr.read()
+        assert server.process.wait(TIMEOUT) == 1
+        err = server.process.stderr.read()
         assert "Traceback" not in err
         assert f"error: the engine process (pid {engine}) ended unexpectedly (killed by signal 9); the server" in err
-    finally:
-        if server.poll() is None:
-            server.kill()
-            server.wait()
 
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the engine process through /proc")
 def test_the_serve_command_stops_on_sigterm_while_a_client_has_stopped_reading_its_stream():
     # uvicorn alone waits for every response to end: a client that stops reading its stream held the stop for ever
-    command = [sys.executable, "-m", "nanoref.serve", "--device", "cpu", "--port", "0"]
-    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ)
-    try:
-        line = server.stdout.readline()
-        assert " on http://" in line, line + server.stderr.read()
-        host, port = line.split("http://", 1)[1].split("/", 1)[0].split(":")
-        engine = {
-            pid for pid in children_of(server.pid) if "resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_text()
-        }
+    with serve_command() as server:
+        host, port = server.url.split("http://", 1)[1].split("/", 1)[0].split(":")
         # ~20 MB of events, far more than the sockets' buffers hold: the server's writes stall
         body = json.dumps(
             {"prompt": PROMPT, "max_tokens": 480, "n": 64, "logprobs": 5, "ignore_eos": True, "stream": True}
@@ -657,17 +637,11 @@ def test_the_serve_command_stops_on_sigterm_while_a_client_has_stopped_reading_i
             head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             client.sendall(f"{head}Content-Length: {len(body)}\r\n\r\n{body}".encode())
             assert client.recv(12) == b"HTTP/1.1 200"  # streaming has begun; nothing more is read
-            server.send_signal(signal.SIGTERM)
-            assert server.wait(TIMEOUT) == -signal.SIGTERM
-        err = server.stderr.read()
+            server.process.send_signal(signal.SIGTERM)
+            assert server.process.wait(TIMEOUT) == -signal.SIGTERM
+        err = server.process.stderr.read()
         assert "Traceback" not in err and "ERROR" not in err, err
-        for pid in engine:
-            with pytest.raises(ProcessLookupError):
-                os.kill(pid, 0)
-    finally:
-        if server.poll() is None:
-            server.kill()
-            server.wait()
+        server.assert_the_engine_is_gone()
 
 
 @pytest.mark.parametrize("grace", [0.0, TIMEOUT], ids=["at-once", "drained"])
@@ -779,25 +753,14 @@ def test_an_engine_that_ends_while_the_server_stops_is_no_death(capsys):
 def test_the_serve_command_ends_by_a_sigterm_sent_to_its_whole_process_group():
     # systemd's stop (KillMode=control-group, its default) and `kill -TERM -PGID` signal every process of the server,
     # the engine process too: the server must end by SIGTERM, as for its own, not exit 1 saying its engine died
-    command = [sys.executable, "-m", "nanoref.serve", "--device", "cpu", "--port", "0", "--engine-process", "on"]
     env = {key: value for key, value in os.environ.items() if key != "VLLM_KEEP_ALIVE_ON_ENGINE_DEATH"}
-    server = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
-    )
-    try:
-        line = server.stdout.readline()
-        assert " on http://" in line, line + server.stderr.read()
-        url = line.split(" on ", 1)[1].split()[0]
+    with serve_command("--engine-process", "on", env=env, new_session=True) as server:
         body = {"prompt": PROMPT, "max_tokens": 2}  # (answered: uvicorn runs, its signal handlers are in place)
-        assert httpx.post(f"{url}/completions", json=body, timeout=TIMEOUT).status_code == 200
-        os.killpg(server.pid, signal.SIGTERM)
-        assert server.wait(TIMEOUT) == -signal.SIGTERM
-        err = server.stderr.read()
+        assert httpx.post(f"{server.url}/completions", json=body, timeout=TIMEOUT).status_code == 200
+        os.killpg(server.process.pid, signal.SIGTERM)
+        assert server.process.wait(TIMEOUT) == -signal.SIGTERM
+        err = server.process.stderr.read()
         assert "Traceback" not in err and "ended unexpectedly" not in err, err
-    finally:
-        if server.poll() is None:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
 
 
 @pytest.mark.parametrize("value, keep", [(None, False), ("0", False), ("1", True), ("", False)])
@@ -823,25 +786,11 @@ def test_a_keep_alive_on_engine_death_that_is_no_integer_is_an_error_before_the_
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the engine process through /proc")
 def test_the_serve_command_stops_the_engine_on_sigterm_and_ends_by_it():
-    command = [sys.executable, "-m", "nanoref.serve", "--device", "cpu", "--port", "0", "--engine-process", "on"]
-    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ)
-    try:
-        line = server.stdout.readline()
-        assert " on http://" in line, line + server.stderr.read()
-        url = line.split(" on ", 1)[1].split()[0]
-        engine = {
-            pid for pid in children_of(server.pid) if "resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_text()
-        }
-        assert len(engine) == 1
+    with serve_command("--engine-process", "on") as server:
+        assert len(server.engine) == 1
         body = {"prompt": PROMPT, "max_tokens": 2}
-        assert httpx.post(f"{url}/completions", json=body, timeout=TIMEOUT).status_code == 200
-        server.send_signal(signal.SIGTERM)
-        assert server.wait(TIMEOUT) == -signal.SIGTERM  # as uvicorn ends on SIGTERM, after its shutdown
-        assert "Traceback" not in server.stderr.read()
-        for pid in engine:  # stopped and reaped by the server before it ended: engine.close() ran
-            with pytest.raises(ProcessLookupError):
-                os.kill(pid, 0)
-    finally:
-        if server.poll() is None:
-            server.kill()
-            server.wait()
+        assert httpx.post(f"{server.url}/completions", json=body, timeout=TIMEOUT).status_code == 200
+        server.process.send_signal(signal.SIGTERM)
+        assert server.process.wait(TIMEOUT) == -signal.SIGTERM  # as uvicorn ends on SIGTERM, after its shutdown
+        assert "Traceback" not in server.process.stderr.read()
+        server.assert_the_engine_is_gone()  # engine.close() ran
