@@ -452,17 +452,28 @@ def _terminated(signum, frame) -> None:
     raise Terminated
 
 
-def bounded_shutdown(server_class: type, timeout: float) -> type:
-    """uvicorn's Server whose shutdown lets the responses in flight go on for at most `timeout` seconds, then cuts
-    their connections: each request then ends as one whose client left (aborted, its blocks freed), quietly. Left
-    to itself, uvicorn waits for every response to end, for ever when a client stopped reading its stream."""
+LAST_WORDS_S = 1.0  # after a stop's abort, how long a client that reads has to take its request's last event
+
+
+def bounded_shutdown(server_class: type, timeout: float, abort_all=None) -> type:
+    """uvicorn's Server whose shutdown lets the responses in flight go on for at most `timeout` seconds, then ends
+    them as vLLM's does: `abort_all()` (an async callable) aborts every request in flight, so that each response
+    ends with its error (a 503, streamed or not) and its blocks are freed; a connection still open LAST_WORDS_S
+    later (a client that stopped reading) is cut. Left to itself, uvicorn waits for every response to end, for ever
+    when a client stopped reading its stream."""
     import asyncio
 
     class Server(server_class):
         async def shutdown(self, sockets=None) -> None:
             async def cut() -> None:
                 await asyncio.sleep(timeout)
-                for connection in list(self.server_state.connections):
+                connections = self.server_state.connections
+                if abort_all is not None and connections:
+                    await abort_all()
+                    deadline = asyncio.get_running_loop().time() + LAST_WORDS_S
+                    while connections and asyncio.get_running_loop().time() < deadline:
+                        await asyncio.sleep(0.02)
+                for connection in list(connections):
                     connection.transport.abort()  # (close() would wait to send what a stalled client never reads)
 
             cutter = asyncio.ensure_future(cut())
@@ -636,7 +647,7 @@ def main(argv: list[str] | None = None) -> int:
             f"sampling defaults from the model's generation config (--generation-config vllm: none): {listed}",
             flush=True,
         )
-    server = bounded_shutdown(uvicorn.Server, args.shutdown_timeout)(
+    server = bounded_shutdown(uvicorn.Server, args.shutdown_timeout, engine.abort_all)(
         uvicorn.Config(app, log_level=args.uvicorn_log_level)
     )
     # This process is the server's own: threads share its GIL, the event loop streaming responses and the engine

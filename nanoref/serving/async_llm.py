@@ -331,6 +331,12 @@ class AsyncLLM:
             if request is not None:
                 self._engine.send(("abort", request.key))
 
+    async def abort_all(self) -> None:
+        """abort() every request in flight (a server's stop does, once its --shutdown-timeout has passed)."""
+        with self._requests_lock:
+            ids = list(self._requests)
+        await self.abort(ids)
+
     async def get_tokenizer(self) -> Any:
         """vLLM's: the engine's tokenizer (ValueError where it has none: skip_tokenizer_init, or none in the folder)."""
         if self.tokenizer is None:
