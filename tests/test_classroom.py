@@ -666,3 +666,31 @@ def test_check_errors_on_the_capstone_are_one_line(tmp_path):
     broken.write_text(json.dumps({"cells": cells, "nbformat": 4, "nbformat_minor": 5, "metadata": {}}))
     assert_one_error_line(*classroom("check", str(broken)), "is not a valid notebook")
     assert_one_error_line(*classroom("check", str(tmp_path / "none.ipynb")), "no notebook at")
+
+
+STUB = "raise NotImplementedError()"
+
+
+@pytest.mark.parametrize(
+    "body, unwritten",
+    [
+        (f"{STUB}", True),
+        (f"return x\n{STUB}", False),
+        (f"if x:\n    return 1\n{STUB}", True),  # (x false: the stub runs)
+        (f"if x:\n    return 1\nelse:\n    return 2\n{STUB}", False),
+        (f"if x:\n    return 1\nelif y:\n    return 2\nelse:\n    raise ValueError(x)\n{STUB}", False),
+        (f"if x:\n    return 1\nelif y:\n    return 2\n{STUB}", True),
+        (f"if x:\n    return 1\nelse:\n    {STUB}", True),
+        (f"with torch.no_grad():\n    return x\n{STUB}", False),
+        (f"try:\n    return f(x)\nexcept KeyError:\n    return None\n{STUB}", False),
+        (f"try:\n    return f(x)\nexcept KeyError:\n    pass\n{STUB}", True),
+        (f"for i in x:\n    continue\n    {STUB}\nreturn x", False),
+        (f"for i in x:\n    {STUB}", True),
+        ('raise NotImplementedError("no bias yet")', False),
+    ],
+)
+def test_the_stub_counts_as_unwritten_only_where_it_can_run(body, unwritten):
+    from nanoref.classroom.solutions import holds_the_stub
+
+    source = "def f(x, y=None):\n" + "".join(f"    {line}\n" for line in body.splitlines())
+    assert holds_the_stub(source) is unwritten, source

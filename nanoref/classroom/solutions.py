@@ -51,8 +51,9 @@ def _exercise(cell: dict, notebook: Path) -> Exercise | None:
 
 def holds_the_stub(source: str) -> bool:
     """Whether a solution cell still holds nbgrader's stub where it would run: a bare `raise NotImplementedError()`
-    that no `return` or `raise` before it in its block makes unreachable. An answer that leaves the stub after its
-    own return, or raises NotImplementedError("...") for a case it does not serve, is written."""
+    that nothing before it in its block makes unreachable (a return, a raise, or an if/else, with or try that ends
+    every way: `_ends`). An answer that leaves the stub after its own return, or raises NotImplementedError("...")
+    for a case it does not serve, is written."""
     if UNSTARTED not in source:
         return False
     try:
@@ -65,11 +66,32 @@ def holds_the_stub(source: str) -> bool:
             if not isinstance(block, list):
                 continue
             for statement in block:
-                if isinstance(statement, (ast.Return, ast.Raise)) and not _is_stub(statement):
-                    break  # (what follows in this block never runs)
                 if _is_stub(statement):
                     return True
+                if _ends(statement):
+                    break  # (what follows in this block never runs)
     return False
+
+
+def _ends(statement: ast.stmt) -> bool:
+    """Whether control never passes from `statement` to the next one in its block: a return, a raise (but the stub),
+    break or continue; an if/else, with or try whose every way through ends so."""
+    if isinstance(statement, (ast.Return, ast.Break, ast.Continue)):
+        return True
+    if isinstance(statement, ast.Raise):
+        return not _is_stub(statement)
+    if isinstance(statement, ast.If):
+        return bool(statement.orelse) and _block_ends(statement.body) and _block_ends(statement.orelse)
+    if isinstance(statement, (ast.With, ast.AsyncWith)):
+        return _block_ends(statement.body)
+    if isinstance(statement, ast.Try):
+        handled = _block_ends(statement.body) and all(_block_ends(handler.body) for handler in statement.handlers)
+        return handled or _block_ends(statement.finalbody)
+    return False
+
+
+def _block_ends(block: list[ast.stmt]) -> bool:
+    return any(_ends(statement) for statement in block)
 
 
 def _without_magics(source: str) -> str:
