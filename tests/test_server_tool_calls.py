@@ -166,6 +166,18 @@ def test_required_cut_short_keeps_its_whole_items_and_returns_the_rest_as_conten
     assert_stream_adds_up(server, whole, tools=[WEATHER], tool_choice="required", max_tokens=30, temperature=0)
 
 
+@needs_xgrammar
+def test_required_ended_by_a_stop_string_before_any_call_is_no_tool_calls_finish(server):
+    """A stop string can end the array before its first item is whole: no call was made, so finish_reason is the
+    engine's "stop" (with the text as content), never "tool_calls" with no tool_calls."""
+    request = dict(tools=[PING], tool_choice="required", max_tokens=40, stop=["ping"], temperature=1.0, seed=1, n=2)
+    whole = ask(server, **request)
+    for choice in whole.choices:
+        assert choice.message.tool_calls == [] and choice.message.content.startswith("[")
+        assert choice.finish_reason == "stop" and choice.stop_reason == "ping"
+    assert_stream_adds_up(server, whole, **request)
+
+
 # -- "auto": Qwen3's <tool_call> blocks read out of free text -------------------------------------------------------
 @needs_xgrammar
 def test_auto_reads_the_hermes_blocks_the_model_writes(server):
