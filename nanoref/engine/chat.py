@@ -10,6 +10,8 @@ Messages arrive as OpenAI's clients send them, and reach the template as vLLM pa
   newlines into one string (vLLM's "string" content format: Qwen3's template reads a string, not a list). A part
   the model cannot take (an image, audio) is an error that names it: this is a text-only engine.
 - `name` is passed on (a template may use it; Qwen3's does not).
+- an assistant message sent back as a client got it (`message.model_dump()`) may hold OpenAI's `refusal`, `audio`,
+  `function_call` and `annotations`: null (or no annotations) is taken, as by vLLM; any other value is an error.
 - an assistant message may carry `tool_calls` (its `content` then may be null), each call's JSON `arguments`
   parsed into a dict (as vLLM does: Qwen3's template writes them with `tojson`); a `tool` message answers one, with
   its `tool_call_id`. A template that never mentions `tool_calls` would drop them without a word: that is an error.
@@ -38,6 +40,9 @@ KEYS = {
     "assistant": {"role", "content", "name", "tool_calls"},
     "tool": {"role", "content", "tool_call_id"},
 }
+# OpenAI's fields of an assistant message that a client sends back with it (`message.model_dump()` of a response):
+# taken when they hold nothing (null, or no annotations), as vLLM takes them; a refusal or audio would not be rendered
+EMPTY_ASSISTANT_FIELDS = {"refusal", "audio", "function_call", "annotations"}
 # apply_chat_template's own arguments, which chat_template_kwargs must not set
 RESERVED = {"conversation", "messages", "tokenize", "add_generation_prompt", "continue_final_message", "tools"}
 RESERVED |= {"documents", "chat_template", "return_dict", "return_tensors", "padding", "truncation", "max_length"}
@@ -192,6 +197,8 @@ def check_messages(messages: object) -> list[dict]:
             # drop the message without a word, as vLLM's server then does)
             hint = ": send it as 'system'" if role == "developer" else ""
             raise ValueError(f"{where}['role'] must be one of {ROLES}, got {role!r:.40}{hint}")
+        if role == "assistant":
+            message = {k: v for k, v in message.items() if k not in EMPTY_ASSISTANT_FIELDS or v not in (None, [])}
         unknown = sorted(set(message) - KEYS[role], key=str)
         if unknown:
             raise TypeError(
