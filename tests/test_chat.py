@@ -148,6 +148,19 @@ def test_an_assistant_message_sent_back_as_the_openai_client_dumps_it_renders_as
         chat_prompt(load_tokenizer(DEFAULT_MODEL), [TOOL_TURNS[0], refusal], DEFAULT_MODEL)
 
 
+@pytest.mark.parametrize("empty", [None, "", "null"])
+def test_a_call_without_arguments_renders_as_one_with_an_empty_object_as_vllm_takes_it(empty):
+    """A client that accumulated a no-argument call's stream may send its arguments as "" (or null)."""
+
+    def turns(arguments):
+        call = {"id": "c", "type": "function", "function": {"name": "ping", "arguments": arguments}}
+        return [TOOL_TURNS[0], {"role": "assistant", "content": None, "tool_calls": [call]}]
+
+    tokenizer = load_tokenizer(DEFAULT_MODEL)
+    text = chat_prompt(tokenizer, turns(empty), DEFAULT_MODEL)
+    assert text == chat_prompt(tokenizer, turns("{}"), DEFAULT_MODEL) and '"arguments": {}}' in text
+
+
 def test_tool_call_arguments_that_are_not_json_are_refused():
     turns = [TOOL_TURNS[0], {**TOOL_TURNS[1], "tool_calls": [{"function": {"name": "f", "arguments": "{city"}}]}]
     with pytest.raises(

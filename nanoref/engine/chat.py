@@ -13,8 +13,9 @@ Messages arrive as OpenAI's clients send them, and reach the template as vLLM pa
 - an assistant message sent back as a client got it (`message.model_dump()`) may hold OpenAI's `refusal`, `audio`,
   `function_call` and `annotations`: null (or no annotations) is taken, as by vLLM; any other value is an error.
 - an assistant message may carry `tool_calls` (its `content` then may be null), each call's JSON `arguments`
-  parsed into a dict (as vLLM does: Qwen3's template writes them with `tojson`); a `tool` message answers one, with
-  its `tool_call_id`. A template that never mentions `tool_calls` would drop them without a word: that is an error.
+  parsed into a dict (as vLLM does: Qwen3's template writes them with `tojson`; null, "" or "null" as {}); a `tool`
+  message answers one, with its `tool_call_id`. A template that never mentions `tool_calls` would drop them without
+  a word: that is an error.
 - `tools` (OpenAI's [{"type": "function", "function": {"name", "description", "parameters"}}]) reach the template as
   apply_chat_template's `tools`, as vLLM passes them (Qwen3's template lists them in its system turn); a template that
   never mentions `tools` would leave them out of the prompt: an error too.
@@ -257,12 +258,13 @@ def tool_calls(calls: object, where: str) -> list[dict]:
             raise TypeError(f"{at} must be {{'id', 'type': 'function', 'function': {{'name', 'arguments'}}}}")
         if call.get("type", "function") != "function":
             raise ValueError(f"{at}['type'] must be 'function', got {call.get('type')!r:.40}")
-        arguments = function.get("arguments", {})
+        arguments = function.get("arguments") or {}  # (null or "": no arguments, {} as vLLM takes them)
         if isinstance(arguments, str):
             try:
                 arguments = json.loads(arguments)
             except ValueError as error:
                 raise ValueError(f"{at}['function']['arguments'] is not valid JSON: {error}") from None
+            arguments = {} if arguments is None else arguments  # ("null", as vLLM)
         if not isinstance(arguments, dict):
             raise TypeError(f"{at}['function']['arguments'] must be a JSON object, got {arguments!r:.80}")
         parsed.append({**call, "type": "function", "function": {**function, "arguments": arguments}})
