@@ -136,6 +136,31 @@ def test_the_built_in_template_renders_tool_calls_and_results_as_qwen3s_does_wit
     )
 
 
+def test_an_assistant_message_sent_back_as_the_openai_client_dumps_it_renders_as_without_its_empty_fields():
+    """`response.choices[0].message.model_dump()` holds OpenAI's response fields, null: an agent sends that back."""
+    dumped = {**TOOL_TURNS[1], "refusal": None, "audio": None, "function_call": None, "annotations": None}
+    expected = chat_prompt(load_tokenizer(DEFAULT_MODEL), TOOL_TURNS, DEFAULT_MODEL)
+    assert chat_prompt(load_tokenizer(DEFAULT_MODEL), [TOOL_TURNS[0], dumped, TOOL_TURNS[2]], DEFAULT_MODEL) == expected
+    with_annotations = {**TOOL_TURNS[1], "annotations": []}  # (what OpenAI's own responses hold)
+    assert chat_prompt(load_tokenizer(DEFAULT_MODEL), [TOOL_TURNS[0], with_annotations, TOOL_TURNS[2]], DEFAULT_MODEL)
+    refusal = {"role": "assistant", "content": "", "refusal": "I cannot help."}  # (the template would not show it)
+    with pytest.raises(TypeError, match=r"messages\[1\] has 'refusal', which a assistant message does not take"):
+        chat_prompt(load_tokenizer(DEFAULT_MODEL), [TOOL_TURNS[0], refusal], DEFAULT_MODEL)
+
+
+@pytest.mark.parametrize("empty", [None, "", "null"])
+def test_a_call_without_arguments_renders_as_one_with_an_empty_object_as_vllm_takes_it(empty):
+    """A client that accumulated a no-argument call's stream may send its arguments as "" (or null)."""
+
+    def turns(arguments):
+        call = {"id": "c", "type": "function", "function": {"name": "ping", "arguments": arguments}}
+        return [TOOL_TURNS[0], {"role": "assistant", "content": None, "tool_calls": [call]}]
+
+    tokenizer = load_tokenizer(DEFAULT_MODEL)
+    text = chat_prompt(tokenizer, turns(empty), DEFAULT_MODEL)
+    assert text == chat_prompt(tokenizer, turns("{}"), DEFAULT_MODEL) and '"arguments": {}}' in text
+
+
 def test_tool_call_arguments_that_are_not_json_are_refused():
     turns = [TOOL_TURNS[0], {**TOOL_TURNS[1], "tool_calls": [{"function": {"name": "f", "arguments": "{city"}}]}]
     with pytest.raises(

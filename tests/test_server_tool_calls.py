@@ -166,6 +166,36 @@ def test_required_cut_short_keeps_its_whole_items_and_returns_the_rest_as_conten
     assert_stream_adds_up(server, whole, tools=[WEATHER], tool_choice="required", max_tokens=30, temperature=0)
 
 
+@needs_xgrammar
+def test_required_ended_by_a_stop_string_before_any_call_is_no_tool_calls_finish(server):
+    """A stop string can end the array before its first item is whole: no call was made, so finish_reason is the
+    engine's "stop" (with the text as content), never "tool_calls" with no tool_calls."""
+    request = dict(tools=[PING], tool_choice="required", max_tokens=40, stop=["ping"], temperature=1.0, seed=1, n=2)
+    whole = ask(server, **request)
+    for choice in whole.choices:
+        assert choice.message.tool_calls == [] and choice.message.content.startswith("[")
+        assert choice.finish_reason == "stop" and choice.stop_reason == "ping"
+    assert_stream_adds_up(server, whole, **request)
+
+
+@needs_xgrammar
+def test_a_call_sent_back_with_its_result_as_the_openai_client_dumps_it_is_the_next_turns_prompt(server):
+    """The agent loop: the assistant's message as the client got it (`model_dump()`: null refusal, audio, ...) and a
+    `tool` message answering its call, in the next request; both reach the prompt."""
+    named = {"type": "function", "function": {"name": "get_time"}}
+    first = ask(server, tools=[TIME], tool_choice=named, max_tokens=60, temperature=0).choices[0].message
+    (call,) = first.tool_calls
+    turn = [*MESSAGES, first.model_dump(), {"role": "tool", "tool_call_id": call.id, "content": "12:00"}]
+    tokenized = post(server, {"messages": turn, "tools": [TIME]}, "/tokenize")
+    assert tokenized.status_code == 200, tokenized.text
+    prompt = server.engine.tokenizer.decode(tokenized.json()["tokens"])
+    arguments = json.dumps(json.loads(call.function.arguments))  # (parsed, then the template's tojson)
+    assert f'<tool_call>\n{{"name": "get_time", "arguments": {arguments}}}\n</tool_call>' in prompt
+    assert prompt.endswith("<tool_response>\n12:00\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    second = server.client().chat.completions.create(model=MODEL, messages=turn, tools=[TIME], tool_choice="none")
+    assert second.choices[0].message.content and second.usage.prompt_tokens == tokenized.json()["count"]
+
+
 # -- "auto": Qwen3's <tool_call> blocks read out of free text -------------------------------------------------------
 @needs_xgrammar
 def test_auto_reads_the_hermes_blocks_the_model_writes(server):

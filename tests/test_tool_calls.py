@@ -220,6 +220,7 @@ def test_finish_reasons_and_content_follow_vllm():
     assert auto.finish_reason("stop", called=False) == "stop"
     assert required.finish_reason("stop", called=True) == "tool_calls"
     assert required.finish_reason("length", called=True) == "length"
+    assert required.finish_reason("stop", called=False) == "stop"  # (a stop string ended it before any call)
     assert named.finish_reason("stop", called=True) == "stop"  # (OpenAI's: the caller chose the call)
     assert auto.content("", called=True) is None and auto.content("", called=False) == ""
     assert required.content("", called=True) == "" == named.content("", called=True)

@@ -10,9 +10,12 @@ Messages arrive as OpenAI's clients send them, and reach the template as vLLM pa
   newlines into one string (vLLM's "string" content format: Qwen3's template reads a string, not a list). A part
   the model cannot take (an image, audio) is an error that names it: this is a text-only engine.
 - `name` is passed on (a template may use it; Qwen3's does not).
+- an assistant message sent back as a client got it (`message.model_dump()`) may hold OpenAI's `refusal`, `audio`,
+  `function_call` and `annotations`: null (or no annotations) is taken, as by vLLM; any other value is an error.
 - an assistant message may carry `tool_calls` (its `content` then may be null), each call's JSON `arguments`
-  parsed into a dict (as vLLM does: Qwen3's template writes them with `tojson`); a `tool` message answers one, with
-  its `tool_call_id`. A template that never mentions `tool_calls` would drop them without a word: that is an error.
+  parsed into a dict (as vLLM does: Qwen3's template writes them with `tojson`; null, "" or "null" as {}); a `tool`
+  message answers one, with its `tool_call_id`. A template that never mentions `tool_calls` would drop them without
+  a word: that is an error.
 - `tools` (OpenAI's [{"type": "function", "function": {"name", "description", "parameters"}}]) reach the template as
   apply_chat_template's `tools`, as vLLM passes them (Qwen3's template lists them in its system turn); a template that
   never mentions `tools` would leave them out of the prompt: an error too.
@@ -38,6 +41,9 @@ KEYS = {
     "assistant": {"role", "content", "name", "tool_calls"},
     "tool": {"role", "content", "tool_call_id"},
 }
+# OpenAI's fields of an assistant message that a client sends back with it (`message.model_dump()` of a response):
+# taken when they hold nothing (null, or no annotations), as vLLM takes them; a refusal or audio would not be rendered
+EMPTY_ASSISTANT_FIELDS = {"refusal", "audio", "function_call", "annotations"}
 # apply_chat_template's own arguments, which chat_template_kwargs must not set
 RESERVED = {"conversation", "messages", "tokenize", "add_generation_prompt", "continue_final_message", "tools"}
 RESERVED |= {"documents", "chat_template", "return_dict", "return_tensors", "padding", "truncation", "max_length"}
@@ -192,6 +198,8 @@ def check_messages(messages: object) -> list[dict]:
             # drop the message without a word, as vLLM's server then does)
             hint = ": send it as 'system'" if role == "developer" else ""
             raise ValueError(f"{where}['role'] must be one of {ROLES}, got {role!r:.40}{hint}")
+        if role == "assistant":
+            message = {k: v for k, v in message.items() if k not in EMPTY_ASSISTANT_FIELDS or v not in (None, [])}
         unknown = sorted(set(message) - KEYS[role], key=str)
         if unknown:
             raise TypeError(
@@ -250,12 +258,13 @@ def tool_calls(calls: object, where: str) -> list[dict]:
             raise TypeError(f"{at} must be {{'id', 'type': 'function', 'function': {{'name', 'arguments'}}}}")
         if call.get("type", "function") != "function":
             raise ValueError(f"{at}['type'] must be 'function', got {call.get('type')!r:.40}")
-        arguments = function.get("arguments", {})
+        arguments = function.get("arguments") or {}  # (null or "": no arguments, {} as vLLM takes them)
         if isinstance(arguments, str):
             try:
                 arguments = json.loads(arguments)
             except ValueError as error:
                 raise ValueError(f"{at}['function']['arguments'] is not valid JSON: {error}") from None
+            arguments = {} if arguments is None else arguments  # ("null", as vLLM)
         if not isinstance(arguments, dict):
             raise TypeError(f"{at}['function']['arguments'] must be a JSON object, got {arguments!r:.80}")
         parsed.append({**call, "type": "function", "function": {**function, "arguments": arguments}})

@@ -21,8 +21,8 @@ A function's `strict: true` is kept by "required" and a named function (their gr
 refused under "auto", whose text nothing constrains.
 
 finish_reason (vLLM's, which is OpenAI's): "tool_calls" when "auto" read a call, and for "required" when the array was
-completed ("stop"); a named function keeps the engine's ("stop"), since OpenAI's API says "tool_calls" only when the
-model chose to call.
+completed ("stop") with a call in it (a stop string may end the text before any: then "stop"); a named function keeps
+the engine's ("stop"), since OpenAI's API says "tool_calls" only when the model chose to call.
 
 Each mode's reader takes the text piece by piece (`feed`, then `finish` at the end) and returns what each piece adds to
 the message (`Delta`: content and OpenAI's tool call deltas). A stream's chunks come from the pieces, and a whole
@@ -95,7 +95,7 @@ class ToolChoice:
 
     def finish_reason(self, engine_reason: str | None, called: bool) -> str | None:
         """The choice's finish_reason: vLLM's rule (see the module's docstring)."""
-        if (self.mode == "auto" and called) or (self.mode == "required" and engine_reason == "stop"):
+        if called and (self.mode == "auto" or (self.mode == "required" and engine_reason == "stop")):
             return "tool_calls"
         return engine_reason
 
