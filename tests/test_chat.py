@@ -144,7 +144,7 @@ def test_an_assistant_message_sent_back_as_the_openai_client_dumps_it_renders_as
     with_annotations = {**TOOL_TURNS[1], "annotations": []}  # (what OpenAI's own responses hold)
     assert chat_prompt(load_tokenizer(DEFAULT_MODEL), [TOOL_TURNS[0], with_annotations, TOOL_TURNS[2]], DEFAULT_MODEL)
     refusal = {"role": "assistant", "content": "", "refusal": "I cannot help."}  # (the template would not show it)
-    with pytest.raises(TypeError, match=r"messages\[1\] has 'refusal', which a assistant message does not take"):
+    with pytest.raises(TypeError, match=r"messages\[1\] has 'refusal', which an assistant message does not take"):
         chat_prompt(load_tokenizer(DEFAULT_MODEL), [TOOL_TURNS[0], refusal], DEFAULT_MODEL)
 
 

@@ -202,8 +202,9 @@ def check_messages(messages: object) -> list[dict]:
             message = {k: v for k, v in message.items() if k not in EMPTY_ASSISTANT_FIELDS or v not in (None, [])}
         unknown = sorted(set(message) - KEYS[role], key=str)
         if unknown:
+            article = "an" if role[0] in "aeiou" else "a"
             raise TypeError(
-                f"{where} has {unknown[0]!r:.40}, which a {role} message does not take ({sorted(KEYS[role])})"
+                f"{where} has {unknown[0]!r:.40}, which {article} {role} message does not take ({sorted(KEYS[role])})"
             )
         rendered = {"role": role, "content": message_text(message.get("content"), where, role, message)}
         if "name" in message:
