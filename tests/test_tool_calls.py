@@ -193,6 +193,22 @@ def test_required_schema_moves_defs_to_the_top_where_refs_resolve():
         required_schema([trip, other])
 
 
+def test_required_schema_moves_draft_7_definitions_to_the_top_where_refs_resolve():
+    parameters = {
+        "type": "object",
+        "properties": {"to": {"$ref": "#/definitions/City"}},
+        "required": ["to"],
+        "definitions": {"City": {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}},
+    }
+    trip = {"type": "function", "function": {"name": "plan", "parameters": parameters}}
+    schema = required_schema([trip])
+    assert "definitions" in schema and "definitions" not in schema["items"]["anyOf"][0]["properties"]["parameters"]
+    jsonschema.validate([{"name": "plan", "parameters": {"to": {"name": "Oslo"}}}], schema)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate([{"name": "plan", "parameters": {"to": {"name": 5}}}], schema)
+    assert trip["function"]["parameters"] == parameters and "definitions" in parameters  # (the request's, as sent)
+
+
 def test_tool_choice_defaults_and_modes_as_vllm():
     assert tool_choice({}, auto_tool_choice=False) is None
     assert tool_choice({"tool_choice": "none"}, auto_tool_choice=False) is None  # (no tools: nothing to do)

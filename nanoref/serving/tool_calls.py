@@ -240,19 +240,21 @@ def function_parameters(tools: list[dict], name: str | None) -> dict:
 def required_schema(tools: list[dict], parallel: bool = True) -> dict:
     """vLLM's schema for tool_choice "required": an array of at least one item, each item any one tool's
     {"name": its name, "parameters": an instance of its parameters schema}. A schema's `$defs` (pydantic writes nested
-    models there, referred to as "#/$defs/...") move to the array's top level, where those references resolve.
+    models there, referred to as "#/$defs/...") and draft 7's `definitions` move to the array's top level, where those
+    references resolve.
     parallel False: at most one item (vLLM generates them all and keeps the first; here the grammar stops at one)."""
-    items, definitions = [], {}
+    items, moved = [], {"$defs": {}, "definitions": {}}  # (draft 7's name too: "#/definitions/...")
     for tool in tools:
         function = tool["function"]
         parameters = dict(function.get("parameters") or EMPTY_PARAMETERS)  # (a copy: the request's stays as sent)
-        for name, schema in parameters.pop("$defs", {}).items():
-            if definitions.setdefault(name, schema) != schema:
-                raise ToolRequestError(
-                    f"tools: two functions' parameters define $defs {name!r:.60} differently; one schema cannot hold "
-                    "both (as in vLLM)",
-                    "tools",
-                )
+        for keyword, definitions in moved.items():
+            for name, schema in (parameters.pop(keyword, None) or {}).items():
+                if definitions.setdefault(name, schema) != schema:
+                    raise ToolRequestError(
+                        f"tools: two functions' parameters define {keyword} {name!r:.60} differently; one schema "
+                        "cannot hold both (as in vLLM)",
+                        "tools",
+                    )
         name_schema = {"type": "string", "enum": [function["name"]]}
         items.append(
             {"properties": {"name": name_schema, "parameters": parameters}, "required": ["name", "parameters"]}
@@ -260,8 +262,7 @@ def required_schema(tools: list[dict], parallel: bool = True) -> dict:
     schema: dict = {"type": "array", "minItems": 1, "items": {"type": "object", "anyOf": items}}
     if not parallel:
         schema["maxItems"] = 1
-    if definitions:
-        schema["$defs"] = definitions
+    schema.update({keyword: definitions for keyword, definitions in moved.items() if definitions})
     return schema
 
 
