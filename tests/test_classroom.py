@@ -687,6 +687,16 @@ STUB = "raise NotImplementedError()"
         (f"for i in x:\n    continue\n    {STUB}\nreturn x", False),
         (f"for i in x:\n    {STUB}", True),
         ('raise NotImplementedError("no bias yet")', False),
+        (f"try:\n    y = f(x)\nexcept KeyError:\n    return None\nelse:\n    return y\n{STUB}", False),
+        (f"try:\n    y = f(x)\nexcept KeyError:\n    pass\nelse:\n    return y\n{STUB}", True),
+        (f"match x:\n    case 0:\n        return 1\n    case _:\n        return 2\n{STUB}", False),
+        (f"match x:\n    case 0:\n        return 1\n    case [*rest] | other:\n        return 2\n{STUB}", False),
+        (f"match x:\n    case 0:\n        return 1\n    case 1:\n        return 2\n{STUB}", True),  # (x == 2)
+        (f"match x:\n    case 0:\n        return 1\n    case _ if y:\n        return 2\n{STUB}", True),
+        (f"while True:\n    x = g(x)\n    if x:\n        return x\n{STUB}", False),
+        (f"while True:\n    for i in x:\n        break\n    if y:\n        return x\n{STUB}", False),
+        (f"while True:\n    if x:\n        break\n{STUB}", True),
+        (f"while x:\n    return x\n{STUB}", True),
     ],
 )
 def test_the_stub_counts_as_unwritten_only_where_it_can_run(body, unwritten):

@@ -51,9 +51,9 @@ def _exercise(cell: dict, notebook: Path) -> Exercise | None:
 
 def holds_the_stub(source: str) -> bool:
     """Whether a solution cell still holds nbgrader's stub where it would run: a bare `raise NotImplementedError()`
-    that nothing before it in its block makes unreachable (a return, a raise, or an if/else, with or try that ends
-    every way: `_ends`). An answer that leaves the stub after its own return, or raises NotImplementedError("...")
-    for a case it does not serve, is written."""
+    that nothing before it in its block makes unreachable (a return, a raise, an if/else, with, try or match that
+    ends every way, a `while True:` without a break: `_ends`). An answer that leaves the stub after its own return,
+    or raises NotImplementedError("...") for a case it does not serve, is written."""
     if UNSTARTED not in source:
         return False
     try:
@@ -75,7 +75,8 @@ def holds_the_stub(source: str) -> bool:
 
 def _ends(statement: ast.stmt) -> bool:
     """Whether control never passes from `statement` to the next one in its block: a return, a raise (but the stub),
-    break or continue; an if/else, with or try whose every way through ends so."""
+    break or continue; an if/else, with, try or match whose every way through ends so; a `while True:` without a
+    break."""
     if isinstance(statement, (ast.Return, ast.Break, ast.Continue)):
         return True
     if isinstance(statement, ast.Raise):
@@ -84,14 +85,40 @@ def _ends(statement: ast.stmt) -> bool:
         return bool(statement.orelse) and _block_ends(statement.body) and _block_ends(statement.orelse)
     if isinstance(statement, (ast.With, ast.AsyncWith)):
         return _block_ends(statement.body)
-    if isinstance(statement, ast.Try):
-        handled = _block_ends(statement.body) and all(_block_ends(handler.body) for handler in statement.handlers)
+    if isinstance(statement, ast.Try):  # (its else runs where its body ran to the end)
+        tried = _block_ends(statement.body) or _block_ends(statement.orelse)
+        handled = tried and all(_block_ends(handler.body) for handler in statement.handlers)
         return handled or _block_ends(statement.finalbody)
+    if isinstance(statement, ast.Match):  # every case ends, and the last one takes whatever no other took
+        last = statement.cases[-1]
+        irrefutable = last.guard is None and _irrefutable(last.pattern)
+        return irrefutable and all(_block_ends(case.body) for case in statement.cases)
+    if isinstance(statement, ast.While):  # `while True:` left only by a break of its own
+        forever = isinstance(statement.test, ast.Constant) and bool(statement.test.value)
+        return forever and not any(_breaks(one) for one in statement.body)
     return False
 
 
 def _block_ends(block: list[ast.stmt]) -> bool:
     return any(_ends(statement) for statement in block)
+
+
+def _irrefutable(pattern: ast.pattern) -> bool:
+    """`case _`, `case name` (or either `as` a name, or an `|` with one of them): a pattern that matches anything."""
+    if isinstance(pattern, ast.MatchAs):
+        return pattern.pattern is None or _irrefutable(pattern.pattern)
+    return isinstance(pattern, ast.MatchOr) and any(_irrefutable(one) for one in pattern.patterns)
+
+
+def _breaks(node: ast.AST) -> bool:
+    """Whether a `break` in `node` leaves the loop `node` is in (not one of a loop or function inside it)."""
+    if isinstance(node, ast.Break):
+        return True
+    if isinstance(node, (ast.For, ast.AsyncFor, ast.While)):  # (its else belongs to the outer loop)
+        return any(_breaks(one) for one in node.orelse)
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+        return False
+    return any(_breaks(child) for child in ast.iter_child_nodes(node))
 
 
 def _without_magics(source: str) -> str:
