@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from pathlib import Path
 
 import pytest
@@ -207,6 +208,15 @@ def test_required_schema_moves_draft_7_definitions_to_the_top_where_refs_resolve
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate([{"name": "plan", "parameters": {"to": {"name": 5}}}], schema)
     assert trip["function"]["parameters"] == parameters and "definitions" in parameters  # (the request's, as sent)
+
+
+@pytest.mark.parametrize("keyword", ["$defs", "definitions"])
+def test_required_schema_refuses_definitions_that_are_no_object_naming_them(keyword):
+    """(they were read with .items(): an AttributeError, the server's 500)"""
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", keyword: ["City"]}}}
+    where = re.escape(f"tools[1]['function']['parameters']['{keyword}'] must be an object of named schemas")
+    with pytest.raises(ToolRequestError, match=where):
+        required_schema([WEATHER, tool])
 
 
 def test_tool_choice_defaults_and_modes_as_vllm():

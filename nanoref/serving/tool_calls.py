@@ -244,11 +244,18 @@ def required_schema(tools: list[dict], parallel: bool = True) -> dict:
     references resolve.
     parallel False: at most one item (vLLM generates them all and keeps the first; here the grammar stops at one)."""
     items, moved = [], {"$defs": {}, "definitions": {}}  # (draft 7's name too: "#/definitions/...")
-    for tool in tools:
+    for index, tool in enumerate(tools):
         function = tool["function"]
         parameters = dict(function.get("parameters") or EMPTY_PARAMETERS)  # (a copy: the request's stays as sent)
         for keyword, definitions in moved.items():
-            for name, schema in (parameters.pop(keyword, None) or {}).items():
+            given = parameters.pop(keyword, None) or {}
+            if not isinstance(given, dict):
+                raise ToolRequestError(
+                    f"tools[{index}]['function']['parameters']['{keyword}'] must be an object of named schemas, got "
+                    f"{given!r:.60}",
+                    "tools",
+                )
+            for name, schema in given.items():
                 if definitions.setdefault(name, schema) != schema:
                     raise ToolRequestError(
                         f"tools: two functions' parameters define {keyword} {name!r:.60} differently; one schema "
