@@ -161,6 +161,15 @@ def test_a_call_without_arguments_renders_as_one_with_an_empty_object_as_vllm_ta
     assert text == chat_prompt(tokenizer, turns("{}"), DEFAULT_MODEL) and '"arguments": {}}' in text
 
 
+@pytest.mark.parametrize("arguments", [[], 0, False, [1]])
+def test_tool_call_arguments_that_are_no_object_nor_empty_are_refused(arguments):
+    """null and "" are a call without arguments; an empty list, 0 or false are no JSON object (not read as {})."""
+    call = {"id": "c", "type": "function", "function": {"name": "ping", "arguments": arguments}}
+    turns = [TOOL_TURNS[0], {"role": "assistant", "content": None, "tool_calls": [call]}]
+    with pytest.raises(TypeError, match=r"\['function'\]\['arguments'\] must be a JSON object, got"):
+        chat_prompt(load_tokenizer(DEFAULT_MODEL), turns, DEFAULT_MODEL)
+
+
 def test_tool_call_arguments_that_are_not_json_are_refused():
     turns = [TOOL_TURNS[0], {**TOOL_TURNS[1], "tool_calls": [{"function": {"name": "f", "arguments": "{city"}}]}]
     with pytest.raises(

@@ -259,7 +259,8 @@ def tool_calls(calls: object, where: str) -> list[dict]:
             raise TypeError(f"{at} must be {{'id', 'type': 'function', 'function': {{'name', 'arguments'}}}}")
         if call.get("type", "function") != "function":
             raise ValueError(f"{at}['type'] must be 'function', got {call.get('type')!r:.40}")
-        arguments = function.get("arguments") or {}  # (null or "": no arguments, {} as vLLM takes them)
+        arguments = function.get("arguments")
+        arguments = {} if arguments is None or arguments == "" else arguments  # (no arguments: {} as vLLM takes them)
         if isinstance(arguments, str):
             try:
                 arguments = json.loads(arguments)
