@@ -697,6 +697,8 @@ STUB = "raise NotImplementedError()"
         (f"while True:\n    for i in x:\n        break\n    if y:\n        return x\n{STUB}", False),
         (f"while True:\n    if x:\n        break\n{STUB}", True),
         (f"while x:\n    return x\n{STUB}", True),
+        (f"for i in x:\n    if i:\n        return i\nelse:\n    return None\n{STUB}", False),
+        (f"for i in x:\n    if i:\n        break\nelse:\n    return None\n{STUB}", True),  # (the break: on to it)
     ],
 )
 def test_the_stub_counts_as_unwritten_only_where_it_can_run(body, unwritten):

@@ -75,8 +75,8 @@ def holds_the_stub(source: str) -> bool:
 
 def _ends(statement: ast.stmt) -> bool:
     """Whether control never passes from `statement` to the next one in its block: a return, a raise (but the stub),
-    break or continue; an if/else, with, try or match whose every way through ends so; a `while True:` without a
-    break."""
+    break or continue; an if/else, with, try or match whose every way through ends so; a `while True:`, or a loop
+    whose else ends so, without a break of its own."""
     if isinstance(statement, (ast.Return, ast.Break, ast.Continue)):
         return True
     if isinstance(statement, ast.Raise):
@@ -93,9 +93,10 @@ def _ends(statement: ast.stmt) -> bool:
         last = statement.cases[-1]
         irrefutable = last.guard is None and _irrefutable(last.pattern)
         return irrefutable and all(_block_ends(case.body) for case in statement.cases)
-    if isinstance(statement, ast.While):  # `while True:` left only by a break of its own
-        forever = isinstance(statement.test, ast.Constant) and bool(statement.test.value)
-        return forever and not any(_breaks(one) for one in statement.body)
+    if isinstance(statement, (ast.For, ast.AsyncFor, ast.While)):  # left by a break of its own, else by its else
+        forever = isinstance(statement, ast.While) and isinstance(statement.test, ast.Constant) and statement.test.value
+        ended = forever or _block_ends(statement.orelse)  # (`while True:`, or a for/else whose else ends)
+        return bool(ended) and not any(_breaks(one) for one in statement.body)
     return False
 
 
