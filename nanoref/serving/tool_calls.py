@@ -259,7 +259,7 @@ def required_schema(tools: list[dict], parallel: bool = True) -> dict:
                 if definitions.setdefault(name, schema) != schema:
                     raise ToolRequestError(
                         f"tools: two functions' parameters define {keyword} {name!r:.60} differently; one schema "
-                        "cannot hold both (as in vLLM)",
+                        "cannot hold both",
                         "tools",
                     )
         name_schema = {"type": "string", "enum": [function["name"]]}
