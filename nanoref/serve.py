@@ -120,8 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=0,
         metavar="SECONDS",
-        help="how long a stop (Ctrl-C, SIGTERM) lets the requests in flight finish before it cuts their connections "
-        "(which aborts them), as vLLM's (default 0: at once)",
+        help="how long a stop (Ctrl-C, SIGTERM) lets the requests in flight finish before it aborts them (each "
+        "response ends with a 503), as vLLM's (default 0: at once)",
     )
     parser.add_argument(
         "--disable-log-requests",

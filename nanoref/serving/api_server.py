@@ -1233,8 +1233,10 @@ def build_app(
         # an option the server would not act on is refused, as a body field is (check_fields)
         unknown = sorted(set(options) - {"include_usage", "continuous_usage_stats"})
         if unknown:
-            message = f"stream_options: unknown field {unknown[0]!r:.60} (this server takes include_usage and "
-            raise BadRequest(message + "continuous_usage_stats)", "stream_options")
+            taken = "include_usage and continuous_usage_stats"
+            raise BadRequest(
+                f"stream_options: unknown field {unknown[0]!r:.60} (this server takes {taken})", "stream_options"
+            )
         every_chunk = options.get("continuous_usage_stats")  # (vLLM's usage in every chunk)
         if every_chunk is not None and not isinstance(every_chunk, bool):
             message = f"stream_options.continuous_usage_stats must be true or false, got {every_chunk!r:.60}"
