@@ -574,7 +574,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --served-model-name: {error}", file=sys.stderr)
         return 2
     try:
-        lora_modules = parse_lora_modules(args.lora_modules, names)
+        lora_modules = parse_lora_modules(args.lora_modules)
         if lora_modules and not args.enable_lora:
             raise ValueError("--lora-modules needs --enable-lora")
         check_tool_settings(args.enable_auto_tool_choice, args.tool_call_parser)

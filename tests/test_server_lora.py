@@ -73,6 +73,22 @@ def test_models_lists_the_base_model_and_every_adapter_with_its_parent(server, f
     assert [m.id for m in server.client().models.list().data] == [MODEL, "sql", "chat"]
 
 
+def test_an_adapters_base_model_name_is_its_cards_parent_whatever_it_names(server, folders):
+    """vLLM's --lora-modules JSON form: `base_model_name` is a label /v1/models shows as the card's parent (vLLM
+    checks it against nothing); an adapter without one has the served model as its parent."""
+    modules = {"sql": (folders["sql"], "Qwen/Qwen3-0.6B"), "chat": folders["chat"]}
+    adapters = LoRAModules(server.engine.config, MODEL, modules)
+    cards = adapters.cards({"id": MODEL, "parent": None})
+    assert [(card["id"], card["parent"]) for card in cards] == [
+        (MODEL, None),
+        ("sql", "Qwen/Qwen3-0.6B"),
+        ("chat", MODEL),
+    ]
+    adapters.remove("sql")
+    adapters.add("sql", folders["sql"])  # (loaded again without one: the served model's)
+    assert [card["parent"] for card in adapters.cards({"id": MODEL, "parent": None})] == [None, MODEL, MODEL]
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_the_requests_model_picks_its_adapter(server, offline, folders, stream):
     client = server.client()
@@ -183,11 +199,15 @@ def test_an_engine_process_serves_adapters(folders, offline):
         (["--enable-lora", "--lora-modules", "a=/x", "a=/y"], "names 'a' twice"),
         (["--enable-lora", "--max-loras", "0"], "max_loras must be a positive integer"),
         (["--enable-lora", "--lora-modules", "sql=/no/such/folder"], "no such folder"),
-        # vLLM's JSON form reaches the folder check too; its base_model_name must be the model served
+        # vLLM's JSON form reaches the folder check too, whatever base model it names (vLLM's label, not checked)
         (["--enable-lora", "--lora-modules", '{"name": "sql", "path": "/no/such/folder"}'], "no such folder"),
         (
-            ["--enable-lora", "--lora-modules", '{"name": "sql", "path": "/x", "base_model_name": "other"}'],
-            "base_model_name 'other', but this server serves 'nanoref/default_model'",
+            ["--enable-lora", "--lora-modules", '{"name": "sql", "path": "/x/none", "base_model_name": "other"}'],
+            "no such folder",
+        ),
+        (
+            ["--enable-lora", "--lora-modules", '{"name": "sql", "path": "/x", "base_model_name": 5}'],
+            '"base_model_name" must be a non-empty string',
         ),
         (["--enable-lora", "--lora-modules", '{"name": "sql"}'], 'needs a "name" and a "path"'),
         (["--enable-lora", "--lora-modules", '{"name": "sql", "path": "/x", "rank": 8}'], 'takes "name", "path"'),
@@ -207,7 +227,9 @@ def test_lora_modules_take_vllms_json_form_beside_name_equals_path():
 
     chat = '{"name": "chat", "path": "/a/chat", "base_model_name": "base"}'
     values = ["sql=/a/sql", chat, '{"name":"m","path":"/m"}']
-    assert parse_lora_modules(values, ["base"]) == {"sql": "/a/sql", "chat": "/a/chat", "m": "/m"}
+    assert parse_lora_modules(values) == {"sql": "/a/sql", "chat": ("/a/chat", "base"), "m": "/m"}
+    other = '{"name": "x", "path": "/a/x", "base_model_name": "Qwen/Qwen3-8B"}'  # (any name: vLLM's label)
+    assert parse_lora_modules([other]) == {"x": ("/a/x", "Qwen/Qwen3-8B")}
 
 
 def test_an_adapter_for_the_engine_needs_enable_lora():

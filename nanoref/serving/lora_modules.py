@@ -37,14 +37,15 @@ def runtime_updates_allowed() -> bool:
     return any(os.environ.get(name, "").strip().lower() in ("1", "true") for name in RUNTIME_UPDATES)
 
 
-def parse_lora_modules(values: list[str], base_names: list[str] | None = None) -> dict[str, str]:
+def parse_lora_modules(values: list[str]) -> dict[str, str | tuple[str, str]]:
     """--lora-modules' entries -> {name: path}: `name=path`, or vLLM's JSON form `{"name": ..., "path": ...}`, whose
-    `base_model_name` (vLLM's label for the adapter's base) must then be one of `base_names`, the served model's
-    names: this server serves one base model. ValueError naming a malformed or repeated one."""
-    modules: dict[str, str] = {}
+    `base_model_name`, if given, makes the entry (path, base_model_name): vLLM's label for the adapter's base, shown
+    as its card's `parent` in /v1/models whatever it names (as vLLM shows it). ValueError naming a malformed or
+    repeated one."""
+    modules: dict[str, str | tuple[str, str]] = {}
     for value in values:
         if value.lstrip().startswith("{"):
-            name, path = _json_lora_module(value, base_names)
+            name, path = _json_lora_module(value)
         else:
             name, sep, path = value.partition("=")
             if not sep or not name.strip() or not path.strip():
@@ -57,7 +58,7 @@ def parse_lora_modules(values: list[str], base_names: list[str] | None = None) -
     return modules
 
 
-def _json_lora_module(value: str, base_names: list[str] | None) -> tuple[str, str]:
+def _json_lora_module(value: str) -> tuple[str, str | tuple[str, str]]:
     try:
         entry = json.loads(value)
     except ValueError as error:
@@ -68,11 +69,9 @@ def _json_lora_module(value: str, base_names: list[str] | None) -> tuple[str, st
     name, path, base = entry.get("name"), entry.get("path"), entry.get("base_model_name")
     if not (isinstance(name, str) and name.strip() and isinstance(path, str) and path.strip()):
         raise ValueError(f'--lora-modules: {value!r} needs a "name" and a "path" (non-empty strings)')
-    if base is not None and base_names is not None and base not in base_names:
-        raise ValueError(
-            f"--lora-modules: {name!r} names base_model_name {base!r}, but this server serves {base_names[0]!r}"
-        )
-    return name, path
+    if base is not None and not (isinstance(base, str) and base.strip()):
+        raise ValueError(f'--lora-modules: {value!r}: "base_model_name" must be a non-empty string or null')
+    return name, path if base is None else (path, base)
 
 
 def served_model_names(served_model_name: str | list[str]) -> list[str]:
@@ -90,7 +89,10 @@ class LoRAModules:
     """name -> LoRARequest, each checked against the engine's model when added."""
 
     def __init__(
-        self, config: EngineConfig, served_model_name: str | list[str], modules: dict[str, str] | None = None
+        self,
+        config: EngineConfig,
+        served_model_name: str | list[str],
+        modules: dict[str, str | tuple[str, str]] | None = None,
     ) -> None:
         # the base model's names (vLLM's --served-model-name takes several): a request may give any; responses,
         # cards' parent and metrics use the first
@@ -98,13 +100,16 @@ class LoRAModules:
         self.config, self.base = config, self.names[0]
         self.adapters: dict[str, LoRARequest] = {}
         self.created: dict[str, int] = {}
+        self.parents: dict[str, str] = {}  # an adapter's card's `parent`, where --lora-modules named its base
         self._ids = count(1)
         self.num_requests = None  # the server's per-adapter request counter (`lora_routes` makes it)
-        for name, path in (modules or {}).items():
-            self.add(name, path)
+        for name, entry in (modules or {}).items():
+            path, parent = (entry, None) if isinstance(entry, str) else entry
+            self.add(name, path, parent)
 
-    def add(self, name: str, path: str) -> LoRARequest:
-        """Check the folder and list it under `name` (ValueError: a name in use, LoRAAdapterError: the folder)."""
+    def add(self, name: str, path: str, parent: str | None = None) -> LoRARequest:
+        """Check the folder and list it under `name` (ValueError: a name in use, LoRAAdapterError: the folder);
+        parent: its card's `parent` (None: the base model's first name)."""
         if not self.config.enable_lora:
             raise ValueError("LoRA adapters need the engine's enable_lora (--enable-lora)")
         if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
@@ -114,10 +119,13 @@ class LoRAModules:
         request = LoRARequest(name, next(self._ids), path)
         check_lora_adapter(self.config, request)
         self.adapters[name], self.created[name] = request, int(time.time())
+        if parent is not None:
+            self.parents[name] = parent
         return request
 
     def remove(self, name: str) -> LoRARequest | None:
         self.created.pop(name, None)
+        self.parents.pop(name, None)
         return self.adapters.pop(name, None)
 
     def resolve(self, model: object) -> LoRARequest | None | bool:
@@ -142,7 +150,13 @@ class LoRAModules:
         """/v1/models' data: a card for each of the base model's names, then each adapter's."""
         bases = [{**base_card, "id": name} for name in self.names]
         adapters = [
-            {**base_card, "id": name, "created": self.created[name], "root": request.lora_path, "parent": self.base}
+            {
+                **base_card,
+                "id": name,
+                "created": self.created[name],
+                "root": request.lora_path,
+                "parent": self.parents.get(name, self.base),
+            }
             for name, request in self.adapters.items()
         ]
         return [*bases, *adapters]
