@@ -523,6 +523,23 @@ def test_metrics_under_vllms_names(server):
     assert grew("vllm:prefix_cache_queries_total") == prompt_tokens
 
 
+def test_a_queued_request_of_n_samples_counts_n_waiting_as_vllms_n_child_requests():
+    """vLLM queues a request with n > 1 as n child requests at once, and vllm:num_requests_waiting counts each; the
+    samples 1..n-1 this engine holds until sample 0's prompt is in count as waiting too."""
+    from nanoref.serving.engine_loop import EngineLoop
+
+    loop = EngineLoop(LLM(**SETTINGS), receive=lambda wait: [], send=lambda message: None)
+    loop.take([("add", 0, "a", "Beautiful is", SamplingParams(n=3, max_tokens=2), None)])
+    loop.take([("add", 1, "b", "Flat is", SamplingParams(n=2, max_tokens=2), None)])
+    assert (loop.stats().num_waiting, loop.stats().num_running) == (5, 0)
+    while loop.requests:
+        loop.step()
+        loop.deliver()
+        stats = loop.stats()
+        assert stats.num_waiting + stats.num_running <= 5
+    assert (loop.stats().num_waiting, loop.stats().num_running) == (0, 0)
+
+
 # -- vLLM's cache_salt, return_token_ids, return_tokens_as_token_ids ----------------------------------------------
 GREEDY = {"max_tokens": 4, "temperature": 0}
 

@@ -55,7 +55,7 @@ class EngineStats:
     """A snapshot for a metrics endpoint."""
 
     num_running: int
-    num_waiting: int
+    num_waiting: int  # sequences queued for prefill (a request of n samples: n, as vLLM counts its n child requests)
     num_kv_blocks_used: int
     num_kv_blocks: int
     prefix_cache_queried_tokens: int  # prompt tokens of the finished requests
@@ -237,7 +237,9 @@ class EngineLoop:
         manager = scheduler.block_manager
         return EngineStats(
             num_running=len(scheduler.running),
-            num_waiting=len(scheduler.waiting),
+            # (with the samples 1..n-1 held until their sample 0's prompt is in: vLLM queues a request's n samples
+            # as n requests at once, and counts each)
+            num_waiting=len(scheduler.waiting) + sum(map(len, self.llm.output_processor.held_samples.values())),
             num_kv_blocks_used=manager.num_blocks - manager.num_free_blocks,
             num_kv_blocks=manager.num_blocks,
             prefix_cache_queried_tokens=self.queried_tokens,
