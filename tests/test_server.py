@@ -144,7 +144,7 @@ BAD = [
     ("completions", {"prompt": "x", "top_k": -2}, "top_k"),
     ("completions", {"prompt": "x", "min_p": -0.5}, "min_p"),
     ("completions", {"prompt": "x", "seed": "s"}, "seed"),
-    ("completions", {"prompt": "x", "stream": "yes"}, "stream"),
+    ("completions", {"prompt": "x", "stream": "maybe"}, "stream"),
     ("completions", {"prompt": ""}, "prompt"),
     ("completions", {"prompt": TOO_LONG}, "prompt"),
     ("completions", {"prompt": [3, 5000]}, "prompt"),

@@ -348,9 +348,9 @@ def test_skip_special_tokens_false_shows_them_but_not_the_eos_that_ends(server, 
     params.skip_special_tokens = False
     assert offline.generate(["Beautiful is"], params, use_tqdm=False)[0]["text"] == "<|endoftext|>" * 4
     assert "".join(piece.text for piece in offline.stream("Beautiful is", params)) == "<|endoftext|>" * 4
-    refused(server, "/v1/completions", {"prompt": "x", "skip_special_tokens": "no"}, "skip_special_tokens")
+    refused(server, "/v1/completions", {"prompt": "x", "skip_special_tokens": "maybe"}, "skip_special_tokens")
     refused(
-        server, "/v1/completions", {"prompt": "x", "spaces_between_special_tokens": 1}, "spaces_between_special_tokens"
+        server, "/v1/completions", {"prompt": "x", "spaces_between_special_tokens": 2}, "spaces_between_special_tokens"
     )
 
 
@@ -589,7 +589,7 @@ def test_the_fields_are_honoured_and_their_flags_checked(server, name):
     assert name in COMPLETION_HONOURED and name in CHAT_HONOURED
     if name != "cache_salt":
         for path, base in (("/v1/completions", {"prompt": "x"}), ("/v1/chat/completions", {"messages": MESSAGES})):
-            assert "true or false" in refused(server, path, {**base, name: "yes"}, name)
+            assert "true or false" in refused(server, path, {**base, name: "maybe"}, name)
             assert post(server, path, {**base, name: None, "max_tokens": 1}).status_code == 200
 
 
@@ -701,3 +701,61 @@ def test_return_tokens_as_token_ids_spells_logprobs_tokens_token_id_n(server, st
         assert [(top.logprob, top.bytes) for top in entry.top_logprobs] == [
             (t.logprob, t.bytes) for t in mine.top_logprobs
         ]
+
+
+# -- typed fields read as vLLM's pydantic request models read them (lax mode) --------------------------------------
+LAX_INPUTS = [
+    1.0, -0.0, 2.5, float("inf"), float("nan"), 1e20, True, False, 0, 1, 2,
+    "5", " 5 ", "+5", "-5.0", "5.00", "5.", "1_000", "1__0", "_1", "1e2", "0x10", "\u0665", "", "abc", "0.5", ".5",
+    "inf", "NaN", "true", "False", "YES", "no", "on", "off", "t", "f", "y", "n", "1", "0", " true", "2", 0.5, None, [1],
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", [int, float, bool])
+def test_lax_readers_convert_what_pydantic_lax_mode_converts_and_leave_the_rest(kind):
+    """pydantic (vLLM's request models, lax mode) is the oracle: what it converts, the reader converts to the same
+    value and type; what it refuses, the reader leaves as it was (for the endpoint's check to refuse)."""
+    import math
+
+    from pydantic import TypeAdapter, ValidationError
+
+    from nanoref.serving.lax_fields import lax_bool, lax_float, lax_int
+
+    reader = {int: lax_int, float: lax_float, bool: lax_bool}[kind]
+    adapter = TypeAdapter(kind)
+    for value in LAX_INPUTS:
+        try:
+            expected = adapter.validate_python(value)
+        except ValidationError:
+            assert reader(value) is value, value
+            continue
+        got = reader(value)
+        if kind is float and type(value) is int:  # (an integer stays one: SamplingParams takes it as the number)
+            assert got is value
+        elif isinstance(expected, float) and math.isnan(expected):
+            assert math.isnan(got), value
+        else:
+            assert (type(got), got) == (type(expected), expected), value
+
+
+def test_whole_number_floats_and_numeric_strings_are_taken_as_vllm_takes_them(server, offline):
+    """`"max_tokens": 3.0`, `"n": "2"`, `"stream": "true"`: vLLM's pydantic request models (lax mode) read them as
+    the numbers and switches they spell; a fraction where an integer belongs stays a 400 naming the field."""
+    prompt = {"prompt": "Beautiful is", "temperature": 0.7, "ignore_eos": True}
+    exact = {**prompt, "max_tokens": 3, "n": 2, "seed": 3, "logprobs": 2, "top_k": 5, "top_p": 1}
+    lax = {**prompt, "max_tokens": 3.0, "n": "2", "seed": 3.0, "logprobs": 2.0, "top_k": "5", "top_p": "1"}
+    want = post(server, "/v1/completions", exact).json()["choices"]
+    got = post(server, "/v1/completions", {**lax, "ignore_eos": "true", "echo": 0}).json()["choices"]
+    assert [c["text"] for c in got] == [c["text"] for c in want] and len(got) == 2
+    assert [len(c["logprobs"]["top_logprobs"][0]) for c in got] == [2, 2]
+    streamed = post(server, "/v1/completions", {**lax, "n": 1.0, "stream": "true"})
+    assert streamed.status_code == 200 and streamed.text.rstrip().endswith("data: [DONE]"), streamed.text
+    chat = {"messages": MESSAGES, "max_completion_tokens": "2", "logprobs": "yes", "top_logprobs": 2.0}
+    reply = post(server, "/v1/chat/completions", {**chat, "temperature": "0"}).json()["choices"][0]
+    assert len(reply["logprobs"]["content"]) == 2 and len(reply["logprobs"]["content"][0]["top_logprobs"]) == 2
+    assert post(server, "/detokenize", {"tokens": [1.0, "2"]}).json() == {"prompt": offline.tokenizer.decode([1, 2])}
+    for name, value in (("max_tokens", 1.5), ("n", "2.5"), ("seed", "three"), ("top_k", 5.5), ("logprobs", 1e300)):
+        assert name in refused(server, "/v1/completions", {"prompt": "x", name: value}, name)
+    refused(
+        server, "/v1/chat/completions", {"messages": MESSAGES, "max_completion_tokens": 2.5}, "max_completion_tokens"
+    )

@@ -104,7 +104,7 @@ def refused(server, path: str, body: dict, param: str) -> str:
          "json_schema.name must be a non-empty string, got None"),
         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA, "bogus": 1}}},
          "response_format", "unknown field 'bogus'"),
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA, "strict": "yes"}}},
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA, "strict": 2}}},
          "response_format", "json_schema.strict must be a boolean or null"),
         ({"response_format": {"type": "yaml"}}, "response_format", "response_format's type must be"),
         ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "structured_outputs",

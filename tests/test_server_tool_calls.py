@@ -280,7 +280,7 @@ def post(server, body: dict, path: str = "/v1/chat/completions") -> httpx.Respon
         ({"tool_choice": "required"}, "tool_choice", "When using `tool_choice`, `tools` must be set."),
         ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}},
          "tool_choice", "You can only either use constraints for structured outputs or tools, not both"),
-        ({"tools": [WEATHER], "tool_choice": "required", "parallel_tool_calls": 0}, "parallel_tool_calls",
+        ({"tools": [WEATHER], "tool_choice": "required", "parallel_tool_calls": "maybe"}, "parallel_tool_calls",
          "must be true or false"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}], "messages": [{"role": "user", "content": "x"}],
           "chat_template_kwargs": {"tools": []}}, "chat_template_kwargs", "'tools' is an argument of its own"),

@@ -81,6 +81,7 @@ from nanoref.layers.logits_processors import TokenLogprobs
 from nanoref.models.generation_config import GenerationDefaults
 from nanoref.sampling_params import MAX_TOKENS_LIMIT, SamplingParams, StructuredOutputsParams, stop_strings
 from nanoref.serving.async_llm import AsyncLLM, RequestOutput
+from nanoref.serving.lax_fields import CHAT_TYPES, COMPLETION_TYPES, DETOKENIZE_TYPES, TOKENIZE_TYPES, lax_body
 from nanoref.serving.lora_modules import LoRAModules, lora_routes, served_model_names
 from nanoref.serving.tool_calls import (
     Delta,
@@ -1194,8 +1195,9 @@ def build_app(
             raise ClientGone from None
         return b"".join(chunks)
 
-    async def read_body(request: Request) -> tuple[dict, bool]:
-        """The request's JSON object -> (it, whether it is long enough to be worked on off the event loop)."""
+    async def read_body(request: Request, types: dict | None = None) -> tuple[dict, bool]:
+        """The request's JSON object -> (it, whether it is long enough to be worked on off the event loop); types:
+        the endpoint's typed fields, read as vLLM's (pydantic's lax mode: `lax_body`)."""
         try:  # a client that announces more than it sends would hold the connection (and its memory) forever
             raw = await asyncio.wait_for(receive_body(request), body_timeout)
         except TimeoutError:
@@ -1217,6 +1219,8 @@ def build_app(
             path, bad = surrogate
             param = re.match(r"[^.\[]*", path).group()
             raise BadRequest(f"{path} holds a lone UTF-16 surrogate ({bad}): it is not text", param)
+        if types is not None:
+            body = lax_body(body, types)
         if adapters.resolve(body.get("model")) is False:  # (a 404, as vLLM's)
             known = ", ".join(map(repr, [*names, *adapters.adapters]))
             raise APIError(f"the model {body['model']!r} does not exist; this server serves {known}", "model", 404)
@@ -1605,7 +1609,7 @@ def build_app(
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
-        body, heavy = await read_body(request)
+        body, heavy = await read_body(request, COMPLETION_TYPES)
         check_fields(body, COMPLETION_HONOURED, NOT_SUPPORTED_COMPLETION)
         prompts = prompt_batch(body.get("prompt"))
         fields_body, echo, generate = echo_fields(body)
@@ -1652,7 +1656,7 @@ def build_app(
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
-        body, heavy = await read_body(request)
+        body, heavy = await read_body(request, CHAT_TYPES)
         check_fields(body, CHAT_HONOURED, NOT_SUPPORTED_CHAT)
         params = chat_sampling_params(body, model_defaults)
         asked_max_tokens = params.max_tokens  # (the client's, checked against the room before the cap, as vLLM does)
@@ -1723,7 +1727,7 @@ def build_app(
         """vLLM's: {"prompt", "add_special_tokens": true} or {"messages", "add_generation_prompt": true,
         "continue_final_message", "chat_template_kwargs", "add_special_tokens": false} (the chat template renders
         them, as /v1/chat/completions does) -> {"count", "max_model_len", "tokens", "token_strs"}."""
-        body, heavy = await read_body(request)
+        body, heavy = await read_body(request, TOKENIZE_TYPES)
         chat = "messages" in body
         honoured = {"model", "add_special_tokens", "return_token_strs"}
         if chat:
@@ -1756,7 +1760,7 @@ def build_app(
     @app.post("/detokenize")
     async def detokenize(request: Request) -> dict:
         """vLLM's: {"tokens": [ids]} -> {"prompt": their text} (special tokens included, as vLLM decodes them)."""
-        body, heavy = await read_body(request)
+        body, heavy = await read_body(request, DETOKENIZE_TYPES)
         check_fields(body, {"model", "tokens"}, {})
         tokens, vocab = body.get("tokens"), engine.config.hf_config.vocab_size
         if not isinstance(tokens, list) or not all(type(t) is int for t in tokens):
