@@ -1536,20 +1536,29 @@ def build_app(
         def event(payload: dict) -> str:
             return f"data: {json.dumps(payload)}\n\n"
 
-        def chunk(choice: Choice, text: str, finished: bool) -> dict | None:
-            """The chunk a piece of a choice's text makes; None when it shows nothing (text held back: half a
-            character, a possible stop string, a possible tool call tag), whose tokens' logprobs then wait and go
-            with the next chunk that is sent."""
+        def chunk(choice: Choice, text: str, finished: bool) -> list[dict]:
+            """The chunks a piece of a choice's text makes: one, or none when it shows nothing (text held back: half
+            a character, a possible stop string, a possible tool call tag), whose tokens' logprobs then wait and go
+            with the next chunk that is sent. Tool calls: a chunk per tool call delta (a call's opening, with its
+            name, then its arguments), as OpenAI's stream sends them, the last one carrying the logprobs."""
             finish_reason, reader = choice.finish_reason, readers.get(choice.index)
+            before: list[dict] = []
             if reader is not None:
                 read = reader.feed(text) + (reader.finish() if finished else Delta())
-                delta = {"content": read.content} if read.content else {}
-                delta |= {"tool_calls": read.tool_calls} if read.tool_calls else {}
+                deltas = [{"content": read.content}] if read.content else []
+                deltas += [{"tool_calls": [item]} for item in read.tool_calls]
+                before, delta = deltas[:-1], deltas[-1] if deltas else {}
                 finish_reason = tools.finish_reason(finish_reason, reader.called) if finished else None
             else:
                 delta = {"content": text} if text else {}
             if not (delta if chat else text) and not finished:
-                return None
+                return []
+            usage = running_usage(choice.num_prompt_tokens, choice.num_tokens)
+            earlier = [
+                {**head, "choices": [{"index": choice.index, "delta": d, "logprobs": None, "finish_reason": None}]}
+                | usage
+                for d in before
+            ]
             ending = {"finish_reason": finish_reason, "stop_reason": choice.stop_reason} if finished else {}
             if chat:
                 body = {"index": choice.index, "delta": delta, "logprobs": logprobs(choice)}
@@ -1561,8 +1570,7 @@ def build_app(
                     ids["prompt_token_ids"] = None if choice.prompt_ids_sent else choice.prompt_token_ids
                     choice.prompt_ids_sent = True
                 ids["token_ids"], choice.unsent_token_ids = choice.unsent_token_ids, []
-            payload = {**head, "choices": [{**body, "finish_reason": None, **ending, **ids}]}
-            return payload | running_usage(choice.num_prompt_tokens, choice.num_tokens)
+            return [*earlier, {**head, "choices": [{**body, "finish_reason": None, **ending, **ids}]} | usage]
 
         def openings(out: RequestOutput | None) -> Iterator[str]:
             """OpenAI's first chat chunk of each choice, which opens the assistant's message (with return_token_ids,
@@ -1593,8 +1601,7 @@ def build_app(
                                 yield opening
                             opened = True
                         choice, text = take(prompt, out)
-                        payload = chunk(choice, text, out.finished)
-                        if payload is not None:
+                        for payload in chunk(choice, text, out.finished):
                             yield event(payload)
                 except Exception as error:  # the step serving it failed or it was aborted: say so, then end
                     error = failure(error)
