@@ -166,3 +166,32 @@ def test_a_bad_echo_request_is_a_400_naming_its_field(server, body, param):
     )
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == param
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_chat_echo_starts_each_message_with_the_assistants_last_message_as_vllm(server, stream):
+    """vLLM's chat echo: continuing the assistant's message, each choice's message starts with it (a stream sends it
+    in a chunk of its own once every choice's opening chunk is out); usage counts the generated tokens only. A last
+    message that is the user's is not echoed (the reply is the assistant's)."""
+    client = server.client()
+    start, ask = "Beautiful is", {"role": "user", "content": "Recite it."}
+    continuing = {"continue_final_message": True, "add_generation_prompt": False}
+    for messages, flags, said in [([ask, {"role": "assistant", "content": start}], continuing, start), ([ask], {}, "")]:
+        args = dict(model=MODEL, messages=messages, max_tokens=6, temperature=0, n=2)
+        plain = client.chat.completions.create(**args, extra_body={"ignore_eos": True, **flags})
+        echoed = dict(**args, extra_body={"ignore_eos": True, "echo": True, **flags})
+        if stream:
+            texts, order = ["", ""], []
+            chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **echoed))
+            for chunk in chunks:
+                for choice in chunk.choices:
+                    texts[choice.index] += choice.delta.content or ""
+                    order.append((choice.index, choice.delta.role, choice.delta.content))
+            if said:
+                assert order[:4] == [(0, "assistant", ""), (1, "assistant", ""), (0, None, said), (1, None, said)]
+            usage = chunks[-1].usage
+        else:
+            response = client.chat.completions.create(**echoed)
+            texts, usage = [choice.message.content for choice in response.choices], response.usage
+        assert texts == [said + choice.message.content for choice in plain.choices]
+        assert (usage.prompt_tokens, usage.completion_tokens) == (plain.usage.prompt_tokens, 12)

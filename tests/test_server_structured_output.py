@@ -5,6 +5,7 @@ and the server serves on. A real server on 127.0.0.1 with the built-in model."""
 from __future__ import annotations
 
 import json
+import math
 import re
 
 import pytest
@@ -77,6 +78,35 @@ def test_completions_structured_outputs_extra_field(server):
         model=MODEL, messages=MESSAGES, max_tokens=20, extra_body={"structured_outputs": {"regex": r"\d{3}-[a-z]{2}"}}
     )
     assert re.fullmatch(r"\d{3}-[a-z]{2}", by_regex.choices[0].message.content)
+
+
+@needs_xgrammar
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_logprobs_of_a_constrained_sample_are_over_the_tokens_its_grammar_allows(server, stream):
+    """vLLM masks the logits with the grammar before its sampler takes the raw logprobs: each token's top entries are
+    tokens the grammar allows (their probabilities sum to 1) and the rest are -inf (-9999.0 in JSON). A choice of
+    "yes" or "no" allows fewer tokens than the 20 asked for (its prefixes, then EOS), so all of them are listed."""
+    client = server.client()
+    args = dict(
+        model=MODEL, messages=MESSAGES, max_tokens=10, temperature=1.0, seed=2, n=2, logprobs=True, top_logprobs=20,
+        extra_body={"structured_outputs": {"choice": ["yes", "no"]}},
+    )  # fmt: skip
+    entries: dict[int, list] = {0: [], 1: []}
+    if stream:
+        for chunk in client.chat.completions.create(stream=True, **args):
+            for choice in chunk.choices:
+                entries[choice.index] += choice.logprobs.content if choice.logprobs else []
+    else:
+        for choice in client.chat.completions.create(**args).choices:
+            assert choice.message.content in ("yes", "no")
+            entries[choice.index] = choice.logprobs.content
+    for tokens in entries.values():
+        assert tokens
+        for entry in tokens:
+            allowed = [top for top in entry.top_logprobs if top.logprob > -9999.0]
+            assert 0 < len(allowed) < 20 and all(top.logprob == -9999.0 for top in entry.top_logprobs[len(allowed) :])
+            assert sum(math.exp(top.logprob) for top in allowed) == pytest.approx(1.0, abs=1e-4)
+            assert entry.token in [top.token for top in allowed]
 
 
 def refused(server, path: str, body: dict, param: str) -> str:

@@ -100,12 +100,14 @@ def check_calls(choice) -> list[tuple[str, dict]]:
 
 def gather(chunks) -> dict[int, dict]:
     """A stream's chunks put together per choice: content, calls (each opened by its id, type and name before any
-    arguments, as OpenAI's stream sends them), finish_reason."""
+    arguments, as OpenAI's stream sends them), finish_reason. A chunk holds one tool call delta at most, as OpenAI's
+    stream sends them: a client that reads each chunk's first (`delta.tool_calls[0]`) misses nothing."""
     choices: dict[int, dict] = {}
     for chunk in chunks:
         for choice in chunk.choices:
             got = choices.setdefault(choice.index, {"content": "", "calls": {}, "finish_reason": None})
             got["content"] += choice.delta.content or ""
+            assert len(choice.delta.tool_calls or []) <= 1, choice.delta.tool_calls
             for item in choice.delta.tool_calls or []:
                 if item.index not in got["calls"]:
                     assert item.id and item.type == "function" and item.function.name, item

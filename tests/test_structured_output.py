@@ -149,6 +149,25 @@ def test_regex_and_choice_outputs_match(llm):
         assert sample["text"] in choices and sample["finish_reason"] == "stop", sample
 
 
+def test_a_constrained_samples_logprobs_are_over_the_tokens_its_grammar_allows(llm):
+    """As vLLM's (its grammar masks the logits before its sampler takes the raw logprobs; allowed_token_ids apply
+    after): at each token the grammar's tokens share all the probability and the top lists them first, also where
+    allowed_token_ids narrow what is sampled ("no"'s tokens and EOS: "yes" is listed still, never sampled)."""
+    choice = constrained(choice=["yes", "no"])
+    no = sorted({*llm.tokenizer.encode("no", add_special_tokens=False), *llm.scheduler.eos_token_ids})
+    settings = dict(temperature=1.0, seed=3, max_tokens=10, logprobs=5, structured_outputs=choice)
+    params = [SamplingParams(**settings), SamplingParams(**settings, allowed_token_ids=no)]
+    free, narrowed = llm.generate([PROMPTS[0]] * 2, params, use_tqdm=False)
+    assert narrowed["text"] == "no" and free["text"] in ("yes", "no")
+    for output in (free, narrowed):
+        for entry in output["logprobs"]:
+            allowed = {token: value for token, value in entry.top.items() if value > float("-inf")}
+            assert 0 < len(allowed) < 5 and sum(np.exp(list(allowed.values()))) == pytest.approx(1.0, abs=1e-4)
+            assert entry.token_id in allowed and list(entry.top)[: len(allowed)] == list(allowed)
+    first = llm.tokenizer.encode("y", add_special_tokens=False)[0]
+    assert first in narrowed["logprobs"][0].top and narrowed["logprobs"][0].top == free["logprobs"][0].top
+
+
 def test_a_grammar_and_a_json_object_are_followed(llm):
     grammar = 'root ::= "(" item ("," item)* ")"\nitem ::= [0-9] | "x"'
     by_grammar, by_object = llm.generate(

@@ -173,7 +173,7 @@ class ModelRunner:
         # host work while the GPU runs the forward just launched
         vocab = self.config.hf_config.vocab_size
         batch = sampling_batch(seqs, is_prefill, int(ahead), self.device, self.generator, vocab, self.eos_token_ids)
-        logprobs = step_logprobs(seqs, batch, logits)  # (from the model's logits: before penalties and masks)
+        logprobs = step_logprobs(seqs, batch, logits)  # (the model's logits: before penalties, after a grammar)
         sampled = self.sampler(logits, batch=batch)  # (num_seqs,)
         if logprobs is not None:
             attach_logprobs(seqs, batch, logprobs, sampled)

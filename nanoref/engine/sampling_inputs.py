@@ -3,7 +3,8 @@ the seeded rows' generators, logit biases, penalties, min_tokens masks and which
 
 The model runner asks for them (`sampling_batch`) while the forward runs; a step loop that samples several rows per
 sequence (a verify step) builds each row's penalties and masks with `row_processing`. Logprobs come from the model's
-raw logits (`step_logprobs`), before penalties, masks and temperature (vLLM's default "raw_logprobs").
+raw logits (`step_logprobs`), before penalties, masks and temperature (vLLM's default "raw_logprobs"), but after a
+grammar's mask (structured output), as in vLLM.
 
 A prefill step can also score the tokens the model was given: where a sequence asks for every position's logits
 (`asks_all_logits`: its request asks for prompt logprobs), the step makes logits at every position, and
@@ -20,6 +21,7 @@ from nanoref.engine.step_inputs import StepInputs
 from nanoref.layers.logits_processors import (
     LogitsProcessing,
     StepLogprobs,
+    apply_token_bitmask,
     pack_token_ids,
     raw_logprobs,
     scored_logprobs,
@@ -123,9 +125,14 @@ def banned_next(bad_words_ids: list[list[int]], completion: list[int], num_unkno
 
 
 def step_logprobs(seqs: list[Sequence], batch: SamplingBatch, logits: torch.Tensor) -> torch.Tensor | None:
-    """The raw log-probabilities (R, V) of the rows that asked, from the model's logits (None: no row asked)."""
+    """The raw log-probabilities (R, V) of the rows that asked, from the model's logits (None: no row asked). A row
+    whose sample follows a grammar has them over the tokens its grammar allows (the others -inf), as vLLM's: its
+    grammar masks the logits before its sampler takes the raw logprobs."""
     if not batch.logprob_rows:
         return None
+    processing = batch.processing
+    if processing is not None and processing.grammar_rows is not None:  # (a copy: the sampler's logits stay)
+        logits = apply_token_bitmask(logits, processing.grammar_rows, processing.grammar_bitmask)
     if len(batch.logprob_rows) == len(seqs):
         return raw_logprobs(logits)
     index = np.asarray([row for row, _ in batch.logprob_rows], dtype=np.int64)

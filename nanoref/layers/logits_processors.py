@@ -13,7 +13,9 @@
   token of that row gets -inf, after all the above (`apply_token_bitmask`, behind an exercise seam: notebook 13 has
   a learner write it).
 - logprobs: log_softmax of the model's raw logits (before any of the above, and before temperature: vLLM's
-  default "raw_logprobs"), the chosen token's value and rank, and the top N.
+  default "raw_logprobs"; but after a grammar's mask, which vLLM applies to the logits before its sampler sees
+  them: a constrained row's logprobs are over the tokens its grammar allows), the chosen token's value and rank,
+  and the top N.
 - prompt logprobs: the same for tokens the model was given rather than sampled: the logits of the row of prompt
   token t score prompt token t + 1 (`scored_logprobs`, on many rows at once).
 
@@ -161,6 +163,8 @@ class LogitsProcessing:
     bias_values: torch.Tensor | None = None  # (K,) float32
     allowed_rows: torch.Tensor | None = None  # (A,) int64: a row whose sample follows a grammar or allowed_token_ids
     allowed_bitmask: torch.Tensor | None = None  # (A, W) int32: the tokens each may take, packed
+    grammar_rows: torch.Tensor | None = None  # (G,) int64: a row whose sample follows a grammar (logprobs see it)
+    grammar_bitmask: torch.Tensor | None = None  # (G, W) int32: the tokens its grammar allows, packed
 
     @classmethod
     def build(
@@ -183,9 +187,18 @@ class LogitsProcessing:
         masked = [entry for entry in masked if len(entry) == 2]
         if allowed:
             # (A, W) int32 on the host, one entry per row
-            rows, bitmask = both_allowed([row for row, _ in allowed], packed_allowed([c for _, c in allowed]))
+            packed = packed_allowed([c for _, c in allowed])
+            rows, bitmask = both_allowed([row for row, _ in allowed], packed)
             processing.allowed_rows = to_device(np.asarray(rows, dtype=np.int64), device)
             processing.allowed_bitmask = to_device(bitmask.numpy(), device)
+            grammars = [a for a, (_, c) in enumerate(allowed) if not isinstance(c, torch.Tensor)]
+            if len(grammars) == len(allowed):  # (no allowed_token_ids: the same rows and masks)
+                processing.grammar_rows = processing.allowed_rows
+                processing.grammar_bitmask = processing.allowed_bitmask
+            elif grammars:
+                grammar_rows = np.asarray([allowed[a][0] for a in grammars], dtype=np.int64)
+                processing.grammar_rows = to_device(grammar_rows, device)
+                processing.grammar_bitmask = to_device(packed[grammars].numpy(), device)
             masked = unmask_grammar_ends(masked, {row: bitmask[a] for a, row in enumerate(rows)}, vocab)
         if biased:
             ids, rows = _flat([ids for _, ids, _ in biased])

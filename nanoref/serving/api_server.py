@@ -27,6 +27,8 @@ n samples and several prompts: each prompt is one AsyncLLM request of n samples;
 prompt k // n (OpenAI's numbering), every chunk names its choice's index, and usage counts every prompt once and
 every sample's tokens.
 
+Chat's echo (vLLM's): each choice's message starts with the last message's text, where that is the assistant's.
+
 Echo (completions): each choice's text starts with its prompt's, and with logprobs its tokens start with the
 prompt's, scored as `SamplingParams.prompt_logprobs` scores them (the first one null: nothing before it to score it
 on), as vLLM does; with max_tokens 0 the prompt is all there is (how an evaluation harness scores a text: the engine
@@ -73,7 +75,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from nanoref.config import EngineConfig
-from nanoref.engine.chat import chat_prompt, check_chat_template
+from nanoref.engine.chat import chat_prompt, check_chat_template, check_messages
 from nanoref.engine.detokenizer import REPLACEMENT_CHAR, decode
 from nanoref.engine.requests import check_cache_salt, truncate_prompt
 from nanoref.engine.requests import tokenize as prompt_token_ids  # (the /tokenize route takes the name)
@@ -135,6 +137,7 @@ CHAT_HONOURED = {"model", "messages", "stream", "stream_options", "add_special_t
 CHAT_HONOURED |= {"response_format", "structured_outputs"}
 CHAT_HONOURED |= {"tools", "tool_choice", "parallel_tool_calls"}  # (tool_calls.py)
 CHAT_HONOURED |= {"logprobs", "top_logprobs", "add_generation_prompt", "continue_final_message", "chat_template_kwargs"}
+CHAT_HONOURED |= {"echo"}  # (vLLM's: the reply starts with the last message's text, where that is the assistant's)
 # vLLM's: the prefix cache's salt, and the token ids in the response (see `respond`)
 OUTPUT_FIELDS = {"cache_salt", "return_token_ids", "return_tokens_as_token_ids"}
 COMPLETION_HONOURED |= OUTPUT_FIELDS | {"request_id"}  # (vLLM's: the response's id, unless X-Request-Id names one)
@@ -192,7 +195,6 @@ NOT_SUPPORTED_CHAT = {
     "media_io_kwargs": (),
     "mm_processor_kwargs": (),
     "return_prompt_text": (False,),
-    "echo": (False,),  # (vLLM's chat echo: the last message first; completions have it)
     "prompt_logprobs": (),  # (completions have them)
 }
 # why a field is refused, where there is more to say than "not supported"
@@ -1399,6 +1401,7 @@ def build_app(
         tools: ToolChoice | None = None,
         return_token_ids: bool = False,
         as_ids: bool = False,
+        said: str = "",
     ) -> Response:
         """Collect the outputs of the request's prompts into one response, or stream them as server-sent events.
         Choice k is sample k % n of prompt k // n, as in OpenAI's API. echo: completions' (see Echo); tools: chat's
@@ -1410,7 +1413,8 @@ def build_app(
         ones null), chat's opening chunks carry them (then sent once the first output is in, as vLLM does), and
         every chunk carries the ids of the tokens since the previous one (a step whose text is all held back sends
         no chunk: its ids ride with the next one, as logprobs do). as_ids (vLLM's return_tokens_as_token_ids):
-        logprobs' tokens spelled "token_id:N"."""
+        logprobs' tokens spelled "token_id:N". said: chat's echo (vLLM's), the text each choice's message starts with
+        (in a stream, a chunk of its own after the opening chunks); usage does not count it, as vLLM's."""
         n = params.n
         head = {
             "id": request_id,
@@ -1494,6 +1498,8 @@ def build_app(
                         message["content"] = tools.content(read.content, reader.called)
                         message["tool_calls"] = assemble(read)
                         ending["finish_reason"] = tools.finish_reason(choice.finish_reason, reader.called)
+                    if said:
+                        message["content"] = said + (message["content"] or "")
                     result.append({"index": choice.index, "message": message, **ending})
                     if return_token_ids:  # (vLLM's extra field; the prompt's: the response's)
                         result[-1]["token_ids"] = choice.token_ids
@@ -1534,20 +1540,29 @@ def build_app(
         def event(payload: dict) -> str:
             return f"data: {json.dumps(payload)}\n\n"
 
-        def chunk(choice: Choice, text: str, finished: bool) -> dict | None:
-            """The chunk a piece of a choice's text makes; None when it shows nothing (text held back: half a
-            character, a possible stop string, a possible tool call tag), whose tokens' logprobs then wait and go
-            with the next chunk that is sent."""
+        def chunk(choice: Choice, text: str, finished: bool) -> list[dict]:
+            """The chunks a piece of a choice's text makes: one, or none when it shows nothing (text held back: half
+            a character, a possible stop string, a possible tool call tag), whose tokens' logprobs then wait and go
+            with the next chunk that is sent. Tool calls: a chunk per tool call delta (a call's opening, with its
+            name, then its arguments), as OpenAI's stream sends them, the last one carrying the logprobs."""
             finish_reason, reader = choice.finish_reason, readers.get(choice.index)
+            before: list[dict] = []
             if reader is not None:
                 read = reader.feed(text) + (reader.finish() if finished else Delta())
-                delta = {"content": read.content} if read.content else {}
-                delta |= {"tool_calls": read.tool_calls} if read.tool_calls else {}
+                deltas = [{"content": read.content}] if read.content else []
+                deltas += [{"tool_calls": [item]} for item in read.tool_calls]
+                before, delta = deltas[:-1], deltas[-1] if deltas else {}
                 finish_reason = tools.finish_reason(finish_reason, reader.called) if finished else None
             else:
                 delta = {"content": text} if text else {}
             if not (delta if chat else text) and not finished:
-                return None
+                return []
+            usage = running_usage(choice.num_prompt_tokens, choice.num_tokens)
+            earlier = [
+                {**head, "choices": [{"index": choice.index, "delta": d, "logprobs": None, "finish_reason": None}]}
+                | usage
+                for d in before
+            ]
             ending = {"finish_reason": finish_reason, "stop_reason": choice.stop_reason} if finished else {}
             if chat:
                 body = {"index": choice.index, "delta": delta, "logprobs": logprobs(choice)}
@@ -1559,8 +1574,7 @@ def build_app(
                     ids["prompt_token_ids"] = None if choice.prompt_ids_sent else choice.prompt_token_ids
                     choice.prompt_ids_sent = True
                 ids["token_ids"], choice.unsent_token_ids = choice.unsent_token_ids, []
-            payload = {**head, "choices": [{**body, "finish_reason": None, **ending, **ids}]}
-            return payload | running_usage(choice.num_prompt_tokens, choice.num_tokens)
+            return [*earlier, {**head, "choices": [{**body, "finish_reason": None, **ending, **ids}]} | usage]
 
         def openings(out: RequestOutput | None) -> Iterator[str]:
             """OpenAI's first chat chunk of each choice, which opens the assistant's message (with return_token_ids,
@@ -1572,6 +1586,9 @@ def build_app(
                 opening = {"role": "assistant", "content": ""}
                 body = {"index": choice.index, "delta": opening, "logprobs": None, "finish_reason": None}
                 yield event({**head, "choices": [body], **ids, **usage})
+            for choice in choices if said else ():  # (vLLM's chat echo: its own chunk, after every opening)
+                body = {"index": choice.index, "delta": {"content": said}, "logprobs": None, "finish_reason": None}
+                yield event({**head, "choices": [body], **usage})
 
         async def events() -> AsyncIterator[str]:
             merged = merge(streams)
@@ -1588,8 +1605,7 @@ def build_app(
                                 yield opening
                             opened = True
                         choice, text = take(prompt, out)
-                        payload = chunk(choice, text, out.finished)
-                        if payload is not None:
+                        for payload in chunk(choice, text, out.finished):
                             yield event(payload)
                 except Exception as error:  # the step serving it failed or it was aborted: say so, then end
                     error = failure(error)
@@ -1667,6 +1683,7 @@ def build_app(
             raise BadRequest(str(error), error.param) from None
         params, blamed = tool_constraint(body, params, tools, blamed_fields(body, "messages"))
         add_special_tokens = check_flag(body, "add_special_tokens", False)  # (vLLM's: the template writes them)
+        echo = check_flag(body, "echo", False)
         salt, options = request_cache_salt(body), output_options(body)
         request_id, engine_id = request_ids(request, body, "chatcmpl-")
         asked = asked_max_tokens if body.get(blamed["max_tokens"]) is not None else None
@@ -1682,7 +1699,11 @@ def build_app(
                 raise BadRequest(tools.refused(error.message), "tools") from None
 
         streams = await off_the_loop(open_stream, heavy)
-        return await respond(request, body, params, streams, request_id, chat=True, tools=tools, **options)
+        said = ""
+        if echo:  # (the messages are checked: they rendered)
+            last = check_messages(body["messages"][-1:])[-1]
+            said = last["content"] if last["role"] == "assistant" else ""
+        return await respond(request, body, params, streams, request_id, chat=True, tools=tools, said=said, **options)
 
     @app.get("/v1/models")
     async def models() -> dict:
