@@ -31,6 +31,10 @@ def every_row_on_slot_0(x, lora_a, lora_b, row_slots, scalings):
     return lora_delta(x, lora_a, lora_b, torch.where(row_slots < 0, row_slots, 0), scalings)
 
 
+def slot_0_scaling_for_every_row(x, lora_a, lora_b, row_slots, scalings):
+    return lora_delta(x, lora_a, lora_b, row_slots, torch.full_like(scalings, float(scalings[0])))
+
+
 def in_float32(x, lora_a, lora_b, row_slots, scalings):
     return lora_delta(x.float(), lora_a.float(), lora_b.float(), row_slots, scalings)
 
@@ -64,6 +68,7 @@ def b_transposed_again(x, lora_a, lora_b, row_slots, scalings):
         (unscaled, "multiply by scalings"),
         (base_rows_on_slot_0, "a base-model row \\(slot -1\\) got a delta"),
         (every_row_on_slot_0, "each row must use its own slot"),
+        (slot_0_scaling_for_every_row, "each row must use its own adapter's scaling, scalings\\[row_slots\\[i\\]\\]"),
         (in_float32, "dtype torch.float32, expected torch.bfloat16"),
         (slots_clamped_in_place, "changed row_slots in place"),
         (x_scaled_in_place, "changed x in place"),

@@ -244,6 +244,55 @@ def test_top_k_by_rank_fails_on_every_draw_at_a_tie(seed):
     assert_readable_failure(failure.value)
 
 
+def top_p_at_or_below(logits, top_k, top_p):
+    # keeps a token while the better-ranked mass is <= top_p: one token too many where that mass equals top_p exactly
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    sorted_logits = top_k_cut(sorted_logits, top_k)
+    probs = sorted_logits.softmax(dim=-1)
+    drop = (probs.cumsum(dim=-1) - probs > top_p[:, None]) & (top_p[:, None] < 1.0)
+    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_top_p_that_keeps_the_token_reaching_top_p_exactly_fails_on_every_draw(seed):
+    # random rows never put the better-ranked mass exactly on top_p; the worked row does, without ties
+    torch.manual_seed(seed)
+    with pytest.raises(ExerciseFailure, match="(?s)top_p=0.8125.*equals top_p exactly.*< top_p, not <=") as failure:
+        check_apply_top_k_top_p(top_p_at_or_below, engine=False)
+    assert_readable_failure(failure.value)
+
+
+def top_p_in_float64(logits, top_k, top_p):
+    # right, with the probabilities in float64: the worked row's better-ranked mass is then just above top_p
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    sorted_logits = top_k_cut(sorted_logits, top_k)
+    probs = sorted_logits.double().softmax(dim=-1)
+    drop = (probs.cumsum(dim=-1) - probs >= top_p[:, None].double()) & (top_p[:, None] < 1.0)
+    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+
+
+def hfs_warpers(logits, top_k, top_p):
+    # right: HF's TopKLogitsWarper, then TopPLogitsWarper (ascending cumsum, removing where it is <= 1 - top_p)
+    from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+
+    rows = []
+    for row in range(logits.shape[0]):
+        out = logits[row : row + 1]
+        if 0 < top_k[row] < logits.shape[1]:
+            out = TopKLogitsWarper(int(top_k[row]))(None, out)
+        if top_p[row] < 1.0:
+            out = TopPLogitsWarper(float(top_p[row]))(None, out)
+        rows.append(out)
+    return torch.cat(rows)
+
+
+@pytest.mark.parametrize("right", [top_p_in_float64, hfs_warpers])
+@pytest.mark.parametrize("seed", range(4))
+def test_other_right_top_p_cuts_pass_the_exact_boundary_row(right, seed):
+    torch.manual_seed(seed)
+    check_apply_top_k_top_p(right, engine=False)
+
+
 def test_nanorefs_top_k_and_top_p_are_hfs_warpers_on_fresh_logits():
     """The oracle: HF's TopKLogitsWarper, then TopPLogitsWarper, row by row, on fresh logits with ties."""
     from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper

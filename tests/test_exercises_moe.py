@@ -137,6 +137,38 @@ def test_a_loop_right_only_on_the_checks_inputs_is_caught_by_the_engine():
         check_moe_experts(only_small_hidden)
 
 
+def all_but_the_last_expert(hidden, topk_weights, topk_ids, w_gate_up, w_down):
+    # loops over range(E - 1): the last expert's tokens get nothing from it
+    out = torch.zeros_like(hidden)
+    for expert in range(w_gate_up.shape[0] - 1):
+        rows, slots = torch.where(topk_ids == expert)
+        y = F.linear(silu_and_mul(F.linear(hidden[rows], w_gate_up[expert])), w_down[expert])
+        out.index_add_(0, rows, y * topk_weights[rows, slots].unsqueeze(-1))
+    return out
+
+
+def all_but_the_first_expert(hidden, topk_weights, topk_ids, w_gate_up, w_down):
+    out = torch.zeros_like(hidden)
+    for expert in range(1, w_gate_up.shape[0]):
+        rows, slots = torch.where(topk_ids == expert)
+        y = F.linear(silu_and_mul(F.linear(hidden[rows], w_gate_up[expert])), w_down[expert])
+        out.index_add_(0, rows, y * topk_weights[rows, slots].unsqueeze(-1))
+    return out
+
+
+@pytest.mark.parametrize("wrong", [all_but_the_last_expert, all_but_the_first_expert])
+@pytest.mark.parametrize("seed", range(8))
+def test_an_expert_loop_that_skips_an_expert_fails_on_every_draw(wrong, seed):
+    with pytest.raises(ExerciseFailure, match="(?s)every expert.*range\\(E\\)") as failure:
+        check_moe_experts(wrong, seed=seed, engine=False)
+    assert_readable_failure(failure.value)
+
+
+def test_nanorefs_expert_loop_passes_on_other_draws():
+    for seed in range(8):
+        check_moe_experts(moe_experts, seed=seed, engine=False)
+
+
 # -- wrong routers ------------------------------------------------------------------------------------------
 def softmax_of_kept_logits(hidden, router_weight, top_k, norm_topk_prob):
     logits = F.linear(hidden, router_weight)

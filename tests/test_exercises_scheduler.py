@@ -12,6 +12,8 @@ from nanoref.exercises import (
     check_generation,
 )
 
+from .helpers import assert_readable_failure
+
 
 def test_nanorefs_own_lookup_passes_with_the_engine():
     check_find_cached_prefix(find_cached_prefix)
@@ -78,7 +80,7 @@ def test_nanorefs_preemption_choice_passes_with_the_engine():
 @pytest.mark.parametrize(
     "wrong, message",
     [
-        (lambda running, seq: running[0] if running else seq, "chose running\\[0\\], expected running\\[2\\]"),
+        (lambda running, seq: running[0] if running else seq, "chose running\\[0\\].*expected running\\[2\\]"),
         (lambda running, seq: seq, "seq steps back only when no other sequence is running"),
         (lambda running, seq: running.pop() if running else seq, "changed `running`"),
         (lambda running, seq: None, "return one of the sequences you were given"),
@@ -87,6 +89,25 @@ def test_nanorefs_preemption_choice_passes_with_the_engine():
 def test_wrong_preemption_choices_fail_with_a_message(wrong, message):
     with pytest.raises(ExerciseFailure, match="(?s)" + message):
         check_choose_preemption_victim(wrong, engine=False)
+
+
+@pytest.mark.parametrize(
+    "wrong, message",
+    [
+        (lambda running, seq: max(running, key=lambda s: s.seq_id) if running else seq, "admission order"),
+        (lambda running, seq: max(running, key=lambda s: s.num_tokens) if running else seq, "admission order"),
+        (lambda running, seq: min(running, key=lambda s: s.num_tokens) if running else seq, "oldest first"),
+    ],
+    ids=["highest seq_id", "most tokens", "fewest tokens"],
+)
+def test_a_victim_chosen_by_id_or_length_instead_of_running_order_fails(wrong, message):
+    """running is in admission order: a sequence admitted again after a preemption is at its end though older
+    (a lower seq_id) than others, so the newest of running is not the highest id."""
+    with pytest.raises(
+        ExerciseFailure, match="(?s)you chose running\\[[01]\\].*expected running\\[2\\].*" + message
+    ) as failure:
+        check_choose_preemption_victim(wrong, engine=False)
+    assert_readable_failure(failure.value)
 
 
 @pytest.mark.parametrize("seed", range(8))

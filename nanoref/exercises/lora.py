@@ -58,6 +58,12 @@ def _hint(x, lora_a, lora_b, row_slots, scalings, got: torch.Tensor) -> str | No
     unscaled = lora_delta_reference(x, lora_a, lora_b, row_slots, torch.ones_like(scalings))
     if torch.allclose(got.float(), unscaled.float(), rtol=1e-3, atol=1e-3):
         return "every row's delta is off by its adapter's scaling: multiply by scalings[slot] (lora_alpha / r)"
+    first_scaling = lora_delta_reference(x, lora_a, lora_b, row_slots, scalings[:1].expand_as(scalings))
+    if len(scalings) > 1 and torch.allclose(got.float(), first_scaling.float(), rtol=1e-3, atol=1e-3):
+        return (
+            "every row was scaled by scalings[0]: each row must use its own adapter's scaling, scalings[row_slots[i]] "
+            "(adapters differ in lora_alpha / r)"
+        )
     zero = row_slots.clamp(min=0)
     every_slot_zero = lora_delta_reference(x, lora_a, lora_b, torch.where(base, -1, zero * 0), scalings)
     if len(scalings) > 1 and torch.allclose(got.float(), every_slot_zero.float(), rtol=1e-3, atol=1e-3):

@@ -192,6 +192,25 @@ def _tied_row(generator: torch.Generator, vocab: int = 50) -> torch.Tensor:
     return logits[None, :]
 
 
+# float32 logits whose exp rounds to 1, 0.625, 0.25 and 0.125 exactly (each within 0.1 of a float32 step of its
+# true exp, so any accurate exp rounds it there): they sum to 2, so the float32 softmax is exactly 0.5, 0.3125,
+# 0.125, 0.0625 and its cumsum exact, and the better-ranked mass of the third token is exactly 0.8125. The true exps
+# of the last three are a little low (the last two more so): in float64 that mass is just above 0.8125 (by 3.6e-10),
+# so a right cut drops that token in either precision
+_EXACT_LOGITS = (0.0, -0.4700036346912384, -1.3862943649291992, -2.079441547393799)
+EXACT_TOP_P = 0.8125
+
+
+def _exact_boundary_row(generator: torch.Generator, vocab: int = 50) -> torch.Tensor:
+    """(1, V) logits on which the better-ranked probability of one token is exactly top_p=0.8125, with no tie: the
+    four tokens of _EXACT_LOGITS at random places, the rest far below (probability 0 in float32, distinct logits).
+    A cut that keeps a token while that mass is <= top_p (not <) keeps three tokens where two belong."""
+    logits = -150.0 - torch.randperm(vocab, generator=generator).float()  # (V,): exp underflows to 0
+    places = torch.randperm(vocab, generator=generator)[: len(_EXACT_LOGITS)]
+    logits[places] = torch.tensor(_EXACT_LOGITS)
+    return logits[None, :]
+
+
 def _masking_hint(row: torch.Tensor, k: int, p: float, kept_got: torch.Tensor, kept_want: torch.Tensor) -> str:
     """The rule a row's wrong mask broke, in one line."""
     if 0 < k < row.shape[0] and p < 1.0 and torch.equal(kept_got, _top_p_on_whole_row(row, k, p)):
@@ -207,6 +226,12 @@ def _masking_hint(row: torch.Tensor, k: int, p: float, kept_got: torch.Tensor, k
     if p < 1.0 and not extra.any() and missing.nonzero().flatten().tolist() == [last] and (k <= 0 or k > last):
         return f"you drop the token that crosses top_p: {TOP_P_RULE}"
     if p < 1.0 and not missing.any() and extra.nonzero().flatten().tolist() == [last + 1] and (k <= 0 or k > last + 1):
+        probs = row.sort(descending=True).values.softmax(-1)  # (V,)
+        if float(probs[: last + 1].sum()) == p:
+            return (
+                "you keep the token whose better-ranked survivors' probability equals top_p exactly: top_p is then "
+                "reached without it; keep a token while that probability is < top_p, not <="
+            )
         return f"you keep one token past the nucleus: {TOP_P_RULE}"
     return (
         "keep a token if its logit is >= the k-th largest (top_k 0 = all) and the top_k survivors ranked above it "
@@ -267,6 +292,8 @@ def check_apply_top_k_top_p(fn: Callable, *, engine: bool = True) -> None:
     # both cuts on, where top-p on the whole distribution keeps more tokens than on the top-k survivors: the random
     # rows catch that only on some draws (when the nucleus ends inside the top k), this row on every run
     _check_masking(fn, _interacting_row(generator), torch.tensor([2]), torch.tensor([0.5]))
+    # the better-ranked mass exactly top_p, without ties: that token goes (< top_p, not <=)
+    _check_masking(fn, _exact_boundary_row(generator), torch.tensor([0]), torch.tensor([EXACT_TOP_P]))
     # a tie with the k-th largest logit, which stays
     _check_masking(fn, _tied_row(generator), torch.tensor([2]), torch.tensor([1.0]))
     # off on a long tail whose float32 cumsum reaches 1.0 before its last tokens: 1.0 must mean off, not a threshold

@@ -250,8 +250,19 @@ def _experts_case(generator: torch.Generator, num_tokens: int, num_experts: int,
     hidden = torch.randn(num_tokens, _HIDDEN, generator=generator)  # (N, hidden)
     w_gate_up = torch.randn(num_experts, 2 * _INTERMEDIATE, _HIDDEN, generator=generator) * _HIDDEN**-0.5
     w_down = torch.randn(num_experts, _HIDDEN, _INTERMEDIATE, generator=generator) * _INTERMEDIATE**-0.5
-    # each token's K distinct experts; the last expert is never picked (an expert with no tokens this step)
-    topk_ids = torch.stack([torch.randperm(num_experts - 1, generator=generator)[:top_k] for _ in range(num_tokens)])
+    # each token's K distinct experts. One expert between the first and the last is never picked (an expert with no
+    # tokens this step); the first and the last are always picked, so that a loop that skips either one fails
+    idle = 1 + int(torch.randint(num_experts - 2, (1,), generator=generator))
+    others = torch.tensor([e for e in range(num_experts) if e != idle])  # (E - 1,)
+    topk_ids = torch.stack(
+        [others[torch.randperm(num_experts - 1, generator=generator)[:top_k]] for _ in range(num_tokens)]
+    )
+    for i, expert in enumerate((num_experts - 1, 0)):
+        token = i * (num_tokens - 1)  # the last expert in the first token, the first expert in the last token
+        row = topk_ids[token]  # (K,): a view
+        if not bool((row == expert).any()):
+            free = [k for k in range(top_k) if row[k] != num_experts - 1 or expert == num_experts - 1]
+            row[free[int(torch.randint(len(free), (1,), generator=generator))]] = expert
     topk_weights = 0.1 + torch.rand(num_tokens, top_k, generator=generator)  # (N, K): distinct, not summing to 1
     return hidden.to(dtype), topk_weights.to(dtype), topk_ids, w_gate_up.to(dtype), w_down.to(dtype)
 
@@ -354,6 +365,13 @@ def _diagnose_experts(got: torch.Tensor, want: torch.Tensor, inputs: tuple, case
             "experts must accumulate in its row. out[rows] = y overwrites, and out[rows] += y keeps only one write "
             "when rows repeats a token; use out.index_add_(0, rows, y), which adds every row of y into out"
         )
+    for expert in topk_ids.unique().tolist():
+        skipped = moe_experts(hidden, topk_weights.masked_fill(topk_ids == expert, 0), topk_ids, w_gate_up, w_down)
+        if _close(got, skipped):
+            raise ExerciseFailure(
+                f"{case}: expert {expert} adds nothing to the rows of the tokens that picked it: run every expert, "
+                f"range(E) with E = w_gate_up.shape[0] = {w_gate_up.shape[0]} (an expert no token picked has no rows)"
+            )
     row = first_bad_row(got, want, atol, rtol)
     experts = topk_ids[row].tolist()
     weights = [round(w, 4) for w in topk_weights[row].float().tolist()]

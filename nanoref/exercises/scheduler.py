@@ -138,14 +138,36 @@ def _sequences(count: int, start: int = 0) -> list:
     return [Sequence([start + i + 1] * (3 + i), SamplingParams(temperature=0), block_size=16) for i in range(count)]
 
 
+def _victim_cases():
+    """(running, seq, note) queues: running oldest first, as the scheduler keeps it. The last is a queue after a
+    re-admission: the sequence admitted again after its preemption went to the end of running though it is older
+    (a lower seq_id) than one before it, and it holds neither the most nor the fewest tokens, so only running's
+    order names the newest."""
+    for num_running in (3, 1, 0):
+        *running, seq = _sequences(num_running + 1)
+        yield running, seq, ""
+    seq, older, readmitted, newer = _sequences(4)  # seq_ids in this order, ascending
+    older.token_ids += [7] * 6  # 10 tokens
+    readmitted.token_ids += [7] * 2  # 7 tokens, 2 of them generated before its preemption
+    readmitted.num_preemptions = 1
+    newer.token_ids = newer.token_ids[:3]  # 3 tokens
+    yield (
+        [older, newer, readmitted],
+        seq,
+        "running is in admission order, and a sequence admitted again after a preemption joins its end whatever its "
+        "seq_id or length: the newest is running[-1]. ",
+    )
+
+
 def check_choose_preemption_victim(fn: Callable, *, engine: bool = True) -> None:
     """`fn(running, seq) -> the sequence to preempt` against nanoref's policy, then the engine with a KV budget so
     small that it preempts."""
     from nanoref.engine.scheduler import choose_preemption_victim
 
-    for num_running in (3, 1, 0):
-        *running, seq = _sequences(num_running + 1)
-        names = {id(s): f"running[{i}]" for i, s in enumerate(running)} | {id(seq): "seq (the one needing a block)"}
+    for running, seq, note in _victim_cases():
+        num_running = len(running)
+        names = {id(s): f"running[{i}] (seq_id {s.seq_id}, {s.num_tokens} tokens)" for i, s in enumerate(running)}
+        names[id(seq)] = "seq (the one needing a block)"
         given = list(running)
         got = call_learner(fn, "choose_preemption_victim", given, seq)
         want = choose_preemption_victim(list(running), seq)
@@ -159,8 +181,8 @@ def check_choose_preemption_victim(fn: Callable, *, engine: bool = True) -> None
         if got is seq:
             raise ExerciseFailure(f"{what}: seq steps back only when no other sequence is running")
         raise ExerciseFailure(
-            f"{what}: preempt the newest (running is oldest first): it has the least work to lose, and the oldest "
-            "requests finish first"
+            f"{what}: preempt the newest (running is oldest first)\n{note}The newest has the least work to lose, and "
+            "the oldest requests finish first"
         )
     if engine:
         calls = []
