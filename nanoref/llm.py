@@ -33,7 +33,7 @@ from nanoref.engine.llm_engine import LLMEngine, PlainLoop
 from nanoref.engine.model_runner import ModelRunner
 from nanoref.engine.output_processor import GenerateOutput
 from nanoref.engine.prefix_cache import check_reset_options, reset_prefix_cache, warn_blocks_held
-from nanoref.engine.requests import check_generate_options, prompt_list
+from nanoref.engine.requests import check_generate_options, check_priority, prompt_list
 from nanoref.lora.adapters import load_adapter
 from nanoref.lora.hooks import LoRAHooks, check_lora_request, lora_request_list  # (re-exported: the server)
 from nanoref.lora.request import LoRARequest
@@ -222,12 +222,15 @@ class LLM(LLMEngine):
         use_tqdm: bool | Callable[..., tqdm] = True,
         lora_request: LoRARequest | list[LoRARequest | None] | None = None,
         return_metrics: bool = False,
+        priority: list[int] | None = None,
     ) -> list[GenerateOutput]:
         """LLMEngine.generate, with vLLM's lora_request: one adapter for every prompt, or a list with one per
         prompt (None entries run on the base model); needs enable_lora. A call that fails leaves none of the
-        adapters it loaded behind."""
+        adapters it loaded behind. priority: vLLM's, one integer per prompt; requests are served first come, first
+        served (vLLM's default policy), so each must be 0 (else a ValueError in vLLM's words)."""
         check_generate_options(use_tqdm, return_metrics)
         prompts = prompt_list(prompts)
+        check_priority(priority, len(prompts))
         loras = lora_request_list(lora_request, len(prompts), self.lora is not None)
         if not any(loras):
             return super().generate(prompts, sampling_params, use_tqdm, return_metrics)

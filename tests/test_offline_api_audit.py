@@ -1,0 +1,45 @@
+"""The offline API as code written for vLLM's `LLM` calls it: generate's and chat's arguments, and requests that
+could never make a token refused before they are queued."""
+
+from __future__ import annotations
+
+import pytest
+
+from nanoref import LLM, SamplingParams
+
+from .helpers import assert_no_block_leaked
+
+GREEDY = SamplingParams(temperature=0, max_tokens=3)
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(num_kvcache_blocks=64)  # the built-in tiny model, with its tokenizer and chat template
+
+
+# -- generate's priority (vLLM's) ----------------------------------------------------------------------------
+def test_priority_of_zeros_is_taken_as_vllm_takes_it_without_priority_scheduling(llm):
+    plain = llm.generate(["Hello", "Hi"], GREEDY, use_tqdm=False)
+    ranked = llm.generate(["Hello", "Hi"], GREEDY, use_tqdm=False, priority=[0, 0])
+    assert [o.outputs[0].token_ids for o in ranked] == [o.outputs[0].token_ids for o in plain]
+
+
+def test_a_priority_other_than_0_is_vllms_error_and_queues_nothing(llm):
+    with pytest.raises(ValueError, match=r"Got priority 2 but Priority scheduling is not enabled"):
+        llm.generate(["Hello", "Hi"], GREEDY, use_tqdm=False, priority=[0, 2])
+    assert llm.is_finished()
+    assert_no_block_leaked(llm)
+
+
+@pytest.mark.parametrize(
+    "priority, error, match",
+    [
+        ([0], ValueError, "priority has 1 entries for 2 prompts"),
+        (0, TypeError, "priority must be None or a list of integers"),
+        ([0, True], TypeError, "priority must be None or a list of integers"),
+    ],
+)
+def test_a_priority_list_of_the_wrong_length_or_kind_is_named(llm, priority, error, match):
+    with pytest.raises(error, match=match):
+        llm.generate(["Hello", "Hi"], GREEDY, use_tqdm=False, priority=priority)
+    assert llm.is_finished()
