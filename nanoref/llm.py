@@ -270,7 +270,8 @@ class LLM(LLMEngine):
         chat_template_content_format: str = "auto",
     ) -> list[GenerateOutput]:
         """Generate the assistant's reply to one conversation ([{"role", "content"}, ...]) or to each of a list of
-        them, through the model folder's chat template; returns what `generate` returns, one dict per conversation.
+        them (an empty list: none, so no outputs), through the model folder's chat template; returns what `generate`
+        returns, one dict per conversation.
         lora_request: as generate's, per conversation. As vLLM's LLM.chat: add_generation_prompt opens the
         assistant's turn; continue_final_message (with add_generation_prompt=False) continues the last, assistant,
         message instead; chat_template_kwargs are the template's own variables (Qwen3's `enable_thinking`).
@@ -285,9 +286,9 @@ class LLM(LLMEngine):
             raise ValueError(f"{self.config.no_tokenizer}: chat needs one, with a chat template")
         if chat_template is not None:  # (once for every conversation)
             check_chat_template(chat_template)
-        conversations = (
-            messages if messages and isinstance(messages, list) and isinstance(messages[0], list) else [messages]
-        )
+        # a list of conversations, as vLLM tells them apart (an empty list is none: no outputs, as generate([]))
+        many = isinstance(messages, list) and (not messages or isinstance(messages[0], list))
+        conversations = messages if many else [messages]
         prompts = []
         for index, conversation in enumerate(conversations):
             try:

@@ -43,3 +43,15 @@ def test_a_priority_list_of_the_wrong_length_or_kind_is_named(llm, priority, err
     with pytest.raises(error, match=match):
         llm.generate(["Hello", "Hi"], GREEDY, use_tqdm=False, priority=priority)
     assert llm.is_finished()
+
+
+# -- chat ------------------------------------------------------------------------------------------------------
+def test_chat_of_an_empty_list_of_conversations_returns_no_outputs_as_generate_does(llm):
+    assert llm.generate([], GREEDY, use_tqdm=False) == []
+    assert llm.chat([], GREEDY, use_tqdm=False) == []  # vLLM reads [] as a list of no conversations
+    assert llm.is_finished()
+
+
+def test_chat_still_refuses_a_conversation_without_messages(llm):
+    with pytest.raises(TypeError, match="conversation 0: messages must be a non-empty list"):
+        llm.chat([[]], GREEDY, use_tqdm=False)
