@@ -174,6 +174,7 @@ class LLM(LLMEngine):
         if self.grammars is None:  # (two threads may both make one: either serves)
             self.grammars = grammars_for(self.tokenizer, self.config, self.scheduler.eos_token_ids)
         compiled = self.grammars.compile(params.structured_outputs)
+        self.grammars.check_allowed_token_ids(compiled, params.allowed_token_ids)
 
         def attach(samples: list) -> None:
             for seq in samples:

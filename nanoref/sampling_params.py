@@ -118,7 +118,8 @@ class SamplingParams:
         are never completed: a word of one token is never sampled, a longer one's last token never follows the rest
         of it; None = off.
     allowed_token_ids: sample only among these token ids (every other token's logit is -inf, after the penalties
-        and masks, as a grammar's mask; with structured_outputs both hold); None = off.
+        and masks, as a grammar's mask; with structured_outputs both hold, and a request where none of these ids is
+        a token its grammar allows first is a ValueError); None = off.
     logit_bias: {token id: bias} added to those tokens' logits before sampling (penalties and masks come after),
         each bias any number, as vLLM takes it (OpenAI's range is [-100, 100]: +100 makes a token all but certain,
         -100 all but impossible; -inf bans it); None = off.

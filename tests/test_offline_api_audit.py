@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 
 from nanoref import LLM, SamplingParams
+from nanoref.sampling_params import StructuredOutputsParams
 
-from .helpers import assert_no_block_leaked
+from .helpers import assert_no_block_leaked, needs_xgrammar
 
 GREEDY = SamplingParams(temperature=0, max_tokens=3)
 
@@ -55,3 +56,56 @@ def test_chat_of_an_empty_list_of_conversations_returns_no_outputs_as_generate_d
 def test_chat_still_refuses_a_conversation_without_messages(llm):
     with pytest.raises(TypeError, match="conversation 0: messages must be a non-empty list"):
         llm.chat([[]], GREEDY, use_tqdm=False)
+
+
+# -- allowed_token_ids with structured output ------------------------------------------------------------------
+@needs_xgrammar
+def test_allowed_token_ids_that_the_grammar_never_allows_first_are_refused_before_anything_is_queued(llm):
+    """Before, the request ran, every token of its first step masked, and ended at once on a token neither allowed
+    (an empty text, finish_reason "stop"), with only a RuntimeWarning to tell why."""
+
+    letters = llm.tokenizer.encode("xyz")  # no digit among them
+    params = SamplingParams(
+        temperature=0,
+        max_tokens=8,
+        allowed_token_ids=letters,
+        structured_outputs=StructuredOutputsParams(regex="[0-9]+"),
+    )
+    with pytest.raises(ValueError, match="prompt 0: allowed_token_ids and structured_outputs have no token in common"):
+        llm.generate(["Count:"], params, use_tqdm=False)
+    assert llm.is_finished()
+    assert_no_block_leaked(llm)
+
+
+@needs_xgrammar
+def test_allowed_token_ids_with_a_first_token_in_common_with_the_grammar_still_generate(llm):
+
+    digit = llm.tokenizer.encode("7")
+    assert len(digit) == 1
+    params = SamplingParams(
+        temperature=0,
+        max_tokens=4,
+        ignore_eos=True,
+        allowed_token_ids=[*llm.tokenizer.encode("xyz"), *digit],
+        structured_outputs=StructuredOutputsParams(regex="[0-9]+"),
+    )
+    out = llm.generate(["Count:"], params, use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == digit * 4 and out.text == "7777"
+
+
+@needs_xgrammar
+def test_the_engine_process_form_refuses_them_too_where_the_request_is_made():
+    from nanoref.serving.async_llm import AsyncLLM
+
+    engine = AsyncLLM.from_model(engine_process=True, device="cpu", num_kvcache_blocks=64)
+    try:
+        params = SamplingParams(
+            max_tokens=8,
+            allowed_token_ids=engine.tokenizer.encode("xyz"),
+            structured_outputs=StructuredOutputsParams(choice=["0", "1"]),
+        )
+        with pytest.raises(ValueError, match="allowed_token_ids and structured_outputs have no token in common"):
+            engine.generate("Count:", params)
+        assert not engine._requests
+    finally:
+        engine.close()
