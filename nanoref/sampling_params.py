@@ -82,7 +82,8 @@ CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
 class SamplingParams:
     """One request's sampling settings, spelled and meaning what they mean in vLLM.
 
-    temperature: 0 means greedy; otherwise logits are divided by it before sampling.
+    temperature: 0 means greedy; otherwise logits are divided by it before sampling; at most 2 (vLLM's and OpenAI's
+        range).
     max_tokens: the most completion tokens to generate ("length" when reached); None (vLLM's spelling): as many as
         the engine's max_model_len leaves room for (stored as MAX_TOKENS_LIMIT).
     ignore_eos: keep generating past EOS (stop_token_ids still stop).
@@ -199,8 +200,8 @@ class SamplingParams:
                 f"max_tokens must be a positive integer of at most 2**31 - 1 = {MAX_TOKENS_LIMIT} (generation also "
                 f"stops at the engine's max_model_len), got {self.max_tokens!r}"
             )
-        if not _is_real(self.temperature) or not 0 <= self.temperature < math.inf:  # also rejects NaN
-            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
+        if not _is_real(self.temperature) or not 0 <= self.temperature <= 2:  # also rejects NaN (vLLM's range)
+            raise ValueError(f"temperature must be in [0, 2] (0 = greedy), got {self.temperature!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
         # (-1 passes too: a field reassigned after __post_init__; the sampler reads anything below 1 as off)

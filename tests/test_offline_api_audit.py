@@ -109,3 +109,14 @@ def test_the_engine_process_form_refuses_them_too_where_the_request_is_made():
         assert not engine._requests
     finally:
         engine.close()
+
+
+# -- SamplingParams as vLLM checks it ------------------------------------------------------------------------------
+@pytest.mark.parametrize("temperature", [2.5, 3, 100.0])
+def test_a_temperature_above_2_is_refused_as_vllm_refuses_it(temperature):
+    with pytest.raises(ValueError, match=r"temperature must be in \[0, 2\] \(0 = greedy\), got"):
+        SamplingParams(temperature=temperature)
+
+
+def test_temperature_2_itself_is_taken():
+    assert SamplingParams(temperature=2).temperature == 2
