@@ -237,9 +237,14 @@ class LLM(LLMEngine):
             return super().generate(prompts, sampling_params, use_tqdm, return_metrics)
         before = set(self.lora.manager.host)
         try:
-            return super().generate(
+            outputs = super().generate(
                 prompts, sampling_params, use_tqdm, return_metrics, [{"lora_request": r} for r in loras]
             )
+            for output, lora_request in zip(outputs, loras):  # (vLLM's RequestOutput.lora_request, and each sample's)
+                output.lora_request = lora_request
+                for completion in output.outputs:
+                    completion.lora_request = lora_request
+            return outputs
         except BaseException:  # (its requests are aborted: finished, so no longer in flight)
             loaded = (set(self.lora.manager.host) - before) & {r.lora_int_id for r in loras if r is not None}
             for lora_int_id in loaded - self.lora.in_flight():  # (another thread's requests may run on one)

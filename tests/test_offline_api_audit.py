@@ -120,3 +120,20 @@ def test_a_temperature_above_2_is_refused_as_vllm_refuses_it(temperature):
 
 def test_temperature_2_itself_is_taken():
     assert SamplingParams(temperature=2).temperature == 2
+
+
+# -- RequestOutput.lora_request (vLLM's) ------------------------------------------------------------------------
+def test_each_output_names_the_lora_request_it_ran_under_as_vllm_outputs_do(tiny_model, tmp_path):
+    pytest.importorskip("peft", reason="peft is not installed (make_random_lora writes a PEFT adapter)")
+    from nanoref import LoRARequest
+    from nanoref.testing import make_random_lora
+
+    adapter = LoRARequest("sql", 1, str(make_random_lora(tmp_path / "sql", tiny_model, rank=4, seed=3)))
+    llm = LLM(tiny_model, device="cpu", enable_lora=True, num_kvcache_blocks=32)
+    params = SamplingParams(temperature=0, max_tokens=2, n=2, seed=None)
+    outputs = llm.generate([[1, 2, 3], [4, 5]], params, use_tqdm=False, lora_request=[adapter, None])
+    assert outputs[0].lora_request is adapter and outputs[1].lora_request is None
+    assert [c.lora_request for c in outputs[0].outputs] == [adapter, adapter]
+    assert [c.lora_request for c in outputs[1].outputs] == [None, None]
+    plain = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)[0]
+    assert plain.lora_request is None and plain.outputs[0].lora_request is None
