@@ -33,7 +33,7 @@ from nanoref.engine.llm_engine import LLMEngine, PlainLoop
 from nanoref.engine.model_runner import ModelRunner
 from nanoref.engine.output_processor import GenerateOutput
 from nanoref.engine.prefix_cache import check_reset_options, reset_prefix_cache, warn_blocks_held
-from nanoref.engine.requests import check_generate_options, prompt_list
+from nanoref.engine.requests import check_generate_options, check_priority, prompt_list
 from nanoref.lora.adapters import load_adapter
 from nanoref.lora.hooks import LoRAHooks, check_lora_request, lora_request_list  # (re-exported: the server)
 from nanoref.lora.request import LoRARequest
@@ -174,6 +174,7 @@ class LLM(LLMEngine):
         if self.grammars is None:  # (two threads may both make one: either serves)
             self.grammars = grammars_for(self.tokenizer, self.config, self.scheduler.eos_token_ids)
         compiled = self.grammars.compile(params.structured_outputs)
+        self.grammars.check_allowed_token_ids(compiled, params.allowed_token_ids)
 
         def attach(samples: list) -> None:
             for seq in samples:
@@ -222,20 +223,28 @@ class LLM(LLMEngine):
         use_tqdm: bool | Callable[..., tqdm] = True,
         lora_request: LoRARequest | list[LoRARequest | None] | None = None,
         return_metrics: bool = False,
+        priority: list[int] | None = None,
     ) -> list[GenerateOutput]:
         """LLMEngine.generate, with vLLM's lora_request: one adapter for every prompt, or a list with one per
         prompt (None entries run on the base model); needs enable_lora. A call that fails leaves none of the
-        adapters it loaded behind."""
+        adapters it loaded behind. priority: vLLM's, one integer per prompt; requests are served first come, first
+        served (vLLM's default policy), so each must be 0 (else a ValueError in vLLM's words)."""
         check_generate_options(use_tqdm, return_metrics)
         prompts = prompt_list(prompts)
+        check_priority(priority, len(prompts))
         loras = lora_request_list(lora_request, len(prompts), self.lora is not None)
         if not any(loras):
             return super().generate(prompts, sampling_params, use_tqdm, return_metrics)
         before = set(self.lora.manager.host)
         try:
-            return super().generate(
+            outputs = super().generate(
                 prompts, sampling_params, use_tqdm, return_metrics, [{"lora_request": r} for r in loras]
             )
+            for output, lora_request in zip(outputs, loras):  # (vLLM's RequestOutput.lora_request, and each sample's)
+                output.lora_request = lora_request
+                for completion in output.outputs:
+                    completion.lora_request = lora_request
+            return outputs
         except BaseException:  # (its requests are aborted: finished, so no longer in flight)
             loaded = (set(self.lora.manager.host) - before) & {r.lora_int_id for r in loras if r is not None}
             for lora_int_id in loaded - self.lora.in_flight():  # (another thread's requests may run on one)
@@ -267,7 +276,8 @@ class LLM(LLMEngine):
         chat_template_content_format: str = "auto",
     ) -> list[GenerateOutput]:
         """Generate the assistant's reply to one conversation ([{"role", "content"}, ...]) or to each of a list of
-        them, through the model folder's chat template; returns what `generate` returns, one dict per conversation.
+        them (an empty list: none, so no outputs), through the model folder's chat template; returns what `generate`
+        returns, one dict per conversation.
         lora_request: as generate's, per conversation. As vLLM's LLM.chat: add_generation_prompt opens the
         assistant's turn; continue_final_message (with add_generation_prompt=False) continues the last, assistant,
         message instead; chat_template_kwargs are the template's own variables (Qwen3's `enable_thinking`).
@@ -282,9 +292,9 @@ class LLM(LLMEngine):
             raise ValueError(f"{self.config.no_tokenizer}: chat needs one, with a chat template")
         if chat_template is not None:  # (once for every conversation)
             check_chat_template(chat_template)
-        conversations = (
-            messages if messages and isinstance(messages, list) and isinstance(messages[0], list) else [messages]
-        )
+        # a list of conversations, as vLLM tells them apart (an empty list is none: no outputs, as generate([]))
+        many = isinstance(messages, list) and (not messages or isinstance(messages[0], list))
+        conversations = messages if many else [messages]
         prompts = []
         for index, conversation in enumerate(conversations):
             try:

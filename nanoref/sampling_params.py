@@ -82,7 +82,8 @@ CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object")
 class SamplingParams:
     """One request's sampling settings, spelled and meaning what they mean in vLLM.
 
-    temperature: 0 means greedy; otherwise logits are divided by it before sampling.
+    temperature: 0 means greedy; otherwise logits are divided by it before sampling; at most 2 (vLLM's and OpenAI's
+        range).
     max_tokens: the most completion tokens to generate ("length" when reached); None (vLLM's spelling): as many as
         the engine's max_model_len leaves room for (stored as MAX_TOKENS_LIMIT).
     ignore_eos: keep generating past EOS (stop_token_ids still stop).
@@ -118,7 +119,8 @@ class SamplingParams:
         are never completed: a word of one token is never sampled, a longer one's last token never follows the rest
         of it; None = off.
     allowed_token_ids: sample only among these token ids (every other token's logit is -inf, after the penalties
-        and masks, as a grammar's mask; with structured_outputs both hold); None = off.
+        and masks, as a grammar's mask; with structured_outputs both hold, and a request where none of these ids is
+        a token its grammar allows first is a ValueError); None = off.
     logit_bias: {token id: bias} added to those tokens' logits before sampling (penalties and masks come after),
         each bias any number, as vLLM takes it (OpenAI's range is [-100, 100]: +100 makes a token all but certain,
         -100 all but impossible; -inf bans it); None = off.
@@ -198,8 +200,8 @@ class SamplingParams:
                 f"max_tokens must be a positive integer of at most 2**31 - 1 = {MAX_TOKENS_LIMIT} (generation also "
                 f"stops at the engine's max_model_len), got {self.max_tokens!r}"
             )
-        if not _is_real(self.temperature) or not 0 <= self.temperature < math.inf:  # also rejects NaN
-            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
+        if not _is_real(self.temperature) or not 0 <= self.temperature <= 2:  # also rejects NaN (vLLM's range)
+            raise ValueError(f"temperature must be in [0, 2] (0 = greedy), got {self.temperature!r}")
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be True or False, got {self.ignore_eos!r}")
         # (-1 passes too: a field reassigned after __post_init__; the sampler reads anything below 1 as off)

@@ -174,6 +174,19 @@ class Grammars:
         """A fresh matcher (one per sample) at the grammar's start."""
         return GrammarConstraint(compiled, self.vocab, self.grammar_vocab)
 
+    def check_allowed_token_ids(self, compiled: Any, allowed_token_ids: list[int] | None) -> None:
+        """ValueError where a request's allowed_token_ids hold none of the tokens its grammar allows first: every
+        token of its first step would be masked, so it could make no token of its output (it would end at once on a
+        token neither allows). One bitmask at the grammar's start: a conflict further on is not looked for."""
+        if not allowed_token_ids:
+            return
+        first = self.constraint(compiled).allowed()
+        if not any(0 <= t < self.vocab and (int(first[t // 32]) >> (t % 32)) & 1 for t in allowed_token_ids):
+            raise ValueError(
+                "allowed_token_ids and structured_outputs have no token in common: the grammar allows none of "
+                f"{allowed_token_ids!r:.60} as the output's first token, so the request could generate nothing"
+            )
+
 
 def constraint_key(params: StructuredOutputsParams) -> tuple:
     """(kind, the constraint as text, whitespace): what the compiled grammar depends on, hashable."""

@@ -160,7 +160,7 @@ def reassigned(**fields) -> SamplingParams:
         ([5, -1], None, ValueError, "prompt 1: token id -1 is outside the vocabulary"),
         ([5] * 10, SamplingParams(max_tokens=60), ValueError, "prompt 1: the request needs up to 4 KV blocks"),
         ([5], reassigned(max_tokens=0), ValueError, "prompt 1: max_tokens must be a positive integer"),
-        ([5], reassigned(temperature=-1.0), ValueError, "prompt 1: temperature must be a finite number >= 0"),
+        ([5], reassigned(temperature=-1.0), ValueError, r"prompt 1: temperature must be in \[0, 2\]"),
         ([5], reassigned(top_p=0.0), ValueError, r"prompt 1: top_p must be in \(0, 1\]"),
         ([5], reassigned(top_k=-2), ValueError, r"prompt 1: top_k must be an integer in \[0, 2\*\*63\)"),
         ([5], "greedy", TypeError, "prompt 1: sampling params must be SamplingParams"),

@@ -60,7 +60,7 @@ def reassigned(**fields) -> SamplingParams:
         (dict(seed=-1), "seed must be"),
         (dict(top_k=2**63), r"top_k must be an integer in \[0, 2\*\*63\)"),
         (dict(ignore_eos="no"), "ignore_eos must be True or False"),
-        (dict(temperature=math.inf), "temperature must be a finite number"),
+        (dict(temperature=math.inf), r"temperature must be in \[0, 2\]"),
         (dict(max_tokens=True), "max_tokens must be a positive integer"),
     ],
 )

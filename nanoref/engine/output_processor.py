@@ -84,6 +84,9 @@ class CompletionOutput(VllmLogprobs, dict):
     and the top N; None where not asked for), `.cumulative_logprob`, `.finished()`."""
 
     stop_reason: int | str | None = None
+    lora_request: Any = (
+        None  # vLLM's: the LoRARequest the request ran under (LLM.generate sets it), None: the base model
+    )
     _keys = ("logprobs",)
 
     @property
@@ -122,13 +125,16 @@ class GenerateOutput(VllmLogprobs, dict):
     code written for vLLM's `LLM.generate` runs: `.outputs` (every sample's CompletionOutput, n >= 1),
     `.request_id`, `.prompt` (the text, where the prompt was given as text, else None), `.prompt_token_ids`,
     `.prompt_logprobs` (vLLM's form: None for the first token, then {token id: Logprob}), `.finished`, `.metrics`,
-    `.num_cached_tokens`."""
+    `.num_cached_tokens`, `.lora_request`."""
 
     outputs: list[CompletionOutput]
     request_id: str = ""
     prompt: str | None = None
     prompt_token_ids: list[int]
     num_cached_tokens: int = 0  # its prompt tokens the prefix cache served (sample 0's, when first admitted: vLLM's)
+    lora_request: Any = (
+        None  # vLLM's: the LoRARequest the request ran under (LLM.generate sets it), None: the base model
+    )
     finished = True
     _keys = ("prompt_logprobs",)
 

@@ -195,6 +195,26 @@ def check_generate_options(use_tqdm: object, return_metrics: object) -> None:
         raise TypeError(f"return_metrics must be True or False, got {return_metrics!r:.40}")
 
 
+def check_priority(priority: object, num_prompts: int) -> None:
+    """generate's priority (vLLM's): None, or one integer per prompt. nanoref schedules first come, first served
+    (vLLM's default policy, "fcfs"), so every priority must be 0, as vLLM requires without its "priority" policy (a
+    ValueError in vLLM's words names the first that is not)."""
+    if priority is None:
+        return
+    if not isinstance(priority, (list, tuple)) or not all(
+        isinstance(p, numbers.Integral) and not isinstance(p, bool) for p in priority
+    ):
+        raise TypeError(f"priority must be None or a list of integers, one per prompt, got {priority!r:.60}")
+    if len(priority) != num_prompts:
+        raise ValueError(f"priority has {len(priority)} entries for {num_prompts} prompts")
+    ranked = next((p for p in priority if p != 0), None)
+    if ranked is not None:
+        raise ValueError(
+            f"Got priority {ranked} but Priority scheduling is not enabled. (nanoref schedules first come, first "
+            "served: every priority must be 0)"
+        )
+
+
 def prompt_list(prompts: object) -> list:
     """`generate`'s prompts as a list: one string or prompt dict, or a list, tuple, generator, or a 2-D tensor/array
     of ids."""

@@ -246,7 +246,9 @@ class AsyncLLM:
             raise ValueError(f"{self.config.no_tokenizer}: structured_outputs needs one")
         if self._grammars is None:
             self._grammars = grammars_for(self.tokenizer, self.config, self._eos_token_ids)
-        self._grammars.compile(params.structured_outputs)
+        self._grammars.check_allowed_token_ids(
+            self._grammars.compile(params.structured_outputs), params.allowed_token_ids
+        )
 
     def _check_running(self) -> None:
         """EngineDeadError (vLLM's; a RuntimeError) once the engine died or this AsyncLLM was closed."""
