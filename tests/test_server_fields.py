@@ -708,6 +708,7 @@ LAX_INPUTS = [
     1.0, -0.0, 2.5, float("inf"), float("nan"), 1e20, True, False, 0, 1, 2,
     "5", " 5 ", "+5", "-5.0", "5.00", "5.", "1_000", "1__0", "_1", "1e2", "0x10", "\u0665", "", "abc", "0.5", ".5",
     "inf", "NaN", "true", "False", "YES", "no", "on", "off", "t", "f", "y", "n", "1", "0", " true", "2", 0.5, None, [1],
+    "9" * 5000,
 ]  # fmt: skip
 
 
@@ -759,3 +760,19 @@ def test_whole_number_floats_and_numeric_strings_are_taken_as_vllm_takes_them(se
     refused(
         server, "/v1/chat/completions", {"messages": MESSAGES, "max_completion_tokens": 2.5}, "max_completion_tokens"
     )
+
+
+@pytest.mark.parametrize(
+    "path, name, value",
+    [
+        ("/v1/completions", "max_tokens", "9" * 5000),
+        ("/v1/completions", "seed", "1" * 4301 + ".0"),
+        ("/v1/completions", "stop_token_ids", ["7" * 4400]),
+        ("/detokenize", "tokens", [1, "2" * 4400]),
+    ],
+)
+def test_a_numeric_string_too_long_for_an_integer_is_a_400_naming_its_field(server, path, name, value):
+    """pydantic (vLLM's request models) refuses an integer string past its size limit as it refuses any other
+    string that is no integer: a 400 naming the field, never a 500 (Python's int() stops at 4,300 digits)."""
+    body = {"tokens": value} if path == "/detokenize" else {"prompt": "x", name: value}
+    refused(server, path, body, name)

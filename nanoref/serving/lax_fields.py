@@ -83,7 +83,10 @@ def lax_int(value: Any) -> Any:
     if isinstance(value, float) and math.isfinite(value) and value.is_integer() and abs(value) < _INT64:
         return int(value)
     if isinstance(value, str) and _INT_TEXT.fullmatch(text := value.strip()):
-        return int(text.split(".")[0])
+        try:
+            return int(text.split(".")[0])
+        except ValueError:  # (past Python's 4,300 digits: pydantic refuses such a string too, past its own limit)
+            return value
     return value
 
 
