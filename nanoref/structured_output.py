@@ -180,8 +180,9 @@ class Grammars:
         token neither allows). One bitmask at the grammar's start: a conflict further on is not looked for."""
         if not allowed_token_ids:
             return
-        first = self.constraint(compiled).allowed()
-        if not any(0 <= t < self.vocab and (int(first[t // 32]) >> (t % 32)) & 1 for t in allowed_token_ids):
+        first = self.constraint(compiled).allowed()  # (ceil(V / 32),) int32 bitmask words
+        ids = torch.tensor([t for t in allowed_token_ids if 0 <= t < self.vocab], dtype=torch.long)
+        if not bool(((first.long()[ids // 32] >> (ids % 32)) & 1).any()):  # (one gather, not a loop over ids)
             raise ValueError(
                 "allowed_token_ids and structured_outputs have no token in common: the grammar allows none of "
                 f"{allowed_token_ids!r:.60} as the output's first token, so the request could generate nothing"
