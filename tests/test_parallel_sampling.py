@@ -3,11 +3,13 @@ generate's "outputs" list."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from nanoref import LLM, SamplingParams
 
-from .helpers import assert_matches_hf, assert_no_block_leaked, random_prompts
+from .helpers import assert_no_block_leaked, random_prompts
 
 
 def prefill_tokens(llm) -> int:
@@ -25,14 +27,24 @@ def test_four_samples_prefill_their_prompt_about_once(tiny_model, overlap):
     assert_no_block_leaked(llm)
 
 
-def test_greedy_samples_are_identical_and_equal_hf(tiny_model):
+def alone(folder, prompt: list[int], params: SamplingParams) -> list[list[int]]:
+    """Each sample of `params` (n of them, seeded) run as a request of its own, seed + i, on an engine with no
+    prefix cache: no sample reads blocks another computed."""
+    llm = LLM(folder, device="cpu", num_kvcache_blocks=64, enable_prefix_caching=False)
+    each = [replace(params, n=1, seed=params.seed + i) for i in range(params.n)]
+    return [out["token_ids"] for out in llm.generate([prompt] * params.n, each, use_tqdm=False)]
+
+
+def test_samples_sharing_their_prompt_equal_each_sample_run_alone(tiny_model):
+    # (greedy takes only n=1, as in vLLM: seeded samples, each compared to its own seed run alone)
     llm = LLM(tiny_model, device="cpu", num_kvcache_blocks=64)
     prompts = random_prompts(seed=2, lengths=[21, 40])
-    params = SamplingParams(temperature=0, max_tokens=10, n=3, ignore_eos=True)
+    params = SamplingParams(temperature=1.0, seed=11, max_tokens=10, n=3, ignore_eos=True)
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    for output in outputs:
+    assert llm.scheduler.block_manager.num_hit_blocks >= 2 * 2, "samples 1 and 2 read sample 0's prompt blocks"
+    for prompt, output in zip(prompts, outputs):
         assert output["token_ids"] == output["outputs"][0]["token_ids"]
-        assert_matches_hf(tiny_model, [prompts[outputs.index(output)]] * 3, output["outputs"], 10)
+        assert [sample["token_ids"] for sample in output["outputs"]] == alone(tiny_model, prompt, params)
     assert_no_block_leaked(llm)
 
 
@@ -48,11 +60,11 @@ def test_sample_i_of_a_seeded_request_is_the_request_seeded_seed_plus_i(tiny_mod
 def test_n_with_preemption_stays_exact_and_leaks_no_block(tiny_model):
     llm = LLM(tiny_model, device="cpu", kvcache_block_size=16, num_kvcache_blocks=10)
     prompts = random_prompts(seed=4, lengths=[40, 35])
-    params = SamplingParams(temperature=0, max_tokens=40, n=3, ignore_eos=True)
+    params = SamplingParams(temperature=1.0, seed=21, max_tokens=40, n=3, ignore_eos=True)
     outputs = llm.generate(prompts, params, use_tqdm=False)
     assert any(step.preempted for step in llm.metrics.steps), "the KV budget was meant to force preemption"
     for prompt, output in zip(prompts, outputs):
-        assert_matches_hf(tiny_model, [prompt] * 3, output["outputs"], 40)
+        assert [sample["token_ids"] for sample in output["outputs"]] == alone(tiny_model, prompt, params)
     assert_no_block_leaked(llm)
 
 
@@ -64,7 +76,7 @@ def test_n_1_output_has_no_outputs_list(tiny_model):
 
 def test_aborting_sample_0_before_its_prefill_drops_nothing_and_leaks_nothing(tiny_model):
     llm = LLM(tiny_model, device="cpu", num_kvcache_blocks=32)
-    samples = llm.add_samples([5] * 20, SamplingParams(temperature=0, max_tokens=4, n=3, ignore_eos=True))
+    samples = llm.add_samples([5] * 20, SamplingParams(temperature=1.0, max_tokens=4, n=3, ignore_eos=True))
     llm.abort_request(samples[0])  # the others wait for nothing now: they are queued and run
     while not llm.is_finished():
         llm.step()
