@@ -8,6 +8,7 @@ from dataclasses import replace
 import pytest
 
 from nanoref import LLM, SamplingParams
+from nanoref.serving.async_llm import AsyncLLM
 
 from .helpers import assert_no_block_leaked, random_prompts
 
@@ -82,3 +83,28 @@ def test_aborting_sample_0_before_its_prefill_drops_nothing_and_leaks_nothing(ti
         llm.step()
     assert [seq.finish_reason for seq in samples] == ["abort", "length", "length"]
     assert_no_block_leaked(llm)
+
+
+def test_greedy_sampling_takes_only_n_1_as_vllm_and_a_refused_request_queues_nothing(tiny_model):
+    """vLLM's `_verify_greedy_sampling`: temperature 0 with n > 1 is a ValueError in its words (the samples would all
+    be the same); the engine checks again (a field reassigned after the params were made) before queuing anything."""
+    with pytest.raises(ValueError, match=r"^n must be 1 when using greedy sampling, got 2\.$"):
+        SamplingParams(temperature=0, n=2)
+    assert SamplingParams(temperature=0, n=1).n == 1 and SamplingParams(temperature=0.01, n=2).n == 2
+    llm = LLM(tiny_model, device="cpu", num_kvcache_blocks=32)
+    params = SamplingParams(temperature=1.0, max_tokens=2, n=3)
+    params.temperature = 0
+    with pytest.raises(ValueError, match=r"n must be 1 when using greedy sampling, got 3\."):
+        llm.generate([[1, 2, 3], [4, 5]], [SamplingParams(max_tokens=2), params], use_tqdm=False)
+    with pytest.raises(ValueError, match=r"n must be 1 when using greedy sampling, got 3\."):
+        llm.add_samples([1, 2, 3], params)
+    assert llm.is_finished() and not llm.output_processor.held_samples
+    assert_no_block_leaked(llm)
+
+    engine = AsyncLLM(llm)
+    try:
+        with pytest.raises(ValueError, match=r"n must be 1 when using greedy sampling, got 3\."):
+            engine.generate([1, 2, 3], params)
+        assert engine._engine._inbox.empty() and not engine._requests and llm.is_finished()
+    finally:
+        engine.close()

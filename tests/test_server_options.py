@@ -240,6 +240,25 @@ def test_a_token_that_is_half_a_character_is_written_as_its_bytes(offline):
     assert texts(ugly) == (" ugly", list(b" ugly"))
 
 
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+@STREAM
+def test_n_above_1_with_greedy_sampling_is_a_400_naming_n_as_vllm(server, chat, stream):
+    """vLLM's SamplingParams takes only n=1 with temperature 0 (its samples would all be the same): its words, a 400
+    that names n, and nothing queued. Without a temperature a request samples (1.0, the server's default where the
+    model's generation config names none, as vLLM's), so n=2 is served."""
+    path, asked = ("chat/completions", {"messages": MESSAGES}) if chat else ("completions", {"prompt": PROMPT})
+    body = {"model": MODEL, **asked, "max_tokens": 3, "n": 2, "stream": stream}
+    response = httpx.post(f"{server.url}/v1/{path}", json={**body, "temperature": 0}, timeout=TIMEOUT)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["message"], error["param"]) == ("n must be 1 when using greedy sampling, got 2.", "n")
+    assert server.blocks_used() == 0 and server.engine.llm.is_finished()
+    served = httpx.post(f"{server.url}/v1/{path}", json=body, timeout=TIMEOUT)
+    assert served.status_code == 200, served.text
+    server.wait_until_idle()
+    assert server.blocks_used() == 0 and server.engine.llm.is_finished()
+
+
 @STREAM
 def test_n_seeded_choices_equal_offline_generate_with_seed_plus_index(server, offline, stream):
     params = dict(max_tokens=8, ignore_eos=True, **HOT)
