@@ -110,7 +110,8 @@ class SamplingParams:
         cache does not serve such a request's prompt (each of its positions is computed).
     stop: strings that end the completion when its text contains one ("stop"); the text is cut before it.
     include_stop_str_in_output: keep the matched stop string (or the stop token's text) at the end of the text.
-    n: how many completions to sample for the prompt (sample i of a seeded request uses seed + i).
+    n: how many completions to sample for the prompt (sample i of a seeded request uses seed + i); greedy
+        sampling (temperature 0) takes only n=1, as in vLLM (its samples would all be the same).
     truncate_prompt_tokens: use only the prompt's last k tokens (left truncation); -1: as many as max_model_len
         leaves room for one generated token (vLLM's -1 keeps max_model_len, which leaves none); None = the whole
         prompt.
@@ -254,6 +255,8 @@ class SamplingParams:
             )
         if not _is_int(self.n) or self.n < 1:
             raise ValueError(f"n (completions per prompt) must be an integer >= 1, got {self.n!r}")
+        if self.n > 1 and self.temperature == 0:  # (vLLM's words: its greedy samples would all be the same)
+            raise ValueError(f"n must be 1 when using greedy sampling, got {self.n}.")
         check_logit_bias(self.logit_bias)
         for name in ("skip_special_tokens", "spaces_between_special_tokens", "detokenize"):
             if not isinstance(getattr(self, name), bool):

@@ -277,7 +277,7 @@ def test_n_samples_stream_interleaved_with_their_index_and_equal_offline_generat
 @pytest.mark.parametrize("how", ["abort", "aclose"])
 def test_ending_an_n_request_aborts_every_sample(engine, llm, how, monkeypatch):
     slow_steps(llm, monkeypatch)
-    params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True, n=3)
+    params = SamplingParams(temperature=1.0, max_tokens=400, ignore_eos=True, n=3)
 
     async def main():
         stream = engine.generate("Beautiful is better than", params, request_id="n3")

@@ -215,6 +215,7 @@ MESSAGES = [{"role": "user", "content": "What is better?"}]
 
 
 def test_the_server_samples_with_the_models_defaults_where_a_request_leaves_them_out(tmp_path):
+    openai = pytest.importorskip("openai")
     folder = model_with(tmp_path, {"temperature": 0.0, "max_new_tokens": 5})
     greedy = LLM(device="cpu").generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)
     with served_server({"model": folder}) as server:
@@ -226,6 +227,12 @@ def test_the_server_samples_with_the_models_defaults_where_a_request_leaves_them
         assert chat.usage.completion_tokens == 5 and chat.choices[0].finish_reason == "length"
         chat = client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=7)  # the request's own wins
         assert chat.usage.completion_tokens == 7
+        # the file's temperature 0 is greedy: n=2 is vLLM's 400 naming n, unless the request samples
+        with pytest.raises(openai.BadRequestError, match="n must be 1 when using greedy sampling, got 2") as refused:
+            client.completions.create(model="m", prompt=PROMPTS[0], n=2)
+        assert refused.value.body["param"] == "n" and server.blocks_used() == 0 and server.engine.llm.is_finished()
+        sampled = client.completions.create(model="m", prompt=PROMPTS[0], n=2, temperature=1.0, max_tokens=3)
+        assert [choice.index for choice in sampled.choices] == [0, 1]
 
 
 def test_a_generation_config_folders_max_new_tokens_caps_every_request_on_the_server(tmp_path):

@@ -237,9 +237,16 @@ def test_samples_streams_chat_and_add_request_carry_the_adapter(tiny_model, adap
     llm = lora_llm(tiny_model, num_kvcache_blocks=64)
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
     want = expected(tiny_model, lora, prompt)
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, n=2)
+    # (greedy takes only n=1, as in vLLM: each seeded sample equals its own seed run alone, adapted, on an engine
+    # with no prefix cache; the adapter changes those samples, so a sample run without it would not pass)
+    params = SamplingParams(temperature=1.0, seed=5, max_tokens=MAX_TOKENS, ignore_eos=True, n=2)
     out = llm.generate([prompt], params, use_tqdm=False, lora_request=lora)[0]
-    assert [o["token_ids"] for o in out["outputs"]] == [want, want]
+    alone = lora_llm(tiny_model, num_kvcache_blocks=64, enable_prefix_caching=False)
+    each = [SamplingParams(temperature=1.0, seed=5 + i, max_tokens=MAX_TOKENS, ignore_eos=True) for i in range(2)]
+    adapted = [o["token_ids"] for o in alone.generate([prompt] * 2, each, use_tqdm=False, lora_request=lora)]
+    base = [o["token_ids"] for o in alone.generate([prompt] * 2, each, use_tqdm=False)]
+    assert [o["token_ids"] for o in out["outputs"]] == adapted
+    assert all(a != b for a, b in zip(adapted, base)), "the adapter was meant to change every sample"
     seq = llm.add_request(prompt, GREEDY, lora_request=lora)
     while not llm.is_finished():
         llm.step()

@@ -130,7 +130,7 @@ def test_each_output_names_the_lora_request_it_ran_under_as_vllm_outputs_do(tiny
 
     adapter = LoRARequest("sql", 1, str(make_random_lora(tmp_path / "sql", tiny_model, rank=4, seed=3)))
     llm = LLM(tiny_model, device="cpu", enable_lora=True, num_kvcache_blocks=32)
-    params = SamplingParams(temperature=0, max_tokens=2, n=2, seed=None)
+    params = SamplingParams(temperature=1.0, max_tokens=2, n=2, seed=None)
     outputs = llm.generate([[1, 2, 3], [4, 5]], params, use_tqdm=False, lora_request=[adapter, None])
     assert outputs[0].lora_request is adapter and outputs[1].lora_request is None
     assert [c.lora_request for c in outputs[0].outputs] == [adapter, adapter]

@@ -3,11 +3,14 @@ generate's "outputs" list."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from nanoref import LLM, SamplingParams
+from nanoref.serving.async_llm import AsyncLLM
 
-from .helpers import assert_matches_hf, assert_no_block_leaked, random_prompts
+from .helpers import assert_no_block_leaked, random_prompts
 
 
 def prefill_tokens(llm) -> int:
@@ -25,14 +28,24 @@ def test_four_samples_prefill_their_prompt_about_once(tiny_model, overlap):
     assert_no_block_leaked(llm)
 
 
-def test_greedy_samples_are_identical_and_equal_hf(tiny_model):
+def alone(folder, prompt: list[int], params: SamplingParams) -> list[list[int]]:
+    """Each sample of `params` (n of them, seeded) run as a request of its own, seed + i, on an engine with no
+    prefix cache: no sample reads blocks another computed."""
+    llm = LLM(folder, device="cpu", num_kvcache_blocks=64, enable_prefix_caching=False)
+    each = [replace(params, n=1, seed=params.seed + i) for i in range(params.n)]
+    return [out["token_ids"] for out in llm.generate([prompt] * params.n, each, use_tqdm=False)]
+
+
+def test_samples_sharing_their_prompt_equal_each_sample_run_alone(tiny_model):
+    # (greedy takes only n=1, as in vLLM: seeded samples, each compared to its own seed run alone)
     llm = LLM(tiny_model, device="cpu", num_kvcache_blocks=64)
     prompts = random_prompts(seed=2, lengths=[21, 40])
-    params = SamplingParams(temperature=0, max_tokens=10, n=3, ignore_eos=True)
+    params = SamplingParams(temperature=1.0, seed=11, max_tokens=10, n=3, ignore_eos=True)
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    for output in outputs:
+    assert llm.scheduler.block_manager.num_hit_blocks >= 2 * 2, "samples 1 and 2 read sample 0's prompt blocks"
+    for prompt, output in zip(prompts, outputs):
         assert output["token_ids"] == output["outputs"][0]["token_ids"]
-        assert_matches_hf(tiny_model, [prompts[outputs.index(output)]] * 3, output["outputs"], 10)
+        assert [sample["token_ids"] for sample in output["outputs"]] == alone(tiny_model, prompt, params)
     assert_no_block_leaked(llm)
 
 
@@ -48,11 +61,11 @@ def test_sample_i_of_a_seeded_request_is_the_request_seeded_seed_plus_i(tiny_mod
 def test_n_with_preemption_stays_exact_and_leaks_no_block(tiny_model):
     llm = LLM(tiny_model, device="cpu", kvcache_block_size=16, num_kvcache_blocks=10)
     prompts = random_prompts(seed=4, lengths=[40, 35])
-    params = SamplingParams(temperature=0, max_tokens=40, n=3, ignore_eos=True)
+    params = SamplingParams(temperature=1.0, seed=21, max_tokens=40, n=3, ignore_eos=True)
     outputs = llm.generate(prompts, params, use_tqdm=False)
     assert any(step.preempted for step in llm.metrics.steps), "the KV budget was meant to force preemption"
     for prompt, output in zip(prompts, outputs):
-        assert_matches_hf(tiny_model, [prompt] * 3, output["outputs"], 40)
+        assert [sample["token_ids"] for sample in output["outputs"]] == alone(tiny_model, prompt, params)
     assert_no_block_leaked(llm)
 
 
@@ -64,9 +77,34 @@ def test_n_1_output_has_no_outputs_list(tiny_model):
 
 def test_aborting_sample_0_before_its_prefill_drops_nothing_and_leaks_nothing(tiny_model):
     llm = LLM(tiny_model, device="cpu", num_kvcache_blocks=32)
-    samples = llm.add_samples([5] * 20, SamplingParams(temperature=0, max_tokens=4, n=3, ignore_eos=True))
+    samples = llm.add_samples([5] * 20, SamplingParams(temperature=1.0, max_tokens=4, n=3, ignore_eos=True))
     llm.abort_request(samples[0])  # the others wait for nothing now: they are queued and run
     while not llm.is_finished():
         llm.step()
     assert [seq.finish_reason for seq in samples] == ["abort", "length", "length"]
     assert_no_block_leaked(llm)
+
+
+def test_greedy_sampling_takes_only_n_1_as_vllm_and_a_refused_request_queues_nothing(tiny_model):
+    """vLLM's `_verify_greedy_sampling`: temperature 0 with n > 1 is a ValueError in its words (the samples would all
+    be the same); the engine checks again (a field reassigned after the params were made) before queuing anything."""
+    with pytest.raises(ValueError, match=r"^n must be 1 when using greedy sampling, got 2\.$"):
+        SamplingParams(temperature=0, n=2)
+    assert SamplingParams(temperature=0, n=1).n == 1 and SamplingParams(temperature=0.01, n=2).n == 2
+    llm = LLM(tiny_model, device="cpu", num_kvcache_blocks=32)
+    params = SamplingParams(temperature=1.0, max_tokens=2, n=3)
+    params.temperature = 0
+    with pytest.raises(ValueError, match=r"n must be 1 when using greedy sampling, got 3\."):
+        llm.generate([[1, 2, 3], [4, 5]], [SamplingParams(max_tokens=2), params], use_tqdm=False)
+    with pytest.raises(ValueError, match=r"n must be 1 when using greedy sampling, got 3\."):
+        llm.add_samples([1, 2, 3], params)
+    assert llm.is_finished() and not llm.output_processor.held_samples
+    assert_no_block_leaked(llm)
+
+    engine = AsyncLLM(llm)
+    try:
+        with pytest.raises(ValueError, match=r"n must be 1 when using greedy sampling, got 3\."):
+            engine.generate([1, 2, 3], params)
+        assert engine._engine._inbox.empty() and not engine._requests and llm.is_finished()
+    finally:
+        engine.close()

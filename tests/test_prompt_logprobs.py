@@ -192,7 +192,7 @@ def test_async_llm_gives_prompt_logprobs_on_sample_0s_first_output():
     """(On the built-in model: AsyncLLM streams text, which needs a tokenizer.)"""
     llm = LLM(DEFAULT_MODEL, device="cpu", num_kvcache_blocks=64)
     prompt = llm.tokenizer.encode("Beautiful is better than ugly. Explicit is better than implicit.")
-    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, prompt_logprobs=3, n=2)
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=MAX_TOKENS, ignore_eos=True, prompt_logprobs=3, n=2)
     engine = AsyncLLM(llm)
 
     async def collect() -> list:

@@ -236,8 +236,9 @@ LOOPS = {
 
 
 def mixed_requests(rng: random.Random, greedy_only: bool) -> list[tuple[list[int], SamplingParams, int, int | None]]:
-    """(prompt, params, the step before which it is added, the step before which it is aborted or None): greedy and
-    seeded samples, n up to 3, min_tokens, stop ids, logprobs, prompts that share a prefix or repeat a phrase."""
+    """(prompt, params, the step before which it is added, the step before which it is aborted or None): seeded
+    requests of n up to 3 samples, greedy ones (n=1, as vLLM takes them: some sent two or three times, as requests of
+    their own), min_tokens, stop ids, logprobs, prompts that share a prefix or repeat a phrase."""
     prefix = [rng.randrange(1, 1024) for _ in range(20)]
     requests = []
     for _ in range(rng.randrange(3, 7)):
@@ -245,10 +246,12 @@ def mixed_requests(rng: random.Random, greedy_only: bool) -> list[tuple[list[int
         body = body if rng.random() < 0.6 else (body[:3] * 10)[: len(body)]
         seeded = not greedy_only and rng.random() < 0.5
         max_tokens = rng.randrange(1, 20)
+        seed = rng.randrange(100) if seeded else None
+        n = rng.choice([1, 1, 2, 3])
         params = SamplingParams(
             temperature=0.9 if seeded else 0,
-            seed=rng.randrange(100) if seeded else None,
-            n=rng.choice([1, 1, 2, 3]),
+            seed=seed,
+            n=n if seeded else 1,
             max_tokens=max_tokens,
             min_tokens=rng.choice([0, 0, rng.randrange(max_tokens + 1)]),
             ignore_eos=rng.random() < 0.5,
@@ -256,8 +259,9 @@ def mixed_requests(rng: random.Random, greedy_only: bool) -> list[tuple[list[int
             logprobs=rng.choice([None, 2]),
             prompt_logprobs=rng.choice([None, None, 1]),
         )
-        requests.append((prefix + body if rng.random() < 0.5 else body, params, rng.choice([0, 0, rng.randrange(8)]),
-                         rng.randrange(1, 10) if rng.random() < 0.2 else None))  # fmt: skip
+        request = (prefix + body if rng.random() < 0.5 else body, params, rng.choice([0, 0, rng.randrange(8)]),
+                   rng.randrange(1, 10) if rng.random() < 0.2 else None)  # fmt: skip
+        requests += [request] * (1 if seeded else n)
     return requests
 
 

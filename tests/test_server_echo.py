@@ -177,7 +177,7 @@ def test_chat_echo_starts_each_message_with_the_assistants_last_message_as_vllm(
     start, ask = "Beautiful is", {"role": "user", "content": "Recite it."}
     continuing = {"continue_final_message": True, "add_generation_prompt": False}
     for messages, flags, said in [([ask, {"role": "assistant", "content": start}], continuing, start), ([ask], {}, "")]:
-        args = dict(model=MODEL, messages=messages, max_tokens=6, temperature=0, n=2)
+        args = dict(model=MODEL, messages=messages, max_tokens=6, temperature=1.0, seed=5, n=2)  # (sample i: seed + i)
         plain = client.chat.completions.create(**args, extra_body={"ignore_eos": True, **flags})
         echoed = dict(**args, extra_body={"ignore_eos": True, "echo": True, **flags})
         if stream:

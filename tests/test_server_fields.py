@@ -641,19 +641,20 @@ def test_return_token_ids_in_chat_where_vllm_puts_them(server, offline):
     opening chunks carry the prompt's ids and every chunk its new tokens' ids."""
     client = server.client()
     prompt = post(server, "/tokenize", {"messages": MESSAGES}).json()["tokens"]
-    want = offline.chat(MESSAGES, SamplingParams(max_tokens=4, temperature=0), use_tqdm=False)[0]
-    ask = dict(model=MODEL, messages=MESSAGES, n=2, **GREEDY, extra_body={"return_token_ids": True})
+    sampled = dict(max_tokens=4, temperature=1.0, seed=7, n=2)  # (greedy takes only n=1, as in vLLM)
+    want = offline.chat(MESSAGES, SamplingParams(**sampled), use_tqdm=False)[0]["outputs"]
+    ask = dict(model=MODEL, messages=MESSAGES, **sampled, extra_body={"return_token_ids": True})
     out = client.chat.completions.create(**ask)
     assert extras(out)["prompt_token_ids"] == prompt and out.usage.prompt_tokens == len(prompt)
-    assert [extras(choice) for choice in out.choices] == [{"token_ids": want["token_ids"]}] * 2
+    assert [extras(choice) for choice in out.choices] == [{"token_ids": sample["token_ids"]} for sample in want]
     assert not extras(client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=1))
     chunks = list(client.chat.completions.create(**ask, stream=True))
     openings = [chunk for chunk in chunks if chunk.choices[0].delta.role == "assistant"]
     assert [extras(chunk)["prompt_token_ids"] for chunk in openings] == [prompt, prompt]
     for index in range(2):
         mine = [chunk.choices[0] for chunk in chunks[2:] if chunk.choices[0].index == index]
-        assert [token for choice in mine for token in extras(choice)["token_ids"]] == want["token_ids"]
-        assert "".join(choice.delta.content or "" for choice in mine) == want["text"]
+        assert [token for choice in mine for token in extras(choice)["token_ids"]] == want[index]["token_ids"]
+        assert "".join(choice.delta.content or "" for choice in mine) == want[index]["text"]
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])

@@ -240,15 +240,23 @@ def test_a_token_that_is_half_a_character_is_written_as_its_bytes(offline):
     assert texts(ugly) == (" ugly", list(b" ugly"))
 
 
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
 @STREAM
-def test_n_greedy_choices_are_identical_and_equal_offline(server, offline, stream):
-    params = dict(temperature=0, max_tokens=8, ignore_eos=True)
-    expected = generate(server, offline, [PROMPT], **params)[0]
-    choices, usage = complete(server, stream, prompt=PROMPT, n=3, **params)
-    assert sorted(choices) == [0, 1, 2]
-    assert [c["text"] for c in choices.values()] == [expected["text"]] * 3
-    assert [c["finish_reason"] for c in choices.values()] == ["length"] * 3
-    assert usage.completion_tokens == 3 * 8 and usage.prompt_tokens == len(offline.tokenizer.encode(PROMPT))
+def test_n_above_1_with_greedy_sampling_is_a_400_naming_n_as_vllm(server, chat, stream):
+    """vLLM's SamplingParams takes only n=1 with temperature 0 (its samples would all be the same): its words, a 400
+    that names n, and nothing queued. Without a temperature a request samples (1.0, the server's default where the
+    model's generation config names none, as vLLM's), so n=2 is served."""
+    path, asked = ("chat/completions", {"messages": MESSAGES}) if chat else ("completions", {"prompt": PROMPT})
+    body = {"model": MODEL, **asked, "max_tokens": 3, "n": 2, "stream": stream}
+    response = httpx.post(f"{server.url}/v1/{path}", json={**body, "temperature": 0}, timeout=TIMEOUT)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert (error["message"], error["param"]) == ("n must be 1 when using greedy sampling, got 2.", "n")
+    assert server.blocks_used() == 0 and server.engine.llm.is_finished()
+    served = httpx.post(f"{server.url}/v1/{path}", json=body, timeout=TIMEOUT)
+    assert served.status_code == 200, served.text
+    server.wait_until_idle()
+    assert server.blocks_used() == 0 and server.engine.llm.is_finished()
 
 
 @STREAM
@@ -256,8 +264,11 @@ def test_n_seeded_choices_equal_offline_generate_with_seed_plus_index(server, of
     params = dict(max_tokens=8, ignore_eos=True, **HOT)
     expected = [generate(server, offline, [PROMPT], seed=40 + i, **params)[0]["text"] for i in range(3)]
     assert len(set(expected)) > 1, "the samples differ"
-    choices, _ = complete(server, stream, prompt=PROMPT, n=3, seed=40, **params)
+    choices, usage = complete(server, stream, prompt=PROMPT, n=3, seed=40, **params)
+    assert sorted(choices) == [0, 1, 2]
     assert [choices[i]["text"] for i in range(3)] == expected
+    assert [c["finish_reason"] for c in choices.values()] == ["length"] * 3
+    assert usage.completion_tokens == 3 * 8 and usage.prompt_tokens == len(offline.tokenizer.encode(PROMPT))
 
 
 @STREAM
@@ -295,10 +306,11 @@ def test_a_seed_reproduces_its_sample(server, offline, stream):
 @STREAM
 def test_a_batch_of_prompts_gets_one_choice_per_prompt_and_sample(server, offline, stream):
     prompts = [PROMPT, "Explicit is"]
-    params = dict(temperature=0, max_tokens=5, ignore_eos=True)
-    expected = generate(server, offline, prompts, **params)
-    choices, usage = complete(server, stream, prompt=prompts, n=2, **params)
-    assert {i: c["text"] for i, c in choices.items()} == {k: expected[k // 2]["text"] for k in range(4)}
+    params = dict(max_tokens=5, ignore_eos=True, **HOT)  # (greedy takes only n=1, as in vLLM)
+    # choice k: prompt k // 2, its sample k % 2 (seed + k % 2: each prompt's request has the request's seed)
+    expected = [generate(server, offline, prompts, seed=30 + i, **params) for i in range(2)]
+    choices, usage = complete(server, stream, prompt=prompts, n=2, seed=30, **params)
+    assert {i: c["text"] for i, c in choices.items()} == {k: expected[k % 2][k // 2]["text"] for k in range(4)}
     assert usage.prompt_tokens == sum(len(offline.tokenizer.encode(p)) for p in prompts)
     assert usage.completion_tokens == 4 * 5
 

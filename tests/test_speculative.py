@@ -294,6 +294,24 @@ def test_a_seeded_request_samples_the_same_tokens_whatever_its_batch(tiny_model,
     assert 4 in widths and widths - {4}, f"both verify paths were meant to run: {widths}"
 
 
+@pytest.mark.parametrize("proposer", ["ngram", "draft"])
+def test_each_sample_of_an_n_request_equals_its_seed_run_alone(tiny_model, draft_folder, proposer):
+    """Samples 1..n-1 read sample 0's prompt blocks and are verified beside it; each gives the tokens of its seed
+    (seed + i) run alone, with no prefix cache. (Greedy takes only n=1, as in vLLM: these samples are seeded.)"""
+    spec = ngram(3, 2) if proposer == "ngram" else {"model": draft_folder, "num_speculative_tokens": 3, **EVERY_STEP}
+    params = SamplingParams(temperature=1.0, max_tokens=16, seed=42, n=3, ignore_eos=True)
+    prompt = ([9, 8, 7] * 7)[:20]
+    llm = LLM(tiny_model, device="cpu", speculative_config=spec, kvcache_block_size=16, num_kvcache_blocks=64)
+    together = [out["token_ids"] for out in llm.generate([prompt], params, use_tqdm=False)[0]["outputs"]]
+    assert llm.scheduler.block_manager.num_hit_blocks >= 2, "samples 1 and 2 were meant to read sample 0's block"
+    assert sum(step.num_draft_tokens for step in llm.metrics.steps) > 0, "nothing was proposed"
+    alone = LLM(tiny_model, device="cpu", speculative_config=spec, enable_prefix_caching=False)
+    each = [SamplingParams(temperature=1.0, max_tokens=16, seed=42 + i, ignore_eos=True) for i in range(3)]
+    assert together == [out["token_ids"] for out in alone.generate([prompt] * 3, each, use_tqdm=False)]
+    assert len({tuple(tokens) for tokens in together}) > 1, "the samples differ (seed + i each)"
+    assert_no_block_leaked(llm)
+
+
 # -- blocks and bad settings ---------------------------------------------------------------------
 
 

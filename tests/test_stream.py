@@ -40,7 +40,7 @@ def test_each_piece_names_its_sample_and_every_sample_concatenates_to_generate(l
 
 def test_breaking_out_aborts_the_request_frees_its_blocks_and_others_run_on(llm):
     other = llm.add_request(PROMPT, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
-    params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True, n=2)
+    params = SamplingParams(temperature=1.0, max_tokens=50, ignore_eos=True, n=2)
     stream = llm.stream(PROMPT, params)
     for count, _piece in enumerate(stream):
         if count == 4:
