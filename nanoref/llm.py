@@ -58,6 +58,20 @@ def grammars_for(tokenizer: Any, config: EngineConfig, eos_token_ids: Iterable[i
     return Grammars(tokenizer, vocab, sorted(t for t in eos_token_ids if t < vocab))
 
 
+def pooling_only(name: str) -> Callable[..., Any]:
+    """vLLM's LLM.<name>() for pooling models (embeddings, classification, scores, rewards): a ValueError in vLLM's
+    words, where a missing method would be an AttributeError that says nothing of why."""
+
+    def method(self: LLM, *args: Any, **kwargs: Any) -> Any:
+        raise ValueError(
+            f"LLM.{name}() is only supported for pooling models. (nanoref runs generative models only: it has no "
+            "pooling runner; use generate or chat)"
+        )
+
+    method.__name__ = method.__qualname__ = name
+    return method
+
+
 class LLM(LLMEngine):
     """A paged, continuously batched Qwen3 engine.
 
@@ -131,6 +145,8 @@ class LLM(LLMEngine):
         self.overlapped_loop = self.step_loop if isinstance(self.step_loop, OverlappedLoop) else None
         self.speculative_loop = self.step_loop if isinstance(self.step_loop, SpeculativeLoop) else None
         self.grammars: Grammars | None = None  # made on the first request with structured_outputs
+
+    encode, embed, classify, score, reward = map(pooling_only, ("encode", "embed", "classify", "score", "reward"))
 
     def get_tokenizer(self) -> Any:
         """The model folder's tokenizer, as vLLM's LLM.get_tokenizer: a ValueError where the engine has none (a folder

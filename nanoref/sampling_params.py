@@ -227,6 +227,12 @@ class SamplingParams:
             raise ValueError(
                 f"repetition_penalty must be a finite number > 0 (1 = off), got {self.repetition_penalty!r}"
             )
+        if self.logprobs == -1 and _is_int(self.logprobs):  # (vLLM takes it here; its engine refuses it in these words)
+            raise ValueError(
+                "logprobs=-1 asks for every token of the vocabulary at each step, which is greater than max allowed: "
+                f"{MAX_LOGPROBS} (this engine returns at most the top {MAX_LOGPROBS}, vLLM's default max_logprobs): "
+                f"ask for N in [0, {MAX_LOGPROBS}]"
+            )
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(
                 f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}] (0 = the chosen token's only), "
@@ -234,9 +240,9 @@ class SamplingParams:
             )
         if self.prompt_logprobs == -1 and _is_int(self.prompt_logprobs):
             raise ValueError(
-                "prompt_logprobs=-1 asks for every token of the vocabulary at every prompt position; this engine "
-                f"returns at most the top {MAX_LOGPROBS} (vLLM's default max_logprobs): ask for N in "
-                f"[0, {MAX_LOGPROBS}]"
+                "prompt_logprobs=-1 asks for every token of the vocabulary at every prompt position, which is greater "
+                f"than max allowed: {MAX_LOGPROBS} (this engine returns at most the top {MAX_LOGPROBS}, vLLM's default "
+                f"max_logprobs): ask for N in [0, {MAX_LOGPROBS}]"
             )
         if self.prompt_logprobs is not None and (
             not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS

@@ -137,3 +137,13 @@ def test_each_output_names_the_lora_request_it_ran_under_as_vllm_outputs_do(tiny
     assert [c.lora_request for c in outputs[1].outputs] == [None, None]
     plain = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)[0]
     assert plain.lora_request is None and plain.outputs[0].lora_request is None
+
+
+@pytest.mark.parametrize("method", ["encode", "embed", "classify", "score", "reward"])
+def test_vllms_pooling_methods_say_the_model_is_not_a_pooling_model(llm, method):
+    """vLLM's LLM.embed/classify/score/reward/encode on a generative model: a ValueError saying the method is only
+    for pooling models (not an AttributeError), and nothing is queued."""
+    args = (["a", "b"], ["c"]) if method == "score" else (["Hello"],)
+    with pytest.raises(ValueError, match=rf"^LLM\.{method}\(\) is only supported for pooling models"):
+        getattr(llm, method)(*args)
+    assert llm.is_finished()

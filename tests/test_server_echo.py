@@ -4,6 +4,8 @@ against log_softmax of HF transformers' logits, the completion's against offline
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -195,3 +197,27 @@ def test_chat_echo_starts_each_message_with_the_assistants_last_message_as_vllm(
             texts, usage = [choice.message.content for choice in response.choices], response.usage
         assert texts == [said + choice.message.content for choice in plain.choices]
         assert (usage.prompt_tokens, usage.completion_tokens) == (plain.usage.prompt_tokens, 12)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_without_a_generation_prompt_the_reply_takes_the_last_messages_role_as_vllm(server, stream):
+    """vLLM's get_chat_request_role: with add_generation_prompt false the reply's role is the last message's (here
+    the user's), in the message and in a stream's first delta; echo then repeats that message, whose role is the
+    reply's."""
+    ask = "Recite it."
+    for echo in (False, True):
+        body = {"model": MODEL, "messages": [{"role": "user", "content": ask}], "max_tokens": 3, "temperature": 0}
+        body.update(add_generation_prompt=False, ignore_eos=True, echo=echo, stream=stream)
+        response = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=TIMEOUT)
+        assert response.status_code == 200, response.text
+        if stream:
+            chunks = [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: {")]
+            deltas = [chunk["choices"][0]["delta"] for chunk in chunks if chunk["choices"]]
+            assert deltas[0] == {"role": "user", "content": ""}
+            assert all("role" not in delta for delta in deltas[1:])
+            text = "".join(delta.get("content") or "" for delta in deltas)
+        else:
+            message = response.json()["choices"][0]["message"]
+            assert message["role"] == "user"
+            text = message["content"]
+        assert text.startswith(ask) == echo

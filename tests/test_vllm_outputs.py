@@ -157,3 +157,38 @@ def test_num_cached_tokens_counts_the_prompt_tokens_the_prefix_cache_served():
     assert llm.generate([prompt], params, use_tqdm=False)[0].num_cached_tokens == 0
     assert llm.generate([prompt], params, use_tqdm=False)[0].num_cached_tokens == 32
     assert llm.generate([prompt[:20]], params, use_tqdm=False)[0].num_cached_tokens == 16  # (one full block)
+
+
+def test_async_generate_takes_vllms_priority_and_its_outputs_carry_the_lora_request(tmp_path):
+    """vLLM's AsyncLLM.generate(..., lora_request=, priority=): priority is one integer for the one request (0: the
+    engine serves first come, first served, as vLLM without its priority policy), and every output, and each of its
+    `.outputs`, names the LoRARequest it ran under (None: the base model), as LLM.generate's do."""
+    import asyncio
+
+    pytest.importorskip("peft")
+    from nanoref import DEFAULT_MODEL, LoRARequest
+    from nanoref.serving.async_llm import AsyncLLM
+    from nanoref.testing import make_random_lora
+
+    from .helpers import SERVER_TIMEOUT
+
+    lora = LoRARequest("a", 1, str(make_random_lora(tmp_path / "a", DEFAULT_MODEL, rank=4, seed=3)))
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    engine = AsyncLLM(LLM(DEFAULT_MODEL, device="cpu", enable_lora=True, num_kvcache_blocks=64), owns_llm=True)
+    try:
+        with pytest.raises(ValueError, match="Got priority 2 but Priority scheduling is not enabled"):
+            engine.generate("Hello", params, "r0", priority=2)
+        with pytest.raises(TypeError, match="priority must be an integer"):
+            engine.generate("Hello", params, "r0", priority=[0])
+
+        async def served(request_id: str, adapter: LoRARequest | None) -> list:
+            outputs = engine.generate("Hello", params, request_id, lora_request=adapter, priority=0)
+            return [output async for output in outputs]
+
+        adapted = asyncio.run(asyncio.wait_for(served("r1", lora), SERVER_TIMEOUT))
+        base = asyncio.run(asyncio.wait_for(served("r2", None), SERVER_TIMEOUT))
+    finally:
+        engine.close()
+    assert adapted[-1].finished and all(out.lora_request is lora for out in adapted)
+    assert all(out.outputs[0].lora_request is lora for out in adapted)
+    assert all(out.lora_request is None and out.outputs[0].lora_request is None for out in base)

@@ -109,6 +109,16 @@ def test_vllms_spellings_of_no_seed_and_of_one_logprob_are_taken():
             SamplingParams(**bad)
 
 
+@pytest.mark.parametrize("field", ["logprobs", "prompt_logprobs"])
+def test_logprobs_of_minus_one_is_refused_naming_the_limit_as_vllms_engine_does(field):
+    """vLLM reads -1 as the whole vocabulary and its engine refuses it against max_logprobs ("..., which is greater
+    than max allowed: 20"); nanoref returns at most the top 20, so SamplingParams refuses it, naming that limit."""
+    with pytest.raises(
+        ValueError, match=rf"^{field}=-1 asks for every token of the vocabulary.*greater than max allowed: 20"
+    ):
+        SamplingParams(**{field: -1})
+
+
 def test_a_seed_of_minus_one_samples_as_an_unseeded_request(llm):
     params = SamplingParams(temperature=1.0, seed=-1, max_tokens=4, logprobs=True)
     out = llm.generate([PROMPT], params, use_tqdm=False)[0]

@@ -438,6 +438,7 @@ class RequestOutput:
     prompt: str | None = None  # the request's prompt, where it was given as text (vLLM's RequestOutput.prompt)
     # vLLM's: the request's prompt tokens the prefix cache served, fixed when it was first scheduled
     num_cached_tokens: int = 0
+    lora_request: Any = None  # vLLM's: the LoRARequest it runs under (AsyncLLM.generate's), None: the base model
     # what `outputs` reads: the sample's logprobs so far (the first `num_logprobs_so_far` of a list that grows; None:
     # not asked for) and the tokens' texts (vLLM's decoded_token)
     logprobs_so_far: list[TokenLogprobs] | None = field(default=None, repr=False)
@@ -454,6 +455,7 @@ class RequestOutput:
         if self.logprobs_so_far is not None:
             output["logprobs"] = self.logprobs_so_far[: self.num_logprobs_so_far]
         output.stop_reason, output.token_text = self.stop_reason, self.token_text
+        output.lora_request = self.lora_request
         return [output]
 
     def followed_by(self, later: RequestOutput) -> RequestOutput:
@@ -482,8 +484,10 @@ class RequestOutputs:
         eos_token_ids: set[int],
         prompt_token_ids: list[int] | None = None,
         prompt: str | None = None,
+        lora_request: Any = None,
     ) -> None:
         self.request_id, self.prompt_token_ids, self.prompt = request_id, prompt_token_ids, prompt
+        self.lora_request = lora_request
         self.token_ids: list[list[int]] = [[] for _ in range(num_samples)]  # each sample's tokens so far
         self.texts = [""] * num_samples  # and its text
         # and its logprobs, where asked for (`RequestOutput.outputs` reads them)
@@ -526,6 +530,7 @@ class RequestOutputs:
             prompt_logprobs=delta.prompt_logprobs,
             prompt=self.prompt,
             num_cached_tokens=delta.num_cached_tokens,
+            lora_request=self.lora_request,
             logprobs_so_far=logprobs,
             num_logprobs_so_far=0 if logprobs is None else len(logprobs),
             token_text=self.token_text,

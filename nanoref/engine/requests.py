@@ -215,6 +215,13 @@ def check_priority(priority: object, num_prompts: int) -> None:
         )
 
 
+def check_request_priority(priority: object) -> None:
+    """AsyncLLM.generate's priority (vLLM's): one integer for its one request, which must be 0 (`check_priority`)."""
+    if not isinstance(priority, numbers.Integral) or isinstance(priority, bool):
+        raise TypeError(f"priority must be an integer (one request's), got {priority!r:.60}")
+    check_priority([priority], 1)
+
+
 def prompt_list(prompts: object) -> list:
     """`generate`'s prompts as a list: one string or prompt dict, or a list, tuple, generator, or a 2-D tensor/array
     of ids."""

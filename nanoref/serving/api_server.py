@@ -27,7 +27,9 @@ n samples and several prompts: each prompt is one AsyncLLM request of n samples;
 prompt k // n (OpenAI's numbering), every chunk names its choice's index, and usage counts every prompt once and
 every sample's tokens.
 
-Chat's echo (vLLM's): each choice's message starts with the last message's text, where that is the assistant's.
+Chat's reply role and echo (vLLM's): the reply is the assistant's, or with add_generation_prompt false the last
+message's role's (a continued message's); echo starts each choice's message with the last message's text, where its
+role is the reply's.
 
 Echo (completions): each choice's text starts with its prompt's, and with logprobs its tokens start with the
 prompt's, scored as `SamplingParams.prompt_logprobs` scores them (the first one null: nothing before it to score it
@@ -137,7 +139,7 @@ CHAT_HONOURED = {"model", "messages", "stream", "stream_options", "add_special_t
 CHAT_HONOURED |= {"response_format", "structured_outputs"}
 CHAT_HONOURED |= {"tools", "tool_choice", "parallel_tool_calls"}  # (tool_calls.py)
 CHAT_HONOURED |= {"logprobs", "top_logprobs", "add_generation_prompt", "continue_final_message", "chat_template_kwargs"}
-CHAT_HONOURED |= {"echo"}  # (vLLM's: the reply starts with the last message's text, where that is the assistant's)
+CHAT_HONOURED |= {"echo"}  # (vLLM's: the reply starts with the last message's text, where its role is the reply's)
 # vLLM's: the prefix cache's salt, and the token ids in the response (see `respond`)
 OUTPUT_FIELDS = {"cache_salt", "return_token_ids", "return_tokens_as_token_ids"}
 COMPLETION_HONOURED |= OUTPUT_FIELDS | {"request_id"}  # (vLLM's: the response's id, unless X-Request-Id names one)
@@ -1402,6 +1404,7 @@ def build_app(
         return_token_ids: bool = False,
         as_ids: bool = False,
         said: str = "",
+        role: str = "assistant",
     ) -> Response:
         """Collect the outputs of the request's prompts into one response, or stream them as server-sent events.
         Choice k is sample k % n of prompt k // n, as in OpenAI's API. echo: completions' (see Echo); tools: chat's
@@ -1414,7 +1417,9 @@ def build_app(
         every chunk carries the ids of the tokens since the previous one (a step whose text is all held back sends
         no chunk: its ids ride with the next one, as logprobs do). as_ids (vLLM's return_tokens_as_token_ids):
         logprobs' tokens spelled "token_id:N". said: chat's echo (vLLM's), the text each choice's message starts with
-        (in a stream, a chunk of its own after the opening chunks); usage does not count it, as vLLM's."""
+        (in a stream, a chunk of its own after the opening chunks); usage does not count it, as vLLM's. role: chat's
+        reply's (vLLM's get_chat_request_role: the assistant's, or the last message's without add_generation_prompt),
+        in each message and each stream's opening chunk."""
         n = params.n
         head = {
             "id": request_id,
@@ -1491,7 +1496,7 @@ def build_app(
                 ending = {"logprobs": logprobs(choice), "finish_reason": choice.finish_reason}
                 ending["stop_reason"] = choice.stop_reason
                 if chat:
-                    message = {"role": "assistant", "content": choice.text}
+                    message = {"role": role, "content": choice.text}
                     reader = readers.get(choice.index)
                     if reader is not None:  # the whole text through the reader a stream's pieces go through
                         read = reader.feed(choice.text) + reader.finish()
@@ -1583,7 +1588,7 @@ def build_app(
             ids = {"prompt_token_ids": out.prompt_token_ids} if return_token_ids else {}
             usage = running_usage(out.num_prompt_tokens, 0) if every_chunk else {}
             for choice in choices:
-                opening = {"role": "assistant", "content": ""}
+                opening = {"role": role, "content": ""}
                 body = {"index": choice.index, "delta": opening, "logprobs": None, "finish_reason": None}
                 yield event({**head, "choices": [body], **ids, **usage})
             for choice in choices if said else ():  # (vLLM's chat echo: its own chunk, after every opening)
@@ -1699,11 +1704,13 @@ def build_app(
                 raise BadRequest(tools.refused(error.message), "tools") from None
 
         streams = await off_the_loop(open_stream, heavy)
-        said = ""
-        if echo:  # (the messages are checked: they rendered)
-            last = check_messages(body["messages"][-1:])[-1]
-            said = last["content"] if last["role"] == "assistant" else ""
-        return await respond(request, body, params, streams, request_id, chat=True, tools=tools, said=said, **options)
+        # the reply's role, as vLLM's: the assistant's, or without a generation prompt the last message's (whose text
+        # echo repeats where its role is the reply's); the messages are checked: they rendered
+        last = check_messages(body["messages"][-1:])[-1]
+        role = "assistant" if check_flag(body, "add_generation_prompt", True) else last["role"]
+        said = last["content"] if echo and last["role"] == role else ""
+        options.update(tools=tools, said=said, role=role)
+        return await respond(request, body, params, streams, request_id, chat=True, **options)
 
     @app.get("/v1/models")
     async def models() -> dict:

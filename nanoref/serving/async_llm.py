@@ -53,7 +53,7 @@ from typing import Any
 from nanoref.config import EngineConfig
 from nanoref.engine.output_processor import RequestOutput, RequestOutputs, delta_texts
 from nanoref.engine.prefix_cache import check_reset_options, warn_blocks_held
-from nanoref.engine.requests import check_request_id, eos_token_ids, prompt_text, request_tokens
+from nanoref.engine.requests import check_request_id, check_request_priority, eos_token_ids, prompt_text, request_tokens
 from nanoref.llm import DEFAULT_MODEL, LLM, SETTINGS, LoRARequest, check_lora_request, grammars_for
 from nanoref.sampling_params import SamplingParams
 from nanoref.serving.engine_loop import EngineLoop, EngineStats, StepMessage, drain
@@ -210,17 +210,22 @@ class AsyncLLM:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         lora_request: LoRARequest | None = None,
+        *,
+        priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
         """Outputs of one request as it is served, those of its `params.n` samples interleaved (each output names
         its sample's `index`); the iteration ends once every sample has sent its finished output. A bad request
         (ValueError/TypeError) raises here, before anything is queued; the request is queued when the first output
         is awaited, and a duplicate request_id raises ValueError there. Leaving the iteration early (break,
         aclose, cancellation) aborts every sample of the request. lora_request: the LoRA adapter it runs under
-        (LLM.generate's; the engine reads its folder when the request is queued). prompt: as LLM.generate's, vLLM's
+        (LLM.generate's; the engine reads its folder when the request is queued), on each output (`.lora_request`,
+        and its `.outputs`' as vLLM's). priority: vLLM's, one integer for this request; requests are served first
+        come, first served, so it must be 0 (`check_request_priority`). prompt: as LLM.generate's, vLLM's
         prompt dicts included (with a "cache_salt": the prefix cache shares K/V only among requests of that salt).
         params None: the model's defaults (its generation_config.json: `LLM.get_default_sampling_params`)."""
         self._check_running()
         check_request_id(request_id)
+        check_request_priority(priority)
         # the engine's own checks; params with the generation config's EOS ids among its stop ids (their text hidden)
         token_ids, salt, params = request_tokens(prompt, params, self.tokenizer, self.config)
         if self.tokenizer is None:  # (a folder without one, or skip_tokenizer_init): token ids in and out only
@@ -269,7 +274,9 @@ class AsyncLLM:
         text, where it was given as text (the outputs' `prompt`)."""
         loop = asyncio.get_running_loop()
         token_ids = prompt["prompt_token_ids"] if isinstance(prompt, dict) else prompt
-        outputs = RequestOutputs(request_id, params.n, self.tokenizer, params, self._eos_token_ids, token_ids, text)
+        outputs = RequestOutputs(
+            request_id, params.n, self.tokenizer, params, self._eos_token_ids, token_ids, text, lora_request
+        )
         request = _Request(next(self._keys), loop, outputs)
         with self._requests_lock:  # (with _on_exit: a request is either failed by it or refused here)
             self._check_running()
