@@ -58,14 +58,24 @@ def grammars_for(tokenizer: Any, config: EngineConfig, eos_token_ids: Iterable[i
     return Grammars(tokenizer, vocab, sorted(t for t in eos_token_ids if t < vocab))
 
 
+# what vLLM's LLM says when its pooling methods are called on a generative model (its reward goes through encode)
+POOLING_REFUSALS = {
+    "encode": "LLM.encode() is only supported for pooling models.",
+    "embed": "Embedding API is not supported by this model.",
+    "classify": "Classification API is not supported by this model.",
+    "score": "LLM.score() is only supported for pooling models.",
+    "reward": "LLM.encode() is only supported for pooling models.",
+}
+
+
 def pooling_only(name: str) -> Callable[..., Any]:
     """vLLM's LLM.<name>() for pooling models (embeddings, classification, scores, rewards): a ValueError in vLLM's
     words, where a missing method would be an AttributeError that says nothing of why."""
 
     def method(self: LLM, *args: Any, **kwargs: Any) -> Any:
         raise ValueError(
-            f"LLM.{name}() is only supported for pooling models. (nanoref runs generative models only: it has no "
-            "pooling runner; use generate or chat)"
+            f"{POOLING_REFUSALS[name]} (LLM.{name}() is for pooling models; nanoref runs generative models only: it "
+            "has no pooling runner; use generate or chat)"
         )
 
     method.__name__ = method.__qualname__ = name
@@ -146,7 +156,7 @@ class LLM(LLMEngine):
         self.speculative_loop = self.step_loop if isinstance(self.step_loop, SpeculativeLoop) else None
         self.grammars: Grammars | None = None  # made on the first request with structured_outputs
 
-    encode, embed, classify, score, reward = map(pooling_only, ("encode", "embed", "classify", "score", "reward"))
+    encode, embed, classify, score, reward = map(pooling_only, POOLING_REFUSALS)
 
     def get_tokenizer(self) -> Any:
         """The model folder's tokenizer, as vLLM's LLM.get_tokenizer: a ValueError where the engine has none (a folder

@@ -139,11 +139,20 @@ def test_each_output_names_the_lora_request_it_ran_under_as_vllm_outputs_do(tiny
     assert plain.lora_request is None and plain.outputs[0].lora_request is None
 
 
-@pytest.mark.parametrize("method", ["encode", "embed", "classify", "score", "reward"])
-def test_vllms_pooling_methods_say_the_model_is_not_a_pooling_model(llm, method):
-    """vLLM's LLM.embed/classify/score/reward/encode on a generative model: a ValueError saying the method is only
-    for pooling models (not an AttributeError), and nothing is queued."""
+@pytest.mark.parametrize(
+    "method, words",
+    [
+        ("encode", r"LLM\.encode\(\) is only supported for pooling models\."),
+        ("embed", r"Embedding API is not supported by this model\."),
+        ("classify", r"Classification API is not supported by this model\."),
+        ("score", r"LLM\.score\(\) is only supported for pooling models\."),
+        ("reward", r"LLM\.encode\(\) is only supported for pooling models\."),  # (vLLM's reward calls its encode)
+    ],
+)
+def test_vllms_pooling_methods_say_the_model_is_not_a_pooling_model(llm, method, words):
+    """vLLM's LLM.embed/classify/score/reward/encode on a generative model: a ValueError in the words vLLM's own
+    method raises there (not an AttributeError), naming the method called, and nothing is queued."""
     args = (["a", "b"], ["c"]) if method == "score" else (["Hello"],)
-    with pytest.raises(ValueError, match=rf"^LLM\.{method}\(\) is only supported for pooling models"):
+    with pytest.raises(ValueError, match=rf"^{words} \(LLM\.{method}\(\) is for pooling models"):
         getattr(llm, method)(*args)
     assert llm.is_finished()

@@ -238,7 +238,8 @@ LOOPS = {
 def mixed_requests(rng: random.Random, greedy_only: bool) -> list[tuple[list[int], SamplingParams, int, int | None]]:
     """(prompt, params, the step before which it is added, the step before which it is aborted or None): seeded
     requests of n up to 3 samples, greedy ones (n=1, as vLLM takes them: some sent two or three times, as requests of
-    their own), min_tokens, stop ids, logprobs, prompts that share a prefix or repeat a phrase."""
+    their own; greedy_only: also n up to 3 with top_k=1), min_tokens, stop ids, logprobs, prompts that share a prefix
+    or repeat a phrase."""
     prefix = [rng.randrange(1, 1024) for _ in range(20)]
     requests = []
     for _ in range(rng.randrange(3, 7)):
@@ -248,10 +249,14 @@ def mixed_requests(rng: random.Random, greedy_only: bool) -> list[tuple[list[int
         max_tokens = rng.randrange(1, 20)
         seed = rng.randrange(100) if seeded else None
         n = rng.choice([1, 1, 2, 3])
+        # (greedy_only: the ngram loop, whose n samples sharing their prompt's blocks through verify steps and
+        # preemption are top_k=1's: the argmax's tokens, as greedy ones, whatever the generator draws)
+        argmax = greedy_only and n > 1 and rng.random() < 0.7
         params = SamplingParams(
-            temperature=0.9 if seeded else 0,
+            temperature=0.9 if seeded or argmax else 0,
+            top_k=1 if argmax else 0,
             seed=seed,
-            n=n if seeded else 1,
+            n=n if seeded or argmax else 1,
             max_tokens=max_tokens,
             min_tokens=rng.choice([0, 0, rng.randrange(max_tokens + 1)]),
             ignore_eos=rng.random() < 0.5,
@@ -261,7 +266,7 @@ def mixed_requests(rng: random.Random, greedy_only: bool) -> list[tuple[list[int
         )
         request = (prefix + body if rng.random() < 0.5 else body, params, rng.choice([0, 0, rng.randrange(8)]),
                    rng.randrange(1, 10) if rng.random() < 0.2 else None)  # fmt: skip
-        requests += [request] * (1 if seeded else n)
+        requests += [request] * (1 if seeded or argmax else n)
     return requests
 
 
