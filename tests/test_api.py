@@ -323,6 +323,24 @@ def test_checkpoint_missing_one_shard_of_a_fused_weight(tmp_path, tiny_model):
         LLM(tmp_path / "m")
 
 
+def test_a_sharded_checkpoint_missing_shard_files_names_them(tmp_path, tiny_model):
+    # a download cut short: the index lists every shard, the folder lacks some of them
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(tiny_model).save_pretrained(tmp_path / "m", max_shard_size="100KB")
+    shards = sorted((tmp_path / "m").glob("model-*.safetensors"))
+    assert len(shards) >= 3 and (tmp_path / "m" / "model.safetensors.index.json").is_file()
+    shards[1].unlink()
+    with pytest.raises(
+        ModelFolderError, match=rf"lacks .* lists 1 shard files that are not in the folder: {shards[1].name};"
+    ):
+        LLM(tmp_path / "m")
+    for shard in shards:
+        shard.unlink(missing_ok=True)
+    with pytest.raises(ModelFolderError, match=rf"holds no \*.safetensors weights .* lists {len(shards)} shard files"):
+        LLM(tmp_path / "m")
+
+
 def test_triton_on_the_cpu_of_a_gpu_machine_is_refused_with_the_reason(monkeypatch):
     """There Triton compiles for the GPU and cannot read CPU tensors: a clear error, not Triton's 'cpu tensor?'."""
     from nanoref.ops import backends

@@ -268,6 +268,15 @@ CONFIG_EDITS = [
     (lambda c: c.update(vocab_size=-5), "vocab_size must be an integer >= 1, got -5"),
     (lambda c: c.update(hidden_size="64"), "hidden_size must be an integer >= 1, got '64'"),
     (lambda c: c.update(rope_parameters=[1, 2]), r"rope_parameters must be a JSON object, got \[1, 2\]"),
+    # (Qwen3's guide adds YaRN as rope_scaling; beside rope_parameters, transformers 5 runs it)
+    (
+        lambda c: c.update(rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 512}),
+        "rope_scaling: rope type 'yarn' is not supported",
+    ),
+    (
+        lambda c: c.update(quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]}),
+        r"quantization_config: the checkpoint is quantized \('fp8'\); nanoref runs unquantized weights only",
+    ),
     (lambda c: c.update(architectures=7), "architectures must be a list of class names, got 7"),
     (lambda c: c.update(architectures="Qwen3ForCausalLM"), "architectures must be a list of class names"),
     (lambda c: c.update(max_position_embeddings=0), "max_position_embeddings must be an integer >= 2, got 0"),

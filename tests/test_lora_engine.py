@@ -365,6 +365,16 @@ def test_lora_settings_are_checked(tiny_model, settings, message):
         LLM(tiny_model, device="cpu", **settings)
 
 
+def test_lora_slots_larger_than_memory_are_an_error_naming_the_settings(tiny_model, monkeypatch):
+    # a max_lora_rank with a digit too many: the slots of every adapted projection are more than there is
+    with pytest.raises(ValueError, match=r"max_lora_rank=10000000000000 with max_loras=1 needs .* GiB for the LoRA"):
+        LLM(tiny_model, device="cpu", num_kvcache_blocks=8, enable_lora=True, max_lora_rank=10**13)
+    # where memory is not known in advance (a GPU), the allocator's failure is that error too
+    monkeypatch.setattr("nanoref.lora.manager.cpu_memory_available", lambda fallback: None)
+    with pytest.raises(ValueError, match=r"max_lora_rank=10000000000000 .* but they could not be allocated: lower"):
+        LLM(tiny_model, device="cpu", num_kvcache_blocks=8, enable_lora=True, max_lora_rank=10**13)
+
+
 def test_lora_settings_have_vllms_defaults(tiny_model):
     from nanoref.config import EngineConfig
 

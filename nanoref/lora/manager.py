@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from nanoref.engine.kv_budget import cpu_memory_available
 from nanoref.lora.adapters import LoRAAdapter, expected_shapes, load_adapter
 from nanoref.lora.request import LoRARequest
 from nanoref.ops.lora import lora_delta
@@ -43,6 +44,27 @@ class LoRASlots:
         self.offsets = np.cumsum([0] + [size_out for _, size_out in sizes]).tolist()  # where each piece's rows start
 
 
+def check_slots_fit(model: nn.Module, sizes: dict, max_loras: int, max_lora_rank: int) -> int:
+    """The bytes the slots of every adapted projection take -> that count; ValueError naming max_loras and
+    max_lora_rank where, on a CPU, they are more than the memory available (torch.zeros would write pages the
+    allocation only promised, and the kernel's OOM killer would end the process)."""
+    weight = model.model.layers[0].get_submodule(MODULES[0]).weight
+    per_layer = sum(size_in + size_out for pieces in sizes.values() for size_in, size_out in pieces)
+    needed = len(model.model.layers) * per_layer * max_loras * max_lora_rank * weight.element_size()
+    available = cpu_memory_available(fallback=None) if weight.device.type == "cpu" else None
+    if available is not None and needed > available:
+        raise ValueError(slots_too_large(max_loras, max_lora_rank, needed, weight.device, available))
+    return needed
+
+
+def slots_too_large(max_loras: int, max_lora_rank: int, needed: int, device, available: int | None) -> str:
+    why = "they could not be allocated" if available is None else f"{available / 2**30:.1f} GiB is available"
+    return (
+        f"max_lora_rank={max_lora_rank} with max_loras={max_loras} needs {needed / 2**30:.1f} GiB for the LoRA slots "
+        f"on {device}, but {why}: lower max_lora_rank (the largest rank of the adapters served) or max_loras"
+    )
+
+
 class LoRAManager:
     def __init__(
         self,
@@ -58,13 +80,21 @@ class LoRAManager:
         self.max_loras, self.max_lora_rank, self.max_cpu_loras = max_loras, max_lora_rank, max_cpu_loras
         layers = model.model.layers
         device = next(model.parameters()).device
+        sizes = {
+            name: [expected_shapes(hf_config, name, piece) for piece in PIECES.get(name, (None,))] for name in MODULES
+        }
+        slot_bytes = check_slots_fit(model, sizes, max_loras, max_lora_rank)
         self.slots: dict[tuple[int, str], LoRASlots] = {}
         self.hooks = []
         for index, layer in enumerate(layers):
             for name in MODULES:
                 module = layer.get_submodule(name)
-                sizes = [expected_shapes(hf_config, name, piece) for piece in PIECES.get(name, (None,))]
-                slots = self.slots[index, name] = LoRASlots(module, sizes, max_loras, max_lora_rank)
+                try:
+                    slots = self.slots[index, name] = LoRASlots(module, sizes[name], max_loras, max_lora_rank)
+                except (torch.OutOfMemoryError, MemoryError, RuntimeError) as error:
+                    if isinstance(error, RuntimeError) and "alloc" not in str(error).lower():
+                        raise
+                    raise ValueError(slots_too_large(max_loras, max_lora_rank, slot_bytes, device, None)) from None
                 self.hooks.append(module.register_forward_hook(self._hook(slots)))
         self.scalings = torch.zeros(max_loras, dtype=torch.float32, device=device)  # (S,)
         self.row_slots = torch.full((max_num_tokens,), -1, dtype=torch.int64, device=device)  # (N_max,)

@@ -11,7 +11,7 @@ from torch import nn
 from nanoref.models.configs import Qwen3Config, Qwen3MoeConfig
 from nanoref.models.qwen3 import Qwen3ForCausalLM
 from nanoref.models.qwen3_moe import Qwen3MoeForCausalLM
-from nanoref.utils.loader import ModelFolderError, read_config, resolve_model_folder, weight_files
+from nanoref.utils.loader import ModelFolderError, absent_shards, read_config, resolve_model_folder, weight_files
 
 # HF `architectures` names this package can serve; each class's `config_class` parses its config.json
 MODEL_REGISTRY = {"Qwen3ForCausalLM": Qwen3ForCausalLM, "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM}
@@ -34,7 +34,7 @@ def load_model_config(model: str | Path) -> tuple[Path, str, Qwen3Config]:
             f"{folder}: architecture {found} is not supported; nanoref serves {', '.join(MODEL_REGISTRY)}"
         )
     if not weight_files(folder):
-        raise ModelFolderError(f"{folder} holds no *.safetensors weights")
+        raise ModelFolderError(f"{folder} holds no *.safetensors weights{absent_shards(folder)}")
     try:
         config = MODEL_REGISTRY[supported[0]].config_class.from_dict(raw)
     except (ValueError, TypeError) as error:

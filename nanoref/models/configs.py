@@ -47,13 +47,16 @@ class Qwen3Config:
         missing = [key for key in cls.REQUIRED if key not in raw]
         if missing:
             raise ValueError(f"config.json lacks required Qwen3 fields: {', '.join(missing)}")
-        # transformers 5 keeps rope_theta inside rope_parameters; transformers 4 at the top level
+        # transformers 5 keeps rope_theta inside rope_parameters; transformers 4 at the top level. Where both are
+        # given, transformers 5 runs rope_scaling's RoPE (Qwen3's guide adds one for YaRN): each is checked
         rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
-        if not isinstance(rope, dict):
-            raise ValueError(f"rope_parameters must be a JSON object, got {rope!r}")
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            raise ValueError(f"rope type {rope_type!r} is not supported (only 'default' RoPE)")
+        for key in ("rope_parameters", "rope_scaling"):
+            given = raw.get(key) or {}
+            if not isinstance(given, dict):
+                raise ValueError(f"{key} must be a JSON object, got {given!r}")
+            rope_type = given.get("rope_type", given.get("type", "default"))
+            if rope_type != "default":
+                raise ValueError(f"{key}: rope type {rope_type!r} is not supported (only 'default' RoPE)")
         heads = _integer(raw, "num_attention_heads")
         hidden = _integer(raw, "hidden_size")
         eos = raw.get("eos_token_id")
@@ -111,6 +114,13 @@ def _check_the_forward_is_nanorefs(raw: dict[str, Any], num_layers: int) -> None
         raise ValueError(
             "use_sliding_window is on (layers from max_window_layers on would attend over a window of "
             f"{sliding_window(raw)} tokens): nanoref attends over the whole context"
+        )
+    quantization = raw.get("quantization_config")
+    if quantization is not None:  # (its weights are float8 or packed integers, read with scales nanoref has not)
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
+        raise ValueError(
+            f"quantization_config: the checkpoint is quantized ({method!r:.40}); nanoref runs unquantized weights "
+            "only (bfloat16, float16 or float32)"
         )
     for key in ("dtype", "torch_dtype"):  # (transformers 5's name and 4's; nanoref's own dtype setting decides)
         value = raw.get(key)

@@ -181,7 +181,24 @@ def _load_files(model: nn.Module, folder: Path, files: list[Path], bar: tqdm) ->
     if missing:
         missing.sort()
         shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
-        raise ModelFolderError(f"{folder}: the checkpoint lacks {len(missing)} tensors: {shown}")
+        raise ModelFolderError(f"{folder}: the checkpoint lacks {len(missing)} tensors: {shown}{absent_shards(folder)}")
+
+
+def absent_shards(folder: Path) -> str:
+    """Where the folder's model.safetensors.index.json lists shard files that are not there (a download cut short):
+    a sentence naming them, for the error about the tensors they held; else ""."""
+    try:
+        weight_map = json.loads((folder / "model.safetensors.index.json").read_text(encoding="utf-8"))["weight_map"]
+        absent = sorted({name for name in weight_map.values() if not (folder / name).exists()})
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # no index, or one that cannot tell
+        return ""
+    if not absent:
+        return ""
+    shown = ", ".join(absent[:5]) + (" ..." if len(absent) > 5 else "")
+    return (
+        f" (model.safetensors.index.json lists {len(absent)} shard files that are not in the folder: {shown}; "
+        "a download cut short? fetch them again)"
+    )
 
 
 def _load_tensor(param: nn.Parameter, file_name: str, name: str, tensor: torch.Tensor, shard: Shard) -> None:
