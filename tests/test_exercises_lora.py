@@ -61,6 +61,22 @@ def b_transposed_again(x, lora_a, lora_b, row_slots, scalings):
     return delta
 
 
+def scaled_twice(x, lora_a, lora_b, row_slots, scalings):
+    return lora_delta(x, lora_a, lora_b, row_slots, scalings * scalings)
+
+
+def alpha_where_alpha_over_r_belongs(x, lora_a, lora_b, row_slots, scalings):
+    return lora_delta(x, lora_a, lora_b, row_slots, scalings * lora_a.shape[1])
+
+
+def divided_by_the_rank_again(x, lora_a, lora_b, row_slots, scalings):
+    return lora_delta(x, lora_a, lora_b, row_slots, scalings / lora_a.shape[1])
+
+
+def slots_counted_from_1(x, lora_a, lora_b, row_slots, scalings):  # slot s read as s - 1 (slot 0 as the base model)
+    return lora_delta(x, lora_a, lora_b, torch.where(row_slots > 0, row_slots - 1, -1), scalings)
+
+
 @pytest.mark.parametrize(
     ("wrong", "hint"),
     [
@@ -70,6 +86,10 @@ def b_transposed_again(x, lora_a, lora_b, row_slots, scalings):
         (every_row_on_slot_0, "each row must use its own slot"),
         (slot_0_scaling_for_every_row, "each row must use its own adapter's scaling, scalings\\[row_slots\\[i\\]\\]"),
         (in_float32, "dtype torch.float32, expected torch.bfloat16"),
+        (scaled_twice, r"scaled twice \(by scalings\[slot\] squared\)"),
+        (alpha_where_alpha_over_r_belongs, r"times too large \(lora_alpha where lora_alpha / r belongs\)"),
+        (divided_by_the_rank_again, "divided by R = [0-9]+ once too often"),
+        (slots_counted_from_1, r"(got slot [0-9]+'s delta|got no delta): .*slots count from 0"),
         (slots_clamped_in_place, "changed row_slots in place"),
         (x_scaled_in_place, "changed x in place"),
     ],

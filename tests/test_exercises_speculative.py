@@ -53,6 +53,13 @@ def nothing_without_proposals(draft_ids, target_ids):
     return accept_greedy(draft_ids, target_ids) if draft_ids else []
 
 
+def bonus_from_the_last_proposals_row(draft_ids, target_ids):  # the bonus token read one row too early
+    for i, (d, t) in enumerate(zip(draft_ids, target_ids)):
+        if d != t:
+            return [*draft_ids[:i], t]
+    return [*draft_ids, target_ids[len(draft_ids) - 1]] if draft_ids else [target_ids[0]]
+
+
 def changes_its_input(draft_ids, target_ids):
     out = accept_greedy(draft_ids, target_ids)
     draft_ids.append(0)
@@ -68,6 +75,7 @@ def changes_its_input(draft_ids, target_ids):
         (wrong_row, "compared with the wrong row"),
         (keeps_going, "stop at the first proposal that differs"),
         (nothing_without_proposals, "with no proposal the verify step is a plain decode step"),
+        (bonus_from_the_last_proposals_row, r"the bonus row \(target_ids\[k\] = 1, the last of the k \+ 1 rows\)"),
         (changes_its_input, "changed draft_ids or target_ids"),
     ],
 )

@@ -100,6 +100,12 @@ def masks_paired_with_sorted_rows(logits, rows, bitmask):  # bitmask[a] applied 
     return apply_token_bitmask(logits, rows.sort().values, bitmask)
 
 
+def masked_fill_on_a_copy(logits, rows, bitmask):  # out[rows] with a tensor index is a copy: out never changes
+    out = logits.clone()
+    out[rows].masked_fill_(~bits_of(bitmask, logits.shape[1]), float("-inf"))
+    return out
+
+
 def in_float64(logits, rows, bitmask):
     return apply_token_bitmask(logits.double(), rows, bitmask)
 
@@ -119,6 +125,7 @@ def in_float64(logits, rows, bitmask):
         (every_bit_unpacked, "unpack every word, then keep the first V bits"),
         (in_place, "changed logits in place: return a new tensor"),
         (in_float64, "dtype torch.float64, expected torch.float32"),
+        (masked_fill_on_a_copy, "your answer masked nothing.*out\\[rows\\].masked_fill_\\(...\\) or"),
         (masks_paired_with_sorted_rows, "in the order of rows \\(here \\[3, 0, 2\\]\\): your answer paired the masks"),
     ],
 )

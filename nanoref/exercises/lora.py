@@ -68,6 +68,67 @@ def _hint(x, lora_a, lora_b, row_slots, scalings, got: torch.Tensor) -> str | No
     every_slot_zero = lora_delta_reference(x, lora_a, lora_b, torch.where(base, -1, zero * 0), scalings)
     if len(scalings) > 1 and torch.allclose(got.float(), every_slot_zero.float(), rtol=1e-3, atol=1e-3):
         return "every row used slot 0's adapter: each row must use its own slot, row_slots[i]"
+    want = lora_delta_reference(x, lora_a, lora_b, row_slots, scalings).float()
+    return _factor_hint(got.float(), want, row_slots, scalings, lora_a.shape[1]) or _slot_hint(
+        x, lora_a, lora_b, row_slots, scalings, got.float(), want
+    )
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    return torch.allclose(got, want, rtol=2e-2, atol=2e-2 * max(float(want.abs().max()) if want.numel() else 0, 1e-6))
+
+
+def _factor_hint(got, want, row_slots, scalings, rank: int) -> str | None:
+    """Each slot's rows right up to one factor per slot (the scaling applied wrongly): which factor, in words."""
+    factors = []  # (slot, got / want on its rows)
+    for slot in row_slots[row_slots >= 0].unique().tolist():
+        mine, theirs = got[row_slots == slot].flatten(), want[row_slots == slot].flatten()
+        if float(theirs @ theirs) == 0:
+            continue
+        factor = float(mine @ theirs / (theirs @ theirs))
+        if not _close(mine, factor * theirs):
+            return None
+        factors.append((slot, factor))
+    if not factors or all(abs(factor - 1) < 1e-2 for _, factor in factors):
+        return None
+
+    def each(expected: Callable[[int], float]) -> bool:
+        return all(abs(factor - expected(slot)) <= 1e-2 * abs(expected(slot)) for slot, factor in factors)
+
+    rule = (
+        "the delta is scalings[slot] * (x A^T) B^T with scalings[slot] applied once, as given: it already is "
+        "lora_alpha / r (lora_alpha / sqrt(r) with rsLoRA)"
+    )
+    if each(lambda slot: float(scalings[slot])):
+        return f"every row's delta was scaled twice (by scalings[slot] squared): {rule}"
+    if each(lambda slot: rank):
+        return f"every row's delta is R = {rank} times too large (lora_alpha where lora_alpha / r belongs): {rule}"
+    if each(lambda slot: 1 / rank):
+        return f"every row's delta is divided by R = {rank} once too often: {rule}"
+    shown = ", ".join(f"slot {slot}: {factor:.3g}" for slot, factor in factors)
+    return f"each slot's delta is the expected one times a factor ({shown}): {rule}"
+
+
+def _slot_hint(x, lora_a, lora_b, row_slots, scalings, got, want) -> str | None:
+    """A row of slot k that got exactly another slot's delta (or none): the slot index taken wrongly."""
+    for row in range(len(row_slots)):
+        slot = int(row_slots[row])
+        if slot < 0 or _close(got[row], want[row]):
+            continue
+        if float(got[row].abs().max()) == 0:
+            return (
+                f"row {row} (slot {slot}) got no delta: only row_slots -1 is the base model; slots count from 0, "
+                f"and a row of slot {slot} gets lora_a[{slot}], lora_b[{slot}] and scalings[{slot}]"
+            )
+        for other in range(len(scalings)):
+            one = torch.tensor([other])
+            theirs = lora_delta_reference(x[row : row + 1], lora_a, lora_b, one, scalings).float()[0]
+            if other != slot and _close(got[row], theirs):
+                return (
+                    f"row {row} (slot {slot}) got slot {other}'s delta: a row uses its own slot, lora_a[row_slots[i]], "
+                    "lora_b[row_slots[i]] and scalings[row_slots[i]] (slots count from 0, -1 is the base model)"
+                )
+        return None
     return None
 
 

@@ -92,7 +92,12 @@ def _greedy_hint(draft: list[int], target: list[int], got: list[int], want: list
             f"proposal {kept} ({draft[kept]}) differs from the target's token {target[kept]} at row {kept}: emit the "
             "target's token there, not the rejected proposal"
         )
-    if got == _shifted_row(draft, target) or got == [*draft[:kept], target[kept + 1]]:
+    if kept == k and len(got) == k + 1 and got[:k] == draft:
+        return (
+            f"the target agrees with all {k} proposals: the token after them is the target's at row {k}, the bonus "
+            f"row (target_ids[k] = {target[k]}, the last of the k + 1 rows), not {got[k]}"
+        )
+    if got == _shifted_row(draft, target) or (kept < k and got == [*draft[:kept], target[kept + 1]]):
         return (
             "compared with the wrong row: row i of target_ids is the target's token after the last token and "
             "d_1..d_i, so proposal i (draft_ids[i], 0-based) must equal target_ids[i]"

@@ -116,6 +116,12 @@ def _diagnose(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor, g
             f"row {changed[0]} is not in rows (its request has no grammar): return it exactly as it was; only the "
             f"rows in `rows` are masked\n(on {case}: rows {constrained}, your row {changed[0]} changed)"
         )
+    if torch.equal(got, logits) and not bool(_allowed(bitmask, vocab).all()):
+        return (
+            "your answer masked nothing: every logit came back as it was. Indexing with a tensor of rows makes a copy: "
+            "out[rows].masked_fill_(...) or out[rows][mask] = ... changes that copy, not out; assign the rows instead, "
+            f"out[rows] = torch.where(allowed, logits[rows], -inf)\n(on {case})"
+        )
     mine, theirs = got[rows], logits[rows]  # (A, V)
     filled = (mine != theirs) & (mine != float("-inf"))
     if filled.any():
