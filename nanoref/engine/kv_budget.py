@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+from pathlib import Path
 
 import torch
 
@@ -10,15 +11,59 @@ from nanoref.utils.context import Context, reset_context, set_context
 
 
 def cpu_memory_available(fallback: int | None = 4 << 30) -> int | None:
-    """Bytes of memory available to new allocations (Linux), else `fallback` (a conservative 4 GiB)."""
+    """Bytes of memory available to new allocations (Linux), else `fallback` (a conservative 4 GiB). Inside a memory
+    cgroup's limit (a container's --memory), what the limit still allows, where that is less: /proc/meminfo counts
+    the host's memory, and an allocation past the limit ends the process."""
+    available = None
     try:
         with open("/proc/meminfo") as meminfo:
             for line in meminfo:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
+                    available = int(line.split()[1]) * 1024
+                    break
     except OSError:
         pass
-    return fallback
+    limited = cgroup_memory_available()
+    if limited is not None:
+        available = limited if available is None else min(available, limited)
+    return fallback if available is None else available
+
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+PROC_SELF_CGROUP = Path("/proc/self/cgroup")
+
+
+def cgroup_memory_available() -> int | None:
+    """What this process's memory cgroups still allow: each limit less its usage, counting page cache the kernel may
+    drop (file pages that are not tmpfs) as free, as MemAvailable does; the least of them, or None where none is set.
+    cgroup v2: memory.max of the process's group and of each above it; v1: the memory controller's limits."""
+    try:
+        own = next((line[3:] for line in PROC_SELF_CGROUP.read_text().splitlines() if line.startswith("0::")), "/")
+    except OSError:
+        own = "/"
+    folders, folder = [CGROUP_ROOT], CGROUP_ROOT / own.strip().lstrip("/")
+    while CGROUP_ROOT in folder.parents:  # (inside a cgroup namespace, a container's, its own group is the root)
+        folders, folder = [*folders, folder], folder.parent
+    limits = [_cgroup_free(folder, "memory.max", "memory.current", "file", "shmem") for folder in folders]
+    v1 = CGROUP_ROOT / "memory"  # (v1: memory.stat's hierarchical_memory_limit is the least limit of the groups above)
+    limits.append(_cgroup_free(v1, "memory.limit_in_bytes", "memory.usage_in_bytes", "total_cache", "total_shmem"))
+    limits = [limit for limit in limits if limit is not None]
+    return min(limits) if limits else None
+
+
+def _cgroup_free(folder: Path, limit_file: str, usage_file: str, cache: str, shmem: str) -> int | None:
+    try:
+        text = (folder / limit_file).read_text().strip()
+        if text == "max":
+            return None
+        stat = dict(line.split()[:2] for line in (folder / "memory.stat").read_text().splitlines() if " " in line)
+        limit = min(int(text), int(stat.get("hierarchical_memory_limit", text)))
+        if limit >= 1 << 60:  # (v1 writes "no limit" as the largest page-aligned int64)
+            return None
+        usage = int((folder / usage_file).read_text())
+        return max(0, limit - usage + int(stat.get(cache, 0)) - int(stat.get(shmem, 0)))
+    except (OSError, ValueError):
+        return None
 
 
 def kv_blocks_from_memory(runner) -> int:
