@@ -409,3 +409,16 @@ def test_cuda_graphs_replay_every_rows_adapter(tiny_model, adapters, speculative
         with decode_launches_never_wait(llm):
             outputs = llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=mixed)
         assert_exact(tiny_model, prompts, mixed, outputs)
+
+
+def test_lora_slots_that_a_gpu_could_not_allocate_name_gpu_memory_utilization_too():
+    # on a GPU the KV cache is allocated before the slots and takes gpu_memory_utilization of its memory: slots that
+    # did not fit in what was left fit with a lower utilization, at the same max_lora_rank
+    from nanoref.lora.manager import slots_too_large
+
+    message = slots_too_large(4, 256, 11 << 30, torch.device("cuda", 0), None)
+    assert message.endswith(
+        "lower max_lora_rank (the largest rank of the adapters served) or max_loras, or "
+        "gpu_memory_utilization (the KV cache, allocated first, takes that share)"
+    ), message
+    assert "gpu_memory_utilization" not in slots_too_large(4, 256, 11 << 30, torch.device("cpu"), 1 << 30)
