@@ -305,3 +305,26 @@ def test_a_verify_step_takes_a_learners_prefill_metadata_that_returns_a_plain_tu
 
     spec = {"method": "ngram", "num_speculative_tokens": 3, **EVERY_STEP, "prompt_lookup_max": 3}
     check_generation({"prefill_metadata": as_tuple}, prompts=[[7, 8, 9] * 5, [1, 2, 3, 4] * 3], speculative_config=spec)
+
+
+def row_0s_p(p, q, draft_ids, uniforms, noise):  # p[0, draft_ids]: row 0's distribution read for every row
+    has, _, q_d, _ = _pieces(p, q, draft_ids)
+    _, recovered = rejection_sample(p, q, draft_ids, uniforms, noise)
+    return has & (uniforms * q_d < p[0, draft_ids.clamp(min=0)]), recovered
+
+
+def row_0s_q(p, q, draft_ids, uniforms, noise):  # q[0, draft_ids]
+    has, p_d, q_d, _ = _pieces(p, q, draft_ids)
+    q_d = q_d if q is None else q[0, draft_ids.clamp(min=0)]
+    _, recovered = rejection_sample(p, q, draft_ids, uniforms, noise)
+    return has & (uniforms * q_d < p_d), recovered
+
+
+@pytest.mark.parametrize("wrong, name", [(row_0s_p, "p"), (row_0s_q, "q")])
+def test_a_rejection_sample_reading_row_0s_distribution_for_every_row_is_told_so_on_every_seed(wrong, name):
+    for seed in range(12):
+        with pytest.raises(ExerciseFailure) as failure:
+            check_rejection_sample(wrong, seed=seed, engine=False)
+        message = str(failure.value).replace("\n", " ")
+        assert f"you read row 0's {name}(d) for every row" in message, (seed, message)
+        assert f"row i's is {name}[i, draft_ids[i]]" in message, (seed, message)

@@ -318,6 +318,14 @@ def _acceptance_hint(case: _Case, row: int, got: bool, accepted: torch.Tensor) -
         return "the ratio is reversed: keep the proposal when u < p(d) / q(d) (u * q(d) < p(d)), not u < q(d) / p(d)"
     if torch.equal(accepted & has, has & (case.uniforms > p_all / q_all)):
         return "the comparison is reversed: keep the proposal when u < p(d) / q(d), i.e. with probability min(1, p/q)"
+    row_0 = _reads_row_0(case, accepted)
+    if row_0 is not None:
+        return (
+            f"you read row 0's {row_0}(d) for every row ({row_0}[0, draft_ids]): each row has its own distribution, "
+            f"so row i's is {row_0}[i, draft_ids[i]]: gather per row, "
+            f"{row_0}.gather(1, draft_ids.clamp(min=0)[:, None]) (here row {row}: p(d) = {p_d:.4g}, q(d) = {q_d:.4g}, "
+            f"u = {u:.4g})"
+        )
     if torch.equal(accepted & has, has):
         return (
             "you kept every proposal: keep one only when u < p(d) / q(d) (u * q(d) < p(d)), so that a proposal the "
@@ -340,6 +348,26 @@ def _acceptance_hint(case: _Case, row: int, got: bool, accepted: torch.Tensor) -
         f"p(d) = {p_d:.4g}, q(d) = {q_d:.4g}{' (q None: one-hot at d)' if case.q is None else ''}, u = {u:.4g}: "
         f"{verdict} it (keep when u < p(d) / q(d), i.e. u * q(d) < p(d)); you {'kept' if got else 'rejected'} it"
     )
+
+
+def _reads_row_0(case: _Case, accepted: torch.Tensor) -> str | None:
+    """'p' or 'q' where the learner's kept rows are those of the rule with row 0's p(d) (or q(d)) read for every row
+    (p[0, draft_ids], one row's distribution indexed by every row's draft id), else None; rows within rounding of
+    that rule's threshold are not compared."""
+    has = case.draft_ids >= 0
+    ids = case.draft_ids.clamp(min=0)
+    p_d = case.p.gather(1, ids[:, None])[:, 0]
+    q_d = torch.ones_like(p_d) if case.q is None else case.q.gather(1, ids[:, None])[:, 0]
+    suspects = {"p": (case.p[0, ids], q_d)}
+    if case.q is not None:
+        suspects["q"] = (p_d, case.q[0, ids])
+    for name, (p_rule, q_rule) in suspects.items():
+        if torch.equal(p_rule, p_d) and torch.equal(q_rule, q_d):
+            continue  # every row holds row 0's distribution: the two rules agree
+        clear = (case.uniforms * q_rule - p_rule).abs() > 1e-6
+        if torch.equal((accepted & has)[clear], (has & (case.uniforms * q_rule < p_rule))[clear]):
+            return name
+    return None
 
 
 def _not_decided_by_u(case: _Case, accepted: torch.Tensor) -> tuple[int, int] | None:
