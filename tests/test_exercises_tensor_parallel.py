@@ -200,3 +200,25 @@ def test_an_off_by_one_at_a_shard_boundary_is_named(wrong, message):
     with pytest.raises(ExerciseFailure, match="(?s)" + message) as failure:
         check_vocab_parallel_embed(wrong, engine=False)
     assert_readable_failure(failure.value)
+
+
+def all_reduces_itself(input_ids, weight, vocab_start, vocab_end):  # the engine's all-reduce, done a second time
+    hidden = vocab_parallel_embed(input_ids, weight, vocab_start, vocab_end)
+    torch.distributed.all_reduce(hidden)
+    return hidden
+
+
+def float_local_ids(input_ids, weight, vocab_start, vocab_end):  # an index of the wrong dtype: not past the table
+    mine = (input_ids >= vocab_start) & (input_ids < vocab_end)
+    return weight[((input_ids - vocab_start) * mine).float()] * mine[:, None].to(weight.dtype)
+
+
+def test_an_answer_that_all_reduces_is_told_the_engine_does():
+    with pytest.raises(ExerciseFailure, match=r"(?s)raised ValueError.*this rank's share only, with no all-reduce"):
+        check_vocab_parallel_embed(all_reduces_itself, engine=False)
+
+
+def test_an_index_of_the_wrong_dtype_is_not_told_to_subtract_vocab_start():
+    with pytest.raises(ExerciseFailure, match="tensors used as indices must be long") as failure:
+        check_vocab_parallel_embed(float_local_ids, engine=False)
+    assert "subtract vocab_start" not in str(failure.value)

@@ -45,8 +45,13 @@ def _shard_table(
 
 def _index_hint(table: torch.Tensor, start: int, end: int) -> Callable[[Exception], str | None]:
     def hint(error: Exception) -> str | None:
-        if not isinstance(error, (IndexError, RuntimeError)):
-            return None
+        if "process group" in str(error):  # an all-reduce (or another collective) in the answer
+            return (
+                "return this rank's share only, with no all-reduce: the engine's embedding all-reduces what every "
+                "rank's vocab_parallel_embed returns (the check calls it alone, outside any process group)"
+            )
+        if not isinstance(error, (IndexError, RuntimeError)) or "out of" not in str(error):
+            return None  # not an index past the table (an index of the wrong dtype, a shape error)
         return (
             f"the table has {table.shape[0]} rows for ids {start}..{end - 1}: subtract vocab_start before the "
             "lookup; send other ranks' ids to a valid row, then zero them"
