@@ -164,3 +164,69 @@ def test_an_output_without_its_batch_axis_for_a_batch_of_one_is_told_so():
 
     with pytest.raises(ExerciseFailure, match=r"batch of one.*shape \(8, 32\), expected \(1, 1, 8, 32\)"):
         check_paged_decode_attention(drops_the_batch_axis, engine=False)
+
+
+def whole_table_unmasked(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale=None, causal=True):
+    """Every entry of the sequence's block-table row, its -1 padding included (k_cache[-1]), and no length mask."""
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    group = q.shape[2] // k_cache.shape[2]
+    out = torch.empty_like(q)
+    for b in range(q.shape[0]):
+        blocks = block_table[b].long()
+        k = k_cache[blocks].flatten(0, 1).repeat_interleave(group, 1).transpose(0, 1)  # (H, W * block_size, D)
+        v = v_cache[blocks].flatten(0, 1).repeat_interleave(group, 1).transpose(0, 1)
+        out[b] = F.scaled_dot_product_attention(q[b].transpose(0, 1), k, v, scale=scale).transpose(0, 1)
+    return out
+
+
+def kv_heads_repeated_hk_times(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale=None, causal=True):
+    """repeat_interleave(Hk) where H // Hk belongs: 2 * Hk heads of keys for H query heads."""
+    hk = k_cache.shape[2]
+    out = torch.empty_like(q)
+    for b in range(q.shape[0]):
+        length = int(cache_seqlens[b])
+        k = attention_torch.gather_paged(k_cache, block_table[b], length).repeat_interleave(hk, 1).transpose(0, 1)
+        v = attention_torch.gather_paged(v_cache, block_table[b], length).repeat_interleave(hk, 1).transpose(0, 1)
+        out[b] = F.scaled_dot_product_attention(q[b].transpose(0, 1), k, v, scale=softmax_scale).transpose(0, 1)
+    return out
+
+
+def kv_head_h_over_hk(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale=None, causal=True):
+    """Query head h reads KV head h // Hk: past the last KV head once h >= Hk * Hk."""
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    hk = k_cache.shape[2]
+    out = torch.empty_like(q)
+    for b in range(q.shape[0]):
+        length = int(cache_seqlens[b])
+        k = attention_torch.gather_paged(k_cache, block_table[b], length)  # (L, Hk, D)
+        v = attention_torch.gather_paged(v_cache, block_table[b], length)
+        for h in range(q.shape[2]):
+            probs = (k[:, h // hk] @ q[b, 0, h] * scale).softmax(0)  # (L,)
+            out[b, 0, h] = probs @ v[:, h // hk]
+    return out
+
+
+@pytest.mark.parametrize("seed", [0, 11, 1, 2])
+@pytest.mark.parametrize(
+    "wrong, message",
+    [
+        (whole_table_unmasked, r"every entry of block_table\[b\], its -1 padding too \(k_cache\[-1\]"),
+        (kv_heads_repeated_hk_times, r"raised RuntimeError.*H = 8 query heads .* Hk = 2 KV heads.*h // 4"),
+        (kv_head_h_over_hk, r"raised IndexError.*H = 8 query heads .* Hk = 2 KV heads.*h // 4"),
+    ],
+)
+def test_a_block_table_read_whole_or_a_wrong_gqa_mapping_is_named_on_every_seed(wrong, message, seed):
+    with pytest.raises(ExerciseFailure, match="(?s)" + message) as failure:
+        check_paged_decode_attention(wrong, seed=seed, engine=False)
+    assert_readable_failure(failure.value)
+
+
+def merge_with_max_over_the_batch(partial, lse, out):
+    weights = torch.exp2(lse - lse.max(dim=0, keepdim=True).values)  # (B, S, Lq, H): the max varies with the split
+    out.copy_((weights[..., None] * partial).sum(1) / weights.sum(1)[..., None])
+
+
+@pytest.mark.parametrize("seed", [0, 5, 1])
+def test_a_merge_taking_the_max_over_the_batch_is_told_the_splits_axis(seed):
+    with pytest.raises(ExerciseFailure, match=r"take the max of lse over the splits, axis 1 .*not axis 0"):
+        check_merge_splits(merge_with_max_over_the_batch, seed=seed, engine=False)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 from collections.abc import Callable
 
 import torch
@@ -65,6 +66,9 @@ def _mistake(q, k_cache, v_cache, seqlens, table, scale, mistake: str) -> torch.
             continue
         if mistake == "physical order":  # the first blocks of the cache, whatever the block table says
             k, v = k_cache.flatten(0, 1)[:length], v_cache.flatten(0, 1)[:length]
+        elif mistake == "whole block table":  # every entry of the row, unmasked: -1 indexes the cache's last block
+            blocks = table[b].long()
+            k, v = k_cache[blocks].flatten(0, 1), v_cache[blocks].flatten(0, 1)
         else:
             k, v = gather_paged(k_cache, table[b], length), gather_paged(v_cache, table[b], length)  # (L, Hk, D)
         heads = torch.arange(q.shape[2])
@@ -78,6 +82,9 @@ def _mistake(q, k_cache, v_cache, seqlens, table, scale, mistake: str) -> torch.
 _HINTS = {
     "no length mask": "it attends to every slot of the sequence's blocks: mask the positions >= cache_seqlens[b] "
     "(the last block is only partly written)",
+    "whole block table": "it attends to every entry of block_table[b], its -1 padding too (k_cache[-1] is the "
+    "cache's last block, not nothing): gather only the first ceil(L / block_size) blocks and read their first "
+    "L = cache_seqlens[b] tokens",
     "physical order": "it reads the cache's blocks in physical order: find token p of sequence b in block "
     "block_table[b, p // block_size], offset p % block_size",
     "gqa tiled": "query head h reads KV head h % Hk: with grouped-query attention it reads KV head h // (H // Hk) "
@@ -97,6 +104,24 @@ _HINTS = {
 def _head(t: torch.Tensor, b: int, h: int) -> str:
     """'[0.1234, -0.5, 0.25, ...]': the first values of sequence b's query head h."""
     return "[" + ", ".join(f"{v:.4g}" for v in t[b, 0, h, :3].double().tolist()) + ", ...]"
+
+
+def _heads_hint(num_heads: int, num_kv_heads: int) -> Callable[[Exception], str | None]:
+    """The GQA head mapping, for an error that a wrong one raises: a KV head index past Hk, or H query heads against
+    a number of repeated KV heads that is not H."""
+    group = num_heads // num_kv_heads
+
+    def hint(error: Exception) -> str | None:
+        text = str(error)
+        past_hk = re.search(rf"out of bounds for dimension \d+ with size {num_kv_heads}\b", text)
+        if not (past_hk or ("must match the size" in text and f"({num_heads})" in text)):
+            return None
+        return (
+            f"q has H = {num_heads} query heads and the cache Hk = {num_kv_heads} KV heads: query head h reads KV head "
+            f"h // (H // Hk) = h // {group}, so repeat each KV head H // Hk = {group} times (repeat_interleave)"
+        )
+
+    return hint
 
 
 def _batch_of_one_hint(error: Exception) -> str:
@@ -121,7 +146,8 @@ def check_paged_decode_attention(fn: Callable, *, seed: int = 0, engine: bool = 
             case = f"a batch of one sequence (q of shape {tuple(q.shape)}), " + case
         args = (q.clone(), k_cache.clone(), v_cache.clone())
         got = call_learner(
-            fn, "paged_decode_attention", *args, case=case, hint=_batch_of_one_hint if len(lens) == 1 else None,
+            fn, "paged_decode_attention", *args, case=case,
+            hint=_batch_of_one_hint if len(lens) == 1 else _heads_hint(q.shape[2], k_cache.shape[2]),
             cache_seqlens=seqlens.clone(), block_table=table.clone(), softmax_scale=scale, causal=True,
         )  # fmt: skip
         if len(lens) == 1 and isinstance(got, torch.Tensor) and tuple(got.shape) != tuple(q.shape):
@@ -212,6 +238,15 @@ def check_merge_splits(fn: Callable, *, seed: int = 0, engine: bool = True) -> N
         if torch.allclose(out.double(), (weights[..., None] * partial.double()).sum(1), atol=1e-5, rtol=1e-5):
             raise ExerciseFailure(f"{message}: divide by the sum of the weights (each partial is already normalised "
                                   "over its own split; the weights must add up to 1)")  # fmt: skip
+        for axis in (0, 2, 3):  # the max over another axis than the splits' varies from split to split
+            top = lse.double().amax(dim=axis, keepdim=True)
+            weights = torch.exp2(lse.double() - top)
+            merged = (weights[..., None] * partial.double()).sum(1) / weights.sum(1)[..., None]
+            if torch.allclose(out.double(), merged, atol=1e-5, rtol=1e-5):
+                raise ExerciseFailure(
+                    f"{message}: take the max of lse over the splits, axis 1 of (B, S, Lq, H), not axis {axis}: "
+                    "2**(lse_s - max) must subtract the same number from every split of a row"
+                )
         raise ExerciseFailure(f"{message} (first: sequence 0, head 0: got {out[0, 0, 0, :3].tolist()}..., expected "
                               f"{want[0, 0, 0, :3].float().tolist()}...)")  # fmt: skip
     if engine:
