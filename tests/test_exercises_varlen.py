@@ -131,3 +131,16 @@ def test_an_answer_that_changes_its_inputs_is_told_so(argument):
     with pytest.raises(ExerciseFailure, match=f"changed its {argument} argument in place") as failure:
         check_prefill_metadata(changes_its_inputs, engine=False)
     assert_readable_failure(failure.value)
+
+
+def per_sequence_counts(token_ids, num_cached, num_new, block_tables, block_size):
+    """cu_seqlens holding each sequence's own count, [0, n0, n1, ...], not the running totals."""
+    ids, positions, cu_q, cu_k, slots = prefill_metadata(token_ids, num_cached, num_new, block_tables, block_size)
+    return ids, positions, [0, *num_new], [0, *(c + n for c, n in zip(num_cached, num_new))], slots
+
+
+@pytest.mark.parametrize("seed", [0, 5, 47, 128])
+def test_cu_seqlens_of_per_sequence_counts_are_told_they_are_running_totals(seed):
+    with pytest.raises(ExerciseFailure, match=r"row 2 of cu_seqlens_q .*holds running totals") as failure:
+        check_prefill_metadata(per_sequence_counts, seed=seed, engine=False)
+    assert_readable_failure(failure.value)

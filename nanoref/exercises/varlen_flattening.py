@@ -78,6 +78,11 @@ def _hint(field: str, index: int, got: int, want: int, case: tuple, block_size: 
                 f"{where}: keys run to the end of this step's chunk, num_cached + num_new, not len(token_ids[b]): "
                 f"sequence {seq}'s tokens after the chunk are computed by a later step" + counts
             )
+        if before and got == want_step:
+            return (
+                f"{where}: {field} holds running totals, each row the one before plus this sequence's count, not "
+                f"sequence {seq}'s own count ({want_step}): {rule}" + counts
+            )
         if abs(step - want_step) == 1:
             return f"{where}: off by one: {rule}, {want_step} for sequence {seq}" + counts
         return f"{where}: {rule}, {want_step} for sequence {seq}" + counts
