@@ -252,3 +252,22 @@ def test_a_kernel_writing_at_the_wrong_row_is_told_which_row_it_wrote(wrong, mes
     with pytest.raises(ExerciseFailure, match="(?s)" + message) as failure:
         check_store_kvcache_kernel(wrong, seed=seed, engine=False)
     assert "slot 0 is a slot like any other" not in str(failure.value)
+
+
+@triton.jit
+def stores_key_only_kernel(key_ptr, key_stride, value_ptr, value_stride, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+                           ROW: tl.constexpr, BLOCK_ROW: tl.constexpr):  # fmt: skip
+    token = tl.program_id(0)
+    slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+    if slot < 0:
+        return
+    cols = tl.arange(0, BLOCK_ROW)
+    mask = cols < ROW
+    tl.store(k_cache_ptr + slot * ROW + cols, tl.load(key_ptr + token * key_stride + cols, mask=mask), mask=mask)
+
+
+@pytest.mark.parametrize("seed", [0, 3])
+def test_a_kernel_that_never_stores_the_value_is_told_so_not_about_slot_0(seed):
+    with pytest.raises(ExerciseFailure, match=r"nothing was stored into v_cache: .*its value row") as failure:
+        check_store_kvcache_kernel(stores_key_only_kernel, seed=seed, engine=False)
+    assert "slot 0" not in str(failure.value)

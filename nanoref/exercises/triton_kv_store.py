@@ -51,6 +51,12 @@ def _describe(
     stores; other_input: the other one, value for k_cache and key for v_cache; stale: the cache before the store)."""
     other_stride = other_input.stride(0)
     page, row = got.shape[1], got.shape[2] * got.shape[3]
+    if torch.equal(got, stale):  # not one value written: the kernel stores into the other cache only
+        own = "key" if name == "k_cache" else "value"
+        return (
+            f"nothing was stored into {name}: every token with a slot stores its {own} row there too, "
+            f"tl.store({name}_ptr + slot * ROW + cols, ...)"
+        )
     got_rows, want_rows = got.reshape(-1, row), want.reshape(-1, row)  # guard block, cache, guard block
     bad = (got_rows != want_rows).any(dim=1).nonzero().flatten().tolist()
     first = bad[0]
