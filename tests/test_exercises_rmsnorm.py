@@ -182,3 +182,22 @@ def test_an_add_rms_norm_on_the_variance_is_not_told_to_upcast_float32_inputs():
         check_add_rms_norm(variance_fused, engine=False)
     assert "x.float()" not in str(failure.value)
     assert_readable_failure(failure.value)
+
+
+def over_the_variance(x, weight, eps):  # x / sqrt(var(x) + eps): the statistic subtracts the mean
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.var(dim=-1, unbiased=False, keepdim=True) + eps)).to(x.dtype)
+
+
+def layer_norm_without_bias(x, weight, eps):  # (x - mean) / sqrt(var + eps): LayerNorm's formula
+    xf = x.float()
+    centred = xf - xf.mean(dim=-1, keepdim=True)
+    return weight * (centred * torch.rsqrt(xf.var(dim=-1, unbiased=False, keepdim=True) + eps)).to(x.dtype)
+
+
+@pytest.mark.parametrize("seed", [0, 7, 1, 2])
+@pytest.mark.parametrize("wrong", [over_the_variance, layer_norm_without_bias])
+def test_an_rms_norm_over_the_variance_is_told_it_is_the_root_mean_square(wrong, seed):
+    with pytest.raises(ExerciseFailure, match=r"normalised by the standard deviation .*root mean square") as failure:
+        check_rms_norm(wrong, seed=seed, engine=False)
+    assert_readable_failure(failure.value)

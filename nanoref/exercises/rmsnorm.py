@@ -119,11 +119,19 @@ def check_rms_norm(fn: Callable, *, seed: int = 0, engine: bool = True) -> None:
             "float32: your rms_norm changed x in place; return a new tensor (x.float() of a float32 x is x itself, "
             "so `xf *= ...` or `xf.mul_(...)` writes into the caller's x)"
         )
+    variance = x.var(dim=-1, unbiased=False, keepdim=True)  # (T, 1): LayerNorm's statistic
+    centred = x - x.mean(dim=-1, keepdim=True)  # (T, hidden)
+    if any(torch.allclose(got, top * torch.rsqrt(variance + _EPS) * weight, atol=1e-5) for top in (x, centred)):
+        raise ExerciseFailure(
+            "float32: you normalised by the standard deviation (x.var() or x.std(), which subtract the mean "
+            "first): RMSNorm divides by the root mean square, sqrt(mean(x**2) + eps), and subtracts nothing"
+        )
     unit = (got.double() / weight.double()).pow(2).mean(-1).sqrt()  # (T,): each row's RMS before the weight
     if not torch.allclose(unit, torch.ones_like(unit), atol=1e-3):
+        row = int((~torch.isclose(unit, torch.ones_like(unit), atol=1e-3)).nonzero()[0])
         raise ExerciseFailure(
-            f"float32: after dividing out the weight, row 0 of your output has RMS {unit[0].item():.4f}, expected 1: "
-            "divide x by sqrt(mean(x**2) over the last axis + eps), and multiply by the weight once"
+            f"float32: after dividing out the weight, row {row} of your output has RMS {unit[row].item():.4f}, "
+            "expected 1: divide x by sqrt(mean(x**2) over the last axis + eps), and multiply by the weight once"
         )
     _compare(got, rms_norm(x, weight, _EPS), "rms_norm(x)", "float32", "Mean over the last axis; eps inside the sqrt.")
     x3 = torch.randn(2, 3, 40, generator=generator)  # (B, T, hidden): any leading axes
