@@ -468,6 +468,24 @@ def test_cuda_graphs_replay_every_rows_adapter(tiny_model, adapters, speculative
         assert_exact(tiny_model, prompts, mixed, outputs)
 
 
+@pytest.mark.gpu
+def test_lora_slots_come_out_of_the_gpu_memory_utilization_share(tiny_model):
+    """On a GPU the slots exist when the cache is sized: mem_get_info counts them as used, so the cache has their
+    bytes' worth of blocks fewer than without adapters (and the largest prefill it measures runs their delta, whose
+    temporaries, 2 x N x S x R floats here, 64 MiB, are the rest of the difference)."""
+    settings = dict(device="cuda", dtype="float32", enforce_eager=True, max_model_len=256, max_num_seqs=4)
+    settings.update(max_num_batched_tokens=256, gpu_memory_utilization=0.5)
+    base = LLM(tiny_model, **settings)
+    base_blocks = base.model_runner.num_kvcache_blocks
+    block_bytes = base.model_runner.kv_bytes_per_token * base.model_runner.block_size
+    del base
+    llm = LLM(tiny_model, enable_lora=True, max_loras=8, max_lora_rank=4096, **settings)  # 256 MiB of slots
+    slots = llm.lora.manager.slots.values()
+    slot_bytes = sum(t.nbytes for s in slots for t in s.lora_a + s.lora_b)
+    drop = base_blocks - llm.model_runner.num_kvcache_blocks
+    assert slot_bytes // block_bytes <= drop <= (slot_bytes + (128 << 20)) // block_bytes, (drop, slot_bytes)
+
+
 def test_lora_slots_that_a_gpu_could_not_allocate_name_the_lora_settings_alone():
     # the slots are allocated before the KV cache is sized: what a GPU could not hold is weights and slots, which no
     # gpu_memory_utilization frees (an earlier message named it: the cache used to be allocated first)
