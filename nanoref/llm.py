@@ -426,12 +426,16 @@ def build_runner(
     spec = config.speculative_config
     draft = spec is not None and spec.method == "draft_model" and unpaid_draft(config) is None
     # (LoRA's slots exist before the decode graphs are recorded: the graphs read each row's slot as an input)
-    # (the prefill warm-up runs first, on the plain model; one device only: ranks would have to warm up in step)
+    # (the prefill warm-up runs once the cache exists, through the adapters' delta where there are adapters; one device
+    # only: ranks would have to warm up in step)
     warm_up = (warm_up_prefill,) if config.device.type == "cuda" and config.tensor_parallel_size == 1 else ()
     if warm_up and draft:  # a draft's shapes compile kernels of their own
         warm_up = (warm_up_prefill, warm_up_draft)
     hooks = RunnerHooks(
-        attach=(*warm_up, attach_cascade, *((lora.attach,) if lora is not None else ())),
+        # (LoRA's slots before the KV cache is sized, as vLLM sets LoRA up before it measures the memory left for the
+        # cache: the slots count as used, and the cache gets the rest; the warm-up needs the cache)
+        attach_before_kv_cache=(lora.attach,) if lora is not None else (),
+        attach=(*warm_up, attach_cascade),
         decode_graphs=partial(decode_graphs, lora=lora),
     )
     if draft:

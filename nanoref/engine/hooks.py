@@ -25,6 +25,9 @@ StepHook = Callable[[list[Sequence], StepInputs], None]
 class RunnerHooks:
     """What the model runner is built with."""
 
+    # each called once the model exists, before the KV cache is sized, in order: what one allocates (per-row weights,
+    # say) counts as used, and the cache gets what is left, on a CPU and a GPU alike; a returned StepHook as `attach`'s
+    attach_before_kv_cache: tuple[Callable[[Any], StepHook | None], ...] = ()  # (each takes the ModelRunner)
     # each called once the model and its KV cache exist, in order; a returned StepHook runs before every forward
     attach: tuple[Callable[[Any], StepHook | None], ...] = ()  # (each takes the ModelRunner)
     # builds the replayer of decode steps (`covers(batch)`, `run(input_ids, positions)`) after `attach`; None: eager

@@ -67,12 +67,13 @@ def _cgroup_free(folder: Path, limit_file: str, usage_file: str, cache: str, shm
 
 
 def kv_blocks_from_memory(runner) -> int:
-    """The KV block count for a model runner whose model is loaded and whose cache is not allocated yet.
+    """The KV block count for a model runner whose model is loaded and whose cache is not allocated yet. What its
+    `attach_before_kv_cache` hooks allocated (LoRA's slots) already is, and counts as used below.
 
     CUDA: run the largest prefill once to learn the activations' peak, then give the cache what remains of
     gpu_memory_utilization of the whole GPU (what any process holds counts as used; what this one's allocator
     merely caches does not). CPU: enough for max_num_seqs full-length sequences, never more than a quarter of the
-    free RAM."""
+    free RAM (read after those hooks' allocations: a quarter of what they leave)."""
     config = runner.config
     per_block = runner.kv_bytes_per_token * config.kvcache_block_size
     if runner.device.type != "cuda":

@@ -58,11 +58,13 @@ class ModelRunner:
         # every sequence's block table as a row of one array: the block manager's, set by the engine
         self.block_tables = BlockTables()
         self.config = config
+        # what the first hooks allocate is measured as used: the KV cache, sized next, gets what they leave
+        self.step_hooks = [hook for attach in hooks.attach_before_kv_cache if (hook := attach(self)) is not None]
         if config.num_kvcache_blocks is None:
             self.config = config.with_kv_blocks(self.count_kv_blocks())
         self.num_kvcache_blocks = self.config.num_kvcache_blocks
         self.allocate_kv_cache()
-        self.step_hooks = [hook for attach in hooks.attach if (hook := attach(self)) is not None]
+        self.step_hooks += [hook for attach in hooks.attach if (hook := attach(self)) is not None]
         self.decode_graphs: Any = hooks.decode_graphs(self) if hooks.decode_graphs else None  # (decode replayer)
 
     # -- the KV cache ---------------------------------------------------------------------------
@@ -89,9 +91,8 @@ class ModelRunner:
             if isinstance(error, RuntimeError) and "alloc" not in str(error).lower():
                 raise
             raise ValueError(self._kv_cache_too_large(needed, "it could not be allocated")) from None
-        for index, layer in enumerate(self.attention_layers):
-            layer.k_cache = self.kv_cache[0, index]  # (num_blocks, block_size, Hk, D), a view
-            layer.v_cache = self.kv_cache[1, index]
+        for index, layer in enumerate(self.attention_layers):  # views, each (num_blocks, block_size, Hk, D)
+            layer.k_cache, layer.v_cache = self.kv_cache[:, index]
 
     def _kv_cache_too_large(self, needed: int, why: str) -> str:
         return (

@@ -82,7 +82,10 @@ class LoRAHooks:
 
     # -- the runner's hook ----------------------------------------------------------------------
     def attach(self, runner) -> StepHook:
-        """RunnerHooks.attach: slots on the runner's model, filled before each of its forwards."""
+        """RunnerHooks.attach_before_kv_cache: slots on the runner's model, filled before each of its forwards. They
+        exist before the KV cache is sized (as vLLM sets LoRA up before it measures the memory left for the cache):
+        their bytes count as used and the cache gets what they leave (on a GPU, the largest prefill measured for the
+        cache's budget runs their delta too)."""
         c = self.config
         self.runner = ref(runner)
         self.manager = LoRAManager(

@@ -62,11 +62,6 @@ def slots_too_large(max_loras: int, max_lora_rank: int, needed: int, device, ava
     return (
         f"max_lora_rank={max_lora_rank} with max_loras={max_loras} needs {needed / 2**30:.1f} GiB for the LoRA slots "
         f"on {device}, but {why}: lower max_lora_rank (the largest rank of the adapters served) or max_loras"
-        + (
-            ", or gpu_memory_utilization (the KV cache, allocated first, takes that share)"
-            if device.type == "cuda"
-            else ""
-        )
     )
 
 
