@@ -197,6 +197,29 @@ def test_a_bad_request_raises_at_once_and_queues_nothing(engine, llm):
     run(duplicate())
 
 
+def test_generate_takes_vllms_keyword_names(engine, llm):
+    """vLLM's AsyncLLM.generate(prompt, sampling_params, request_id, ...): its keyword runs here unchanged."""
+    outputs = run(collect(engine.generate("Explicit is", sampling_params=GREEDY, request_id="by-keyword")))
+    last = outputs[-1]
+    assert last.request_id == "by-keyword" and last.finish_reason == "length"
+    assert len(last.cumulative_token_ids) == GREEDY.max_tokens
+
+
+def test_vllms_encode_says_the_model_cannot_pool_and_queues_nothing(engine, llm):
+    """vLLM's AsyncLLM.encode is for pooling models; on a generative one it is vLLM's ValueError, not an
+    AttributeError; once the engine is gone, EngineDeadError first, as vLLM checks that before the request."""
+
+    async def pooled():
+        return [out async for out in engine.encode("Hello", None, "pool-1")]
+
+    with pytest.raises(ValueError, match=r"^This model does not support pooling \(AsyncLLM\.encode\(\) is for"):
+        run(pooled())
+    assert engine._engine._inbox.empty() and llm.is_finished()
+    engine.close()
+    with pytest.raises(EngineDeadError, match="this AsyncLLM is closed"):
+        engine.encode("Hello", None, "pool-2")
+
+
 def test_a_step_that_raises_fails_the_requests_in_flight_and_the_next_is_served(engine, llm, monkeypatch):
     real_run = llm.model_runner.run
     failed = []

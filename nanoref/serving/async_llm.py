@@ -207,14 +207,14 @@ class AsyncLLM:
     def generate(
         self,
         prompt: str | list[int] | dict,
-        params: SamplingParams | None = None,
+        sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
         lora_request: LoRARequest | None = None,
         *,
         priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
-        """Outputs of one request as it is served, those of its `params.n` samples interleaved (each output names
-        its sample's `index`); the iteration ends once every sample has sent its finished output. A bad request
+        """Outputs of one request as it is served, those of its `sampling_params.n` samples interleaved (each output
+        names its sample's `index`); the iteration ends once every sample has sent its finished output. A bad request
         (ValueError/TypeError) raises here, before anything is queued; the request is queued when the first output
         is awaited, and a duplicate request_id raises ValueError there. Leaving the iteration early (break,
         aclose, cancellation) aborts every sample of the request. lora_request: the LoRA adapter it runs under
@@ -222,12 +222,13 @@ class AsyncLLM:
         and its `.outputs`' as vLLM's). priority: vLLM's, one integer for this request; requests are served first
         come, first served, so it must be 0 (`check_request_priority`). prompt: as LLM.generate's, vLLM's
         prompt dicts included (with a "cache_salt": the prefix cache shares K/V only among requests of that salt).
-        params None: the model's defaults (its generation_config.json: `LLM.get_default_sampling_params`)."""
+        sampling_params (vLLM's name) None: the model's defaults (its generation_config.json:
+        `LLM.get_default_sampling_params`)."""
         self._check_running()
         check_request_id(request_id)
         check_request_priority(priority)
         # the engine's own checks; params with the generation config's EOS ids among its stop ids (their text hidden)
-        token_ids, salt, params = request_tokens(prompt, params, self.tokenizer, self.config)
+        token_ids, salt, params = request_tokens(prompt, sampling_params, self.tokenizer, self.config)
         if self.tokenizer is None:  # (a folder without one, or skip_tokenizer_init): token ids in and out only
             check_needs_no_tokenizer(params, self.config)
         check_lora_request(lora_request, self.config.enable_lora)
@@ -237,6 +238,16 @@ class AsyncLLM:
             token_ids = {"prompt_token_ids": token_ids, "cache_salt": salt}
         request_id = f"req-{uuid.uuid4().hex}" if request_id is None else request_id
         return self._stream(token_ids, params, request_id, lora_request, prompt_text(prompt))
+
+    def encode(self, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+        """vLLM's AsyncLLM.encode (prompt, pooling_params, request_id, ...), for pooling models (embeddings, scores,
+        rewards): a ValueError in the words vLLM's says for a model that cannot pool (EngineDeadError first, as there,
+        once the engine is gone), where a missing method would be an AttributeError that says nothing of why."""
+        self._check_running()
+        raise ValueError(
+            "This model does not support pooling (AsyncLLM.encode() is for pooling models; nanoref runs generative "
+            "models only: it has no pooling runner; use generate)"
+        )
 
     def _check_constraint(self, params: SamplingParams) -> None:
         """Compile the request's grammar (ValueError naming what the grammar library refused). The thread form
