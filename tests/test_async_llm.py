@@ -163,6 +163,26 @@ def test_abort_takes_several_ids_as_vllms_and_check_health_and_get_tokenizer_ans
         run(engine.check_health())
 
 
+def test_vllms_plain_shutdown_call_stops_the_engine(llm):
+    """vLLM's AsyncLLM.shutdown() is a plain call (not awaited), from sync code or on an event loop: either stops the
+    engine thread; `await engine.shutdown()` (nanoref's form) still waits for it."""
+    engine = AsyncLLM(llm)
+    engine.shutdown()  # (no event loop: stopped once it returns)
+    assert not engine.is_running and not engine._engine._thread.is_alive()
+
+    async def plain_then_awaited():
+        first = AsyncLLM(llm)
+        first.shutdown()  # vLLM's form, on the event loop
+        await until(lambda: not first._engine._thread.is_alive(), "the engine thread stopped", seconds=10)
+        second = AsyncLLM(llm)
+        await second.shutdown()
+        assert not second._engine._thread.is_alive()
+        return first
+
+    assert not run(plain_then_awaited()).is_running
+    assert_no_block_leaked(llm)
+
+
 def test_get_tokenizer_of_an_engine_without_one_says_why():
     engine = AsyncLLM(LLM(device="cpu", num_kvcache_blocks=16, skip_tokenizer_init=True), owns_llm=True)
     try:

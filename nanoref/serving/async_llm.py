@@ -428,8 +428,18 @@ class AsyncLLM:
         # an engine that did not stop in time (a step that never ends) answers nobody: its requests fail now
         self._fail_in_flight("this AsyncLLM was closed before the engine stopped")
 
-    async def shutdown(self) -> None:
-        await asyncio.to_thread(self.close)  # joining the engine waits for a step: not on the event loop
+    def shutdown(self, timeout: float | None = None) -> asyncio.Task | None:
+        """vLLM's AsyncLLM.shutdown, a plain call there: close() (timeout: its, None: 30 s). On an event loop, the join
+        (which waits for a step) runs in a worker thread, not on the loop, and the returned task ends with it: `await
+        engine.shutdown()` waits for the engine to stop, and vLLM's plain `engine.shutdown()` stops it all the same.
+        Without an event loop it returns (None) once the engine stopped."""
+        timeout = 30.0 if timeout is None else timeout
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self.close(timeout)
+            return None
+        return loop.create_task(asyncio.to_thread(self.close, timeout))
 
     # -- the thread that receives the engine's messages (the engine thread, or the process form's reader) ------
     def _on_message(self, message: StepMessage) -> None:
