@@ -230,12 +230,15 @@ def test_vllms_encode_says_the_model_cannot_pool_and_queues_nothing(engine, llm)
     AttributeError; once the engine is gone, EngineDeadError first, as vLLM checks that before the request."""
 
     async def pooled():
+        assert await engine.get_supported_tasks() == ("generate",)  # (vLLM's way to ask before calling encode)
         return [out async for out in engine.encode("Hello", None, "pool-1")]
 
     with pytest.raises(ValueError, match=r"^This model does not support pooling \(AsyncLLM\.encode\(\) is for"):
         run(pooled())
     assert engine._engine._inbox.empty() and llm.is_finished()
+    assert not engine.is_stopped
     engine.close()
+    assert engine.is_stopped  # (vLLM's name for errored)
     with pytest.raises(EngineDeadError, match="this AsyncLLM is closed"):
         engine.encode("Hello", None, "pool-2")
 

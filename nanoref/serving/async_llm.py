@@ -376,6 +376,15 @@ class AsyncLLM:
         """vLLM's: the engine is no longer running (it died, or was closed)."""
         return not self.is_running
 
+    @property
+    def is_stopped(self) -> bool:
+        """vLLM's: errored."""
+        return self.errored
+
+    async def get_supported_tasks(self) -> tuple[str, ...]:
+        """vLLM's: what the model serves, ("generate",): nanoref's models generate; none pools (`encode`)."""
+        return ("generate",)
+
     async def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
         """vLLM's: empty the engine's prefix cache between two of its steps, so that no later request reads K/V an
         earlier one computed (LLM.reset_prefix_cache's rule) -> True; False (and a RuntimeWarning), with nothing
