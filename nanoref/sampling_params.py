@@ -104,10 +104,11 @@ class SamplingParams:
     frequency_penalty: subtracted once per occurrence of a token in the completion, in [-2, 2]; 0 = off.
     repetition_penalty: HF's, on every token in prompt or completion (> 0 logits divided, others multiplied); 1 = off.
     logprobs: return the log-probabilities of the top N tokens and of the chosen one per token, N in [0, 20] (True,
-        as in vLLM: 1).
+        as in vLLM: 1; -1, vLLM's, every token of the vocabulary: the engine refuses it, in vLLM's words, where the
+        vocabulary is larger than its max_logprobs).
     prompt_logprobs: return, for every prompt token after the first, its log-probability given the tokens before
-        it and the top N at its position, N in [0, 20] (True: 1; an evaluation harness's score of a text); the prefix
-        cache does not serve such a request's prompt (each of its positions is computed).
+        it and the top N at its position, N in [0, 20] (True: 1; -1 as for logprobs; an evaluation harness's score
+        of a text); the prefix cache does not serve such a request's prompt (each of its positions is computed).
     stop: strings that end the completion when its text contains one ("stop"); the text is cut before it.
     include_stop_str_in_output: keep the matched stop string (or the stop token's text) at the end of the text.
     n: how many completions to sample for the prompt (sample i of a seeded request uses seed + i); greedy
@@ -227,30 +228,8 @@ class SamplingParams:
             raise ValueError(
                 f"repetition_penalty must be a finite number > 0 (1 = off), got {self.repetition_penalty!r}"
             )
-        if self.logprobs == -1 and _is_int(self.logprobs):  # (vLLM takes it here; its engine refuses it in these words)
-            raise ValueError(
-                "logprobs=-1 asks for every token of the vocabulary at each step, which is greater than max allowed: "
-                f"{MAX_LOGPROBS} (this engine returns at most the top {MAX_LOGPROBS}, vLLM's default max_logprobs): "
-                f"ask for N in [0, {MAX_LOGPROBS}]"
-            )
-        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise ValueError(
-                f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}] (0 = the chosen token's only), "
-                f"got {self.logprobs!r}"
-            )
-        if self.prompt_logprobs == -1 and _is_int(self.prompt_logprobs):
-            raise ValueError(
-                "prompt_logprobs=-1 asks for every token of the vocabulary at every prompt position, which is greater "
-                f"than max allowed: {MAX_LOGPROBS} (this engine returns at most the top {MAX_LOGPROBS}, vLLM's default "
-                f"max_logprobs): ask for N in [0, {MAX_LOGPROBS}]"
-            )
-        if self.prompt_logprobs is not None and (
-            not _is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS
-        ):
-            raise ValueError(
-                f"prompt_logprobs must be None or an integer in [0, {MAX_LOGPROBS}] (0 = each prompt token's own "
-                f"only), got {self.prompt_logprobs!r}"
-            )
+        check_num_logprobs("logprobs", self.logprobs, "the chosen token's only")
+        check_num_logprobs("prompt_logprobs", self.prompt_logprobs, "each prompt token's own only")
         if stop_strings(self.stop) and self.detokenize is False:  # (vLLM's words)
             raise ValueError(
                 "stop strings are only supported when detokenize is True. Set detokenize=True to use stop."
@@ -326,6 +305,17 @@ def check_logit_bias(logit_bias: object) -> None:
             raise ValueError(f"logit_bias: keys must be non-negative integer token ids, got {token_id!r:.40}")
         if not _is_real(bias) or math.isnan(bias):
             raise ValueError(f"logit_bias: the bias of token {token_id} must be a number (not NaN), got {bias!r:.40}")
+
+
+def check_num_logprobs(name: str, value: object, zero: str) -> None:
+    """Raise ValueError unless `name` (logprobs or prompt_logprobs) is None, an integer in [0, MAX_LOGPROBS] (zero:
+    what 0 asks for) or -1, vLLM's "every token of the vocabulary", which vLLM's SamplingParams takes too: the engine
+    checks it, as vLLM's does, against its max_logprobs (`check_request`)."""
+    if value is not None and (not _is_int(value) or not -1 <= value <= MAX_LOGPROBS):
+        raise ValueError(
+            f"{name} must be None, an integer in [0, {MAX_LOGPROBS}] (0 = {zero}) or -1 (every token of the "
+            f"vocabulary, within the engine's max_logprobs), got {value!r}"
+        )
 
 
 def check_seed(seed: object) -> None:

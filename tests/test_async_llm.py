@@ -163,6 +163,26 @@ def test_abort_takes_several_ids_as_vllms_and_check_health_and_get_tokenizer_ans
         run(engine.check_health())
 
 
+def test_vllms_plain_shutdown_call_stops_the_engine(llm):
+    """vLLM's AsyncLLM.shutdown() is a plain call (not awaited), from sync code or on an event loop: either stops the
+    engine thread; `await engine.shutdown()` (nanoref's form) still waits for it."""
+    engine = AsyncLLM(llm)
+    engine.shutdown()  # (no event loop: stopped once it returns)
+    assert not engine.is_running and not engine._engine._thread.is_alive()
+
+    async def plain_then_awaited():
+        first = AsyncLLM(llm)
+        first.shutdown()  # vLLM's form, on the event loop
+        await until(lambda: not first._engine._thread.is_alive(), "the engine thread stopped", seconds=10)
+        second = AsyncLLM(llm)
+        await second.shutdown()
+        assert not second._engine._thread.is_alive()
+        return first
+
+    assert not run(plain_then_awaited()).is_running
+    assert_no_block_leaked(llm)
+
+
 def test_get_tokenizer_of_an_engine_without_one_says_why():
     engine = AsyncLLM(LLM(device="cpu", num_kvcache_blocks=16, skip_tokenizer_init=True), owns_llm=True)
     try:
@@ -195,6 +215,32 @@ def test_a_bad_request_raises_at_once_and_queues_nothing(engine, llm):
         await until(llm.is_finished, "the first request aborted")
 
     run(duplicate())
+
+
+def test_generate_takes_vllms_keyword_names(engine, llm):
+    """vLLM's AsyncLLM.generate(prompt, sampling_params, request_id, ...): its keyword runs here unchanged."""
+    outputs = run(collect(engine.generate("Explicit is", sampling_params=GREEDY, request_id="by-keyword")))
+    last = outputs[-1]
+    assert last.request_id == "by-keyword" and last.finish_reason == "length"
+    assert len(last.cumulative_token_ids) == GREEDY.max_tokens
+
+
+def test_vllms_encode_says_the_model_cannot_pool_and_queues_nothing(engine, llm):
+    """vLLM's AsyncLLM.encode is for pooling models; on a generative one it is vLLM's ValueError, not an
+    AttributeError; once the engine is gone, EngineDeadError first, as vLLM checks that before the request."""
+
+    async def pooled():
+        assert await engine.get_supported_tasks() == ("generate",)  # (vLLM's way to ask before calling encode)
+        return [out async for out in engine.encode("Hello", None, "pool-1")]
+
+    with pytest.raises(ValueError, match=r"^This model does not support pooling \(AsyncLLM\.encode\(\) is for"):
+        run(pooled())
+    assert engine._engine._inbox.empty() and llm.is_finished()
+    assert not engine.is_stopped
+    engine.close()
+    assert engine.is_stopped  # (vLLM's name for errored)
+    with pytest.raises(EngineDeadError, match="this AsyncLLM is closed"):
+        engine.encode("Hello", None, "pool-2")
 
 
 def test_a_step_that_raises_fails_the_requests_in_flight_and_the_next_is_served(engine, llm, monkeypatch):

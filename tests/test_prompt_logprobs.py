@@ -176,7 +176,6 @@ def test_prompt_logprobs_on_each_cpu_attention_backend(tiny_model, backend):
 @pytest.mark.parametrize(
     "value, message",
     [
-        (-1, "every token of the vocabulary"),
         (21, "integer in \\[0, 20\\]"),
         (-2, "integer in \\[0, 20\\]"),
         (False, "integer in \\[0, 20\\]"),
@@ -202,7 +201,19 @@ def test_async_llm_gives_prompt_logprobs_on_sample_0s_first_output():
         outputs = asyncio.run(collect())
     finally:
         engine.close()
-    carrying = [out for out in outputs if out.prompt_logprobs is not None]
+    # vLLM's RequestOutput.prompt_logprobs, on sample 0's first output: None, then {token id: Logprob} of the prompt
+    # token and HF's top 3 at its position
+    vllm_form = outputs[0].prompt_logprobs
+    assert vllm_form[0] is None and len(vllm_form) == len(prompt)
+    for t, (position, row) in enumerate(zip(vllm_form[1:], hf_prompt_logprobs(DEFAULT_MODEL, prompt)), start=1):
+        token = prompt[t]
+        assert set(position) == {token, *row.topk(3).indices.tolist()}, f"position {t}"
+        assert position[token].logprob == pytest.approx(row[token].item(), abs=1e-4), f"position {t}"
+        assert position[token].rank == int((row >= row[token] - 1e-6).sum()), f"position {t}"
+        assert position[token].decoded_token == llm.tokenizer.decode([token]), f"position {t}"
+    assert all(out.prompt_logprobs is None for out in outputs[1:])
+    # and in nanoref's form (the server's echo reads it)
+    carrying = [out for out in outputs if out.prompt_token_logprobs is not None]
     assert len(carrying) == 1 and carrying[0].index == 0 and carrying[0] is outputs[0]
-    assert_equal_to_hf(DEFAULT_MODEL, prompt, carrying[0].prompt_logprobs, 3)
+    assert_equal_to_hf(DEFAULT_MODEL, prompt, carrying[0].prompt_token_logprobs, 3)
     assert carrying[0].prompt_token_ids == prompt

@@ -65,7 +65,7 @@ def run_to_the_end(llm: LLM, prompt: list[int], params: SamplingParams):
         ("frequency_penalty", -2.01),
         ("repetition_penalty", 0.0),
         ("repetition_penalty", float("inf")),
-        ("logprobs", -1),
+        ("logprobs", -2),  # (-1 is vLLM's whole vocabulary: the engine checks it against max_logprobs)
         ("logprobs", 21),
         ("logprobs", False),  # (True is vLLM's 1)
     ],

@@ -109,14 +109,29 @@ def test_vllms_spellings_of_no_seed_and_of_one_logprob_are_taken():
             SamplingParams(**bad)
 
 
-@pytest.mark.parametrize("field", ["logprobs", "prompt_logprobs"])
-def test_logprobs_of_minus_one_is_refused_naming_the_limit_as_vllms_engine_does(field):
-    """vLLM reads -1 as the whole vocabulary and its engine refuses it against max_logprobs ("..., which is greater
-    than max allowed: 20"); nanoref returns at most the top 20, so SamplingParams refuses it, naming that limit."""
-    with pytest.raises(
-        ValueError, match=rf"^{field}=-1 asks for every token of the vocabulary.*greater than max allowed: 20"
-    ):
-        SamplingParams(**{field: -1})
+@pytest.mark.parametrize("field, kind", [("logprobs", "sample"), ("prompt_logprobs", "prompt")])
+def test_logprobs_of_minus_one_is_taken_and_the_engine_refuses_it_against_its_own_max_logprobs(field, kind):
+    """vLLM's SamplingParams takes -1 (every token of the vocabulary); its engine reads it as the vocabulary's size and
+    refuses it against its max_logprobs, in its words, naming that engine's limit (5 here, not the default 20)."""
+    params = SamplingParams(max_tokens=2, **{field: -1})
+    assert getattr(params, field) == -1
+    llm = LLM(num_kvcache_blocks=16, max_logprobs=5)
+    vocab_size = 1024  # the built-in model's (nanoref/default_model/config.json)
+    words = rf"^prompt 0: Requested {kind} logprobs of {vocab_size}, which is greater than max allowed: 5 "
+    with pytest.raises(ValueError, match=words + r"\(the engine's max_logprobs; -1 asks for every token of the"):
+        llm.generate([PROMPT], params, use_tqdm=False)
+    assert llm.is_finished()
+
+
+def test_logprobs_of_minus_one_gives_every_token_where_max_logprobs_covers_the_vocabulary(tmp_path):
+    """A vocabulary no larger than max_logprobs: -1 is served as vLLM serves it, every token at each position."""
+    from nanoref.testing import make_tiny_qwen3
+
+    llm = LLM(make_tiny_qwen3(tmp_path / "sixteen", vocab_size=16), device="cpu", num_kvcache_blocks=8, max_logprobs=16)
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=-1, prompt_logprobs=-1)
+    out = llm.generate([[1, 2, 3, 4]], params, use_tqdm=False)[0]
+    assert [sorted(position) for position in out.outputs[0].logprobs] == [list(range(16))] * 3
+    assert [sorted(position) for position in out.prompt_logprobs[1:]] == [list(range(16))] * 3
 
 
 def test_a_seed_of_minus_one_samples_as_an_unseeded_request(llm):

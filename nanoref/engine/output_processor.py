@@ -433,8 +433,9 @@ class RequestOutput:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     prompt_token_ids: list[int] | None = None  # the request's prompt (the same list in each of its outputs)
     # where SamplingParams.prompt_logprobs asked: the request's, on sample 0's first output (None for the first
-    # prompt token, then each prompt token's TokenLogprobs, as `LLM.generate`'s "prompt_logprobs"); else None
-    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    # prompt token, then each prompt token's TokenLogprobs, as `LLM.generate`'s "prompt_logprobs"); else None.
+    # `prompt_logprobs` reads them in vLLM's form
+    prompt_token_logprobs: list[TokenLogprobs | None] | None = None
     prompt: str | None = None  # the request's prompt, where it was given as text (vLLM's RequestOutput.prompt)
     # vLLM's: the request's prompt tokens the prefix cache served, fixed when it was first scheduled
     num_cached_tokens: int = 0
@@ -444,6 +445,16 @@ class RequestOutput:
     logprobs_so_far: list[TokenLogprobs] | None = field(default=None, repr=False)
     num_logprobs_so_far: int = field(default=0, repr=False)
     token_text: Callable[[int], str | None] | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def prompt_logprobs(self) -> list[dict[int, Logprob] | None] | None:
+        """vLLM's RequestOutput.prompt_logprobs: `prompt_token_logprobs` in vLLM's form, None for the first prompt
+        token, then {token id: Logprob} of the prompt token and the top N (None where not asked for, and on every
+        output but sample 0's first)."""
+        if self.prompt_token_logprobs is None:
+            return None
+        text = self.token_text or (lambda token_id: None)
+        return [vllm_logprobs(entry, text) for entry in self.prompt_token_logprobs]
 
     @property
     def outputs(self) -> list[CompletionOutput]:
@@ -466,7 +477,7 @@ class RequestOutput:
             text=self.text + later.text,
             token_ids=self.token_ids + later.token_ids,
             logprobs=self.logprobs + later.logprobs,
-            prompt_logprobs=self.prompt_logprobs or later.prompt_logprobs,
+            prompt_token_logprobs=self.prompt_token_logprobs or later.prompt_token_logprobs,
         )
 
 
@@ -527,7 +538,7 @@ class RequestOutputs:
             stop_reason=delta.stop_reason,
             logprobs=delta.logprobs,
             prompt_token_ids=self.prompt_token_ids,
-            prompt_logprobs=delta.prompt_logprobs,
+            prompt_token_logprobs=delta.prompt_logprobs,
             prompt=self.prompt,
             num_cached_tokens=delta.num_cached_tokens,
             lora_request=self.lora_request,

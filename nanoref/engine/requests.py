@@ -109,7 +109,14 @@ def request_tokens(
     salt = prompt_cache_salt(prompt)
     token_ids = truncate_prompt(tokenize(prompt, tokenizer, config), params, config)
     check_request(token_ids, params, config)
-    return token_ids, salt, with_generation_stops(params, config, tokenizer)
+    return token_ids, salt, with_generation_stops(whole_vocabulary_logprobs(params, config), config, tokenizer)
+
+
+def whole_vocabulary_logprobs(params: SamplingParams, config: EngineConfig) -> SamplingParams:
+    """params, or a copy whose logprobs / prompt_logprobs of -1 (vLLM's: every token of the vocabulary, which
+    `check_request` let through only where the engine's max_logprobs covers it) are the vocabulary's size."""
+    names = [name for name in ("logprobs", "prompt_logprobs") if getattr(params, name) == -1]
+    return replace(params, **dict.fromkeys(names, config.hf_config.vocab_size)) if names else params
 
 
 def with_generation_stops(params: SamplingParams, config: EngineConfig, tokenizer: Any | None) -> SamplingParams:
@@ -153,10 +160,12 @@ def check_request(token_ids: list[int], params: SamplingParams, config: EngineCo
     if bad:
         raise ValueError(f"allowed_token_ids: token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
     for kind, asked in (("sample", params.logprobs), ("prompt", params.prompt_logprobs)):
+        whole = asked == -1  # (vLLM's: every token of the vocabulary)
+        asked = vocab_size if whole else asked
         if asked and asked > config.max_logprobs:  # (vLLM's check, and its words: 0 asks for the chosen token only)
             raise ValueError(
                 f"Requested {kind} logprobs of {int(asked)}, which is greater than max allowed: {config.max_logprobs} "
-                "(the engine's max_logprobs)"
+                f"(the engine's max_logprobs{'; -1 asks for every token of the vocabulary' if whole else ''})"
             )
     limit = config.max_model_len
     if len(token_ids) >= limit:

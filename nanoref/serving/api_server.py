@@ -1439,8 +1439,8 @@ def build_app(
             """Book one output on its choice (and in the metrics) -> that choice, and the text the output adds."""
             metrics.observe(out, prompt not in seen_prompts)
             seen_prompts.add(prompt)
-            if out.prompt_logprobs is not None:
-                prompt_logprobs[prompt] = out.prompt_logprobs
+            if out.prompt_token_logprobs is not None:
+                prompt_logprobs[prompt] = out.prompt_token_logprobs
             choice = choices[prompt * n + out.index]
             text = choice.take(out, prompt_logprobs.get(prompt))
             if out.finished and out.finish_reason == "abort":  # never shown to a client as if it had finished

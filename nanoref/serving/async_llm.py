@@ -207,14 +207,14 @@ class AsyncLLM:
     def generate(
         self,
         prompt: str | list[int] | dict,
-        params: SamplingParams | None = None,
+        sampling_params: SamplingParams | None = None,
         request_id: str | None = None,
         lora_request: LoRARequest | None = None,
         *,
         priority: int = 0,
     ) -> AsyncIterator[RequestOutput]:
-        """Outputs of one request as it is served, those of its `params.n` samples interleaved (each output names
-        its sample's `index`); the iteration ends once every sample has sent its finished output. A bad request
+        """Outputs of one request as it is served, those of its `sampling_params.n` samples interleaved (each output
+        names its sample's `index`); the iteration ends once every sample has sent its finished output. A bad request
         (ValueError/TypeError) raises here, before anything is queued; the request is queued when the first output
         is awaited, and a duplicate request_id raises ValueError there. Leaving the iteration early (break,
         aclose, cancellation) aborts every sample of the request. lora_request: the LoRA adapter it runs under
@@ -222,12 +222,13 @@ class AsyncLLM:
         and its `.outputs`' as vLLM's). priority: vLLM's, one integer for this request; requests are served first
         come, first served, so it must be 0 (`check_request_priority`). prompt: as LLM.generate's, vLLM's
         prompt dicts included (with a "cache_salt": the prefix cache shares K/V only among requests of that salt).
-        params None: the model's defaults (its generation_config.json: `LLM.get_default_sampling_params`)."""
+        sampling_params (vLLM's name) None: the model's defaults (its generation_config.json:
+        `LLM.get_default_sampling_params`)."""
         self._check_running()
         check_request_id(request_id)
         check_request_priority(priority)
         # the engine's own checks; params with the generation config's EOS ids among its stop ids (their text hidden)
-        token_ids, salt, params = request_tokens(prompt, params, self.tokenizer, self.config)
+        token_ids, salt, params = request_tokens(prompt, sampling_params, self.tokenizer, self.config)
         if self.tokenizer is None:  # (a folder without one, or skip_tokenizer_init): token ids in and out only
             check_needs_no_tokenizer(params, self.config)
         check_lora_request(lora_request, self.config.enable_lora)
@@ -237,6 +238,16 @@ class AsyncLLM:
             token_ids = {"prompt_token_ids": token_ids, "cache_salt": salt}
         request_id = f"req-{uuid.uuid4().hex}" if request_id is None else request_id
         return self._stream(token_ids, params, request_id, lora_request, prompt_text(prompt))
+
+    def encode(self, *args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+        """vLLM's AsyncLLM.encode (prompt, pooling_params, request_id, ...), for pooling models (embeddings, scores,
+        rewards): a ValueError in the words vLLM's says for a model that cannot pool (EngineDeadError first, as there,
+        once the engine is gone), where a missing method would be an AttributeError that says nothing of why."""
+        self._check_running()
+        raise ValueError(
+            "This model does not support pooling (AsyncLLM.encode() is for pooling models; nanoref runs generative "
+            "models only: it has no pooling runner; use generate)"
+        )
 
     def _check_constraint(self, params: SamplingParams) -> None:
         """Compile the request's grammar (ValueError naming what the grammar library refused). The thread form
@@ -365,6 +376,15 @@ class AsyncLLM:
         """vLLM's: the engine is no longer running (it died, or was closed)."""
         return not self.is_running
 
+    @property
+    def is_stopped(self) -> bool:
+        """vLLM's: errored."""
+        return self.errored
+
+    async def get_supported_tasks(self) -> tuple[str, ...]:
+        """vLLM's: what the model serves, ("generate",): nanoref's models generate; none pools (`encode`)."""
+        return ("generate",)
+
     async def reset_prefix_cache(self, reset_running_requests: bool = False, reset_connector: bool = False) -> bool:
         """vLLM's: empty the engine's prefix cache between two of its steps, so that no later request reads K/V an
         earlier one computed (LLM.reset_prefix_cache's rule) -> True; False (and a RuntimeWarning), with nothing
@@ -417,8 +437,18 @@ class AsyncLLM:
         # an engine that did not stop in time (a step that never ends) answers nobody: its requests fail now
         self._fail_in_flight("this AsyncLLM was closed before the engine stopped")
 
-    async def shutdown(self) -> None:
-        await asyncio.to_thread(self.close)  # joining the engine waits for a step: not on the event loop
+    def shutdown(self, timeout: float | None = None) -> asyncio.Task | None:
+        """vLLM's AsyncLLM.shutdown, a plain call there: close() (timeout: its, None: 30 s). On an event loop, the join
+        (which waits for a step) runs in a worker thread, not on the loop, and the returned task ends with it: `await
+        engine.shutdown()` waits for the engine to stop, and vLLM's plain `engine.shutdown()` stops it all the same.
+        Without an event loop it returns (None) once the engine stopped."""
+        timeout = 30.0 if timeout is None else timeout
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self.close(timeout)
+            return None
+        return loop.create_task(asyncio.to_thread(self.close, timeout))
 
     # -- the thread that receives the engine's messages (the engine thread, or the process form's reader) ------
     def _on_message(self, message: StepMessage) -> None:
