@@ -24,7 +24,9 @@ import pytest
 import torch
 
 from nanoref import LLM, ModelFolderError, SamplingParams
+from nanoref.config import EngineConfig
 from nanoref.parallel import tensor_parallel
+from nanoref.parallel.runner import TensorParallelRunner
 from nanoref.parallel.tensor_parallel import CollectiveTimeout, TensorParallelError
 from nanoref.testing import make_tiny_qwen3, make_tiny_qwen3_moe
 
@@ -38,7 +40,15 @@ from .helpers import (
     random_prompts,
     shared_prefix_prompts,
 )
-from .tp_faults import full_weights, hang_forward_on_rank, kv_cache_shape, raise_on_rank, rank_and_shapes
+from .tp_faults import (
+    fail_to_allocate_the_kv_cache,
+    fail_to_build,
+    full_weights,
+    hang_forward_on_rank,
+    kv_cache_shape,
+    raise_on_rank,
+    rank_and_shapes,
+)
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 REPO = Path(__file__).resolve().parents[1]
@@ -462,6 +472,20 @@ def test_a_failure_after_the_workers_started_stops_them_before_llm_raises(tp_mod
     with pytest.raises(RuntimeError, match="injected scheduler failure") as caught:
         LLM(tp_models["gqa2"], device="cpu", tensor_parallel_size=2)
     assert caught.value is not None
+    assert alive_workers() == []
+
+
+@pytest.mark.parametrize("build", [fail_to_build, fail_to_allocate_the_kv_cache])
+def test_a_worker_that_fails_to_build_its_runner_fails_the_construction_with_its_error(tp_models, build):
+    """Not the collective's "Connection closed by peer" (a failure before the KV block count), nor an engine that
+    builds and fails its first step (after it): the construction raises the worker's own error, and no worker is
+    left."""
+    config = EngineConfig(tp_models["gqa2"], device="cpu", tensor_parallel_size=2).resolved()
+    with pytest.raises(
+        TensorParallelError,
+        match=r"(?s)worker failed while the engine was built:\nrank 1: .*RuntimeError: injected: rank 1 could not",
+    ):
+        TensorParallelRunner(config, build=build)
     assert alive_workers() == []
 
 
