@@ -158,6 +158,14 @@ class LLM(LLMEngine):
 
     encode, embed, classify, score, reward = map(pooling_only, POOLING_REFUSALS)
 
+    @property
+    def broken(self) -> str | None:
+        """Why this engine can run no more steps, else None: a tensor-parallel rank failed or was stopped, or the
+        engine was closed (one device: always None). A server's engine loop then ends, and the server reports its
+        engine dead (/health: 503), as vLLM's does."""
+        followers = getattr(self.model_runner, "followers", None)
+        return None if followers is None else followers.broken
+
     def get_tokenizer(self) -> Any:
         """The model folder's tokenizer, as vLLM's LLM.get_tokenizer: a ValueError where the engine has none (a folder
         without one, or skip_tokenizer_init); `llm.tokenizer` is None there."""

@@ -7,6 +7,7 @@ small. The torchrun test starts the same engine the way many hosts would, with `
 from __future__ import annotations
 
 import _thread
+import asyncio
 import gc
 import json
 import multiprocessing
@@ -24,7 +25,9 @@ import pytest
 import torch
 
 from nanoref import LLM, ModelFolderError, SamplingParams
+from nanoref.config import EngineConfig
 from nanoref.parallel import tensor_parallel
+from nanoref.parallel.runner import TensorParallelRunner
 from nanoref.parallel.tensor_parallel import CollectiveTimeout, TensorParallelError
 from nanoref.testing import make_tiny_qwen3, make_tiny_qwen3_moe
 
@@ -38,7 +41,15 @@ from .helpers import (
     random_prompts,
     shared_prefix_prompts,
 )
-from .tp_faults import full_weights, hang_forward_on_rank, kv_cache_shape, raise_on_rank, rank_and_shapes
+from .tp_faults import (
+    fail_to_allocate_the_kv_cache,
+    fail_to_build,
+    full_weights,
+    hang_forward_on_rank,
+    kv_cache_shape,
+    raise_on_rank,
+    rank_and_shapes,
+)
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 REPO = Path(__file__).resolve().parents[1]
@@ -462,6 +473,50 @@ def test_a_failure_after_the_workers_started_stops_them_before_llm_raises(tp_mod
     with pytest.raises(RuntimeError, match="injected scheduler failure") as caught:
         LLM(tp_models["gqa2"], device="cpu", tensor_parallel_size=2)
     assert caught.value is not None
+    assert alive_workers() == []
+
+
+@pytest.mark.parametrize("build", [fail_to_build, fail_to_allocate_the_kv_cache])
+def test_a_worker_that_fails_to_build_its_runner_fails_the_construction_with_its_error(tp_models, build):
+    """Not the collective's "Connection closed by peer" (a failure before the KV block count), nor an engine that
+    builds and fails its first step (after it): the construction raises the worker's own error, and no worker is
+    left."""
+    config = EngineConfig(tp_models["gqa2"], device="cpu", tensor_parallel_size=2).resolved()
+    with pytest.raises(
+        TensorParallelError,
+        match=r"(?s)worker failed while the engine was built:\nrank 1: .*RuntimeError: injected: rank 1 could not",
+    ):
+        TensorParallelRunner(config, build=build)
+    assert alive_workers() == []
+
+
+def test_a_server_whose_worker_failed_reports_its_engine_dead(tp_models):
+    """The engine can run no more steps once a rank failed: rather than answer "ok" to health checks and fail every
+    request, the AsyncLLM says its engine is dead (vLLM's EngineDeadError, /health 503), naming why."""
+    from nanoref.serving.async_llm import AsyncLLM, EngineDeadError
+
+    from .tp_faults import break_forward_on_rank
+
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, detokenize=False)
+
+    async def generate(engine, request_id):
+        return [out async for out in engine.generate([1, 2, 3], params, request_id=request_id)]
+
+    engine = AsyncLLM.from_model(tp_models["gqa2"], device="cpu", tensor_parallel_size=2, engine_process=False)
+    try:
+        engine.llm.model_runner.run_on_all_ranks(break_forward_on_rank, 1)
+        with pytest.raises(TensorParallelError, match="injected fault on rank 1"):
+            asyncio.run(generate(engine, "first"))
+        deadline = time.monotonic() + 10
+        while engine.is_running and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not engine.is_running
+        with pytest.raises(EngineDeadError, match="injected fault on rank 1"):
+            asyncio.run(engine.check_health())
+        with pytest.raises(EngineDeadError):
+            asyncio.run(generate(engine, "second"))
+    finally:
+        engine.close()
     assert alive_workers() == []
 
 

@@ -56,3 +56,19 @@ def raise_on_rank(runner, rank: int) -> int:
     if runner.rank == rank:
         raise ValueError(f"raised on rank {rank} on purpose")
     return runner.rank
+
+
+def fail_to_build(config, parallel):
+    """A follower's runner builder that fails before the follower joins any collective (its weights fail to load)."""
+    raise RuntimeError(f"injected: rank {parallel.rank} could not load its weights")
+
+
+def fail_to_allocate_the_kv_cache(config, parallel):
+    """A follower's runner builder that fails after the ranks agreed on the KV block count (its cache does not fit)."""
+    from nanoref.parallel.runner import TensorParallelRunner
+
+    class Runner(TensorParallelRunner):
+        def allocate_kv_cache(self) -> None:
+            raise RuntimeError(f"injected: rank {self.rank} could not allocate its KV cache")
+
+    return Runner(config, parallel)

@@ -57,6 +57,8 @@ class TensorParallelRunner(ModelRunner):
         try:
             with tensor_parallel(parallel):  # the layers build (and later run) this rank's shard
                 super().__init__(config, device, hooks)
+            with self._joining():  # every rank has built its runner: one that failed fails LLM(...), not its first step
+                parallel.group.barrier()
         except BaseException:
             self.close_after_failure("rank 0 failed while building the engine")
             raise
@@ -66,7 +68,8 @@ class TensorParallelRunner(ModelRunner):
     def count_kv_blocks(self) -> int:
         """One block table serves every rank: each holds the fewest blocks any rank has room for."""
         count = torch.tensor([super().count_kv_blocks()])
-        self.parallel.group.all_reduce(count, dist.ReduceOp.MIN)
+        with self._joining():
+            self.parallel.group.all_reduce(count, dist.ReduceOp.MIN)
         return int(count)
 
     # -- rank 0 ---------------------------------------------------------------------------------
@@ -79,6 +82,10 @@ class TensorParallelRunner(ModelRunner):
     def launch(self, seqs, is_prefill, input_ids=None) -> torch.Tensor:
         with self._collective():
             return super().launch(seqs, is_prefill, input_ids)
+
+    def _joining(self):
+        """Around a collective while the ranks build their runners (see Followers.joining)."""
+        return self.followers.joining() if self.followers is not None else nullcontext()
 
     def _collective(self):
         """Around rank 0's part of anything every rank runs together (see Followers.guard)."""

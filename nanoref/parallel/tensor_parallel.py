@@ -232,6 +232,22 @@ class Followers:
                 raise TensorParallelError(f"a tensor-parallel worker failed:\n{failure}") from error
             raise
 
+    @contextmanager
+    def joining(self) -> Iterator[None]:
+        """Around a collective of the engine's construction (the KV block count, the last barrier): where it fails
+        because a follower failed while building its runner (its weights, its KV cache), raise that follower's error
+        rather than the collective's ("Connection closed by peer")."""
+        try:
+            yield
+        except Exception as error:
+            # a follower's report may trail the collective that failed on its closed connection (a hung one: none)
+            failure = self.failure(wait_s=0.0 if isinstance(error, CollectiveTimeout) else 5.0)
+            if failure is None:
+                raise
+            raise TensorParallelError(
+                f"a tensor-parallel worker failed while the engine was built:\n{failure}"
+            ) from error
+
     def failure(self, wait_s: float = 0.0) -> str | None:
         """A follower's error report (its traceback, or how it died), waiting up to wait_s for one."""
         if self.procs:

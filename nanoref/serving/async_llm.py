@@ -99,8 +99,8 @@ class EngineThread:
         try:
             loop.run()
         finally:
-            if not self._stopping:  # (a BaseException out of a step: the loop catches the rest)
-                on_exit("the engine thread ended unexpectedly")
+            if not self._stopping:  # (a BaseException out of a step, or an engine that can run no more steps)
+                on_exit(loop.dead or "the engine thread ended unexpectedly")
 
     def send(self, command: tuple) -> None:
         self._inbox.put(command)

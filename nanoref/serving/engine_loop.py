@@ -109,8 +109,11 @@ class EngineLoop:
         # speculative decoding: tokens proposed, accepted, and the sequences' rows of the verify steps
         self.draft_tokens = self.accepted_tokens = self.verified_rows = 0
         self.sent_stats: EngineStats | None = None
+        self.dead: str | None = None  # why the engine can run no more steps (llm.broken), once a step says so
 
     def run(self) -> None:
+        """Until ("stop",), or until the engine can run no more steps (`dead`: a tensor-parallel rank failed), when
+        every request left fails with that error and the loop ends (its owner then reports the engine dead)."""
         stopping = False
         while not stopping:
             # idle: sleep until something arrives; busy: take whatever arrived during the last step
@@ -122,6 +125,12 @@ class EngineLoop:
             if stopping:  # every request still in flight ends with "abort"
                 for active in self.requests.values():
                     self.abort(active)
+            elif self.dead is not None:  # every request left fails with why (those of the failed step: its error)
+                for key, active in list(self.requests.items()):
+                    self.abort(active)
+                    self.errors.append((key, RuntimeError(self.dead)))
+                    del self.requests[key]
+                stopping = True
             self.deliver()
 
     def take(self, commands: list[tuple]) -> bool:
@@ -181,6 +190,7 @@ class EngineLoop:
                     self.abort(active)  # (its other samples too)
                     self.errors.append((key, error))
                     del self.requests[key]
+            self.dead = self.llm.broken  # (unless the engine itself can run no more steps)
 
     def deliver(self) -> None:
         """Send each sample what it made since its last delta, with the errors and the stats, as one message

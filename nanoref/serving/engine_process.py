@@ -32,6 +32,7 @@ import multiprocessing.util
 import pickle
 import queue
 import signal
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -233,6 +234,8 @@ def serve_engine(model: str, settings: dict, commands, outputs) -> None:
         for thread in threads:
             thread.start()
         loop.run()
+        if loop.dead is not None:  # (the parent sees this process end: the server's log says why)
+            print(f"nanoref: the engine process stops: {loop.dead}", file=sys.stderr, flush=True)
     except (BrokenPipeError, EOFError):  # the parent went away
         pass
     finally:
