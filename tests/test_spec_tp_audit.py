@@ -60,3 +60,22 @@ def test_a_draft_with_another_tokenizer_of_the_same_size_is_a_clear_error(tmp_pa
         LLM(target, device="cpu", speculative_config=spec)
     shutil.copy(target / "tokenizer.json", draft / "tokenizer.json")  # the same tokenizer: served
     LLM(target, device="cpu", speculative_config=spec).close()
+
+
+@pytest.mark.parametrize("damage", ["garbage", "missing tensor"])
+def test_a_draft_checkpoint_that_does_not_load_names_the_key(tiny_model, tmp_path, damage):
+    draft = make_tiny_qwen3(tmp_path / "draft", seed=3, num_hidden_layers=1)
+    weights = draft / "model.safetensors"
+    if damage == "garbage":
+        weights.write_bytes(b"not a checkpoint")
+    else:
+        from safetensors.torch import load_file, save_file
+
+        tensors = load_file(weights)
+        del tensors["model.norm.weight"]
+        save_file(tensors, weights)
+    threads = threading.active_count()
+    spec = {"model": draft, "num_speculative_tokens": 2, **EVERY_STEP}
+    with pytest.raises(ModelFolderError, match=rf'^speculative_config "model": .*{draft}'):
+        LLM(tiny_model, device="cpu", speculative_config=spec)
+    assert threading.active_count() == threads
