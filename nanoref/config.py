@@ -476,6 +476,7 @@ SPECULATIVE_KEYS = (
     "model",
     "disable_by_batch_size",
     "min_tokens_per_step",
+    "draft_tensor_parallel_size",
 )
 
 
@@ -491,7 +492,9 @@ class SpeculativeConfig:
         given alone raises the default max to it (as vLLM takes a bound given alone for the other); None: the
         default. Only for "ngram": a draft model looks nothing up, so either bound with it is a ValueError.
     model: draft_model: the draft's folder (with the target's vocabulary and, where both folders have one, the same
-        tokenizer: its proposals are the target's token ids).
+        tokenizer: its proposals are the target's token ids). "ngram" (or "[ngram]") is method "ngram", as in
+        vLLM.
+    draft_tensor_parallel_size: vLLM's; 1 (or None) only: speculative decoding runs on one device.
     disable_by_batch_size: a decode step with more running sequences than this runs plain, without proposals (a
         verify step of B * (k + 1) tokens costs more, the larger B, than its extra tokens are worth); vLLM's name.
         Default (None): 32 on CUDA, 4 on a CPU (measured: docs/benchmarks.md); 0 never disables.
@@ -511,6 +514,7 @@ class SpeculativeConfig:
     model: str | Path | None = None
     disable_by_batch_size: int | None = None
     min_tokens_per_step: float = 1.5
+    draft_tensor_parallel_size: int | None = None
     # draft_model: the folder and its parsed config.json
     model_folder: Path | None = field(default=None, compare=False)
     architecture: str | None = field(default=None, compare=False)
@@ -525,6 +529,9 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config: unknown key {unknown[0]!r}; its keys: {list(SPECULATIVE_KEYS)}")
         settings = dict(settings)
         method = settings.pop("method", None)
+        if method in (None, "ngram", "[ngram]") and settings.get("model") in ("ngram", "[ngram]"):
+            method, settings["model"] = "ngram", None  # (vLLM's older spelling of the method, which it still takes)
+        method = "ngram" if method == "[ngram]" else method
         if method is None:
             method = "draft_model" if settings.get("model") is not None else None
         if method not in ("ngram", "draft_model"):
@@ -540,6 +547,12 @@ class SpeculativeConfig:
         k = self.num_speculative_tokens
         if not _is_int(k) or not 1 <= k <= 16:
             raise ValueError(f"speculative_config: num_speculative_tokens must be an integer in [1, 16], got {k!r}")
+        tp = self.draft_tensor_parallel_size
+        if tp is not None and (not _is_int(tp) or tp != 1):
+            raise ValueError(
+                f"speculative_config: draft_tensor_parallel_size must be 1 (speculative decoding runs on one device), "
+                f"got {tp!r}"
+            )
         size = self.disable_by_batch_size
         if size is not None and (not _is_int(size) or size < 0):
             raise ValueError(f"speculative_config: disable_by_batch_size must be an integer >= 0, got {size!r}")

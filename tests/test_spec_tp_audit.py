@@ -60,3 +60,56 @@ def test_a_draft_with_another_tokenizer_of_the_same_size_is_a_clear_error(tmp_pa
         LLM(target, device="cpu", speculative_config=spec)
     shutil.copy(target / "tokenizer.json", draft / "tokenizer.json")  # the same tokenizer: served
     LLM(target, device="cpu", speculative_config=spec).close()
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"model": "ngram"},  # vLLM infers the method from these spellings of its model
+        {"model": "[ngram]"},
+        {"method": "[ngram]"},
+        {"method": "ngram", "model": "ngram"},
+        {"method": "ngram", "draft_tensor_parallel_size": 1},
+    ],
+)
+def test_vllms_spellings_of_the_ngram_method_are_taken(tiny_model, settings):
+    llm = LLM(tiny_model, device="cpu", speculative_config={"num_speculative_tokens": 2, **EVERY_STEP, **settings})
+    spec = llm.config.speculative_config
+    assert (spec.method, spec.model) == ("ngram", None)
+    llm.generate([[1, 2, 3, 1, 2, 3, 1, 2]], use_tqdm=False)
+    assert sum(step.num_draft_tokens for step in llm.metrics.steps) > 0
+
+
+def test_a_draft_tensor_parallel_size_of_one_is_taken(tiny_model, tmp_path):
+    draft = make_tiny_qwen3(tmp_path / "draft", seed=3, num_hidden_layers=1)
+    spec = {"model": draft, "num_speculative_tokens": 2, "draft_tensor_parallel_size": 1, **EVERY_STEP}
+    llm = LLM(tiny_model, device="cpu", speculative_config=spec)
+    assert llm.config.speculative_config.method == "draft_model"
+    llm.generate([[1, 2, 3]], use_tqdm=False)
+    assert sum(step.num_draft_tokens for step in llm.metrics.steps) > 0
+
+
+@pytest.mark.parametrize("size", [2, 0, True, 1.0, "1"])
+def test_a_draft_tensor_parallel_size_other_than_one_is_refused_naming_the_key(tiny_model, size):
+    spec = {"model": tiny_model, "num_speculative_tokens": 2, "draft_tensor_parallel_size": size}
+    with pytest.raises(ValueError, match=r"speculative_config: draft_tensor_parallel_size must be 1 .*got"):
+        LLM(tiny_model, device="cpu", speculative_config=spec)
+
+
+@pytest.mark.parametrize("damage", ["garbage", "missing tensor"])
+def test_a_draft_checkpoint_that_does_not_load_names_the_key(tiny_model, tmp_path, damage):
+    draft = make_tiny_qwen3(tmp_path / "draft", seed=3, num_hidden_layers=1)
+    weights = draft / "model.safetensors"
+    if damage == "garbage":
+        weights.write_bytes(b"not a checkpoint")
+    else:
+        from safetensors.torch import load_file, save_file
+
+        tensors = load_file(weights)
+        del tensors["model.norm.weight"]
+        save_file(tensors, weights)
+    threads = threading.active_count()
+    spec = {"model": draft, "num_speculative_tokens": 2, **EVERY_STEP}
+    with pytest.raises(ModelFolderError, match=rf'^speculative_config "model": .*{draft}'):
+        LLM(tiny_model, device="cpu", speculative_config=spec)
+    assert threading.active_count() == threads

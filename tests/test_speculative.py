@@ -295,6 +295,30 @@ def test_a_seeded_request_samples_the_same_tokens_whatever_its_batch(tiny_model,
 
 
 @pytest.mark.parametrize("proposer", ["ngram", "draft"])
+def test_a_seeded_request_preempted_and_recomputed_samples_what_it_samples_alone(tiny_model, draft_folder, proposer):
+    """KV blocks for about two of the four requests: the newest are preempted and recompute their tokens (partly from
+    the prefix cache). The recompute stops short of the last token, which goes into the next verify step, so every
+    seeded sample draws what it draws alone (a prefill sampling the next token would draw otherwise from then on)."""
+    spec = ngram(3, 2) if proposer == "ngram" else {"model": draft_folder, "num_speculative_tokens": 3, **EVERY_STEP}
+    engine = dict(device="cpu", speculative_config=spec, kvcache_block_size=16)
+    rng = random.Random(3)
+    prompts = repetitive_prompts(10, 4)
+    params = [
+        SamplingParams(temperature=1.0, top_k=rng.choice([0, 20]), max_tokens=rng.randrange(20, 40),
+                       seed=rng.randrange(100), n=rng.choice([1, 2]), ignore_eos=True)
+        for _ in prompts
+    ]  # fmt: skip
+    llm = LLM(tiny_model, **engine, num_kvcache_blocks=7, max_num_batched_tokens=32)
+    together = llm.generate(prompts, params, use_tqdm=False)
+    assert llm.scheduler.num_preemptions > 0, "the budget was meant to preempt"
+    assert_no_block_leaked(llm)
+    alone = LLM(tiny_model, **engine)  # (one request at a time: alone in its batch)
+    for prompt, p, out in zip(prompts, params, together):
+        expected = alone.generate([prompt], p, use_tqdm=False)[0]
+        assert [o.token_ids for o in out.outputs] == [o.token_ids for o in expected.outputs]
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "draft"])
 def test_each_sample_of_an_n_request_equals_its_seed_run_alone(tiny_model, draft_folder, proposer):
     """Samples 1..n-1 read sample 0's prompt blocks and are verified beside it; each gives the tokens of its seed
     (seed + i) run alone, with no prefix cache. (Greedy takes only n=1, as in vLLM: these samples are seeded.)"""

@@ -121,7 +121,7 @@ class SpeculativeLoop:
             return plain.step()
         if in_flight:  # a verify step next: first complete the plain step on the device, launching none after it
             return plain.step(launch_ahead=False)
-        seqs, is_prefill = scheduler.schedule()
+        seqs, is_prefill = self.schedule()
         record = metrics.begin_step(scheduler, seqs, is_prefill)
         if is_prefill:
             # a draft model computes its K/V beside the target's only where decode steps will verify: with more
@@ -139,6 +139,23 @@ class SpeculativeLoop:
                     trim(scheduler.block_manager, seq)  # (the blocks reserved for proposals)
             self.policy.ran_plain()
         return finished, metrics.end_step(record, seqs)
+
+    def schedule(self) -> tuple[list[Sequence], bool]:
+        """The scheduler's next step, with a preempted sequence's recompute stopping short of its last token: that
+        token goes into its next verify step, which then checks the proposals it would have checked without the
+        preemption, with the same draws from a seeded request's generator (a prefill would sample the next token
+        the plain way, and every later step of the request would draw otherwise than had it run alone). A sequence
+        with only that token left sits the prefill step out: it is where a decode step leaves one."""
+        scheduler = self.engine.scheduler
+        while True:
+            seqs, is_prefill = scheduler.schedule()
+            if not is_prefill:
+                return seqs, False
+            for seq in seqs:
+                if seq.num_completion_tokens and seq.num_computed_tokens + seq.num_scheduled_tokens == seq.num_tokens:
+                    seq.num_scheduled_tokens -= 1
+            if seqs := [seq for seq in seqs if seq.num_scheduled_tokens]:
+                return seqs, True
 
     def in_step(self) -> list[Sequence]:
         return [*self.engine.scheduler.scheduled, *self.plain_loop.in_step()]

@@ -14,7 +14,7 @@ from nanoref.config import EngineConfig
 from nanoref.engine.hooks import NO_RUNNER_HOOKS, RunnerHooks
 from nanoref.engine.model_runner import ModelRunner
 from nanoref.speculative.policy import draft_cost
-from nanoref.utils.loader import weight_files
+from nanoref.utils.loader import ModelFolderError, weight_files
 
 
 def stored_parameters(folder: Path) -> int:
@@ -88,7 +88,10 @@ class SpeculativeRunner(ModelRunner):
 
     def __init__(self, config: EngineConfig, hooks: RunnerHooks = NO_RUNNER_HOOKS) -> None:
         # the draft's weights first: on a GPU the target then measures the memory both leave for their caches
-        self.draft = ModelRunner(draft_engine_config(config))
+        try:  # (a checkpoint that does not load names the key it came from, as the config's checks do)
+            self.draft = ModelRunner(draft_engine_config(config))
+        except ModelFolderError as error:
+            raise ModelFolderError(f'speculative_config "model": {error}') from None
         super().__init__(config, hooks=hooks)
         if hooks.decode_graphs is not None:  # the draft's k decode steps per verify step, once its cache is real
             self.draft.decode_graphs = hooks.decode_graphs(self.draft)
