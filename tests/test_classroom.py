@@ -202,6 +202,40 @@ def test_collect_solutions_names_a_name_from_another_cell(tmp_path):
         collect_solutions(tmp_path)
 
 
+@pytest.mark.parametrize(
+    "cell, function",
+    [
+        (
+            "@torch.no_grad()\ndef silu_and_mul(x):\n    return F.silu(x.chunk(2, -1)[0]) * x.chunk(2, -1)[1]\n",
+            "silu_and_mul",
+        ),
+        (
+            "import functools\n\n\n@functools.lru_cache\ndef act():\n    return F.silu\n\n\n"
+            "def silu_and_mul(x):\n    return act()(x.chunk(2, -1)[0]) * x.chunk(2, -1)[1]\n",
+            "act",
+        ),
+        (
+            "class Act:\n    @staticmethod\n    def of(gate):\n        return F.silu(gate)\n\n\n"
+            "def silu_and_mul(x):\n    return Act.of(x.chunk(2, -1)[0]) * x.chunk(2, -1)[1]\n",
+            "of",
+        ),
+    ],
+    ids=["no_grad", "lru_cache", "staticmethod"],
+)
+def test_collect_solutions_names_a_name_from_another_cell_behind_a_decorator_or_in_a_class(tmp_path, cell, function):
+    """A decorated function's wrapper is not the learner's code, and a class's methods are not at the cell's top:
+    the names they read were not looked at, and the capstone failed deep in the engine with a bare NameError."""
+    nb = nbformat.v4.new_notebook()
+    solution = nbformat.v4.new_code_cell("import torch\n\n\n" + cell)
+    solution.metadata["nbgrader"] = dict(
+        solution=True, grade=False, locked=False, grade_id="ex_silu_and_mul", schema_version=3, task=False
+    )
+    nb.cells = [nbformat.v4.new_code_cell("import torch.nn.functional as F"), solution]
+    nbformat.write(nb, tmp_path / "mine.ipynb")
+    with pytest.raises(ClassroomError, match=f"your `{function}` uses `F`, defined in another cell"):
+        collect_solutions(tmp_path)
+
+
 def test_collect_solutions_names_a_name_nothing_defines(tmp_path):
     exercise_notebook(tmp_path / "typo.ipynb", "return torch.nn.functional.silu(gaet) * x")
     with pytest.raises(ClassroomError, match="your `silu_and_mul` uses `gaet`, which nothing defines"):

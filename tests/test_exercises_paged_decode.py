@@ -75,6 +75,48 @@ def test_wrong_decode_attention_fails_with_a_message(wrong, message):
     assert_readable_failure(failure.value)
 
 
+def scaled_by(rule):
+    """nanoref's decode with the softmax scale a learner's rule picks from (softmax_scale, head_dim)."""
+
+    def attention(q, k_cache, v_cache, cache_seqlens, block_table, softmax_scale=None, causal=True):
+        scale = rule(softmax_scale, q.shape[-1])
+        return attention_torch.paged_decode_attention(
+            q, k_cache, v_cache, cache_seqlens=cache_seqlens, block_table=block_table, softmax_scale=scale, causal=True
+        )
+
+    return attention
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize(
+    "rule, message",
+    [
+        (lambda scale, dim: dim**0.5, "scaled by sqrt(head_dim) = 5.657: use softmax_scale=0.3"),
+        (lambda scale, dim: 1 / dim, "scaled by 1/head_dim = 0.03125: use softmax_scale=0.3"),
+        (
+            lambda scale, dim: scale if scale is not None else dim**0.5,
+            "scaled by sqrt(head_dim) = 5.657: softmax_scale is None: use 1/sqrt(head_dim) = 0.1768",
+        ),
+        (
+            lambda scale, dim: scale if scale is not None else 1 / dim,
+            "scaled by 1/head_dim = 0.03125: softmax_scale is None: use 1/sqrt(head_dim) = 0.1768",
+        ),
+        (
+            lambda scale, dim: 1 / scale if scale is not None else dim**-0.5,
+            "scaled by 1/softmax_scale = 3.333: you divided q·k by the scale: use softmax_scale=0.3",
+        ),
+    ],
+    ids=["sqrt_d", "one_over_d", "default_sqrt_d", "default_one_over_d", "divided"],
+)
+def test_a_wrong_softmax_scale_is_named_on_every_seed(rule, message, seed):
+    """sqrt(D) for 1/sqrt(D), 1/D (the root left out), a division by softmax_scale: each is the naive oracle at
+    that scale, so the check names the scale used rather than only 'differs from the naive oracle'."""
+    with pytest.raises(ExerciseFailure) as failure:
+        check_paged_decode_attention(scaled_by(rule), seed=seed, engine=False)
+    assert message in str(failure.value).replace("\n", " ")
+    assert_readable_failure(failure.value)
+
+
 def merge_variant(*, base=2.0, subtract_max=True, normalise=True, write=True):
     def merge(partial, lse, out):
         shifted = lse - lse.max(dim=1, keepdim=True).values if subtract_max else lse

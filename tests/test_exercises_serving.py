@@ -109,6 +109,42 @@ def test_a_wrong_find_stop_string_fails_with_its_hint(wrong, hint):
     assert hint in str(failure.value).replace("\n", " ")
 
 
+def shortest_stop_first(text, stops, start):  # straddles start rightly, but takes the shortest stop that occurs
+    for stop in sorted(stops, key=len):
+        index = text.find(stop, max(start - len(stop) + 1, 0))
+        if index >= 0:
+            return index, stop
+    return None
+
+
+def negative_window(text, stops, start):  # text[start - len(stop) + 1:] without max(..., 0): slices from the end
+    found = []
+    for stop in stops:
+        low = start - len(stop) + 1
+        index = text[low:].find(stop)
+        if index >= 0:
+            found.append((index + low + len(stop), index + low, stop))
+    return min(found)[1:] if found else None
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_find_stop_string_that_straddles_start_is_not_told_to_straddle_it(seed):
+    """It finds the straddling stop string alone (the check asks it so), so its mistake is the choice among stops."""
+    with pytest.raises(ExerciseFailure) as failure:
+        check_find_stop_string(shortest_stop_first, seed=seed, engine=False)
+    message = str(failure.value).replace("\n", " ")
+    assert "straddle" not in message, message
+    assert "return the first stop string to end in the text" in message, message
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_search_window_below_zero_is_told_to_clamp_it(seed):
+    with pytest.raises(ExerciseFailure) as failure:
+        check_find_stop_string(negative_window, seed=seed, engine=False)
+    message = str(failure.value).replace("\n", " ")
+    assert "start - len(stop) + 1 = -2 is below 0 here, and text[-2:] slices from the end; clamp it" in message
+
+
 # -- stop_hold_back: typical mistakes --------------------------------------------------------------------------------
 def proper_prefixes_only(text, stops):  # off by one: at most longest - 1 characters
     for length in range(min(max(map(len, stops)) - 1, len(text)), 0, -1):
@@ -127,6 +163,13 @@ def shortest_first(text, stops):  # the shortest end that begins a stop string, 
 def substring(text, stops):  # `end in stop`: holds back an end that no stop string begins with
     for length in range(min(max(map(len, stops)), len(text)), 0, -1):
         if any(text[-length:] in stop for stop in stops):
+            return length
+    return 0
+
+
+def longer_than_the_text(text, stops):  # lengths not bounded by len(text): text[-n:] is then the whole text
+    for length in range(max(map(len, stops)), 0, -1):
+        if any(stop.startswith(text[-length:]) for stop in stops):
             return length
     return 0
 
@@ -155,8 +198,9 @@ def test_a_hold_back_that_tries_ends_only_as_long_as_the_shortest_stop_string_fa
         (substring, "hold back only an end that a stop string begins with"),
         (lambda text, stops: min(len(text), 1 + stop_hold_back(text, stops)), "begins no stop string"),
         (lambda text, stops: -1, "return a number of characters"),
+        (longer_than_the_text, "try lengths up to min(longest stop string, len(text))"),
     ],
-    ids=["proper_prefixes", "shortest_first", "substring", "one_too_many", "negative"],
+    ids=["proper_prefixes", "shortest_first", "substring", "one_too_many", "negative", "longer_than_the_text"],
 )
 def test_a_wrong_stop_hold_back_fails_with_its_hint(wrong, hint):
     with pytest.raises(ExerciseFailure) as failure:

@@ -213,9 +213,29 @@ def float_local_ids(input_ids, weight, vocab_start, vocab_end):  # an index of t
     return weight[((input_ids - vocab_start) * mine).float()] * mine[:, None].to(weight.dtype)
 
 
+def all_reduces_where_initialized(input_ids, weight, vocab_start, vocab_end):  # the same, behind a guard
+    hidden = vocab_parallel_embed(input_ids, weight, vocab_start, vocab_end)
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        torch.distributed.all_reduce(hidden)
+    return hidden
+
+
 def test_an_answer_that_all_reduces_is_told_the_engine_does():
-    with pytest.raises(ExerciseFailure, match=r"(?s)raised ValueError.*this rank's share only, with no all-reduce"):
+    with pytest.raises(ExerciseFailure, match=r"(?s)raised RuntimeError.*this rank's share only, with no all-reduce"):
         check_vocab_parallel_embed(all_reduces_itself, engine=False)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_an_all_reduce_guarded_by_is_initialized_is_caught_on_every_seed(seed):
+    """nanoref's engine never initializes torch.distributed's default group, so the guarded all-reduce would pass
+    the engine run too; the check calls the answer as a rank of a default group that refuses collectives, and the
+    engine's own all-reduce is named, leaving the group as it found it (none)."""
+    with pytest.raises(ExerciseFailure) as failure:
+        check_vocab_parallel_embed(all_reduces_where_initialized, seed=seed, engine=False)
+    message = str(failure.value).replace("\n", " ")
+    assert "this rank's share only, with no all-reduce (not even under `if dist.is_initialized()`)" in message
+    assert "the engine's embedding all-reduces" in message
+    assert not torch.distributed.is_initialized()
 
 
 def test_an_index_of_the_wrong_dtype_is_not_told_to_subtract_vocab_start():

@@ -7,6 +7,7 @@ import ast
 import builtins
 import dis
 import importlib.util
+import inspect
 import json
 import sys
 import tempfile
@@ -147,11 +148,17 @@ def exercises(notebook: str | Path) -> Iterator[Exercise]:
 
 
 def _functions_of(module: types.ModuleType) -> Iterator[types.FunctionType]:
-    """The functions a module file defines (a @triton.jit kernel keeps its Python function in `.fn`)."""
-    for value in vars(module).values():
-        function = value if isinstance(value, types.FunctionType) else getattr(value, "fn", None)
-        if isinstance(function, types.FunctionType) and function.__module__ == module.__name__:
-            yield function
+    """The functions a module file's code defines: at its top, under a decorator (@torch.no_grad(), @lru_cache:
+    `__wrapped__`; a @triton.jit kernel keeps its Python function in `.fn`) and in its classes (methods, static
+    and class methods). A decorator's own wrapper, written elsewhere, is not the file's."""
+    values = list(vars(module).values())
+    classes = [value for value in values if isinstance(value, type) and value.__module__ == module.__name__]
+    values += [member for value in classes for member in vars(value).values()]
+    for value in values:
+        value = getattr(value, "__func__", value)  # (a staticmethod's or classmethod's function)
+        for function in (value, getattr(value, "fn", None), inspect.unwrap(value) if callable(value) else None):
+            if isinstance(function, types.FunctionType) and function.__code__.co_filename == module.__file__:
+                yield function
 
 
 def _globals_read(code: types.CodeType) -> Iterator[str]:
@@ -193,7 +200,8 @@ def _defined_in_other_cells(exercise: Exercise) -> set[str]:
 
 def _unbound_names(exercise: Exercise, module: types.ModuleType) -> str:
     """'' when every global name the cell's functions read is the cell's own or a builtin, else what is missing."""
-    for function in sorted(_functions_of(module), key=lambda f: f.__name__ != exercise.seam):  # the seam's first
+    functions = dict.fromkeys(_functions_of(module))  # (a decorated function comes twice: wrapper, unwrapped)
+    for function in sorted(functions, key=lambda f: f.__name__ != exercise.seam):  # the seam's first
         missing = [n for n in dict.fromkeys(_globals_read(function.__code__)) if n not in vars(module)]
         missing = [name for name in missing if not hasattr(builtins, name)]
         if missing:

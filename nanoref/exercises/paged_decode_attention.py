@@ -167,15 +167,23 @@ def check_paged_decode_attention(fn: Callable, *, seed: int = 0, engine: bool = 
         b, _, h, _ = (int(i) for i in bad.nonzero()[0])
         summary = f"sequence {b} (history of {lens[b]} tokens), query head {h} differs from the naive oracle"
         values = f"\n{case}\nsequence {b}, head {h}: got {_head(got, b, h)}, expected {_head(want, b, h)}"
-        default = 1.0 / math.sqrt(q.shape[-1])
-        # the scale the learner used instead of the one passed: none at all, or always the default
-        for used, instead in ((1.0, "no scale at all"), (default, "1/sqrt(head_dim)")):
+        dim = q.shape[-1]
+        # the scale the learner used instead of the one passed: none at all, always the default, the default's
+        # square root inverted or left out, or the softmax_scale passed divided by instead of multiplied
+        for used, instead in (
+            (1.0, "no scale at all"),
+            (dim**-0.5, "1/sqrt(head_dim)"),
+            (dim**0.5, f"sqrt(head_dim) = {dim**0.5:.4g}"),
+            (1.0 / dim, f"1/head_dim = {1 / dim:.4g}"),
+            (1.0 / effective, f"1/softmax_scale = {1 / effective:.4g}: you divided q·k by the scale"),
+        ):
             if math.isclose(used, effective):
                 continue
             other = _oracle(q, k_cache, v_cache, seqlens, table, used)
             if not torch.allclose(got.double(), other.double(), atol=tol, rtol=tol):
                 continue
-            given = "softmax_scale is None: use 1/sqrt(head_dim)" if scale is None else f"use softmax_scale={scale}"
+            given = f"softmax_scale is None: use 1/sqrt(head_dim) = {dim**-0.5:.4g}" if scale is None else ""
+            given = given or f"use softmax_scale={scale}"
             raise ExerciseFailure(
                 f"the scores are scaled by {instead}: {given} (multiply q·k by it before the softmax)" + values
             )

@@ -70,15 +70,38 @@ def _occurrences(text: str, stops: list[str], start: int) -> list[tuple[int, str
     return [(index, stop) for index, stop in found if index >= 0]
 
 
-def _find_hint(text: str, stops: list[str], start: int, got: Any, want: tuple[int, str] | None) -> str:
-    """What to fix, from how `got` differs from `want` (both valid shapes)."""
-    if want is not None and want[0] < start and (got is None or _ends_by(got) > _ends_by(want)):
+def _probe(fn: Callable, text: str, stops: list[str], start: int) -> Any:
+    """The learner's answer to another question, to tell two mistakes apart; None where it raises."""
+    try:
+        found = fn(text, list(stops), start)
+    except Exception:
+        return None
+    return tuple(found) if isinstance(found, list) else found
+
+
+def _find_hint(fn: Callable, text: str, stops: list[str], start: int, got: Any, want: tuple[int, str] | None) -> str:
+    """What to fix, from how `got` differs from `want` (both valid shapes); `fn` is asked again where only its
+    answer to a changed question tells two mistakes apart."""
+    if (
+        want is not None
+        and want[0] < start
+        and (got is None or _ends_by(got) > _ends_by(want))
+        and _probe(fn, text, [want[1]], start) != want  # alone, it is missed too: not a choice among stops
+    ):
         return (
             f"you missed {want[1]!r}, which begins at {want[0]}, before start={start}, and ends after it: a stop "
             "string can straddle start, so search from start - len(stop) + 1"
         )
     if got is None:
-        return f"you found none, but {want[1]!r} begins at {want[0]} and ends after start={start}"
+        missed = f"you found none, but {want[1]!r} begins at {want[0]} and ends after start={start}"
+        below = len(want[1]) - 1 - start  # how far start - len(stop) + 1 lies below 0
+        pad = next((c for c in "#@~_" if all(c not in stop for stop in stops)), None)  # matches no stop string
+        if below > 0 and pad and _probe(fn, pad * below + text, stops, start + below) == (want[0] + below, want[1]):
+            return (
+                f"{missed}; with {below} more characters before the text you find it: start - len(stop) + 1 = "
+                f"{-below} is below 0 here, and text[{-below}:] slices from the end; clamp it: max(..., 0)"
+            )
+        return missed
     index, stop = got
     if text[index : index + len(stop)] != stop:
         return (
@@ -140,7 +163,7 @@ def check_find_stop_string(fn: Callable, *, seed: int | None = None, engine: boo
             raise ExerciseFailure(f"return None or a pair (index, stop string), got {got!r}\n({case})")
         if got != want:
             raise ExerciseFailure(
-                f"{description}: {_find_hint(text, stops, start, got, want)}\n{case}: you returned {got!r}, "
+                f"{description}: {_find_hint(fn, text, stops, start, got, want)}\n{case}: you returned {got!r}, "
                 f"expected {want!r}"
             )
     if engine:
@@ -209,7 +232,15 @@ def check_stop_hold_back(fn: Callable, *, seed: int | None = None, engine: bool 
         if given != stops:
             raise ExerciseFailure(f"your stop_hold_back changed `stops`; only read it\n({case})")
         if not isinstance(got, int) or isinstance(got, bool) or not 0 <= got <= len(text):
-            raise ExerciseFailure(f"return a number of characters, 0 to len(text) = {len(text)}, got {got!r}\n({case})")
+            longer = (
+                ": an end of the text has at most len(text) characters (text[-n:] for n > len(text) is the whole "
+                "text), so try lengths up to min(longest stop string, len(text))"
+                if isinstance(got, int) and not isinstance(got, bool) and got > len(text)
+                else ""
+            )
+            raise ExerciseFailure(
+                f"return a number of characters, 0 to len(text) = {len(text)}, got {got!r}{longer}\n({case})"
+            )
         if got != want:
             raise ExerciseFailure(
                 f"{description}: {_hold_hint(text, stops, got, want)}\n{case}: you returned {got}, expected {want}"

@@ -2,15 +2,19 @@
 
 The check runs the learner's function alone for the shards of small vocabularies split over 2 and 4 ranks (the
 first shard, a middle one, the last one with its padding rows, a rank none of whose ids come up, and tables padded
-on every rank, so that the next rank's ids fall within the table's size), then inside a real two-process engine
-(tensor_parallel_size=2, gloo on the CPU), where every rank calls it, against HF.
+on every rank, so that the next rank's ids fall within the table's size), each call as that rank of a
+torch.distributed default group that refuses collectives (an all-reduce of the learner's own, guarded or not, is
+named), then inside a real two-process engine (tensor_parallel_size=2, gloo on the CPU), where every rank calls it,
+against HF.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from nanoref.exercises.common import (
@@ -43,12 +47,54 @@ def _shard_table(
     return table
 
 
+class _RefusingGroup(dist.ProcessGroup):
+    """The default process group while the check calls the learner's function: it says it has the case's rank and
+    world size (so `dist.is_initialized()` is True and `dist.get_world_size()` > 1, as in an engine built on
+    torch.distributed's default group), and refuses every collective. An all-reduce guarded by
+    `if dist.is_initialized()` then runs here, and fails naming the mistake, instead of passing the check alone and
+    adding the ranks' rows up twice in such an engine (nanoref's own engine has groups of its own, so there the
+    guard would hide it)."""
+
+    def _refuse(self, *args: object, **kwargs: object) -> None:
+        raise RuntimeError(
+            f"the check runs vocab_parallel_embed as rank {self.rank()} of a process group of {self.size()} ranks, "
+            "and refuses collectives in it"
+        )
+
+    allreduce = allreduce_coalesced = allgather = _allgather_base = allgather_into_tensor_coalesced = _refuse
+    broadcast = reduce = reduce_scatter = _reduce_scatter_base = reduce_scatter_tensor_coalesced = _refuse
+    alltoall = alltoall_base = gather = scatter = barrier = send = recv = _refuse
+
+    def getBackendName(self) -> str:  # noqa: N802 (torch's name)
+        return _BACKEND
+
+
+_BACKEND = "nanoref_exercise"
+
+
+@contextlib.contextmanager
+def _as_rank(rank: int, world_size: int) -> Iterator[None]:
+    """Inside: torch.distributed's default group is a `_RefusingGroup` of `world_size` ranks, this process `rank`
+    (left alone where a default group exists already, or torch.distributed is missing)."""
+    if not dist.is_available() or dist.is_initialized():
+        yield
+        return
+    if not hasattr(dist.Backend, _BACKEND.upper()):  # registered once per process
+        make = lambda store, r, size, timeout: _RefusingGroup(r, size)  # noqa: E731
+        dist.Backend.register_backend(_BACKEND, make, devices=["cpu"])
+    dist.init_process_group(_BACKEND, store=dist.HashStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
 def _index_hint(table: torch.Tensor, start: int, end: int) -> Callable[[Exception], str | None]:
     def hint(error: Exception) -> str | None:
-        if "process group" in str(error):  # an all-reduce (or another collective) in the answer
+        if "process group" in str(error).replace("ProcessGroup", "process group"):  # a collective in the answer
             return (
-                "return this rank's share only, with no all-reduce: the engine's embedding all-reduces what every "
-                "rank's vocab_parallel_embed returns (the check calls it alone, outside any process group)"
+                "return this rank's share only, with no all-reduce (not even under `if dist.is_initialized()`): "
+                "the engine's embedding all-reduces what every rank's vocab_parallel_embed returns"
             )
         if not isinstance(error, (IndexError, RuntimeError)) or "out of" not in str(error):
             return None  # not an index past the table (an index of the wrong dtype, a shape error)
@@ -80,9 +126,10 @@ def _check_one(
         + f", {table.dtype})"
     )
     ids_before, table_before = ids.clone(), table.clone()
-    got = call_learner(
-        fn, "vocab_parallel_embed", ids, table, start, end, case=case, hint=_index_hint(table, start, end)
-    )
+    with _as_rank(rank, world_size):
+        got = call_learner(
+            fn, "vocab_parallel_embed", ids, table, start, end, case=case, hint=_index_hint(table, start, end)
+        )
     if not torch.equal(ids, ids_before) or not torch.equal(table, table_before):
         raised = "input_ids" if not torch.equal(ids, ids_before) else "weight"
         raise ExerciseFailure(f"{case}: vocab_parallel_embed changed its {raised} in place; compute new tensors")
