@@ -97,6 +97,13 @@ def test_layout_md_names_every_module_of_the_package():
     assert missing == []
 
 
+def test_layout_md_names_every_benchmark_script():
+    entry = re.search(r"^benchmarks/ (.*?)\n(?=\S)", text("docs/layout.md"), re.S | re.M)
+    assert entry, "docs/layout.md no longer has a benchmarks/ entry"
+    named = set(re.findall(r"\b(\w+\.py)\b", entry[1]))
+    assert sorted(path.name for path in (ROOT / "benchmarks").glob("*.py") if path.name not in named) == []
+
+
 def test_every_route_of_the_server_is_documented():
     routes = {
         path
