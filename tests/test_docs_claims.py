@@ -214,6 +214,19 @@ def test_teaching_md_gives_each_exercise_its_notebooks_points():
         assert documented == graded, notebook
 
 
+def test_teaching_md_says_what_every_exercise_asks_for():
+    # the list after "What each exercise asks for": one bullet per exercise, led by its name (and signature)
+    section = text("docs/teaching.md").split("What each exercise asks for", 1)[1].split("\n## ", 1)[0]
+    graded = {
+        cell["metadata"]["nbgrader"]["grade_id"].removeprefix("ex_").removesuffix("_test")
+        for path in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb")
+        for cell in json.loads(path.read_text())["cells"]
+        if cell.get("metadata", {}).get("nbgrader", {}).get("grade")
+    }
+    assert graded, "no graded cell found: the pattern no longer matches the notebooks' grade ids"
+    assert sorted(name for name in graded if not re.search(rf"^- [^\n]*`{name}[(`]", section, re.M)) == []
+
+
 def test_readmes_notebook_table_lists_every_notebook_with_its_exercises():
     rows = dict(re.findall(r"^\| `(\d\d_\w+)` \|(.*)$", text("README.md"), re.M))
     assert set(rows) == {path.stem for path in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb")}
