@@ -52,6 +52,21 @@ def test_every_repository_path_the_docs_quote_exists():
     assert missing == []
 
 
+def test_every_class_attribute_the_docs_name_is_in_that_classs_body():
+    # `LLMEngine.step`, `AsyncLLM.from_model`: the attribute is named in the body of the package's class of that name
+    bodies: dict[str, str] = {}
+    for path in (ROOT / "nanoref").rglob("*.py"):
+        for name, body in re.findall(r"^class (\w+)\b(.*?)(?=^\S|\Z)", path.read_text(), re.M | re.S):
+            bodies[name] = bodies.get(name, "") + body
+    assert "LLMEngine" in bodies, "no class found: the pattern no longer matches how the package declares them"
+    wrong = [
+        f"{doc.name}: {cls}.{attr}"
+        for doc in DOCS
+        for cls, attr in re.findall(r"`([A-Z]\w+)\.(\w+)", doc.read_text())
+        if cls in bodies and not re.search(rf"\b{attr}\b", bodies[cls])
+    ]
+    assert wrong == []
+
 def test_every_environment_variable_the_package_reads_is_documented():
     # the package reads a variable by its name, a string (NANOREF_DEVICE, VLLM_API_KEY, ...); .ci's scripts as $NAME
     read = {
