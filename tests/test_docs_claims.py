@@ -67,6 +67,7 @@ def test_every_class_attribute_the_docs_name_is_in_that_classs_body():
     ]
     assert wrong == []
 
+
 def test_every_environment_variable_the_package_reads_is_documented():
     # the package reads a variable by its name, a string (NANOREF_DEVICE, VLLM_API_KEY, ...); .ci's scripts as $NAME
     read = {
