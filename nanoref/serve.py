@@ -71,7 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m nanoref.serve",
         description="Serve a Qwen3 model over HTTP with OpenAI's API (/v1/completions, /v1/chat/completions, "
-        "/v1/models), plus /health and Prometheus /metrics. Without MODEL it serves the tiny built-in model.",
+        "/v1/models), plus /health (and /ping), Prometheus /metrics and vLLM's /tokenize, /detokenize and /version. "
+        "Without MODEL it serves the tiny built-in model.",
     )
     parser.add_argument(
         "model", nargs="?", default=None, help="a local Hugging Face Qwen3 folder (default: the tiny built-in model)"

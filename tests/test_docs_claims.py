@@ -131,6 +131,15 @@ def test_every_route_of_the_server_is_documented():
     assert sorted(path for path in routes if not re.search(rf"{re.escape(path)}(?![\w/])", documented)) == []
 
 
+def test_the_serve_commands_help_names_every_route_it_always_serves():
+    # (the dev-mode route needs VLLM_SERVER_DEV_MODE; LoRA's runtime routes, in lora_modules.py, their opt-in)
+    source = (ROOT / "nanoref" / "serving" / "api_server.py").read_text()
+    routes = set(re.findall(r"@app\.(?:get|post|api_route)\(\"([^\"]+)\"", source)) - {"/reset_prefix_cache"}
+    assert "/v1/completions" in routes, "no route found: the pattern no longer matches how the server declares them"
+    description = parser_of("nanoref.serve").description
+    assert sorted(path for path in routes if not re.search(rf"{re.escape(path)}(?![\w/])", description)) == []
+
+
 # -- LLM's settings -------------------------------------------------------------------------------------------------
 def documented_signature() -> dict[str, object]:
     """usage.md's `LLM(model, *, name=default, ...)` as {name: default}."""
