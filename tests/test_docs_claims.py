@@ -207,6 +207,12 @@ def test_every_number_a_help_text_gives_as_default_is_the_flags_default(command)
     assert wrong == []
 
 
+def test_the_commands_help_names_the_prompt_it_runs_without_one():
+    parser = parser_of("nanoref")
+    (prompt,) = parser.parse_args([]).prompts
+    assert f'"{prompt}"' in re.sub(r"\s+", " ", parser.format_help())
+
+
 def test_every_flag_the_docs_pass_to_python_m_nanoref_or_its_server_exists():
     unknown = []
     for doc in DOCS:
