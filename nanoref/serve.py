@@ -352,7 +352,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--enable-force-include-usage",
         action="store_true",
-        help="every stream ends with a usage chunk, as if it asked for stream_options.include_usage (vLLM's flag)",
+        help="every stream's chunks carry their usage so far and it ends with a usage chunk, as if it asked for "
+        "stream_options include_usage and continuous_usage_stats (vLLM's flag)",
     )
     cors = parser.add_argument_group("CORS (which web pages may call the server from a browser)")
     for name in CORS_LISTS:
