@@ -20,7 +20,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Generate text with nanoref's paged engine. Without --model it uses the tiny model "
         "shipped in the package (trained on the Zen of Python and stdlib docstrings: a toy, for demos).",
     )
-    parser.add_argument("prompts", nargs="*", default=["Beautiful is better than"], help="one or more prompts")
+    parser.add_argument(
+        "prompts",
+        nargs="*",
+        default=["Beautiful is better than"],
+        help='one or more (default: "Beautiful is better than")',
+    )
     parser.add_argument("--model", default=str(DEFAULT_MODEL), help="a local Hugging Face Qwen3 folder")
     sampling = parser.add_argument_group("sampling")
     sampling.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 samples")

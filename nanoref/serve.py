@@ -71,7 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m nanoref.serve",
         description="Serve a Qwen3 model over HTTP with OpenAI's API (/v1/completions, /v1/chat/completions, "
-        "/v1/models), plus /health and Prometheus /metrics. Without MODEL it serves the tiny built-in model.",
+        "/v1/models), plus /health (and /ping), Prometheus /metrics and vLLM's /tokenize, /detokenize and /version. "
+        "Without MODEL it serves the tiny built-in model.",
     )
     parser.add_argument(
         "model", nargs="?", default=None, help="a local Hugging Face Qwen3 folder (default: the tiny built-in model)"
@@ -351,7 +352,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--enable-force-include-usage",
         action="store_true",
-        help="every stream ends with a usage chunk, as if it asked for stream_options.include_usage (vLLM's flag)",
+        help="every stream's chunks carry their usage so far and it ends with a usage chunk, as if it asked for "
+        "stream_options include_usage and continuous_usage_stats (vLLM's flag)",
     )
     cors = parser.add_argument_group("CORS (which web pages may call the server from a browser)")
     for name in CORS_LISTS:

@@ -90,5 +90,7 @@ def test_detokenize_false_streams_from_a_folder_without_a_tokenizer(tiny_model):
     pieces = list(llm.stream([3, 1, 4, 1, 5], params))
     assert [t for piece in pieces for t in piece.token_ids] == expected and len(expected) == 5
     assert all(piece.text == "" for piece in pieces) and pieces[-1].finished
-    with pytest.raises(ValueError, match="has no tokenizer: a stream of text needs one"):  # (the control)
+    with pytest.raises(
+        ValueError, match=r"has no tokenizer: a stream of text needs one \(token ids only: detokenize=False\)"
+    ):  # (the control, naming the way out)
         llm.stream([3, 1, 4, 1, 5], SamplingParams(max_tokens=5))

@@ -52,6 +52,22 @@ def test_every_repository_path_the_docs_quote_exists():
     assert missing == []
 
 
+def test_every_class_attribute_the_docs_name_is_in_that_classs_body():
+    # `LLMEngine.step`, `AsyncLLM.from_model`: the attribute is named in the body of the package's class of that name
+    bodies: dict[str, str] = {}
+    for path in (ROOT / "nanoref").rglob("*.py"):
+        for name, body in re.findall(r"^class (\w+)\b(.*?)(?=^\S|\Z)", path.read_text(), re.M | re.S):
+            bodies[name] = bodies.get(name, "") + body
+    assert "LLMEngine" in bodies, "no class found: the pattern no longer matches how the package declares them"
+    wrong = [
+        f"{doc.name}: {cls}.{attr}"
+        for doc in DOCS
+        for cls, attr in re.findall(r"`([A-Z]\w+)\.(\w+)", doc.read_text())
+        if cls in bodies and not re.search(rf"\b{attr}\b", bodies[cls])
+    ]
+    assert wrong == []
+
+
 def test_every_environment_variable_the_package_reads_is_documented():
     # the package reads a variable by its name, a string (NANOREF_DEVICE, VLLM_API_KEY, ...); .ci's scripts as $NAME
     read = {
@@ -97,6 +113,13 @@ def test_layout_md_names_every_module_of_the_package():
     assert missing == []
 
 
+def test_layout_md_names_every_benchmark_script():
+    entry = re.search(r"^benchmarks/ (.*?)\n(?=\S)", text("docs/layout.md"), re.S | re.M)
+    assert entry, "docs/layout.md no longer has a benchmarks/ entry"
+    named = set(re.findall(r"\b(\w+\.py)\b", entry[1]))
+    assert sorted(path.name for path in (ROOT / "benchmarks").glob("*.py") if path.name not in named) == []
+
+
 def test_every_route_of_the_server_is_documented():
     routes = {
         path
@@ -106,6 +129,15 @@ def test_every_route_of_the_server_is_documented():
     assert "/v1/completions" in routes, "no route found: the pattern no longer matches how the server declares them"
     documented = "".join(doc.read_text() for doc in DOCS)
     assert sorted(path for path in routes if not re.search(rf"{re.escape(path)}(?![\w/])", documented)) == []
+
+
+def test_the_serve_commands_help_names_every_route_it_always_serves():
+    # (the dev-mode route needs VLLM_SERVER_DEV_MODE; LoRA's runtime routes, in lora_modules.py, their opt-in)
+    source = (ROOT / "nanoref" / "serving" / "api_server.py").read_text()
+    routes = set(re.findall(r"@app\.(?:get|post|api_route)\(\"([^\"]+)\"", source)) - {"/reset_prefix_cache"}
+    assert "/v1/completions" in routes, "no route found: the pattern no longer matches how the server declares them"
+    description = parser_of("nanoref.serve").description
+    assert sorted(path for path in routes if not re.search(rf"{re.escape(path)}(?![\w/])", description)) == []
 
 
 # -- LLM's settings -------------------------------------------------------------------------------------------------
@@ -175,6 +207,12 @@ def test_every_number_a_help_text_gives_as_default_is_the_flags_default(command)
     assert wrong == []
 
 
+def test_the_commands_help_names_the_prompt_it_runs_without_one():
+    parser = parser_of("nanoref")
+    (prompt,) = parser.parse_args([]).prompts
+    assert f'"{prompt}"' in re.sub(r"\s+", " ", parser.format_help())
+
+
 def test_every_flag_the_docs_pass_to_python_m_nanoref_or_its_server_exists():
     unknown = []
     for doc in DOCS:
@@ -205,6 +243,19 @@ def test_teaching_md_gives_each_exercise_its_notebooks_points():
             if cell.get("metadata", {}).get("nbgrader", {}).get("grade")
         }
         assert documented == graded, notebook
+
+
+def test_teaching_md_says_what_every_exercise_asks_for():
+    # the list after "What each exercise asks for": one bullet per exercise, led by its name (and signature)
+    section = text("docs/teaching.md").split("What each exercise asks for", 1)[1].split("\n## ", 1)[0]
+    graded = {
+        cell["metadata"]["nbgrader"]["grade_id"].removeprefix("ex_").removesuffix("_test")
+        for path in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb")
+        for cell in json.loads(path.read_text())["cells"]
+        if cell.get("metadata", {}).get("nbgrader", {}).get("grade")
+    }
+    assert graded, "no graded cell found: the pattern no longer matches the notebooks' grade ids"
+    assert sorted(name for name in graded if not re.search(rf"^- [^\n]*`{name}[(`]", section, re.M)) == []
 
 
 def test_readmes_notebook_table_lists_every_notebook_with_its_exercises():

@@ -1,7 +1,7 @@
 """vLLM's request ids on the server: a request's `X-Request-Id` header, else its body's `request_id`, names its response
 (`cmpl-<id>`, `chatcmpl-<id>`), streamed chunks too; two requests may share one; `--enable-request-id-headers` puts
 `X-Request-Id` on every response; `--enable-prompt-tokens-details` counts the prompt tokens the prefix cache served;
-`--enable-force-include-usage` ends every stream with its usage.
+`--enable-force-include-usage` puts usage in every chunk of every stream.
 Real HTTP on 127.0.0.1 (OpenAI's client and httpx), the built-in model."""
 
 from __future__ import annotations
@@ -107,17 +107,22 @@ def test_prompt_tokens_details_count_the_prompt_tokens_the_prefix_cache_served(s
 
 def test_force_include_usage_ends_every_stream_with_its_usage(server):
     """--enable-force-include-usage: a stream that did not ask (no stream_options, or include_usage false) ends with
-    the usage chunk too, in both APIs; the server without the flag (the module's) sends none."""
+    the usage chunk too, in both APIs, and every chunk before it carries its usage so far, as vLLM's
+    should_include_usage forces both (include_usage and continuous_usage_stats); the server without the flag (the
+    module's) sends none."""
     engine = AsyncLLM(LLM(device="cpu", num_kvcache_blocks=64), owns_llm=True)
     with running_server(engine, "m", enable_force_include_usage=True) as forced:
         client = forced.client()
-        for options in (None, {"include_usage": False}):
+        for options in (None, {"include_usage": False}, {"continuous_usage_stats": False}):
             extra = {} if options is None else {"stream_options": options}
             chunks = list(client.completions.create(prompt="Beautiful is", stream=True, **extra, **ASK))
             assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 4
-            assert all(chunk.usage is None for chunk in chunks[:-1])
+            counts = [chunk.usage.completion_tokens for chunk in chunks[:-1]]  # (every chunk has its usage so far)
+            assert counts == sorted(counts) and counts[-1] == 4 and chunks[0].usage.prompt_tokens > 0
             chunks = list(client.chat.completions.create(messages=MESSAGES, stream=True, **extra, **ASK))
             assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 4
+            counts = [chunk.usage.completion_tokens for chunk in chunks[:-1]]
+            assert counts == sorted(counts) and counts[0] == 0 and counts[-1] == 4
         assert client.completions.create(prompt="Beautiful is", **ASK).usage.completion_tokens == 4
         # vLLM's: the forced usage is usage enough for continuous_usage_stats, which include_usage false then keeps
         options = {"include_usage": False, "continuous_usage_stats": True}

@@ -242,7 +242,8 @@ class OutputProcessor:
         text = stream and samples[0].sampling_params.detokenize  # (detokenize=False streams token ids alone)
         if (text or stop or bad_words) and self.tokenizer is None:
             need = "a stream of text" if text else "stop strings" if stop else "bad_words"
-            raise ValueError(f"{self.no_tokenizer}: {need} needs one")
+            hint = " (token ids only: detokenize=False)" if text else ""  # (AsyncLLM's words: check_needs_no_tokenizer)
+            raise ValueError(f"{self.no_tokenizer}: {need} needs one{hint}")
         banned = bad_words_token_ids(self.tokenizer, bad_words) if bad_words else []
         if samples[0].sampling_params.prompt_logprobs is not None:  # every prompt position computed (see above)
             salt = ("prompt_logprobs", samples[0].seq_id, samples[0].cache_salt)

@@ -1113,8 +1113,9 @@ def build_app(
     chat_template: a Jinja template's text that renders chat messages in place of the model folder's (vLLM's
     --chat-template); enable_request_id_headers: every response carries X-Request-Id (RequestIdHeaderMiddleware);
     enable_prompt_tokens_details: usage gains vLLM's prompt_tokens_details.cached_tokens (the prompt tokens the
-    prefix cache served), where there were any; enable_force_include_usage: every stream ends with a usage chunk, as
-    `stream_options: {"include_usage": true}` asks (vLLM's --enable-force-include-usage).
+    prefix cache served), where there were any; enable_force_include_usage: every stream's chunks carry their usage
+    so far and it ends with a usage chunk, as `stream_options: {"include_usage": true, "continuous_usage_stats": true}`
+    asks (vLLM's --enable-force-include-usage).
     allowed_origins, allow_credentials, allowed_methods, allowed_headers: CORS, vLLM's settings and defaults (a page
     of any origin may call the server from a browser, as vLLM's allows). ValueError naming a bad setting."""
     check_tool_settings(enable_auto_tool_choice, tool_call_parser)
@@ -1526,12 +1527,14 @@ def build_app(
             return JSONResponse(response)
 
         # vLLM's: a stream_options object (an empty one too) includes usage unless include_usage is false or null;
-        # --enable-force-include-usage includes it in every stream
+        # --enable-force-include-usage includes it in every stream, and in every chunk (vLLM's should_include_usage)
         options = body.get("stream_options")
         include_usage = enable_force_include_usage or (
             options is not None and options.get("include_usage", True) is True
         )
-        every_chunk = options is not None and options.get("continuous_usage_stats") is True  # (vLLM's)
+        every_chunk = enable_force_include_usage or (
+            options is not None and options.get("continuous_usage_stats") is True
+        )
 
         def running_usage(num_prompt_tokens: int, num_tokens: int) -> dict:
             """continuous_usage_stats: a chunk's usage, its choice's tokens so far (vLLM's)."""
