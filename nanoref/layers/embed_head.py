@@ -82,9 +82,9 @@ class LMHead(VocabEmbedding):
         if context.is_prefill and context.cu_seqlens_q is not None and not context.all_logits:
             last_rows = context.cu_seqlens_q[1:].long() - 1  # (num_seqs,): each sequence's last token
             hidden = hidden[last_rows]  # (N, hidden) -> (num_seqs, hidden)
-        logits = F.linear(hidden, self.weight)  # (num_seqs, vocab / N)
+        logits = F.linear(hidden, self.weight)  # (num_seqs, ceil(vocab / tp_size)): this rank's rows
         if self.tp_size > 1:
-            # rank 0: (num_seqs, N * ceil(vocab / N)); other ranks: None
+            # rank 0: (num_seqs, tp_size * ceil(vocab / tp_size)); other ranks: None
             logits = gather_last_dim(logits, self.parallel, "lm_head.gather")
             if logits is None:
                 return None
