@@ -27,7 +27,7 @@ class Qwen3Config:
     head_dim: int
     max_position_embeddings: int
     rms_norm_eps: float = 1e-6
-    rope_theta: float = 1_000_000.0
+    rope_theta: float = 10_000.0
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     eos_token_id: list[int] = field(default_factory=list)
@@ -42,14 +42,16 @@ class Qwen3Config:
     )
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> Qwen3Config:
-        """Parse and check an HF config.json dict; ValueError names the first bad field."""
+    def from_dict(cls, raw: dict[str, Any], head_dim_default: int | None = 128) -> Qwen3Config:
+        """Parse and check an HF config.json dict; ValueError names the first bad field. head_dim_default: the
+        head_dim of a config.json without one (transformers' Qwen3Config says 128; None: hidden_size // heads)."""
         missing = [key for key in cls.REQUIRED if key not in raw]
         if missing:
             raise ValueError(f"config.json lacks required Qwen3 fields: {', '.join(missing)}")
-        # transformers 5 keeps rope_theta inside rope_parameters; transformers 4 at the top level. Where both are
-        # given, transformers 5 runs rope_scaling's RoPE (Qwen3's guide adds one for YaRN): each is checked
-        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+        # transformers 5 keeps rope_theta inside rope_parameters; transformers 4 at the top level. Where both dicts
+        # are given, transformers 5 runs rope_scaling's RoPE (Qwen3's guide adds one for YaRN), its rope_theta, else
+        # the top level's, else 10,000 (its default, as transformers 4's): each dict is checked
+        rope = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
         for key in ("rope_parameters", "rope_scaling"):
             given = raw.get(key) or {}
             if not isinstance(given, dict):
@@ -70,10 +72,12 @@ class Qwen3Config:
             num_hidden_layers=_integer(raw, "num_hidden_layers"),
             num_attention_heads=heads,
             num_key_value_heads=_integer(raw, "num_key_value_heads", default=heads),
-            head_dim=_integer(raw, "head_dim", default=hidden // heads),
+            head_dim=_integer(
+                raw, "head_dim", default=hidden // heads if head_dim_default is None else head_dim_default
+            ),
             max_position_embeddings=_integer(raw, "max_position_embeddings", minimum=2),
             rms_norm_eps=_positive_number(raw, "rms_norm_eps", 1e-6),
-            rope_theta=_positive_number(rope, "rope_theta", _positive_number(raw, "rope_theta", 1_000_000.0)),
+            rope_theta=_positive_number(rope, "rope_theta", _positive_number(raw, "rope_theta", 10_000.0)),
             tie_word_embeddings=_boolean(raw, "tie_word_embeddings", False),
             attention_bias=_boolean(raw, "attention_bias", False),
             eos_token_id=list(eos_ids),
@@ -171,7 +175,9 @@ class Qwen3MoeConfig(Qwen3Config):
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> Qwen3MoeConfig:
         """Parse and check an HF Qwen3-MoE config.json dict; ValueError names the first bad field."""
-        dense = Qwen3Config.from_dict(raw)  # the dense fields, checked the dense way
+        # the dense fields, checked the dense way; transformers' Qwen3MoeConfig has no head_dim default (its attention
+        # takes hidden_size // heads)
+        dense = Qwen3Config.from_dict(raw, head_dim_default=None)
         # transformers 5 writes num_experts as num_local_experts (an attribute_map alias); the hub's files say
         # num_experts. Either will do, but not two different values.
         if "num_experts" in raw and "num_local_experts" in raw and raw["num_experts"] != raw["num_local_experts"]:
