@@ -119,13 +119,14 @@ def _check_the_forward_is_nanorefs(raw: dict[str, Any], num_layers: int) -> None
             "use_sliding_window is on (layers from max_window_layers on would attend over a window of "
             f"{sliding_window(raw)} tokens): nanoref attends over the whole context"
         )
-    quantization = raw.get("quantization_config")
-    if quantization is not None:  # (its weights are float8 or packed integers, read with scales nanoref has not)
-        method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
-        raise ValueError(
-            f"quantization_config: the checkpoint is quantized ({method!r:.40}); nanoref runs unquantized weights "
-            "only (bfloat16, float16 or float32)"
-        )
+    for key in ("quantization_config", "compression_config"):  # (vLLM reads the second where the first is absent)
+        quantization = raw.get(key)
+        if quantization is not None:  # (its weights are float8 or packed integers, read with scales nanoref has not)
+            method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
+            raise ValueError(
+                f"{key}: the checkpoint is quantized ({method!r:.40}); nanoref runs unquantized weights "
+                "only (bfloat16, float16 or float32)"
+            )
     for key in ("dtype", "torch_dtype"):  # (transformers 5's name and 4's; nanoref's own dtype setting decides)
         value = raw.get(key)
         if value is not None and not (isinstance(value, str) and isinstance(getattr(torch, value, None), torch.dtype)):
