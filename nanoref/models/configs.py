@@ -41,10 +41,14 @@ class Qwen3Config:
         "max_position_embeddings",
     )
 
+    # transformers' values for fields a config.json leaves out (its Qwen3Config's; Qwen3MoeConfig has its own)
+    ABSENT = {"head_dim": 128, "num_key_value_heads": 32}
+
     @classmethod
-    def from_dict(cls, raw: dict[str, Any], head_dim_default: int | None = 128) -> Qwen3Config:
-        """Parse and check an HF config.json dict; ValueError names the first bad field. head_dim_default: the
-        head_dim of a config.json without one (transformers' Qwen3Config says 128; None: hidden_size // heads)."""
+    def from_dict(cls, raw: dict[str, Any], absent: dict[str, int] | None = None) -> Qwen3Config:
+        """Parse and check an HF config.json dict; ValueError names the first bad field. absent: transformers' values
+        for fields it leaves out (default: Qwen3Config's, ABSENT); without a head_dim there, hidden_size // heads."""
+        absent = Qwen3Config.ABSENT if absent is None else absent
         missing = [key for key in cls.REQUIRED if key not in raw]
         if missing:
             raise ValueError(f"config.json lacks required Qwen3 fields: {', '.join(missing)}")
@@ -71,10 +75,9 @@ class Qwen3Config:
             intermediate_size=_integer(raw, "intermediate_size"),
             num_hidden_layers=_integer(raw, "num_hidden_layers"),
             num_attention_heads=heads,
-            num_key_value_heads=_integer(raw, "num_key_value_heads", default=heads),
-            head_dim=_integer(
-                raw, "head_dim", default=hidden // heads if head_dim_default is None else head_dim_default
-            ),
+            # (null: as many as the heads, as in transformers)
+            num_key_value_heads=_integer(raw, "num_key_value_heads", default=heads, absent=absent),
+            head_dim=_integer(raw, "head_dim", default=hidden // heads, absent=absent),
             max_position_embeddings=_integer(raw, "max_position_embeddings", minimum=2),
             rms_norm_eps=_positive_number(raw, "rms_norm_eps", 1e-6),
             rope_theta=_positive_number(rope, "rope_theta", _positive_number(raw, "rope_theta", 10_000.0)),
@@ -83,9 +86,10 @@ class Qwen3Config:
             eos_token_id=list(eos_ids),
         )
         if config.num_attention_heads % config.num_key_value_heads:
+            why = "" if "num_key_value_heads" in raw else ": transformers' default where config.json has none"
             raise ValueError(
                 f"num_attention_heads ({heads}) must be a multiple of "
-                f"num_key_value_heads ({config.num_key_value_heads})"
+                f"num_key_value_heads ({config.num_key_value_heads}{why})"
             )
         if config.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {config.head_dim}")
@@ -139,8 +143,11 @@ def sliding_window(raw: dict[str, Any]) -> Any:
     return raw.get("sliding_window", 4096) if raw.get("use_sliding_window") else None
 
 
-def _integer(raw: dict[str, Any], key: str, default: int | None = None, minimum: int = 1) -> int:
-    value = raw.get(key)
+def _integer(
+    raw: dict[str, Any], key: str, default: int | None = None, minimum: int = 1, absent: dict[str, int] | None = None
+) -> int:
+    """raw[key], checked; absent[key] where the key is not there, and default where it is null (or absent from both)."""
+    value = raw.get(key, (absent or {}).get(key))
     if value is None and default is not None:
         value = default
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
@@ -173,12 +180,14 @@ class Qwen3MoeConfig(Qwen3Config):
     decoder_sparse_step: int = 1  # every decoder_sparse_step-th layer is sparse
     mlp_only_layers: list[int] = field(default_factory=list)  # layers that stay dense whatever the step
 
+    # transformers' Qwen3MoeConfig: 4 KV heads where config.json names none, and no head_dim field (its attention
+    # takes hidden_size // heads)
+    ABSENT = {"num_key_value_heads": 4}
+
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> Qwen3MoeConfig:
         """Parse and check an HF Qwen3-MoE config.json dict; ValueError names the first bad field."""
-        # the dense fields, checked the dense way; transformers' Qwen3MoeConfig has no head_dim default (its attention
-        # takes hidden_size // heads)
-        dense = Qwen3Config.from_dict(raw, head_dim_default=None)
+        dense = Qwen3Config.from_dict(raw, absent=Qwen3MoeConfig.ABSENT)  # the dense fields, checked the dense way
         # transformers 5 writes num_experts as num_local_experts (an attribute_map alias); the hub's files say
         # num_experts. Either will do, but not two different values.
         if "num_experts" in raw and "num_local_experts" in raw and raw["num_experts"] != raw["num_local_experts"]:
