@@ -123,6 +123,11 @@ def _check_the_forward_is_nanorefs(raw: dict[str, Any], num_layers: int) -> None
             "use_sliding_window is on (layers from max_window_layers on would attend over a window of "
             f"{sliding_window(raw)} tokens): nanoref attends over the whole context"
         )
+    if raw.get("dual_chunk_attention_config") is not None:  # (Qwen3-2507's config_1m.json; vLLM runs it)
+        raise ValueError(
+            "dual_chunk_attention_config: nanoref runs plain RoPE and attention over the whole context, not dual chunk "
+            "attention; use the model's config.json without it (its usual context length)"
+        )
     for key in ("quantization_config", "compression_config"):  # (vLLM reads the second where the first is absent)
         quantization = raw.get(key)
         if quantization is not None:  # (its weights are float8 or packed integers, read with scales nanoref has not)
