@@ -277,6 +277,16 @@ CONFIG_EDITS = [
         lambda c: c.update(quantization_config={"quant_method": "fp8", "weight_block_size": [128, 128]}),
         r"quantization_config: the checkpoint is quantized \('fp8'\); nanoref runs unquantized weights only",
     ),
+    # (vLLM takes compression_config for quantization_config where that is absent: compressed-tensors' older name)
+    (
+        lambda c: c.update(compression_config={"quant_method": "compressed-tensors", "format": "int-quantized"}),
+        r"compression_config: the checkpoint is quantized \('compressed-tensors'\); nanoref runs unquantized",
+    ),
+    # (Qwen3-2507's 1M-token config: vLLM changes RoPE and attention for it, transformers ignores it)
+    (
+        lambda c: c.update(dual_chunk_attention_config={"chunk_size": 262144, "local_size": 8192}),
+        "dual_chunk_attention_config: nanoref runs plain RoPE and attention over the whole context",
+    ),
     (lambda c: c.update(architectures=7), "architectures must be a list of class names, got 7"),
     (lambda c: c.update(architectures="Qwen3ForCausalLM"), "architectures must be a list of class names"),
     (lambda c: c.update(max_position_embeddings=0), "max_position_embeddings must be an integer >= 2, got 0"),

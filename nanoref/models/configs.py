@@ -27,7 +27,7 @@ class Qwen3Config:
     head_dim: int
     max_position_embeddings: int
     rms_norm_eps: float = 1e-6
-    rope_theta: float = 1_000_000.0
+    rope_theta: float = 10_000.0
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     eos_token_id: list[int] = field(default_factory=list)
@@ -41,15 +41,21 @@ class Qwen3Config:
         "max_position_embeddings",
     )
 
+    # transformers' values for fields a config.json leaves out (its Qwen3Config's; Qwen3MoeConfig has its own)
+    ABSENT = {"head_dim": 128, "num_key_value_heads": 32}
+
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> Qwen3Config:
-        """Parse and check an HF config.json dict; ValueError names the first bad field."""
+    def from_dict(cls, raw: dict[str, Any], absent: dict[str, int] | None = None) -> Qwen3Config:
+        """Parse and check an HF config.json dict; ValueError names the first bad field. absent: transformers' values
+        for fields it leaves out (default: Qwen3Config's, ABSENT); without a head_dim there, hidden_size // heads."""
+        absent = Qwen3Config.ABSENT if absent is None else absent
         missing = [key for key in cls.REQUIRED if key not in raw]
         if missing:
             raise ValueError(f"config.json lacks required Qwen3 fields: {', '.join(missing)}")
-        # transformers 5 keeps rope_theta inside rope_parameters; transformers 4 at the top level. Where both are
-        # given, transformers 5 runs rope_scaling's RoPE (Qwen3's guide adds one for YaRN): each is checked
-        rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+        # transformers 5 keeps rope_theta inside rope_parameters; transformers 4 at the top level. Where both dicts
+        # are given, transformers 5 runs rope_scaling's RoPE (Qwen3's guide adds one for YaRN), its rope_theta, else
+        # the top level's, else 10,000 (its default, as transformers 4's): each dict is checked
+        rope = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
         for key in ("rope_parameters", "rope_scaling"):
             given = raw.get(key) or {}
             if not isinstance(given, dict):
@@ -69,19 +75,21 @@ class Qwen3Config:
             intermediate_size=_integer(raw, "intermediate_size"),
             num_hidden_layers=_integer(raw, "num_hidden_layers"),
             num_attention_heads=heads,
-            num_key_value_heads=_integer(raw, "num_key_value_heads", default=heads),
-            head_dim=_integer(raw, "head_dim", default=hidden // heads),
+            # (null: as many as the heads, as in transformers)
+            num_key_value_heads=_integer(raw, "num_key_value_heads", default=heads, absent=absent),
+            head_dim=_integer(raw, "head_dim", default=hidden // heads, absent=absent),
             max_position_embeddings=_integer(raw, "max_position_embeddings", minimum=2),
             rms_norm_eps=_positive_number(raw, "rms_norm_eps", 1e-6),
-            rope_theta=_positive_number(rope, "rope_theta", _positive_number(raw, "rope_theta", 1_000_000.0)),
+            rope_theta=_positive_number(rope, "rope_theta", _positive_number(raw, "rope_theta", 10_000.0)),
             tie_word_embeddings=_boolean(raw, "tie_word_embeddings", False),
             attention_bias=_boolean(raw, "attention_bias", False),
             eos_token_id=list(eos_ids),
         )
         if config.num_attention_heads % config.num_key_value_heads:
+            why = "" if "num_key_value_heads" in raw else ": transformers' default where config.json has none"
             raise ValueError(
                 f"num_attention_heads ({heads}) must be a multiple of "
-                f"num_key_value_heads ({config.num_key_value_heads})"
+                f"num_key_value_heads ({config.num_key_value_heads}{why})"
             )
         if config.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {config.head_dim}")
@@ -115,13 +123,19 @@ def _check_the_forward_is_nanorefs(raw: dict[str, Any], num_layers: int) -> None
             "use_sliding_window is on (layers from max_window_layers on would attend over a window of "
             f"{sliding_window(raw)} tokens): nanoref attends over the whole context"
         )
-    quantization = raw.get("quantization_config")
-    if quantization is not None:  # (its weights are float8 or packed integers, read with scales nanoref has not)
-        method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
+    if raw.get("dual_chunk_attention_config") is not None:  # (Qwen3-2507's config_1m.json; vLLM runs it)
         raise ValueError(
-            f"quantization_config: the checkpoint is quantized ({method!r:.40}); nanoref runs unquantized weights "
-            "only (bfloat16, float16 or float32)"
+            "dual_chunk_attention_config: nanoref runs plain RoPE and attention over the whole context, not dual chunk "
+            "attention; use the model's config.json without it (its usual context length)"
         )
+    for key in ("quantization_config", "compression_config"):  # (vLLM reads the second where the first is absent)
+        quantization = raw.get(key)
+        if quantization is not None:  # (its weights are float8 or packed integers, read with scales nanoref has not)
+            method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
+            raise ValueError(
+                f"{key}: the checkpoint is quantized ({method!r:.40}); nanoref runs unquantized weights "
+                "only (bfloat16, float16 or float32)"
+            )
     for key in ("dtype", "torch_dtype"):  # (transformers 5's name and 4's; nanoref's own dtype setting decides)
         value = raw.get(key)
         if value is not None and not (isinstance(value, str) and isinstance(getattr(torch, value, None), torch.dtype)):
@@ -134,8 +148,11 @@ def sliding_window(raw: dict[str, Any]) -> Any:
     return raw.get("sliding_window", 4096) if raw.get("use_sliding_window") else None
 
 
-def _integer(raw: dict[str, Any], key: str, default: int | None = None, minimum: int = 1) -> int:
-    value = raw.get(key)
+def _integer(
+    raw: dict[str, Any], key: str, default: int | None = None, minimum: int = 1, absent: dict[str, int] | None = None
+) -> int:
+    """raw[key], checked; absent[key] where the key is not there, and default where it is null (or absent from both)."""
+    value = raw.get(key, (absent or {}).get(key))
     if value is None and default is not None:
         value = default
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
@@ -168,10 +185,14 @@ class Qwen3MoeConfig(Qwen3Config):
     decoder_sparse_step: int = 1  # every decoder_sparse_step-th layer is sparse
     mlp_only_layers: list[int] = field(default_factory=list)  # layers that stay dense whatever the step
 
+    # transformers' Qwen3MoeConfig: 4 KV heads where config.json names none, and no head_dim field (its attention
+    # takes hidden_size // heads)
+    ABSENT = {"num_key_value_heads": 4}
+
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> Qwen3MoeConfig:
         """Parse and check an HF Qwen3-MoE config.json dict; ValueError names the first bad field."""
-        dense = Qwen3Config.from_dict(raw)  # the dense fields, checked the dense way
+        dense = Qwen3Config.from_dict(raw, absent=Qwen3MoeConfig.ABSENT)  # the dense fields, checked the dense way
         # transformers 5 writes num_experts as num_local_experts (an attribute_map alias); the hub's files say
         # num_experts. Either will do, but not two different values.
         if "num_experts" in raw and "num_local_experts" in raw and raw["num_experts"] != raw["num_local_experts"]:

@@ -1,0 +1,73 @@
+"""config.json fields read as transformers reads them: greedy output token-exact with HF on the same folder."""
+
+from __future__ import annotations
+
+import pytest
+
+from nanoref import LLM, SamplingParams
+from nanoref.testing import make_tiny_qwen3, make_tiny_qwen3_moe
+
+from .helpers import assert_matches_hf, copy_with_config, random_prompts
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+def assert_greedy_matches_hf(folder):
+    prompts = random_prompts(seed=3, lengths=[8, 21])
+    llm = LLM(folder, device="cpu", num_kvcache_blocks=16, max_model_len=128)
+    assert_matches_hf(folder, prompts, llm.generate(prompts, GREEDY, use_tqdm=False), GREEDY.max_tokens)
+
+
+def no_theta(config):
+    del config["rope_parameters"]  # (make_tiny_qwen3 writes rope_theta 10,000 there)
+
+
+# transformers 5: rope_scaling over rope_parameters; its rope_theta, else the top level's, else 10,000
+ROPE_EDITS = {
+    "no-theta-anywhere": no_theta,
+    "top-level-theta": lambda c: no_theta(c) or c.update(rope_theta=3000.0),
+    "rope-parameters-over-top-level": lambda c: c.update(rope_theta=3000.0),
+    "rope-scaling-over-rope-parameters": lambda c: c.update(
+        rope_scaling={"rope_type": "default", "rope_theta": 3000.0}
+    ),
+    "rope-scaling-without-theta": lambda c: c.update(rope_scaling={"rope_type": "default"}, rope_theta=3000.0),
+}
+
+
+@pytest.mark.parametrize("edit", ROPE_EDITS.values(), ids=ROPE_EDITS.keys())
+def test_rope_theta_is_read_as_transformers_reads_it(tmp_path, tiny_model, edit):
+    assert_greedy_matches_hf(copy_with_config(tmp_path, tiny_model, edit))
+
+
+def test_moe_rope_theta_default_is_transformers(tmp_path):
+    folder = make_tiny_qwen3_moe(tmp_path / "moe", num_hidden_layers=2)
+    assert_greedy_matches_hf(copy_with_config(tmp_path, folder, no_theta))
+
+
+def test_dense_head_dim_default_is_transformers_128(tmp_path):
+    """transformers' Qwen3Config takes head_dim 128 where config.json has none (not hidden_size // heads = 16)."""
+    folder = make_tiny_qwen3(tmp_path / "dense", head_dim=128)
+    assert_greedy_matches_hf(copy_with_config(tmp_path, folder, lambda c: c.pop("head_dim")))
+
+
+def test_moe_head_dim_default_is_hidden_size_over_heads(tmp_path):
+    """transformers' Qwen3MoeConfig has no head_dim field: its attention takes hidden_size // heads."""
+    folder = make_tiny_qwen3_moe(tmp_path / "moe", num_hidden_layers=2)  # (head_dim 16 = 64 // 4)
+    assert_greedy_matches_hf(copy_with_config(tmp_path, folder, lambda c: c.pop("head_dim")))
+
+
+def test_dense_kv_heads_default_is_transformers_32(tmp_path):
+    """transformers' Qwen3Config takes 32 KV heads where config.json names none (not as many as the heads)."""
+    folder = make_tiny_qwen3(tmp_path / "dense", num_attention_heads=64, num_key_value_heads=32)
+    assert_greedy_matches_hf(copy_with_config(tmp_path, folder, lambda c: c.pop("num_key_value_heads")))
+
+
+def test_moe_kv_heads_default_is_transformers_4(tmp_path):
+    folder = make_tiny_qwen3_moe(tmp_path / "moe", num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4)
+    assert_greedy_matches_hf(copy_with_config(tmp_path, folder, lambda c: c.pop("num_key_value_heads")))
+
+
+def test_kv_heads_transformers_default_that_does_not_divide_the_heads_says_so(tmp_path, tiny_model):
+    folder = copy_with_config(tmp_path, tiny_model, lambda c: c.pop("num_key_value_heads"))  # (4 heads)
+    with pytest.raises(ValueError, match=r"num_key_value_heads \(32: transformers' default where config.json has none"):
+        LLM(folder, device="cpu")
