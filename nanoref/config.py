@@ -38,9 +38,15 @@ _DTYPE_ALIASES = {"float": torch.float32, "half": torch.float16}
 KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
 
 
-def parse_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+def parse_dtype(dtype: str | torch.dtype | None, device: torch.device, checkpoint: str | None = None) -> torch.dtype:
+    """The weights' and activations' dtype. "auto" (or None), as vLLM's "auto" on a GPU with bfloat16: on CUDA the
+    checkpoint's float16 or bfloat16 (config.json's dtype, `checkpoint`) kept, and a float32 checkpoint, or one whose
+    config.json names no dtype, in bfloat16. On a CPU float32, whatever the checkpoint's, exact against HF in float32
+    (where vLLM's CPU backend, on x86 and Arm Linux, keeps float16 and bfloat16 and runs float32 in bfloat16)."""
     if dtype is None or dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        if device.type != "cuda":
+            return torch.float32
+        return torch.float16 if checkpoint == "float16" else torch.bfloat16
     if isinstance(dtype, torch.dtype):
         if dtype not in _DTYPES.values():
             raise ValueError(f"dtype must be one of {list(_DTYPES)}, got {dtype}")
@@ -202,7 +208,7 @@ class EngineConfig:
         )
         _set(self, generation_defaults=defaults)
         _set(self, device=parse_device(self.device))
-        _set(self, dtype=parse_dtype(self.dtype, self.device))
+        _set(self, dtype=parse_dtype(self.dtype, self.device, hf_config.dtype))
         for name in ("enforce_eager", "disable_cascade_attn", "skip_tokenizer_init"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")

@@ -89,7 +89,8 @@ class LLM(LLMEngine):
         llm.generate(["Hello"], SamplingParams(temperature=0.6, max_tokens=32))
 
     device: "cuda" when available, else "cpu" (the environment variable NANOREF_DEVICE, e.g. "cpu", overrides
-        that default). dtype: bfloat16 on CUDA, float32 on CPU.
+        that default). dtype "auto" (default): on CUDA the checkpoint's float16 or bfloat16 (config.json's dtype),
+        else bfloat16; float32 on a CPU.
     max_num_seqs, max_num_batched_tokens: sequences per step, and tokens per prefill step (longer prompts are
         prefilled in chunks); default 512 and 16,384 on CUDA (what a GPU needs to be busy), 64 and 4,096 on a CPU.
     max_model_len: prompt + generated tokens per sequence; default the model's limit, capped at 4096.

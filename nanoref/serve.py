@@ -143,7 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument(
         "--dtype",
         default=None,
-        help="auto, float32 (= float), float16 (= half) or bfloat16 (default auto: bfloat16 on CUDA, float32 on a CPU)",
+        help="auto, float32 (= float), float16 (= half) or bfloat16 (default auto: on CUDA the checkpoint's float16 or "
+        "bfloat16, else bfloat16; float32 on a CPU)",
     )
     engine.add_argument("--max-num-seqs", type=int, default=None, help="requests per step (default: per device)")
     engine.add_argument(

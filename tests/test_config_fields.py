@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from nanoref import LLM, SamplingParams
-from nanoref.testing import make_tiny_qwen3, make_tiny_qwen3_moe
+from nanoref.config import EngineConfig, parse_dtype
+from nanoref.testing import TINY_QWEN3, make_random_qwen3, make_tiny_qwen3, make_tiny_qwen3_moe
 
 from .helpers import assert_matches_hf, copy_with_config, random_prompts
 
@@ -71,3 +73,38 @@ def test_kv_heads_transformers_default_that_does_not_divide_the_heads_says_so(tm
     folder = copy_with_config(tmp_path, tiny_model, lambda c: c.pop("num_key_value_heads"))  # (4 heads)
     with pytest.raises(ValueError, match=r"num_key_value_heads \(32: transformers' default where config.json has none"):
         LLM(folder, device="cpu")
+
+
+def no_dtype(config):
+    config.pop("dtype", None)
+    config.pop("torch_dtype", None)
+
+
+# config.json's dtype -> what dtype="auto" runs on CUDA (vLLM's "auto": float16 and bfloat16 kept, the rest bfloat16)
+CHECKPOINT_DTYPES = {
+    "float16": (lambda c: c.update(dtype="float16"), torch.float16),
+    "bfloat16": (lambda c: c.update(dtype="bfloat16"), torch.bfloat16),
+    "float32": (lambda c: c.update(dtype="float32"), torch.bfloat16),
+    "none-named": (no_dtype, torch.bfloat16),
+    "transformers4-torch_dtype": (lambda c: no_dtype(c) or c.update(torch_dtype="float16"), torch.float16),
+    "dtype-over-torch_dtype": (lambda c: c.update(dtype="bfloat16", torch_dtype="float16"), torch.bfloat16),
+}
+
+
+@pytest.mark.parametrize("edit, on_cuda", CHECKPOINT_DTYPES.values(), ids=CHECKPOINT_DTYPES.keys())
+def test_auto_dtype_keeps_the_checkpoints_half_type_on_cuda(tmp_path, tiny_model, edit, on_cuda):
+    """dtype="auto" reads config.json's dtype: on CUDA (the resolution itself: no GPU here) as vLLM's "auto"; on a
+    CPU float32 whatever the checkpoint's (token-exact with HF in float32)."""
+    config = EngineConfig(copy_with_config(tmp_path, tiny_model, edit), device="cpu")
+    assert config.dtype == torch.float32
+    for dtype in ("auto", None):
+        assert parse_dtype(dtype, torch.device("cuda"), config.hf_config.dtype) == on_cuda
+    assert parse_dtype("float32", torch.device("cuda"), config.hf_config.dtype) == torch.float32  # (asked: as asked)
+
+
+def test_float16_checkpoint_runs_in_float16_on_cuda_and_float32_on_a_cpu(tmp_path):
+    folder = make_random_qwen3(tmp_path / "fp16", TINY_QWEN3, seed=1, initializer_range=0.1, dtype=torch.float16)
+    config = EngineConfig(folder, device="cpu")
+    assert (config.hf_config.dtype, config.dtype) == ("float16", torch.float32)
+    assert parse_dtype("auto", torch.device("cuda"), config.hf_config.dtype) == torch.float16
+    assert_greedy_matches_hf(folder)

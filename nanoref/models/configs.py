@@ -31,6 +31,9 @@ class Qwen3Config:
     tie_word_embeddings: bool = False
     attention_bias: bool = False
     eos_token_id: list[int] = field(default_factory=list)
+    # the checkpoint's dtype as config.json names it ("dtype", or transformers 4's "torch_dtype"), None where it
+    # names none: what dtype="auto" keeps on CUDA (nanoref.config.parse_dtype)
+    dtype: str | None = None
 
     REQUIRED = (
         "vocab_size",
@@ -84,6 +87,7 @@ class Qwen3Config:
             tie_word_embeddings=_boolean(raw, "tie_word_embeddings", False),
             attention_bias=_boolean(raw, "attention_bias", False),
             eos_token_id=list(eos_ids),
+            dtype=raw.get("dtype") if raw.get("dtype") is not None else raw.get("torch_dtype"),  # (transformers' order)
         )
         if config.num_attention_heads % config.num_key_value_heads:
             why = "" if "num_key_value_heads" in raw else ": transformers' default where config.json has none"
@@ -136,7 +140,7 @@ def _check_the_forward_is_nanorefs(raw: dict[str, Any], num_layers: int) -> None
                 f"{key}: the checkpoint is quantized ({method!r:.40}); nanoref runs unquantized weights "
                 "only (bfloat16, float16 or float32)"
             )
-    for key in ("dtype", "torch_dtype"):  # (transformers 5's name and 4's; nanoref's own dtype setting decides)
+    for key in ("dtype", "torch_dtype"):  # (transformers 5's name and 4's; dtype="auto" reads it, parse_dtype)
         value = raw.get(key)
         if value is not None and not (isinstance(value, str) and isinstance(getattr(torch, value, None), torch.dtype)):
             raise ValueError(f"{key} must name a torch dtype (e.g. 'bfloat16'), got {value!r:.40}")
