@@ -318,6 +318,16 @@ def copy_with_config(tmp_path, model_folder, edit):
     return folder
 
 
+def copy_with_eos(tmp_path, model_folder, eos: int):
+    """A copy of a model folder whose config.json and generation_config.json (where it has one) name `eos` as the
+    EOS id: HF's `generate`, vLLM and nanoref read the latter file's."""
+    folder = copy_with_config(tmp_path, model_folder, lambda c: c.update(eos_token_id=eos))
+    path = folder / "generation_config.json"
+    if path.is_file():
+        path.write_text(json.dumps({**json.loads(path.read_text()), "eos_token_id": eos}))
+    return folder
+
+
 # -- attention inputs ----------------------------------------------------------------------------
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 

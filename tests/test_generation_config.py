@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 
@@ -58,6 +59,29 @@ def test_an_eos_id_of_the_generation_config_ends_a_completion_where_hf_generate_
     assert out["text"] == " ugly." and greedy.stop_token_ids == []  # the token's text left out; params untouched
     plain = LLM(device="cpu").generate(PROMPTS[:1], greedy, use_tqdm=False)[0]  # the control: the original folder
     assert len(plain["token_ids"]) == 12 and newline in plain["token_ids"]
+
+
+def with_config_eos(folder: str, eos: int) -> str:
+    path = Path(folder) / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "eos_token_id": eos}))
+    return folder
+
+
+def test_config_jsons_eos_id_stops_only_where_generation_config_json_names_it_as_in_hf_generate(tmp_path):
+    """HF's `generate` and vLLM take generation_config.json's eos_token_id over config.json's (vLLM: and the
+    tokenizer's, here 0 in both); a folder without the file reads config.json's."""
+    newline = newline_id()
+    greedy = SamplingParams(temperature=0.0, max_tokens=12)
+    replaced = with_config_eos(model_with(tmp_path, {"eos_token_id": [0]}), newline)  # (the file: 0 alone)
+    llm = LLM(replaced, device="cpu")
+    prompt_ids = llm.get_tokenizer().encode(PROMPTS[0])
+    out = llm.generate(PROMPTS[:1], greedy, use_tqdm=False)[0]
+    assert out["token_ids"] == hf_greedy(replaced, prompt_ids, 12)
+    assert len(out["token_ids"]) == 12 and newline in out["token_ids"] and out["finish_reason"] == "length"
+    no_file = with_config_eos(model_with(tmp_path, None, name="no_file"), newline)  # (the control)
+    out = LLM(no_file, device="cpu").generate(PROMPTS[:1], greedy, use_tqdm=False)[0]
+    assert out["token_ids"] == hf_greedy(no_file, prompt_ids, 12)
+    assert out["token_ids"][-1] == newline and len(out["token_ids"]) < 12 and out["finish_reason"] == "stop"
 
 
 def test_ignore_eos_ignores_the_generation_configs_eos_ids_and_generation_config_vllm_keeps_them(tmp_path):

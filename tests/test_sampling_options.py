@@ -17,7 +17,7 @@ from nanoref.engine.sequence import Sequence
 from nanoref.layers import logits_processors
 from nanoref.layers.logits_processors import TokenLogprobs
 
-from .helpers import assert_no_block_leaked, copy_with_config, hf_model, random_prompts
+from .helpers import assert_no_block_leaked, copy_with_eos, hf_model, random_prompts
 
 # short prompts over few distinct ids: a random tiny model soon repeats itself, so penalties change its output
 PROMPTS = [[5, 6, 5, 6, 5, 6, 7], [9, 9, 9, 4], [100, 101, 100, 101, 102, 100, 101]]
@@ -110,7 +110,7 @@ def test_a_stop_token_id_ends_the_request_with_it_as_stop_reason(tiny_model):
 def test_eos_ends_a_request_with_no_stop_reason(tiny_model, tmp_path):
     free = engine(tiny_model).generate([PROMPTS[0]], greedy(), use_tqdm=False)[0]["token_ids"]
     eos = free[3]
-    llm = engine(copy_with_config(tmp_path, tiny_model, lambda c: c.update(eos_token_id=eos)))
+    llm = engine(copy_with_eos(tmp_path, tiny_model, eos))
     seq = run_to_the_end(llm, PROMPTS[0], SamplingParams(temperature=0, max_tokens=MAX_TOKENS))
     assert seq.completion_token_ids == free[: free.index(eos) + 1]
     assert (seq.finish_reason, seq.stop_reason) == ("stop", None)
@@ -122,7 +122,7 @@ def test_min_tokens_matches_hf_min_new_tokens(tiny_model, tmp_path):
     until then, exactly as HF's MinNewTokensLengthLogitsProcessor masks its eos ids."""
     free = engine(tiny_model).generate(PROMPTS, greedy(), use_tqdm=False)
     eos, stop = free[0]["token_ids"][0], free[1]["token_ids"][1]
-    folder = copy_with_config(tmp_path, tiny_model, lambda c: c.update(eos_token_id=eos))
+    folder = copy_with_eos(tmp_path, tiny_model, eos)
     llm = engine(folder)
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, min_tokens=6, stop_token_ids=[stop])
     unmasked = llm.generate(
@@ -340,7 +340,7 @@ def test_a_batch_asking_for_none_of_it_builds_and_runs_no_logits_processing(tiny
 def test_the_overlapped_loop_gives_the_plain_loops_tokens_with_penalties_min_tokens_and_logprobs(tiny_model, tmp_path):
     free = engine(tiny_model).generate(PROMPTS, greedy(), use_tqdm=False)
     eos = free[0]["token_ids"][2]
-    folder = copy_with_config(tmp_path, tiny_model, lambda c: c.update(eos_token_id=eos))
+    folder = copy_with_eos(tmp_path, tiny_model, eos)
     params = [
         SamplingParams(temperature=0, max_tokens=MAX_TOKENS, repetition_penalty=1.3, frequency_penalty=0.4),
         SamplingParams(temperature=0, max_tokens=MAX_TOKENS, min_tokens=8),

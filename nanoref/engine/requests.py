@@ -274,8 +274,10 @@ def _token_id(value: object) -> int:
 
 
 def eos_token_ids(config: EngineConfig, tokenizer: Any | None) -> set[int]:
-    """The model's EOS ids: its config's, and its tokenizer's (where it names another)."""
-    eos = set(config.hf_config.eos_token_id)
+    """The model's EOS ids: its tokenizer's, and config.json's where the generation config names them too. A
+    generation_config.json's eos_token_id replaces config.json's, as in HF's `generate` and vLLM (which stops at the
+    tokenizer's EOS and the file's ids); a folder without one reads config.json's (models/generation_config.py)."""
+    eos = set(config.hf_config.eos_token_id) & set(config.generation_defaults.eos_token_ids)
     if tokenizer is not None and tokenizer.eos_token_id is not None:
         eos.add(int(tokenizer.eos_token_id))
     return eos

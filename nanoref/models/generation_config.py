@@ -9,7 +9,9 @@ vLLM reads it by default (`generation_config="auto"`), and so does nanoref:
   `LLM.get_default_sampling_params()`, and the fields a server request leaves out. A SamplingParams the caller made is
   used as it is.
 - Its eos_token_id ids that are not already the model's EOS join each request's stop_token_ids (unless ignore_eos),
-  so a completion that ends at one names it as its `stop_reason` (vLLM's `update_from_generation_config`).
+  so a completion that ends at one names it as its `stop_reason` (vLLM's `update_from_generation_config`). The list
+  replaces config.json's eos_token_id, as in HF's `generate` and vLLM: an id config.json names and the file does not
+  ends nothing (the tokenizer's EOS still does, as in vLLM: `nanoref.engine.requests.eos_token_ids`).
 
 Its other keys (do_sample, max_length, ...) change nothing, as in vLLM. `generation_config="vllm"` keeps SamplingParams'
 own defaults (the file's EOS ids still stop a completion); a folder's path reads that folder's file instead of the
