@@ -183,6 +183,24 @@ def test_vllms_plain_shutdown_call_stops_the_engine(llm):
     assert_no_block_leaked(llm)
 
 
+def test_vllms_plain_shutdown_on_an_event_loop_refuses_requests_at_once(llm):
+    """vLLM's shutdown() marks the engine dead before it returns: the next generate raises EngineDeadError and
+    is_running is False, though on an event loop the engine thread is joined later, in a worker thread."""
+
+    async def shut_then_ask():
+        engine = AsyncLLM(llm)
+        stopping = engine.shutdown()  # (not awaited yet: nothing ran on the loop since)
+        running = engine.is_running
+        with pytest.raises(EngineDeadError, match="this AsyncLLM is closed"):
+            engine.generate("Hello", GREEDY, request_id="after-shutdown")
+        await stopping
+        return running, engine
+
+    running, engine = run(shut_then_ask())
+    assert not running and not engine._engine._thread.is_alive()
+    assert_no_block_leaked(llm)
+
+
 def test_get_tokenizer_of_an_engine_without_one_says_why():
     engine = AsyncLLM(LLM(device="cpu", num_kvcache_blocks=16, skip_tokenizer_init=True), owns_llm=True)
     try:

@@ -3,6 +3,8 @@ lookup and rejects typical wrong answers with a message that names the mistake."
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -242,3 +244,38 @@ def test_an_index_of_the_wrong_dtype_is_not_told_to_subtract_vocab_start():
     with pytest.raises(ExerciseFailure, match="tensors used as indices must be long") as failure:
         check_vocab_parallel_embed(float_local_ids, engine=False)
     assert "subtract vocab_start" not in str(failure.value)
+
+
+def test_the_check_leaves_the_processs_excepthook_as_it_found_it():
+    """torch.distributed's init_process_group wraps sys.excepthook to prefix "[rankN]: " to every traceback line;
+    the check's default group is gone once it returns, and so is that wrapper (a raising answer too)."""
+    import sys
+
+    hook = sys.excepthook
+    check_vocab_parallel_embed(vocab_parallel_embed, engine=False)
+    with pytest.raises(ExerciseFailure):
+        check_vocab_parallel_embed(all_reduces_itself, engine=False)
+    assert sys.excepthook is hook
+    assert not torch.distributed.is_initialized()
+
+
+def test_the_check_does_not_wait_for_other_ranks_under_torch_dist_init_barrier(monkeypatch):
+    """TORCH_DIST_INIT_BARRIER=1 (torch's switch for a barrier after init_process_group) would have the check's
+    default group wait for ranks that never come (30 minutes); the check runs as it does without it."""
+    import threading
+
+    monkeypatch.setenv("TORCH_DIST_INIT_BARRIER", "1")
+    errors = []
+
+    def check():
+        try:
+            check_vocab_parallel_embed(all_reduces_where_initialized, engine=False)
+        except ExerciseFailure as error:
+            errors.append(error)
+
+    thread = threading.Thread(target=check, daemon=True)
+    thread.start()
+    thread.join(60)
+    assert not thread.is_alive(), "the check waited in torch.distributed's barrier after init"
+    assert len(errors) == 1 and "with no all-reduce" in str(errors[0])
+    assert os.environ["TORCH_DIST_INIT_BARRIER"] == "1"

@@ -318,6 +318,39 @@ def test_a_seeded_request_preempted_and_recomputed_samples_what_it_samples_alone
         assert [o.token_ids for o in out.outputs] == [o.token_ids for o in expected.outputs]
 
 
+def test_a_step_that_fails_aborts_not_the_recompute_that_sat_it_out(tiny_model, monkeypatch):
+    """A preempted request whose recompute has only its last token left (the rest from the prefix cache) sits the
+    prefill step out (that token goes into its next verify step): when that prefill fails, the requests in it are
+    aborted, and the one that sat it out runs on to the tokens it makes alone."""
+    engine = dict(device="cpu", speculative_config=ngram(3, 2), kvcache_block_size=16)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompt = list(range(1, 33))  # two full blocks: after the first step, all but the last token are cached
+    llm = LLM(tiny_model, **engine, num_kvcache_blocks=32)
+    resumed = llm.add_request(prompt, params)
+    llm.step()
+    llm.scheduler.running.remove(resumed)
+    llm.scheduler.preempt(resumed)  # (as the scheduler preempts one whose next block is missing)
+    failing = llm.add_request(list(range(40, 50)), params)
+    real_run = llm.model_runner.run
+
+    def run(seqs, is_prefill, *args):
+        if is_prefill:
+            raise RuntimeError("injected prefill failure")
+        return real_run(seqs, is_prefill, *args)
+
+    monkeypatch.setattr(llm.model_runner, "run", run)
+    with pytest.raises(RuntimeError, match="injected prefill failure"):
+        llm.step()
+    assert failing.finish_reason == "abort" and llm.failed == [failing]
+    assert not resumed.is_finished
+    monkeypatch.setattr(llm.model_runner, "run", real_run)
+    while not llm.is_finished():
+        llm.step()
+    alone = LLM(tiny_model, **engine).generate([prompt], params, use_tqdm=False)[0]
+    assert resumed.finish_reason == "length" and resumed.completion_token_ids == alone["token_ids"]
+    assert_no_block_leaked(llm)
+
+
 @pytest.mark.parametrize("proposer", ["ngram", "draft"])
 def test_each_sample_of_an_n_request_equals_its_seed_run_alone(tiny_model, draft_folder, proposer):
     """Samples 1..n-1 read sample 0's prompt blocks and are verified beside it; each gives the tokens of its seed

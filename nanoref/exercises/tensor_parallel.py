@@ -11,6 +11,8 @@ against HF.
 from __future__ import annotations
 
 import contextlib
+import os
+import sys
 from collections.abc import Callable, Iterator
 
 import torch
@@ -82,11 +84,19 @@ def _as_rank(rank: int, world_size: int) -> Iterator[None]:
     if not hasattr(dist.Backend, _BACKEND.upper()):  # registered once per process
         make = lambda store, r, size, timeout: _RefusingGroup(r, size)  # noqa: E731
         dist.Backend.register_backend(_BACKEND, make, devices=["cpu"])
-    dist.init_process_group(_BACKEND, store=dist.HashStore(), rank=rank, world_size=world_size)
+    # init_process_group wraps sys.excepthook (every later traceback's lines prefixed "[rankN]: ") and, where
+    # TORCH_DIST_INIT_BARRIER=1, waits for the other ranks, which never come: neither outlives the call
+    hook, barrier = sys.excepthook, os.environ.pop("TORCH_DIST_INIT_BARRIER", None)
+    try:
+        dist.init_process_group(_BACKEND, store=dist.HashStore(), rank=rank, world_size=world_size)
+    finally:
+        if barrier is not None:
+            os.environ["TORCH_DIST_INIT_BARRIER"] = barrier
     try:
         yield
     finally:
         dist.destroy_process_group()
+        sys.excepthook = hook
 
 
 def _index_hint(table: torch.Tensor, start: int, end: int) -> Callable[[Exception], str | None]:

@@ -433,6 +433,9 @@ class AsyncLLM:
         if self._closed:
             return
         self._closed = True
+        self._stop_engine(timeout)
+
+    def _stop_engine(self, timeout: float) -> None:
         self._engine.close(timeout)
         # an engine that did not stop in time (a step that never ends) answers nobody: its requests fail now
         self._fail_in_flight("this AsyncLLM was closed before the engine stopped")
@@ -441,14 +444,17 @@ class AsyncLLM:
         """vLLM's AsyncLLM.shutdown, a plain call there: close() (timeout: its, None: 30 s). On an event loop, the join
         (which waits for a step) runs in a worker thread, not on the loop, and the returned task ends with it: `await
         engine.shutdown()` waits for the engine to stop, and vLLM's plain `engine.shutdown()` stops it all the same.
-        Without an event loop it returns (None) once the engine stopped."""
+        Without an event loop it returns (None) once the engine stopped. Either way, as vLLM's, the engine is dead
+        (is_running False, a new request EngineDeadError) once it returns."""
         timeout = 30.0 if timeout is None else timeout
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             self.close(timeout)
             return None
-        return loop.create_task(asyncio.to_thread(self.close, timeout))
+        stop = None if self._closed else self._stop_engine
+        self._closed = True  # (now: the task runs later)
+        return loop.create_task(asyncio.to_thread(stop or (lambda timeout: None), timeout))
 
     # -- the thread that receives the engine's messages (the engine thread, or the process form's reader) ------
     def _on_message(self, message: StepMessage) -> None:

@@ -155,6 +155,7 @@ class SpeculativeLoop:
                 if seq.num_completion_tokens and seq.num_computed_tokens + seq.num_scheduled_tokens == seq.num_tokens:
                     seq.num_scheduled_tokens -= 1
             if seqs := [seq for seq in seqs if seq.num_scheduled_tokens]:
+                scheduler.scheduled = seqs  # (one that sat the step out is not the step's: its failure aborts it not)
                 return seqs, True
 
     def in_step(self) -> list[Sequence]:
