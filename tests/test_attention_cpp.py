@@ -465,6 +465,33 @@ def test_a_lock_that_a_build_killed_just_now_left_is_removed_too(tmp_path, monke
     assert builds == [False]
 
 
+def test_without_os_file_locks_only_an_old_torch_lock_is_taken_for_a_killed_builds(tmp_path, monkeypatch):
+    """A network folder that has no OS file locks (flock: ENOLCK) cannot tell a live build from a dead one: a fresh
+    torch lock stays (torch waits for that build), one STALE_LOCK_SECONDS old goes; the build runs either way."""
+    import errno
+    import os
+    import time
+    import types
+
+    def no_locks(handle, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(attention_cpp, "fcntl", types.SimpleNamespace(flock=no_locks, LOCK_EX=2, LOCK_NB=4, LOCK_UN=8))
+    monkeypatch.setattr(attention_cpp, "missing_build_tools", lambda: [])
+    monkeypatch.setattr(attention_cpp, "extensions_root", lambda: tmp_path)
+    folder = tmp_path / attention_cpp.build_name()
+    folder.mkdir()
+    lock = folder / "lock"
+    builds = []
+    monkeypatch.setattr(attention_cpp, "_build", lambda name, where: builds.append(lock.exists()))
+    lock.touch()
+    attention_cpp._load_or_build()
+    hour_ago = time.time() - 3600
+    os.utime(lock, (hour_ago, hour_ago))
+    attention_cpp._load_or_build()
+    assert builds == [True, False]
+
+
 @pytest.mark.skipif(sys.platform == "win32", reason="OS file locks (fcntl) are POSIX's")
 def test_a_live_build_in_another_process_is_waited_for_and_its_library_loaded(tmp_path, monkeypatch, capsys):
     """Another process builds (it holds nanoref's OS lock, and torch's lock is there): this one says it waits, and

@@ -52,6 +52,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -794,7 +795,7 @@ def load() -> None:
     _loaded = True
 
 
-STALE_LOCK_SECONDS = 600  # without fcntl (Windows): a build lock this old was left by a killed build (~20-60 s each)
+STALE_LOCK_SECONDS = 600  # without OS file locks: a build lock this old was left by a killed build (~20-60 s each)
 
 
 _lock = threading.Lock()  # two threads making their first engines at once load (or build) once
@@ -813,28 +814,38 @@ def _builder(folder: Path) -> Iterator[bool]:
     An OS file lock on `nanoref.lock` there, which another process's build holds until it ends (waited for, saying
     so) and which the OS lets go of when a process dies. So torch's own `lock` file, found while this is held, is no
     live build's: a build killed mid-way left it (a Jupyter kernel restarted during the first build), and torch would
-    wait for it forever, and its library may be half written. It is removed (and the library built again)."""
+    wait for it forever, and its library may be half written. It is removed (and the library built again). Where
+    there are no OS file locks (Windows, a network folder without them), a torch lock is taken for a killed build's
+    once it is STALE_LOCK_SECONDS old."""
     folder.mkdir(parents=True, exist_ok=True)
     lock = folder / "lock"
-    if fcntl is None:  # (no OS file locks here: a torch lock this old is taken for a killed build's)
-        stale = lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_SECONDS
-        if stale:
-            lock.unlink()
-        yield stale
-        return
     with open(folder / "nanoref.lock", "a") as handle:
         try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            waiting = f"nanoref: waiting for another process's build of the cpp backend's kernels in {folder}..."
-            print(waiting, file=sys.stderr)
-            fcntl.flock(handle, fcntl.LOCK_EX)
+            locked = _os_lock(handle, folder)
+        except OSError:  # (no lock to take here)
+            locked = False
         try:
-            stale = lock.exists()
-            lock.unlink(missing_ok=True)
+            stale = lock.exists() and (locked or time.time() - lock.stat().st_mtime > STALE_LOCK_SECONDS)
+            if stale:
+                lock.unlink(missing_ok=True)
             yield stale
         finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+            if locked:
+                fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _os_lock(handle: Any, folder: Path) -> bool:
+    """Take the OS lock on the open file `handle` (waiting, and saying so, while another process holds it) -> False
+    where this system has none."""
+    if fcntl is None:
+        return False
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        waiting = f"nanoref: waiting for another process's build of the cpp backend's kernels in {folder}..."
+        print(waiting, file=sys.stderr)
+        fcntl.flock(handle, fcntl.LOCK_EX)
+    return True
 
 
 def _load_or_build() -> None:
