@@ -42,6 +42,22 @@ def test_use_tqdm_may_be_the_bar_factory_as_in_vllm(tiny_model):
     assert len(bars) == 1 and bars[0].total == 2 and bars[0].n == 2 and not bars[0].leave
 
 
+def test_a_bar_factory_that_raises_leaves_nothing_queued(tiny_model):
+    """tqdm.notebook's bar raises where ipywidgets is missing ("IProgress not found"): the call raises, and the next
+    call runs its own requests only (they used to stay queued, and the next call ran them too)."""
+    llm = LLM(tiny_model, num_kvcache_blocks=16)
+
+    def notebook_bar(*args, **kwargs):
+        raise ImportError("IProgress not found. Please update jupyter and ipywidgets.")
+
+    with pytest.raises(ImportError, match="IProgress"):
+        llm.generate([[1, 2, 3], [4, 5]], GREEDY, use_tqdm=notebook_bar)
+    assert llm.is_finished()
+    out = llm.generate([[7, 8]], GREEDY, use_tqdm=False, return_metrics=True)
+    assert len(llm.metrics.requests) == 1 and out[0]["metrics"].num_prompt_tokens == 2
+    assert_no_block_leaked(llm)
+
+
 def test_top_k_minus_one_is_off_as_in_vllm(tiny_model):
     assert SamplingParams(top_k=-1).top_k == 0
     with pytest.raises(ValueError, match="top_k must be an integer"):

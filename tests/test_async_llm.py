@@ -434,3 +434,52 @@ def test_close_fails_the_requests_of_an_engine_that_does_not_stop_in_time(llm, m
         release.set()
         engine._engine._thread.join(TIMEOUT)
     assert_no_block_leaked(llm)
+
+
+# a token id the tokenizer below cannot decode (as a slow tokenizer's "piece id is out of range" for an id past its
+# vocabulary, which the model's larger vocabulary can sample); a request allowed only that token makes nothing else
+UNDECODABLE = 1000
+UNDECODABLE_ONLY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, allowed_token_ids=[UNDECODABLE])
+
+
+def cannot_decode(tokenizer, monkeypatch) -> None:
+    """Make `tokenizer` raise on decoding UNDECODABLE (its own Python decode: the batched Rust one is then not used)."""
+
+    class Raising(type(tokenizer)):
+        def _decode(self, token_ids, *args, **kwargs):
+            if UNDECODABLE in ([token_ids] if isinstance(token_ids, int) else token_ids):
+                raise IndexError(f"piece id {UNDECODABLE} is out of range")
+            return super()._decode(token_ids, *args, **kwargs)
+
+    monkeypatch.setattr(tokenizer, "__class__", Raising)
+
+
+def serve_beside_an_undecodable_request(engine, expected: list[dict]) -> None:
+    """Two streams beside one whose tokens the tokenizer cannot decode: that one fails, naming the error; the two
+    stream to their offline text, and the engine serves the next request."""
+
+    async def main():
+        streams = [
+            collect(engine.generate(PROMPTS[0], GREEDY)),
+            collect(engine.generate(PROMPTS[1], UNDECODABLE_ONLY, request_id="undecodable")),
+            collect(engine.generate(PROMPTS[2], GREEDY)),
+        ]
+        results = await asyncio.gather(*streams, return_exceptions=True)
+        return results, await collect(engine.generate(PROMPTS[3], GREEDY))
+
+    (first, failed, third), after = run(main())
+    assert isinstance(failed, RuntimeError), failed
+    assert "request 'undecodable': making its output failed (IndexError: piece id 1000" in str(failed)
+    for outputs, offline in zip([first, third, after], expected):
+        assert outputs[-1].cumulative_text == offline["text"] and outputs[-1].finish_reason == "length"
+    assert engine.is_running
+
+
+def test_a_request_whose_tokens_cannot_be_decoded_fails_alone(engine, llm, monkeypatch):
+    """The engine thread makes the outputs of every request (one batched decode per step): one request's decode
+    that raises used to end the thread, failing every request with "the engine thread ended unexpectedly"."""
+    expected = llm.generate([PROMPTS[0], PROMPTS[2], PROMPTS[3]], GREEDY, use_tqdm=False)
+    assert not any(UNDECODABLE in out["token_ids"] for out in expected)
+    cannot_decode(llm.tokenizer, monkeypatch)
+    serve_beside_an_undecodable_request(engine, expected)
+    engine.close()  # (and the fixture checks that every block is back)

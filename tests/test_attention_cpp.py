@@ -449,6 +449,79 @@ def test_a_lock_left_by_a_killed_build_is_removed_before_building(tmp_path, monk
     assert builds == [False]  # built, with the stale lock gone
 
 
+def test_a_lock_that_a_build_killed_just_now_left_is_removed_too(tmp_path, monkeypatch):
+    """The kernel restarted during the first build and the notebook run again at once: torch's lock, seconds old,
+    is no live build's (none holds nanoref's OS lock), so it goes and the kernels are built again (its library may be
+    half written). It used to stay, and the engine waited on it forever after "compiling ... about 20 s"."""
+    monkeypatch.setattr(attention_cpp, "missing_build_tools", lambda: [])
+    monkeypatch.setattr(attention_cpp, "extensions_root", lambda: tmp_path)
+    folder = tmp_path / attention_cpp.build_name()
+    folder.mkdir()
+    (folder / "lock").touch()
+    (folder / f"{folder.name}.so").write_bytes(b"half a library")
+    builds = []
+    monkeypatch.setattr(attention_cpp, "_build", lambda name, where: builds.append((folder / "lock").exists()))
+    attention_cpp._load_or_build()
+    assert builds == [False]
+
+
+def test_without_os_file_locks_only_an_old_torch_lock_is_taken_for_a_killed_builds(tmp_path, monkeypatch):
+    """A network folder that has no OS file locks (flock: ENOLCK) cannot tell a live build from a dead one: a fresh
+    torch lock stays (torch waits for that build), one STALE_LOCK_SECONDS old goes; the build runs either way."""
+    import errno
+    import os
+    import time
+    import types
+
+    def no_locks(handle, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(attention_cpp, "fcntl", types.SimpleNamespace(flock=no_locks, LOCK_EX=2, LOCK_NB=4, LOCK_UN=8))
+    monkeypatch.setattr(attention_cpp, "missing_build_tools", lambda: [])
+    monkeypatch.setattr(attention_cpp, "extensions_root", lambda: tmp_path)
+    folder = tmp_path / attention_cpp.build_name()
+    folder.mkdir()
+    lock = folder / "lock"
+    builds = []
+    monkeypatch.setattr(attention_cpp, "_build", lambda name, where: builds.append(lock.exists()))
+    lock.touch()
+    attention_cpp._load_or_build()
+    hour_ago = time.time() - 3600
+    os.utime(lock, (hour_ago, hour_ago))
+    attention_cpp._load_or_build()
+    assert builds == [True, False]
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="OS file locks (fcntl) are POSIX's")
+def test_a_live_build_in_another_process_is_waited_for_and_its_library_loaded(tmp_path, monkeypatch, capsys):
+    """Another process builds (it holds nanoref's OS lock, and torch's lock is there): this one says it waits, and
+    once that build is done loads its library, building nothing and removing no lock of a live build."""
+    import fcntl
+    import threading
+    import time
+
+    monkeypatch.setattr(attention_cpp, "missing_build_tools", lambda: [])
+    monkeypatch.setattr(attention_cpp, "extensions_root", lambda: tmp_path)
+    folder = tmp_path / attention_cpp.build_name()
+    folder.mkdir()
+    builds, loads = [], []
+    monkeypatch.setattr(attention_cpp, "_build", lambda name, where: builds.append(name))
+    monkeypatch.setattr(torch.ops, "load_library", loads.append)
+    with open(folder / "nanoref.lock", "a") as other:  # (another open file: flock's locks are per open file)
+        fcntl.flock(other, fcntl.LOCK_EX)
+        (folder / "lock").touch()  # torch's, the other build's
+        waiting = threading.Thread(target=attention_cpp._load_or_build)
+        waiting.start()
+        time.sleep(0.5)
+        assert waiting.is_alive() and (folder / "lock").exists()
+        (folder / f"{folder.name}.so").write_bytes(b"the other build's library")
+        (folder / "lock").unlink()  # (torch's, as the build ends)
+        fcntl.flock(other, fcntl.LOCK_UN)
+    waiting.join(10)
+    assert not waiting.is_alive() and builds == [] and loads == [str(folder / f"{folder.name}.so")]
+    assert "waiting for another process's build" in capsys.readouterr().err
+
+
 def test_the_build_finds_a_pip_installed_ninja_off_path_and_leaves_path_as_it_was(tmp_path, monkeypatch):
     """A Jupyter kernel started by its interpreter's full path may lack the environment's bin folder on PATH, where
     `pip install ninja` put the binary torch runs by name."""

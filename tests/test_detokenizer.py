@@ -173,6 +173,36 @@ def test_add_many_without_a_rust_tokenizer_and_with_two_tokenizers(tokenizer):
         add_many([IncrementalDetokenizer(tokenizer), IncrementalDetokenizer(counting)], [[65], [66]])
 
 
+@pytest.mark.parametrize("failing_call", range(1, 5))
+def test_a_decode_that_raises_leaves_every_detokenizer_of_add_many_as_it_was(tokenizer, failing_call):
+    """The k-th decode of a step raises: the two windows' (calls 1, 2), or the new prefixes' (3, 4). Each detokenizer
+    is as before the step (it used to hold the step's tokens already), so each may be tried alone (as the server's
+    side does, to fail only the request at fault) and streams on to the whole decode's text."""
+    ids = tokenizer.encode("Hello, wonderful world! 日本語")
+    counting = CountingTokenizer(tokenizer)
+    detokenizers = [IncrementalDetokenizer(counting) for _ in range(2)]
+    add_many(detokenizers, [ids[:2], ids[:3]])
+    before = [dict(vars(d), token_ids=list(d.token_ids)) for d in detokenizers]
+    calls = len(counting.lengths)
+
+    def raising(token_ids, **kwargs):
+        counting.lengths.append(len(token_ids))
+        if len(counting.lengths) == calls + failing_call:
+            raise IndexError("piece id is out of range")
+        return tokenizer.decode(token_ids, **kwargs)
+
+    counting.decode = raising
+    with pytest.raises(IndexError):
+        add_many(detokenizers, [ids[2:5], ids[3:6]])
+    assert [dict(vars(d), token_ids=list(d.token_ids)) for d in detokenizers] == before
+    counting.decode = tokenizer.decode
+    for detokenizer, start in zip(detokenizers, (2, 3)):
+        for token_id in ids[start:]:
+            add_many([detokenizer], [[token_id]])
+        detokenizer.finish()
+        assert detokenizer.text == decode(tokenizer, ids)
+
+
 def wordpiece_tokenizer():
     """A WordPiece tokenizer (BERT's kind), whose decoder puts spaces between tokens, special ones included."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers

@@ -16,7 +16,17 @@ from nanoref.serving.async_llm import AsyncLLM, EngineDeadError, EngineThread
 from nanoref.serving.engine_process import EngineProcess
 from nanoref.utils import seams
 
-from .test_async_llm import GREEDY, LONG, PROMPTS, SAMPLED, collect, run, until
+from .test_async_llm import (
+    GREEDY,
+    LONG,
+    PROMPTS,
+    SAMPLED,
+    cannot_decode,
+    collect,
+    run,
+    serve_beside_an_undecodable_request,
+    until,
+)
 
 SETTINGS = dict(device="cpu", num_kvcache_blocks=128)  # the built-in model: a real tokenizer, fast on a CPU
 SEEDED = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=12, ignore_eos=True, seed=11)
@@ -304,21 +314,21 @@ def test_an_engine_process_that_reads_nothing_never_blocks_the_event_loop():
 
 
 def test_a_step_message_that_fails_on_the_server_side_fails_the_requests_instead_of_hanging(monkeypatch):
-    """Turning a step message into outputs runs in the server's reader thread (its decode, a tokenizer's code): when
-    it raises, the requests in flight get that error and later ones are refused, as when an engine thread dies;
-    the engine process is stopped, not left behind."""
-    import nanoref.engine.output_processor as output_processor
+    """Turning a step message into outputs runs in the server's reader thread: when that fails as a whole (not one
+    request's decode, which fails that request alone), the requests in flight get that error and later ones are
+    refused, as when an engine thread dies; the engine process is stopped, not left behind."""
+    from nanoref.serving import async_llm
 
     engine = AsyncLLM.from_model(engine_process=True, **SETTINGS)
     process = engine._engine.process
     try:
 
-        def broken(detokenizers, token_lists):
-            if detokenizers:
+        def broken(live):
+            if live:
                 raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "a tokenizer that cannot decode")
             return []
 
-        monkeypatch.setattr(output_processor, "add_many", broken)
+        monkeypatch.setattr(async_llm, "delta_texts", broken)
         with pytest.raises(RuntimeError, match="server's side failed on a step message.*UnicodeDecodeError"):
             run(collect(engine.generate("Beautiful is better than", GREEDY)))
         assert not engine.is_running
@@ -328,3 +338,12 @@ def test_a_step_message_that_fails_on_the_server_side_fails_the_requests_instead
         assert process.exitcode is not None and process not in multiprocessing.active_children()
     finally:
         engine.close()
+
+
+def test_a_request_whose_tokens_cannot_be_decoded_fails_alone_on_the_server_side(engine, llm, monkeypatch):
+    """The server's reader thread decodes every request's tokens: one request's decode that raises used to fail
+    every request in flight and stop the engine process."""
+    expected = llm.generate([PROMPTS[0], PROMPTS[2], PROMPTS[3]], GREEDY, use_tqdm=False)
+    cannot_decode(engine.tokenizer, monkeypatch)
+    serve_beside_an_undecodable_request(engine, expected)
+    assert engine.stats().num_kv_blocks_used == 0

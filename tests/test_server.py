@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
@@ -189,6 +190,44 @@ def test_malformed_json_is_a_400_and_the_server_serves_on(server):
     assert caught.value.param == "temperature"
     answer = server.client().completions.create(model=MODEL, prompt="Flat is", max_tokens=3)
     assert answer.usage.completion_tokens >= 1
+
+
+def strict_json(text: str):
+    """JSON as the standard has it: NaN and Infinity are no JSON (a browser's JSON.parse refuses them)."""
+
+    def refuse(constant: str):
+        raise ValueError(f"{constant} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_logprobs_of_logits_that_overflowed_are_null_not_a_500_or_nan(server, monkeypatch):
+    """A model whose logits overflow (NaN, as fp16 ones can) makes NaN logprobs: the response says null for each,
+    as vLLM's do (pydantic writes NaN as null), streamed or not; it was a 500 ("Out of range float values are not
+    JSON compliant") or, streamed, a NaN that is no JSON."""
+    model = server.engine.llm.model_runner.model
+    compute_logits = model.compute_logits
+    monkeypatch.setattr(model, "compute_logits", lambda hidden: torch.full_like(compute_logits(hidden), float("nan")))
+    requests = [
+        ("completions", {"prompt": "Flat is", "logprobs": 2, "echo": True}),
+        ("chat/completions", {"messages": MESSAGES, "logprobs": True, "top_logprobs": 2}),
+    ]
+    for route, fields in requests:
+        for stream in (False, True):
+            body = {"model": MODEL, "max_tokens": 2, "temperature": 0, "stream": stream, **fields}
+            reply = httpx.post(f"{server.url}/v1/{route}", json=body, timeout=TIMEOUT)
+            assert reply.status_code == 200, reply.text
+            if stream:
+                events = [line[6:] for line in reply.text.splitlines() if line.startswith("data: {")]
+                choices = [choice for event in events for choice in strict_json(event)["choices"]]
+            else:
+                choices = strict_json(reply.text)["choices"]
+            scored = [choice["logprobs"] for choice in choices if choice.get("logprobs")]
+            assert scored, (route, stream, reply.text)
+            for logprobs in scored:
+                values = logprobs.get("token_logprobs") or [entry["logprob"] for entry in logprobs["content"]]
+                assert None in values and not any(isinstance(value, float) for value in values), values
+    server.wait_until_idle()
 
 
 def test_a_client_that_disconnects_mid_stream_frees_its_blocks(server, monkeypatch):

@@ -139,26 +139,37 @@ def decode_many(
 def add_many(detokenizers: list[IncrementalDetokenizer], token_lists: list[list[int]]) -> list[str]:
     """`detokenizers[i].add(token_lists[i])` for every i -> the pieces, with two batched decodes per kind of
     decoding (skip_special_tokens, spaces_between_special_tokens: nearly always one kind) in all (the windows, then
-    the new prefixes) rather than two per detokenizer. They must share one tokenizer."""
+    the new prefixes) rather than two per detokenizer. They must share one tokenizer. Every decode runs before any
+    detokenizer changes: when one raises (a tokenizer that cannot decode some id), each is as it was, and each may
+    then be tried alone (`delta_texts` does, to fail only the request at fault)."""
     if not detokenizers:
         return []
     tokenizer = detokenizers[0].tokenizer
     if any(detokenizer.tokenizer is not tokenizer for detokenizer in detokenizers):
         raise ValueError("add_many needs detokenizers that share one tokenizer")
     kinds: dict[tuple[bool, bool], list[int]] = {}
+    new_ids, window_ids = [], []  # each one's new tokens, and its window after the add
     for i, (detokenizer, token_ids) in enumerate(zip(detokenizers, token_lists, strict=True)):
-        detokenizer.token_ids.extend(t for t in token_ids if t not in detokenizer.hidden)
+        new_ids.append([t for t in token_ids if t not in detokenizer.hidden])
+        window_ids.append(detokenizer.token_ids[detokenizer.prefix_offset :] + new_ids[-1])
         kinds.setdefault(detokenizer.decoding, []).append(i)
-    pieces = [""] * len(detokenizers)
+    windows: list[str] = [""] * len(detokenizers)
+    prefixes: list[str | None] = [None] * len(detokenizers)  # the next prefix_text, where the window advances
     for decoding, members in kinds.items():
-        group = [detokenizers[i] for i in members]
-        windows = decode_many(tokenizer, [d.token_ids[d.prefix_offset :] for d in group], *decoding)
-        advanced = [detokenizer._advance(window) for detokenizer, window in zip(group, windows)]
-        waiting = [(d, ids) for d, (_, ids) in zip(group, advanced) if ids is not None]
-        for (detokenizer, _), text in zip(waiting, decode_many(tokenizer, [ids for _, ids in waiting], *decoding)):
-            detokenizer.prefix_text = text
-        for i, (piece, _) in zip(members, advanced):
-            pieces[i] = piece
+        for i, window in zip(members, decode_many(tokenizer, [window_ids[i] for i in members], *decoding)):
+            windows[i] = window
+        advancing = [i for i in members if not detokenizers[i]._waits(windows[i])]
+        # (the ids `_advance` returns: the window's tokens from read_offset on)
+        prefix_ids = [window_ids[i][detokenizers[i].read_offset - detokenizers[i].prefix_offset :] for i in advancing]
+        for i, text in zip(advancing, decode_many(tokenizer, prefix_ids, *decoding)):
+            prefixes[i] = text
+    pieces = []
+    for detokenizer, new, window, prefix in zip(detokenizers, new_ids, windows, prefixes):
+        detokenizer.token_ids.extend(new)
+        piece, _ = detokenizer._advance(window)
+        if prefix is not None:
+            detokenizer.prefix_text = prefix
+        pieces.append(piece)
     return pieces
 
 
@@ -203,12 +214,16 @@ class IncrementalDetokenizer:
     def _advance(self, window: str) -> tuple[str, list[int] | None]:
         """Take the decoded window -> (the new piece, the ids whose text is the next `prefix_text`, or None when
         the window waits for the rest of a character). `add` in two halves around its decodes (see add_many)."""
-        if window.endswith(REPLACEMENT_CHAR) or len(window) <= len(self.prefix_text):
+        if self._waits(window):
             self._search_from = len(self.decoded)  # nothing new to search
             return "", None  # wait for the rest of the character
         self._extend(window[len(self.prefix_text) :])
         self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
         return self._show(self._held_back()), self.token_ids[self.prefix_offset : self.read_offset]
+
+    def _waits(self, window: str) -> bool:
+        """The decoded window shows nothing new yet: it ends in half a character, or adds no text."""
+        return window.endswith(REPLACEMENT_CHAR) or len(window) <= len(self.prefix_text)
 
     def find_stop(self) -> str | None:
         """The stop string the latest `add` completed, if any: the text is cut before it (just after it with

@@ -262,11 +262,11 @@ class LLMEngine:
         # one per step): raised in the next forward or learner function, where every request is aborted, or when
         # the call ends; never half-way through queuing or a step's bookkeeping.
         with self._lock, held_interrupts():
+            make_bar = use_tqdm if callable(use_tqdm) else partial(tqdm, disable=not use_tqdm)
+            bar = make_bar(total=sum(map(len, requests)), desc="Generating", dynamic_ncols=True)  # (may raise: first)
             self.metrics.clear()
             for samples in requests:
                 self.enqueue_samples(samples)
-            make_bar = use_tqdm if callable(use_tqdm) else partial(tqdm, disable=not use_tqdm)
-            bar = make_bar(total=sum(map(len, requests)), desc="Generating", dynamic_ncols=True)
             rates = {}  # the latest prefill and decode step's tokens per second
             try:
                 while not self.is_finished():

@@ -563,13 +563,34 @@ def token_texts(tokenizer: Any) -> Callable[[int], str | None]:
     return text
 
 
-def delta_texts(live: list[tuple[RequestOutputs, SampleDelta]]) -> list[str]:
+def delta_texts(live: list[tuple[RequestOutputs, SampleDelta]]) -> list[str | Exception]:
     """Each delta's new text: the engine's (a request with stop strings), else decoded here, every stream's new
-    tokens in one batched decode (`add_many`: a Rust call that lets the event loop run meanwhile)."""
-    texts = [delta.text for _, delta in live]
+    tokens in one batched decode (`add_many`: a Rust call that lets the event loop run meanwhile). Where the
+    tokenizer cannot decode a request's tokens, that delta's entry is the error: the batch is decoded again one
+    delta at a time (a failed `add_many` changed nothing), so only the request at fault fails."""
+    texts: list[str | Exception | None] = [delta.text for _, delta in live]
     undecoded = [i for i, text in enumerate(texts) if text is None]
     detokenizers = [live[i][0].detokenizers[live[i][1].index] for i in undecoded]
-    pieces = add_many(detokenizers, [live[i][1].token_ids for i in undecoded])
+    token_lists = [live[i][1].token_ids for i in undecoded]
+    try:
+        pieces: list[str | Exception] = add_many(detokenizers, token_lists)
+    except Exception:
+        pieces = [_or_error(_add_one, detokenizer, ids) for detokenizer, ids in zip(detokenizers, token_lists)]
     for i, detokenizer, piece in zip(undecoded, detokenizers, pieces):
-        texts[i] = piece + detokenizer.finish() if live[i][1].finished else piece  # (finish: the held-back rest)
+        if live[i][1].finished and not isinstance(piece, Exception):  # (finish: the held-back rest)
+            rest = _or_error(detokenizer.finish)
+            piece = rest if isinstance(rest, Exception) else piece + rest
+        texts[i] = piece
     return texts
+
+
+def _add_one(detokenizer: IncrementalDetokenizer, token_ids: list[int]) -> str:
+    return add_many([detokenizer], [token_ids])[0]  # (unlike `add`, it changes nothing when the decode raises)
+
+
+def _or_error(fn: Callable, *args: Any) -> Any:
+    """fn(*args), or the Exception it raised."""
+    try:
+        return fn(*args)
+    except Exception as error:
+        return error

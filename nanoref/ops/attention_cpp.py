@@ -33,11 +33,13 @@ compiler and ninja must be installed; about 20 s, once per machine) and register
 build is cached under torch's extensions directory (`~/.cache/torch_extensions`, or `$TORCH_EXTENSIONS_DIR`), in a
 folder named after a hash of the source, the flags, torch's version and this CPU's instruction sets: processes and
 checkouts of other versions never rebuild each other's copy, and a home folder shared between machines never loads
-a build for the wrong CPU. Concurrent first uses (pytest-xdist workers) build once: the others wait on torch's lock.
+a build for the wrong CPU. Concurrent first uses (pytest-xdist workers) build once: the others wait for it on an OS
+file lock, which a build killed mid-way lets go of (its leftover torch lock is then removed: `_builder`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import importlib.util
@@ -48,11 +50,18 @@ import shutil
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from nanoref.utils.tracing import trace
+
+try:
+    import fcntl
+except ImportError:  # (Windows)
+    fcntl = None
 
 CPP_SOURCE = r"""
 // Only the headers these kernels need: torch/extension.h (what load_inline includes) would triple the build time.
@@ -786,7 +795,7 @@ def load() -> None:
     _loaded = True
 
 
-STALE_LOCK_SECONDS = 600  # a build lock this old was left by a process killed mid-build (a build takes ~20-60 s)
+STALE_LOCK_SECONDS = 600  # without OS file locks: a build lock this old was left by a killed build (~20-60 s each)
 
 
 _lock = threading.Lock()  # two threads making their first engines at once load (or build) once
@@ -798,6 +807,47 @@ def _load() -> None:
         _load_or_build()
 
 
+@contextlib.contextmanager
+def _builder(folder: Path) -> Iterator[bool]:
+    """Be the one process building in `folder` -> whether torch's build lock there was a dead build's (and is gone).
+
+    An OS file lock on `nanoref.lock` there, which another process's build holds until it ends (waited for, saying
+    so) and which the OS lets go of when a process dies. So torch's own `lock` file, found while this is held, is no
+    live build's: a build killed mid-way left it (a Jupyter kernel restarted during the first build), and torch would
+    wait for it forever, and its library may be half written. It is removed (and the library built again). Where
+    there are no OS file locks (Windows, a network folder without them), a torch lock is taken for a killed build's
+    once it is STALE_LOCK_SECONDS old."""
+    folder.mkdir(parents=True, exist_ok=True)
+    lock = folder / "lock"
+    with open(folder / "nanoref.lock", "a") as handle:
+        try:
+            locked = _os_lock(handle, folder)
+        except OSError:  # (no lock to take here)
+            locked = False
+        try:
+            stale = lock.exists() and (locked or time.time() - lock.stat().st_mtime > STALE_LOCK_SECONDS)
+            if stale:
+                lock.unlink(missing_ok=True)
+            yield stale
+        finally:
+            if locked:
+                fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _os_lock(handle: Any, folder: Path) -> bool:
+    """Take the OS lock on the open file `handle` (waiting, and saying so, while another process holds it) -> False
+    where this system has none."""
+    if fcntl is None:
+        return False
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        waiting = f"nanoref: waiting for another process's build of the cpp backend's kernels in {folder}..."
+        print(waiting, file=sys.stderr)
+        fcntl.flock(handle, fcntl.LOCK_EX)
+    return True
+
+
 def _load_or_build() -> None:
     global _failure
     missing = missing_build_tools()
@@ -806,24 +856,25 @@ def _load_or_build() -> None:
     name = build_name()
     folder = extensions_root() / name
     library, lock = folder / f"{name}.so", folder / "lock"
-    try:
-        if library.exists() and not lock.exists():  # built before (and no build under way): just load it
-            torch.ops.load_library(str(library))
-            return
-        if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_SECONDS:
-            lock.unlink(missing_ok=True)  # torch would wait for it forever
-    except OSError as error:  # a damaged library: say where it is (deleting the folder makes the next use rebuild it)
-        _failure = CppKernelUnavailableError(f"loading the cpp backend's kernels from {library} failed: {error}")
-        raise _failure from error
+    if library.exists() and not lock.exists():  # built before (and no build under way): just load it
+        _load_library(library)
+        return
     path_before = list(sys.path)
-    print(
-        f"nanoref: compiling the cpp backend's C++ kernels into {folder} (once per machine, about 20 s)...",
-        file=sys.stderr,
-    )
-    start = time.perf_counter()
     try:
-        _build(name, folder)
-    except Exception as error:  # compiler errors, a broken toolchain: say which backend failed and why
+        with _builder(folder) as stale:
+            if library.exists() and not stale:  # another process built it while this one waited
+                _load_library(library)
+                return
+            print(
+                f"nanoref: compiling the cpp backend's C++ kernels into {folder} (once per machine, about 20 s)...",
+                file=sys.stderr,
+            )
+            start = time.perf_counter()
+            _build(name, folder)
+    except CppKernelUnavailableError:
+        raise
+    except Exception as error:  # compiler errors, a broken toolchain, a folder it cannot write: say which backend
+        # failed and why
         _failure = CppKernelUnavailableError(f"building the cpp backend's kernels failed: {error}")
         raise _failure from error
     finally:
@@ -831,6 +882,15 @@ def _load_or_build() -> None:
         # caller's import path is theirs, so take back what the build added (the modules it imported stay loaded)
         sys.path[:] = [entry for entry in sys.path if entry in path_before]
     print(f"nanoref: the cpp backend's kernels are built ({time.perf_counter() - start:.0f} s)", file=sys.stderr)
+
+
+def _load_library(library: Path) -> None:
+    global _failure
+    try:
+        torch.ops.load_library(str(library))
+    except OSError as error:  # a damaged library: say where it is (deleting the folder makes the next use rebuild it)
+        _failure = CppKernelUnavailableError(f"loading the cpp backend's kernels from {library} failed: {error}")
+        raise _failure from error
 
 
 def _build(name: str, folder: Path) -> None:

@@ -411,8 +411,10 @@ class TokenTexts:
         return None
 
 
-def _logprob(value: float) -> float:
-    return max(value, -9999.0)  # OpenAI's floor for "very unlikely" (-inf is not JSON)
+def _logprob(value: float) -> float | None:
+    """OpenAI's floor for "very unlikely" under -inf, which is no JSON; NaN (logits that overflowed) is null, as
+    vLLM's pydantic responses write it."""
+    return max(value, -9999.0) if value == value else None
 
 
 def token_name(token_id: int, text: str, as_id: bool) -> str:

@@ -467,7 +467,13 @@ class AsyncLLM:
         live = [(by_key[delta.key], delta) for delta in message.deltas if delta.key in by_key]
         texts = delta_texts([(request.outputs, delta) for request, delta in live])
         for (request, delta), text in zip(live, texts):
-            outbox.setdefault(request.loop, []).append((request, request.outputs.output(delta, text)))
+            try:  # (a tokenizer that cannot decode this request's tokens: it fails alone, the others go on)
+                if isinstance(text, Exception):
+                    raise text
+                item = request.outputs.output(delta, text)
+            except Exception as error:
+                item = self._output_failed(request, error)
+            outbox.setdefault(request.loop, []).append((request, item))
         for key, error in message.errors:
             request = by_key.get(key)
             if request is not None:
@@ -479,6 +485,19 @@ class AsyncLLM:
                 pass
         for key, answer in message.replies:
             self._answer(key, answer)
+
+    def _output_failed(self, request: _Request, error: Exception) -> RuntimeError:
+        """Making a request's output failed here (its text): the request ends with an error saying so, the engine
+        aborts it (its blocks go back), and its later deltas are dropped."""
+        with self._requests_lock:
+            self._by_key.pop(request.key, None)
+        self._engine.send(("abort", request.key))
+        failure = RuntimeError(
+            f"request {request.request_id!r}: making its output failed ({type(error).__name__}: {error}); the "
+            "request was aborted"
+        )
+        failure.__cause__ = error
+        return failure
 
     def _answer(self, key: int, answer: int | BaseException) -> None:
         """A command's reply (or why none will come) to its awaiter, on the awaiter's event loop."""

@@ -154,8 +154,9 @@ class EngineProcess:
                 break
             try:
                 self._on_message(message)
-            except Exception as error:  # (making outputs of it failed here, a tokenizer's decode say): as a dead
-                # engine thread would, fail every request in flight and every later one, rather than leave them
+            except Exception as error:  # (handing the message on failed as a whole: one request's output that
+                # fails fails that request alone): as a dead engine thread would, fail every request in flight and
+                # every later one, rather than leave them
                 self._on_exit(f"the server's side failed on a step message ({type(error).__name__}: {error})")
                 self._stop(timeout=5.0)
                 break
