@@ -2,27 +2,33 @@
 
 The check runs the learner's function alone for the shards of small vocabularies split over 2 and 4 ranks (the
 first shard, a middle one, the last one with its padding rows, a rank none of whose ids come up, and tables padded
-on every rank, so that the next rank's ids fall within the table's size), each call as that rank of a
-torch.distributed default group that refuses collectives (an all-reduce of the learner's own, guarded or not, is
-named), then inside a real two-process engine (tensor_parallel_size=2, gloo on the CPU), where every rank calls it,
-against HF.
+on every rank, so that the next rank's ids fall within the table's size), then inside a real two-process engine
+(tensor_parallel_size=2, gloo on the CPU), where every rank calls it, against HF. An all-reduce of the learner's own
+is named: one that runs raises (no process group here) and gets the hint; one under `if dist.is_initialized()`,
+which runs in neither (nanoref's engine makes no default group), is found in the function's code (`find_collective`,
+which reads it without running it or changing anything in the process).
 """
 
 from __future__ import annotations
 
+import builtins
 import contextlib
-import os
+import dis
+import functools
+import inspect
 import sys
-from collections.abc import Callable, Iterator
+import traceback
+import types
+from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from nanoref.exercises.common import (
     ExerciseFailure,
     call_learner,
     check_generation,
+    describe_location,
     input_generator,
     random_prompts,
     tiny_model,
@@ -49,63 +55,156 @@ def _shard_table(
     return table
 
 
-class _RefusingGroup(dist.ProcessGroup):
-    """The default process group while the check calls the learner's function: it says it has the case's rank and
-    world size (so `dist.is_initialized()` is True and `dist.get_world_size()` > 1, as in an engine built on
-    torch.distributed's default group), and refuses every collective. An all-reduce guarded by
-    `if dist.is_initialized()` then runs here, and fails naming the mistake, instead of passing the check alone and
-    adding the ranks' rows up twice in such an engine (nanoref's own engine has groups of its own, so there the
-    guard would hide it)."""
-
-    def _refuse(self, *args: object, **kwargs: object) -> None:
-        raise RuntimeError(
-            f"the check runs vocab_parallel_embed as rank {self.rank()} of a process group of {self.size()} ranks, "
-            "and refuses collectives in it"
-        )
-
-    allreduce = allreduce_coalesced = allgather = _allgather_base = allgather_into_tensor_coalesced = _refuse
-    broadcast = reduce = reduce_scatter = _reduce_scatter_base = reduce_scatter_tensor_coalesced = _refuse
-    alltoall = alltoall_base = gather = scatter = barrier = send = recv = _refuse
-
-    def getBackendName(self) -> str:  # noqa: N802 (torch's name)
-        return _BACKEND
+# torch.distributed's collectives, as their names read with the underscores dropped: the process-group functions
+# (all_reduce, all_gather_into_tensor, reduce_scatter_tensor, broadcast ...), the functional and autograd ones
+# (_functional_collectives.all_reduce, all_gather_tensor ...) and the c10d ops (torch.ops.c10d.allreduce_ ...)
+_COLLECTIVE_PREFIXES = ("allreduce", "allgather", "reducescatter", "alltoall", "broadcast")
+_COLLECTIVE_NAMES = frozenset({"reduce", "gather", "scatter", "gatherobject", "scatterobjectlist", "barrier"})
+_MISSING = object()
+# instructions that leave the value an attribute chain or an import is building where it was
+_KEEP = frozenset({"CACHE", "EXTENDED_ARG", "NOP", "PUSH_NULL", "SWAP", "COPY", "POP_TOP", "RESUME"})
 
 
-_BACKEND = "nanoref_exercise"
+def _is_collective(path: str) -> bool:
+    """Whether the dotted `path` (`torch.distributed.all_reduce`) names a collective of torch.distributed's, a c10d
+    op, or one of nanoref's own (nanoref.parallel)."""
+    *where, name = path.split(".")
+    distributed = where[:1] == ["torch"] and ("distributed" in where or any("c10d" in part for part in where))
+    if not (distributed or where[:2] == ["nanoref", "parallel"]):
+        return False
+    bare = name.strip("_").replace("_", "")
+    return bare.startswith(_COLLECTIVE_PREFIXES) or bare in _COLLECTIVE_NAMES
 
 
-@contextlib.contextmanager
-def _as_rank(rank: int, world_size: int) -> Iterator[None]:
-    """Inside: torch.distributed's default group is a `_RefusingGroup` of `world_size` ranks, this process `rank`
-    (left alone where a default group exists already, or torch.distributed is missing)."""
-    if not dist.is_available() or dist.is_initialized():
-        yield
-        return
-    if not hasattr(dist.Backend, _BACKEND.upper()):  # registered once per process
-        make = lambda store, r, size, timeout: _RefusingGroup(r, size)  # noqa: E731
-        dist.Backend.register_backend(_BACKEND, make, devices=["cpu"])
-    # init_process_group wraps sys.excepthook (every later traceback's lines prefixed "[rankN]: ") and, where
-    # TORCH_DIST_INIT_BARRIER=1, waits for the other ranks, which never come: neither outlives the call
-    hook, barrier = sys.excepthook, os.environ.pop("TORCH_DIST_INIT_BARRIER", None)
-    try:
-        dist.init_process_group(_BACKEND, store=dist.HashStore(), rank=rank, world_size=world_size)
-    finally:
-        if barrier is not None:
-            os.environ["TORCH_DIST_INIT_BARRIER"] = barrier
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-        sys.excepthook = hook
+def _path_of(obj: object) -> str | None:
+    """A module's, function's or class's dotted name; None for anything else."""
+    obj = obj.func if isinstance(obj, functools.partial) else obj
+    if isinstance(obj, types.ModuleType):
+        return obj.__name__
+    if isinstance(obj, (types.FunctionType, types.BuiltinFunctionType, type)):
+        return f"{obj.__module__}.{obj.__qualname__}"
+    return None
+
+
+def _attribute(obj: object, path: str | None, name: str) -> tuple[object, str | None]:
+    """`obj.name` and its dotted path, read without running any of the learner's code (a module's or class's own
+    attribute, else _MISSING: the path alone goes on)."""
+    value = _MISSING
+    if isinstance(obj, types.ModuleType):
+        value = vars(obj).get(name, _MISSING)
+    elif isinstance(obj, type):
+        value = inspect.getattr_static(obj, name, _MISSING)
+        value = getattr(value, "__func__", value)  # (a staticmethod's or classmethod's function)
+    if path is not None:
+        return value, f"{path}.{name}"
+    return value, _path_of(value) if value is not _MISSING else None
+
+
+def _functions_in(obj: object) -> list[types.FunctionType]:
+    """The Python functions calling `obj` may run: itself, a functools.partial's function, a class's methods (and
+    static and class methods), or those of an instance's class (its `__call__` among them)."""
+    obj = obj.func if isinstance(obj, functools.partial) else obj
+    if isinstance(obj, types.FunctionType):
+        return [obj]
+    if obj is _MISSING or isinstance(obj, (types.ModuleType, types.BuiltinFunctionType)):
+        return []
+    members = [
+        member for klass in (obj if isinstance(obj, type) else type(obj)).__mro__ for member in vars(klass).values()
+    ]
+    members = [member.__func__ if isinstance(member, (staticmethod, classmethod)) else member for member in members]
+    return [member for member in members if isinstance(member, types.FunctionType)]
+
+
+def find_collective(fn: Callable) -> tuple[str, str] | None:
+    """(the collective, where: 'your cell, line 7, in helper') for the first torch.distributed collective that `fn`
+    refers to, else None: read from its code, not run. The walk follows attribute chains from the function's
+    globals and closure (`dist.all_reduce`, `torch.distributed.all_reduce`, `funcol.all_reduce`, a name imported
+    from torch.distributed, `getattr(dist, "all_reduce")`), imports inside the function, its nested functions and
+    lambdas, and the functions and classes of its own module (or notebook) that it uses. A collective under
+    `if dist.is_initialized()` is found too: nothing runs."""
+    functions = _functions_in(inspect.unwrap(fn))
+    if not functions:
+        return None  # (not Python code: nothing to read)
+    home = functions[0].__globals__  # the learner's module (a notebook's namespace): its functions are followed
+    functions = [function for function in functions if function.__globals__ is home]
+    seen: set[types.CodeType] = set()
+
+    def scan(code: types.CodeType, env: dict[str, tuple[object, str | None]]) -> tuple[str, str] | None:
+        if code in seen:
+            return None
+        seen.add(code)
+        value: tuple[object, str | None] | None = None  # what the chain being read holds: (object, dotted path)
+        imported: tuple[object, str | None] | None = None  # the module an import statement reads from
+        instructions = list(dis.get_instructions(code))
+        for i, instruction in enumerate(instructions):
+            op, arg = instruction.opname, instruction.argval
+            found = None
+            if op in ("LOAD_GLOBAL", "LOAD_NAME"):
+                obj = home.get(arg, vars(builtins).get(arg, _MISSING))
+                value = (obj, _path_of(obj)) if obj is not _MISSING else None
+            elif op in ("LOAD_FAST", "LOAD_FAST_CHECK", "LOAD_DEREF", "LOAD_CLOSURE", "LOAD_CLASSDEREF"):
+                value = env.get(arg)
+            elif op in ("LOAD_ATTR", "LOAD_METHOD") and value is not None:
+                value = _attribute(*value, arg)
+            elif op == "LOAD_CONST" and isinstance(arg, str) and value is not None and value[1] is not None:
+                found = _attribute(*value, arg)[1]  # getattr(dist, "all_reduce")
+                value = None
+            elif op == "IMPORT_NAME":
+                whole = i > 0 and instructions[i - 1].opname == "LOAD_CONST" and instructions[i - 1].argval is None
+                name = arg.split(".")[0] if whole else arg  # `import a.b` binds a; `from a.b import c` reads a.b
+                imported = value = (sys.modules.get(name, _MISSING), name)
+                continue  # (an import alone is no call: what it binds is read below)
+            elif op == "IMPORT_FROM" and imported is not None:
+                value = _attribute(*imported, arg)
+                if i + 1 < len(instructions) and instructions[i + 1].opname == "SWAP":  # `import a.b.c as d`
+                    imported = value
+                continue
+            elif op in ("STORE_FAST", "STORE_DEREF", "STORE_NAME", "STORE_GLOBAL"):
+                if value is not None:
+                    env[arg] = value
+                else:
+                    env.pop(arg, None)
+                continue
+            elif op in _KEEP:
+                continue  # (the value was looked at where it was read)
+            else:
+                value = None
+            if value is not None:
+                functions.extend(f for f in _functions_in(value[0]) if f.__globals__ is home)
+                found = found or value[1]
+            if found is not None and _is_collective(found):
+                line = instruction.positions.lineno if instruction.positions else code.co_firstlineno
+                return found, describe_location(traceback.FrameSummary(code.co_filename, line, code.co_name))
+        for constant in code.co_consts:  # nested functions, lambdas, comprehensions (reading the names bound above)
+            if isinstance(constant, types.CodeType):
+                hit = scan(constant, env)
+                if hit:
+                    return hit
+        return None
+
+    while functions:
+        function = functions.pop(0)
+        cells = zip(function.__code__.co_freevars, function.__closure__ or ())
+        env = {}
+        for name, cell in cells:
+            with contextlib.suppress(ValueError):  # (an empty cell)
+                env[name] = (cell.cell_contents, _path_of(cell.cell_contents))
+        hit = scan(function.__code__, env)
+        if hit:
+            return hit
+    return None
+
+
+_NO_ALL_REDUCE = (
+    "return this rank's share only, with no all-reduce (not even under `if dist.is_initialized()`): "
+    "the engine's embedding all-reduces what every rank's vocab_parallel_embed returns"
+)
 
 
 def _index_hint(table: torch.Tensor, start: int, end: int) -> Callable[[Exception], str | None]:
     def hint(error: Exception) -> str | None:
         if "process group" in str(error).replace("ProcessGroup", "process group"):  # a collective in the answer
-            return (
-                "return this rank's share only, with no all-reduce (not even under `if dist.is_initialized()`): "
-                "the engine's embedding all-reduces what every rank's vocab_parallel_embed returns"
-            )
+            return _NO_ALL_REDUCE
         if not isinstance(error, (IndexError, RuntimeError)) or "out of" not in str(error):
             return None  # not an index past the table (an index of the wrong dtype, a shape error)
         return (
@@ -124,8 +223,10 @@ def _check_one(
     world_size: int,
     generator: torch.Generator,
     spare: int = 0,
+    collective: tuple[str, str] | None = None,
 ) -> torch.Tensor:
-    """The learner's output for one rank, checked against the rows that rank must produce; returns it."""
+    """The learner's output for one rank, checked against the rows that rank must produce; returns it. `collective`:
+    what find_collective found in the learner's code, a failure once the call returns."""
     vocab, hidden = full.shape
     start, end = shard_range(vocab, rank, world_size)
     table = _shard_table(full, rank, world_size, generator, spare)
@@ -136,10 +237,12 @@ def _check_one(
         + f", {table.dtype})"
     )
     ids_before, table_before = ids.clone(), table.clone()
-    with _as_rank(rank, world_size):
-        got = call_learner(
-            fn, "vocab_parallel_embed", ids, table, start, end, case=case, hint=_index_hint(table, start, end)
-        )
+    got = call_learner(
+        fn, "vocab_parallel_embed", ids, table, start, end, case=case, hint=_index_hint(table, start, end)
+    )
+    if collective is not None:  # (it ran: an all-reduce where no process group is set up raised, named above)
+        name, where = collective
+        raise ExerciseFailure(f"your vocab_parallel_embed calls {name} ({where}): {_NO_ALL_REDUCE}")
     if not torch.equal(ids, ids_before) or not torch.equal(table, table_before):
         raised = "input_ids" if not torch.equal(ids, ids_before) else "weight"
         raise ExerciseFailure(f"{case}: vocab_parallel_embed changed its {raised} in place; compute new tensors")
@@ -220,6 +323,7 @@ def check_vocab_parallel_embed(fn: Callable, *, seed: int | None = None, engine:
     engine (every rank calls it) against HF transformers."""
     generator = input_generator(seed)
     hidden = 8
+    collective = find_collective(fn)  # (an all-reduce under `if dist.is_initialized()` would run in no call here)
     # (vocabulary, ranks, dtype, padding rows beyond the engine's on every rank)
     for vocab, world_size, dtype, spare in (
         (11, 2, torch.float32, 0),
@@ -234,12 +338,12 @@ def check_vocab_parallel_embed(fn: Callable, *, seed: int | None = None, engine:
         )
         total = torch.zeros(len(ids), hidden, dtype=torch.float32)
         for rank in range(world_size):
-            total += _check_one(fn, full, ids, rank, world_size, generator, spare).float()
+            total += _check_one(fn, full, ids, rank, world_size, generator, spare, collective).float()
             # a rank none of whose ids come up: the ids of one other rank only
             other_start, other_end = shard_range(vocab, (rank + 1) % world_size, world_size)
             if other_end > other_start:
                 others = torch.randint(other_start, other_end, (4,), generator=generator)
-                _check_one(fn, full, others, rank, world_size, generator, spare)
+                _check_one(fn, full, others, rank, world_size, generator, spare, collective)
         if not torch.equal(total.to(dtype), F.embedding(ids, full)):
             raise ExerciseFailure(
                 f"the {world_size} ranks' outputs for a vocabulary of {vocab} do not add up to the whole table's rows"
