@@ -14,9 +14,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
+from torch.distributed import all_reduce as summed_over_ranks
 
 from nanoref import LLM, SamplingParams
 from nanoref.exercises import ExerciseFailure, check_vocab_parallel_embed
+from nanoref.exercises.tensor_parallel import find_collective
 from nanoref.layers.embed_head import vocab_parallel_embed
 from nanoref.parallel.state import shard_range
 from nanoref.parallel.tensor_parallel import rank_layout
@@ -291,9 +293,38 @@ def all_reduces_in_a_lambda(input_ids, weight, vocab_start, vocab_end):
     return hidden
 
 
+def all_reduces_under_an_alias(input_ids, weight, vocab_start, vocab_end):  # imported as summed_over_ranks
+    hidden = vocab_parallel_embed(input_ids, weight, vocab_start, vocab_end)
+    if dist.is_initialized():
+        summed_over_ranks(hidden)
+    return hidden
+
+
+def all_reduces_by_getattr(input_ids, weight, vocab_start, vocab_end):
+    hidden = vocab_parallel_embed(input_ids, weight, vocab_start, vocab_end)
+    if dist.is_initialized():
+        getattr(dist, "all_reduce")(hidden)  # noqa: B009
+    return hidden
+
+
+class _Summer:  # a class of the answer's own module
+    @staticmethod
+    def sum_over_ranks(hidden):
+        if dist.is_initialized():
+            dist.all_to_all_single(hidden, hidden)
+        return hidden
+
+
+def all_to_alls_in_a_method(input_ids, weight, vocab_start, vocab_end):
+    return _Summer.sum_over_ranks(vocab_parallel_embed(input_ids, weight, vocab_start, vocab_end))
+
+
 @pytest.mark.parametrize(
     "wrong, collective, where",
     [
+        (all_reduces_under_an_alias, "torch.distributed.all_reduce", "all_reduces_under_an_alias"),
+        (all_reduces_by_getattr, "torch.distributed.all_reduce", "all_reduces_by_getattr"),
+        (all_to_alls_in_a_method, "torch.distributed.all_to_all_single", "sum_over_ranks"),
         (all_reduces_async, "torch.distributed.all_reduce", "all_reduces_async"),
         (all_reduces_functionally, "torch.distributed._functional_collectives.all_reduce", "all_reduces_functionally"),
         (all_gathers_in_a_helper, "torch.distributed.all_gather_into_tensor", "_gathered"),
@@ -329,6 +360,14 @@ def test_an_answer_that_only_mentions_dist_passes():
     check_vocab_parallel_embed(mentions_dist, engine=False)
 
 
+def test_an_answer_without_source_is_checked_by_running_it():
+    """A function whose source cannot be read (a lambda of exec'd code) has nothing to search: the check runs it."""
+    namespace = {"vocab_parallel_embed": vocab_parallel_embed, "dist": dist}
+    exec("answer = lambda *args: vocab_parallel_embed(*args)\nguarded = lambda h: dist.all_reduce(h)", namespace)
+    assert find_collective(namespace["guarded"]) is None
+    check_vocab_parallel_embed(namespace["answer"], engine=False)
+
+
 def test_an_index_of_the_wrong_dtype_is_not_told_to_subtract_vocab_start():
     with pytest.raises(ExerciseFailure, match="tensors used as indices must be long") as failure:
         check_vocab_parallel_embed(float_local_ids, engine=False)
@@ -339,6 +378,7 @@ _GLOBAL_STATE_SCRIPT = """
 import os, sys
 import torch.distributed as dist
 from nanoref.exercises import ExerciseFailure, check_vocab_parallel_embed
+from nanoref.exercises.tensor_parallel import find_collective
 from nanoref.layers.embed_head import vocab_parallel_embed
 from tests.test_exercises_tensor_parallel import all_reduces_itself, all_reduces_where_initialized
 

@@ -5,18 +5,15 @@ first shard, a middle one, the last one with its padding rows, a rank none of wh
 on every rank, so that the next rank's ids fall within the table's size), then inside a real two-process engine
 (tensor_parallel_size=2, gloo on the CPU), where every rank calls it, against HF. An all-reduce of the learner's own
 is named: one that runs raises (no process group here) and gets the hint; one under `if dist.is_initialized()`,
-which runs in neither (nanoref's engine makes no default group), is found in the function's code (`find_collective`,
-which reads it without running it or changing anything in the process).
+which runs in neither (nanoref's engine makes no default group), is found in the function's source (`find_collective`,
+which reads it and its helpers' with `ast` without running them or changing anything in the process).
 """
 
 from __future__ import annotations
 
-import builtins
-import contextlib
-import dis
-import functools
+import ast
 import inspect
-import sys
+import textwrap
 import traceback
 import types
 from collections.abc import Callable
@@ -55,143 +52,67 @@ def _shard_table(
     return table
 
 
-# torch.distributed's collectives, as their names read with the underscores dropped: the process-group functions
-# (all_reduce, all_gather_into_tensor, reduce_scatter_tensor, broadcast ...), the functional and autograd ones
-# (_functional_collectives.all_reduce, all_gather_tensor ...) and the c10d ops (torch.ops.c10d.allreduce_ ...)
-_COLLECTIVE_PREFIXES = ("allreduce", "allgather", "reducescatter", "alltoall", "broadcast")
-_COLLECTIVE_NAMES = frozenset({"reduce", "gather", "scatter", "gatherobject", "scatterobjectlist", "barrier"})
-_MISSING = object()
-# instructions that leave the value an attribute chain or an import is building where it was
-_KEEP = frozenset({"CACHE", "EXTENDED_ARG", "NOP", "PUSH_NULL", "SWAP", "COPY", "POP_TOP", "RESUME"})
+# the last names of torch.distributed's collectives (all_reduce, all_gather_into_tensor, reduce_scatter_tensor ...)
+# and of its functional ones (funcol.all_reduce, all_gather_tensor ...)
+_COLLECTIVE_PREFIXES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+_COLLECTIVE_NAMES = ("broadcast", "broadcast_object_list")
 
 
-def _is_collective(path: str) -> bool:
-    """Whether the dotted `path` (`torch.distributed.all_reduce`) names a collective of torch.distributed's, a c10d
-    op, or one of nanoref's own (nanoref.parallel)."""
-    *where, name = path.split(".")
-    distributed = where[:1] == ["torch"] and ("distributed" in where or any("c10d" in part for part in where))
-    if not (distributed or where[:2] == ["nanoref", "parallel"]):
-        return False
-    bare = name.strip("_").replace("_", "")
-    return bare.startswith(_COLLECTIVE_PREFIXES) or bare in _COLLECTIVE_NAMES
-
-
-def _path_of(obj: object) -> str | None:
-    """A module's, function's or class's dotted name; None for anything else."""
-    obj = obj.func if isinstance(obj, functools.partial) else obj
-    if isinstance(obj, types.ModuleType):
-        return obj.__name__
-    if isinstance(obj, (types.FunctionType, types.BuiltinFunctionType, type)):
-        return f"{obj.__module__}.{obj.__qualname__}"
-    return None
-
-
-def _attribute(obj: object, path: str | None, name: str) -> tuple[object, str | None]:
-    """`obj.name` and its dotted path, read without running any of the learner's code (a module's or class's own
-    attribute, else _MISSING: the path alone goes on)."""
-    value = _MISSING
-    if isinstance(obj, types.ModuleType):
-        value = vars(obj).get(name, _MISSING)
-    elif isinstance(obj, type):
-        value = inspect.getattr_static(obj, name, _MISSING)
-        value = getattr(value, "__func__", value)  # (a staticmethod's or classmethod's function)
-    if path is not None:
-        return value, f"{path}.{name}"
-    return value, _path_of(value) if value is not _MISSING else None
-
-
-def _functions_in(obj: object) -> list[types.FunctionType]:
-    """The Python functions calling `obj` may run: itself, a functools.partial's function, a class's methods (and
-    static and class methods), or those of an instance's class (its `__call__` among them)."""
-    obj = obj.func if isinstance(obj, functools.partial) else obj
-    if isinstance(obj, types.FunctionType):
-        return [obj]
-    if obj is _MISSING or isinstance(obj, (types.ModuleType, types.BuiltinFunctionType)):
-        return []
-    members = [
-        member for klass in (obj if isinstance(obj, type) else type(obj)).__mro__ for member in vars(klass).values()
-    ]
-    members = [member.__func__ if isinstance(member, (staticmethod, classmethod)) else member for member in members]
-    return [member for member in members if isinstance(member, types.FunctionType)]
+def _called(call: ast.Call, aliases: dict[str, str], env: dict) -> str:
+    """What `call` calls, its first name resolved: `dist.all_reduce` (dist a module of the globals, `env`), `ar` (an
+    alias of torch.distributed.all_reduce) and `getattr(dist, "all_reduce")` read torch.distributed.all_reduce."""
+    func, args = call.func, call.args
+    if isinstance(func, ast.Name) and func.id == "getattr" and len(args) > 1 and isinstance(args[1], ast.Constant):
+        path = f"{ast.unparse(args[0])}.{args[1].value}"
+    else:
+        path = ast.unparse(func) if isinstance(func, (ast.Name, ast.Attribute)) else ""
+    head, dot, rest = path.partition(".")
+    value = env.get(head)
+    if head in aliases:  # (imported inside the function)
+        head = aliases[head]
+    elif isinstance(value, types.ModuleType):
+        head = value.__name__
+    elif isinstance(value, types.FunctionType) and value.__module__.startswith("torch.distributed"):
+        head = f"{value.__module__}.{value.__name__}".replace(".distributed_c10d", "")
+    return head + dot + rest
 
 
 def find_collective(fn: Callable) -> tuple[str, str] | None:
-    """(the collective, where: 'your cell, line 7, in helper') for the first torch.distributed collective that `fn`
-    refers to, else None: read from its code, not run. The walk follows attribute chains from the function's
-    globals and closure (`dist.all_reduce`, `torch.distributed.all_reduce`, `funcol.all_reduce`, a name imported
-    from torch.distributed, `getattr(dist, "all_reduce")`), imports inside the function, its nested functions and
-    lambdas, and the functions and classes of its own module (or notebook) that it uses. A collective under
-    `if dist.is_initialized()` is found too: nothing runs."""
-    functions = _functions_in(inspect.unwrap(fn))
-    if not functions:
-        return None  # (not Python code: nothing to read)
-    home = functions[0].__globals__  # the learner's module (a notebook's namespace): its functions are followed
-    functions = [function for function in functions if function.__globals__ is home]
-    seen: set[types.CodeType] = set()
-
-    def scan(code: types.CodeType, env: dict[str, tuple[object, str | None]]) -> tuple[str, str] | None:
-        if code in seen:
-            return None
-        seen.add(code)
-        value: tuple[object, str | None] | None = None  # what the chain being read holds: (object, dotted path)
-        imported: tuple[object, str | None] | None = None  # the module an import statement reads from
-        instructions = list(dis.get_instructions(code))
-        for i, instruction in enumerate(instructions):
-            op, arg = instruction.opname, instruction.argval
-            found = None
-            if op in ("LOAD_GLOBAL", "LOAD_NAME"):
-                obj = home.get(arg, vars(builtins).get(arg, _MISSING))
-                value = (obj, _path_of(obj)) if obj is not _MISSING else None
-            elif op in ("LOAD_FAST", "LOAD_FAST_CHECK", "LOAD_DEREF", "LOAD_CLOSURE", "LOAD_CLASSDEREF"):
-                value = env.get(arg)
-            elif op in ("LOAD_ATTR", "LOAD_METHOD") and value is not None:
-                value = _attribute(*value, arg)
-            elif op == "LOAD_CONST" and isinstance(arg, str) and value is not None and value[1] is not None:
-                found = _attribute(*value, arg)[1]  # getattr(dist, "all_reduce")
-                value = None
-            elif op == "IMPORT_NAME":
-                whole = i > 0 and instructions[i - 1].opname == "LOAD_CONST" and instructions[i - 1].argval is None
-                name = arg.split(".")[0] if whole else arg  # `import a.b` binds a; `from a.b import c` reads a.b
-                imported = value = (sys.modules.get(name, _MISSING), name)
-                continue  # (an import alone is no call: what it binds is read below)
-            elif op == "IMPORT_FROM" and imported is not None:
-                value = _attribute(*imported, arg)
-                if i + 1 < len(instructions) and instructions[i + 1].opname == "SWAP":  # `import a.b.c as d`
-                    imported = value
-                continue
-            elif op in ("STORE_FAST", "STORE_DEREF", "STORE_NAME", "STORE_GLOBAL"):
-                if value is not None:
-                    env[arg] = value
-                else:
-                    env.pop(arg, None)
-                continue
-            elif op in _KEEP:
-                continue  # (the value was looked at where it was read)
-            else:
-                value = None
-            if value is not None:
-                functions.extend(f for f in _functions_in(value[0]) if f.__globals__ is home)
-                found = found or value[1]
-            if found is not None and _is_collective(found):
-                line = instruction.positions.lineno if instruction.positions else code.co_firstlineno
-                return found, describe_location(traceback.FrameSummary(code.co_filename, line, code.co_name))
-        for constant in code.co_consts:  # nested functions, lambdas, comprehensions (reading the names bound above)
-            if isinstance(constant, types.CodeType):
-                hit = scan(constant, env)
-                if hit:
-                    return hit
-        return None
-
-    while functions:
-        function = functions.pop(0)
-        cells = zip(function.__code__.co_freevars, function.__closure__ or ())
-        env = {}
-        for name, cell in cells:
-            with contextlib.suppress(ValueError):  # (an empty cell)
-                env[name] = (cell.cell_contents, _path_of(cell.cell_contents))
-        hit = scan(function.__code__, env)
-        if hit:
-            return hit
+    """(the collective, where: 'your cell, line 7, in helper') for a torch.distributed collective called in the source
+    of `fn` or of the functions (and classes' methods) of its own module or notebook that it names; None where there
+    is none, or no source to read. Read, not run: one under `if dist.is_initialized()` is found too."""
+    todo = [inspect.unwrap(fn)]
+    home, env = getattr(todo[0], "__module__", None), getattr(todo[0], "__globals__", {})  # the learner's module
+    for obj in todo:  # (todo grows as the loop reads it)
+        try:
+            lines, start = inspect.getsourcelines(obj)
+            nodes = list(ast.walk(ast.parse(textwrap.dedent("".join(lines)))))
+        except (OSError, TypeError, SyntaxError):
+            continue  # (no source to read: a lambda of exec'd code)
+        aliases: dict[str, str] = {}  # `import torch.distributed as tdist`, `from ... import all_reduce as ar`
+        for node in nodes:
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                prefix = f"{node.module}." if isinstance(node, ast.ImportFrom) else ""
+                aliases.update({alias.asname or alias.name: prefix + alias.name for alias in node.names})
+        owner = {  # each node's innermost function (ast.walk reaches the outer ones first)
+            inner: getattr(node, "name", "<lambda>")
+            for node in nodes
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            for inner in ast.walk(node)
+        }
+        for node in nodes:
+            called = _called(node, aliases, env) if isinstance(node, ast.Call) else ""
+            name = called.rpartition(".")[2].lstrip("_")
+            if name.startswith(_COLLECTIVE_PREFIXES) or name in _COLLECTIVE_NAMES:
+                where = (inspect.getfile(obj), start + node.lineno - 1, owner.get(node, obj.__name__))
+                return called, describe_location(traceback.FrameSummary(*where))
+            named = env.get(node.id) if isinstance(node, ast.Name) else None
+            ours = isinstance(named, type) and named.__module__ == home  # a class of the learner's: its methods
+            for member in vars(named).values() if ours else [named]:
+                value = getattr(member, "__func__", member)  # (a staticmethod's or classmethod's function)
+                value = inspect.unwrap(value) if isinstance(value, types.FunctionType) else value
+                if isinstance(value, types.FunctionType) and value.__module__ == home and value not in todo:
+                    todo.append(value)  # (a helper of the learner's: read once)
     return None
 
 
