@@ -4,13 +4,21 @@ lookup and rejects typical wrong answers with a message that names the mistake."
 from __future__ import annotations
 
 import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
+from torch.distributed import all_reduce as summed_over_ranks
 
 from nanoref import LLM, SamplingParams
 from nanoref.exercises import ExerciseFailure, check_vocab_parallel_embed
+from nanoref.exercises.tensor_parallel import find_collective
 from nanoref.layers.embed_head import vocab_parallel_embed
 from nanoref.parallel.state import shard_range
 from nanoref.parallel.tensor_parallel import rank_layout
@@ -223,21 +231,141 @@ def all_reduces_where_initialized(input_ids, weight, vocab_start, vocab_end):  #
 
 
 def test_an_answer_that_all_reduces_is_told_the_engine_does():
-    with pytest.raises(ExerciseFailure, match=r"(?s)raised RuntimeError.*this rank's share only, with no all-reduce"):
+    with pytest.raises(ExerciseFailure, match=r"(?s)raised ValueError.*this rank's share only, with no all-reduce"):
         check_vocab_parallel_embed(all_reduces_itself, engine=False)
 
 
 @pytest.mark.parametrize("seed", range(5))
 def test_an_all_reduce_guarded_by_is_initialized_is_caught_on_every_seed(seed):
-    """nanoref's engine never initializes torch.distributed's default group, so the guarded all-reduce would pass
-    the engine run too; the check calls the answer as a rank of a default group that refuses collectives, and the
-    engine's own all-reduce is named, leaving the group as it found it (none)."""
+    """nanoref's engine never initializes torch.distributed's default group, so the guarded all-reduce runs in no
+    call of the check, nor in the engine run: the check finds it in the answer's code, names its line, and says the
+    engine all-reduces, leaving torch.distributed as it found it (no default group)."""
     with pytest.raises(ExerciseFailure) as failure:
         check_vocab_parallel_embed(all_reduces_where_initialized, seed=seed, engine=False)
     message = str(failure.value).replace("\n", " ")
+    assert "calls torch.distributed.all_reduce (test_exercises_tensor_parallel.py:" in message
+    assert "in all_reduces_where_initialized)" in message
     assert "this rank's share only, with no all-reduce (not even under `if dist.is_initialized()`)" in message
     assert "the engine's embedding all-reduces" in message
-    assert not torch.distributed.is_initialized()
+    assert not dist.is_initialized()
+
+
+# -- collectives in other forms, each where no process group exists (so none of them runs in the check) ------------
+def all_reduces_async(input_ids, weight, vocab_start, vocab_end):
+    hidden = vocab_parallel_embed(input_ids, weight, vocab_start, vocab_end)
+    if dist.is_initialized():
+        dist.all_reduce(hidden, async_op=True).wait()
+    return hidden
+
+
+def all_reduces_functionally(input_ids, weight, vocab_start, vocab_end):
+    hidden = vocab_parallel_embed(input_ids, weight, vocab_start, vocab_end)
+    if dist.is_initialized():
+        hidden = funcol.all_reduce(hidden, "sum", dist.group.WORLD)
+    return hidden
+
+
+def _gathered(hidden):  # a helper of the answer's own module
+    if dist.is_initialized():
+        out = hidden.new_empty(dist.get_world_size() * hidden.shape[0], hidden.shape[1])
+        dist.all_gather_into_tensor(out, hidden)
+        return out.view(-1, *hidden.shape).sum(0)
+    return hidden
+
+
+def all_gathers_in_a_helper(input_ids, weight, vocab_start, vocab_end):
+    return _gathered(vocab_parallel_embed(input_ids, weight, vocab_start, vocab_end))
+
+
+def imports_its_collective(input_ids, weight, vocab_start, vocab_end):
+    from torch.distributed import reduce_scatter_tensor
+
+    hidden = vocab_parallel_embed(input_ids, weight, vocab_start, vocab_end)
+    if dist.is_initialized():
+        reduce_scatter_tensor(hidden, hidden.repeat(dist.get_world_size(), 1))
+    return hidden
+
+
+def all_reduces_in_a_lambda(input_ids, weight, vocab_start, vocab_end):
+    summed = lambda hidden: dist.all_reduce(hidden) if dist.is_initialized() else None  # noqa: E731
+    hidden = vocab_parallel_embed(input_ids, weight, vocab_start, vocab_end)
+    summed(hidden)
+    return hidden
+
+
+def all_reduces_under_an_alias(input_ids, weight, vocab_start, vocab_end):  # imported as summed_over_ranks
+    hidden = vocab_parallel_embed(input_ids, weight, vocab_start, vocab_end)
+    if dist.is_initialized():
+        summed_over_ranks(hidden)
+    return hidden
+
+
+def all_reduces_by_getattr(input_ids, weight, vocab_start, vocab_end):
+    hidden = vocab_parallel_embed(input_ids, weight, vocab_start, vocab_end)
+    if dist.is_initialized():
+        getattr(dist, "all_reduce")(hidden)  # noqa: B009
+    return hidden
+
+
+class _Summer:  # a class of the answer's own module
+    @staticmethod
+    def sum_over_ranks(hidden):
+        if dist.is_initialized():
+            dist.all_to_all_single(hidden, hidden)
+        return hidden
+
+
+def all_to_alls_in_a_method(input_ids, weight, vocab_start, vocab_end):
+    return _Summer.sum_over_ranks(vocab_parallel_embed(input_ids, weight, vocab_start, vocab_end))
+
+
+@pytest.mark.parametrize(
+    "wrong, collective, where",
+    [
+        (all_reduces_under_an_alias, "torch.distributed.all_reduce", "all_reduces_under_an_alias"),
+        (all_reduces_by_getattr, "torch.distributed.all_reduce", "all_reduces_by_getattr"),
+        (all_to_alls_in_a_method, "torch.distributed.all_to_all_single", "sum_over_ranks"),
+        (all_reduces_async, "torch.distributed.all_reduce", "all_reduces_async"),
+        (all_reduces_functionally, "torch.distributed._functional_collectives.all_reduce", "all_reduces_functionally"),
+        (all_gathers_in_a_helper, "torch.distributed.all_gather_into_tensor", "_gathered"),
+        (imports_its_collective, "torch.distributed.reduce_scatter_tensor", "imports_its_collective"),
+        (all_reduces_in_a_lambda, "torch.distributed.all_reduce", "<lambda>"),
+    ],
+)
+def test_a_collective_in_any_form_is_named(wrong, collective, where):
+    with pytest.raises(ExerciseFailure) as failure:
+        check_vocab_parallel_embed(wrong, engine=False)
+    message = str(failure.value).replace("\n", " ")
+    assert re.search(
+        rf"calls {re.escape(collective)} \(test_exercises_tensor_parallel.py:\d+, in {re.escape(where)}\)", message
+    ), message
+    assert "this rank's share only, with no all-reduce (not even under `if dist.is_initialized()`)" in message
+    assert_readable_failure(failure.value)
+
+
+def mentions_dist(input_ids, weight, vocab_start, vocab_end):  # right: dist read, but no collective called
+    # no dist.all_reduce(hidden) here: the engine all-reduces every rank's output
+    from functools import reduce
+
+    import torch.distributed as tdist  # noqa: F401 (imported, never called)
+
+    ranks = dist.get_world_size() if dist.is_initialized() else 1
+    assert ranks >= 1 and reduce(lambda a, b: a + b, [vocab_start, 0]) == vocab_start
+    mine = (input_ids >= vocab_start) & (input_ids < vocab_end)
+    rows = torch.gather(weight, 0, torch.where(mine, input_ids - vocab_start, 0)[:, None].expand(-1, weight.shape[1]))
+    return rows * mine[:, None].to(weight.dtype)
+
+
+def test_an_answer_that_only_mentions_dist_passes():
+    check_vocab_parallel_embed(mentions_dist, engine=False)
+
+
+def test_an_answer_without_source_is_checked_by_running_it():
+    """A function whose source cannot be read (a lambda of exec'd code) has nothing to search: the check runs it."""
+    namespace = {"vocab_parallel_embed": vocab_parallel_embed, "dist": dist}
+    exec("answer = lambda *args: vocab_parallel_embed(*args)\nguarded = lambda h: dist.all_reduce(h)", namespace)
+    assert find_collective(namespace["guarded"]) is None
+    check_vocab_parallel_embed(namespace["answer"], engine=False)
 
 
 def test_an_index_of_the_wrong_dtype_is_not_told_to_subtract_vocab_start():
@@ -246,36 +374,44 @@ def test_an_index_of_the_wrong_dtype_is_not_told_to_subtract_vocab_start():
     assert "subtract vocab_start" not in str(failure.value)
 
 
-def test_the_check_leaves_the_processs_excepthook_as_it_found_it():
-    """torch.distributed's init_process_group wraps sys.excepthook to prefix "[rankN]: " to every traceback line;
-    the check's default group is gone once it returns, and so is that wrapper (a raising answer too)."""
-    import sys
+_GLOBAL_STATE_SCRIPT = """
+import os, sys
+import torch.distributed as dist
+from nanoref.exercises import ExerciseFailure, check_vocab_parallel_embed
+from nanoref.exercises.tensor_parallel import find_collective
+from nanoref.layers.embed_head import vocab_parallel_embed
+from tests.test_exercises_tensor_parallel import all_reduces_itself, all_reduces_where_initialized
 
-    hook = sys.excepthook
-    check_vocab_parallel_embed(vocab_parallel_embed, engine=False)
-    with pytest.raises(ExerciseFailure):
-        check_vocab_parallel_embed(all_reduces_itself, engine=False)
-    assert sys.excepthook is hook
-    assert not torch.distributed.is_initialized()
+def state():
+    return list(dist.Backend.backend_list), dict(os.environ), sys.excepthook, dist.is_initialized()
+
+before, seen = state(), []
+
+def watching(*args):  # what the answer sees of the process while the check calls it
+    seen.append(state())
+    return vocab_parallel_embed(*args)
+
+check_vocab_parallel_embed(watching, engine=False)
+for wrong in (all_reduces_itself, all_reduces_where_initialized):
+    try:
+        check_vocab_parallel_embed(wrong, engine=False)
+    except ExerciseFailure:
+        pass
+    else:
+        raise SystemExit(f"{wrong.__name__} passed")
+assert seen and all(one == before for one in seen), "the answer ran in a process the check had changed"
+assert state() == before, "the check left the process changed"
+"""
 
 
-def test_the_check_does_not_wait_for_other_ranks_under_torch_dist_init_barrier(monkeypatch):
-    """TORCH_DIST_INIT_BARRIER=1 (torch's switch for a barrier after init_process_group) would have the check's
-    default group wait for ranks that never come (30 minutes); the check runs as it does without it."""
-    import threading
-
-    monkeypatch.setenv("TORCH_DIST_INIT_BARRIER", "1")
-    errors = []
-
-    def check():
-        try:
-            check_vocab_parallel_embed(all_reduces_where_initialized, engine=False)
-        except ExerciseFailure as error:
-            errors.append(error)
-
-    thread = threading.Thread(target=check, daemon=True)
-    thread.start()
-    thread.join(60)
-    assert not thread.is_alive(), "the check waited in torch.distributed's barrier after init"
-    assert len(errors) == 1 and "with no all-reduce" in str(errors[0])
-    assert os.environ["TORCH_DIST_INIT_BARRIER"] == "1"
+def test_the_check_leaves_the_processs_global_state_as_it_found_it():
+    """The check changes nothing in the learner's process, neither while it calls the answer nor after:
+    torch.distributed's backend registry (`dist.Backend.backend_list`), os.environ (TORCH_DIST_INIT_BARRIER among
+    it), sys.excepthook, and no default process group. A fresh process, so that nothing an earlier test did hides
+    a change."""
+    env = {**os.environ, "TORCH_DIST_INIT_BARRIER": "1"}
+    root = Path(__file__).resolve().parents[1]
+    result = subprocess.run(
+        [sys.executable, "-c", _GLOBAL_STATE_SCRIPT], cwd=root, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]

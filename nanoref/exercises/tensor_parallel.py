@@ -2,27 +2,30 @@
 
 The check runs the learner's function alone for the shards of small vocabularies split over 2 and 4 ranks (the
 first shard, a middle one, the last one with its padding rows, a rank none of whose ids come up, and tables padded
-on every rank, so that the next rank's ids fall within the table's size), each call as that rank of a
-torch.distributed default group that refuses collectives (an all-reduce of the learner's own, guarded or not, is
-named), then inside a real two-process engine (tensor_parallel_size=2, gloo on the CPU), where every rank calls it,
-against HF.
+on every rank, so that the next rank's ids fall within the table's size), then inside a real two-process engine
+(tensor_parallel_size=2, gloo on the CPU), where every rank calls it, against HF. An all-reduce of the learner's own
+is named: one that runs raises (no process group here) and gets the hint; one under `if dist.is_initialized()`,
+which runs in neither (nanoref's engine makes no default group), is found in the function's source (`find_collective`,
+which reads it and its helpers' with `ast` without running them or changing anything in the process).
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
-import sys
-from collections.abc import Callable, Iterator
+import ast
+import inspect
+import textwrap
+import traceback
+import types
+from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from nanoref.exercises.common import (
     ExerciseFailure,
     call_learner,
     check_generation,
+    describe_location,
     input_generator,
     random_prompts,
     tiny_model,
@@ -49,63 +52,80 @@ def _shard_table(
     return table
 
 
-class _RefusingGroup(dist.ProcessGroup):
-    """The default process group while the check calls the learner's function: it says it has the case's rank and
-    world size (so `dist.is_initialized()` is True and `dist.get_world_size()` > 1, as in an engine built on
-    torch.distributed's default group), and refuses every collective. An all-reduce guarded by
-    `if dist.is_initialized()` then runs here, and fails naming the mistake, instead of passing the check alone and
-    adding the ranks' rows up twice in such an engine (nanoref's own engine has groups of its own, so there the
-    guard would hide it)."""
-
-    def _refuse(self, *args: object, **kwargs: object) -> None:
-        raise RuntimeError(
-            f"the check runs vocab_parallel_embed as rank {self.rank()} of a process group of {self.size()} ranks, "
-            "and refuses collectives in it"
-        )
-
-    allreduce = allreduce_coalesced = allgather = _allgather_base = allgather_into_tensor_coalesced = _refuse
-    broadcast = reduce = reduce_scatter = _reduce_scatter_base = reduce_scatter_tensor_coalesced = _refuse
-    alltoall = alltoall_base = gather = scatter = barrier = send = recv = _refuse
-
-    def getBackendName(self) -> str:  # noqa: N802 (torch's name)
-        return _BACKEND
+# the last names of torch.distributed's collectives (all_reduce, all_gather_into_tensor, reduce_scatter_tensor ...)
+# and of its functional ones (funcol.all_reduce, all_gather_tensor ...)
+_COLLECTIVE_PREFIXES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+_COLLECTIVE_NAMES = ("broadcast", "broadcast_object_list")
 
 
-_BACKEND = "nanoref_exercise"
+def _called(call: ast.Call, aliases: dict[str, str], env: dict) -> str:
+    """What `call` calls, its first name resolved: `dist.all_reduce` (dist a module of the globals, `env`), `ar` (an
+    alias of torch.distributed.all_reduce) and `getattr(dist, "all_reduce")` read torch.distributed.all_reduce."""
+    func, args = call.func, call.args
+    if isinstance(func, ast.Name) and func.id == "getattr" and len(args) > 1 and isinstance(args[1], ast.Constant):
+        path = f"{ast.unparse(args[0])}.{args[1].value}"
+    else:
+        path = ast.unparse(func) if isinstance(func, (ast.Name, ast.Attribute)) else ""
+    head, dot, rest = path.partition(".")
+    value = env.get(head)
+    if head in aliases:  # (imported inside the function)
+        head = aliases[head]
+    elif isinstance(value, types.ModuleType):
+        head = value.__name__
+    elif isinstance(value, types.FunctionType) and value.__module__.startswith("torch.distributed"):
+        head = f"{value.__module__}.{value.__name__}".replace(".distributed_c10d", "")
+    return head + dot + rest
 
 
-@contextlib.contextmanager
-def _as_rank(rank: int, world_size: int) -> Iterator[None]:
-    """Inside: torch.distributed's default group is a `_RefusingGroup` of `world_size` ranks, this process `rank`
-    (left alone where a default group exists already, or torch.distributed is missing)."""
-    if not dist.is_available() or dist.is_initialized():
-        yield
-        return
-    if not hasattr(dist.Backend, _BACKEND.upper()):  # registered once per process
-        make = lambda store, r, size, timeout: _RefusingGroup(r, size)  # noqa: E731
-        dist.Backend.register_backend(_BACKEND, make, devices=["cpu"])
-    # init_process_group wraps sys.excepthook (every later traceback's lines prefixed "[rankN]: ") and, where
-    # TORCH_DIST_INIT_BARRIER=1, waits for the other ranks, which never come: neither outlives the call
-    hook, barrier = sys.excepthook, os.environ.pop("TORCH_DIST_INIT_BARRIER", None)
-    try:
-        dist.init_process_group(_BACKEND, store=dist.HashStore(), rank=rank, world_size=world_size)
-    finally:
-        if barrier is not None:
-            os.environ["TORCH_DIST_INIT_BARRIER"] = barrier
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-        sys.excepthook = hook
+def find_collective(fn: Callable) -> tuple[str, str] | None:
+    """(the collective, where: 'your cell, line 7, in helper') for a torch.distributed collective called in the source
+    of `fn` or of the functions (and classes' methods) of its own module or notebook that it names; None where there
+    is none, or no source to read. Read, not run: one under `if dist.is_initialized()` is found too."""
+    todo = [inspect.unwrap(fn)]
+    home, env = getattr(todo[0], "__module__", None), getattr(todo[0], "__globals__", {})  # the learner's module
+    for obj in todo:  # (todo grows as the loop reads it)
+        try:
+            lines, start = inspect.getsourcelines(obj)
+            nodes = list(ast.walk(ast.parse(textwrap.dedent("".join(lines)))))
+        except (OSError, TypeError, SyntaxError):
+            continue  # (no source to read: a lambda of exec'd code)
+        aliases: dict[str, str] = {}  # `import torch.distributed as tdist`, `from ... import all_reduce as ar`
+        for node in nodes:
+            if isinstance(node, (ast.Import, ast.ImportFrom)):
+                prefix = f"{node.module}." if isinstance(node, ast.ImportFrom) else ""
+                aliases.update({alias.asname or alias.name: prefix + alias.name for alias in node.names})
+        owner = {  # each node's innermost function (ast.walk reaches the outer ones first)
+            inner: getattr(node, "name", "<lambda>")
+            for node in nodes
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+            for inner in ast.walk(node)
+        }
+        for node in nodes:
+            called = _called(node, aliases, env) if isinstance(node, ast.Call) else ""
+            name = called.rpartition(".")[2].lstrip("_")
+            if name.startswith(_COLLECTIVE_PREFIXES) or name in _COLLECTIVE_NAMES:
+                where = (inspect.getfile(obj), start + node.lineno - 1, owner.get(node, obj.__name__))
+                return called, describe_location(traceback.FrameSummary(*where))
+            named = env.get(node.id) if isinstance(node, ast.Name) else None
+            ours = isinstance(named, type) and named.__module__ == home  # a class of the learner's: its methods
+            for member in vars(named).values() if ours else [named]:
+                value = getattr(member, "__func__", member)  # (a staticmethod's or classmethod's function)
+                value = inspect.unwrap(value) if isinstance(value, types.FunctionType) else value
+                if isinstance(value, types.FunctionType) and value.__module__ == home and value not in todo:
+                    todo.append(value)  # (a helper of the learner's: read once)
+    return None
+
+
+_NO_ALL_REDUCE = (
+    "return this rank's share only, with no all-reduce (not even under `if dist.is_initialized()`): "
+    "the engine's embedding all-reduces what every rank's vocab_parallel_embed returns"
+)
 
 
 def _index_hint(table: torch.Tensor, start: int, end: int) -> Callable[[Exception], str | None]:
     def hint(error: Exception) -> str | None:
         if "process group" in str(error).replace("ProcessGroup", "process group"):  # a collective in the answer
-            return (
-                "return this rank's share only, with no all-reduce (not even under `if dist.is_initialized()`): "
-                "the engine's embedding all-reduces what every rank's vocab_parallel_embed returns"
-            )
+            return _NO_ALL_REDUCE
         if not isinstance(error, (IndexError, RuntimeError)) or "out of" not in str(error):
             return None  # not an index past the table (an index of the wrong dtype, a shape error)
         return (
@@ -124,8 +144,10 @@ def _check_one(
     world_size: int,
     generator: torch.Generator,
     spare: int = 0,
+    collective: tuple[str, str] | None = None,
 ) -> torch.Tensor:
-    """The learner's output for one rank, checked against the rows that rank must produce; returns it."""
+    """The learner's output for one rank, checked against the rows that rank must produce; returns it. `collective`:
+    what find_collective found in the learner's code, a failure once the call returns."""
     vocab, hidden = full.shape
     start, end = shard_range(vocab, rank, world_size)
     table = _shard_table(full, rank, world_size, generator, spare)
@@ -136,10 +158,12 @@ def _check_one(
         + f", {table.dtype})"
     )
     ids_before, table_before = ids.clone(), table.clone()
-    with _as_rank(rank, world_size):
-        got = call_learner(
-            fn, "vocab_parallel_embed", ids, table, start, end, case=case, hint=_index_hint(table, start, end)
-        )
+    got = call_learner(
+        fn, "vocab_parallel_embed", ids, table, start, end, case=case, hint=_index_hint(table, start, end)
+    )
+    if collective is not None:  # (it ran: an all-reduce where no process group is set up raised, named above)
+        name, where = collective
+        raise ExerciseFailure(f"your vocab_parallel_embed calls {name} ({where}): {_NO_ALL_REDUCE}")
     if not torch.equal(ids, ids_before) or not torch.equal(table, table_before):
         raised = "input_ids" if not torch.equal(ids, ids_before) else "weight"
         raise ExerciseFailure(f"{case}: vocab_parallel_embed changed its {raised} in place; compute new tensors")
@@ -220,6 +244,7 @@ def check_vocab_parallel_embed(fn: Callable, *, seed: int | None = None, engine:
     engine (every rank calls it) against HF transformers."""
     generator = input_generator(seed)
     hidden = 8
+    collective = find_collective(fn)  # (an all-reduce under `if dist.is_initialized()` would run in no call here)
     # (vocabulary, ranks, dtype, padding rows beyond the engine's on every rank)
     for vocab, world_size, dtype, spare in (
         (11, 2, torch.float32, 0),
@@ -234,12 +259,12 @@ def check_vocab_parallel_embed(fn: Callable, *, seed: int | None = None, engine:
         )
         total = torch.zeros(len(ids), hidden, dtype=torch.float32)
         for rank in range(world_size):
-            total += _check_one(fn, full, ids, rank, world_size, generator, spare).float()
+            total += _check_one(fn, full, ids, rank, world_size, generator, spare, collective).float()
             # a rank none of whose ids come up: the ids of one other rank only
             other_start, other_end = shard_range(vocab, (rank + 1) % world_size, world_size)
             if other_end > other_start:
                 others = torch.randint(other_start, other_end, (4,), generator=generator)
-                _check_one(fn, full, others, rank, world_size, generator, spare)
+                _check_one(fn, full, others, rank, world_size, generator, spare, collective)
         if not torch.equal(total.to(dtype), F.embedding(ids, full)):
             raise ExerciseFailure(
                 f"the {world_size} ranks' outputs for a vocabulary of {vocab} do not add up to the whole table's rows"
