@@ -522,9 +522,17 @@ def stop_when_the_engine_dies(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Exit status: 0 after a clean stop (Ctrl-C), 1 when the engine died (vLLM's server stops then too, unless
-    VLLM_KEEP_ALIVE_ON_ENGINE_DEATH is set), 2 bad input (arguments, model folder, an address in use). On SIGTERM it
-    stops as on Ctrl-C (the server, then the engine), then ends by that signal, as uvicorn does."""
+    """Exit status: 0 after a clean stop (Ctrl-C, also while the model loads), 1 when the engine died (vLLM's server
+    stops then too, unless VLLM_KEEP_ALIVE_ON_ENGINE_DEATH is set), 2 bad input (arguments, model folder, an address
+    in use). On SIGTERM it stops as on Ctrl-C (the server, then the engine), then ends by that signal, as uvicorn
+    does."""
+    try:
+        return _serve(argv)
+    except KeyboardInterrupt:  # Ctrl-C before the server runs (the model loading, say): a stop, not a traceback
+        return 0
+
+
+def _serve(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.model_option is not None and args.model is not None and args.model_option != args.model:

@@ -794,3 +794,52 @@ def test_the_serve_command_stops_the_engine_on_sigterm_and_ends_by_it():
         assert server.process.wait(TIMEOUT) == -signal.SIGTERM  # as uvicorn ends on SIGTERM, after its shutdown
         assert "Traceback" not in server.process.stderr.read()
         server.assert_the_engine_is_gone()  # engine.close() ran
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the engine process through /proc")
+def test_ctrl_c_while_the_engine_process_loads_the_model_stops_at_once_without_a_traceback():
+    # Ctrl-C reaches the whole process group: the engine process, still importing, printed a traceback of its own;
+    # the server's KeyboardInterrupt left the engine process waiting for commands, and the exit waited for it: a hang
+    import subprocess
+    import sys
+
+    from .test_server import children_of
+
+    command = [sys.executable, "-m", "nanoref.serve", "--device", "cpu", "--port", "0", "--engine-process", "on"]
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        deadline, engine = time.monotonic() + TIMEOUT, set()
+        while not engine:  # the engine process started: the server waits for its model
+            assert time.monotonic() < deadline and process.poll() is None
+            time.sleep(0.02)
+            engine = {
+                pid for pid in children_of(process.pid) if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text()
+            }
+        os.killpg(process.pid, signal.SIGINT)
+        assert process.wait(TIMEOUT) == 0
+        out, err = process.communicate()
+        assert out == "" and err == "", (out, err)  # (stopped before it served: it never said where it listens)
+        for pid in engine:
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+def test_ctrl_c_while_the_model_loads_ends_the_serve_command_as_a_stop(monkeypatch, capsys):
+    from nanoref.serve import main
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(AsyncLLM, "from_model", interrupted)
+    try:
+        code = main(["--device", "cpu", "--port", "0"])
+    except KeyboardInterrupt:  # (would end the whole test session)
+        pytest.fail("Ctrl-C escaped the serve command as a KeyboardInterrupt: a traceback")
+    assert code == 0
+    assert capsys.readouterr().err == ""

@@ -25,6 +25,7 @@ thread sees the pipe close and fails every request in flight; `close()` asks it 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import multiprocessing
 import multiprocessing.connection
@@ -34,7 +35,7 @@ import queue
 import signal
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from nanoref.config import EngineConfig
@@ -67,7 +68,8 @@ class EngineProcess:
         self.process = context.Process(
             target=serve_engine, args=(str(model), settings, commands_out, outputs_in), name="nanoref-engine"
         )
-        self.process.start()
+        with _sigint_ignored():  # (inherited through exec: Ctrl-C during the child's imports prints no traceback)
+            self.process.start()
         commands_out.close()  # the child's ends: closed here, so that a dead child closes its pipe
         outputs_in.close()
         self._commands, self._outputs = commands_in, outputs_out
@@ -77,6 +79,10 @@ class EngineProcess:
             kind, *rest = self._outputs.recv()  # blocks while the child loads the model
         except (EOFError, OSError):
             kind, rest = None, []
+        except BaseException:  # Ctrl-C while the child loads: it ignores SIGINT, and would wait for commands for ever
+            self._stop(timeout=0)  # (while the interpreter's exit waited for it: a hang)
+            self._outputs.close()
+            raise
         if kind != _READY:
             self._stop(timeout=5.0)
             self._outputs.close()
@@ -169,6 +175,19 @@ class EngineProcess:
         if code is None:
             return "still running"
         return f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+
+
+@contextlib.contextmanager
+def _sigint_ignored() -> Iterator[None]:
+    """SIGINT ignored while the block runs, in the main thread (elsewhere the handler cannot change: nothing done)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_DFL if previous is None else previous)  # (None: set outside Python)
 
 
 def _stop_child(process, commands, lock, timeout: float = 5.0) -> None:
