@@ -609,7 +609,8 @@ def _serve(argv: list[str] | None) -> int:
     try:
         # bind first, before the model loads: an address in use (or a host that is none of this machine's) is a
         # clear error at once, and --port 0 can say which port it got
-        sock = socket.create_server((args.host, args.port))
+        family = socket.AF_INET6 if ":" in args.host else socket.AF_INET  # (an IPv6 address: ::1, ::; as uvicorn's)
+        sock = socket.create_server((args.host, args.port), family=family)
     except OSError as error:
         print(f"error: cannot listen on {args.host}:{args.port}: {error}", file=sys.stderr)
         return 2
@@ -647,6 +648,7 @@ def _serve(argv: list[str] | None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     host, port = sock.getsockname()[:2]
+    host = f"[{host}]" if ":" in host else host  # (a URL's IPv6 address is in brackets)
     print(f"nanoref serves {name!r} on http://{host}:{port}/v1 (Ctrl-C stops it)", flush=True)
     defaults = engine.config.generation_defaults.sampling
     if defaults:  # (as vLLM says it: a client may not expect the model's temperature)

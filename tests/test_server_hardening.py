@@ -599,6 +599,24 @@ def test_the_serve_command_refuses_an_address_in_use_before_loading_the_model(ca
     assert capsys.readouterr().err.startswith("error: cannot listen on 127.0.0.1:")
 
 
+def ipv6_loopback() -> bool:
+    try:
+        socket.create_server(("::1", 0), family=socket.AF_INET6).close()
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not ipv6_loopback(), reason="this host has no IPv6 loopback")
+def test_the_serve_command_listens_on_an_ipv6_address_and_says_where_in_a_url():
+    # `--host ::1` (or `::`, every interface) was an error: "Address family for hostname not supported"
+    with serve_command("--host", "::1") as server:
+        assert server.url.startswith("http://[::1]:"), server.url
+        assert httpx.get(f"{server.url}/models", timeout=TIMEOUT).status_code == 200
+        server.process.send_signal(signal.SIGINT)
+        assert server.process.wait(TIMEOUT) == 0
+
+
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the engine process through /proc")
 def test_the_serve_command_stops_when_its_engine_process_dies_as_vllms():
     # vLLM's server stops once its engine is dead, so that a supervisor sees it end (and may start it again)
