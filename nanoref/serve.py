@@ -28,7 +28,7 @@ import sys
 import threading
 
 from nanoref.llm import DEFAULT_MODEL
-from nanoref.utils.flags import name_the_flag
+from nanoref.utils.flags import dashed_flags, name_the_flag
 
 ENGINE_PROCESS = {"auto": None, "on": True, "off": False}  # --engine-process -> AsyncLLM.from_model's engine_process
 UVICORN_LOG_LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]  # vLLM's --uvicorn-log-level choices
@@ -534,7 +534,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _serve(argv: list[str] | None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(dashed_flags(sys.argv[1:] if argv is None else argv))  # (--max_model_len too, as vLLM)
     if args.model_option is not None and args.model is not None and args.model_option != args.model:
         parser.error(f"the model is given twice: {args.model!r} and --model {args.model_option!r}")
     model = args.model_option or args.model or str(DEFAULT_MODEL)
