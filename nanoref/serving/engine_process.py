@@ -25,6 +25,7 @@ thread sees the pipe close and fails every request in flight; `close()` asks it 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import multiprocessing
@@ -226,6 +227,15 @@ def serve_engine(model: str, settings: dict, commands, outputs) -> None:
     inbox: queue.SimpleQueue = queue.SimpleQueue()
     outbox: queue.SimpleQueue = queue.SimpleQueue()
 
+    # SIGTERM (systemd's stop reaches the whole process group): a stop, as the parent's, so that the LLM is closed and
+    # multiprocessing's exit cleans up (killed, the process left a semaphore that the resource tracker warned of);
+    # the process still ends by the signal, last (the server's log says so when it came alone)
+    def on_sigterm(signum, frame) -> None:
+        inbox.put(("stop",))  # (SimpleQueue.put may be called from a signal handler)
+        atexit.register(_end_by, signum)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+
     def read_commands() -> None:
         try:
             while True:
@@ -263,6 +273,11 @@ def serve_engine(model: str, settings: dict, commands, outputs) -> None:
             threads[1].join(timeout=10.0)  # (a parent that reads nothing any more must not keep this process)
         llm.close()
         outputs.close()
+
+
+def _end_by(signum: int) -> None:
+    signal.signal(signum, signal.SIG_DFL)
+    signal.raise_signal(signum)
 
 
 def _picklable(error: BaseException) -> BaseException:
