@@ -614,6 +614,9 @@ def _serve(argv: list[str] | None) -> int:
     except OSError as error:
         print(f"error: cannot listen on {args.host}:{args.port}: {error}", file=sys.stderr)
         return 2
+    # SIGTERM while the model loads: the load is stopped as by Ctrl-C (the engine process ended, not left loading
+    # the model on its own), then the process ends by the signal
+    loading = signal.signal(signal.SIGTERM, _terminated)
     try:
         check_serves_text_before_loading(model, settings)
         engine = AsyncLLM.from_model(model, engine_process=ENGINE_PROCESS[args.engine_process], **settings)
@@ -621,6 +624,13 @@ def _serve(argv: list[str] | None) -> int:
         sock.close()
         print(f"error: {name_the_flag(parser, str(error))}", file=sys.stderr)
         return 2
+    except Terminated:
+        sock.close()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.raise_signal(signal.SIGTERM)
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, loading)
     name = names[0]
     tool_settings = {
         "enable_auto_tool_choice": args.enable_auto_tool_choice,
