@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     """Exit status: 0 done, 2 bad input (arguments, model folder), 1 a runtime failure, 130 Ctrl-C, 141 the reader
     of stdout went away (`| head -1`). A failure is one `error: ...` line on stderr, never a traceback."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # (prompts before, between and after the options)
     try:
         _run(args)
     except KeyboardInterrupt:

@@ -28,7 +28,7 @@ import sys
 import threading
 
 from nanoref.llm import DEFAULT_MODEL
-from nanoref.utils.flags import name_the_flag
+from nanoref.utils.flags import dashed_flags, name_the_flag
 
 ENGINE_PROCESS = {"auto": None, "on": True, "off": False}  # --engine-process -> AsyncLLM.from_model's engine_process
 UVICORN_LOG_LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]  # vLLM's --uvicorn-log-level choices
@@ -525,11 +525,19 @@ def stop_when_the_engine_dies(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Exit status: 0 after a clean stop (Ctrl-C), 1 when the engine died (vLLM's server stops then too, unless
-    VLLM_KEEP_ALIVE_ON_ENGINE_DEATH is set), 2 bad input (arguments, model folder, an address in use). On SIGTERM it
-    stops as on Ctrl-C (the server, then the engine), then ends by that signal, as uvicorn does."""
+    """Exit status: 0 after a clean stop (Ctrl-C, also while the model loads), 1 when the engine died (vLLM's server
+    stops then too, unless VLLM_KEEP_ALIVE_ON_ENGINE_DEATH is set), 2 bad input (arguments, model folder, an address
+    in use). On SIGTERM it stops as on Ctrl-C (the server, then the engine), then ends by that signal, as uvicorn
+    does."""
+    try:
+        return _serve(argv)
+    except KeyboardInterrupt:  # Ctrl-C before the server runs (the model loading, say): a stop, not a traceback
+        return 0
+
+
+def _serve(argv: list[str] | None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(dashed_flags(sys.argv[1:] if argv is None else argv))  # (--max_model_len too, as vLLM)
     if args.model_option is not None and args.model is not None and args.model_option != args.model:
         parser.error(f"the model is given twice: {args.model!r} and --model {args.model_option!r}")
     model = args.model_option or args.model or str(DEFAULT_MODEL)
@@ -604,10 +612,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # bind first, before the model loads: an address in use (or a host that is none of this machine's) is a
         # clear error at once, and --port 0 can say which port it got
-        sock = socket.create_server((args.host, args.port))
+        family = socket.AF_INET6 if ":" in args.host else socket.AF_INET  # (an IPv6 address: ::1, ::; as uvicorn's)
+        sock = socket.create_server((args.host, args.port), family=family)
     except OSError as error:
         print(f"error: cannot listen on {args.host}:{args.port}: {error}", file=sys.stderr)
         return 2
+    # SIGTERM while the model loads: the load is stopped as by Ctrl-C (the engine process ended, not left loading
+    # the model on its own), then the process ends by the signal
+    loading = signal.signal(signal.SIGTERM, _terminated)
     try:
         check_serves_text_before_loading(model, settings)
         engine = AsyncLLM.from_model(model, engine_process=ENGINE_PROCESS[args.engine_process], **settings)
@@ -615,6 +627,13 @@ def main(argv: list[str] | None = None) -> int:
         sock.close()
         print(f"error: {name_the_flag(parser, str(error))}", file=sys.stderr)
         return 2
+    except Terminated:
+        sock.close()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.raise_signal(signal.SIGTERM)
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, loading)
     name = names[0]
     tool_settings = {
         "enable_auto_tool_choice": args.enable_auto_tool_choice,
@@ -642,6 +661,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     host, port = sock.getsockname()[:2]
+    host = f"[{host}]" if ":" in host else host  # (a URL's IPv6 address is in brackets)
     print(f"nanoref serves {name!r} on http://{host}:{port}/v1 (Ctrl-C stops it)", flush=True)
     defaults = engine.config.generation_defaults.sampling
     if defaults:  # (as vLLM says it: a client may not expect the model's temperature)

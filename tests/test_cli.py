@@ -56,6 +56,13 @@ def test_cli_trace_and_sampling_options():
     assert "step 0 [prefill]" in result.stdout and "step 1 [decode]" in result.stdout
 
 
+def test_prompts_may_come_between_and_after_the_options(capsys):
+    # `python -m nanoref "a" --max-tokens 4 "b"` was "unrecognized arguments: b"
+    assert main(["Beautiful is", "--max-tokens", "2", "Flat is", "--device", "cpu", "Simple is"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(" is")[0] for line in lines] == ["Beautiful", "Flat", "Simple"], lines
+
+
 @pytest.mark.parametrize(
     "args,message",
     [

@@ -56,6 +56,18 @@ def test_vllm_engine_flags_reach_the_engine(monkeypatch):
     assert serve_settings(monkeypatch, ["-tp", "2"])["tensor_parallel_size"] == 2  # vLLM's short form
 
 
+def test_flags_spelled_with_underscores_are_taken_as_vllm_takes_them(monkeypatch):
+    # vLLM's parser reads `--max_model_len 64` as `--max-model-len 64`: a script written that way was refused here
+    argv = ["--max_model_len", "64", "--max_num_seqs=3", "--enable_prefix_caching", "--served_model_name", "a_b"]
+    settings = serve_settings(monkeypatch, argv)
+    assert settings["max_model_len"] == 64 and settings["max_num_seqs"] == 3
+    assert settings["enable_prefix_caching"] is True
+    from nanoref.utils.flags import dashed_flags
+
+    assert dashed_flags(argv)[-1] == "a_b"  # (a value keeps its underscores)
+    assert dashed_flags(["--chat_template=a_b", "--", "--x_y"]) == ["--chat-template=a_b", "--", "--x_y"]
+
+
 def test_token_counts_take_vllms_human_readable_suffixes(monkeypatch, capsys):
     settings = serve_settings(monkeypatch, ["--max-model-len", "2k", "--max-num-batched-tokens", "8K"])
     assert settings["max_model_len"] == 2000 and settings["max_num_batched_tokens"] == 8192

@@ -599,6 +599,24 @@ def test_the_serve_command_refuses_an_address_in_use_before_loading_the_model(ca
     assert capsys.readouterr().err.startswith("error: cannot listen on 127.0.0.1:")
 
 
+def ipv6_loopback() -> bool:
+    try:
+        socket.create_server(("::1", 0), family=socket.AF_INET6).close()
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not ipv6_loopback(), reason="this host has no IPv6 loopback")
+def test_the_serve_command_listens_on_an_ipv6_address_and_says_where_in_a_url():
+    # `--host ::1` (or `::`, every interface) was an error: "Address family for hostname not supported"
+    with serve_command("--host", "::1") as server:
+        assert server.url.startswith("http://[::1]:"), server.url
+        assert httpx.get(f"{server.url}/models", timeout=TIMEOUT).status_code == 200
+        server.process.send_signal(signal.SIGINT)
+        assert server.process.wait(TIMEOUT) == 0
+
+
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the engine process through /proc")
 def test_the_serve_command_stops_when_its_engine_process_dies_as_vllms():
     # vLLM's server stops once its engine is dead, so that a supervisor sees it end (and may start it again)
@@ -761,6 +779,7 @@ def test_the_serve_command_ends_by_a_sigterm_sent_to_its_whole_process_group():
         assert server.process.wait(TIMEOUT) == -signal.SIGTERM
         err = server.process.stderr.read()
         assert "Traceback" not in err and "ended unexpectedly" not in err, err
+        assert "leaked semaphore" not in err, err  # (the engine process, killed by it, left its semaphore)
 
 
 @pytest.mark.parametrize("value, keep", [(None, False), ("0", False), ("1", True), ("", False)])
@@ -794,3 +813,86 @@ def test_the_serve_command_stops_the_engine_on_sigterm_and_ends_by_it():
         assert server.process.wait(TIMEOUT) == -signal.SIGTERM  # as uvicorn ends on SIGTERM, after its shutdown
         assert "Traceback" not in server.process.stderr.read()
         server.assert_the_engine_is_gone()  # engine.close() ran
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the engine process through /proc")
+def test_ctrl_c_while_the_engine_process_loads_the_model_stops_at_once_without_a_traceback():
+    # Ctrl-C reaches the whole process group: the engine process, still importing, printed a traceback of its own;
+    # the server's KeyboardInterrupt left the engine process waiting for commands, and the exit waited for it: a hang
+    import subprocess
+    import sys
+
+    from .test_server import children_of
+
+    command = [sys.executable, "-m", "nanoref.serve", "--device", "cpu", "--port", "0", "--engine-process", "on"]
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        deadline, engine = time.monotonic() + TIMEOUT, set()
+        while not engine:  # the engine process started: the server waits for its model
+            assert time.monotonic() < deadline and process.poll() is None
+            time.sleep(0.02)
+            engine = {
+                pid for pid in children_of(process.pid) if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text()
+            }
+        os.killpg(process.pid, signal.SIGINT)
+        assert process.wait(TIMEOUT) == 0
+        out, err = process.communicate()
+        assert out == "" and err == "", (out, err)  # (stopped before it served: it never said where it listens)
+        for pid in engine:
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the engine process through /proc")
+def test_sigterm_while_the_engine_process_loads_the_model_ends_it_with_the_server():
+    # the server died of the signal at once, and its engine process went on loading the model on its own
+    import subprocess
+    import sys
+
+    from .test_server import children_of
+
+    command = [sys.executable, "-m", "nanoref.serve", "--device", "cpu", "--port", "0", "--engine-process", "on"]
+    process = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        deadline, engine = time.monotonic() + TIMEOUT, set()
+        while not engine:
+            assert time.monotonic() < deadline and process.poll() is None
+            time.sleep(0.02)
+            engine = {
+                pid for pid in children_of(process.pid) if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text()
+            }
+        process.send_signal(signal.SIGTERM)  # (the server alone, as `kill PID` sends it)
+        assert process.wait(TIMEOUT) == -signal.SIGTERM
+        for pid in engine:  # ended and reaped by the server before it ended
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)
+        assert "Traceback" not in process.stderr.read()
+    finally:
+        try:  # (its session: an engine process left loading included)
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        process.wait()
+
+
+def test_ctrl_c_while_the_model_loads_ends_the_serve_command_as_a_stop(monkeypatch, capsys):
+    from nanoref.serve import main
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(AsyncLLM, "from_model", interrupted)
+    try:
+        code = main(["--device", "cpu", "--port", "0"])
+    except KeyboardInterrupt:  # (would end the whole test session)
+        pytest.fail("Ctrl-C escaped the serve command as a KeyboardInterrupt: a traceback")
+    assert code == 0
+    assert capsys.readouterr().err == ""

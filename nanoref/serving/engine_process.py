@@ -25,6 +25,8 @@ thread sees the pipe close and fails every request in flight; `close()` asks it 
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import functools
 import multiprocessing
 import multiprocessing.connection
@@ -34,7 +36,7 @@ import queue
 import signal
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from nanoref.config import EngineConfig
@@ -67,7 +69,8 @@ class EngineProcess:
         self.process = context.Process(
             target=serve_engine, args=(str(model), settings, commands_out, outputs_in), name="nanoref-engine"
         )
-        self.process.start()
+        with _sigint_ignored():  # (inherited through exec: Ctrl-C during the child's imports prints no traceback)
+            self.process.start()
         commands_out.close()  # the child's ends: closed here, so that a dead child closes its pipe
         outputs_in.close()
         self._commands, self._outputs = commands_in, outputs_out
@@ -77,6 +80,10 @@ class EngineProcess:
             kind, *rest = self._outputs.recv()  # blocks while the child loads the model
         except (EOFError, OSError):
             kind, rest = None, []
+        except BaseException:  # Ctrl-C while the child loads: it ignores SIGINT, and would wait for commands for ever
+            self._stop(timeout=0)  # (while the interpreter's exit waited for it: a hang)
+            self._outputs.close()
+            raise
         if kind != _READY:
             self._stop(timeout=5.0)
             self._outputs.close()
@@ -172,6 +179,19 @@ class EngineProcess:
         return f"killed by signal {-code}" if code < 0 else f"exit code {code}"
 
 
+@contextlib.contextmanager
+def _sigint_ignored() -> Iterator[None]:
+    """SIGINT ignored while the block runs, in the main thread (elsewhere the handler cannot change: nothing done)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_DFL if previous is None else previous)  # (None: set outside Python)
+
+
 def _stop_child(process, commands, lock, timeout: float = 5.0) -> None:
     # (the writer thread holds the lock while its write to a full pipe blocks, as it would for a hung child)
     if lock.acquire(timeout=timeout):
@@ -207,6 +227,15 @@ def serve_engine(model: str, settings: dict, commands, outputs) -> None:
     # written while the next step runs (else a server process busy with its streams would stall the engine).
     inbox: queue.SimpleQueue = queue.SimpleQueue()
     outbox: queue.SimpleQueue = queue.SimpleQueue()
+
+    # SIGTERM (systemd's stop reaches the whole process group): a stop, as the parent's, so that the LLM is closed and
+    # multiprocessing's exit cleans up (killed, the process left a semaphore that the resource tracker warned of);
+    # the process still ends by the signal, last (the server's log says so when it came alone)
+    def on_sigterm(signum, frame) -> None:
+        inbox.put(("stop",))  # (SimpleQueue.put may be called from a signal handler)
+        atexit.register(_end_by, signum)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
 
     def read_commands() -> None:
         try:
@@ -245,6 +274,11 @@ def serve_engine(model: str, settings: dict, commands, outputs) -> None:
             threads[1].join(timeout=10.0)  # (a parent that reads nothing any more must not keep this process)
         llm.close()
         outputs.close()
+
+
+def _end_by(signum: int) -> None:
+    signal.signal(signum, signal.SIG_DFL)
+    signal.raise_signal(signum)
 
 
 def _picklable(error: BaseException) -> BaseException:
