@@ -483,3 +483,28 @@ def test_a_request_whose_tokens_cannot_be_decoded_fails_alone(engine, llm, monke
     cannot_decode(llm.tokenizer, monkeypatch)
     serve_beside_an_undecodable_request(engine, expected)
     engine.close()  # (and the fixture checks that every block is back)
+
+
+def test_a_request_with_stop_strings_whose_tokens_cannot_be_decoded_fails_its_step(engine, llm, monkeypatch):
+    """A request with stop strings is decoded in the engine's step (its stop strings are matched there), not on the
+    receiving side: a decode that raises fails that step, so every request in it ends with the error (docs/serving.md
+    says so), and the engine serves the next request with every block back."""
+    expected = llm.generate([PROMPTS[0], PROMPTS[3]], GREEDY, use_tqdm=False)
+    cannot_decode(llm.tokenizer, monkeypatch)
+    stopping = SamplingParams(
+        temperature=0, max_tokens=12, ignore_eos=True, allowed_token_ids=[UNDECODABLE], stop=["never in the text"]
+    )
+
+    async def main():
+        streams = [
+            collect(engine.generate(PROMPTS[0], GREEDY)),
+            collect(engine.generate(PROMPTS[1], stopping, request_id="undecodable")),
+        ]
+        results = await asyncio.gather(*streams, return_exceptions=True)
+        return results, await collect(engine.generate(PROMPTS[3], GREEDY))
+
+    (beside, failed), after = run(main())
+    assert isinstance(failed, IndexError) and f"piece id {UNDECODABLE}" in str(failed), failed
+    # (the other request: in the failed step (both were added at once, nearly always so), or done before it)
+    assert isinstance(beside, IndexError) or beside[-1].cumulative_text == expected[0]["text"], beside
+    assert after[-1].cumulative_text == expected[1]["text"] and engine.is_running

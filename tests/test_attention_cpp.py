@@ -465,9 +465,28 @@ def test_a_lock_that_a_build_killed_just_now_left_is_removed_too(tmp_path, monke
     assert builds == [False]
 
 
-def test_without_os_file_locks_only_an_old_torch_lock_is_taken_for_a_killed_builds(tmp_path, monkeypatch):
+def build_elsewhere(folder, lock, seconds: float = 0.5):
+    """Another machine's build in `folder`, under way: it holds torch's `lock`, and ends after `seconds` (its library
+    written, the lock removed). -> its thread."""
+    import threading
+    import time
+
+    lock.touch()
+
+    def finish():
+        time.sleep(seconds)
+        (folder / f"{folder.name}.so").write_bytes(b"the other machine's library")
+        lock.unlink()
+
+    thread = threading.Thread(target=finish)
+    thread.start()
+    return thread
+
+
+def test_without_os_file_locks_only_an_old_torch_lock_is_taken_for_a_killed_builds(tmp_path, monkeypatch, capsys):
     """A network folder that has no OS file locks (flock: ENOLCK) cannot tell a live build from a dead one: a fresh
-    torch lock stays (torch waits for that build), one STALE_LOCK_SECONDS old goes; the build runs either way."""
+    torch lock is waited for until it goes (that build's library is loaded, nothing built), one STALE_LOCK_SECONDS old
+    is a killed build's and goes (the kernels are built)."""
     import errno
     import os
     import time
@@ -482,14 +501,51 @@ def test_without_os_file_locks_only_an_old_torch_lock_is_taken_for_a_killed_buil
     folder = tmp_path / attention_cpp.build_name()
     folder.mkdir()
     lock = folder / "lock"
-    builds = []
+    builds, loads = [], []
     monkeypatch.setattr(attention_cpp, "_build", lambda name, where: builds.append(lock.exists()))
-    lock.touch()
+    monkeypatch.setattr(torch.ops, "load_library", loads.append)
+    other = build_elsewhere(folder, lock)
     attention_cpp._load_or_build()
+    other.join()
+    assert builds == [] and loads == [str(folder / f"{folder.name}.so")]
+    assert "waiting for the build that holds" in capsys.readouterr().err
+    lock.touch()
     hour_ago = time.time() - 3600
     os.utime(lock, (hour_ago, hour_ago))
     attention_cpp._load_or_build()
-    assert builds == [True, False]
+    assert builds == [False]
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="OS file locks (fcntl) are POSIX's")
+def test_another_machines_live_build_is_waited_for_where_os_locks_are_each_machines_own(tmp_path, monkeypatch):
+    """A home folder shared between machines of one CPU, whose OS file locks are each machine's own (NFS mounted
+    nolock, Lustre's localflock): nanoref's OS lock is free here while another machine builds, and its torch lock
+    was taken for a killed build's, removed, and the kernels built twice into one folder at once. The lock file names
+    the machine whose build took it last: another machine's torch lock is waited for, and that build's library
+    loaded; one STALE_LOCK_SECONDS old is a killed build's, removed before building."""
+    import os
+    import time
+
+    monkeypatch.setattr(attention_cpp, "missing_build_tools", lambda: [])
+    monkeypatch.setattr(attention_cpp, "extensions_root", lambda: tmp_path)
+    folder = tmp_path / attention_cpp.build_name()
+    folder.mkdir()
+    lock = folder / "lock"
+    builds, loads = [], []
+    monkeypatch.setattr(attention_cpp, "_build", lambda name, where: builds.append(lock.exists()))
+    monkeypatch.setattr(torch.ops, "load_library", loads.append)
+    (folder / "nanoref.lock").write_text("another-machine")  # (its build took the OS lock there last)
+    other = build_elsewhere(folder, lock)
+    attention_cpp._load_or_build()
+    other.join()
+    assert builds == [] and loads == [str(folder / f"{folder.name}.so")]
+    (folder / f"{folder.name}.so").unlink()
+    (folder / "nanoref.lock").write_text("another-machine")
+    lock.touch()
+    hour_ago = time.time() - 3600
+    os.utime(lock, (hour_ago, hour_ago))
+    attention_cpp._load_or_build()
+    assert builds == [False]
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="OS file locks (fcntl) are POSIX's")

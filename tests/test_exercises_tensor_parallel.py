@@ -415,3 +415,25 @@ def test_the_check_leaves_the_processs_global_state_as_it_found_it():
         [sys.executable, "-c", _GLOBAL_STATE_SCRIPT], cwd=root, env=env, capture_output=True, text=True, timeout=300
     )
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+def reduces_to_rank_0(input_ids, weight, vocab_start, vocab_end):
+    hidden = vocab_parallel_embed(input_ids, weight, vocab_start, vocab_end)
+    if dist.is_initialized():
+        dist.reduce(hidden, dst=0)
+    return hidden
+
+
+def gathers_to_rank_0(input_ids, weight, vocab_start, vocab_end):
+    hidden = vocab_parallel_embed(input_ids, weight, vocab_start, vocab_end)
+    if dist.is_initialized():
+        dist.gather(hidden, [torch.empty_like(hidden) for _ in range(dist.get_world_size())], dst=0)
+    return hidden
+
+
+@pytest.mark.parametrize("wrong, collective", [(reduces_to_rank_0, "reduce"), (gathers_to_rank_0, "gather")])
+def test_a_guarded_collective_whose_name_torch_shares_is_named_too(wrong, collective):
+    """torch.distributed's reduce and gather share their names with torch.gather and functools.reduce, which a right
+    answer may call (`mentions_dist` does): they are found where the name is torch.distributed's."""
+    with pytest.raises(ExerciseFailure, match=rf"calls torch\.distributed\.{collective} \("):
+        check_vocab_parallel_embed(wrong, engine=False)

@@ -150,26 +150,29 @@ def add_many(detokenizers: list[IncrementalDetokenizer], token_lists: list[list[
     kinds: dict[tuple[bool, bool], list[int]] = {}
     new_ids, window_ids = [], []  # each one's new tokens, and its window after the add
     for i, (detokenizer, token_ids) in enumerate(zip(detokenizers, token_lists, strict=True)):
-        new_ids.append([t for t in token_ids if t not in detokenizer.hidden])
-        window_ids.append(detokenizer.token_ids[detokenizer.prefix_offset :] + new_ids[-1])
+        hidden = detokenizer.hidden
+        new = [t for t in token_ids if t not in hidden] if hidden else token_ids
+        new_ids.append(new)
+        window_ids.append(detokenizer.token_ids[detokenizer.prefix_offset :] + new)
         kinds.setdefault(detokenizer.decoding, []).append(i)
     windows: list[str] = [""] * len(detokenizers)
     prefixes: list[str | None] = [None] * len(detokenizers)  # the next prefix_text, where the window advances
     for decoding, members in kinds.items():
+        advancing, prefix_ids = [], []
         for i, window in zip(members, decode_many(tokenizer, [window_ids[i] for i in members], *decoding)):
             windows[i] = window
-        advancing = [i for i in members if not detokenizers[i]._waits(windows[i])]
-        # (the ids `_advance` returns: the window's tokens from read_offset on)
-        prefix_ids = [window_ids[i][detokenizers[i].read_offset - detokenizers[i].prefix_offset :] for i in advancing]
+            detokenizer = detokenizers[i]
+            if not detokenizer._waits(window):
+                advancing.append(i)  # its next prefix: the window's tokens from read_offset on (`_advance`'s ids)
+                prefix_ids.append(window_ids[i][detokenizer.read_offset - detokenizer.prefix_offset :])
         for i, text in zip(advancing, decode_many(tokenizer, prefix_ids, *decoding)):
             prefixes[i] = text
     pieces = []
     for detokenizer, new, window, prefix in zip(detokenizers, new_ids, windows, prefixes):
         detokenizer.token_ids.extend(new)
-        piece, _ = detokenizer._advance(window)
+        pieces.append(detokenizer._advance(window)[0])
         if prefix is not None:
             detokenizer.prefix_text = prefix
-        pieces.append(piece)
     return pieces
 
 

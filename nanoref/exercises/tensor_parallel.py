@@ -56,6 +56,8 @@ def _shard_table(
 # and of its functional ones (funcol.all_reduce, all_gather_tensor ...)
 _COLLECTIVE_PREFIXES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 _COLLECTIVE_NAMES = ("broadcast", "broadcast_object_list")
+# torch.distributed's collectives whose names others share (torch.gather, functools.reduce): found as its only
+_DIST_NAMES = ("reduce", "gather", "scatter", "gather_object", "scatter_object_list")
 
 
 def _called(call: ast.Call, aliases: dict[str, str], env: dict) -> str:
@@ -103,7 +105,8 @@ def find_collective(fn: Callable) -> tuple[str, str] | None:
         for node in nodes:
             called = _called(node, aliases, env) if isinstance(node, ast.Call) else ""
             name = called.rpartition(".")[2].lstrip("_")
-            if name.startswith(_COLLECTIVE_PREFIXES) or name in _COLLECTIVE_NAMES:
+            dist_only = name in _DIST_NAMES and called.startswith("torch.distributed.")
+            if name.startswith(_COLLECTIVE_PREFIXES) or name in _COLLECTIVE_NAMES or dist_only:
                 where = (inspect.getfile(obj), start + node.lineno - 1, owner.get(node, obj.__name__))
                 return called, describe_location(traceback.FrameSummary(*where))
             named = env.get(node.id) if isinstance(node, ast.Name) else None

@@ -34,7 +34,8 @@ build is cached under torch's extensions directory (`~/.cache/torch_extensions`,
 folder named after a hash of the source, the flags, torch's version and this CPU's instruction sets: processes and
 checkouts of other versions never rebuild each other's copy, and a home folder shared between machines never loads
 a build for the wrong CPU. Concurrent first uses (pytest-xdist workers) build once: the others wait for it on an OS
-file lock, which a build killed mid-way lets go of (its leftover torch lock is then removed: `_builder`).
+file lock, which a build killed mid-way lets go of (its leftover torch lock is then removed; another machine's
+build, whose OS lock may not be seen here, is waited for: `_builder`).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ import math
 import os
 import platform
 import shutil
+import socket
 import sys
 import threading
 import time
@@ -795,7 +797,7 @@ def load() -> None:
     _loaded = True
 
 
-STALE_LOCK_SECONDS = 600  # without OS file locks: a build lock this old was left by a killed build (~20-60 s each)
+STALE_LOCK_SECONDS = 600  # another host's build lock (or any without OS file locks) this old: a killed build's
 
 
 _lock = threading.Lock()  # two threads making their first engines at once load (or build) once
@@ -813,25 +815,53 @@ def _builder(folder: Path) -> Iterator[bool]:
 
     An OS file lock on `nanoref.lock` there, which another process's build holds until it ends (waited for, saying
     so) and which the OS lets go of when a process dies. So torch's own `lock` file, found while this is held, is no
-    live build's: a build killed mid-way left it (a Jupyter kernel restarted during the first build), and torch would
-    wait for it forever, and its library may be half written. It is removed (and the library built again). Where
-    there are no OS file locks (Windows, a network folder without them), a torch lock is taken for a killed build's
-    once it is STALE_LOCK_SECONDS old."""
+    live build's when the last build that held it ran on this host (the file names that host): a build killed mid-way
+    left it (a Jupyter kernel restarted during the first build), and torch would wait for it forever, and its library
+    may be half written. It is removed (and the library built again). A torch lock of another host's build (a home
+    folder shared between machines, whose OS locks may be each machine's own), or any where there are no OS file locks
+    (Windows, a network folder without them), is waited for: until it goes (that build's library is then loaded), or,
+    once it is STALE_LOCK_SECONDS old, taken for a killed build's."""
     folder.mkdir(parents=True, exist_ok=True)
     lock = folder / "lock"
-    with open(folder / "nanoref.lock", "a") as handle:
+    with open(folder / "nanoref.lock", "a+") as handle:
         try:
             locked = _os_lock(handle, folder)
         except OSError:  # (no lock to take here)
             locked = False
         try:
-            stale = lock.exists() and (locked or time.time() - lock.stat().st_mtime > STALE_LOCK_SECONDS)
+            handle.seek(0)
+            ours = locked and handle.read() in ("", _HOST)  # (the last build that took it ran here)
+            handle.truncate(0)
+            handle.write(_HOST)
+            handle.flush()
+            if not ours:
+                _wait_while_fresh(lock)
+            stale = lock.exists()
             if stale:
                 lock.unlink(missing_ok=True)
             yield stale
         finally:
             if locked:
                 fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+_HOST = socket.gethostname()
+
+
+def _wait_while_fresh(lock: Path) -> None:
+    """Wait while torch's build lock `lock` is there and younger than STALE_LOCK_SECONDS (a build that may be live)."""
+    said = False
+    while True:
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except FileNotFoundError:  # (that build ended)
+            return
+        if age > STALE_LOCK_SECONDS:
+            return
+        if not said:
+            print(f"nanoref: waiting for the build that holds {lock} (another machine's?) to end...", file=sys.stderr)
+            said = True
+        time.sleep(0.5)
 
 
 def _os_lock(handle: Any, folder: Path) -> bool:
