@@ -7,7 +7,7 @@ import os
 import sys
 
 from nanoref.llm import DEFAULT_MODEL
-from nanoref.utils.flags import name_the_flag
+from nanoref.utils.flags import SIZING_SETTINGS, add_sizing_flags, name_the_flag
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT: what a shell reports for a tool stopped by Ctrl-C
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what a shell reports for a tool whose reader went away
@@ -49,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="auto, float32 (= float), float16 (= half) or bfloat16 (default auto: on CUDA the checkpoint's float16 or "
         "bfloat16, else bfloat16; float32 on a CPU)",
     )
+    add_sizing_flags(engine)
     engine.add_argument(
         "--attention-backend", default="auto", help="auto, torch, triton, cpp, flash_attn or flash_attn+triton"
     )
@@ -114,6 +115,8 @@ def _run(args: argparse.Namespace) -> None:
             attention_backend=args.attention_backend,
             kv_cache_dtype=args.kv_cache_dtype,
             tensor_parallel_size=args.tensor_parallel_size,
+            enforce_eager=args.enforce_eager,
+            **{name: getattr(args, name) for name in SIZING_SETTINGS if getattr(args, name) is not None},
         )
     except (ValueError, TypeError) as error:  # ModelFolderError is a ValueError
         raise BadInput(error) from None

@@ -21,14 +21,13 @@ import argparse
 import codecs
 import json
 import os
-import re
 import signal
 import socket
 import sys
 import threading
 
 from nanoref.llm import DEFAULT_MODEL
-from nanoref.utils.flags import dashed_flags, name_the_flag
+from nanoref.utils.flags import SIZING_SETTINGS, add_sizing_flags, dashed_flags, name_the_flag
 
 ENGINE_PROCESS = {"auto": None, "on": True, "off": False}  # --engine-process -> AsyncLLM.from_model's engine_process
 UVICORN_LOG_LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]  # vLLM's --uvicorn-log-level choices
@@ -38,11 +37,7 @@ CORS_LISTS = ("allowed_origins", "allowed_methods", "allowed_headers")
 # the engine settings whose flag is the setting's name in vLLM's spelling (--max-num-seqs -> max_num_seqs), passed
 # to the engine only when given: the engine's own defaults (per device) apply otherwise
 ENGINE_SETTINGS = (
-    "max_num_seqs",
-    "max_num_batched_tokens",
-    "max_model_len",
-    "num_kvcache_blocks",
-    "gpu_memory_utilization",
+    *SIZING_SETTINGS,
     "seed",
     "max_loras",
     "max_lora_rank",
@@ -146,21 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="auto, float32 (= float), float16 (= half) or bfloat16 (default auto: on CUDA the checkpoint's float16 or "
         "bfloat16, else bfloat16; float32 on a CPU)",
     )
-    engine.add_argument("--max-num-seqs", type=int, default=None, help="requests per step (default: per device)")
-    engine.add_argument(
-        "--max-num-batched-tokens",
-        type=human_readable_int,
-        default=None,
-        help="tokens per step, e.g. 8192, 8k or 8K (default: per device)",
-    )
-    engine.add_argument(
-        "--max-model-len",
-        type=human_readable_int,
-        default=None,
-        help="the longest prompt + completion, in tokens, e.g. 32768, 32k (32,000) or 32K (32,768) (default: the "
-        "model's limit, capped at 4096)",
-    )
-    engine.add_argument("--num-kvcache-blocks", type=int, default=None, help="KV blocks (default: from memory)")
+    add_sizing_flags(engine)
     engine.add_argument(
         "--num-gpu-blocks-override", type=int, default=None, help="vLLM's name for --num-kvcache-blocks (give one)"
     )
@@ -248,17 +229,6 @@ def build_parser() -> argparse.ArgumentParser:
         "-O",
         default=None,
         help="refused: nanoref has no compilation settings (--enforce-eager turns decode CUDA graphs off)",
-    )
-    engine.add_argument(
-        "--gpu-memory-utilization",
-        type=float,
-        default=None,
-        help="CUDA: the share of the whole GPU's memory in use once the KV cache is made, memory other processes "
-        "hold included (Nano-vLLM's rule; default 0.9); a CPU ignores it, as vLLM's does: its KV cache holds "
-        "max-num-seqs full-length sequences, at most a quarter of the free RAM (--num-kvcache-blocks sets it)",
-    )
-    engine.add_argument(
-        "--enforce-eager", action="store_true", help="run decode steps eagerly, without CUDA graphs (CUDA only)"
     )
     engine.add_argument(
         "--seed",
@@ -395,22 +365,6 @@ def load_chat_template(value: str) -> str:
         return check_chat_template(template)
     except ValueError as error:
         raise ValueError(f"--chat-template: {error}") from None
-
-
-def human_readable_int(value: str) -> int:
-    """vLLM's token counts on the command line: an integer, or one with a suffix, k / m / g (10**3, 10**6, 10**9:
-    "25.6k" is 25,600) or K / M / G (2**10, 2**20, 2**30, whole numbers only: "32K" is 32,768)."""
-    match = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgKMG])", value.strip())
-    if match is None:
-        try:
-            return int(value)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not an integer (or one like 8k or 32K): {value!r}") from None
-    number, suffix = match.groups()
-    if suffix.isupper() and "." in number:
-        raise argparse.ArgumentTypeError(f"a binary suffix ({suffix}) takes a whole number, got {value!r}")
-    scale = {"k": 10**3, "m": 10**6, "g": 10**9, "K": 2**10, "M": 2**20, "G": 2**30}[suffix]
-    return int(float(number) * scale) if suffix.islower() else int(number) * scale
 
 
 def json_flag(text: str | None, flag: str, kind: type[dict] | type[list]) -> dict | list[str] | None:

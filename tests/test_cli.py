@@ -148,3 +148,35 @@ def test_the_usage_line_names_the_command_as_it_was_run(monkeypatch, argv0, prog
 
     monkeypatch.setattr(sys, "argv", [argv0])
     assert build_parser().format_usage().startswith(f"usage: {prog} ")
+
+
+def test_the_engine_sizing_flags_reach_the_engine(monkeypatch, capsys):
+    # the command line had no way to bound the engine's memory: no --max-model-len, --max-num-seqs, ...
+    configs = []
+
+    def generate(self, prompts, *args, **kwargs):
+        configs.append(self.config)
+        return [{"text": ""} for _ in prompts]
+
+    monkeypatch.setattr(LLM, "generate", generate)
+    argv = ["hi", "--device", "cpu", "--max-model-len", "300", "--max-num-seqs", "3", "--num-kvcache-blocks", "40"]
+    argv += ["--max-num-batched-tokens", "256", "--gpu-memory-utilization", "0.5", "--enforce-eager"]
+    assert main(argv) == 0, capsys.readouterr().err
+    (config,) = configs
+    assert (config.max_model_len, config.max_num_seqs, config.num_kvcache_blocks) == (300, 3, 40)
+    assert (config.max_num_batched_tokens, config.gpu_memory_utilization, config.enforce_eager) == (256, 0.5, True)
+
+
+@pytest.mark.parametrize(
+    "args,line",
+    [
+        (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization: gpu_memory_utilization must be in (0, 1]"),
+        (["--max-num-seqs", "0"], "--max-num-seqs: max_num_seqs must be"),
+        (["--max-model-len", "1"], "--max-model-len: max_model_len must be an integer in [2, "),
+        (["--num-kvcache-blocks", "-1"], "--num-kvcache-blocks: num_kvcache_blocks must be a positive integer"),
+    ],
+)
+def test_a_bad_engine_size_is_one_line_naming_its_flag(args, line, capsys):
+    assert main(["hi", "--device", "cpu", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {line}") and err.count("\n") == 1, err
