@@ -39,21 +39,37 @@ KV_CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, 
 
 
 def parse_dtype(dtype: str | torch.dtype | None, device: torch.device, checkpoint: str | None = None) -> torch.dtype:
-    """The weights' and activations' dtype. "auto" (or None), as vLLM's "auto" on a GPU with bfloat16: on CUDA the
-    checkpoint's float16 or bfloat16 (config.json's dtype, `checkpoint`) kept, and a float32 checkpoint, or one whose
-    config.json names no dtype, in bfloat16. On a CPU float32, whatever the checkpoint's, exact against HF in float32
-    (where vLLM's CPU backend, on x86 and Arm Linux, keeps float16 and bfloat16 and runs float32 in bfloat16)."""
+    """The weights' and activations' dtype. "auto" (or None), as vLLM's "auto": on CUDA the checkpoint's float16 (or
+    "half") or bfloat16 (config.json's dtype, `checkpoint`) kept, and a float32 checkpoint, or one whose config.json
+    names no dtype, in bfloat16; on a GPU without bfloat16 (compute capability below 8.0: a T4, a V100) float16,
+    whatever the checkpoint's, where an explicit bfloat16 is vLLM's ValueError. On a CPU float32, whatever the
+    checkpoint's, exact against HF in float32 (where vLLM's CPU backend, on x86 and Arm Linux, keeps float16 and
+    bfloat16 and runs float32 in bfloat16)."""
     if dtype is None or dtype == "auto":
         if device.type != "cuda":
             return torch.float32
-        return torch.float16 if checkpoint == "float16" else torch.bfloat16
+        keep_half = checkpoint in ("float16", "half") or not _runs_bfloat16(device)
+        return torch.float16 if keep_half else torch.bfloat16
     if isinstance(dtype, torch.dtype):
         if dtype not in _DTYPES.values():
             raise ValueError(f"dtype must be one of {list(_DTYPES)}, got {dtype}")
-        return dtype
-    if not isinstance(dtype, str) or dtype not in {**_DTYPES, **_DTYPE_ALIASES}:  # (a list is unhashable: checked)
+    elif not isinstance(dtype, str) or dtype not in {**_DTYPES, **_DTYPE_ALIASES}:  # (a list is unhashable: checked)
         raise ValueError(f"dtype must be one of {['auto', *_DTYPES, *_DTYPE_ALIASES]}, got {dtype!r}")
-    return {**_DTYPES, **_DTYPE_ALIASES}[dtype]
+    dtype = {**_DTYPES, **_DTYPE_ALIASES}.get(dtype, dtype)
+    if dtype == torch.bfloat16 and device.type == "cuda" and not _runs_bfloat16(device):
+        major, minor = torch.cuda.get_device_capability(device)
+        raise ValueError(  # (vLLM's words)
+            "Bfloat16 is only supported on GPUs with compute capability of at least 8.0. Your "
+            f"{torch.cuda.get_device_name(device)} GPU has compute capability {major}.{minor}. You can use float16 "
+            "instead by explicitly setting the `dtype` flag in CLI, for example: --dtype=half."
+        )
+    return dtype
+
+
+def _runs_bfloat16(device: torch.device) -> bool:
+    """Whether the GPU computes in bfloat16 (Ampere, compute capability 8.0, and later): vLLM's test.
+    (torch.cuda.is_bf16_supported() is True on a T4 too: it counts bfloat16 emulated.)"""
+    return torch.cuda.get_device_capability(device) >= (8, 0)
 
 
 # The settings that decide throughput, per device type, when LLM(...) leaves them out. A GPU runs a decode step in

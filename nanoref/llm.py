@@ -90,7 +90,7 @@ class LLM(LLMEngine):
 
     device: "cuda" when available, else "cpu" (the environment variable NANOREF_DEVICE, e.g. "cpu", overrides
         that default). dtype "auto" (default): on CUDA the checkpoint's float16 or bfloat16 (config.json's dtype),
-        else bfloat16; float32 on a CPU.
+        else bfloat16, and float16 on a GPU without bfloat16 (compute capability below 8.0); float32 on a CPU.
     max_num_seqs, max_num_batched_tokens: sequences per step, and tokens per prefill step (longer prompts are
         prefilled in chunks); default 512 and 16,384 on CUDA (what a GPU needs to be busy), 64 and 4,096 on a CPU.
     max_model_len: prompt + generated tokens per sequence; default the model's limit, capped at 4096.

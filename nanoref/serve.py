@@ -139,7 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--dtype",
         default=None,
         help="auto, float32 (= float), float16 (= half) or bfloat16 (default auto: on CUDA the checkpoint's float16 or "
-        "bfloat16, else bfloat16; float32 on a CPU)",
+        "bfloat16, else bfloat16, and float16 on a GPU without bfloat16, before compute capability 8.0; float32 on a "
+        "CPU)",
     )
     add_sizing_flags(engine)
     engine.add_argument(

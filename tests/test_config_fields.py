@@ -83,6 +83,7 @@ def no_dtype(config):
 # config.json's dtype -> what dtype="auto" runs on CUDA (vLLM's "auto": float16 and bfloat16 kept, the rest bfloat16)
 CHECKPOINT_DTYPES = {
     "float16": (lambda c: c.update(dtype="float16"), torch.float16),
+    "half": (lambda c: c.update(dtype="half"), torch.float16),  # (torch.half: ran bfloat16)
     "bfloat16": (lambda c: c.update(dtype="bfloat16"), torch.bfloat16),
     "float32": (lambda c: c.update(dtype="float32"), torch.bfloat16),
     "none-named": (no_dtype, torch.bfloat16),
@@ -92,14 +93,36 @@ CHECKPOINT_DTYPES = {
 
 
 @pytest.mark.parametrize("edit, on_cuda", CHECKPOINT_DTYPES.values(), ids=CHECKPOINT_DTYPES.keys())
-def test_auto_dtype_keeps_the_checkpoints_half_type_on_cuda(tmp_path, tiny_model, edit, on_cuda):
+def test_auto_dtype_keeps_the_checkpoints_half_type_on_cuda(tmp_path, tiny_model, edit, on_cuda, monkeypatch):
     """dtype="auto" reads config.json's dtype: on CUDA (the resolution itself: no GPU here) as vLLM's "auto"; on a
     CPU float32 whatever the checkpoint's (token-exact with HF in float32)."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))  # (an H100)
     config = EngineConfig(copy_with_config(tmp_path, tiny_model, edit), device="cpu")
     assert config.dtype == torch.float32
     for dtype in ("auto", None):
         assert parse_dtype(dtype, torch.device("cuda"), config.hf_config.dtype) == on_cuda
     assert parse_dtype("float32", torch.device("cuda"), config.hf_config.dtype) == torch.float32  # (asked: as asked)
+
+
+@pytest.mark.parametrize("edit", [edit for edit, _ in CHECKPOINT_DTYPES.values()], ids=CHECKPOINT_DTYPES.keys())
+def test_auto_dtype_is_float16_on_a_gpu_without_bfloat16(tmp_path, tiny_model, edit, monkeypatch):
+    """vLLM's "auto" on a T4 or V100 (compute capability below 8.0) is float16 whatever the checkpoint's: nanoref ran
+    a bfloat16 (or float32) checkpoint in bfloat16 there, which such a GPU only emulates."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla T4")
+    config = EngineConfig(copy_with_config(tmp_path, tiny_model, edit), device="cpu")
+    for dtype in ("auto", None, "float16", "half", torch.float16):
+        assert parse_dtype(dtype, torch.device("cuda"), config.hf_config.dtype) == torch.float16
+    assert parse_dtype("float32", torch.device("cuda"), config.hf_config.dtype) == torch.float32
+    for dtype in ("bfloat16", torch.bfloat16):  # asked for: vLLM's ValueError, in its words
+        with pytest.raises(ValueError) as error:
+            parse_dtype(dtype, torch.device("cuda"), config.hf_config.dtype)
+        assert str(error.value) == (
+            "Bfloat16 is only supported on GPUs with compute capability of at least 8.0. Your Tesla T4 GPU has "
+            "compute capability 7.5. You can use float16 instead by explicitly setting the `dtype` flag in CLI, for "
+            "example: --dtype=half."
+        )
+    assert parse_dtype("bfloat16", torch.device("cpu")) == torch.bfloat16  # (a CPU: as asked)
 
 
 def test_float16_checkpoint_runs_in_float16_on_cuda_and_float32_on_a_cpu(tmp_path):
