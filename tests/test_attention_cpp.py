@@ -429,16 +429,22 @@ def test_a_damaged_cached_library_is_reported_with_its_path_and_not_loaded_again
         attention_cpp.load()  # remembered: no second attempt
 
 
+def empty_build_folder(tmp_path, monkeypatch):
+    """This machine's build folder for the kernels, empty, under tmp_path (as if the build tools were there) -> it."""
+    monkeypatch.setattr(attention_cpp, "missing_build_tools", lambda: [])
+    monkeypatch.setattr(attention_cpp, "extensions_root", lambda: tmp_path)
+    folder = tmp_path / attention_cpp.build_name()
+    folder.mkdir()
+    return folder
+
+
 def test_a_lock_left_by_a_killed_build_is_removed_before_building(tmp_path, monkeypatch):
     """torch's build lock makes every later process wait for the build that holds it: forever, when that process was
     killed mid-build (a Jupyter kernel restarted during the first build)."""
     import os
     import time
 
-    monkeypatch.setattr(attention_cpp, "missing_build_tools", lambda: [])
-    monkeypatch.setattr(attention_cpp, "extensions_root", lambda: tmp_path)
-    folder = tmp_path / attention_cpp.build_name()
-    folder.mkdir()
+    folder = empty_build_folder(tmp_path, monkeypatch)
     lock = folder / "lock"
     lock.touch()
     hour_ago = time.time() - 3600
@@ -453,10 +459,7 @@ def test_a_lock_that_a_build_killed_just_now_left_is_removed_too(tmp_path, monke
     """The kernel restarted during the first build and the notebook run again at once: torch's lock, seconds old,
     is no live build's (none holds nanoref's OS lock), so it goes and the kernels are built again (its library may be
     half written). It used to stay, and the engine waited on it forever after "compiling ... about 20 s"."""
-    monkeypatch.setattr(attention_cpp, "missing_build_tools", lambda: [])
-    monkeypatch.setattr(attention_cpp, "extensions_root", lambda: tmp_path)
-    folder = tmp_path / attention_cpp.build_name()
-    folder.mkdir()
+    folder = empty_build_folder(tmp_path, monkeypatch)
     (folder / "lock").touch()
     (folder / f"{folder.name}.so").write_bytes(b"half a library")
     builds = []
@@ -496,10 +499,7 @@ def test_without_os_file_locks_only_an_old_torch_lock_is_taken_for_a_killed_buil
         raise OSError(errno.ENOLCK, "No locks available")
 
     monkeypatch.setattr(attention_cpp, "fcntl", types.SimpleNamespace(flock=no_locks, LOCK_EX=2, LOCK_NB=4, LOCK_UN=8))
-    monkeypatch.setattr(attention_cpp, "missing_build_tools", lambda: [])
-    monkeypatch.setattr(attention_cpp, "extensions_root", lambda: tmp_path)
-    folder = tmp_path / attention_cpp.build_name()
-    folder.mkdir()
+    folder = empty_build_folder(tmp_path, monkeypatch)
     lock = folder / "lock"
     builds, loads = [], []
     monkeypatch.setattr(attention_cpp, "_build", lambda name, where: builds.append(lock.exists()))
@@ -526,10 +526,7 @@ def test_another_machines_live_build_is_waited_for_where_os_locks_are_each_machi
     import os
     import time
 
-    monkeypatch.setattr(attention_cpp, "missing_build_tools", lambda: [])
-    monkeypatch.setattr(attention_cpp, "extensions_root", lambda: tmp_path)
-    folder = tmp_path / attention_cpp.build_name()
-    folder.mkdir()
+    folder = empty_build_folder(tmp_path, monkeypatch)
     lock = folder / "lock"
     builds, loads = [], []
     monkeypatch.setattr(attention_cpp, "_build", lambda name, where: builds.append(lock.exists()))
@@ -556,10 +553,7 @@ def test_a_live_build_in_another_process_is_waited_for_and_its_library_loaded(tm
     import threading
     import time
 
-    monkeypatch.setattr(attention_cpp, "missing_build_tools", lambda: [])
-    monkeypatch.setattr(attention_cpp, "extensions_root", lambda: tmp_path)
-    folder = tmp_path / attention_cpp.build_name()
-    folder.mkdir()
+    folder = empty_build_folder(tmp_path, monkeypatch)
     builds, loads = [], []
     monkeypatch.setattr(attention_cpp, "_build", lambda name, where: builds.append(name))
     monkeypatch.setattr(torch.ops, "load_library", loads.append)

@@ -815,10 +815,11 @@ def test_the_serve_command_stops_the_engine_on_sigterm_and_ends_by_it():
         server.assert_the_engine_is_gone()  # engine.close() ran
 
 
-@pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the engine process through /proc")
-def test_ctrl_c_while_the_engine_process_loads_the_model_stops_at_once_without_a_traceback():
-    # Ctrl-C reaches the whole process group: the engine process, still importing, printed a traceback of its own;
-    # the server's KeyboardInterrupt left the engine process waiting for commands, and the exit waited for it: a hang
+@contextmanager
+def serve_command_loading_its_model() -> Iterator[tuple]:
+    """`python -m nanoref.serve` with an engine process, in a session of its own, caught while that process loads the
+    model -> (the server's Popen, the engine process's pids); on the way out the session is killed (an engine
+    process left loading included)."""
     import subprocess
     import sys
 
@@ -836,6 +837,20 @@ def test_ctrl_c_while_the_engine_process_loads_the_model_stops_at_once_without_a
             engine = {
                 pid for pid in children_of(process.pid) if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text()
             }
+        yield process, engine
+    finally:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        process.wait()
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the engine process through /proc")
+def test_ctrl_c_while_the_engine_process_loads_the_model_stops_at_once_without_a_traceback():
+    # Ctrl-C reaches the whole process group: the engine process, still importing, printed a traceback of its own;
+    # the server's KeyboardInterrupt left the engine process waiting for commands, and the exit waited for it: a hang
+    with serve_command_loading_its_model() as (process, engine):
         os.killpg(process.pid, signal.SIGINT)
         assert process.wait(TIMEOUT) == 0
         out, err = process.communicate()
@@ -843,44 +858,18 @@ def test_ctrl_c_while_the_engine_process_loads_the_model_stops_at_once_without_a
         for pid in engine:
             with pytest.raises(ProcessLookupError):
                 os.kill(pid, 0)
-    finally:
-        if process.poll() is None:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
 
 
 @pytest.mark.skipif(not Path("/proc").is_dir(), reason="finds the engine process through /proc")
 def test_sigterm_while_the_engine_process_loads_the_model_ends_it_with_the_server():
     # the server died of the signal at once, and its engine process went on loading the model on its own
-    import subprocess
-    import sys
-
-    from .test_server import children_of
-
-    command = [sys.executable, "-m", "nanoref.serve", "--device", "cpu", "--port", "0", "--engine-process", "on"]
-    process = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
-    )
-    try:
-        deadline, engine = time.monotonic() + TIMEOUT, set()
-        while not engine:
-            assert time.monotonic() < deadline and process.poll() is None
-            time.sleep(0.02)
-            engine = {
-                pid for pid in children_of(process.pid) if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text()
-            }
+    with serve_command_loading_its_model() as (process, engine):
         process.send_signal(signal.SIGTERM)  # (the server alone, as `kill PID` sends it)
         assert process.wait(TIMEOUT) == -signal.SIGTERM
         for pid in engine:  # ended and reaped by the server before it ended
             with pytest.raises(ProcessLookupError):
                 os.kill(pid, 0)
         assert "Traceback" not in process.stderr.read()
-    finally:
-        try:  # (its session: an engine process left loading included)
-            os.killpg(process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        process.wait()
 
 
 def test_ctrl_c_while_the_model_loads_ends_the_serve_command_as_a_stop(monkeypatch, capsys):
