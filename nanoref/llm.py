@@ -29,6 +29,7 @@ from nanoref.config import VLLM_ALIASES, EngineConfig
 from nanoref.cuda_graphs import DecodeGraphs
 from nanoref.engine.chat import chat_prompt, check_chat_template, check_content_format
 from nanoref.engine.hooks import EngineHooks, RunnerHooks
+from nanoref.engine.kv_budget import release_freed_gpu_memory
 from nanoref.engine.llm_engine import LLMEngine, PlainLoop
 from nanoref.engine.model_runner import ModelRunner
 from nanoref.engine.output_processor import GenerateOutput
@@ -447,6 +448,8 @@ def build_runner(
         attach=(*warm_up, attach_cascade),
         decode_graphs=partial(decode_graphs, lora=lora),
     )
+    if config.device.type == "cuda":
+        release_freed_gpu_memory()
     if draft:
         runner = SpeculativeRunner(config, hooks)  # (speculative decoding runs on one device)
     elif config.tensor_parallel_size == 1:

@@ -29,6 +29,16 @@ def cpu_memory_available(fallback: int | None = 4 << 30) -> int | None:
     return fallback if available is None else available
 
 
+def release_freed_gpu_memory() -> None:
+    """Hand what torch's allocator caches back to the driver before a new engine loads anything on the GPU: an engine
+    the caller dropped leaves its KV cache cached there, and the new engine's weights or LoRA slots, carved out of that
+    one segment, would pin all of it (the new cache then finds the old one's gigabytes used: `del llm` then
+    `LLM(..., enable_lora=True)` on an H100 had no memory left for its cache). A dropped engine in a reference cycle of
+    the caller's objects is freed first."""
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 PROC_SELF_CGROUP = Path("/proc/self/cgroup")
 
