@@ -361,3 +361,53 @@ def test_a_finite_mask_value_is_named_not_taken_for_kept_tokens(value):
         check_apply_top_k_top_p(masked_with(value), engine=False)
     assert "you keep" not in str(failure.value)
     assert_readable_failure(failure.value)
+
+
+def top_p_without_the_max_subtracted(logits, top_k, top_p):
+    # right, but the probabilities as exp(logit) / sum: at a low temperature exp overflows float32 to inf, inf / inf
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    sorted_logits = top_k_cut(sorted_logits, top_k)
+    exps = sorted_logits.exp()
+    probs = exps / exps.sum(dim=-1, keepdim=True)
+    drop = (probs.cumsum(dim=-1) - probs >= top_p[:, None]) & (top_p[:, None] < 1.0)
+    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_top_p_whose_exp_overflows_at_a_low_temperature_fails_on_every_draw(seed):
+    # the random rows' logits stay below 88.7, where exp is finite: only the low-temperature row overflows
+    torch.manual_seed(seed)
+    with pytest.raises(
+        ExerciseFailure, match="(?s)top_p=0.9.*exp\\(150\\) overflows float32.*subtract each row's largest"
+    ) as failure:
+        check_apply_top_k_top_p(top_p_without_the_max_subtracted, engine=False)
+    assert_readable_failure(failure.value)
+
+
+def top_k_by_torch_topk(logits, top_k, top_p, *, clamp=False):
+    # torch.topk row by row: k past the vocabulary raises, unless clamped; and k = 0 keeps nothing
+    out = torch.full_like(logits, float("-inf"))
+    for row in range(logits.shape[0]):
+        k = min(int(top_k[row]), logits.shape[1]) if clamp else int(top_k[row])
+        values, ids = logits[row].topk(k)
+        out[row, ids] = values
+    return apply_top_k_top_p(out, torch.zeros_like(top_k), top_p)
+
+
+def top_k_left_in_rank_order(logits, top_k, top_p):  # the sorted row masked, never scattered back
+    return apply_top_k_top_p(logits.sort(dim=-1, descending=True).values, top_k, top_p)
+
+
+@pytest.mark.parametrize(
+    "wrong, message",
+    [
+        (top_k_by_torch_topk, "raised RuntimeError.*top_k at or past the vocabulary size keeps every token.*clamp k"),
+        (lambda *a: top_k_by_torch_topk(*a, clamp=True), "top_k=0, top_p=0.7.*top_k=0 means off: it keeps every token"),
+        (top_k_left_in_rank_order, "your mask is in rank order.*scatter it back to vocabulary order"),
+    ],
+    ids=["k past the vocabulary", "k = 0 keeps none", "rank order"],
+)
+def test_a_top_k_mistake_is_named(wrong, message):
+    with pytest.raises(ExerciseFailure, match="(?s)" + message) as failure:
+        check_apply_top_k_top_p(wrong, engine=False)
+    assert_readable_failure(failure.value)

@@ -20,7 +20,16 @@ def test_nanorefs_own_lookup_passes_with_the_engine():
 
 
 def lookup_variant(
-    *, keep_last=False, drop_one=False, skip_misses=False, chained=True, check_tokens=True, skip_collisions=False
+    *,
+    keep_last=False,
+    drop_one=False,
+    skip_misses=False,
+    chained=True,
+    check_tokens=True,
+    skip_collisions=False,
+    indexed=False,
+    takes=False,
+    objects=False,
 ):
     def lookup(token_ids, block_size, hash_to_block_id, blocks):
         hits, prefix_hash = [], -1
@@ -30,14 +39,17 @@ def lookup_variant(
         for index in range(count):
             tokens = token_ids[index * block_size : (index + 1) * block_size]
             prefix_hash = chain_hash(tokens, prefix_hash if chained else -1)
-            block_id = hash_to_block_id.get(prefix_hash, -1)
+            # (indexed: a missing hash raises KeyError)
+            block_id = hash_to_block_id[prefix_hash] if indexed else hash_to_block_id.get(prefix_hash, -1)
             if skip_collisions and block_id != -1 and blocks[block_id].token_ids != tokens:
                 continue  # a collision skipped, the walk going on: the next block would sit in the wrong place
             if block_id == -1 or (check_tokens and blocks[block_id].token_ids != tokens):
                 if skip_misses:
                     continue
                 break
-            hits.append(block_id)
+            if takes:  # "takes" the block itself: the block manager's allocate raises the count again
+                blocks[block_id].ref_count += 1
+            hits.append(blocks[block_id] if objects else block_id)
         return hits
 
     return lookup
@@ -53,6 +65,9 @@ def lookup_variant(
         (lookup_variant(check_tokens=False), "hash collision.*compare the block's token_ids"),
         (lookup_variant(skip_collisions=True), r"hash collision.*expected \[\d+\]:.*stop at a block that fails"),
         (lambda *args: None, "return a list of block ids"),
+        (lookup_variant(indexed=True), "raised KeyError.*a miss, not an error.*hash_to_block_id.get\\(h, -1\\)"),
+        (lookup_variant(takes=True), "changed block \\d+ of the pool.*only read the blocks"),
+        (lookup_variant(objects=True), "return block ids \\(ints.*got a list holding Block"),
     ],
 )
 def test_wrong_lookups_fail_with_a_message(wrong, message):
@@ -77,6 +92,10 @@ def test_nanorefs_preemption_choice_passes_with_the_engine():
     check_choose_preemption_victim(choose_preemption_victim)
 
 
+def newest_even_of_none(running, seq):  # no case for an empty running
+    return running[-1]
+
+
 @pytest.mark.parametrize(
     "wrong, message",
     [
@@ -84,6 +103,7 @@ def test_nanorefs_preemption_choice_passes_with_the_engine():
         (lambda running, seq: seq, "seq steps back only when no other sequence is running"),
         (lambda running, seq: running.pop() if running else seq, "changed `running`"),
         (lambda running, seq: None, "return one of the sequences you were given"),
+        (newest_even_of_none, "raised IndexError.*running may be empty: then return seq"),
     ],
 )
 def test_wrong_preemption_choices_fail_with_a_message(wrong, message):

@@ -50,6 +50,12 @@ def padding_row(input_ids, weight, vocab_start, vocab_end):  # other ranks' ids 
     return F.embedding(torch.where(mine, input_ids - vocab_start, weight.shape[0] - 1), weight)
 
 
+def padding_times_zero(input_ids, weight, vocab_start, vocab_end):  # other ranks' ids clamped into padding, times 0
+    mine = (input_ids >= vocab_start) & (input_ids < vocab_end)
+    rows = F.embedding((input_ids - vocab_start).clamp(0, weight.shape[0] - 1), weight)
+    return rows * mine[:, None].to(weight.dtype)
+
+
 def float_mask(input_ids, weight, vocab_start, vocab_end):  # right values, but promoted to float32
     mine = (input_ids >= vocab_start) & (input_ids < vocab_end)
     return F.embedding((input_ids - vocab_start) * mine, weight) * mine[:, None].float()
@@ -107,6 +113,7 @@ def test_checks_accept_nanorefs_own_function():
         (no_shift_raw, "raised IndexError.*subtract vocab_start"),
         (no_mask, "is not zero.*zero the rows of ids outside"),
         (padding_row, "sending other ranks. ids to the last row"),
+        (padding_times_zero, "is NaN: you looked it up in a padding row and multiplied by 0.*torch.where"),
         (float_mask, "dtype torch.float32, expected torch.bfloat16"),
         (extra_axis, "returned shape"),
         (
@@ -319,6 +326,44 @@ def all_to_alls_in_a_method(input_ids, weight, vocab_start, vocab_end):
     return _Summer.sum_over_ranks(vocab_parallel_embed(input_ids, weight, vocab_start, vocab_end))
 
 
+def all_reduces_on_the_process_group(input_ids, weight, vocab_start, vocab_end):  # a ProcessGroup's own method
+    hidden = vocab_parallel_embed(input_ids, weight, vocab_start, vocab_end)
+    if dist.is_initialized():
+        pg = dist.group.WORLD
+        pg.allreduce([hidden]).wait()
+    return hidden
+
+
+def broadcasts_on_a_group(input_ids, weight, vocab_start, vocab_end):
+    hidden = vocab_parallel_embed(input_ids, weight, vocab_start, vocab_end)
+    if dist.is_initialized():
+        group = dist.new_group()
+        group.broadcast([hidden]).wait()
+    return hidden
+
+
+def reduces_on_a_group(input_ids, weight, vocab_start, vocab_end):  # `reduce`, a name others share, on a group
+    hidden = vocab_parallel_embed(input_ids, weight, vocab_start, vocab_end)
+    if dist.is_initialized():
+        tp_group = dist.new_group()
+        tp_group.reduce([hidden], dist.ReduceOptions()).wait()
+    return hidden
+
+
+def sends_to_rank_0(input_ids, weight, vocab_start, vocab_end):  # point to point: the others' shares to rank 0
+    hidden = vocab_parallel_embed(input_ids, weight, vocab_start, vocab_end)
+    if dist.is_initialized() and dist.get_rank() > 0:
+        dist.send(hidden, 0)
+    return hidden
+
+
+def isends_to_rank_0(input_ids, weight, vocab_start, vocab_end):
+    hidden = vocab_parallel_embed(input_ids, weight, vocab_start, vocab_end)
+    if dist.is_initialized() and dist.get_rank() > 0:
+        dist.isend(hidden, 0).wait()
+    return hidden
+
+
 @pytest.mark.parametrize(
     "wrong, collective, where",
     [
@@ -330,6 +375,11 @@ def all_to_alls_in_a_method(input_ids, weight, vocab_start, vocab_end):
         (all_gathers_in_a_helper, "torch.distributed.all_gather_into_tensor", "_gathered"),
         (imports_its_collective, "torch.distributed.reduce_scatter_tensor", "imports_its_collective"),
         (all_reduces_in_a_lambda, "torch.distributed.all_reduce", "<lambda>"),
+        (all_reduces_on_the_process_group, "pg.allreduce", "all_reduces_on_the_process_group"),
+        (broadcasts_on_a_group, "group.broadcast", "broadcasts_on_a_group"),
+        (reduces_on_a_group, "tp_group.reduce", "reduces_on_a_group"),
+        (sends_to_rank_0, "torch.distributed.send", "sends_to_rank_0"),
+        (isends_to_rank_0, "torch.distributed.isend", "isends_to_rank_0"),
     ],
 )
 def test_a_collective_in_any_form_is_named(wrong, collective, where):

@@ -211,13 +211,40 @@ def _exact_boundary_row(generator: torch.Generator, vocab: int = 50) -> torch.Te
     return logits[None, :]
 
 
+# float32's exp overflows to inf above this (exp(88.73) > 3.4e38)
+EXP_OVERFLOW = 88.72
+OVERFLOW_RULE = (
+    "exp({top:.0f}) overflows float32 to inf: subtract each row's largest logit before exp, as softmax does\n(logits "
+    "divided by a low temperature get this large; exp is inf above 88.7, and inf / inf is NaN)"
+)
+
+
+def _low_temperature_row(generator: torch.Generator, vocab: int = 50) -> torch.Tensor:
+    """(1, V) logits of a request at a low temperature (a model's logits of 20 to 30 divided by 0.2): the best 150,
+    the second 149.5 (so top_p=0.9 keeps those two), the rest 10 or more below. exp of them overflows float32, so a
+    probability computed as exp(logit) / sum without subtracting the row's max is NaN, on every run."""
+    logits = 140.0 - 40 * torch.rand(vocab, generator=generator)  # (V,): 100 .. 140
+    best, second = torch.randperm(vocab, generator=generator)[:2].tolist()
+    logits[best], logits[second] = 150.0, 149.5
+    return logits[None, :]
+
+
 def _masking_hint(row: torch.Tensor, k: int, p: float, kept_got: torch.Tensor, kept_want: torch.Tensor) -> str:
     """The rule a row's wrong mask broke, in one line."""
+    if p < 1.0 and float(row.max()) > EXP_OVERFLOW:  # (only the low-temperature row: the others stay below)
+        return OVERFLOW_RULE.format(top=float(row.max()))
+    if k <= 0 and not kept_got.any():
+        return "top_k=0 means off: it keeps every token (top-p, if on, then cuts), not none"
+    order = row.argsort(descending=True)  # (V,): token ids best first
+    if int(kept_got.sum()) == int(kept_want.sum()) and torch.equal(kept_got, kept_want[order]):
+        return (
+            "your mask is in rank order (position i masks the i-th largest logit): scatter it back to vocabulary "
+            "order, out.scatter(-1, order, sorted_logits), so that position t masks token t"
+        )
     if 0 < k < row.shape[0] and p < 1.0 and torch.equal(kept_got, _top_p_on_whole_row(row, k, p)):
         return TOP_P_ON_WHOLE_ROW
     if 0 < k and int(kept_want.sum()) > k and int(kept_got.sum()) == k:
         return TOP_K_TIES
-    order = row.argsort(descending=True)  # (V,): token ids best first
     ranked_got, ranked_want = kept_got[order], kept_want[order]  # (V,) each, in rank order
     last = int(ranked_want.nonzero().max())  # the rank of the lowest-ranked token to keep
     missing, extra = ranked_want & ~ranked_got, ranked_got & ~ranked_want  # (V,) each
@@ -239,13 +266,27 @@ def _masking_hint(row: torch.Tensor, k: int, p: float, kept_got: torch.Tensor, k
     )
 
 
+def _top_k_range_hint(logits: torch.Tensor, top_k: torch.Tensor) -> Callable[[Exception], str | None]:
+    """The fix for torch.topk given a k past the vocabulary (a request's top_k may exceed it)."""
+
+    def hint(error: Exception) -> str | None:
+        if not (isinstance(error, RuntimeError) and "out of range" in str(error)):
+            return None
+        vocab = logits.shape[1]
+        past = [(row, int(k)) for row, k in enumerate(top_k.tolist()) if k > vocab]
+        where = f" (row {past[0][0]}: top_k={past[0][1]} for {vocab} tokens)" if past else ""
+        return f"a top_k at or past the vocabulary size keeps every token{where}: clamp k to V before torch.topk"
+
+    return hint
+
+
 def _check_masking(fn: Callable, logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> None:
     """The learner's masking of `logits` (B, V), row by row, against nanoref's; the rows that switch both off come
     last, so a wrong nucleus is named by a row that uses one."""
     inputs = logits.clone()
     # nanoref's own masking as the reference; top_p 1.0 means off, so those rows are masked by top-k alone
     want = apply_top_k_top_p(logits, top_k, torch.where(top_p < 1.0, top_p, 2.0))
-    got = call_learner(fn, "apply_top_k_top_p", logits, top_k, top_p)
+    got = call_learner(fn, "apply_top_k_top_p", logits, top_k, top_p, hint=_top_k_range_hint(logits, top_k))
     expect_tensor(got, f"apply_top_k_top_p on logits of shape {tuple(logits.shape)}", want.shape, want.dtype)
     if not torch.equal(logits, inputs):
         raise ExerciseFailure("apply_top_k_top_p changed the logits in place; return a new tensor instead")
@@ -296,6 +337,8 @@ def check_apply_top_k_top_p(fn: Callable, *, engine: bool = True) -> None:
     _check_masking(fn, _exact_boundary_row(generator), torch.tensor([0]), torch.tensor([EXACT_TOP_P]))
     # a tie with the k-th largest logit, which stays
     _check_masking(fn, _tied_row(generator), torch.tensor([2]), torch.tensor([1.0]))
+    # a low temperature's large logits, whose exp overflows float32: the probabilities need the row's max subtracted
+    _check_masking(fn, _low_temperature_row(generator), torch.tensor([0]), torch.tensor([0.9]))
     # off on a long tail whose float32 cumsum reaches 1.0 before its last tokens: 1.0 must mean off, not a threshold
     tail = _long_tail(generator)[None, :]  # (1, V)
     _check_masking(fn, tail, torch.tensor([0]), torch.tensor([1.0]))

@@ -97,6 +97,20 @@ def _cases(rng: random.Random, block_size: int):
     yield ("an empty cache", "nothing is cached: return []", prompt, cache)
 
 
+def _state(block: Block) -> tuple:
+    return block.ref_count, block.hash, list(block.token_ids), block.forward
+
+
+def _missing_hash_hint(error: Exception) -> str | None:
+    """The fix for hash_to_block_id[h] on a hash that is not cached."""
+    if isinstance(error, KeyError):
+        return (
+            "a hash that is not in hash_to_block_id is a miss, not an error: look it up with "
+            "hash_to_block_id.get(h, -1) and stop the walk there"
+        )
+    return None
+
+
 def check_find_cached_prefix(fn: Callable, *, seed: int = 0, engine: bool = True) -> None:
     """`fn(token_ids, block_size, hash_to_block_id, blocks) -> list of block ids` against nanoref's, then the
     engine with shared prefixes, one prompt per prefill step and a KV budget small enough to preempt."""
@@ -105,14 +119,27 @@ def check_find_cached_prefix(fn: Callable, *, seed: int = 0, engine: bool = True
         for description, hint, token_ids, cache in _cases(rng, block_size):
             want = find_cached_prefix(token_ids, block_size, cache.hash_to_block_id, cache.blocks)
             table_before = dict(cache.hash_to_block_id)
+            blocks_before = [_state(block) for block in cache.blocks]
             got = call_learner(
                 fn, "find_cached_prefix", list(token_ids), block_size, cache.hash_to_block_id, cache.blocks,
-                case=description,
+                case=description, hint=_missing_hash_hint,
             )  # fmt: skip
             if cache.hash_to_block_id != table_before:
                 raise ExerciseFailure(f"{description}: your function changed hash_to_block_id; only read it")
+            changed = next((b for b, before in zip(cache.blocks, blocks_before) if _state(b) != before), None)
+            if changed is not None:
+                raise ExerciseFailure(
+                    f"{description}: your function changed block {changed.block_id} of the pool (ref_count, hash or "
+                    "token_ids): only read the blocks; the block manager takes the ones you return (allocate raises "
+                    "their ref_count), and a count raised here too keeps them held after their requests finish"
+                )
             if not isinstance(got, (list, tuple)):
                 raise ExerciseFailure(f"return a list of block ids, got {type(got).__name__}")
+            if not all(hasattr(block_id, "__index__") for block_id in got):  # (an int, a numpy or 0-d torch int)
+                kind = next(type(block_id).__name__ for block_id in got if not hasattr(block_id, "__index__"))
+                raise ExerciseFailure(
+                    f"return block ids (ints: blocks[i].block_id is i), got a list holding {kind} (on {description})"
+                )
             if list(got) != want:
                 raise ExerciseFailure(
                     f"block_size {block_size}, {len(token_ids)}-token prompt, {description}: you returned the "
@@ -169,7 +196,10 @@ def check_choose_preemption_victim(fn: Callable, *, engine: bool = True) -> None
         names = {id(s): f"running[{i}] (seq_id {s.seq_id}, {s.num_tokens} tokens)" for i, s in enumerate(running)}
         names[id(seq)] = "seq (the one needing a block)"
         given = list(running)
-        got = call_learner(fn, "choose_preemption_victim", given, seq)
+        got = call_learner(
+            fn, "choose_preemption_victim", given, seq, case=f"{num_running} other running sequences",
+            hint=lambda error: "running may be empty: then return seq" if isinstance(error, IndexError) else None,
+        )  # fmt: skip
         want = choose_preemption_victim(list(running), seq)
         if given != running:
             raise ExerciseFailure("your function changed `running`; return the victim, the scheduler removes it")

@@ -1,18 +1,21 @@
 """Checks for notebook 08's exercise: the vocab-parallel embedding lookup, one rank's share.
 
 The check runs the learner's function alone for the shards of small vocabularies split over 2 and 4 ranks (the
-first shard, a middle one, the last one with its padding rows, a rank none of whose ids come up, and tables padded
-on every rank, so that the next rank's ids fall within the table's size), then inside a real two-process engine
-(tensor_parallel_size=2, gloo on the CPU), where every rank calls it, against HF. An all-reduce of the learner's own
-is named: one that runs raises (no process group here) and gets the hint; one under `if dist.is_initialized()`,
-which runs in neither (nanoref's engine makes no default group), is found in the function's source (`find_collective`,
-which reads it and its helpers' with `ast` without running them or changing anything in the process).
+first shard, a middle one, the last one with its padding rows, a rank none of whose ids come up, tables padded
+on every rank, so that the next rank's ids fall within the table's size, and padding of NaN, which an answer that
+reads it and multiplies it by 0 keeps), then inside a real two-process engine (tensor_parallel_size=2, gloo on the
+CPU), where every rank calls it, against HF. An all-reduce of the learner's own (or another collective, a process
+group's method, a send) is named: one that runs raises (no process group here) and gets the hint; one under
+`if dist.is_initialized()`, which runs in neither (nanoref's engine makes no default group), is found in the
+function's source (`find_collective`, which reads it and its helpers' with `ast` without running them or changing
+anything in the process).
 """
 
 from __future__ import annotations
 
 import ast
 import inspect
+import re
 import textwrap
 import traceback
 import types
@@ -38,26 +41,34 @@ ENGINE_VOCAB = 251
 
 
 def _shard_table(
-    full: torch.Tensor, rank: int, world_size: int, generator: torch.Generator, spare: int = 0
+    full: torch.Tensor, rank: int, world_size: int, generator: torch.Generator, spare: int = 0, nan: bool = False
 ) -> torch.Tensor:
     """Rank's rows of `full` as the engine allocates them: ceil(V / N) rows, the tail past its shard padding, and
     `spare` more padding rows on every rank (as when each shard is padded for alignment): then the ids of the next
     rank fall within the table's size, and only [vocab_start, vocab_end) tells them apart. The padding holds noise,
-    not zeros: no id maps to it, so a right answer never reads it."""
+    not zeros (`nan`: NaN, as an uninitialised table may): no id maps to it, so a right answer never reads it, and
+    one that reads it and multiplies it by 0 keeps NaN there."""
     vocab, hidden = full.shape
     start, end = shard_range(vocab, rank, world_size)
     rows = -(-vocab // world_size) + spare
     table = torch.randn(rows, hidden, generator=generator).to(full.dtype)
+    if nan:
+        table.fill_(float("nan"))
     table[: end - start] = full[start:end]
     return table
 
 
-# the last names of torch.distributed's collectives (all_reduce, all_gather_into_tensor, reduce_scatter_tensor ...)
-# and of its functional ones (funcol.all_reduce, all_gather_tensor ...)
-_COLLECTIVE_PREFIXES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
-_COLLECTIVE_NAMES = ("broadcast", "broadcast_object_list")
-# torch.distributed's collectives whose names others share (torch.gather, functools.reduce): found as its only
-_DIST_NAMES = ("reduce", "gather", "scatter", "gather_object", "scatter_object_list")
+# the last names of torch.distributed's collectives (all_reduce, all_gather_into_tensor, reduce_scatter_tensor ...),
+# of its functional ones (funcol.all_reduce, all_gather_tensor ...) and of a ProcessGroup's methods (pg.allreduce,
+# allgather_into_tensor, alltoall_base ...), compared with their underscores left out; and its point-to-point sends
+_COLLECTIVE_PREFIXES = ("allreduce", "allgather", "reducescatter", "alltoall")
+_COLLECTIVE_NAMES = ("broadcast", "broadcast_object_list", "isend", "irecv", "batch_isend_irecv")
+# torch.distributed's collectives and sends whose names others share (torch.gather, functools.reduce, a socket's
+# send): found as its only, or as a method of a process group (`pg.send`, `group.reduce`, `get_tp_group().gather`)
+_DIST_NAMES = (
+    "reduce", "gather", "scatter", "gather_object", "scatter_object_list", "send", "recv", "send_object_list",
+    "recv_object_list",
+)  # fmt: skip
 
 
 def _called(call: ast.Call, aliases: dict[str, str], env: dict) -> str:
@@ -104,9 +115,11 @@ def find_collective(fn: Callable) -> tuple[str, str] | None:
         }
         for node in nodes:
             called = _called(node, aliases, env) if isinstance(node, ast.Call) else ""
-            name = called.rpartition(".")[2].lstrip("_")
-            dist_only = name in _DIST_NAMES and called.startswith("torch.distributed.")
-            if name.startswith(_COLLECTIVE_PREFIXES) or name in _COLLECTIVE_NAMES or dist_only:
+            owner_path, _, name = called.rpartition(".")
+            name = name.lstrip("_")
+            on_group = re.search(r"(group|pg)\W*$", owner_path.lower()) is not None  # (pg, tp_group, get_group())
+            dist_only = name in _DIST_NAMES and (called.startswith("torch.distributed.") or on_group)
+            if name.replace("_", "").startswith(_COLLECTIVE_PREFIXES) or name in _COLLECTIVE_NAMES or dist_only:
                 where = (inspect.getfile(obj), start + node.lineno - 1, owner.get(node, obj.__name__))
                 return called, describe_location(traceback.FrameSummary(*where))
             named = env.get(node.id) if isinstance(node, ast.Name) else None
@@ -148,16 +161,17 @@ def _check_one(
     generator: torch.Generator,
     spare: int = 0,
     collective: tuple[str, str] | None = None,
+    nan: bool = False,
 ) -> torch.Tensor:
     """The learner's output for one rank, checked against the rows that rank must produce; returns it. `collective`:
-    what find_collective found in the learner's code, a failure once the call returns."""
+    what find_collective found in the learner's code, a failure once the call returns; `nan`: padding rows of NaN."""
     vocab, hidden = full.shape
     start, end = shard_range(vocab, rank, world_size)
-    table = _shard_table(full, rank, world_size, generator, spare)
+    table = _shard_table(full, rank, world_size, generator, spare, nan)
     padding = table.shape[0] - (end - start)
     case = (
         f"rank {rank} of {world_size} (vocabulary {vocab}, ids {start}..{end - 1}, a table of {table.shape[0]} rows"
-        + (f", the last {padding} of them padding" if padding else "")
+        + (f", the last {padding} of them padding" + (" holding NaN" if nan else "") if padding else "")
         + f", {table.dtype})"
     )
     ids_before, table_before = ids.clone(), table.clone()
@@ -167,7 +181,8 @@ def _check_one(
     if collective is not None:  # (it ran: an all-reduce where no process group is set up raised, named above)
         name, where = collective
         raise ExerciseFailure(f"your vocab_parallel_embed calls {name} ({where}): {_NO_ALL_REDUCE}")
-    if not torch.equal(ids, ids_before) or not torch.equal(table, table_before):
+    same_table = torch.allclose(table, table_before, rtol=0, atol=0, equal_nan=True)  # (padding may be NaN)
+    if not torch.equal(ids, ids_before) or not same_table:
         raised = "input_ids" if not torch.equal(ids, ids_before) else "weight"
         raise ExerciseFailure(f"{case}: vocab_parallel_embed changed its {raised} in place; compute new tensors")
     if not isinstance(got, torch.Tensor):
@@ -182,8 +197,17 @@ def _check_one(
             f"{case}: vocab_parallel_embed returned dtype {got.dtype}, expected {table.dtype} (the weight's dtype: "
             "did a mask in another dtype promote the result?)"
         )
-    refuse_nan(got, f"{case}: vocab_parallel_embed's result")
     mine = (ids >= start) & (ids < end)  # (N,)
+    read_padding = got.isnan().any(dim=-1) & ~mine  # (N,): another rank's id whose row came out NaN
+    if nan and bool(read_padding.any()):
+        row = int(read_padding.nonzero()[0])
+        raise ExerciseFailure(
+            f"row {row} (id {int(ids[row])}, another rank's) is NaN: you looked it up in a padding row and multiplied "
+            "by 0, but padding may hold anything (here NaN, as torch.empty may) and NaN * 0 is NaN\nSend other ranks' "
+            "ids to row 0, or zero their rows with torch.where(mine[:, None], rows, 0), which never uses what it drops"
+            f"\n{case}"
+        )
+    refuse_nan(got, f"{case}: vocab_parallel_embed's result")
     want = torch.zeros(len(ids), hidden, dtype=table.dtype)
     want[mine] = full[ids[mine]]
     for row in range(len(ids)):
@@ -248,12 +272,13 @@ def check_vocab_parallel_embed(fn: Callable, *, seed: int | None = None, engine:
     generator = input_generator(seed)
     hidden = 8
     collective = find_collective(fn)  # (an all-reduce under `if dist.is_initialized()` would run in no call here)
-    # (vocabulary, ranks, dtype, padding rows beyond the engine's on every rank)
-    for vocab, world_size, dtype, spare in (
-        (11, 2, torch.float32, 0),
-        (11, 4, torch.bfloat16, 0),
-        (10, 4, torch.float32, 0),
-        (10, 2, torch.float32, 3),
+    # (vocabulary, ranks, dtype, padding rows beyond the engine's on every rank, padding of NaN)
+    for vocab, world_size, dtype, spare, nan in (
+        (11, 2, torch.float32, 0, False),
+        (11, 4, torch.bfloat16, 0, False),
+        (10, 4, torch.float32, 0, False),
+        (10, 2, torch.float32, 3, False),
+        (10, 2, torch.float32, 2, True),  # last: an answer that reads padding and multiplies it by 0 fails here
     ):
         full = torch.randn(vocab, hidden, generator=generator).to(dtype)  # (V, hidden): the whole table
         # every id once (both ends of every shard), then some random ones
@@ -262,12 +287,12 @@ def check_vocab_parallel_embed(fn: Callable, *, seed: int | None = None, engine:
         )
         total = torch.zeros(len(ids), hidden, dtype=torch.float32)
         for rank in range(world_size):
-            total += _check_one(fn, full, ids, rank, world_size, generator, spare, collective).float()
+            total += _check_one(fn, full, ids, rank, world_size, generator, spare, collective, nan).float()
             # a rank none of whose ids come up: the ids of one other rank only
             other_start, other_end = shard_range(vocab, (rank + 1) % world_size, world_size)
             if other_end > other_start:
                 others = torch.randint(other_start, other_end, (4,), generator=generator)
-                _check_one(fn, full, others, rank, world_size, generator, spare, collective)
+                _check_one(fn, full, others, rank, world_size, generator, spare, collective, nan)
         if not torch.equal(total.to(dtype), F.embedding(ids, full)):
             raise ExerciseFailure(
                 f"the {world_size} ranks' outputs for a vocabulary of {vocab} do not add up to the whole table's rows"
