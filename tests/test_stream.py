@@ -71,3 +71,38 @@ def test_a_stream_whose_request_another_call_ran_to_its_end_yields_the_rest(llm)
     assert first.text + "".join(piece.text for piece in rest) == expected["text"]
     assert rest[-1].finished and rest[-1].finish_reason == "length"
     assert_no_block_leaked(llm)
+
+
+def assert_nothing_queued(llm) -> None:
+    assert (len(llm.scheduler.waiting), len(llm.scheduler.running)) == (0, 0)
+    assert not llm.output_processor.held_samples
+    assert_no_block_leaked(llm)
+
+
+def test_an_exception_in_the_loops_body_inside_a_with_block_ends_the_request_at_once(llm):
+    """A `for` loop left by an exception does not close the stream: the traceback keeps the loop's frame, and with it
+    a stream bound to a name, so its request stayed queued (holding its blocks) until the exception was dropped."""
+    params = SamplingParams(temperature=1.0, max_tokens=50, ignore_eos=True, n=2)
+
+    def show():
+        with llm.stream(PROMPT, params) as pieces:
+            for count, _piece in enumerate(pieces):
+                if count == 3:
+                    raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt) as caught:
+        show()
+    assert caught.value.__traceback__ is not None  # (the frames, and the stream in show's, are still referenced)
+    assert_nothing_queued(llm)
+    after = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)[0]
+    assert len(after["token_ids"]) == 3
+    assert_nothing_queued(llm)
+
+
+def test_breaking_out_of_a_with_block_ends_the_request_though_a_name_still_holds_the_stream(llm):
+    with llm.stream(PROMPT, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)) as pieces:
+        for _piece in pieces:
+            break
+        assert len(llm.scheduler.running) == 1  # (inside the block: still served)
+    assert_nothing_queued(llm)
+    assert list(pieces) == []  # a closed stream yields nothing more
