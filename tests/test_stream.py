@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 
 from nanoref import LLM, SamplingParams
@@ -106,3 +108,35 @@ def test_breaking_out_of_a_with_block_ends_the_request_though_a_name_still_holds
         assert len(llm.scheduler.running) == 1  # (inside the block: still served)
     assert_nothing_queued(llm)
     assert list(pieces) == []  # a closed stream yields nothing more
+
+
+def test_a_stream_the_garbage_collector_closes_in_the_middle_of_a_step_fails_no_request(llm, monkeypatch):
+    """A stream that only a reference cycle holds is closed by the cyclic garbage collector, wherever it runs: here,
+    between a step's scheduling and its forward. Its abort there took its sequence's blocks from the scheduled batch,
+    and the step failed ("block_table[0, 0] is -1 ..."), aborting every request in it."""
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    expected = llm.generate(["Hello there"], params, use_tqdm=False)[0]["token_ids"]
+
+    def abandon_in_a_cycle():
+        pieces = llm.stream(PROMPT, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+        next(pieces)
+        cycle = {"pieces": pieces}
+        cycle["self"] = cycle
+
+    run, calls = llm.model_runner.run, []
+
+    def collect_then_run(seqs, is_prefill):
+        calls.append(len(seqs))
+        if not is_prefill and len(seqs) == 2:  # (a decode step of both: the stream's sequence is in it)
+            gc.collect()
+        return run(seqs, is_prefill)
+
+    gc.disable()  # (only the collection above)
+    try:
+        abandon_in_a_cycle()
+        monkeypatch.setattr(llm.model_runner, "run", collect_then_run)
+        got = llm.generate(["Hello there"], params, use_tqdm=False)[0]["token_ids"]
+    finally:
+        gc.enable()
+    assert 2 in calls and got == expected
+    assert_nothing_queued(llm)

@@ -211,6 +211,9 @@ class OutputProcessor:
         # step it is in. A dict (the server's engine loop sets one): such a sample ends there (finished, its blocks go
         # back with the step) and waits here, with the error, for the loop to fail its request alone
         self.output_errors: dict[Sequence, Exception] | None = None
+        # the samples of streams closed inside an engine call on the engine's own thread (the garbage collector,
+        # mid-step: engine/streaming.py), aborted once the step is done (`LLM.queue_held_samples`)
+        self.abandoned: list[Sequence] = []
 
     # -- n samples ------------------------------------------------------------------------------
     def hold(self, samples: list[Sequence]) -> list[Sequence]:

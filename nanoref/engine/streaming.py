@@ -9,6 +9,11 @@ ends with the block whatever ends it:
     with llm.stream("Hello", params) as pieces:
         for piece in pieces:
             print(piece.text, end="")
+
+A stream that only a reference cycle holds is closed by the cyclic garbage collector, which runs wherever Python
+allocates: in the middle of a step too, on the thread that runs it. Its abort then waits for the step's end
+(`OutputProcessor.abandoned`): aborted there, its sequence lost its blocks between scheduling and the forward, and the
+step failed, every request in it with it.
 """
 
 from __future__ import annotations
@@ -55,6 +60,9 @@ def _pieces(engine: Any, samples: list[Sequence]) -> Iterator[StreamPiece]:
                     engine.step()
             yield from engine.output_processor.pieces(sent)
     finally:  # closed early, or a step raised: this request ends here, the others run on
-        with held_interrupts():  # (all its samples: Ctrl-C between two aborts would leave the others queued)
-            for seq in reversed(samples):  # (the last first: samples 1..n-1 may be held for sample 0's prompt)
-                engine.abort_request(seq)
+        if engine._lock._is_owned():  # closed inside an engine call of this thread (see `abandoned`): not now
+            engine.output_processor.abandoned.extend(reversed(samples))
+        else:
+            with held_interrupts():  # (all its samples: Ctrl-C between two aborts would leave the others queued)
+                for seq in reversed(samples):  # (the last first: samples 1..n-1 may be held for sample 0's prompt)
+                    engine.abort_request(seq)
