@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import signal
 
 import pytest
 
@@ -139,4 +140,21 @@ def test_a_stream_the_garbage_collector_closes_in_the_middle_of_a_step_fails_no_
     finally:
         gc.enable()
     assert 2 in calls and got == expected
+    assert_nothing_queued(llm)
+
+
+def test_ctrl_c_while_the_request_is_queued_ends_the_request(llm, monkeypatch):
+    """Ctrl-C while the stream queues its request is held until the queuing is done, then raised: that used to be
+    before the stream's cleanup began, so the request stayed queued (the generator had ended: nothing would ever
+    abort it)."""
+    enqueue = llm.enqueue
+
+    def enqueue_then_ctrl_c(seq):
+        enqueue(seq)
+        signal.raise_signal(signal.SIGINT)
+
+    monkeypatch.setattr(llm, "enqueue", enqueue_then_ctrl_c)
+    pieces = llm.stream(PROMPT, SamplingParams(max_tokens=20, n=2))
+    with pytest.raises(KeyboardInterrupt):
+        next(pieces)
     assert_nothing_queued(llm)

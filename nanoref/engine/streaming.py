@@ -51,16 +51,21 @@ class RequestStream(Iterator[StreamPiece]):
 
 
 def _pieces(engine: Any, samples: list[Sequence]) -> Iterator[StreamPiece]:
-    engine.enqueue_samples(samples)
     sent = {seq: [0, 0] for seq in samples}  # seq -> [tokens, characters] already yielded
+    queued = False
     try:
+        with held_interrupts():  # (a Ctrl-C while queuing is raised at the block's end: queued, and in the try)
+            engine.enqueue_samples(samples)
+            queued = True
         while sent:
             with engine._lock:  # (another caller's generate or step loop may have run it to its end meanwhile)
                 if not all(seq.is_finished for seq in sent):
                     engine.step()
             yield from engine.output_processor.pieces(sent)
     finally:  # closed early, or a step raised: this request ends here, the others run on
-        if engine._lock._is_owned():  # closed inside an engine call of this thread (see `abandoned`): not now
+        if not queued:  # (queuing raised: nothing of it is queued)
+            pass
+        elif engine._lock._is_owned():  # closed inside an engine call of this thread (see `abandoned`): not now
             engine.output_processor.abandoned.extend(reversed(samples))
         else:
             with held_interrupts():  # (all its samples: Ctrl-C between two aborts would leave the others queued)
