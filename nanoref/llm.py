@@ -35,6 +35,7 @@ from nanoref.engine.model_runner import ModelRunner
 from nanoref.engine.output_processor import GenerateOutput
 from nanoref.engine.prefix_cache import check_reset_options, reset_prefix_cache, warn_blocks_held
 from nanoref.engine.requests import check_generate_options, check_priority, prompt_list
+from nanoref.engine.streaming import RequestStream
 from nanoref.lora.adapters import load_adapter
 from nanoref.lora.hooks import LoRAHooks, check_lora_request, lora_request_list  # (re-exported: the server)
 from nanoref.lora.request import LoRARequest
@@ -252,6 +253,13 @@ class LLM(LLMEngine):
             if self.lora is not None:
                 self.lora.count(samples[0])
 
+    def queue_held_samples(self) -> None:
+        """LLMEngine.queue_held_samples (after every step, and every abort), once the streams closed during the step
+        (`OutputProcessor.abandoned`) are aborted."""
+        while self.output_processor.abandoned:
+            self.abort_request(self.output_processor.abandoned.pop(0))
+        super().queue_held_samples()
+
     def generate(
         self,
         prompts: str | list[str] | list[list[int]],
@@ -293,7 +301,7 @@ class LLM(LLMEngine):
         params: SamplingParams | None = None,
         request_id: str | None = None,
         lora_request: LoRARequest | None = None,
-    ):
+    ) -> RequestStream:
         """LLMEngine.stream, under the request's LoRA adapter (None: the base model)."""
         return self._stream(self.make_samples(prompt, params, request_id, stream=True, lora_request=lora_request))
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import gc
+import signal
+
 import pytest
 
 from nanoref import LLM, SamplingParams
@@ -71,3 +74,87 @@ def test_a_stream_whose_request_another_call_ran_to_its_end_yields_the_rest(llm)
     assert first.text + "".join(piece.text for piece in rest) == expected["text"]
     assert rest[-1].finished and rest[-1].finish_reason == "length"
     assert_no_block_leaked(llm)
+
+
+def assert_nothing_queued(llm) -> None:
+    assert (len(llm.scheduler.waiting), len(llm.scheduler.running)) == (0, 0)
+    assert not llm.output_processor.held_samples
+    assert_no_block_leaked(llm)
+
+
+def test_an_exception_in_the_loops_body_inside_a_with_block_ends_the_request_at_once(llm):
+    """A `for` loop left by an exception does not close the stream: the traceback keeps the loop's frame, and with it
+    a stream bound to a name, so its request stayed queued (holding its blocks) until the exception was dropped."""
+    params = SamplingParams(temperature=1.0, max_tokens=50, ignore_eos=True, n=2)
+
+    def show():
+        with llm.stream(PROMPT, params) as pieces:
+            for count, _piece in enumerate(pieces):
+                if count == 3:
+                    raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt) as caught:
+        show()
+    assert caught.value.__traceback__ is not None  # (the frames, and the stream in show's, are still referenced)
+    assert_nothing_queued(llm)
+    after = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)[0]
+    assert len(after["token_ids"]) == 3
+    assert_nothing_queued(llm)
+
+
+def test_breaking_out_of_a_with_block_ends_the_request_though_a_name_still_holds_the_stream(llm):
+    with llm.stream(PROMPT, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)) as pieces:
+        for _piece in pieces:
+            break
+        assert len(llm.scheduler.running) == 1  # (inside the block: still served)
+    assert_nothing_queued(llm)
+    assert list(pieces) == []  # a closed stream yields nothing more
+
+
+def test_a_stream_the_garbage_collector_closes_in_the_middle_of_a_step_fails_no_request(llm, monkeypatch):
+    """A stream that only a reference cycle holds is closed by the cyclic garbage collector, wherever it runs: here,
+    between a step's scheduling and its forward. Its abort there took its sequence's blocks from the scheduled batch,
+    and the step failed ("block_table[0, 0] is -1 ..."), aborting every request in it."""
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    expected = llm.generate(["Hello there"], params, use_tqdm=False)[0]["token_ids"]
+
+    def abandon_in_a_cycle():
+        pieces = llm.stream(PROMPT, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+        next(pieces)
+        cycle = {"pieces": pieces}
+        cycle["self"] = cycle
+
+    run, calls = llm.model_runner.run, []
+
+    def collect_then_run(seqs, is_prefill):
+        calls.append(len(seqs))
+        if not is_prefill and len(seqs) == 2:  # (a decode step of both: the stream's sequence is in it)
+            gc.collect()
+        return run(seqs, is_prefill)
+
+    gc.disable()  # (only the collection above)
+    try:
+        abandon_in_a_cycle()
+        monkeypatch.setattr(llm.model_runner, "run", collect_then_run)
+        got = llm.generate(["Hello there"], params, use_tqdm=False)[0]["token_ids"]
+    finally:
+        gc.enable()
+    assert 2 in calls and got == expected
+    assert_nothing_queued(llm)
+
+
+def test_ctrl_c_while_the_request_is_queued_ends_the_request(llm, monkeypatch):
+    """Ctrl-C while the stream queues its request is held until the queuing is done, then raised: that used to be
+    before the stream's cleanup began, so the request stayed queued (the generator had ended: nothing would ever
+    abort it)."""
+    enqueue = llm.enqueue
+
+    def enqueue_then_ctrl_c(seq):
+        enqueue(seq)
+        signal.raise_signal(signal.SIGINT)
+
+    monkeypatch.setattr(llm, "enqueue", enqueue_then_ctrl_c)
+    pieces = llm.stream(PROMPT, SamplingParams(max_tokens=20, n=2))
+    with pytest.raises(KeyboardInterrupt):
+        next(pieces)
+    assert_nothing_queued(llm)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from functools import partial
 from itertools import count
 from typing import Protocol
@@ -15,10 +15,11 @@ from nanoref.config import EngineConfig
 from nanoref.engine.hooks import NO_ENGINE_HOOKS, EngineHooks
 from nanoref.engine.metrics import EngineMetrics, StepRecord
 from nanoref.engine.model_runner import ModelRunner
-from nanoref.engine.output_processor import GenerateOutput, OutputProcessor, StreamPiece
+from nanoref.engine.output_processor import GenerateOutput, OutputProcessor
 from nanoref.engine.requests import params_list, prompt_list, prompt_text, request_tokens, tokenize
 from nanoref.engine.scheduler import Scheduler
 from nanoref.engine.sequence import Sequence, SequenceStatus
+from nanoref.engine.streaming import RequestStream
 from nanoref.sampling_params import SamplingParams
 from nanoref.utils import seams
 from nanoref.utils.interrupts import held_interrupts, interruptibly
@@ -285,24 +286,15 @@ class LLMEngine:
 
     def stream(
         self, prompt: str | list[int], params: SamplingParams | None = None, request_id: str | None = None
-    ) -> Iterator[StreamPiece]:
+    ) -> RequestStream:
         """One request's text as it grows, for a notebook: `for piece in llm.stream("Hello", params): print(
         piece.text, end="")`. The iterator drives `step()` itself (other queued requests advance too) and yields a
         `StreamPiece` per sample and step that added tokens or text; a sample's last piece has finished=True. The
-        pieces' text concatenates to `generate`'s. Closing the iterator early (a `break`) aborts the request and
-        frees its blocks. The request is checked here (a bad one raises now) and queued at the first piece."""
+        pieces' text concatenates to `generate`'s. The request is checked here (a bad one raises now) and queued at
+        the first piece. Closing the stream early aborts the request and frees its blocks: `with llm.stream(...) as
+        pieces:` closes it whatever leaves the block (engine/streaming.py's `RequestStream`)."""
         samples = self.make_samples(prompt, params, request_id, stream=True)
         return self._stream(samples)
 
-    def _stream(self, samples: list[Sequence]) -> Iterator[StreamPiece]:
-        self.enqueue_samples(samples)
-        sent = {seq: [0, 0] for seq in samples}  # seq -> [tokens, characters] already yielded
-        try:
-            while sent:
-                with self._lock:  # (another caller's generate or step loop may have run it to its end meanwhile)
-                    if not all(seq.is_finished for seq in sent):
-                        self.step()
-                yield from self.output_processor.pieces(sent)
-        finally:  # closed early, or a step raised: this request ends here, the others run on
-            for seq in samples:
-                self.abort_request(seq)
+    def _stream(self, samples: list[Sequence]) -> RequestStream:
+        return RequestStream(self, samples)

@@ -207,6 +207,13 @@ class OutputProcessor:
         # model config's and the tokenizer's (the scheduler stops on the same ones)
         self.eos_token_ids: set[int] = eos_token_ids(config, tokenizer)
         self.token_text = token_texts(tokenizer)  # a token's text alone (vLLM's Logprob.decoded_token)
+        # None: a sample whose text `on_token` cannot make (a tokenizer that raises on decoding its tokens) fails the
+        # step it is in. A dict (the server's engine loop sets one): such a sample ends there (finished, its blocks go
+        # back with the step) and waits here, with the error, for the loop to fail its request alone
+        self.output_errors: dict[Sequence, Exception] | None = None
+        # the samples of streams closed inside an engine call on the engine's own thread (the garbage collector,
+        # mid-step: engine/streaming.py), aborted once the step is done (`LLM.queue_held_samples`)
+        self.abandoned: list[Sequence] = []
 
     # -- n samples ------------------------------------------------------------------------------
     def hold(self, samples: list[Sequence]) -> list[Sequence]:
@@ -263,8 +270,7 @@ class OutputProcessor:
                 )
             seq.output = SampleOutput(index, request_id, detokenizer, bad_words_ids=banned)
 
-    @staticmethod
-    def on_token(seq: Sequence) -> bool:
+    def on_token(self, seq: Sequence) -> bool:
         """seq just appended a token: take its logprobs and text, advance its constraint -> whether a stop string ends
         it there (then its text is cut before it, and the string is `seq.stop_reason`) or its constraint is complete.
         Stop strings count once the completion is longer than min_tokens, as in vLLM: the token after the first
@@ -280,8 +286,16 @@ class OutputProcessor:
         complete = out.constraint is not None and out.constraint.accept(seq.last_token)
         if out.detokenizer is None:
             return complete
-        out.detokenizer.add([seq.last_token])
-        if seq.num_completion_tokens > seq.sampling_params.min_tokens and out.detokenizer.find_stop() is not None:
+        try:
+            out.detokenizer.add([seq.last_token])
+            counts = seq.num_completion_tokens > seq.sampling_params.min_tokens
+            stopped = counts and out.detokenizer.find_stop() is not None
+        except Exception as error:
+            if self.output_errors is None:
+                raise
+            self.output_errors[seq] = error
+            return True
+        if stopped:
             seq.stop_reason = out.detokenizer.stop_reason
             return True
         return complete

@@ -27,10 +27,18 @@ def reset_prefix_cache(manager: BlockManager) -> int:
 
 def check_reset_options(reset_running_requests: object, reset_connector: object) -> None:
     """vLLM's two options of reset_prefix_cache, which nanoref does not take: it preempts no running request to
-    reset, and has no KV connector (ValueError naming one that is not False)."""
+    reset (the overlapped loop keeps a step on the device between two calls of step: a preemption then would pull
+    blocks from under it), and has no KV connector (ValueError naming one that is not False, and why)."""
     for name, value in (("reset_running_requests", reset_running_requests), ("reset_connector", reset_connector)):
         if value is not False:
-            raise ValueError(f"{name} is not supported by nanoref's reset_prefix_cache (only False)")
+            raise ValueError(f"{name} is not supported by nanoref's reset_prefix_cache (only False): {WHY_NOT[name]}")
+
+
+WHY_NOT = {
+    "reset_running_requests": "nanoref does not preempt running requests to reset the cache; reset it once they "
+    "finish, or abort them first",
+    "reset_connector": "nanoref has no KV connector",
+}
 
 
 def warn_blocks_held(num_blocks: int, stacklevel: int = 3) -> None:

@@ -114,6 +114,13 @@ class EngineLoop:
     def run(self) -> None:
         """Until ("stop",), or until the engine can run no more steps (`dead`: a tensor-parallel rank failed), when
         every request left fails with that error and the loop ends (its owner then reports the engine dead)."""
+        self.llm.output_processor.output_errors = {}  # (a request whose text cannot be made fails alone: `step`)
+        try:
+            self._run()
+        finally:  # (the LLM may serve offline again: there such a request fails its step, and the call raises)
+            self.llm.output_processor.output_errors = None
+
+    def _run(self) -> None:
         stopping = False
         while not stopping:
             # idle: sleep until something arrives; busy: take whatever arrived during the last step
@@ -191,6 +198,32 @@ class EngineLoop:
                     self.errors.append((key, error))
                     del self.requests[key]
             self.dead = self.llm.broken  # (unless the engine itself can run no more steps)
+        finally:
+            self.fail_undecodable()
+
+    def fail_undecodable(self) -> None:
+        """Fail alone each request whose text a step could not make (a request with stop strings: its text is made
+        in the step, `OutputProcessor.on_token`); that sample ended there, the request's others are aborted."""
+        failed = self.llm.output_processor.output_errors
+        if not failed:
+            return
+        for key, active in list(self.requests.items()):
+            errors = [failed[sample.seq] for sample in active.samples if sample.seq in failed]
+            if errors:
+                self.abort(active)
+                for sample in active.samples:  # (a sample that failed ended in the step: its record, never sent)
+                    if sample.seq in failed:
+                        sample.seq.finish_reason = "abort"
+                    self.llm.metrics.requests.pop(sample.seq.seq_id, None)
+                request_id = active.samples[0].seq.output.request_id
+                error = RuntimeError(
+                    f"request {request_id!r}: making its output failed ({type(errors[0]).__name__}: {errors[0]}); "
+                    "the request was aborted"
+                )
+                error.__cause__ = errors[0]
+                self.errors.append((key, error))
+                del self.requests[key]
+        failed.clear()
 
     def deliver(self) -> None:
         """Send each sample what it made since its last delta, with the errors and the stats, as one message
