@@ -118,7 +118,7 @@ def test_bad_values_are_one_line_naming_the_flag_before_the_model_loads(args, me
         (["--max-num-seqs", "0"], "--max-num-seqs"),
         (["--max-model-len", "1"], "--max-model-len"),
         (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization"),
-        (["--seed", "-1"], "--seed"),
+        (["--seed", str(-(2**63) - 1)], "--seed"),
         (["--dtype", "float8"], "--dtype"),
         (["--speculative-config", '{"method": "ngram"}'], "--speculative-config"),
     ],
