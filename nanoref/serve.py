@@ -27,7 +27,7 @@ import sys
 import threading
 
 from nanoref.llm import DEFAULT_MODEL
-from nanoref.utils.flags import SIZING_SETTINGS, add_sizing_flags, dashed_flags, name_the_flag
+from nanoref.utils.flags import add_engine_flags, dashed_flags, engine_settings, name_the_flag
 
 ENGINE_PROCESS = {"auto": None, "on": True, "off": False}  # --engine-process -> AsyncLLM.from_model's engine_process
 UVICORN_LOG_LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]  # vLLM's --uvicorn-log-level choices
@@ -35,10 +35,9 @@ API_KEY_VARIABLES = ("VLLM_API_KEY", "NANOREF_API_KEY")  # --api-key's default, 
 # vLLM's CORS flags that take a JSON list (and --allow-credentials): build_app's settings of the same names
 CORS_LISTS = ("allowed_origins", "allowed_methods", "allowed_headers")
 # the engine settings whose flag is the setting's name in vLLM's spelling (--max-num-seqs -> max_num_seqs), passed
-# to the engine only when given: the engine's own defaults (per device) apply otherwise
+# to the engine only when given: the engine's own defaults (per device) apply otherwise (and beside them the flags
+# both command lines take: flags.py's engine_settings)
 ENGINE_SETTINGS = (
-    *SIZING_SETTINGS,
-    "seed",
     "max_loras",
     "max_lora_rank",
     "max_cpu_loras",
@@ -130,19 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="accepted for vLLM's scripts: nanoref never logs stats (they are served at /metrics)",
     )
     engine = parser.add_argument_group("engine")
-    engine.add_argument(
-        "--device",
-        default=None,
-        help="cpu or cuda (default: the environment's NANOREF_DEVICE, else cuda when available)",
-    )
-    engine.add_argument(
-        "--dtype",
-        default=None,
-        help="auto, float32 (= float), float16 (= half) or bfloat16 (default auto: on CUDA the checkpoint's float16 or "
-        "bfloat16, else bfloat16, and float16 on a GPU without bfloat16, before compute capability 8.0; float32 on a "
-        "CPU)",
-    )
-    add_sizing_flags(engine)
+    add_engine_flags(engine)
     engine.add_argument(
         "--num-gpu-blocks-override", type=int, default=None, help="vLLM's name for --num-kvcache-blocks (give one)"
     )
@@ -232,20 +219,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="refused: nanoref has no compilation settings (--enforce-eager turns decode CUDA graphs off)",
     )
     engine.add_argument(
-        "--seed",
-        type=int,
-        default=None,
-        help="seed of the engine's generator for unseeded requests: the same requests, the same tokens (default: "
-        "fresh entropy)",
-    )
-    engine.add_argument(
-        "--tensor-parallel-size",
-        "-tp",
-        type=int,
-        default=1,
-        help="split the model over this many ranks (one per GPU, or gloo processes on a CPU; default 1)",
-    )
-    engine.add_argument(
         "--speculative-config",
         default=None,
         metavar="JSON",
@@ -266,14 +239,6 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="JSON",
         help="sampling defaults laid over the generation config's, e.g. '{\"temperature\": 0.5}'; its "
         "max_new_tokens caps every request's max_tokens",
-    )
-    engine.add_argument(
-        "--attention-backend", default="auto", help="auto, torch, triton, cpp, flash_attn or flash_attn+triton"
-    )
-    engine.add_argument(
-        "--kv-cache-dtype",
-        default="auto",
-        help="auto (the model's dtype), fp8 (= fp8_e4m3) or fp8_e5m2: K/V stored as 8-bit floats, half the memory",
     )
     engine.add_argument(
         "--disable-cascade-attn",
@@ -550,13 +515,8 @@ def _serve(argv: list[str] | None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     settings = {
-        "device": args.device,
-        "dtype": args.dtype,
-        "attention_backend": args.attention_backend,
-        "kv_cache_dtype": args.kv_cache_dtype,
+        **engine_settings(args),
         "disable_cascade_attn": args.disable_cascade_attn,
-        "enforce_eager": args.enforce_eager,
-        "tensor_parallel_size": args.tensor_parallel_size,
         **({"enable_lora": True} if args.enable_lora else {}),
         **({"trust_remote_code": True} if args.trust_remote_code else {}),
         **({"compilation_config": args.compilation_config} if args.compilation_config is not None else {}),

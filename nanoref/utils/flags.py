@@ -41,6 +41,61 @@ SIZING_SETTINGS = (
 )
 
 
+# the engine flags both command lines take, under vLLM's names, beside the sizing ones: passed to the engine as
+# they are (their defaults are the engine's own)
+SHARED_SETTINGS = ("device", "dtype", "attention_backend", "kv_cache_dtype", "tensor_parallel_size", "enforce_eager")
+
+
+def add_engine_flags(group: argparse._ActionsContainer, tensor_parallel_note: str = "") -> None:
+    """The engine's flags of `python -m nanoref` and `python -m nanoref.serve`, defined once: --device, --dtype, the
+    sizing flags (add_sizing_flags), --tensor-parallel-size (-tp), --seed, --attention-backend and --kv-cache-dtype.
+    tensor_parallel_note: what one command adds to --tensor-parallel-size's help."""
+    group.add_argument(
+        "--device",
+        default=None,
+        help="cpu or cuda (default: the environment's NANOREF_DEVICE, else cuda when available)",
+    )
+    group.add_argument(
+        "--dtype",
+        default=None,
+        help="auto, float32 (= float), float16 (= half) or bfloat16 (default auto: on CUDA the checkpoint's float16 or "
+        "bfloat16, else bfloat16, and float16 on a GPU without bfloat16, before compute capability 8.0; float32 on a "
+        "CPU)",
+    )
+    add_sizing_flags(group)
+    group.add_argument(
+        "--tensor-parallel-size",
+        "-tp",
+        type=int,
+        default=1,
+        help="split the model over this many ranks (one per GPU, or gloo processes on a CPU; default 1)"
+        + tensor_parallel_note,
+    )
+    group.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="seed of the engine's generator, which every request without a seed of its own draws from: the same "
+        "seed and requests, the same tokens; an integer in [-2**63, 2**64) (default: fresh entropy, so runs differ; "
+        "vLLM's default is 0, the same tokens every run: --seed 0 does that)",
+    )
+    group.add_argument(
+        "--attention-backend", default="auto", help="auto, torch, triton, cpp, flash_attn or flash_attn+triton"
+    )
+    group.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help="auto (the model's dtype), fp8 (= fp8_e4m3) or fp8_e5m2: K/V stored as 8-bit floats, half the memory",
+    )
+
+
+def engine_settings(args: argparse.Namespace) -> dict:
+    """The engine's settings from add_engine_flags' flags: SHARED_SETTINGS as given, and SIZING_SETTINGS and the
+    seed only where given (the engine's own defaults, per device, otherwise)."""
+    given = (name for name in (*SIZING_SETTINGS, "seed") if getattr(args, name) is not None)
+    return {**{name: getattr(args, name) for name in SHARED_SETTINGS}, **{name: getattr(args, name) for name in given}}
+
+
 def add_sizing_flags(group: argparse._ActionsContainer) -> None:
     """The flags of SIZING_SETTINGS and --enforce-eager, the same in `python -m nanoref` and `python -m nanoref.serve`:
     what bounds an engine's memory on a small GPU. The engine checks their values (its messages, led by the flag)."""
