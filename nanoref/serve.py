@@ -120,12 +120,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--disable-log-requests",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="accepted for vLLM's scripts: nanoref never logs requests",
     )
     parser.add_argument(
         "--disable-log-stats",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="accepted for vLLM's scripts: nanoref never logs stats (they are served at /metrics)",
     )
     engine = parser.add_argument_group("engine")
@@ -177,7 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     engine.add_argument(
         "--trust-remote-code",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="accepted for vLLM's scripts: nanoref runs no code from a model folder, trusted or not",
     )
     engine.add_argument(
@@ -242,11 +245,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     engine.add_argument(
         "--disable-cascade-attn",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="read a prefix that many requests share (a system prompt) once per sequence, not once for many",
     )
     lora = parser.add_argument_group("LoRA adapters")
-    lora.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (PEFT folders) per request")
+    lora.add_argument(
+        "--enable-lora",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="serve LoRA adapters (PEFT folders) per request",
+    )
     lora.add_argument(
         "--lora-modules",
         nargs="+",
@@ -261,7 +270,8 @@ def build_parser() -> argparse.ArgumentParser:
     tools = parser.add_argument_group("tool calls")
     tools.add_argument(
         "--enable-auto-tool-choice",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help='let the model choose whether to call a tool (tool_choice "auto", the default with tools); needs '
         "--tool-call-parser",
     )
@@ -273,22 +283,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tools.add_argument(
         "--exclude-tools-when-tool-choice-none",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help='leave the tools out of the prompt of a request with tool_choice "none" (default: rendered, as vLLM)',
     )
     parser.add_argument(
         "--enable-request-id-headers",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="every response carries X-Request-Id: the request's own header, else a fresh id (vLLM's flag)",
     )
     parser.add_argument(
         "--enable-prompt-tokens-details",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="usage.prompt_tokens_details.cached_tokens: the prompt tokens the prefix cache served (vLLM's flag)",
     )
     parser.add_argument(
         "--enable-force-include-usage",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="every stream's chunks carry their usage so far and it ends with a usage chunk, as if it asked for "
         "stream_options include_usage and continuous_usage_stats (vLLM's flag)",
     )
@@ -296,7 +310,12 @@ def build_parser() -> argparse.ArgumentParser:
     for name in CORS_LISTS:
         flag = "--" + name.replace("_", "-")
         cors.add_argument(flag, default=None, metavar="JSON", help=f'a JSON list of {name[8:]} (default ["*"])')
-    cors.add_argument("--allow-credentials", action="store_true", help="allow credentials (cookies, default: no)")
+    cors.add_argument(
+        "--allow-credentials",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="allow credentials (cookies, default: no)",
+    )
     chat = parser.add_argument_group("chat")
     chat.add_argument(
         "--chat-template",

@@ -68,6 +68,16 @@ def test_flags_spelled_with_underscores_are_taken_as_vllm_takes_them(monkeypatch
     assert dashed_flags(["--chat_template=a_b", "--", "--x_y"]) == ["--chat-template=a_b", "--", "--x_y"]
 
 
+def test_every_switch_takes_vllms_no_form(monkeypatch):
+    # vLLM's parser makes --no-X for each of its boolean settings (argparse.BooleanOptionalAction): a script passing
+    # `--no-enforce-eager` or `--no-trust-remote-code` was refused here ("unrecognized arguments")
+    switches = [a for a in build_parser()._actions if a.nargs == 0 and a.dest != "help"]
+    assert len(switches) >= 12
+    assert [a.option_strings[0] for a in switches if "--no-" + a.option_strings[0][2:] not in a.option_strings] == []
+    settings = serve_settings(monkeypatch, ["--enforce-eager", "--no-enforce-eager", "--no-trust-remote-code"])
+    assert settings["enforce_eager"] is False and "trust_remote_code" not in settings
+
+
 def test_token_counts_take_vllms_human_readable_suffixes(monkeypatch, capsys):
     settings = serve_settings(monkeypatch, ["--max-model-len", "2k", "--max-num-batched-tokens", "8K"])
     assert settings["max_model_len"] == 2000 and settings["max_num_batched_tokens"] == 8192
@@ -133,6 +143,8 @@ def test_an_engine_setting_the_engine_refuses_is_named_by_its_flag(args, flag, c
 def test_every_flag_of_the_serve_command_is_in_the_docs():
     text = DOCS.read_text()
     flags = {s for action in build_parser()._actions for s in action.option_strings if s.startswith("--")}
+    if "every switch also in vLLM's `--no-` form" in text:  # (a switch's --no-X is said once for all)
+        flags = {flag for flag in flags if not (flag.startswith("--no-") and "--" + flag[5:] in flags)}
     missing = sorted(flag for flag in flags - {"--help"} if not re.search(re.escape(flag) + r"\b(?!-)", text))
     assert missing == [], f"docs/serving.md does not mention {missing}"
 

@@ -123,7 +123,10 @@ def add_sizing_flags(group: argparse._ActionsContainer) -> None:
         "max-num-seqs full-length sequences, at most a quarter of the free RAM (--num-kvcache-blocks sets it)",
     )
     group.add_argument(
-        "--enforce-eager", action="store_true", help="run decode steps eagerly, without CUDA graphs (CUDA only)"
+        "--enforce-eager",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="run decode steps eagerly, without CUDA graphs (CUDA only)",
     )
 
 
