@@ -78,6 +78,17 @@ def test_every_switch_takes_vllms_no_form(monkeypatch):
     assert settings["enforce_eager"] is False and "trust_remote_code" not in settings
 
 
+def test_attention_backends_take_vllms_names(monkeypatch):
+    # vLLM's --attention-backend reads its enum's names in any case (FLASH_ATTN, TRITON_ATTN, flash_attn): a script
+    # passing `--attention-backend FLASH_ATTN` got "attention_backend must be one of ..."
+    for value, name in [("FLASH_ATTN", "flash_attn"), ("TRITON_ATTN", "triton"), ("triton_attn", "triton")]:
+        assert serve_settings(monkeypatch, ["--attention-backend", value])["attention_backend"] == name
+    assert serve_settings(monkeypatch, ["--attention-backend", "Flash_Attn+Triton"])["attention_backend"] == (
+        "flash_attn+triton"
+    )
+    assert serve_settings(monkeypatch, ["--attention-backend", "XFORMERS"])["attention_backend"] == "XFORMERS"
+
+
 def test_token_counts_take_vllms_human_readable_suffixes(monkeypatch, capsys):
     settings = serve_settings(monkeypatch, ["--max-model-len", "2k", "--max-num-batched-tokens", "8K"])
     assert settings["max_model_len"] == 2000 and settings["max_num_batched_tokens"] == 8192

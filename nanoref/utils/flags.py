@@ -80,7 +80,11 @@ def add_engine_flags(group: argparse._ActionsContainer, tensor_parallel_note: st
         "vLLM's default is 0, the same tokens every run: --seed 0 does that)",
     )
     group.add_argument(
-        "--attention-backend", default="auto", help="auto, torch, triton, cpp, flash_attn or flash_attn+triton"
+        "--attention-backend",
+        type=attention_backend_name,
+        default="auto",
+        help="auto, torch, triton, cpp, flash_attn or flash_attn+triton; in any case, and vLLM's names FLASH_ATTN and "
+        "TRITON_ATTN too",
     )
     group.add_argument(
         "--kv-cache-dtype",
@@ -128,6 +132,19 @@ def add_sizing_flags(group: argparse._ActionsContainer) -> None:
         default=False,
         help="run decode steps eagerly, without CUDA graphs (CUDA only)",
     )
+
+
+# vLLM's --attention-backend names (its enum's, which its flag reads in any case) whose nanoref backend is another name
+VLLM_ATTENTION_BACKENDS = {"triton_attn": "triton"}
+
+
+def attention_backend_name(value: str) -> str:
+    """--attention-backend's value as the engine names it: nanoref's names and vLLM's (FLASH_ATTN, TRITON_ATTN) in any
+    case, as vLLM's flag reads them; anything else as given, for the engine's error to name."""
+    from nanoref.ops.backends import BACKEND_NAMES
+
+    name = VLLM_ATTENTION_BACKENDS.get(value.lower(), value.lower())
+    return name if name in BACKEND_NAMES else value
 
 
 def human_readable_int(value: str) -> int:
