@@ -43,7 +43,6 @@ ENGINE_SETTINGS = (
     "max_cpu_loras",
     # vLLM's engine arguments (EngineConfig says what each does in nanoref)
     "kvcache_block_size",
-    "num_gpu_blocks_override",
     "enable_prefix_caching",
     "enable_chunked_prefill",
     "async_scheduling",
@@ -132,9 +131,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     engine = parser.add_argument_group("engine")
     add_engine_flags(engine)
-    engine.add_argument(
-        "--num-gpu-blocks-override", type=int, default=None, help="vLLM's name for --num-kvcache-blocks (give one)"
-    )
     engine.add_argument(
         "--block-size",
         dest="kvcache_block_size",

@@ -234,8 +234,9 @@ def test_the_same_seed_prints_the_same_samples(capsys):
 def test_vllms_short_and_underscore_spellings_are_taken(monkeypatch, capsys):
     # the server took `-tp 2` and `--max_model_len 64` (vLLM's spellings), the command line refused both
     argv = ["-tp", "2", "--max_model_len", "64", "--max_num_seqs=3", "--kv_cache_dtype", "fp8", "--enforce_eager"]
-    settings = recorded_run(monkeypatch, capsys, argv).settings
+    settings = recorded_run(monkeypatch, capsys, [*argv, "--num-gpu-blocks-override", "40"]).settings
     assert settings["tensor_parallel_size"] == 2 and settings["max_model_len"] == 64
+    assert settings["num_gpu_blocks_override"] == 40  # (vLLM's name for --num-kvcache-blocks)
     assert (settings["max_num_seqs"], settings["kv_cache_dtype"], settings["enforce_eager"]) == (3, "fp8", True)
     capsys.readouterr()
     assert main(["hi", "--", "--max_tokens"]) == 0  # (a prompt after `--` keeps its underscores)

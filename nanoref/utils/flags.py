@@ -37,6 +37,7 @@ SIZING_SETTINGS = (
     "max_num_batched_tokens",
     "max_model_len",
     "num_kvcache_blocks",
+    "num_gpu_blocks_override",
     "gpu_memory_utilization",
 )
 
@@ -118,6 +119,9 @@ def add_sizing_flags(group: argparse._ActionsContainer) -> None:
         "model's limit, capped at 4096)",
     )
     group.add_argument("--num-kvcache-blocks", type=int, default=None, help="KV blocks (default: from memory)")
+    group.add_argument(
+        "--num-gpu-blocks-override", type=int, default=None, help="vLLM's name for --num-kvcache-blocks (give one)"
+    )
     group.add_argument(
         "--gpu-memory-utilization",
         type=float,
