@@ -73,7 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--model", dest="model_option", default=None, metavar="MODEL", help="MODEL as an option (vLLM's spelling too)"
     )
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine)")
+    parser.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (default 127.0.0.1: this machine; vLLM's default is every interface)",
+    )
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0: any free one)")
     parser.add_argument(
         "--served-model-name",

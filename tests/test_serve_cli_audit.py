@@ -151,6 +151,15 @@ def test_an_engine_setting_the_engine_refuses_is_named_by_its_flag(args, flag, c
     assert "Traceback" not in err
 
 
+def test_the_help_says_where_a_default_is_not_vllms():
+    # --max-model-len's 4096 cap (vLLM's: the model's limit, 40,960 for Qwen3) and --seed's fresh entropy (vLLM's 0)
+    # were not said to differ: a script from vLLM got a shorter context, and different samples each run
+    helps = {action.option_strings[0]: action.help for action in build_parser()._actions if action.option_strings}
+    differ = {"--max-model-len": "the model's limit uncapped", "--seed": "0", "--host": "every interface"}
+    differ["--uvicorn-log-level"] = "info"
+    assert [flag for flag, vllms in differ.items() if f"vLLM's default is {vllms}" not in helps[flag]] == []
+
+
 def test_every_flag_of_the_serve_command_is_in_the_docs():
     text = DOCS.read_text()
     flags = {s for action in build_parser()._actions for s in action.option_strings if s.startswith("--")}

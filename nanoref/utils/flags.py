@@ -116,7 +116,7 @@ def add_sizing_flags(group: argparse._ActionsContainer) -> None:
         type=human_readable_int,
         default=None,
         help="the longest prompt + completion, in tokens, e.g. 32768, 32k (32,000) or 32K (32,768) (default: the "
-        "model's limit, capped at 4096)",
+        "model's limit, capped at 4096; vLLM's default is the model's limit uncapped: give it for more)",
     )
     group.add_argument("--num-kvcache-blocks", type=int, default=None, help="KV blocks (default: from memory)")
     group.add_argument(
