@@ -231,6 +231,14 @@ def test_the_same_seed_prints_the_same_samples(capsys):
     assert runs[0] == runs[1] and runs[0] != runs[2]
 
 
+def test_device_auto_is_vllms(monkeypatch, capsys):
+    # vLLM's --device default, auto, was refused: "device must be 'cpu' or 'cuda', got 'auto'"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("NANOREF_DEVICE", "cuda")  # (auto is the platform's choice, whatever the default is set to)
+    assert main(["Beautiful is better than", "--device", "auto", "--max-tokens", "2"]) == 0, capsys.readouterr().err
+    assert capsys.readouterr().out.startswith("Beautiful is better than ugly")
+
+
 def test_vllms_short_and_underscore_spellings_are_taken(monkeypatch, capsys):
     # the server took `-tp 2` and `--max_model_len 64` (vLLM's spellings), the command line refused both
     argv = ["-tp", "2", "--max_model_len", "64", "--max_num_seqs=3", "--kv_cache_dtype", "fp8", "--enforce_eager"]

@@ -54,7 +54,7 @@ def add_engine_flags(group: argparse._ActionsContainer, tensor_parallel_note: st
     group.add_argument(
         "--device",
         default=None,
-        help="cpu or cuda (default: the environment's NANOREF_DEVICE, else cuda when available)",
+        help="cpu, cuda or auto (vLLM's: cuda when available) (default: the environment's NANOREF_DEVICE, else auto)",
     )
     group.add_argument(
         "--dtype",
