@@ -54,7 +54,8 @@ def add_engine_flags(group: argparse._ActionsContainer, tensor_parallel_note: st
     group.add_argument(
         "--device",
         default=None,
-        help="cpu, cuda or auto (vLLM's: cuda when available) (default: the environment's NANOREF_DEVICE, else auto)",
+        help="cpu, cuda or auto (vLLM's: cuda when available; the default, unless the environment's NANOREF_DEVICE "
+        "names another)",
     )
     group.add_argument(
         "--dtype",
