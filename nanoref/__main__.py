@@ -7,7 +7,7 @@ import os
 import sys
 
 from nanoref.llm import DEFAULT_MODEL
-from nanoref.utils.flags import SIZING_SETTINGS, add_sizing_flags, name_the_flag
+from nanoref.utils.flags import add_engine_flags, dashed_flags, engine_settings, name_the_flag
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT: what a shell reports for a tool stopped by Ctrl-C
 EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what a shell reports for a tool whose reader went away
@@ -35,37 +35,9 @@ def build_parser() -> argparse.ArgumentParser:
     sampling.add_argument(
         "--min-p", type=float, default=0.0, help="keep tokens at least min_p times as likely as the top one (0 = off)"
     )
-    sampling.add_argument("--seed", type=int, default=None, help="make sampling reproducible")
     sampling.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-sequence")
     engine = parser.add_argument_group("engine")
-    engine.add_argument(
-        "--device",
-        default=None,
-        help="cpu or cuda (default: the environment's NANOREF_DEVICE, else cuda when available)",
-    )
-    engine.add_argument(
-        "--dtype",
-        default=None,
-        help="auto, float32 (= float), float16 (= half) or bfloat16 (default auto: on CUDA the checkpoint's float16 or "
-        "bfloat16, else bfloat16, and float16 on a GPU without bfloat16, before compute capability 8.0; float32 on a "
-        "CPU)",
-    )
-    add_sizing_flags(engine)
-    engine.add_argument(
-        "--attention-backend", default="auto", help="auto, torch, triton, cpp, flash_attn or flash_attn+triton"
-    )
-    engine.add_argument(
-        "--kv-cache-dtype",
-        default="auto",
-        help="auto (the model's dtype), fp8 (= fp8_e4m3) or fp8_e5m2: K/V stored as 8-bit floats, half the memory",
-    )
-    engine.add_argument(
-        "--tensor-parallel-size",
-        type=int,
-        default=1,
-        help="split the model over this many ranks (one per GPU, or gloo processes on a CPU); under torchrun, "
-        "the number of processes it starts",
-    )
+    add_engine_flags(engine, "; under torchrun, the number of processes it starts")
     engine.add_argument("--trace", action="store_true", help="print the shapes of the first two engine steps")
     return parser
 
@@ -74,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     """Exit status: 0 done, 2 bad input (arguments, model folder), 1 a runtime failure, 130 Ctrl-C, 141 the reader
     of stdout went away (`| head -1`). A failure is one `error: ...` line on stderr, never a traceback."""
     parser = build_parser()
-    args = parser.parse_intermixed_args(argv)  # (prompts before, between and after the options)
+    # (prompts before, between and after the options; --max_model_len too, as vLLM takes it)
+    args = parser.parse_intermixed_args(dashed_flags(sys.argv[1:] if argv is None else argv))
     try:
         _run(args)
     except KeyboardInterrupt:
@@ -106,19 +79,9 @@ def _run(args: argparse.Namespace) -> None:
             top_k=args.top_k,
             top_p=args.top_p,
             min_p=args.min_p,
-            seed=args.seed,
             ignore_eos=args.ignore_eos,
         )
-        llm = LLM(
-            args.model,
-            device=args.device,
-            dtype=args.dtype,
-            attention_backend=args.attention_backend,
-            kv_cache_dtype=args.kv_cache_dtype,
-            tensor_parallel_size=args.tensor_parallel_size,
-            enforce_eager=args.enforce_eager,
-            **{name: getattr(args, name) for name in SIZING_SETTINGS if getattr(args, name) is not None},
-        )
+        llm = LLM(args.model, **engine_settings(args))  # (--seed seeds the engine, as vLLM's: the prompts draw from it)
     except (ValueError, TypeError) as error:  # ModelFolderError is a ValueError
         raise BadInput(error) from None
     with llm:  # leaving it (also on Ctrl-C or a closed stdout) stops tensor-parallel workers, if any

@@ -85,6 +85,8 @@ DEVICE_ENV = "NANOREF_DEVICE"  # the default device when LLM(device=None): "cpu"
 
 
 def parse_device(device: str | torch.device | None) -> torch.device:
+    if device == "auto":  # vLLM's default device, and its --device's: the platform's
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device is None:
         device = os.environ.get(DEVICE_ENV) or None
         if device is None:

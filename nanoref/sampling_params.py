@@ -9,7 +9,9 @@ from dataclasses import dataclass, field
 from nanoref.utils.text import check_text
 
 _INT64_MAX = 2**63 - 1  # top_k travels to the sampler as an int64 tensor
-_SEED_LIMIT = 2**64  # torch.Generator.manual_seed takes an unsigned 64-bit seed
+# torch.Generator.manual_seed's seeds: [-2**63, 2**64), a negative one taken as 2**64 + seed (its two's complement),
+# as vLLM hands its seeds to torch
+_SEED_MIN, _SEED_LIMIT = -(2**63), 2**64
 # positions and sequence lengths travel to the device as int32: no sequence can ever be longer, so a larger
 # max_tokens is a mistake, not a wish (generation also stops at the engine's max_model_len, as in vLLM)
 MAX_TOKENS_LIMIT = 2**31 - 1
@@ -94,7 +96,7 @@ class SamplingParams:
     min_p: sample only among tokens at least min_p times as likely as the most likely one (after the temperature,
         before top_k and top_p, as in vLLM), in [0, 1]; 0 = off.
     seed: the request draws from its own generator, so its tokens do not depend on its batch; None (or -1, vLLM's
-        spelling) = the engine's.
+        spelling) = the engine's. A negative seed is torch's: -5 seeds as 2**64 - 5.
     stop_token_ids: generating one of these ends the request ("stop", with `stop_reason` = that id); it stays in
         token_ids, but its text (as EOS's) is left out of the text, special token or not, unless
         include_stop_str_in_output (vLLM's rule).
@@ -320,8 +322,8 @@ def check_num_logprobs(name: str, value: object, zero: str) -> None:
 
 def check_seed(seed: object) -> None:
     """Raise ValueError unless seed is None or a torch.Generator seed (a request's, or LLM(seed=...)'s)."""
-    if seed is not None and (not _is_int(seed) or not 0 <= seed < _SEED_LIMIT):
-        raise ValueError(f"seed must be None or an integer in [0, 2**64), got {seed!r}")
+    if seed is not None and (not _is_int(seed) or not _SEED_MIN <= seed < _SEED_LIMIT):
+        raise ValueError(f"seed must be None or an integer in [-2**63, 2**64), got {seed!r}")
 
 
 def _is_int(value: object) -> bool:

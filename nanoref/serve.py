@@ -27,7 +27,7 @@ import sys
 import threading
 
 from nanoref.llm import DEFAULT_MODEL
-from nanoref.utils.flags import SIZING_SETTINGS, add_sizing_flags, dashed_flags, name_the_flag
+from nanoref.utils.flags import add_engine_flags, dashed_flags, engine_settings, name_the_flag
 
 ENGINE_PROCESS = {"auto": None, "on": True, "off": False}  # --engine-process -> AsyncLLM.from_model's engine_process
 UVICORN_LOG_LEVELS = ["critical", "error", "warning", "info", "debug", "trace"]  # vLLM's --uvicorn-log-level choices
@@ -35,16 +35,14 @@ API_KEY_VARIABLES = ("VLLM_API_KEY", "NANOREF_API_KEY")  # --api-key's default, 
 # vLLM's CORS flags that take a JSON list (and --allow-credentials): build_app's settings of the same names
 CORS_LISTS = ("allowed_origins", "allowed_methods", "allowed_headers")
 # the engine settings whose flag is the setting's name in vLLM's spelling (--max-num-seqs -> max_num_seqs), passed
-# to the engine only when given: the engine's own defaults (per device) apply otherwise
+# to the engine only when given: the engine's own defaults (per device) apply otherwise (and beside them the flags
+# both command lines take: flags.py's engine_settings)
 ENGINE_SETTINGS = (
-    *SIZING_SETTINGS,
-    "seed",
     "max_loras",
     "max_lora_rank",
     "max_cpu_loras",
     # vLLM's engine arguments (EngineConfig says what each does in nanoref)
     "kvcache_block_size",
-    "num_gpu_blocks_override",
     "enable_prefix_caching",
     "enable_chunked_prefill",
     "async_scheduling",
@@ -75,7 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--model", dest="model_option", default=None, metavar="MODEL", help="MODEL as an option (vLLM's spelling too)"
     )
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine)")
+    parser.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (default 127.0.0.1: this machine; vLLM's default is every interface)",
+    )
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0: any free one)")
     parser.add_argument(
         "--served-model-name",
@@ -121,31 +123,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--disable-log-requests",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="accepted for vLLM's scripts: nanoref never logs requests",
     )
     parser.add_argument(
         "--disable-log-stats",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="accepted for vLLM's scripts: nanoref never logs stats (they are served at /metrics)",
     )
     engine = parser.add_argument_group("engine")
-    engine.add_argument(
-        "--device",
-        default=None,
-        help="cpu or cuda (default: the environment's NANOREF_DEVICE, else cuda when available)",
-    )
-    engine.add_argument(
-        "--dtype",
-        default=None,
-        help="auto, float32 (= float), float16 (= half) or bfloat16 (default auto: on CUDA the checkpoint's float16 or "
-        "bfloat16, else bfloat16, and float16 on a GPU without bfloat16, before compute capability 8.0; float32 on a "
-        "CPU)",
-    )
-    add_sizing_flags(engine)
-    engine.add_argument(
-        "--num-gpu-blocks-override", type=int, default=None, help="vLLM's name for --num-kvcache-blocks (give one)"
-    )
+    add_engine_flags(engine)
     engine.add_argument(
         "--block-size",
         dest="kvcache_block_size",
@@ -190,7 +179,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     engine.add_argument(
         "--trust-remote-code",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="accepted for vLLM's scripts: nanoref runs no code from a model folder, trusted or not",
     )
     engine.add_argument(
@@ -232,20 +222,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="refused: nanoref has no compilation settings (--enforce-eager turns decode CUDA graphs off)",
     )
     engine.add_argument(
-        "--seed",
-        type=int,
-        default=None,
-        help="seed of the engine's generator for unseeded requests: the same requests, the same tokens (default: "
-        "fresh entropy)",
-    )
-    engine.add_argument(
-        "--tensor-parallel-size",
-        "-tp",
-        type=int,
-        default=1,
-        help="split the model over this many ranks (one per GPU, or gloo processes on a CPU; default 1)",
-    )
-    engine.add_argument(
         "--speculative-config",
         default=None,
         metavar="JSON",
@@ -268,20 +244,18 @@ def build_parser() -> argparse.ArgumentParser:
         "max_new_tokens caps every request's max_tokens",
     )
     engine.add_argument(
-        "--attention-backend", default="auto", help="auto, torch, triton, cpp, flash_attn or flash_attn+triton"
-    )
-    engine.add_argument(
-        "--kv-cache-dtype",
-        default="auto",
-        help="auto (the model's dtype), fp8 (= fp8_e4m3) or fp8_e5m2: K/V stored as 8-bit floats, half the memory",
-    )
-    engine.add_argument(
         "--disable-cascade-attn",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="read a prefix that many requests share (a system prompt) once per sequence, not once for many",
     )
     lora = parser.add_argument_group("LoRA adapters")
-    lora.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (PEFT folders) per request")
+    lora.add_argument(
+        "--enable-lora",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="serve LoRA adapters (PEFT folders) per request",
+    )
     lora.add_argument(
         "--lora-modules",
         nargs="+",
@@ -296,7 +270,8 @@ def build_parser() -> argparse.ArgumentParser:
     tools = parser.add_argument_group("tool calls")
     tools.add_argument(
         "--enable-auto-tool-choice",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help='let the model choose whether to call a tool (tool_choice "auto", the default with tools); needs '
         "--tool-call-parser",
     )
@@ -308,22 +283,26 @@ def build_parser() -> argparse.ArgumentParser:
     )
     tools.add_argument(
         "--exclude-tools-when-tool-choice-none",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help='leave the tools out of the prompt of a request with tool_choice "none" (default: rendered, as vLLM)',
     )
     parser.add_argument(
         "--enable-request-id-headers",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="every response carries X-Request-Id: the request's own header, else a fresh id (vLLM's flag)",
     )
     parser.add_argument(
         "--enable-prompt-tokens-details",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="usage.prompt_tokens_details.cached_tokens: the prompt tokens the prefix cache served (vLLM's flag)",
     )
     parser.add_argument(
         "--enable-force-include-usage",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=False,
         help="every stream's chunks carry their usage so far and it ends with a usage chunk, as if it asked for "
         "stream_options include_usage and continuous_usage_stats (vLLM's flag)",
     )
@@ -331,7 +310,12 @@ def build_parser() -> argparse.ArgumentParser:
     for name in CORS_LISTS:
         flag = "--" + name.replace("_", "-")
         cors.add_argument(flag, default=None, metavar="JSON", help=f'a JSON list of {name[8:]} (default ["*"])')
-    cors.add_argument("--allow-credentials", action="store_true", help="allow credentials (cookies, default: no)")
+    cors.add_argument(
+        "--allow-credentials",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="allow credentials (cookies, default: no)",
+    )
     chat = parser.add_argument_group("chat")
     chat.add_argument(
         "--chat-template",
@@ -550,13 +534,8 @@ def _serve(argv: list[str] | None) -> int:
         print(f"error: {error}", file=sys.stderr)
         return 2
     settings = {
-        "device": args.device,
-        "dtype": args.dtype,
-        "attention_backend": args.attention_backend,
-        "kv_cache_dtype": args.kv_cache_dtype,
+        **engine_settings(args),
         "disable_cascade_attn": args.disable_cascade_attn,
-        "enforce_eager": args.enforce_eager,
-        "tensor_parallel_size": args.tensor_parallel_size,
         **({"enable_lora": True} if args.enable_lora else {}),
         **({"trust_remote_code": True} if args.trust_remote_code else {}),
         **({"compilation_config": args.compilation_config} if args.compilation_config is not None else {}),

@@ -180,3 +180,90 @@ def test_a_bad_engine_size_is_one_line_naming_its_flag(args, line, capsys):
     assert main(["hi", "--device", "cpu", *args]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: {line}") and err.count("\n") == 1, err
+
+
+class RecordedLLM:
+    """LLM's stand-in: records the settings and sampling parameters the command line passes, loads nothing."""
+
+    def __init__(self, model, **settings):
+        self.settings, self.params, self.tokenizer = settings, [], object()
+        RECORDED.append(self)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+    def generate(self, prompts, params, use_tqdm=False):
+        self.params.append(params)
+        return [{"text": ""} for _ in prompts]
+
+
+RECORDED: list[RecordedLLM] = []
+
+
+def recorded_run(monkeypatch, capsys, argv: list[str]) -> RecordedLLM:
+    import nanoref
+
+    RECORDED.clear()
+    monkeypatch.setattr(nanoref, "LLM", RecordedLLM)
+    assert main(["hi", *argv]) == 0, capsys.readouterr().err
+    (llm,) = RECORDED
+    return llm
+
+
+def test_seed_seeds_the_engine_as_the_servers_and_vllms_do(monkeypatch, capsys):
+    # the command line's --seed seeded each request (SamplingParams.seed), the server's the engine: one name, two
+    # meanings. vLLM's --seed is the engine's; a negative one is taken (it was refused: "in [0, 2**64)")
+    llm = recorded_run(monkeypatch, capsys, ["--seed", "7", "--temperature", "1"])
+    assert llm.settings["seed"] == 7 and llm.params[0].seed is None
+    assert recorded_run(monkeypatch, capsys, ["--seed", "-5"]).settings["seed"] == -5
+    assert "seed" not in recorded_run(monkeypatch, capsys, []).settings  # (the engine's default: fresh entropy)
+
+
+def test_the_same_seed_prints_the_same_samples(capsys):
+    argv = ["Simple is", "Simple is", "--device", "cpu", "--temperature", "1.5", "--max-tokens", "8"]
+    runs = []
+    for seed in ("1", "1", "2"):
+        assert main([*argv, "--seed", seed]) == 0
+        runs.append(capsys.readouterr().out)
+    assert runs[0] == runs[1] and runs[0] != runs[2]
+
+
+def test_device_auto_is_vllms(monkeypatch, capsys):
+    # vLLM's --device default, auto, was refused: "device must be 'cpu' or 'cuda', got 'auto'"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("NANOREF_DEVICE", "cuda")  # (auto is the platform's choice, whatever the default is set to)
+    assert main(["Beautiful is better than", "--device", "auto", "--max-tokens", "2"]) == 0, capsys.readouterr().err
+    assert capsys.readouterr().out.startswith("Beautiful is better than ugly")
+
+
+def test_vllms_short_and_underscore_spellings_are_taken(monkeypatch, capsys):
+    # the server took `-tp 2` and `--max_model_len 64` (vLLM's spellings), the command line refused both
+    argv = ["-tp", "2", "--max_model_len", "64", "--max_num_seqs=3", "--kv_cache_dtype", "fp8", "--enforce_eager"]
+    settings = recorded_run(monkeypatch, capsys, [*argv, "--num-gpu-blocks-override", "40"]).settings
+    assert settings["tensor_parallel_size"] == 2 and settings["max_model_len"] == 64
+    assert settings["num_gpu_blocks_override"] == 40  # (vLLM's name for --num-kvcache-blocks)
+    assert (settings["max_num_seqs"], settings["kv_cache_dtype"], settings["enforce_eager"]) == (3, "fp8", True)
+    capsys.readouterr()
+    assert main(["hi", "--", "--max_tokens"]) == 0  # (a prompt after `--` keeps its underscores)
+    assert capsys.readouterr().out == "hi\n--max_tokens\n"
+
+
+def test_the_engine_flags_of_both_commands_are_one_definition():
+    from nanoref.__main__ import build_parser
+    from nanoref.serve import build_parser as build_server_parser
+
+    def flags(parser):
+        return {a.dest: a for a in parser._actions if a.option_strings and a.dest not in ("help", "model")}
+
+    def same(one, other) -> bool:  # (a command may add to a help text)
+        return (one.option_strings, one.default, one.type) == (other.option_strings, other.default, other.type) and (
+            one.help.startswith(other.help) or other.help.startswith(one.help)
+        )
+
+    cli, server = flags(build_parser()), flags(build_server_parser())
+    assert [dest for dest in cli.keys() & server.keys() if not same(cli[dest], server[dest])] == []
+    engine = {"device", "dtype", "seed", "tensor_parallel_size", "attention_backend", "kv_cache_dtype"}
+    assert engine <= cli.keys() & server.keys()

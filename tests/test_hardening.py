@@ -56,8 +56,8 @@ def reassigned(**fields) -> SamplingParams:
 @pytest.mark.parametrize(
     "fields, match",
     [
-        (dict(seed=2**70), r"seed must be None or an integer in \[0, 2\*\*64\)"),
-        (dict(seed=-1), "seed must be"),
+        (dict(seed=2**70), r"seed must be None or an integer in \[-2\*\*63, 2\*\*64\)"),
+        (dict(seed=-(2**63) - 1), "seed must be"),
         (dict(top_k=2**63), r"top_k must be an integer in \[0, 2\*\*63\)"),
         (dict(ignore_eos="no"), "ignore_eos must be True or False"),
         (dict(temperature=math.inf), r"temperature must be in \[0, 2\]"),
@@ -79,7 +79,7 @@ def test_a_bad_request_queues_nothing_of_its_batch(tiny_model, fields, match):
     "kwargs, match",
     [
         (dict(seed=2**64), "seed must be"),
-        (dict(seed=-2), "seed must be"),  # (-1 is vLLM's None)
+        (dict(seed=-(2**63) - 1), "seed must be"),  # (below torch's range)
         (dict(top_k=2**63), "top_k must be"),
         (dict(ignore_eos="no"), "ignore_eos must be True or False"),
         (dict(temperature=float("nan")), "temperature must be"),

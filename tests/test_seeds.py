@@ -85,9 +85,21 @@ def test_an_engines_seed_leaves_the_global_rngs_alone(tiny_model, seed):
     assert_same_rng_states(before)
 
 
-@pytest.mark.parametrize("seed", [-1, 2**64, 1.5, True, "7"])
+def test_a_negative_seed_is_torchs_for_the_engine_and_for_a_request(tiny_model):
+    # vLLM's --seed and a request's "seed" take negative integers (torch.Generator.manual_seed maps -5 to 2**64 - 5):
+    # both were refused here ("seed must be ... in [0, 2**64)")
+    prompt = random_prompts(seed=53, lengths=[6])
+    assert engine(tiny_model, seed=-5).generate(prompt, SAMPLED, use_tqdm=False) == engine(
+        tiny_model, seed=2**64 - 5
+    ).generate(prompt, SAMPLED, use_tqdm=False)
+    llm = engine(tiny_model)
+    seeded = [SamplingParams(temperature=1.0, max_tokens=10, ignore_eos=True, seed=seed) for seed in (-2, 2**64 - 2)]
+    assert llm.generate(prompt, seeded[0], use_tqdm=False) == llm.generate(prompt, seeded[1], use_tqdm=False)
+
+
+@pytest.mark.parametrize("seed", [-(2**63) - 1, 2**64, 1.5, True, "7"])
 def test_a_bad_engine_seed_is_refused(tiny_model, seed):
-    with pytest.raises(ValueError, match=r"seed must be None or an integer in \[0, 2\*\*64\)"):
+    with pytest.raises(ValueError, match=r"seed must be None or an integer in \[-2\*\*63, 2\*\*64\)"):
         engine(tiny_model, seed=seed)
 
 

@@ -68,6 +68,27 @@ def test_flags_spelled_with_underscores_are_taken_as_vllm_takes_them(monkeypatch
     assert dashed_flags(["--chat_template=a_b", "--", "--x_y"]) == ["--chat-template=a_b", "--", "--x_y"]
 
 
+def test_every_switch_takes_vllms_no_form(monkeypatch):
+    # vLLM's parser makes --no-X for each of its boolean settings (argparse.BooleanOptionalAction): a script passing
+    # `--no-enforce-eager` or `--no-trust-remote-code` was refused here ("unrecognized arguments")
+    switches = [a for a in build_parser()._actions if a.nargs == 0 and a.dest != "help"]
+    assert len(switches) >= 12
+    assert [a.option_strings[0] for a in switches if "--no-" + a.option_strings[0][2:] not in a.option_strings] == []
+    settings = serve_settings(monkeypatch, ["--enforce-eager", "--no-enforce-eager", "--no-trust-remote-code"])
+    assert settings["enforce_eager"] is False and "trust_remote_code" not in settings
+
+
+def test_attention_backends_take_vllms_names(monkeypatch):
+    # vLLM's --attention-backend reads its enum's names in any case (FLASH_ATTN, TRITON_ATTN, flash_attn): a script
+    # passing `--attention-backend FLASH_ATTN` got "attention_backend must be one of ..."
+    for value, name in [("FLASH_ATTN", "flash_attn"), ("TRITON_ATTN", "triton"), ("triton_attn", "triton")]:
+        assert serve_settings(monkeypatch, ["--attention-backend", value])["attention_backend"] == name
+    assert serve_settings(monkeypatch, ["--attention-backend", "Flash_Attn+Triton"])["attention_backend"] == (
+        "flash_attn+triton"
+    )
+    assert serve_settings(monkeypatch, ["--attention-backend", "XFORMERS"])["attention_backend"] == "XFORMERS"
+
+
 def test_token_counts_take_vllms_human_readable_suffixes(monkeypatch, capsys):
     settings = serve_settings(monkeypatch, ["--max-model-len", "2k", "--max-num-batched-tokens", "8K"])
     assert settings["max_model_len"] == 2000 and settings["max_num_batched_tokens"] == 8192
@@ -118,7 +139,7 @@ def test_bad_values_are_one_line_naming_the_flag_before_the_model_loads(args, me
         (["--max-num-seqs", "0"], "--max-num-seqs"),
         (["--max-model-len", "1"], "--max-model-len"),
         (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization"),
-        (["--seed", "-1"], "--seed"),
+        (["--seed", str(-(2**63) - 1)], "--seed"),
         (["--dtype", "float8"], "--dtype"),
         (["--speculative-config", '{"method": "ngram"}'], "--speculative-config"),
     ],
@@ -130,9 +151,20 @@ def test_an_engine_setting_the_engine_refuses_is_named_by_its_flag(args, flag, c
     assert "Traceback" not in err
 
 
+def test_the_help_says_where_a_default_is_not_vllms():
+    # --max-model-len's 4096 cap (vLLM's: the model's limit, 40,960 for Qwen3) and --seed's fresh entropy (vLLM's 0)
+    # were not said to differ: a script from vLLM got a shorter context, and different samples each run
+    helps = {action.option_strings[0]: action.help for action in build_parser()._actions if action.option_strings}
+    differ = {"--max-model-len": "the model's limit uncapped", "--seed": "0", "--host": "every interface"}
+    differ["--uvicorn-log-level"] = "info"
+    assert [flag for flag, vllms in differ.items() if f"vLLM's default is {vllms}" not in helps[flag]] == []
+
+
 def test_every_flag_of_the_serve_command_is_in_the_docs():
     text = DOCS.read_text()
     flags = {s for action in build_parser()._actions for s in action.option_strings if s.startswith("--")}
+    if "every switch also in vLLM's `--no-` form" in text:  # (a switch's --no-X is said once for all)
+        flags = {flag for flag in flags if not (flag.startswith("--no-") and "--" + flag[5:] in flags)}
     missing = sorted(flag for flag in flags - {"--help"} if not re.search(re.escape(flag) + r"\b(?!-)", text))
     assert missing == [], f"docs/serving.md does not mention {missing}"
 

@@ -104,7 +104,7 @@ def test_vllms_spellings_of_no_seed_and_of_one_logprob_are_taken():
     params = SamplingParams(seed=-1, logprobs=True, prompt_logprobs=True)
     assert params.seed is None and params.logprobs == 1 and params.prompt_logprobs == 1
     assert type(params.logprobs) is int and type(params.prompt_logprobs) is int
-    for bad in (dict(seed=-2), dict(logprobs=False), dict(prompt_logprobs=False)):
+    for bad in (dict(seed=-(2**63) - 1), dict(logprobs=False), dict(prompt_logprobs=False)):
         with pytest.raises(ValueError, match=next(iter(bad))):
             SamplingParams(**bad)
 
