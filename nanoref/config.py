@@ -389,9 +389,9 @@ class EngineConfig:
 
         size, c = self.tensor_parallel_size, self.hf_config
         local_heads(c.num_attention_heads, c.num_key_value_heads, size)  # raises ValueError naming the heads
-        sizes = {"intermediate_size": c.intermediate_size}
-        if hasattr(c, "moe_intermediate_size"):
-            sizes["moe_intermediate_size"] = c.moe_intermediate_size
+        # (Qwen3-MoE: only the widths its layers have; intermediate_size of a model whose every layer is sparse
+        # splits nothing)
+        sizes = c.mlp_sizes_used() if hasattr(c, "mlp_sizes_used") else {"intermediate_size": c.intermediate_size}
         for name, value in sizes.items():
             if value % size:
                 raise ValueError(f"{name} ({value}) must be a multiple of tensor_parallel_size ({size})")
