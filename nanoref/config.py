@@ -405,10 +405,10 @@ class EngineConfig:
     def _check_lora(self) -> None:
         if not isinstance(self.enable_lora, bool):
             raise ValueError(f"enable_lora must be True or False, got {self.enable_lora!r}")
-        for name in ("max_loras", "max_lora_rank"):
-            value = getattr(self, name)
-            if not _is_int(value) or value <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not _is_int(self.max_loras) or self.max_loras <= 0:
+            raise ValueError(f"max_loras must be a positive integer, got {self.max_loras!r}")
+        if not _is_int(self.max_lora_rank) or self.max_lora_rank not in MAX_LORA_RANKS:
+            raise ValueError(f"max_lora_rank must be one of {list(MAX_LORA_RANKS)}, got {self.max_lora_rank!r}")
         if self.max_cpu_loras is None:
             _set(self, max_cpu_loras=self.max_loras)
         if not _is_int(self.max_cpu_loras) or self.max_cpu_loras < self.max_loras:
@@ -450,6 +450,9 @@ class EngineConfig:
                 )
 
 
+# the max_lora_rank values vLLM takes (its LoRA kernels' widths; any other is its ValueError): the slots' width, which
+# an adapter's rank r may not exceed
+MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 # vLLM's names for settings nanoref has under its own: LLM(block_size=32) is LLM(kvcache_block_size=32)
 VLLM_ALIASES = {
     "block_size": "kvcache_block_size",

@@ -312,7 +312,7 @@ def test_lora_request_must_be_a_lora_request_one_per_prompt(tiny_model, adapters
     ("edit", "message"),
     [
         ("missing", "adapter_model.safetensors is missing"),
-        ("rank", "rank r=8 is above max_lora_rank=4"),
+        ("rank", "rank r=16 is above max_lora_rank=8"),
         ("target", "target module 'lm_head' is not one nanoref adapts"),
     ],
 )
@@ -331,8 +331,10 @@ def test_a_bad_adapter_fails_the_call_and_leaves_nothing_queued_or_loaded(
         (folder / "adapter_model.safetensors").unlink()
     elif edit == "target":
         settings["target_modules"] = ["q_proj", "lm_head"]
+    elif edit == "rank":  # (its rank is read before its weights)
+        settings["r"] = 16
     (folder / "adapter_config.json").write_text(json.dumps(settings))
-    llm = lora_llm(tiny_model, num_kvcache_blocks=32, max_lora_rank=4 if edit == "rank" else 16)
+    llm = lora_llm(tiny_model, num_kvcache_blocks=32, max_lora_rank=8 if edit == "rank" else 16)
     good = adapters["attn-r4-rs"]
     bad = LoRARequest("bad", 9, str(folder))
     with pytest.raises(LoRAAdapterError, match=f"prompt 1: LoRA adapter 'bad' \\({folder}\\): .*{message}"):
@@ -355,7 +357,11 @@ def test_an_adapter_id_that_already_names_another_adapter_is_refused(tiny_model,
     [
         (dict(enable_lora="yes"), "enable_lora must be True or False"),
         (dict(max_loras=0), "max_loras must be a positive integer, got 0"),
-        (dict(max_lora_rank=True), "max_lora_rank must be a positive integer, got True"),
+        (dict(max_lora_rank=True), r"max_lora_rank must be one of \[1, 8, 16, 32, 64, 128, 256, 320, 512\], got True"),
+        # (vLLM's ranks only, as vLLM: a rank between them, or past 512, is its ValueError)
+        (dict(max_lora_rank=4), r"max_lora_rank must be one of \[1, 8, .*, 512\], got 4"),
+        (dict(max_lora_rank=1024), r"max_lora_rank must be one of .*, got 1024"),
+        (dict(max_lora_rank=0), r"max_lora_rank must be one of .*, got 0"),
         (dict(max_loras=4, max_cpu_loras=2), r"max_cpu_loras \(2\) must be an integer >= max_loras \(4\)"),
         (dict(enable_lora=True, tensor_parallel_size=2), "enable_lora runs on one device"),
     ],
@@ -366,13 +372,14 @@ def test_lora_settings_are_checked(tiny_model, settings, message):
 
 
 def test_lora_slots_larger_than_memory_are_an_error_naming_the_settings(tiny_model, monkeypatch):
-    # a max_lora_rank with a digit too many: the slots of every adapted projection are more than there is
-    with pytest.raises(ValueError, match=r"max_lora_rank=10000000000000 with max_loras=1 needs .* GiB for the LoRA"):
-        LLM(tiny_model, device="cpu", num_kvcache_blocks=8, enable_lora=True, max_lora_rank=10**13)
+    # a max_loras with digits too many: the slots of every adapted projection are more than there is
+    settings = dict(device="cpu", num_kvcache_blocks=8, enable_lora=True, max_lora_rank=512, max_loras=2 * 10**10)
+    with pytest.raises(ValueError, match=r"max_lora_rank=512 with max_loras=20000000000 needs .* GiB for the LoRA"):
+        LLM(tiny_model, **settings)
     # where memory is not known in advance (a GPU), the allocator's failure is that error too
     monkeypatch.setattr("nanoref.lora.manager.cpu_memory_available", lambda fallback: None)
-    with pytest.raises(ValueError, match=r"max_lora_rank=10000000000000 .* but they could not be allocated: lower"):
-        LLM(tiny_model, device="cpu", num_kvcache_blocks=8, enable_lora=True, max_lora_rank=10**13)
+    with pytest.raises(ValueError, match=r"max_lora_rank=512 with .* but they could not be allocated: lower"):
+        LLM(tiny_model, **settings)
 
 
 def test_lora_slots_are_allocated_before_the_kv_cache_is_sized(tiny_model, adapters, monkeypatch):
@@ -479,7 +486,7 @@ def test_lora_slots_come_out_of_the_gpu_memory_utilization_share(tiny_model):
     base_blocks = base.model_runner.num_kvcache_blocks
     block_bytes = base.model_runner.kv_bytes_per_token * base.model_runner.block_size
     del base
-    llm = LLM(tiny_model, enable_lora=True, max_loras=8, max_lora_rank=4096, **settings)  # 256 MiB of slots
+    llm = LLM(tiny_model, enable_lora=True, max_loras=64, max_lora_rank=512, **settings)  # 256 MiB of slots
     slots = llm.lora.manager.slots.values()
     slot_bytes = sum(t.nbytes for s in slots for t in s.lora_a + s.lora_b)
     drop = base_blocks - llm.model_runner.num_kvcache_blocks

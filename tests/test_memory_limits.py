@@ -64,11 +64,11 @@ def test_a_kv_cache_past_a_container_limit_is_refused_not_allocated(monkeypatch,
 
 
 def test_lora_slots_past_a_container_limit_are_refused_naming_the_settings(monkeypatch, tmp_path, tiny_model):
-    # slots of rank 65536 need about 0.5 GiB: more than the 64 MiB the limit leaves
+    # 128 slots of rank 512 need about 0.5 GiB: more than the 64 MiB the limit leaves
     root = fake_cgroups(monkeypatch, tmp_path)
     limit_group(root, str(GIB), current=GIB - (64 << 20))
     with pytest.raises(
         ValueError,
-        match=r"max_lora_rank=65536 with max_loras=1 needs 0.5 GiB for the LoRA slots on cpu, but 0.1 GiB is available",
+        match=r"max_lora_rank=512 with max_loras=128 needs 0.5 GiB for the LoRA slots on cpu, but 0.1 GiB is available",
     ):
-        LLM(tiny_model, device="cpu", num_kvcache_blocks=8, enable_lora=True, max_lora_rank=1 << 16)
+        LLM(tiny_model, device="cpu", num_kvcache_blocks=8, enable_lora=True, max_lora_rank=512, max_loras=128)
