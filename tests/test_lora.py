@@ -141,6 +141,47 @@ def test_a_broken_adapter_folder_is_a_clear_error_and_loads_nothing(
     assert all(not a.any() for slots in manager.slots.values() for a in slots.lora_a)
 
 
+@pytest.mark.parametrize(
+    ("value", "dtype", "message"),
+    [
+        (float("nan"), torch.float32, r"layer 1 self_attn.qkv_proj piece 2: lora_B holds NaN or infinite values$"),
+        (float("-inf"), torch.float32, "lora_B holds NaN or infinite values"),
+        (1e5, torch.float16, r"lora_B holds NaN or infinite values \(in float16\)"),  # (past float16's 65,504)
+    ],
+)
+def test_an_adapter_with_weights_that_are_not_finite_is_refused(tiny_model, adapters, tmp_path, value, dtype, message):
+    """The slots' masked product multiplies every slot's B by 0 for rows of other slots, and 0 x NaN is NaN: such an
+    adapter, served, turned every row of every step NaN (greedy: token 0), base-model rows and other adapters' too,
+    for as long as it stayed in a slot."""
+    from safetensors.torch import load_file, save_file
+
+    folder = broken(tmp_path, adapters["all-r8"])
+    tensors = load_file(folder / "adapter_model.safetensors")
+    key = next(k for k in tensors if ".layers.1.self_attn.v_proj.lora_B" in k)
+    tensors[key][3, 5] = value
+    save_file(tensors, folder / "adapter_model.safetensors")
+    llm = LLM(tiny_model, device="cpu", num_kvcache_blocks=32, dtype=dtype)
+    manager = attach(llm)
+    with pytest.raises(LoRAAdapterError, match=message):
+        manager.assign_slots([LoRARequest("broken", 1, folder)])
+    assert not manager.host and manager.slot_ids == [None, None]
+    if dtype == torch.float32:
+        return
+    manager.assign_slots([LoRARequest("fine", 2, adapters["all-r8"])])  # (the adapter it broke, as it was: served)
+
+
+@pytest.mark.parametrize("alpha", ["Infinity", "NaN", "1e400"])
+def test_a_lora_alpha_that_is_not_finite_is_refused(tiny_model, adapters, tmp_path, alpha):
+    """An infinite scaling is NaN for every row of the other slots (0 x inf) too."""
+    folder = broken(tmp_path, adapters["all-r8"])
+    path = folder / "adapter_config.json"
+    path.write_text(path.read_text().replace('"lora_alpha": 16', f'"lora_alpha": {alpha}'))
+    assert alpha in path.read_text()
+    manager = attach(LLM(tiny_model, device="cpu", num_kvcache_blocks=32))
+    with pytest.raises(LoRAAdapterError, match="lora_alpha must be a finite number"):
+        manager.assign_slots([LoRARequest("broken", 1, folder)])
+
+
 def test_an_adapter_for_another_model_is_refused(tiny_models, adapters):
     other = tiny_models["gqa4-bias"]  # other head counts and sizes
     llm = LLM(other, device="cpu", num_kvcache_blocks=32)

@@ -92,9 +92,11 @@ def expected_shapes(config, module: str, piece: int | None) -> tuple[int, int]:
     }[module, piece]
 
 
-def load_adapter(path: str | Path, name: str, int_id: int, config, max_lora_rank: int) -> LoRAAdapter:
-    """Read and check the PEFT adapter in `path` for a model with this (parsed) config; LoRAAdapterError naming
-    the problem otherwise."""
+def load_adapter(
+    path: str | Path, name: str, int_id: int, config, max_lora_rank: int, dtype: torch.dtype = torch.float32
+) -> LoRAAdapter:
+    """Read and check the PEFT adapter in `path` for a model with this (parsed) config, whose slots hold `dtype`;
+    LoRAAdapterError naming the problem otherwise."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -134,8 +136,8 @@ def load_adapter(path: str | Path, name: str, int_id: int, config, max_lora_rank
         raise LoRAAdapterError(f"{where}: r must be a positive integer, got {rank!r}")
     if rank > max_lora_rank:
         raise LoRAAdapterError(f"{where}: its rank r={rank} is above max_lora_rank={max_lora_rank}")
-    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
-        raise LoRAAdapterError(f"{where}: lora_alpha must be a number, got {alpha!r}")
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha):
+        raise LoRAAdapterError(f"{where}: lora_alpha must be a finite number, got {alpha!r}")
     use_rslora = settings.get("use_rslora", False)
     if not isinstance(use_rslora, bool):
         raise LoRAAdapterError(f"{where}: use_rslora must be true or false, got {use_rslora!r}")
@@ -154,10 +156,26 @@ def load_adapter(path: str | Path, name: str, int_id: int, config, max_lora_rank
     except (SafetensorError, OSError) as error:
         raise LoRAAdapterError(f"{where}: adapter_model.safetensors cannot be read ({error})") from None
     weights = _collect(tensors, where, config, rank)
+    _check_finite(weights, where, dtype)
     if not weights:
         raise LoRAAdapterError(f"{where}: adapter_model.safetensors holds no lora_A/lora_B weights")
     scaling = alpha / math.sqrt(rank) if use_rslora else alpha / rank
     return LoRAAdapter(name, int_id, rank, float(scaling), weights)
+
+
+def _check_finite(weights: dict, where: str, dtype: torch.dtype) -> None:
+    """LoRAAdapterError naming the first weight that is NaN or infinite in the slots' dtype (float16 overflows past
+    65,504). Not vLLM's check, whose kernels compute each row with its own adapter alone: nanoref's masked product
+    (ops/lora.py) multiplies every slot's A and B by 0 for the rows of other slots, and 0 x NaN is NaN, so such an
+    adapter in a slot would turn every row of every step NaN, base-model rows and other adapters' alike."""
+    for (layer, module, piece), pair in weights.items():
+        for label, tensor in zip(("lora_A", "lora_B"), pair):
+            if not torch.isfinite(tensor.to(dtype)).all():
+                where_in = f"layer {layer} {module}" + ("" if piece is None else f" piece {piece}")
+                raise LoRAAdapterError(
+                    f"{where}: {where_in}: {label} holds NaN or infinite values"
+                    + (f" (in {str(dtype).removeprefix('torch.')})" if dtype != torch.float32 else "")
+                )
 
 
 def _collect(tensors: dict, where: str, config, rank: int) -> dict:

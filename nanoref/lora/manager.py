@@ -80,6 +80,7 @@ class LoRAManager:
         self.max_loras, self.max_lora_rank, self.max_cpu_loras = max_loras, max_lora_rank, max_cpu_loras
         layers = model.model.layers
         device = next(model.parameters()).device
+        self.dtype = layers[0].get_submodule(MODULES[0]).weight.dtype  # the slots' (an adapter must be finite in it)
         sizes = {
             name: [expected_shapes(hf_config, name, piece) for piece in PIECES.get(name, (None,))] for name in MODULES
         }
@@ -147,7 +148,7 @@ class LoRAManager:
         adapter = self.host.get(request.lora_int_id)
         if adapter is None:
             adapter = load_adapter(
-                request.lora_path, request.lora_name, request.lora_int_id, self.config, self.max_lora_rank
+                request.lora_path, request.lora_name, request.lora_int_id, self.config, self.max_lora_rank, self.dtype
             )
         return adapter
 
