@@ -493,6 +493,23 @@ def test_lora_slots_come_out_of_the_gpu_memory_utilization_share(tiny_model):
     assert slot_bytes // block_bytes <= drop <= (slot_bytes + (128 << 20)) // block_bytes, (drop, slot_bytes)
 
 
+@pytest.mark.gpu
+def test_lora_slots_that_leave_the_cache_no_gpu_memory_are_named(tiny_model):
+    """Slots that take the whole gpu_memory_utilization share: the cache's error (a ValueError, as vLLM's) says the
+    slots hold it, and what to lower or raise (it was a RuntimeError naming gpu_memory_utilization alone)."""
+    slot_bytes = 2 * 1024 * 2048 * 512 * 4  # 2 layers x (every adapted projection's in + out) x S x R x float32
+    share = slot_bytes / torch.cuda.mem_get_info()[1]  # the slots alone fill it (the weights and context are more)
+    settings = dict(device="cuda", dtype="float32", enforce_eager=True, max_model_len=256, max_num_seqs=4)
+    settings.update(max_num_batched_tokens=256, gpu_memory_utilization=share)
+    message = (
+        r"no memory left for the KV cache: gpu_memory_utilization=.* of the GPU leaves 0.0 MiB after what is held, "
+        r"less than one KV block \(.* MiB\); the LoRA slots \(max_loras=2048, max_lora_rank=512\) hold 8.00 GiB of "
+        r"it: lower max_loras or max_lora_rank, or raise gpu_memory_utilization, or set num_kvcache_blocks$"
+    )
+    with pytest.raises(ValueError, match=message):
+        LLM(tiny_model, enable_lora=True, max_loras=2048, max_lora_rank=512, **settings)
+
+
 def test_lora_slots_that_a_gpu_could_not_allocate_name_the_lora_settings_alone():
     # the slots are allocated before the KV cache is sized: what a GPU could not hold is weights and slots, which no
     # gpu_memory_utilization frees (an earlier message named it: the cache used to be allocated first)
