@@ -10,7 +10,7 @@ import torch
 
 from nanoref import LLM, SamplingParams
 from nanoref.lora import LoRARequest
-from nanoref.lora.adapters import LoRAAdapterError
+from nanoref.lora.adapters import LoRAAdapterError, load_adapter
 from nanoref.lora.manager import LoRAManager
 from nanoref.ops.lora import lora_delta, lora_delta_reference
 
@@ -180,6 +180,26 @@ def test_a_lora_alpha_that_is_not_finite_is_refused(tiny_model, adapters, tmp_pa
     manager = attach(LLM(tiny_model, device="cpu", num_kvcache_blocks=32))
     with pytest.raises(LoRAAdapterError, match="lora_alpha must be a finite number"):
         manager.assign_slots([LoRARequest("broken", 1, folder)])
+
+
+def test_an_adapter_of_a_sparse_layers_mlp_is_refused_naming_it(tmp_path):
+    """A LoRA tensor for the MLP of a Qwen3-MoE sparse layer (whose experts take no adapter here) is named, not an
+    index into slots that do not exist."""
+    from safetensors.torch import save_file
+
+    from nanoref.models import load_model_config
+    from nanoref.testing import make_tiny_qwen3_moe
+
+    model = make_tiny_qwen3_moe(tmp_path / "moe", mlp_only_layers=[0, 3], seed=3)
+    _, _, config = load_model_config(model)
+    folder = tmp_path / "adapter"
+    folder.mkdir()
+    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 2, "lora_alpha": 4}))
+    prefix = "base_model.model.model.layers.1.mlp.down_proj"
+    tensors = {f"{prefix}.lora_A.weight": torch.ones(2, 128), f"{prefix}.lora_B.weight": torch.ones(64, 2)}
+    save_file(tensors, folder / "adapter_model.safetensors")
+    with pytest.raises(LoRAAdapterError, match="adapts 'down_proj' of layer 1, a sparse .* nanoref does not adapt"):
+        load_adapter(folder, "a", 1, config, max_lora_rank=8)
 
 
 def test_an_adapter_for_another_model_is_refused(tiny_models, adapters):

@@ -439,6 +439,24 @@ def test_lora_slots_are_allocated_before_the_kv_cache_is_sized(tiny_model, adapt
     assert_exact(tiny_model, prompts, loras_used, outputs)
 
 
+def test_attention_adapters_on_a_qwen3_moe_model_match_peft(tmp_path):
+    """enable_lora on Qwen3-MoE failed at start with an AttributeError (a sparse layer's MLP has no gate_up_proj): the
+    slots now cover attention and the dense layers' MLPs, token-exact with peft; an adapter of the experts (peft's
+    target_parameters, with its rank_pattern) is refused naming a field."""
+    from nanoref.testing import make_tiny_qwen3_moe
+
+    model = make_tiny_qwen3_moe(tmp_path / "moe", mlp_only_layers=[0, 3], seed=3)  # layers 1 and 2 sparse
+    targets = ("q_proj", "k_proj", "v_proj", "o_proj")
+    attention = LoRARequest("attn", 1, str(make_random_lora(tmp_path / "attn", model, rank=8, seed=4, targets=targets)))
+    llm = lora_llm(model, num_kvcache_blocks=32)
+    prompts = shared_prefix_prompts(seed=5, prefix_len=6, suffix_lens=[3, 7])
+    loras = [attention, None]
+    assert_exact(model, prompts, loras, llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras))
+    experts = LoRARequest("experts", 2, str(make_random_lora(tmp_path / "experts", model, rank=8, seed=6)))
+    with pytest.raises(LoRAAdapterError, match="rank_pattern=.* is not supported"):
+        llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=experts)
+
+
 def test_lora_settings_have_vllms_defaults(tiny_model):
     from nanoref.config import EngineConfig
 

@@ -197,6 +197,11 @@ def _collect(tensors: dict, where: str, config, rank: int) -> dict:
                 f"{where}: tensor {key!r} names layer {layer}; the model has {config.num_hidden_layers}"
             )
         module, piece = TARGETS[projection]
+        if module.startswith("mlp.") and getattr(config, "is_sparse", lambda index: False)(layer):
+            raise LoRAAdapterError(
+                f"{where}: tensor {key!r} adapts {projection!r} of layer {layer}, a sparse (mixture-of-experts) layer "
+                "whose experts nanoref does not adapt"
+            )
         pairs.setdefault((layer, module, piece), {})[parts[-2]] = tensor
     weights = {}
     for (layer, module, piece), pair in sorted(pairs.items(), key=str):
