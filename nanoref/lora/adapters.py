@@ -30,7 +30,6 @@ TARGETS: dict[str, tuple[str, int | None]] = {
 # among them (DoRA, aLoRA, QA-LoRA, Arrow, BD-LoRA, KaSA, MonteCLoRA) compute something else than s (x A^T) B^T
 UNSUPPORTED = {
     "use_dora": False,
-    "fan_in_fan_out": False,
     "modules_to_save": None,
     "rank_pattern": {},
     "alpha_pattern": {},
@@ -54,6 +53,7 @@ INERT = {
     "exclude_modules", "lora_dropout", "init_lora_weights", "layers_to_transform", "layers_pattern",
     "megatron_config", "megatron_core", "loftq_config", "eva_config", "corda_config", "lora_ga_config",
     "velora_config", "runtime_config", "ensure_weight_tying", "qalora_group_size",
+    "fan_in_fan_out",  # (for GPT-2's Conv1D: on an nn.Linear, every Qwen3 projection, peft sets it to False)
 }  # fmt: skip
 PEFT_LORA_ALPHA = 8  # peft's LoraConfig default: what peft scales by when adapter_config.json has no lora_alpha
 
