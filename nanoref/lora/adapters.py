@@ -56,6 +56,7 @@ INERT = {
     "fan_in_fan_out",  # (for GPT-2's Conv1D: on an nn.Linear, every Qwen3 projection, peft sets it to False)
 }  # fmt: skip
 PEFT_LORA_ALPHA = 8  # peft's LoraConfig default: what peft scales by when adapter_config.json has no lora_alpha
+PEFT_LORA_R = 8  # peft's LoraConfig default rank, where adapter_config.json has no r
 
 
 class LoRAAdapterError(ValueError):
@@ -131,7 +132,7 @@ def load_adapter(
             raise LoRAAdapterError(f"{where}: {key}={value!r} is not a setting nanoref knows, so it is not served")
     if settings.get("bias", "none") != "none":
         raise LoRAAdapterError(f"{where}: bias={settings['bias']!r} is not supported (only 'none')")
-    rank, alpha = settings.get("r"), settings.get("lora_alpha", PEFT_LORA_ALPHA)
+    rank, alpha = settings.get("r", PEFT_LORA_R), settings.get("lora_alpha", PEFT_LORA_ALPHA)
     if not isinstance(rank, int) or isinstance(rank, bool) or rank <= 0:
         raise LoRAAdapterError(f"{where}: r must be a positive integer, got {rank!r}")
     if rank > max_lora_rank:
