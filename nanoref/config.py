@@ -391,9 +391,9 @@ class EngineConfig:
 
         size, c = self.tensor_parallel_size, self.hf_config
         local_heads(c.num_attention_heads, c.num_key_value_heads, size)  # raises ValueError naming the heads
-        sizes = {"intermediate_size": c.intermediate_size}
-        if hasattr(c, "moe_intermediate_size"):
-            sizes["moe_intermediate_size"] = c.moe_intermediate_size
+        # (Qwen3-MoE: only the widths its layers have; intermediate_size of a model whose every layer is sparse
+        # splits nothing)
+        sizes = c.mlp_sizes_used() if hasattr(c, "mlp_sizes_used") else {"intermediate_size": c.intermediate_size}
         for name, value in sizes.items():
             if value % size:
                 raise ValueError(f"{name} ({value}) must be a multiple of tensor_parallel_size ({size})")
@@ -407,10 +407,10 @@ class EngineConfig:
     def _check_lora(self) -> None:
         if not isinstance(self.enable_lora, bool):
             raise ValueError(f"enable_lora must be True or False, got {self.enable_lora!r}")
-        for name in ("max_loras", "max_lora_rank"):
-            value = getattr(self, name)
-            if not _is_int(value) or value <= 0:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if not _is_int(self.max_loras) or self.max_loras <= 0:
+            raise ValueError(f"max_loras must be a positive integer, got {self.max_loras!r}")
+        if not _is_int(self.max_lora_rank) or self.max_lora_rank not in MAX_LORA_RANKS:
+            raise ValueError(f"max_lora_rank must be one of {list(MAX_LORA_RANKS)}, got {self.max_lora_rank!r}")
         if self.max_cpu_loras is None:
             _set(self, max_cpu_loras=self.max_loras)
         if not _is_int(self.max_cpu_loras) or self.max_cpu_loras < self.max_loras:
@@ -452,6 +452,9 @@ class EngineConfig:
                 )
 
 
+# the max_lora_rank values vLLM takes (its LoRA kernels' widths; any other is its ValueError): the slots' width, which
+# an adapter's rank r may not exceed
+MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 # vLLM's names for settings nanoref has under its own: LLM(block_size=32) is LLM(kvcache_block_size=32)
 VLLM_ALIASES = {
     "block_size": "kvcache_block_size",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import inspect
+import json
 import os
 import shutil
 import subprocess
@@ -15,7 +16,7 @@ from nanoref import LLM, ModelFolderError, SamplingParams
 from nanoref.config import EngineConfig
 from nanoref.layers.sampler import Sampler
 
-from .helpers import CPU_DEFAULT_BACKEND, copy_with_config, random_prompts
+from .helpers import CPU_DEFAULT_BACKEND, assert_matches_hf, copy_with_config, random_prompts
 
 
 def test_unknown_keyword_raises_type_error(tiny_model):
@@ -339,6 +340,26 @@ def test_a_sharded_checkpoint_missing_shard_files_names_them(tmp_path, tiny_mode
         shard.unlink(missing_ok=True)
     with pytest.raises(ModelFolderError, match=rf"holds no \*.safetensors weights .* lists {len(shards)} shard files"):
         LLM(tmp_path / "m")
+
+
+def test_a_sharded_checkpoint_is_the_files_its_index_lists(tmp_path, tiny_model):
+    """A whole model.safetensors left beside the shards of a later save (or any other *.safetensors there): the
+    index names the checkpoint's files, as transformers and vLLM read it; the stray file was loaded too, and failed
+    the model with 'tensor ... is also in ...'."""
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(tiny_model).save_pretrained(tmp_path / "m", max_shard_size="100KB")
+    assert len(list((tmp_path / "m").glob("model-*.safetensors"))) >= 3
+    shutil.copy(tiny_model / "model.safetensors", tmp_path / "m" / "model.safetensors")  # (an earlier save's)
+    (tmp_path / "m" / "optimizer.safetensors").write_bytes(b"not a weights file")
+    prompts = [[1, 2, 3], [9, 8, 7, 6]]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    outputs = LLM(tmp_path / "m", device="cpu", num_kvcache_blocks=16).generate(prompts, params, use_tqdm=False)
+    assert_matches_hf(tiny_model, prompts, outputs, 6)
+    index = tmp_path / "m" / "model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {}, "weight_map": ["model-00001-of-00003.safetensors"]}))
+    with pytest.raises(ModelFolderError, match="index.json: weight_map must map tensor names to shard file names"):
+        LLM(tmp_path / "m", device="cpu", num_kvcache_blocks=16)
 
 
 def test_triton_on_the_cpu_of_a_gpu_machine_is_refused_with_the_reason(monkeypatch):

@@ -10,7 +10,7 @@ import torch
 
 from nanoref import LLM, SamplingParams
 from nanoref.lora import LoRARequest
-from nanoref.lora.adapters import LoRAAdapterError
+from nanoref.lora.adapters import LoRAAdapterError, load_adapter
 from nanoref.lora.manager import LoRAManager
 from nanoref.ops.lora import lora_delta, lora_delta_reference
 
@@ -139,6 +139,67 @@ def test_a_broken_adapter_folder_is_a_clear_error_and_loads_nothing(
         manager.assign_slots([LoRARequest("broken", 1, folder)])
     assert not manager.host and manager.slot_ids == [None, None]
     assert all(not a.any() for slots in manager.slots.values() for a in slots.lora_a)
+
+
+@pytest.mark.parametrize(
+    ("value", "dtype", "message"),
+    [
+        (float("nan"), torch.float32, r"layer 1 self_attn.qkv_proj piece 2: lora_B holds NaN or infinite values$"),
+        (float("-inf"), torch.float32, "lora_B holds NaN or infinite values"),
+        (1e5, torch.float16, r"lora_B holds NaN or infinite values \(in float16\)"),  # (past float16's 65,504)
+    ],
+)
+def test_an_adapter_with_weights_that_are_not_finite_is_refused(tiny_model, adapters, tmp_path, value, dtype, message):
+    """The slots' masked product multiplies every slot's B by 0 for rows of other slots, and 0 x NaN is NaN: such an
+    adapter, served, turned every row of every step NaN (greedy: token 0), base-model rows and other adapters' too,
+    for as long as it stayed in a slot."""
+    from safetensors.torch import load_file, save_file
+
+    folder = broken(tmp_path, adapters["all-r8"])
+    tensors = load_file(folder / "adapter_model.safetensors")
+    key = next(k for k in tensors if ".layers.1.self_attn.v_proj.lora_B" in k)
+    tensors[key][3, 5] = value
+    save_file(tensors, folder / "adapter_model.safetensors")
+    llm = LLM(tiny_model, device="cpu", num_kvcache_blocks=32, dtype=dtype)
+    manager = attach(llm)
+    with pytest.raises(LoRAAdapterError, match=message):
+        manager.assign_slots([LoRARequest("broken", 1, folder)])
+    assert not manager.host and manager.slot_ids == [None, None]
+    if dtype == torch.float32:
+        return
+    manager.assign_slots([LoRARequest("fine", 2, adapters["all-r8"])])  # (the adapter it broke, as it was: served)
+
+
+@pytest.mark.parametrize("alpha", ["Infinity", "NaN", "1e400"])
+def test_a_lora_alpha_that_is_not_finite_is_refused(tiny_model, adapters, tmp_path, alpha):
+    """An infinite scaling is NaN for every row of the other slots (0 x inf) too."""
+    folder = broken(tmp_path, adapters["all-r8"])
+    path = folder / "adapter_config.json"
+    path.write_text(path.read_text().replace('"lora_alpha": 16', f'"lora_alpha": {alpha}'))
+    assert alpha in path.read_text()
+    manager = attach(LLM(tiny_model, device="cpu", num_kvcache_blocks=32))
+    with pytest.raises(LoRAAdapterError, match="lora_alpha must be a finite number"):
+        manager.assign_slots([LoRARequest("broken", 1, folder)])
+
+
+def test_an_adapter_of_a_sparse_layers_mlp_is_refused_naming_it(tmp_path):
+    """A LoRA tensor for the MLP of a Qwen3-MoE sparse layer (whose experts take no adapter here) is named, not an
+    index into slots that do not exist."""
+    from safetensors.torch import save_file
+
+    from nanoref.models import load_model_config
+    from nanoref.testing import make_tiny_qwen3_moe
+
+    model = make_tiny_qwen3_moe(tmp_path / "moe", mlp_only_layers=[0, 3], seed=3)
+    _, _, config = load_model_config(model)
+    folder = tmp_path / "adapter"
+    folder.mkdir()
+    (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 2, "lora_alpha": 4}))
+    prefix = "base_model.model.model.layers.1.mlp.down_proj"
+    tensors = {f"{prefix}.lora_A.weight": torch.ones(2, 128), f"{prefix}.lora_B.weight": torch.ones(64, 2)}
+    save_file(tensors, folder / "adapter_model.safetensors")
+    with pytest.raises(LoRAAdapterError, match="adapts 'down_proj' of layer 1, a sparse .* nanoref does not adapt"):
+        load_adapter(folder, "a", 1, config, max_lora_rank=8)
 
 
 def test_an_adapter_for_another_model_is_refused(tiny_models, adapters):

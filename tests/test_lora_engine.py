@@ -312,7 +312,7 @@ def test_lora_request_must_be_a_lora_request_one_per_prompt(tiny_model, adapters
     ("edit", "message"),
     [
         ("missing", "adapter_model.safetensors is missing"),
-        ("rank", "rank r=8 is above max_lora_rank=4"),
+        ("rank", "rank r=16 is above max_lora_rank=8"),
         ("target", "target module 'lm_head' is not one nanoref adapts"),
     ],
 )
@@ -331,8 +331,10 @@ def test_a_bad_adapter_fails_the_call_and_leaves_nothing_queued_or_loaded(
         (folder / "adapter_model.safetensors").unlink()
     elif edit == "target":
         settings["target_modules"] = ["q_proj", "lm_head"]
+    elif edit == "rank":  # (its rank is read before its weights)
+        settings["r"] = 16
     (folder / "adapter_config.json").write_text(json.dumps(settings))
-    llm = lora_llm(tiny_model, num_kvcache_blocks=32, max_lora_rank=4 if edit == "rank" else 16)
+    llm = lora_llm(tiny_model, num_kvcache_blocks=32, max_lora_rank=8 if edit == "rank" else 16)
     good = adapters["attn-r4-rs"]
     bad = LoRARequest("bad", 9, str(folder))
     with pytest.raises(LoRAAdapterError, match=f"prompt 1: LoRA adapter 'bad' \\({folder}\\): .*{message}"):
@@ -355,7 +357,11 @@ def test_an_adapter_id_that_already_names_another_adapter_is_refused(tiny_model,
     [
         (dict(enable_lora="yes"), "enable_lora must be True or False"),
         (dict(max_loras=0), "max_loras must be a positive integer, got 0"),
-        (dict(max_lora_rank=True), "max_lora_rank must be a positive integer, got True"),
+        (dict(max_lora_rank=True), r"max_lora_rank must be one of \[1, 8, 16, 32, 64, 128, 256, 320, 512\], got True"),
+        # (vLLM's ranks only, as vLLM: a rank between them, or past 512, is its ValueError)
+        (dict(max_lora_rank=4), r"max_lora_rank must be one of \[1, 8, .*, 512\], got 4"),
+        (dict(max_lora_rank=1024), r"max_lora_rank must be one of .*, got 1024"),
+        (dict(max_lora_rank=0), r"max_lora_rank must be one of .*, got 0"),
         (dict(max_loras=4, max_cpu_loras=2), r"max_cpu_loras \(2\) must be an integer >= max_loras \(4\)"),
         (dict(enable_lora=True, tensor_parallel_size=2), "enable_lora runs on one device"),
     ],
@@ -366,13 +372,14 @@ def test_lora_settings_are_checked(tiny_model, settings, message):
 
 
 def test_lora_slots_larger_than_memory_are_an_error_naming_the_settings(tiny_model, monkeypatch):
-    # a max_lora_rank with a digit too many: the slots of every adapted projection are more than there is
-    with pytest.raises(ValueError, match=r"max_lora_rank=10000000000000 with max_loras=1 needs .* GiB for the LoRA"):
-        LLM(tiny_model, device="cpu", num_kvcache_blocks=8, enable_lora=True, max_lora_rank=10**13)
+    # a max_loras with digits too many: the slots of every adapted projection are more than there is
+    settings = dict(device="cpu", num_kvcache_blocks=8, enable_lora=True, max_lora_rank=512, max_loras=2 * 10**10)
+    with pytest.raises(ValueError, match=r"max_lora_rank=512 with max_loras=20000000000 needs .* GiB for the LoRA"):
+        LLM(tiny_model, **settings)
     # where memory is not known in advance (a GPU), the allocator's failure is that error too
     monkeypatch.setattr("nanoref.lora.manager.cpu_memory_available", lambda fallback: None)
-    with pytest.raises(ValueError, match=r"max_lora_rank=10000000000000 .* but they could not be allocated: lower"):
-        LLM(tiny_model, device="cpu", num_kvcache_blocks=8, enable_lora=True, max_lora_rank=10**13)
+    with pytest.raises(ValueError, match=r"max_lora_rank=512 with .* but they could not be allocated: lower"):
+        LLM(tiny_model, **settings)
 
 
 def test_lora_slots_are_allocated_before_the_kv_cache_is_sized(tiny_model, adapters, monkeypatch):
@@ -432,6 +439,24 @@ def test_lora_slots_are_allocated_before_the_kv_cache_is_sized(tiny_model, adapt
     assert_exact(tiny_model, prompts, loras_used, outputs)
 
 
+def test_attention_adapters_on_a_qwen3_moe_model_match_peft(tmp_path):
+    """enable_lora on Qwen3-MoE failed at start with an AttributeError (a sparse layer's MLP has no gate_up_proj): the
+    slots now cover attention and the dense layers' MLPs, token-exact with peft; an adapter of the experts (peft's
+    target_parameters, with its rank_pattern) is refused naming a field."""
+    from nanoref.testing import make_tiny_qwen3_moe
+
+    model = make_tiny_qwen3_moe(tmp_path / "moe", mlp_only_layers=[0, 3], seed=3)  # layers 1 and 2 sparse
+    targets = ("q_proj", "k_proj", "v_proj", "o_proj")
+    attention = LoRARequest("attn", 1, str(make_random_lora(tmp_path / "attn", model, rank=8, seed=4, targets=targets)))
+    llm = lora_llm(model, num_kvcache_blocks=32)
+    prompts = shared_prefix_prompts(seed=5, prefix_len=6, suffix_lens=[3, 7])
+    loras = [attention, None]
+    assert_exact(model, prompts, loras, llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=loras))
+    experts = LoRARequest("experts", 2, str(make_random_lora(tmp_path / "experts", model, rank=8, seed=6)))
+    with pytest.raises(LoRAAdapterError, match="rank_pattern=.* is not supported"):
+        llm.generate(prompts, GREEDY, use_tqdm=False, lora_request=experts)
+
+
 def test_lora_settings_have_vllms_defaults(tiny_model):
     from nanoref.config import EngineConfig
 
@@ -479,11 +504,28 @@ def test_lora_slots_come_out_of_the_gpu_memory_utilization_share(tiny_model):
     base_blocks = base.model_runner.num_kvcache_blocks
     block_bytes = base.model_runner.kv_bytes_per_token * base.model_runner.block_size
     del base
-    llm = LLM(tiny_model, enable_lora=True, max_loras=8, max_lora_rank=4096, **settings)  # 256 MiB of slots
+    llm = LLM(tiny_model, enable_lora=True, max_loras=64, max_lora_rank=512, **settings)  # 256 MiB of slots
     slots = llm.lora.manager.slots.values()
     slot_bytes = sum(t.nbytes for s in slots for t in s.lora_a + s.lora_b)
     drop = base_blocks - llm.model_runner.num_kvcache_blocks
     assert slot_bytes // block_bytes <= drop <= (slot_bytes + (128 << 20)) // block_bytes, (drop, slot_bytes)
+
+
+@pytest.mark.gpu
+def test_lora_slots_that_leave_the_cache_no_gpu_memory_are_named(tiny_model):
+    """Slots that take the whole gpu_memory_utilization share: the cache's error (a ValueError, as vLLM's) says the
+    slots hold it, and what to lower or raise (it was a RuntimeError naming gpu_memory_utilization alone)."""
+    slot_bytes = 2 * 1024 * 2048 * 512 * 4  # 2 layers x (every adapted projection's in + out) x S x R x float32
+    share = slot_bytes / torch.cuda.mem_get_info()[1]  # the slots alone fill it (the weights and context are more)
+    settings = dict(device="cuda", dtype="float32", enforce_eager=True, max_model_len=256, max_num_seqs=4)
+    settings.update(max_num_batched_tokens=256, gpu_memory_utilization=share)
+    message = (
+        r"no memory left for the KV cache: gpu_memory_utilization=.* of the GPU leaves 0.0 MiB after what is held, "
+        r"less than one KV block \(.* MiB\); the LoRA slots \(max_loras=2048, max_lora_rank=512\) hold 8.00 GiB of "
+        r"it: lower max_loras or max_lora_rank, or raise gpu_memory_utilization, or set num_kvcache_blocks$"
+    )
+    with pytest.raises(ValueError, match=message):
+        LLM(tiny_model, enable_lora=True, max_loras=2048, max_lora_rank=512, **settings)
 
 
 def test_lora_slots_that_a_gpu_could_not_allocate_name_the_lora_settings_alone():

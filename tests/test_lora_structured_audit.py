@@ -111,6 +111,32 @@ def test_a_config_without_lora_alpha_scales_as_peft_does(tiny_model, folders, tm
     )
 
 
+def test_a_config_without_r_is_read_with_pefts_default_rank(tiny_model, tmp_path):
+    """peft's LoraConfig has r=8 by default: a rank-8 adapter whose adapter_config.json names no r is peft's to serve
+    (it was 'r must be a positive integer, got None')."""
+    source = make_random_lora(tmp_path / "r8", tiny_model, rank=8, seed=23)
+    folder = copy(source, tmp_path, "no-r", r=None)
+    lora = LoRARequest("no-r", 1, str(folder))
+    llm = LLM(tiny_model, device="cpu", enable_lora=True, num_kvcache_blocks=32)
+    prompt = [2, 7, 1, 8, 2]
+    assert llm.generate([prompt], GREEDY, use_tqdm=False, lora_request=lora)[0]["token_ids"] == expected(
+        tiny_model, lora, prompt
+    )
+    assert peft.LoraConfig().r == 8
+
+
+def test_fan_in_fan_out_is_served_as_peft_serves_it_on_a_linear_layer(tiny_model, folders, tmp_path):
+    """fan_in_fan_out is for GPT-2's transposed Conv1D; on an nn.Linear (every Qwen3 projection) peft warns and sets
+    it to False, serving the adapter as it is, as vLLM does: it was refused as a setting nanoref does not serve."""
+    folder = copy(folders["all-r4"], tmp_path, "fan-in-fan-out", fan_in_fan_out=True)
+    lora = LoRARequest("fan-in-fan-out", 1, str(folder))
+    llm = LLM(tiny_model, device="cpu", enable_lora=True, num_kvcache_blocks=32)
+    prompt = [7, 1, 8, 2, 8]
+    with pytest.warns(UserWarning, match="fan_in_fan_out is set to True but the target module is `torch.nn.Linear`"):
+        tokens = expected(tiny_model, lora, prompt)
+    assert llm.generate([prompt], GREEDY, use_tqdm=False, lora_request=lora)[0]["token_ids"] == tokens
+
+
 def test_target_modules_named_by_a_dotted_path_are_read_by_their_last_part(tiny_model, folders, tmp_path):
     """peft matches a target by the end of a module's name, and vLLM checks a target's last part: a valid adapter
     listing "model.layers.0.self_attn.q_proj" is served (the weights still say which projections it adapts)."""

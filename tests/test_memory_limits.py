@@ -64,11 +64,52 @@ def test_a_kv_cache_past_a_container_limit_is_refused_not_allocated(monkeypatch,
 
 
 def test_lora_slots_past_a_container_limit_are_refused_naming_the_settings(monkeypatch, tmp_path, tiny_model):
-    # slots of rank 65536 need about 0.5 GiB: more than the 64 MiB the limit leaves
+    # 128 slots of rank 512 need about 0.5 GiB: more than the 64 MiB the limit leaves
     root = fake_cgroups(monkeypatch, tmp_path)
     limit_group(root, str(GIB), current=GIB - (64 << 20))
     with pytest.raises(
         ValueError,
-        match=r"max_lora_rank=65536 with max_loras=1 needs 0.5 GiB for the LoRA slots on cpu, but 0.1 GiB is available",
+        match=r"max_lora_rank=512 with max_loras=128 needs 0.5 GiB for the LoRA slots on cpu, but 0.1 GiB is available",
     ):
-        LLM(tiny_model, device="cpu", num_kvcache_blocks=8, enable_lora=True, max_lora_rank=1 << 16)
+        LLM(tiny_model, device="cpu", num_kvcache_blocks=8, enable_lora=True, max_lora_rank=512, max_loras=128)
+
+
+def tiny_kv_block_bytes(folder: Path) -> int:
+    """One KV block's bytes for the tiny model on a CPU (float32, 16 tokens), from its config.json."""
+    import json
+
+    c = json.loads((folder / "config.json").read_text())
+    return 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * c["head_dim"] * 4 * 16
+
+
+def test_memory_for_less_than_one_kv_block_is_an_error_not_a_one_block_cache(monkeypatch, tiny_model):
+    # the cache gets a quarter of the free RAM: with less than four blocks free, that is not one block (it was made
+    # one block anyway, which holds no sequence past 16 tokens)
+    block = tiny_kv_block_bytes(tiny_model)
+    monkeypatch.setattr(kv_budget, "cpu_memory_available", lambda fallback=None: 4 * block - 1)
+    with pytest.raises(ValueError, match=r"^no memory left for the KV cache: a quarter of the free RAM is .* MiB, less "
+                       r"than one KV block \(.* MiB\): set num_kvcache_blocks$"):  # fmt: skip
+        LLM(tiny_model, device="cpu")
+    monkeypatch.setattr(kv_budget, "cpu_memory_available", lambda fallback=None: 4 * block)
+    assert LLM(tiny_model, device="cpu").model_runner.num_kvcache_blocks == 1
+
+
+def test_lora_slots_that_leave_the_kv_cache_no_block_are_named(monkeypatch, tiny_model):
+    """The slots are allocated before the cache is sized: where they leave it nothing, the error says they took
+    the memory, how much, and what to lower."""
+    import json
+
+    c = json.loads((tiny_model / "config.json").read_text())
+    hidden, inter, layers = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
+    q, kv = c["num_attention_heads"] * c["head_dim"], c["num_key_value_heads"] * c["head_dim"]
+    # every adapted projection's in + out: q, k, v (hidden in each), o, gate and up (hidden in each), down
+    per_layer = 3 * hidden + q + 2 * kv + q + hidden + 2 * (hidden + inter) + inter + hidden
+    slot_bytes = layers * per_layer * 128 * 512 * 4  # 128 slots of rank 512, float32
+    monkeypatch.setattr(kv_budget, "cpu_memory_available", lambda fallback=None: tiny_kv_block_bytes(tiny_model))
+    message = (
+        r"no memory left for the KV cache: a quarter of the free RAM is .* MiB, less than one KV block \(.* MiB\); "
+        rf"the LoRA slots \(max_loras=128, max_lora_rank=512\) hold {slot_bytes / 2**30:.2f} GiB of it: lower "
+        r"max_loras or max_lora_rank, or set num_kvcache_blocks$"
+    )
+    with pytest.raises(ValueError, match=message):
+        LLM(tiny_model, device="cpu", enable_lora=True, max_loras=128, max_lora_rank=512)

@@ -332,6 +332,19 @@ def test_hub_style_config_loads(tmp_path, moe_models):
     assert json.loads((folder / "config.json").read_text())["num_experts"] == 8
 
 
+def test_zero_experts_is_a_dense_model_as_in_hf(tmp_path):
+    """num_experts 0 makes every layer dense in transformers and vLLM (whatever num_experts_per_tok says): it loaded
+    as a ValueError 'num_local_experts must be an integer >= 1'."""
+    folder = make_tiny_qwen3_moe(tmp_path / "m", seed=5, num_experts=0, num_experts_per_tok=2)
+    _, _, config = load_model_config(folder)
+    assert config.num_experts == 0
+    llm = LLM(folder, device="cpu", num_kvcache_blocks=32)
+    assert all(isinstance(layer.mlp, Qwen3MLP) for layer in llm.model_runner.model.model.layers)
+    prompts = random_prompts(seed=7, lengths=[4, 13])
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert_matches_hf(folder, prompts, outputs, GREEDY.max_tokens)
+
+
 def test_make_tiny_qwen3_moe_leaves_the_global_rng_alone(tmp_path):
     torch.manual_seed(1234)
     state = torch.get_rng_state()

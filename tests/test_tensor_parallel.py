@@ -231,6 +231,19 @@ def test_splits_that_do_not_come_out_even_are_refused(tmp_path, overrides, size,
         LLM(folder, device="cpu", tensor_parallel_size=size)
 
 
+def test_an_all_sparse_moe_model_splits_whatever_its_unused_intermediate_size(tmp_path):
+    """Every layer of this Qwen3-MoE is sparse, so no layer has a dense MLP of intermediate_size (101, odd): HF and
+    vLLM split only what a layer has, and so does nanoref (it refused the odd width it never builds)."""
+    folder = make_tiny_qwen3_moe(tmp_path / "m", intermediate_size=101, seed=3)
+    prompts = random_prompts(seed=4, lengths=[3, 11])
+    llm = LLM(folder, device="cpu", tensor_parallel_size=2, num_kvcache_blocks=16)
+    try:
+        outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    finally:
+        llm.close()
+    assert_matches_hf(folder, prompts, outputs, GREEDY.max_tokens)
+
+
 def test_torchrun_one_host_two_processes(tp_models, tmp_path):
     """The many-hosts path (env rendezvous, rank 0 serves generate) on one host, as the README starts it."""
     folder = tp_models["gqa4-bias"]

@@ -83,12 +83,16 @@ def kv_blocks_from_memory(runner) -> int:
     CUDA: run the largest prefill once to learn the activations' peak, then give the cache what remains of
     gpu_memory_utilization of the whole GPU (what any process holds counts as used; what this one's allocator
     merely caches does not). CPU: enough for max_num_seqs full-length sequences, never more than a quarter of the
-    free RAM (read after those hooks' allocations: a quarter of what they leave)."""
+    free RAM (read after those hooks' allocations: a quarter of what they leave). Room for less than one block is a
+    ValueError naming what the hooks hold (`hold_before_kv_cache`)."""
     config = runner.config
     per_block = runner.kv_bytes_per_token * config.kvcache_block_size
     if runner.device.type != "cuda":
         wanted = config.max_num_seqs * runner.max_blocks_per_seq
-        return max(1, min(wanted, cpu_memory_available() // 4 // per_block))
+        share = cpu_memory_available() // 4
+        if share < per_block:  # (not a 1-block cache: it would not hold one sequence past 16 tokens)
+            raise ValueError(no_room_for_kv_cache(runner, f"a quarter of the free RAM is {share / 2**20:.1f} MiB"))
+        return min(wanted, share // per_block)
     device = runner.device
     # an engine the caller dropped may still wait in a reference cycle of the caller's objects, which only the cyclic
     # collector frees: collect it first, or its KV cache counts as used here (on an H100, `del llm` then a new LLM()
@@ -104,11 +108,32 @@ def kv_blocks_from_memory(runner) -> int:
     stats = torch.cuda.memory_stats(device)
     peak, current = stats["allocated_bytes.all.peak"], stats["allocated_bytes.all.current"]
     budget = int(total * config.gpu_memory_utilization) - (total - free) - (peak - current)
-    if budget < per_block:
-        raise RuntimeError(
-            f"no GPU memory left for the KV cache at gpu_memory_utilization={config.gpu_memory_utilization}"
-        )
+    if budget < per_block:  # (vLLM's ValueError)
+        left = f"{max(budget, 0) / 2**20:.1f} MiB"
+        share = f"gpu_memory_utilization={config.gpu_memory_utilization} of the GPU leaves {left} after what is held"
+        raise ValueError(no_room_for_kv_cache(runner, share, "raise gpu_memory_utilization"))
     return budget // per_block
+
+
+HELD_BEFORE_KV_CACHE = "held_before_kv_cache"  # the runner's attribute: [(bytes, what holds them, what to lower)]
+
+
+def hold_before_kv_cache(runner, num_bytes: int, what: str, lower: str) -> None:
+    """An `attach_before_kv_cache` hook's note of the memory it took: named by the error of a cache left no room."""
+    runner.__dict__.setdefault(HELD_BEFORE_KV_CACHE, []).append((num_bytes, what, lower))
+
+
+def no_room_for_kv_cache(runner, share: str, fix: str = "") -> str:
+    """The error of a KV cache that memory leaves not one block: what was left, what the hooks before it hold, and
+    the settings that make room."""
+    per_block = runner.kv_bytes_per_token * runner.config.kvcache_block_size
+    held = getattr(runner, HELD_BEFORE_KV_CACHE, [])
+    took = "".join(f"; {what} hold {num_bytes / 2**30:.2f} GiB of it" for num_bytes, what, _ in held)
+    fixes = [lower for _, _, lower in held] + [fix] * bool(fix) + ["set num_kvcache_blocks"]
+    return (
+        f"no memory left for the KV cache: {share}, less than one KV block ({per_block / 2**20:.2f} MiB){took}: "
+        f"{', or '.join(fixes)}"
+    )
 
 
 @torch.inference_mode()

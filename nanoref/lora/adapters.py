@@ -30,7 +30,6 @@ TARGETS: dict[str, tuple[str, int | None]] = {
 # among them (DoRA, aLoRA, QA-LoRA, Arrow, BD-LoRA, KaSA, MonteCLoRA) compute something else than s (x A^T) B^T
 UNSUPPORTED = {
     "use_dora": False,
-    "fan_in_fan_out": False,
     "modules_to_save": None,
     "rank_pattern": {},
     "alpha_pattern": {},
@@ -54,8 +53,10 @@ INERT = {
     "exclude_modules", "lora_dropout", "init_lora_weights", "layers_to_transform", "layers_pattern",
     "megatron_config", "megatron_core", "loftq_config", "eva_config", "corda_config", "lora_ga_config",
     "velora_config", "runtime_config", "ensure_weight_tying", "qalora_group_size",
+    "fan_in_fan_out",  # (for GPT-2's Conv1D: on an nn.Linear, every Qwen3 projection, peft sets it to False)
 }  # fmt: skip
 PEFT_LORA_ALPHA = 8  # peft's LoraConfig default: what peft scales by when adapter_config.json has no lora_alpha
+PEFT_LORA_R = 8  # peft's LoraConfig default rank, where adapter_config.json has no r
 
 
 class LoRAAdapterError(ValueError):
@@ -92,9 +93,11 @@ def expected_shapes(config, module: str, piece: int | None) -> tuple[int, int]:
     }[module, piece]
 
 
-def load_adapter(path: str | Path, name: str, int_id: int, config, max_lora_rank: int) -> LoRAAdapter:
-    """Read and check the PEFT adapter in `path` for a model with this (parsed) config; LoRAAdapterError naming
-    the problem otherwise."""
+def load_adapter(
+    path: str | Path, name: str, int_id: int, config, max_lora_rank: int, dtype: torch.dtype = torch.float32
+) -> LoRAAdapter:
+    """Read and check the PEFT adapter in `path` for a model with this (parsed) config, whose slots hold `dtype`;
+    LoRAAdapterError naming the problem otherwise."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -129,13 +132,13 @@ def load_adapter(path: str | Path, name: str, int_id: int, config, max_lora_rank
             raise LoRAAdapterError(f"{where}: {key}={value!r} is not a setting nanoref knows, so it is not served")
     if settings.get("bias", "none") != "none":
         raise LoRAAdapterError(f"{where}: bias={settings['bias']!r} is not supported (only 'none')")
-    rank, alpha = settings.get("r"), settings.get("lora_alpha", PEFT_LORA_ALPHA)
+    rank, alpha = settings.get("r", PEFT_LORA_R), settings.get("lora_alpha", PEFT_LORA_ALPHA)
     if not isinstance(rank, int) or isinstance(rank, bool) or rank <= 0:
         raise LoRAAdapterError(f"{where}: r must be a positive integer, got {rank!r}")
     if rank > max_lora_rank:
         raise LoRAAdapterError(f"{where}: its rank r={rank} is above max_lora_rank={max_lora_rank}")
-    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
-        raise LoRAAdapterError(f"{where}: lora_alpha must be a number, got {alpha!r}")
+    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not math.isfinite(alpha):
+        raise LoRAAdapterError(f"{where}: lora_alpha must be a finite number, got {alpha!r}")
     use_rslora = settings.get("use_rslora", False)
     if not isinstance(use_rslora, bool):
         raise LoRAAdapterError(f"{where}: use_rslora must be true or false, got {use_rslora!r}")
@@ -154,10 +157,26 @@ def load_adapter(path: str | Path, name: str, int_id: int, config, max_lora_rank
     except (SafetensorError, OSError) as error:
         raise LoRAAdapterError(f"{where}: adapter_model.safetensors cannot be read ({error})") from None
     weights = _collect(tensors, where, config, rank)
+    _check_finite(weights, where, dtype)
     if not weights:
         raise LoRAAdapterError(f"{where}: adapter_model.safetensors holds no lora_A/lora_B weights")
     scaling = alpha / math.sqrt(rank) if use_rslora else alpha / rank
     return LoRAAdapter(name, int_id, rank, float(scaling), weights)
+
+
+def _check_finite(weights: dict, where: str, dtype: torch.dtype) -> None:
+    """LoRAAdapterError naming the first weight that is NaN or infinite in the slots' dtype (float16 overflows past
+    65,504). Not vLLM's check, whose kernels compute each row with its own adapter alone: nanoref's masked product
+    (ops/lora.py) multiplies every slot's A and B by 0 for the rows of other slots, and 0 x NaN is NaN, so such an
+    adapter in a slot would turn every row of every step NaN, base-model rows and other adapters' alike."""
+    for (layer, module, piece), pair in weights.items():
+        for label, tensor in zip(("lora_A", "lora_B"), pair):
+            if not torch.isfinite(tensor.to(dtype)).all():
+                where_in = f"layer {layer} {module}" + ("" if piece is None else f" piece {piece}")
+                raise LoRAAdapterError(
+                    f"{where}: {where_in}: {label} holds NaN or infinite values"
+                    + (f" (in {str(dtype).removeprefix('torch.')})" if dtype != torch.float32 else "")
+                )
 
 
 def _collect(tensors: dict, where: str, config, rank: int) -> dict:
@@ -179,6 +198,11 @@ def _collect(tensors: dict, where: str, config, rank: int) -> dict:
                 f"{where}: tensor {key!r} names layer {layer}; the model has {config.num_hidden_layers}"
             )
         module, piece = TARGETS[projection]
+        if module.startswith("mlp.") and getattr(config, "is_sparse", lambda index: False)(layer):
+            raise LoRAAdapterError(
+                f"{where}: tensor {key!r} adapts {projection!r} of layer {layer}, a sparse (mixture-of-experts) layer "
+                "whose experts nanoref does not adapt"
+            )
         pairs.setdefault((layer, module, piece), {})[parts[-2]] = tensor
     weights = {}
     for (layer, module, piece), pair in sorted(pairs.items(), key=str):

@@ -29,6 +29,7 @@ from weakref import WeakKeyDictionary, WeakSet, ref
 import numpy as np
 
 from nanoref.engine.hooks import StepHook
+from nanoref.engine.kv_budget import hold_before_kv_cache
 from nanoref.engine.sequence import Sequence
 from nanoref.engine.step_inputs import StepInputs
 from nanoref.lora.manager import LoRAManager
@@ -97,6 +98,9 @@ class LoRAHooks:
             max_num_tokens=max_forward_rows(c),
         )
         self.manager.in_flight = WeakBoundMethod(self.in_flight)  # (weakly: the hooks hold the manager)
+        slot_bytes = sum(t.nbytes for slots in self.manager.slots.values() for t in slots.lora_a + slots.lora_b)
+        what = f"the LoRA slots (max_loras={c.max_loras}, max_lora_rank={c.max_lora_rank})"
+        hold_before_kv_cache(runner, slot_bytes, what, "lower max_loras or max_lora_rank")
         return self.set_step_slots
 
     def set_step_slots(self, seqs: list[Sequence], step: StepInputs) -> None:

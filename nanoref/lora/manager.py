@@ -44,13 +44,24 @@ class LoRASlots:
         self.offsets = np.cumsum([0] + [size_out for _, size_out in sizes]).tolist()  # where each piece's rows start
 
 
+def adapted_modules(layer: nn.Module) -> list[str]:
+    """The projections of a decoder layer that take LoRA: all of MODULES, but no MLP in a Qwen3-MoE sparse layer
+    (its experts are stacked 3-D weights, which peft's target_modules do not adapt either)."""
+    return [name for name in MODULES if not name.startswith("mlp.") or hasattr(layer.mlp, name.removeprefix("mlp."))]
+
+
 def check_slots_fit(model: nn.Module, sizes: dict, max_loras: int, max_lora_rank: int) -> int:
     """The bytes the slots of every adapted projection take -> that count; ValueError naming max_loras and
     max_lora_rank where, on a CPU, they are more than the memory available (torch.zeros would write pages the
     allocation only promised, and the kernel's OOM killer would end the process)."""
     weight = model.model.layers[0].get_submodule(MODULES[0]).weight
-    per_layer = sum(size_in + size_out for pieces in sizes.values() for size_in, size_out in pieces)
-    needed = len(model.model.layers) * per_layer * max_loras * max_lora_rank * weight.element_size()
+    per_slot = sum(
+        size_in + size_out
+        for layer in model.model.layers
+        for name in adapted_modules(layer)
+        for size_in, size_out in sizes[name]
+    )
+    needed = per_slot * max_loras * max_lora_rank * weight.element_size()
     available = cpu_memory_available(fallback=None) if weight.device.type == "cpu" else None
     if available is not None and needed > available:
         raise ValueError(slots_too_large(max_loras, max_lora_rank, needed, weight.device, available))
@@ -80,6 +91,7 @@ class LoRAManager:
         self.max_loras, self.max_lora_rank, self.max_cpu_loras = max_loras, max_lora_rank, max_cpu_loras
         layers = model.model.layers
         device = next(model.parameters()).device
+        self.dtype = layers[0].get_submodule(MODULES[0]).weight.dtype  # the slots' (an adapter must be finite in it)
         sizes = {
             name: [expected_shapes(hf_config, name, piece) for piece in PIECES.get(name, (None,))] for name in MODULES
         }
@@ -87,7 +99,7 @@ class LoRAManager:
         self.slots: dict[tuple[int, str], LoRASlots] = {}
         self.hooks = []
         for index, layer in enumerate(layers):
-            for name in MODULES:
+            for name in adapted_modules(layer):
                 module = layer.get_submodule(name)
                 try:
                     slots = self.slots[index, name] = LoRASlots(module, sizes[name], max_loras, max_lora_rank)
@@ -147,7 +159,7 @@ class LoRAManager:
         adapter = self.host.get(request.lora_int_id)
         if adapter is None:
             adapter = load_adapter(
-                request.lora_path, request.lora_name, request.lora_int_id, self.config, self.max_lora_rank
+                request.lora_path, request.lora_name, request.lora_int_id, self.config, self.max_lora_rank, self.dtype
             )
         return adapter
 

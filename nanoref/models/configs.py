@@ -207,9 +207,9 @@ class Qwen3MoeConfig(Qwen3Config):
         missing = [name for name in (key, "num_experts_per_tok", "moe_intermediate_size") if name not in raw]
         if missing:
             raise ValueError(f"config.json lacks required Qwen3-MoE fields: {', '.join(missing)}")
-        num_experts = _integer(raw, key)
+        num_experts = _integer(raw, key, minimum=0)  # (0: every layer dense, as in transformers and vLLM)
         top_k = _integer(raw, "num_experts_per_tok")
-        if top_k > num_experts:
+        if top_k > num_experts > 0:
             raise ValueError(
                 f"num_experts_per_tok ({top_k}) must be at most {key} ({num_experts}): "
                 "a token cannot be routed to more experts than there are"
@@ -232,6 +232,13 @@ class Qwen3MoeConfig(Qwen3Config):
             decoder_sparse_step=_integer(raw, "decoder_sparse_step", default=1),
             mlp_only_layers=list(mlp_only),
         )
+
+    def mlp_sizes_used(self) -> dict[str, int]:
+        """The MLP widths some layer has: intermediate_size where a layer is dense, moe_intermediate_size where one
+        is sparse (a size no layer has splits nothing under tensor parallelism)."""
+        sparse = [self.is_sparse(index) for index in range(self.num_hidden_layers)]
+        sizes = {"intermediate_size": self.intermediate_size} if not all(sparse) else {}
+        return sizes | ({"moe_intermediate_size": self.moe_intermediate_size} if any(sparse) else {})
 
     def is_sparse(self, layer_index: int) -> bool:
         """Whether decoder layer `layer_index` has the MoE block (HF's rule), not a dense MLP."""

@@ -64,10 +64,22 @@ def read_json_object(path: Path, what: str) -> dict[str, Any]:
     return raw
 
 
+INDEX_FILE = "model.safetensors.index.json"
+
+
 def weight_files(folder: Path) -> list[Path]:
-    """The folder's *.safetensors weights. Only regular files (or links to one) are weights: opening a FIFO of that
-    name would block forever and a folder would fail with a bare OSError, so either is named here instead."""
+    """The folder's *.safetensors weights: where it has model.safetensors.index.json, the files its weight_map lists
+    (as transformers and vLLM read a sharded checkpoint: another *.safetensors beside the shards, such as a whole
+    model.safetensors left from an earlier save, is not part of it). Only regular files (or links to one) are
+    weights: opening a FIFO of that name would block forever and a folder would fail with a bare OSError, so either
+    is named here instead."""
     files = sorted(folder.glob("*.safetensors"))
+    if (folder / INDEX_FILE).is_file():
+        weight_map = read_json_object(folder / INDEX_FILE, "a safetensors index").get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(name, str) for name in weight_map.values()):
+            raise ModelFolderError(f"{folder / INDEX_FILE}: weight_map must map tensor names to shard file names")
+        listed = set(weight_map.values())
+        files = [path for path in files if path.name in listed]
     for path in files:
         if not path.is_file():
             kind = "a folder" if path.is_dir() else "a broken link" if not path.exists() else "not a regular file"
@@ -188,7 +200,7 @@ def absent_shards(folder: Path) -> str:
     """Where the folder's model.safetensors.index.json lists shard files that are not there (a download cut short):
     a sentence naming them, for the error about the tensors they held; else ""."""
     try:
-        weight_map = json.loads((folder / "model.safetensors.index.json").read_text(encoding="utf-8"))["weight_map"]
+        weight_map = json.loads((folder / INDEX_FILE).read_text(encoding="utf-8"))["weight_map"]
         absent = sorted({name for name in weight_map.values() if not (folder / name).exists()})
     except (OSError, ValueError, KeyError, TypeError, AttributeError):  # no index, or one that cannot tell
         return ""
