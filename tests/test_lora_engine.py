@@ -497,7 +497,9 @@ def test_cuda_graphs_replay_every_rows_adapter(tiny_model, adapters, speculative
 def test_lora_slots_come_out_of_the_gpu_memory_utilization_share(tiny_model):
     """On a GPU the slots exist when the cache is sized: mem_get_info counts them as used, so the cache has their
     bytes' worth of blocks fewer than without adapters (and the largest prefill it measures runs their delta, whose
-    temporaries, 2 x N x S x R floats here, 64 MiB, are the rest of the difference)."""
+    temporaries, 2 x N x S x R floats here, 64 MiB, are the rest of the difference). `del base` leaves base's cache in
+    torch's allocator: the new engine hands it back before it loads (on an H100 the slots were carved out of that
+    cached segment, which then counted as used: no memory was left for the new cache)."""
     settings = dict(device="cuda", dtype="float32", enforce_eager=True, max_model_len=256, max_num_seqs=4)
     settings.update(max_num_batched_tokens=256, gpu_memory_utilization=0.5)
     base = LLM(tiny_model, **settings)
