@@ -96,7 +96,8 @@ class GrammarConstraint:
         if not self.matcher.accept_token(token_id):
             warnings.warn(
                 f"a constrained sample took token {token_id}, which its grammar does not allow (every token it allowed "
-                "was masked): it ends here, its text short of the grammar",
+                "was masked, as by allowed_token_ids that hold none of them): it ends here, its text short of the "
+                "grammar",
                 RuntimeWarning,
                 stacklevel=2,
             )

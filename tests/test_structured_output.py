@@ -414,3 +414,29 @@ def test_a_stop_token_id_that_completes_the_grammar_is_the_stop_reason(llm):
         )
         output = llm.generate(["Answer:"], params, use_tqdm=False)[0].outputs[0]
         assert (output.token_ids[-1], output.finish_reason, output.stop_reason) == (eos, "stop", eos), detokenize
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_allowed_token_ids_that_leave_out_what_the_grammar_wants_next_end_the_sample_on_a_stop_token(
+    tmp_path, temperature
+):
+    """Regex "ab" with allowed_token_ids ["a"]: the request's check passes (its first token may be "a"), then the
+    grammar wants "b", which they leave out. The sample ends there on its EOS, its text "a" and a warning; not on
+    the token an all -inf row gives (token 0: here a special token that is not EOS, as "!" is in Qwen's vocabulary).
+    A model whose EOS is "!" (id 1), so that token 0 is not it."""
+    import shutil
+
+    folder = tmp_path / "eos"
+    shutil.copytree("nanoref/default_model", folder)
+    for name, edit in (("config.json", {"eos_token_id": 1}), ("generation_config.json", {"eos_token_id": 1}),
+                       ("tokenizer_config.json", {"eos_token": "!"})):  # fmt: skip
+        (folder / name).write_text(json.dumps({**json.loads((folder / name).read_text()), **edit}))
+    llm = LLM(str(folder), device="cpu", num_kvcache_blocks=64)
+    assert llm.scheduler.eos_token_ids == {1}
+    a = llm.tokenizer.encode("a", add_special_tokens=False)
+    params = SamplingParams(
+        temperature=temperature, seed=1, max_tokens=8, allowed_token_ids=a, structured_outputs=constrained(regex="ab")
+    )
+    with pytest.warns(RuntimeWarning, match="which its grammar does not allow"):
+        output = llm.generate(["Hello"], params, use_tqdm=False)[0]
+    assert (output["token_ids"], output["text"], output["finish_reason"]) == (a + [1], "a", "stop")
