@@ -201,7 +201,9 @@ class LogitsProcessing:
                 grammar_rows = np.asarray([allowed[a][0] for a in grammars], dtype=np.int64)
                 processing.grammar_rows = to_device(grammar_rows, device)
                 processing.grammar_bitmask = to_device(packed[grammars].numpy(), device)
-            masked = unmask_grammar_ends(masked, {row: bitmask[a] for a, row in enumerate(rows)}, vocab)
+            if masked:  # (a row short of its min_tokens: its allowed tokens, looked up only then)
+                short = {row for row, _ in masked}
+                masked = unmask_grammar_ends(masked, {r: bitmask[a] for a, r in enumerate(rows) if r in short}, vocab)
         if biased:
             ids, rows = _flat([ids for _, ids, _ in biased])
             processing.bias_ids = to_device(ids, device)
@@ -301,17 +303,20 @@ def packed_allowed(constraints: list) -> torch.Tensor:
     packed tensor itself: allowed_token_ids'), stacked: (A, W) int32 on the host. Where every constraint that is not
     a tensor is of one class that can fill many at once (`allowed_batch`), it does: a grammar library fills its
     matchers in parallel."""
-    packed = [c if isinstance(c, torch.Tensor) else None for c in constraints]
-    pending = [i for i, words in enumerate(packed) if words is None]
-    if pending:
-        kind = type(constraints[pending[0]])
-        if hasattr(kind, "allowed_batch") and all(type(constraints[i]) is kind for i in pending):
-            filled = kind.allowed_batch([constraints[i] for i in pending])
-        else:
-            filled = [constraints[i].allowed() for i in pending]
-        for i, words in zip(pending, filled):
-            packed[i] = words
-    return torch.stack(packed)
+    given = [i for i, c in enumerate(constraints) if isinstance(c, torch.Tensor)]
+    pending = [i for i, c in enumerate(constraints) if not isinstance(c, torch.Tensor)]
+    if not pending:
+        return torch.stack(constraints)
+    kind = type(constraints[pending[0]])
+    if hasattr(kind, "allowed_batch") and all(type(constraints[i]) is kind for i in pending):
+        filled = kind.allowed_batch([constraints[i] for i in pending])  # (P, W)
+    else:
+        filled = torch.stack([constraints[i].allowed() for i in pending])
+    if not given:  # (every row a constraint's: the filled rows as they are, not split and stacked again)
+        return filled
+    packed = filled.new_empty(len(constraints), filled.shape[1])
+    packed[pending], packed[given] = filled, torch.stack([constraints[i] for i in given])
+    return packed
 
 
 def _flat(lists: list[list[int]] | tuple[list[int], ...]) -> tuple[np.ndarray, np.ndarray]:
