@@ -856,8 +856,8 @@ def chat_sampling_params(body: dict, defaults: dict) -> SamplingParams:
     logprobs, top = body.pop("logprobs", None), body.pop("top_logprobs", None)
     if logprobs is not None and not isinstance(logprobs, bool):
         raise BadRequest(f"logprobs must be true or false, got {logprobs!r}", "logprobs")
-    if top is not None and not logprobs:
-        raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
+    if top is not None and top != 0 and not logprobs:  # (0 asks for nothing: vLLM takes it without logprobs)
+        raise BadRequest("when using `top_logprobs`, `logprobs` must be set to true", "top_logprobs")  # (vLLM's)
     if logprobs:
         body["top_logprobs"] = 0 if top is None else top
         return sampling_params(body, {**CHAT_FIELDS, "top_logprobs": "logprobs"}, {**defaults, **CHAT_DEFAULTS})
