@@ -765,6 +765,11 @@ def check_json_schema_format(json_schema: dict) -> None:
             raise BadRequest(message, "response_format")
 
 
+# vLLM's structured_outputs options that change nothing at these values (what its own StructuredOutputsParams holds
+# by default, and sends when a client serializes one whole): taken; another value is refused as an unknown field
+VLLM_IDLE_OPTIONS = {"disable_additional_properties": False, "whitespace_pattern": None, "structural_tag": None}
+
+
 def structured_outputs(body: dict) -> StructuredOutputsParams | None:
     """What the request's output must follow: vLLM's `structured_outputs` ({"json": schema} or regex, choice,
     grammar, json_object), or OpenAI's `response_format` ({"type": "json_object"}, or {"type": "json_schema",
@@ -793,6 +798,8 @@ def structured_outputs(body: dict) -> StructuredOutputsParams | None:
         return None
     if not isinstance(given, dict):
         raise BadRequest(f"structured_outputs must be an object, got {given!r:.80}", "structured_outputs")
+    idle = {name: value for name, value in VLLM_IDLE_OPTIONS.items() if name in given and given[name] == value}
+    given = {name: value for name, value in given.items() if name not in idle}
     known = {f.name for f in fields(StructuredOutputsParams)}
     unknown = sorted(set(given) - known)
     if unknown:
