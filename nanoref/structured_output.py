@@ -215,8 +215,10 @@ def library_message(error: Exception) -> str:
 
 
 # JSON schema keywords the grammar library (xgrammar 0.2) skips without a word: a schema using one would constrain
-# less than it says. vLLM refuses schemas with features its xgrammar backend lacks in the same way
-IGNORED_KEYWORDS = ("not", "if", "then", "else", "$dynamicRef")
+# less than it says (also uniqueItems: true, and minLength/maxLength beside a pattern or format, checked below). vLLM
+# refuses schemas with features its xgrammar backend lacks in the same way
+IGNORED_KEYWORDS = ("not", "if", "then", "else", "$dynamicRef", "contains", "minContains", "maxContains")
+IGNORED_KEYWORDS += ("dependentRequired", "dependentSchemas")
 SUBSCHEMA = ("items", "additionalProperties", "contains", "propertyNames", "unevaluatedProperties", "unevaluatedItems")
 SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
 SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
@@ -240,6 +242,10 @@ def unenforced_keyword(text: str) -> str | None:
             used = f"$ref to another document ({node['$ref']})"
         if used is None and "multipleOf" in node and node.get("type") != "integer":
             used = "multipleOf on a non-integer"
+        if used is None and node.get("uniqueItems") is True:
+            used = "uniqueItems"
+        if used is None and ("pattern" in node or "format" in node) and ("minLength" in node or "maxLength" in node):
+            used = f"minLength/maxLength with a {'pattern' if 'pattern' in node else 'format'}"
         if used is not None:
             return f"{where} uses {used if ' ' in used else repr(used)}"
         children = [(node.get(key), f"{where}/{key}") for key in SUBSCHEMA]
