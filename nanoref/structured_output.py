@@ -161,6 +161,8 @@ class Grammars:
                 compiled = self.compiler.compile_json_schema('{"type": "object"}', **whitespace)
             elif kind == "regex":
                 compiled = self.compiler.compile_regex(text)
+            elif kind == "grammar" and is_lark(text):
+                compiled = self.compiler.compile_lark(text)
             else:  # "grammar", and "choice" as the grammar root ::= "a" | "b" | ...
                 compiled = self.compiler.compile_grammar(text)
         except (RuntimeError, ValueError, TypeError) as error:
@@ -206,6 +208,13 @@ def constraint_key(params: StructuredOutputsParams) -> tuple:
     else:
         text = value
     return kind, text, params.disable_any_whitespace
+
+
+def is_lark(grammar: str) -> bool:
+    """Whether a grammar is Lark's syntax (`start: item+`) rather than EBNF's (`root ::= item+`): vLLM's rule, no line
+    (comments aside) defines a rule with `::=`."""
+    lines = (re.sub(r"(#|//).*$", "", line).strip() for line in grammar.split("\n"))
+    return not any("::=" in line for line in lines)
 
 
 def library_message(error: Exception) -> str:

@@ -168,6 +168,14 @@ def test_a_constrained_samples_logprobs_are_over_the_tokens_its_grammar_allows(l
     assert first in narrowed["logprobs"][0].top and narrowed["logprobs"][0].top == free["logprobs"][0].top
 
 
+def test_a_lark_grammar_is_followed_as_vllm_reads_one(llm):
+    """A grammar with no `::=` line is Lark's syntax (vLLM's rule): its `start` rule, terminals and regexes."""
+    lark = 'start: item ("," item)*\n// a digit or an x\nitem: DIGIT | "x"\nDIGIT: /[0-9]/'
+    params = SamplingParams(temperature=0.7, seed=4, max_tokens=40, structured_outputs=constrained(grammar=lark))
+    output = llm.generate(PROMPTS[:1], params, use_tqdm=False)[0]
+    assert re.fullmatch(r"[0-9x](,[0-9x])*", output["text"]) and output["finish_reason"] == "stop", output
+
+
 def test_a_grammar_and_a_json_object_are_followed(llm):
     grammar = 'root ::= "(" item ("," item)* ")"\nitem ::= [0-9] | "x"'
     by_grammar, by_object = llm.generate(
@@ -211,6 +219,10 @@ def test_constrained_outputs_are_the_same_under_preemption_and_chunked_prefill(l
         (
             {"grammar": "root ::= missing"},
             'structured_outputs.grammar: EBNF parser error at line 1, column 10: Rule "missing',
+        ),
+        (
+            {"grammar": "start: missing"},
+            "structured_outputs.grammar: Lark error at line 1, column 8: unknown name 'missing'",
         ),
     ],
 )
