@@ -126,7 +126,8 @@ SAMPLING_FIELDS = {
 }
 # completions: logprobs is the top-k count; prompt_logprobs a vLLM extension (and what echo with logprobs implies)
 COMPLETION_FIELDS = {**SAMPLING_FIELDS, "logprobs": "logprobs", "prompt_logprobs": "prompt_logprobs"}
-CHAT_FIELDS = {**SAMPLING_FIELDS, "max_completion_tokens": "max_tokens"}  # (+ logprobs/top_logprobs, below)
+CHAT_FIELDS = {**SAMPLING_FIELDS, "max_completion_tokens": "max_tokens", "prompt_logprobs": "prompt_logprobs"}
+# (+ logprobs/top_logprobs, below)
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's and vLLM's default for completions
 CHAT_DEFAULTS = {"max_tokens": None}  # vLLM's chat default: the room left in the context (the engine stops there)
 
@@ -197,7 +198,6 @@ NOT_SUPPORTED_CHAT = {
     "media_io_kwargs": (),
     "mm_processor_kwargs": (),
     "return_prompt_text": (False,),
-    "prompt_logprobs": (),  # (completions have them)
 }
 # why a field is refused, where there is more to say than "not supported"
 REFUSALS = {
@@ -860,6 +860,8 @@ def chat_sampling_params(body: dict, defaults: dict) -> SamplingParams:
     context leaves after the prompt (vLLM's chat default; completions default to 16). defaults: the model's
     (`request_defaults`)."""
     body = dict(body)
+    if body.get("prompt_logprobs") is not None and body.get("stream"):
+        raise BadRequest("prompt_logprobs are not available with stream: true (as in vLLM)", "prompt_logprobs")
     logprobs, top = body.pop("logprobs", None), body.pop("top_logprobs", None)
     if logprobs is not None and not isinstance(logprobs, bool):
         raise BadRequest(f"logprobs must be true or false, got {logprobs!r}", "logprobs")
@@ -1531,6 +1533,8 @@ def build_app(
                 "choices": result,
                 "usage": usage(),
             }
+            if chat and params.prompt_logprobs is not None:  # (vLLM's extra field: chat's, beside the choices)
+                response["prompt_logprobs"] = vllm_prompt_logprobs(token_text, choices[0].prompt_logprobs or [])
             if chat and return_token_ids:
                 response["prompt_token_ids"] = choices[0].prompt_token_ids
             return JSONResponse(response)
