@@ -176,11 +176,17 @@ def test_a_choice_outside_the_bmp_can_be_written(llm):
         ({"type": "object", "dependentSchemas": {"a": {"required": ["b"]}}}, "# uses 'dependentSchemas'"),
         ({"type": "string", "pattern": "[a-z]+", "maxLength": 3}, "# uses minLength/maxLength with a pattern"),
         ({"anyOf": [{"type": "string", "format": "email", "minLength": 9}]}, "#/anyOf/0 uses minLength/maxLength"),
+        ({"type": "object", "required": ["a"]}, "# uses required 'a' without it among its properties"),
+        (
+            {"type": "object", "allOf": [{"properties": {"a": {"type": "integer"}}}], "required": ["a"]},
+            "# uses required 'a' without it among its properties",
+        ),
     ],
 )
 def test_json_schema_keywords_the_library_would_skip_are_refused(llm, schema, named):
     """xgrammar compiles these schemas without a word (or a log line) and does not enforce the keyword (a `not
-    integer` schema lets 3 through, a `uniqueItems` one [1, 1], a `maxLength: 3` beside a pattern "abcdef"): the
+    integer` schema lets 3 through, a `uniqueItems` one [1, 1], a `maxLength: 3` beside a pattern "abcdef", one
+    that requires "a" outside its own properties {}): the
     request is refused, naming where, and queues nothing (vLLM refuses most of them for its xgrammar backend too)."""
     params = SamplingParams(structured_outputs=StructuredOutputsParams(json=schema))
     with pytest.raises(ValueError, match=re.escape(f"structured_outputs.json: {named}")):
