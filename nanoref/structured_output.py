@@ -224,9 +224,9 @@ def library_message(error: Exception) -> str:
 
 
 # JSON schema keywords the grammar library (xgrammar 0.2) skips without a word: a schema using one would constrain
-# less than it says (also uniqueItems: true, minLength/maxLength beside a pattern or format, and a required name that
-# is not among the same schema's properties: one from an allOf, a $ref or patternProperties, checked below). vLLM
-# refuses schemas with features its xgrammar backend lacks in the same way
+# less than it says (also uniqueItems: true, minLength/maxLength beside a pattern or format, a required name that is
+# not among the same schema's properties, from an allOf, a $ref or patternProperties, and a pattern's lookaround,
+# checked below). vLLM refuses schemas with features its xgrammar backend lacks in the same way
 IGNORED_KEYWORDS = ("not", "if", "then", "else", "$dynamicRef", "contains", "minContains", "maxContains")
 IGNORED_KEYWORDS += ("dependentRequired", "dependentSchemas")
 SUBSCHEMA = ("items", "additionalProperties", "contains", "propertyNames", "unevaluatedProperties", "unevaluatedItems")
@@ -258,6 +258,8 @@ def unenforced_keyword(text: str) -> str | None:
         if used is None and isinstance(required, list) and required:  # (only its own properties' names are required)
             unlisted = [name for name in required if not isinstance(named, dict) or name not in named]
             used = f"required {unlisted[0]!r:.40} without it among its properties" if unlisted else None
+        if used is None and isinstance(node.get("pattern"), str) and re.search(r"(?<!\\)\(\?<?[=!]", node["pattern"]):
+            used = "a lookahead or lookbehind in its pattern"
         if used is None and ("pattern" in node or "format" in node) and ("minLength" in node or "maxLength" in node):
             used = f"minLength/maxLength with a {'pattern' if 'pattern' in node else 'format'}"
         if used is not None:

@@ -177,6 +177,7 @@ def test_a_choice_outside_the_bmp_can_be_written(llm):
         ({"type": "string", "pattern": "[a-z]+", "maxLength": 3}, "# uses minLength/maxLength with a pattern"),
         ({"anyOf": [{"type": "string", "format": "email", "minLength": 9}]}, "#/anyOf/0 uses minLength/maxLength"),
         ({"type": "object", "required": ["a"]}, "# uses required 'a' without it among its properties"),
+        ({"type": "string", "pattern": "^(?!a)[a-z]+$"}, "# uses a lookahead or lookbehind in its pattern"),
         (
             {"type": "object", "allOf": [{"properties": {"a": {"type": "integer"}}}], "required": ["a"]},
             "# uses required 'a' without it among its properties",
