@@ -25,7 +25,8 @@ class StructuredOutputsParams:
     json: a JSON schema (a dict, its JSON text, or a pydantic model class: its schema) the output is an instance of.
     regex: a regular expression the whole output matches.
     choice: a list of strings; the output is exactly one of them.
-    grammar: an EBNF grammar (GBNF style, its start rule `root`) the output is a sentence of.
+    grammar: an EBNF grammar (GBNF style, its start rule `root`) the output is a sentence of; or a Lark grammar (its
+        start rule `start`), as vLLM reads one: a grammar none of whose lines defines a rule with `::=`.
     json_object: True: the output is any JSON object.
 
     disable_any_whitespace: JSON (json, json_object) with fixed separators (", ", ": ") and no other whitespace.

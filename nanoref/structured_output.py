@@ -96,7 +96,8 @@ class GrammarConstraint:
         if not self.matcher.accept_token(token_id):
             warnings.warn(
                 f"a constrained sample took token {token_id}, which its grammar does not allow (every token it allowed "
-                "was masked): it ends here, its text short of the grammar",
+                "was masked, as by allowed_token_ids that hold none of them): it ends here, its text short of the "
+                "grammar",
                 RuntimeWarning,
                 stacklevel=2,
             )
@@ -160,6 +161,8 @@ class Grammars:
                 compiled = self.compiler.compile_json_schema('{"type": "object"}', **whitespace)
             elif kind == "regex":
                 compiled = self.compiler.compile_regex(text)
+            elif kind == "grammar" and is_lark(text):
+                compiled = self.compiler.compile_lark(text)
             else:  # "grammar", and "choice" as the grammar root ::= "a" | "b" | ...
                 compiled = self.compiler.compile_grammar(text)
         except (RuntimeError, ValueError, TypeError) as error:
@@ -207,6 +210,13 @@ def constraint_key(params: StructuredOutputsParams) -> tuple:
     return kind, text, params.disable_any_whitespace
 
 
+def is_lark(grammar: str) -> bool:
+    """Whether a grammar is Lark's syntax (`start: item+`) rather than EBNF's (`root ::= item+`): vLLM's rule, no line
+    (comments aside) defines a rule with `::=`."""
+    lines = (re.sub(r"(#|//).*$", "", line).strip() for line in grammar.split("\n"))
+    return not any("::=" in line for line in lines)
+
+
 def library_message(error: Exception) -> str:
     """The grammar library's error without its log prefix ("[time] file.cc:line: Check failed: (...) is false: ")."""
     message = re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", str(error).strip())
@@ -214,8 +224,11 @@ def library_message(error: Exception) -> str:
 
 
 # JSON schema keywords the grammar library (xgrammar 0.2) skips without a word: a schema using one would constrain
-# less than it says. vLLM refuses schemas with features its xgrammar backend lacks in the same way
-IGNORED_KEYWORDS = ("not", "if", "then", "else", "$dynamicRef")
+# less than it says (also uniqueItems: true, minLength/maxLength beside a pattern or format, a required name that is
+# not among the same schema's properties, from an allOf, a $ref or patternProperties, and a pattern's lookaround,
+# checked below). vLLM refuses schemas with features its xgrammar backend lacks in the same way
+IGNORED_KEYWORDS = ("not", "if", "then", "else", "$dynamicRef", "contains", "minContains", "maxContains")
+IGNORED_KEYWORDS += ("dependentRequired", "dependentSchemas")
 SUBSCHEMA = ("items", "additionalProperties", "contains", "propertyNames", "unevaluatedProperties", "unevaluatedItems")
 SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
 SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
@@ -239,6 +252,16 @@ def unenforced_keyword(text: str) -> str | None:
             used = f"$ref to another document ({node['$ref']})"
         if used is None and "multipleOf" in node and node.get("type") != "integer":
             used = "multipleOf on a non-integer"
+        if used is None and node.get("uniqueItems") is True:
+            used = "uniqueItems"
+        required, named = node.get("required"), node.get("properties")
+        if used is None and isinstance(required, list) and required:  # (only its own properties' names are required)
+            unlisted = [name for name in required if not isinstance(named, dict) or name not in named]
+            used = f"required {unlisted[0]!r:.40} without it among its properties" if unlisted else None
+        if used is None and isinstance(node.get("pattern"), str) and re.search(r"(?<!\\)\(\?<?[=!]", node["pattern"]):
+            used = "a lookahead or lookbehind in its pattern"
+        if used is None and ("pattern" in node or "format" in node) and ("minLength" in node or "maxLength" in node):
+            used = f"minLength/maxLength with a {'pattern' if 'pattern' in node else 'format'}"
         if used is not None:
             return f"{where} uses {used if ' ' in used else repr(used)}"
         children = [(node.get(key), f"{where}/{key}") for key in SUBSCHEMA]

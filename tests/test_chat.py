@@ -148,6 +148,21 @@ def test_an_assistant_message_sent_back_as_the_openai_client_dumps_it_renders_as
         chat_prompt(load_tokenizer(DEFAULT_MODEL), [TOOL_TURNS[0], refusal], DEFAULT_MODEL)
 
 
+@pytest.mark.parametrize("key", ["reasoning", "reasoning_content"])
+def test_an_assistant_messages_reasoning_reaches_qwen3s_template_as_vllm_passes_it(key):
+    """What a reasoning model thought, sent back with its turn (vLLM's `reasoning`, or `reasoning_content` as vLLM
+    named it before): Qwen3's template writes it into that turn's <think> block (a turn after the last user
+    message); null is no reasoning."""
+    thought = {**TOOL_TURNS[1], key: "Look it up."}
+    text = chat_prompt(tokenizer_with(QWEN3_TEMPLATE), [TOOL_TURNS[0], thought, TOOL_TURNS[2]], DEFAULT_MODEL)
+    assert "<|im_start|>assistant\n<think>\nLook it up.\n</think>\n\n<tool_call>" in text
+    empty = chat_prompt(tokenizer_with(QWEN3_TEMPLATE), TOOL_TURNS, DEFAULT_MODEL)
+    unsaid = {**TOOL_TURNS[1], key: None}
+    assert chat_prompt(tokenizer_with(QWEN3_TEMPLATE), [TOOL_TURNS[0], unsaid, TOOL_TURNS[2]], DEFAULT_MODEL) == empty
+    with pytest.raises(TypeError, match=rf"messages\[1\]\['{key}'\] must be a string"):
+        chat_prompt(tokenizer_with(QWEN3_TEMPLATE), [TOOL_TURNS[0], {**TOOL_TURNS[1], key: ["x"]}], DEFAULT_MODEL)
+
+
 @pytest.mark.parametrize("empty", [None, "", "null"])
 def test_a_call_without_arguments_renders_as_one_with_an_empty_object_as_vllm_takes_it(empty):
     """A client that accumulated a no-argument call's stream may send its arguments as "" (or null)."""

@@ -196,11 +196,25 @@ def test_a_choice_outside_the_bmp_can_be_written(llm):
         ({"allOf": [{"type": "integer"}, {"minimum": 5}]}, "# uses allOf with more than one schema"),
         ({"type": "number", "multipleOf": 0.5}, "# uses multipleOf on a non-integer"),
         ({"$ref": "https://example.com/schema.json"}, "# uses $ref to another document"),
+        ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "# uses 'uniqueItems'"),
+        ({"type": "array", "items": {"type": "array", "contains": {"const": 5}}}, "#/items uses 'contains'"),
+        ({"type": "object", "dependentRequired": {"a": ["b"]}}, "# uses 'dependentRequired'"),
+        ({"type": "object", "dependentSchemas": {"a": {"required": ["b"]}}}, "# uses 'dependentSchemas'"),
+        ({"type": "string", "pattern": "[a-z]+", "maxLength": 3}, "# uses minLength/maxLength with a pattern"),
+        ({"anyOf": [{"type": "string", "format": "email", "minLength": 9}]}, "#/anyOf/0 uses minLength/maxLength"),
+        ({"type": "object", "required": ["a"]}, "# uses required 'a' without it among its properties"),
+        ({"type": "string", "pattern": "^(?!a)[a-z]+$"}, "# uses a lookahead or lookbehind in its pattern"),
+        (
+            {"type": "object", "allOf": [{"properties": {"a": {"type": "integer"}}}], "required": ["a"]},
+            "# uses required 'a' without it among its properties",
+        ),
     ],
 )
 def test_json_schema_keywords_the_library_would_skip_are_refused(llm, schema, named):
-    """xgrammar compiles these schemas without a word and does not enforce the keyword (a `not integer` schema
-    lets 3 through): the request is refused, naming where, and queues nothing."""
+    """xgrammar compiles these schemas without a word (or a log line) and does not enforce the keyword (a `not
+    integer` schema lets 3 through, a `uniqueItems` one [1, 1], a `maxLength: 3` beside a pattern "abcdef", one
+    that requires "a" outside its own properties {}): the
+    request is refused, naming where, and queues nothing (vLLM refuses most of them for its xgrammar backend too)."""
     params = SamplingParams(structured_outputs=StructuredOutputsParams(json=schema))
     with pytest.raises(ValueError, match=re.escape(f"structured_outputs.json: {named}")):
         llm.add_request("Hello", params)
@@ -208,10 +222,15 @@ def test_json_schema_keywords_the_library_would_skip_are_refused(llm, schema, na
 
 
 def test_json_schemas_the_library_enforces_still_compile(llm):
-    """A property named like a keyword is a name, not the keyword; one allOf, integer multipleOf, local $ref."""
+    """A property named like a keyword is a name, not the keyword; one allOf, integer multipleOf, local $ref,
+    uniqueItems false, maxLength without a pattern."""
     schema = {
         "type": "object",
-        "properties": {"not": {"type": "integer", "multipleOf": 3}, "if": {"allOf": [{"$ref": "#/$defs/s"}]}},
+        "properties": {
+            "not": {"type": "integer", "multipleOf": 3},
+            "if": {"allOf": [{"$ref": "#/$defs/s"}]},
+            "contains": {"type": "array", "items": {"type": "integer"}, "uniqueItems": False, "maxItems": 1},
+        },
         "$defs": {"s": {"type": "string", "maxLength": 4}},
         "required": ["not", "if"],
     }

@@ -164,6 +164,34 @@ def test_the_completions_default_max_tokens_is_16(server):
     assert response.json()["usage"]["completion_tokens"] == 16
 
 
+def test_chat_top_logprobs_0_asks_for_nothing_and_a_count_needs_logprobs_true_as_in_vllm(server):
+    """vLLM refuses a top_logprobs that would return alternatives without `logprobs: true` (its words), and takes 0
+    (as a client that always sends it does) with logprobs off: no logprobs."""
+    for off in ({}, {"logprobs": False}):
+        body = {"messages": MESSAGES, "max_completion_tokens": 2, "top_logprobs": 0, **off}
+        response = post(server, "/v1/chat/completions", body)
+        assert response.status_code == 200 and response.json()["choices"][0]["logprobs"] is None, response.text
+        message = refused(server, "/v1/chat/completions", {**body, "top_logprobs": 2}, "top_logprobs")
+        assert message == "when using `top_logprobs`, `logprobs` must be set to true"
+    reply = post(server, "/v1/chat/completions", {**body, "logprobs": True}).json()["choices"][0]
+    assert [entry["top_logprobs"] for entry in reply["logprobs"]["content"]] == [[], []]
+
+
+def test_chat_prompt_logprobs_are_vllms_field_beside_the_choices(server):
+    """vLLM's chat takes prompt_logprobs and returns them beside the choices, scored as completions score the same
+    prompt (the rendered messages' tokens); with stream: true a 400, as in vLLM."""
+    body = {"messages": MESSAGES, "max_completion_tokens": 2, "prompt_logprobs": 2, "return_token_ids": True}
+    chat = post(server, "/v1/chat/completions", body).json()
+    prompt = chat["prompt_token_ids"]
+    completion = post(server, "/v1/completions", {"prompt": prompt, "max_tokens": 1, "prompt_logprobs": 2}).json()
+    assert chat["prompt_logprobs"] == completion["choices"][0]["prompt_logprobs"]
+    assert len(chat["prompt_logprobs"]) == len(prompt) and chat["prompt_logprobs"][0] is None
+    assert all(str(token) in entry for token, entry in zip(prompt[1:], chat["prompt_logprobs"][1:]))
+    assert "prompt_logprobs" not in post(server, "/v1/chat/completions", {**body, "prompt_logprobs": None}).json()
+    message = refused(server, "/v1/chat/completions", {**body, "stream": True}, "prompt_logprobs")
+    assert "not available with stream: true" in message
+
+
 def test_the_chat_default_max_tokens_is_the_room_the_context_leaves(server, offline):
     """vLLM's chat default: with no max_tokens / max_completion_tokens the reply may fill the context."""
     response = post(server, "/v1/chat/completions", {"messages": MESSAGES, "ignore_eos": True})

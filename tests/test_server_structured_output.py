@@ -81,6 +81,22 @@ def test_completions_structured_outputs_extra_field(server):
 
 
 @needs_xgrammar
+def test_vllms_whole_structured_outputs_params_are_taken_at_their_defaults(server):
+    """vLLM's StructuredOutputsParams as a client serializes one whole (`dataclasses.asdict`): its other options at
+    their defaults change nothing and are taken, as vLLM takes them; set, they are refused by name."""
+    whole = {"json": None, "regex": None, "choice": ["yes", "no"], "grammar": None, "json_object": None}
+    whole |= {"disable_any_whitespace": False, "disable_additional_properties": False, "whitespace_pattern": None}
+    whole |= {"structural_tag": None}
+    body = {"model": MODEL, "prompt": "Yes or no?", "max_tokens": 8, "structured_outputs": whole}
+    response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=TIMEOUT)
+    assert response.status_code == 200 and response.json()["choices"][0]["text"] in ("yes", "no"), response.text
+    for name, value in (("whitespace_pattern", r"\s*"), ("disable_additional_properties", True)):
+        bad = {"prompt": "Yes or no?", "structured_outputs": {**whole, name: value}}
+        message = refused(server, "/v1/completions", bad, "structured_outputs")
+        assert f"structured_outputs: unknown field {name!r}" in message
+
+
+@needs_xgrammar
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_logprobs_of_a_constrained_sample_are_over_the_tokens_its_grammar_allows(server, stream):
     """vLLM masks the logits with the grammar before its sampler takes the raw logprobs: each token's top entries are

@@ -323,3 +323,28 @@ def test_tools_a_template_never_renders_are_refused_not_dropped():
         chat_prompt(tokenizer, [{"role": "user", "content": "hi"}], DEFAULT_MODEL, tools=[WEATHER])
     with pytest.raises(TypeError, match="tools must be a list of tool dicts"):
         chat_prompt(load_tokenizer(DEFAULT_MODEL), [{"role": "user", "content": "hi"}], DEFAULT_MODEL, tools=WEATHER)
+
+
+def test_required_schema_roots_a_tools_other_references_where_its_schema_now_sits():
+    """A tool's "#" (a recursive schema) and "#/properties/..." references meant its own parameters; inside the
+    array of calls "#" was the array itself (a child had to be an array of calls) and "#/properties/a" was nowhere
+    (the grammar library refused it). Data that looks like a reference (a const) and a property named "$ref" stay."""
+    tree = {
+        "type": "object",
+        "properties": {
+            "kids": {"type": "array", "items": {"$ref": "#"}},
+            "size": {"type": "integer"},
+            "same": {"$ref": "#/properties/size"},
+            "$ref": {"const": {"$ref": "#"}},
+        },
+        "required": ["kids"],
+        "additionalProperties": False,
+    }
+    tool = {"type": "function", "function": {"name": "tree", "parameters": tree}}
+    schema = required_schema([WEATHER, tool])
+    call = {"name": "tree", "parameters": {"kids": [{"kids": [], "size": 2}], "same": 3, "$ref": {"$ref": "#"}}}
+    jsonschema.validate([call], schema)
+    for bad in ({"kids": [[{"name": "tree", "parameters": {"kids": []}}]]}, {"kids": [], "same": "x"}):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate([{"name": "tree", "parameters": bad}], schema)
+    assert tool["function"]["parameters"] == tree and tree["properties"]["kids"]["items"] == {"$ref": "#"}

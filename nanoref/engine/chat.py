@@ -12,6 +12,9 @@ Messages arrive as OpenAI's clients send them, and reach the template as vLLM pa
 - `name` is passed on (a template may use it; Qwen3's does not).
 - an assistant message sent back as a client got it (`message.model_dump()`) may hold OpenAI's `refusal`, `audio`,
   `function_call` and `annotations`: null (or no annotations) is taken, as by vLLM; any other value is an error.
+- an assistant message's `reasoning` (vLLM's name for what a reasoning model thought; `reasoning_content`, the name
+  before it, is taken too) reaches the template as both names, as vLLM passes it (Qwen3's template writes it into
+  the `<think>` block of the turns after the last user message, and leaves it out before).
 - an assistant message may carry `tool_calls` (its `content` then may be null), each call's JSON `arguments`
   parsed into a dict (as vLLM does: Qwen3's template writes them with `tojson`; null, "" or "null" as {}); a `tool`
   message answers one, with its `tool_call_id`. A template that never mentions `tool_calls` would drop them without
@@ -38,7 +41,7 @@ ROLES = ("system", "user", "assistant", "tool")
 KEYS = {
     "system": {"role", "content", "name"},
     "user": {"role", "content", "name"},
-    "assistant": {"role", "content", "name", "tool_calls"},
+    "assistant": {"role", "content", "name", "tool_calls", "reasoning", "reasoning_content"},
     "tool": {"role", "content", "tool_call_id"},
 }
 # OpenAI's fields of an assistant message that a client sends back with it (`message.model_dump()` of a response):
@@ -213,6 +216,11 @@ def check_messages(messages: object) -> list[dict]:
             rendered["name"] = message["name"]
         if message.get("tool_calls") is not None:
             rendered["tool_calls"] = tool_calls(message["tool_calls"], where)
+        said = "reasoning" if message.get("reasoning") is not None else "reasoning_content"
+        if message.get(said) is not None:  # (vLLM's name, and the one before it, which Qwen3's template reads: both)
+            if not isinstance(message[said], str):
+                raise TypeError(f"{where}[{said!r}] must be a string, got {type(message[said]).__name__}")
+            rendered["reasoning"] = rendered["reasoning_content"] = message[said]
         if role == "tool":
             if not isinstance(message.get("tool_call_id"), str):
                 raise TypeError(f"{where}['tool_call_id'] must be the string id of the tool call it answers")

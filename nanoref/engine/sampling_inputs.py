@@ -85,14 +85,19 @@ def row_processing(
     """Row `row`'s logit_bias, penalties, min_tokens mask, allowed_token_ids and its sample's constraint, appended to
     `penalised` and `masked` (LogitsProcessing.build's inputs: a bias rides in `masked` as (row, ids, biases), a
     constraint as (row, constraint): build fills every row's allowed tokens at once; allowed_token_ids as (row, its
-    packed bitmask)), for the token after seq's tokens plus `more` (known
+    packed bitmask), or beside a constraint (row, its packed bitmask, its stop ids packed): the tokens it takes
+    where the two have no token in common), for the token after seq's tokens plus `more` (known
     ids: proposed tokens before this row) plus `num_unknown` more tokens whose values only the device holds."""
     p = seq.sampling_params
     if seq.output is not None and seq.output.constraint is not None:
         assert not more and not num_unknown, "a constraint's matcher follows the sample's known tokens only"
         masked.append((row, seq.output.constraint))  # its allowed tokens filled with the others' in build()
-    if p.allowed_token_ids is not None:
-        masked.append((row, pack_token_ids(p.allowed_token_ids, vocab)))  # (W,): as a constraint's allowed tokens
+    if p.allowed_token_ids is not None:  # (W,): as a constraint's allowed tokens
+        entry = (row, pack_token_ids(p.allowed_token_ids, vocab))
+        if seq.output is not None and seq.output.constraint is not None:  # + its stop ids, for when the two part
+            stops = [t for t in (*p.stop_token_ids, *eos_token_ids) if t < vocab]
+            entry += (pack_token_ids(stops, vocab),) if stops else ()
+        masked.append(entry)
     if p.bad_words and seq.output is not None:
         banned = banned_next(seq.output.bad_words_ids, seq.completion_token_ids + more, num_unknown)
         if banned:

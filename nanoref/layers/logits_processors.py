@@ -177,7 +177,8 @@ class LogitsProcessing:
         """penalised: (row, prompt ids, completion ids, presence, frequency, repetition) per penalised row;
         masked: (row, stop ids to mask) per row short of its min_tokens, and (row, ids, biases) per row with a
         logit_bias (the biases to add to those ids' logits), and (row, constraint) per row that may take only the
-        tokens its constraint allows (see packed_allowed). None when there is nothing to do."""
+        tokens its constraint allows (see packed_allowed; allowed_token_ids beside a grammar as (row, packed ids,
+        packed stop ids): see both_allowed). None when there is nothing to do."""
         if not penalised and not masked:
             return None
         processing = cls()
@@ -187,11 +188,12 @@ class LogitsProcessing:
         masked = [entry for entry in masked if len(entry) == 2]
         if allowed:
             # (A, W) int32 on the host, one entry per row
-            packed = packed_allowed([c for _, c in allowed])
-            rows, bitmask = both_allowed([row for row, _ in allowed], packed)
+            packed = packed_allowed([entry[1] for entry in allowed])
+            ends = {entry[0]: entry[2] for entry in allowed if len(entry) == 3}
+            rows, bitmask = both_allowed([entry[0] for entry in allowed], packed, ends)
             processing.allowed_rows = to_device(np.asarray(rows, dtype=np.int64), device)
             processing.allowed_bitmask = to_device(bitmask.numpy(), device)
-            grammars = [a for a, (_, c) in enumerate(allowed) if not isinstance(c, torch.Tensor)]
+            grammars = [a for a, entry in enumerate(allowed) if not isinstance(entry[1], torch.Tensor)]
             if len(grammars) == len(allowed):  # (no allowed_token_ids: the same rows and masks)
                 processing.grammar_rows = processing.allowed_rows
                 processing.grammar_bitmask = processing.allowed_bitmask
@@ -199,7 +201,9 @@ class LogitsProcessing:
                 grammar_rows = np.asarray([allowed[a][0] for a in grammars], dtype=np.int64)
                 processing.grammar_rows = to_device(grammar_rows, device)
                 processing.grammar_bitmask = to_device(packed[grammars].numpy(), device)
-            masked = unmask_grammar_ends(masked, {row: bitmask[a] for a, row in enumerate(rows)}, vocab)
+            if masked:  # (a row short of its min_tokens: its allowed tokens, looked up only then)
+                short = {row for row, _ in masked}
+                masked = unmask_grammar_ends(masked, {r: bitmask[a] for a, r in enumerate(rows) if r in short}, vocab)
         if biased:
             ids, rows = _flat([ids for _, ids, _ in biased])
             processing.bias_ids = to_device(ids, device)
@@ -275,14 +279,22 @@ def pack_token_ids(ids: list[int], vocab: int) -> torch.Tensor:
     return torch.from_numpy(words.view(np.int32))
 
 
-def both_allowed(rows: list[int], bitmask: torch.Tensor) -> tuple[list[int], torch.Tensor]:
+def both_allowed(
+    rows: list[int], bitmask: torch.Tensor, ends: dict[int, torch.Tensor] | None = None
+) -> tuple[list[int], torch.Tensor]:
     """rows (A,) and their packed (A, W) allowed tokens -> one entry per row: a row with two (a grammar and
-    allowed_token_ids) may take only the tokens both allow."""
+    allowed_token_ids) may take only the tokens both allow. Where those are none (the grammar wants a token that
+    allowed_token_ids leave out: the request's check saw only its first token), the row takes its packed stop ids
+    from `ends` instead: the sample ends there, its text short of the grammar, rather than take
+    whatever token an all -inf row would give (token 0: "!" in Qwen's vocabulary)."""
     if len(set(rows)) == len(rows):
         return rows, bitmask
     merged: dict[int, torch.Tensor] = {}
     for row, words in zip(rows, bitmask):
         merged[row] = words if row not in merged else merged[row] & words
+    for row, stops in (ends or {}).items():
+        if not merged[row].any():  # (its grammar then refuses the stop token, and warns: GrammarConstraint.accept)
+            merged[row] = stops
     return list(merged), torch.stack(list(merged.values()))
 
 
@@ -291,17 +303,20 @@ def packed_allowed(constraints: list) -> torch.Tensor:
     packed tensor itself: allowed_token_ids'), stacked: (A, W) int32 on the host. Where every constraint that is not
     a tensor is of one class that can fill many at once (`allowed_batch`), it does: a grammar library fills its
     matchers in parallel."""
-    packed = [c if isinstance(c, torch.Tensor) else None for c in constraints]
-    pending = [i for i, words in enumerate(packed) if words is None]
-    if pending:
-        kind = type(constraints[pending[0]])
-        if hasattr(kind, "allowed_batch") and all(type(constraints[i]) is kind for i in pending):
-            filled = kind.allowed_batch([constraints[i] for i in pending])
-        else:
-            filled = [constraints[i].allowed() for i in pending]
-        for i, words in zip(pending, filled):
-            packed[i] = words
-    return torch.stack(packed)
+    given = [i for i, c in enumerate(constraints) if isinstance(c, torch.Tensor)]
+    pending = [i for i, c in enumerate(constraints) if not isinstance(c, torch.Tensor)]
+    if not pending:
+        return torch.stack(constraints)
+    kind = type(constraints[pending[0]])
+    if hasattr(kind, "allowed_batch") and all(type(constraints[i]) is kind for i in pending):
+        filled = kind.allowed_batch([constraints[i] for i in pending])  # (P, W)
+    else:
+        filled = torch.stack([constraints[i].allowed() for i in pending])
+    if not given:  # (every row a constraint's: the filled rows as they are, not split and stacked again)
+        return filled
+    packed = filled.new_empty(len(constraints), filled.shape[1])
+    packed[pending], packed[given] = filled, torch.stack([constraints[i] for i in given])
+    return packed
 
 
 def _flat(lists: list[list[int]] | tuple[list[int], ...]) -> tuple[np.ndarray, np.ndarray]:

@@ -126,7 +126,8 @@ SAMPLING_FIELDS = {
 }
 # completions: logprobs is the top-k count; prompt_logprobs a vLLM extension (and what echo with logprobs implies)
 COMPLETION_FIELDS = {**SAMPLING_FIELDS, "logprobs": "logprobs", "prompt_logprobs": "prompt_logprobs"}
-CHAT_FIELDS = {**SAMPLING_FIELDS, "max_completion_tokens": "max_tokens"}  # (+ logprobs/top_logprobs, below)
+CHAT_FIELDS = {**SAMPLING_FIELDS, "max_completion_tokens": "max_tokens", "prompt_logprobs": "prompt_logprobs"}
+# (+ logprobs/top_logprobs, below)
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's and vLLM's default for completions
 CHAT_DEFAULTS = {"max_tokens": None}  # vLLM's chat default: the room left in the context (the engine stops there)
 
@@ -197,7 +198,6 @@ NOT_SUPPORTED_CHAT = {
     "media_io_kwargs": (),
     "mm_processor_kwargs": (),
     "return_prompt_text": (False,),
-    "prompt_logprobs": (),  # (completions have them)
 }
 # why a field is refused, where there is more to say than "not supported"
 REFUSALS = {
@@ -765,6 +765,11 @@ def check_json_schema_format(json_schema: dict) -> None:
             raise BadRequest(message, "response_format")
 
 
+# vLLM's structured_outputs options that change nothing at these values (what its own StructuredOutputsParams holds
+# by default, and sends when a client serializes one whole): taken; another value is refused as an unknown field
+VLLM_IDLE_OPTIONS = {"disable_additional_properties": False, "whitespace_pattern": None, "structural_tag": None}
+
+
 def structured_outputs(body: dict) -> StructuredOutputsParams | None:
     """What the request's output must follow: vLLM's `structured_outputs` ({"json": schema} or regex, choice,
     grammar, json_object), or OpenAI's `response_format` ({"type": "json_object"}, or {"type": "json_schema",
@@ -793,6 +798,8 @@ def structured_outputs(body: dict) -> StructuredOutputsParams | None:
         return None
     if not isinstance(given, dict):
         raise BadRequest(f"structured_outputs must be an object, got {given!r:.80}", "structured_outputs")
+    idle = {name: value for name, value in VLLM_IDLE_OPTIONS.items() if name in given and given[name] == value}
+    given = {name: value for name, value in given.items() if name not in idle}
     known = {f.name for f in fields(StructuredOutputsParams)}
     unknown = sorted(set(given) - known)
     if unknown:
@@ -853,11 +860,13 @@ def chat_sampling_params(body: dict, defaults: dict) -> SamplingParams:
     context leaves after the prompt (vLLM's chat default; completions default to 16). defaults: the model's
     (`request_defaults`)."""
     body = dict(body)
+    if body.get("prompt_logprobs") is not None and body.get("stream"):
+        raise BadRequest("prompt_logprobs are not available with stream: true (as in vLLM)", "prompt_logprobs")
     logprobs, top = body.pop("logprobs", None), body.pop("top_logprobs", None)
     if logprobs is not None and not isinstance(logprobs, bool):
         raise BadRequest(f"logprobs must be true or false, got {logprobs!r}", "logprobs")
-    if top is not None and not logprobs:
-        raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
+    if top is not None and top != 0 and not logprobs:  # (0 asks for nothing: vLLM takes it without logprobs)
+        raise BadRequest("when using `top_logprobs`, `logprobs` must be set to true", "top_logprobs")  # (vLLM's)
     if logprobs:
         body["top_logprobs"] = 0 if top is None else top
         return sampling_params(body, {**CHAT_FIELDS, "top_logprobs": "logprobs"}, {**defaults, **CHAT_DEFAULTS})
@@ -1524,6 +1533,8 @@ def build_app(
                 "choices": result,
                 "usage": usage(),
             }
+            if chat and params.prompt_logprobs is not None:  # (vLLM's extra field: chat's, beside the choices)
+                response["prompt_logprobs"] = vllm_prompt_logprobs(token_text, choices[0].prompt_logprobs or [])
             if chat and return_token_ids:
                 response["prompt_token_ids"] = choices[0].prompt_token_ids
             return JSONResponse(response)

@@ -60,6 +60,7 @@ CHAT_TYPES = {
     **_SAMPLING,
     "logprobs": BOOL,  # (chat's logprobs is a switch, top_logprobs the count)
     "top_logprobs": INT,
+    "prompt_logprobs": INT,
     "max_completion_tokens": INT,
     "add_generation_prompt": BOOL,
     "continue_final_message": BOOL,

@@ -42,6 +42,8 @@ TOOL_CALL_PARSERS = ("hermes",)  # --tool-call-parser's choices (vLLM has one pe
 TOOL_CALL_START, TOOL_CALL_END = "<tool_call>", "</tool_call>"
 EMPTY_PARAMETERS = {"type": "object", "properties": {}}  # a tool without parameters is called with {} (as vLLM)
 FUNCTION_KEYS = {"name", "description", "parameters", "strict"}  # OpenAI's FunctionDefinition
+SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")  # name -> schema
+DATA_KEYWORDS = ("enum", "const", "default", "examples")  # a JSON schema's values that are data, not schemas
 AUTO_NEEDS_FLAGS = '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be set'  # vLLM's
 NAMED_USAGE = 'Correct usage: `{"type": "function", "function": {"name": "my_function"}}`'  # vLLM's hint
 
@@ -241,7 +243,8 @@ def required_schema(tools: list[dict], parallel: bool = True) -> dict:
     """vLLM's schema for tool_choice "required": an array of at least one item, each item any one tool's
     {"name": its name, "parameters": an instance of its parameters schema}. A schema's `$defs` (pydantic writes nested
     models there, referred to as "#/$defs/...") and draft 7's `definitions` move to the array's top level, where those
-    references resolve.
+    references resolve; any other reference within a tool's schema ("#" itself, "#/properties/a") is rewritten to
+    where that schema now sits in the array's (as it was, "#" would mean the array of calls).
     parallel False: at most one item (vLLM generates them all and keeps the first; here the grammar stops at one)."""
     items, moved = [], {"$defs": {}, "definitions": {}}  # (draft 7's name too: "#/definitions/...")
     for index, tool in enumerate(tools):
@@ -263,6 +266,7 @@ def required_schema(tools: list[dict], parallel: bool = True) -> dict:
                         "tools",
                     )
         name_schema = {"type": "string", "enum": [function["name"]]}
+        parameters = rooted_refs(parameters, f"#/items/anyOf/{index}/properties/parameters")
         items.append(
             {"properties": {"name": name_schema, "parameters": parameters}, "required": ["name", "parameters"]}
         )
@@ -271,6 +275,28 @@ def required_schema(tools: list[dict], parallel: bool = True) -> dict:
         schema["maxItems"] = 1
     schema.update({keyword: definitions for keyword, definitions in moved.items() if definitions})
     return schema
+
+
+def rooted_refs(schema, root: str):
+    """A copy of a JSON schema whose local references ("#", "#/...") point under `root` instead, except those to its
+    `$defs` and `definitions` (required_schema moves those to the top). Values that are data, not schemas
+    (enum, const, default, examples), are left as they are; so are the names of a properties map."""
+    if isinstance(schema, list):
+        return [rooted_refs(item, root) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    copy = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
+            moved = value.startswith(("#/$defs/", "#/definitions/"))
+            copy[key] = value if moved else root + value[1:]
+        elif key in SCHEMA_MAPS and isinstance(value, dict):  # (names -> schemas)
+            copy[key] = {name: rooted_refs(child, root) for name, child in value.items()}
+        elif key in DATA_KEYWORDS:
+            copy[key] = value
+        else:
+            copy[key] = rooted_refs(value, root)
+    return copy
 
 
 # -- reading the text back ---------------------------------------------------------------------------------------------
