@@ -145,11 +145,9 @@ VLLM_ATTENTION_BACKENDS = {"triton_attn": "triton"}
 
 def attention_backend_name(value: str) -> str:
     """--attention-backend's value as the engine names it: nanoref's names and vLLM's (FLASH_ATTN, TRITON_ATTN) in any
-    case, as vLLM's flag reads them; anything else as given, for the engine's error to name."""
-    from nanoref.ops.backends import BACKEND_NAMES
-
-    name = VLLM_ATTENTION_BACKENDS.get(value.lower(), value.lower())
-    return name if name in BACKEND_NAMES else value
+    case, as vLLM's flag reads them (lower-cased; the engine's error names one it does not know)."""
+    lowered = value.lower()
+    return VLLM_ATTENTION_BACKENDS.get(lowered, lowered)
 
 
 def human_readable_int(value: str) -> int:
