@@ -25,6 +25,7 @@ from nanoref.serving.api_server import (  # noqa: E402
     COMPLETION_HONOURED,
     NOT_SUPPORTED_CHAT,
     NOT_SUPPORTED_COMPLETION,
+    ServerMetrics,
 )
 from nanoref.serving.async_llm import AsyncLLM  # noqa: E402
 
@@ -575,6 +576,19 @@ def test_vllms_histograms_have_vllms_buckets(server):
     ]  # fmt: skip
     for name in ("vllm:request_prompt_tokens", "vllm:request_generation_tokens"):
         assert bounds[name] == [1, 2, 5, 10, 20, 50, 100, 200, 500], name
+
+
+def test_finished_request_counters_start_at_zero_for_every_finish_reason(server):
+    """Prometheus' rate() and increase() take a series' first sample as its start: a counter whose series first
+    appears at 1 loses that request (the first abort of a day counted 0). vLLM makes every finished_reason's series
+    at 0 when it starts; so does a server's fresh registry here, before any request."""
+    from prometheus_client import generate_latest
+
+    metrics = ServerMetrics(server.engine, "fresh")
+    families = {f.name: f for f in parser.text_string_to_metric_families(generate_latest(metrics.registry).decode())}
+    for name, label in (("vllm:request_success", "finished_reason"), ("nanoref_requests", "finish_reason")):
+        samples = {s.labels[label]: s.value for s in families[name].samples if s.name.endswith("_total")}
+        assert samples == {"stop": 0.0, "length": 0.0, "abort": 0.0}, name
 
 
 def test_a_queued_request_of_n_samples_counts_n_waiting_as_vllms_n_child_requests():

@@ -990,6 +990,9 @@ class EngineCollector:
             yield family(CounterMetricFamily, name, doc, value)
 
 
+FINISH_REASONS = ("stop", "length", "abort")  # a request's, each counted from 0 (Prometheus' advice, vLLM's way)
+
+
 class ServerMetrics:
     """The server's own registry (never prometheus_client's global one: two servers in a process stay apart).
     Each number is exported under nanoref's name and under vLLM's (`vllm:...`, with a model_name label)."""
@@ -1005,6 +1008,8 @@ class ServerMetrics:
             "nanoref_time_per_output_token_seconds", "Time per output token", buckets=buckets, registry=self.registry
         )
         self.requests = Counter("nanoref_requests", "Finished requests", ["finish_reason"], registry=self.registry)
+        for reason in FINISH_REASONS:
+            self.requests.labels(finish_reason=reason)
         self.prompt_tokens = Counter("nanoref_prompt_tokens", "Prompt tokens received", registry=self.registry)
         self.generation_tokens = Counter("nanoref_generation_tokens", "Tokens generated", registry=self.registry)
         self.acceptance = Histogram(
@@ -1086,6 +1091,8 @@ class VllmMetrics:
         self.success = Counter(
             "vllm:request_success", "Finished requests", ["model_name", "finished_reason"], registry=registry
         )
+        for reason in FINISH_REASONS:  # (at 0 from the start, as vLLM's: a rate counts a series' first increment)
+            self.success.labels(model_name=model_name, finished_reason=reason)
         self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token", VLLM_TTFT_BUCKETS)
         self.e2e = histogram(
             "vllm:e2e_request_latency_seconds", "Seconds from arrival to the last token", VLLM_LATENCY_BUCKETS
