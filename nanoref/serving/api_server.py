@@ -1922,8 +1922,8 @@ def dev_mode_enabled() -> bool:
 def dev_routes(app: FastAPI, engine: AsyncLLM, engine_stopped: Callable[[object], APIError]) -> None:
     """vLLM's development routes, there only with VLLM_SERVER_DEV_MODE=1 (as vLLM: open like /metrics, so off by
     default): POST /reset_prefix_cache empties the engine's prefix cache (a benchmark calls it between timed runs;
-    a trainer after it changed the weights) -> 200, or vLLM's 409 while requests in flight hold KV blocks (a 503 once
-    the engine has stopped, as every route)."""
+    a trainer after it changed the weights) -> vLLM's {"success": true}, or {"success": false} and nothing changed
+    while requests in flight hold KV blocks (a 503 once the engine has stopped, as every route)."""
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache(request: Request) -> Response:
@@ -1939,9 +1939,8 @@ def dev_routes(app: FastAPI, engine: AsyncLLM, engine_stopped: Callable[[object]
             num_blocks_held = await engine.clear_prefix_cache()
         except RuntimeError as error:  # the engine is gone (before it was asked, or before it answered)
             raise engine_stopped(error) from None
-        if num_blocks_held:  # (requests in flight hold blocks: the 409 says so, no warning)
-            raise APIError("Prefix cache reset failed: requests in flight still hold KV blocks", None, 409)
-        return Response(status_code=200)
+        # vLLM's answer: 200 and whether it was reset (not while requests in flight hold blocks: a client retries)
+        return JSONResponse({"success": not num_blocks_held})
 
 
 def package_version() -> str:
