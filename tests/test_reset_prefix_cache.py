@@ -233,7 +233,7 @@ def test_the_servers_dev_route_resets_the_cache_only_in_dev_mode(monkeypatch):
             cached(url)
             assert cached(url) == 32  # (the control: a replay is served from the cache)
             reset = httpx.post(f"{url}/reset_prefix_cache", timeout=SERVER_TIMEOUT)
-            assert reset.status_code == 200, reset.text
+            assert (reset.status_code, reset.json()) == (200, {"success": True}), reset.text  # (vLLM's answer)
             assert cached(url) == 0, "a prompt replayed after POST /reset_prefix_cache was served from the cache"
             for query, named in (("reset_running_requests=true", "reset_running_requests=true is not supported"),
                                  ("reset_external=1", "reset_external=true is not supported"),
@@ -251,7 +251,7 @@ def test_the_servers_dev_route_resets_the_cache_only_in_dev_mode(monkeypatch):
                 lines = stream.iter_lines()
                 assert next(line for line in lines if line.startswith("data: "))  # (the request holds blocks now)
                 busy = httpx.post(f"{url}/reset_prefix_cache", timeout=SERVER_TIMEOUT)
-                assert busy.status_code == 409 and "still hold KV blocks" in busy.json()["error"]["message"]
+                assert (busy.status_code, busy.json()) == (200, {"success": False}), busy.text  # (vLLM's: retry)
                 assert [line for line in lines if line][-1] == "data: [DONE]"  # (the stream goes on to its end)
             assert cached(url) == 32, "a refused reset emptied the cache"
             engine.close()  # the engine gone: a 503 as every route gives, not a 500

@@ -25,6 +25,7 @@ from nanoref.serving.api_server import (  # noqa: E402
     COMPLETION_HONOURED,
     NOT_SUPPORTED_CHAT,
     NOT_SUPPORTED_COMPLETION,
+    ServerMetrics,
 )
 from nanoref.serving.async_llm import AsyncLLM  # noqa: E402
 
@@ -549,6 +550,45 @@ def test_metrics_under_vllms_names(server):
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc"):
         assert after[name] == 0.0
     assert grew("vllm:prefix_cache_queries_total") == prompt_tokens
+
+
+def test_vllms_histograms_have_vllms_buckets(server):
+    """A dashboard made for vLLM reads quantiles from the bucket bounds: a 2-minute request must not land beyond the
+    last one (30 s here once, which a p99 then reads as 30 s). The bounds are vLLM's (vllm/v1/metrics/loggers.py); the
+    token counts' run 1, 2, 5, 10, ... up to max_model_len (512 here)."""
+    text = httpx.get(f"{server.url}/metrics", timeout=TIMEOUT).text
+    bounds = {}
+    for family in parser.text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name.endswith("_bucket") and sample.labels["le"] != "+Inf":
+                bounds.setdefault(family.name, []).append(float(sample.labels["le"]))
+    assert server.engine.config.max_model_len == 512
+    assert bounds["vllm:time_to_first_token_seconds"] == [
+        0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+        160.0, 640.0, 2560.0,
+    ]  # fmt: skip
+    assert bounds["vllm:e2e_request_latency_seconds"] == [
+        0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0,
+        1920.0, 7680.0,
+    ]  # fmt: skip
+    assert bounds["vllm:request_time_per_output_token_seconds"] == [
+        0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+    ]  # fmt: skip
+    for name in ("vllm:request_prompt_tokens", "vllm:request_generation_tokens"):
+        assert bounds[name] == [1, 2, 5, 10, 20, 50, 100, 200, 500], name
+
+
+def test_finished_request_counters_start_at_zero_for_every_finish_reason(server):
+    """Prometheus' rate() and increase() take a series' first sample as its start: a counter whose series first
+    appears at 1 loses that request (the first abort of a day counted 0). vLLM makes every finished_reason's series
+    at 0 when it starts; so does a server's fresh registry here, before any request."""
+    from prometheus_client import generate_latest
+
+    metrics = ServerMetrics(server.engine, "fresh")
+    families = {f.name: f for f in parser.text_string_to_metric_families(generate_latest(metrics.registry).decode())}
+    for name, label in (("vllm:request_success", "finished_reason"), ("nanoref_requests", "finish_reason")):
+        samples = {s.labels[label]: s.value for s in families[name].samples if s.name.endswith("_total")}
+        assert samples == {"stop": 0.0, "length": 0.0, "abort": 0.0}, name
 
 
 def test_a_queued_request_of_n_samples_counts_n_waiting_as_vllms_n_child_requests():

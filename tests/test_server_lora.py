@@ -170,6 +170,16 @@ def test_adapters_load_and_unload_at_runtime_where_allowed(folders, monkeypatch,
         # a name in use, a folder that is no adapter, a missing field: 400s that say so
         again = post("load_lora_adapter", {"lora_name": "late", "lora_path": folders["late"]})
         assert again.status_code == 400 and "already been loaded" in again.json()["error"]["message"]
+        assert again.json()["error"]["param"] == "lora_name"
+        # vLLM's load_inplace: the name now serves the new folder (requests in flight finish under the old one)
+        in_place = {"lora_name": "late", "lora_path": folders["sql"], "load_inplace": True}
+        assert post("load_lora_adapter", in_place).status_code == 200
+        sql = offline_text(offline, LoRARequest("sql", 1, folders["sql"]))
+        assert sql != want and client.completions.create(model="late", **args).choices[0].text == sql
+        assert post("load_lora_adapter", {**in_place, "lora_path": folders["late"]}).status_code == 200
+        # a field the endpoint does not know is a 400 naming it, not ignored
+        typo = post("load_lora_adapter", {"lora_name": "other", "lora_path": folders["late"], "load_in_place": True})
+        assert typo.status_code == 400 and typo.json()["error"]["param"] == "load_in_place"
         (tmp_path / "empty").mkdir()
         bad = post("load_lora_adapter", {"lora_name": "bad", "lora_path": str(tmp_path / "empty")})
         assert bad.status_code == 400 and "adapter_config.json is missing" in bad.json()["error"]["message"]

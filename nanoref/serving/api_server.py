@@ -990,6 +990,9 @@ class EngineCollector:
             yield family(CounterMetricFamily, name, doc, value)
 
 
+FINISH_REASONS = ("stop", "length", "abort")  # a request's, each counted from 0 (Prometheus' advice, vLLM's way)
+
+
 class ServerMetrics:
     """The server's own registry (never prometheus_client's global one: two servers in a process stay apart).
     Each number is exported under nanoref's name and under vLLM's (`vllm:...`, with a model_name label)."""
@@ -1005,6 +1008,8 @@ class ServerMetrics:
             "nanoref_time_per_output_token_seconds", "Time per output token", buckets=buckets, registry=self.registry
         )
         self.requests = Counter("nanoref_requests", "Finished requests", ["finish_reason"], registry=self.registry)
+        for reason in FINISH_REASONS:
+            self.requests.labels(finish_reason=reason)
         self.prompt_tokens = Counter("nanoref_prompt_tokens", "Prompt tokens received", registry=self.registry)
         self.generation_tokens = Counter("nanoref_generation_tokens", "Tokens generated", registry=self.registry)
         self.acceptance = Histogram(
@@ -1013,7 +1018,7 @@ class ServerMetrics:
             buckets=(0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0),
             registry=self.registry,
         )
-        self.vllm = VllmMetrics(self.registry, model_name, buckets)
+        self.vllm = VllmMetrics(self.registry, model_name, engine.config.max_model_len)
 
     def observe(self, out: RequestOutput, first: bool) -> None:
         """Count one output as it passes to a client (an aborted request's tokens count too)."""
@@ -1039,29 +1044,62 @@ class ServerMetrics:
         self.vllm.finished("abort", count)
 
 
-class VllmMetrics:
-    """The per-request numbers under vLLM's metric names (vllm:prompt_tokens_total, ...), labelled model_name."""
+# vLLM's histogram buckets for its metrics (vllm/v1/metrics/loggers.py): a dashboard's quantiles and heatmaps made
+# for vLLM read the same bounds (a 2-minute request is not one beyond the last bucket, read as its bound)
+VLLM_TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+    160.0, 640.0, 2560.0,
+)  # fmt: skip
+VLLM_TPOT_BUCKETS = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+VLLM_LATENCY_BUCKETS = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0,
+    1920.0, 7680.0,
+)  # fmt: skip
 
-    def __init__(self, registry: CollectorRegistry, model_name: str, buckets: tuple[float, ...]) -> None:
+
+def token_count_buckets(max_model_len: int) -> tuple[int, ...]:
+    """vLLM's buckets for a request's token counts: 1, 2, 5, 10, 20, 50, ... up to max_model_len."""
+    bounds, scale = [], 1
+    while True:
+        for step in (1, 2, 5):
+            if step * scale > max_model_len:
+                return tuple(bounds)
+            bounds.append(step * scale)
+        scale *= 10
+
+
+class VllmMetrics:
+    """The per-request numbers under vLLM's metric names (vllm:prompt_tokens_total, ...), labelled model_name, in
+    vLLM's histogram buckets."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str, max_model_len: int) -> None:
         self.model_name = model_name
         label = ["model_name"]
 
-        def histogram(name: str, doc: str, bucket_list: tuple[float, ...] = buckets):
+        def histogram(name: str, doc: str, bucket_list: tuple[float, ...]):
             return Histogram(name, doc, label, buckets=bucket_list, registry=registry).labels(model_name)
 
         def counter(name: str, doc: str):
             return Counter(name, doc, label, registry=registry).labels(model_name)
 
-        token_buckets = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
+        token_buckets = token_count_buckets(max_model_len)
         self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens received")
         self.generation_tokens = counter("vllm:generation_tokens", "Tokens generated")
         self.preemptions = counter("vllm:num_preemptions", "Times a request's K/V was dropped and recomputed")
         self.success = Counter(
             "vllm:request_success", "Finished requests", ["model_name", "finished_reason"], registry=registry
         )
-        self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token")
-        self.e2e = histogram("vllm:e2e_request_latency_seconds", "Seconds from arrival to the last token")
-        self.tpot = histogram("vllm:request_time_per_output_token_seconds", "Mean time per output token")
+        for reason in FINISH_REASONS:  # (at 0 from the start, as vLLM's: a rate counts a series' first increment)
+            self.success.labels(model_name=model_name, finished_reason=reason)
+        self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to first token", VLLM_TTFT_BUCKETS)
+        self.e2e = histogram(
+            "vllm:e2e_request_latency_seconds", "Seconds from arrival to the last token", VLLM_LATENCY_BUCKETS
+        )
+        self.tpot = histogram(
+            "vllm:request_time_per_output_token_seconds", "Mean time per output token", VLLM_TPOT_BUCKETS
+        )
         self.request_prompt = histogram("vllm:request_prompt_tokens", "Prompt tokens per request", token_buckets)
         self.request_generation = histogram(
             "vllm:request_generation_tokens", "Generated tokens per request", token_buckets
@@ -1884,8 +1922,8 @@ def dev_mode_enabled() -> bool:
 def dev_routes(app: FastAPI, engine: AsyncLLM, engine_stopped: Callable[[object], APIError]) -> None:
     """vLLM's development routes, there only with VLLM_SERVER_DEV_MODE=1 (as vLLM: open like /metrics, so off by
     default): POST /reset_prefix_cache empties the engine's prefix cache (a benchmark calls it between timed runs;
-    a trainer after it changed the weights) -> 200, or vLLM's 409 while requests in flight hold KV blocks (a 503 once
-    the engine has stopped, as every route)."""
+    a trainer after it changed the weights) -> vLLM's {"success": true}, or {"success": false} and nothing changed
+    while requests in flight hold KV blocks (a 503 once the engine has stopped, as every route)."""
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache(request: Request) -> Response:
@@ -1901,9 +1939,8 @@ def dev_routes(app: FastAPI, engine: AsyncLLM, engine_stopped: Callable[[object]
             num_blocks_held = await engine.clear_prefix_cache()
         except RuntimeError as error:  # the engine is gone (before it was asked, or before it answered)
             raise engine_stopped(error) from None
-        if num_blocks_held:  # (requests in flight hold blocks: the 409 says so, no warning)
-            raise APIError("Prefix cache reset failed: requests in flight still hold KV blocks", None, 409)
-        return Response(status_code=200)
+        # vLLM's answer: 200 and whether it was reset (not while requests in flight hold blocks: a client retries)
+        return JSONResponse({"success": not num_blocks_held})
 
 
 def package_version() -> str:

@@ -4,8 +4,8 @@ As in vLLM: the request's `model` is the base model's served name (no adapter) o
 a 404. `/v1/models` lists the base model, then one card per adapter (`root`: its folder, `parent`: the base
 model). With the environment variable VLLM_ALLOW_RUNTIME_LORA_UPDATING=True (vLLM's opt-in; NANOREF_ALLOW_...
 works too) `POST /v1/load_lora_adapter {"lora_name", "lora_path"}` and `POST /v1/unload_lora_adapter
-{"lora_name"}` change the list while the server runs: off by default, because whoever can reach the server could
-then make it read any folder on its machine.
+{"lora_name"}` change the list while the server runs (`"load_inplace": true` replaces a loaded adapter's folder):
+off by default, because whoever can reach the server could then make it read any folder on its machine.
 
 Every adapter is read and checked here against the engine's model before it is listed (a bad folder is a clear
 error at start-up, or a 400 from load_lora_adapter), so requests never meet a folder the engine cannot serve. The
@@ -107,21 +107,32 @@ class LoRAModules:
             path, parent = (entry, None) if isinstance(entry, str) else entry
             self.add(name, path, parent)
 
-    def add(self, name: str, path: str, parent: str | None = None) -> LoRARequest:
+    def add(self, name: str, path: str, parent: str | None = None, replace: bool = False) -> LoRARequest:
         """Check the folder and list it under `name` (ValueError: a name in use, LoRAAdapterError: the folder);
-        parent: its card's `parent` (None: the base model's first name)."""
-        if not self.config.enable_lora:
-            raise ValueError("LoRA adapters need the engine's enable_lora (--enable-lora)")
-        if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
-            raise ValueError("lora_name and lora_path must be non-empty strings")
-        if name in self.names or name in self.adapters:
-            raise ValueError(f"the LoRA adapter {name!r} has already been loaded")
+        parent: its card's `parent` (None: the base model's first name); replace: an adapter of that name is
+        replaced once the new folder checks out (vLLM's load_inplace; requests in flight finish under the old one)."""
+        self.check_name(name, replace)
+        if not isinstance(path, str) or not path:
+            raise ValueError("lora_path must be a non-empty string")
         request = LoRARequest(name, next(self._ids), path)
         check_lora_adapter(self.config, request)
         self.adapters[name], self.created[name] = request, int(time.time())
         if parent is not None:
             self.parents[name] = parent
         return request
+
+    def check_name(self, name: str, replace: bool = False) -> None:
+        """ValueError unless an adapter may be added under `name` (`add`'s checks before it reads the folder)."""
+        if not self.config.enable_lora:
+            raise ValueError("LoRA adapters need the engine's enable_lora (--enable-lora)")
+        if not isinstance(name, str) or not name:
+            raise ValueError("lora_name must be a non-empty string")
+        if name in self.names:
+            raise ValueError(f"{name!r} is the base model's name, not an adapter's")
+        if name in self.adapters and not replace:
+            raise ValueError(
+                f"the LoRA adapter {name!r} has already been loaded (to load it again in place, set load_inplace)"
+            )
 
     def remove(self, name: str) -> LoRARequest | None:
         self.created.pop(name, None)
@@ -173,7 +184,12 @@ def lora_routes(app, adapters: LoRAModules, read_body: Callable, api_error: type
         return
     lock = asyncio.Lock()  # one change at a time: a name is checked and listed as one step
 
-    def field(body: dict, name: str) -> str:
+    def field(body: dict, name: str, known: tuple[str, ...]) -> str:
+        unknown = sorted(set(body) - set(known))
+        if unknown:  # (rather than ignored: the client asked for something)
+            raise api_error(
+                f"unknown field {unknown[0]!r:.60} (this endpoint takes {', '.join(known)})", unknown[0], 400
+            )
         value = body.get(name)
         if not isinstance(value, str) or not value:
             raise api_error(f"{name} must be a non-empty string, got {value!r}", name, 400)
@@ -182,18 +198,26 @@ def lora_routes(app, adapters: LoRAModules, read_body: Callable, api_error: type
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(request: Request) -> PlainTextResponse:
         body, _ = await read_body(request)
-        name, path = field(body, "lora_name"), field(body, "lora_path")
+        known = ("lora_name", "lora_path", "load_inplace")
+        name, path = field(body, "lora_name", known), field(body, "lora_path", known)
+        in_place = body.get("load_inplace")
+        if in_place is not None and not isinstance(in_place, bool):
+            raise api_error(f"load_inplace must be true or false, got {in_place!r:.60}", "load_inplace", 400)
         async with lock:
-            try:  # (reading the folder is file work: off the event loop)
-                await asyncio.to_thread(adapters.add, name, path)
-            except ValueError as error:  # (LoRAAdapterError too)
-                raise api_error(str(error), "lora_path" if "LoRA adapter" in str(error) else "lora_name", 400) from None
+            try:
+                adapters.check_name(name, bool(in_place))
+            except ValueError as error:
+                raise api_error(str(error), "lora_name", 400) from None
+            try:  # (reading the folder is file work: off the event loop; a replaced adapter's parent is kept)
+                await asyncio.to_thread(adapters.add, name, path, None, bool(in_place))
+            except ValueError as error:  # (LoRAAdapterError: the folder is no adapter of this model)
+                raise api_error(str(error), "lora_path", 400) from None
         return PlainTextResponse(f"Success: LoRA adapter '{name}' added successfully.")
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(request: Request) -> PlainTextResponse:
         body, _ = await read_body(request)
-        name = field(body, "lora_name")
+        name = field(body, "lora_name", ("lora_name",))
         async with lock:
             if adapters.remove(name) is None:
                 raise api_error(f"the LoRA adapter {name!r} cannot be found", "lora_name", 404)
