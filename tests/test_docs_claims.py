@@ -41,14 +41,32 @@ def test_every_test_file_and_test_the_docs_name_exists():
     assert missing == []
 
 
+def braces(path: str) -> list[str]:
+    """`results/x.{json,md}` -> the paths it stands for, as the shell expands it."""
+    group = re.search(r"\{([^{}]*)\}", path)
+    if not group:
+        return [path]
+    return [p for alt in group[1].split(",") for p in braces(path[: group.start()] + alt + path[group.end() :])]
+
+
 def test_every_repository_path_the_docs_quote_exists():
     missing = []
     for doc in DOCS:
-        for path in re.findall(
-            r"`((?:nanoref|tests|benchmarks|figures|notebooks|docs|\.ci)/[\w./*+-]*)`", doc.read_text()
+        for quoted in re.findall(
+            r"`((?:nanoref|tests|benchmarks|figures|notebooks|docs|\.ci)/[\w./*+{},-]*)`", doc.read_text()
         ):
-            if not list(ROOT.glob(path.rstrip("/"))):
-                missing.append(f"{doc.name}: {path}")
+            missing += [f"{doc.name}: {path}" for path in braces(quoted) if not list(ROOT.glob(path.rstrip("/")))]
+    assert missing == []
+
+
+def test_every_results_file_benchmarks_md_names_by_itself_is_in_benchmarks_results():
+    # `beside_peer_h100_split.{json,md}`, `cuda_graphs_h200.json`: a results file named without its folder
+    missing = [
+        path
+        for quoted in re.findall(r"`([\w-]+\.(?:json|md|\{json,md\}))`", text("docs/benchmarks.md"))
+        for path in braces(quoted)
+        if not (ROOT / "benchmarks" / "results" / path).is_file()
+    ]
     assert missing == []
 
 
