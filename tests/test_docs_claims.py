@@ -313,6 +313,28 @@ def test_the_python_examples_run_on_the_built_in_model(name, capsys):
         assert tuple(q) == (1, 1, config.num_attention_heads, config.head_dim)
 
 
+@pytest.mark.slow
+def test_lora_mds_example_runs_on_adapters_of_the_built_in_model_and_leaves_its_request_to_step(
+    tmp_path, monkeypatch, capsys
+):
+    # its "adapters/sql" and "adapters/chat" made for the built-in model; the request it adds last, "then llm.step()
+    # as usual", is still there for step() to run (a stream after it would have run it to its end)
+    pytest.importorskip("peft", reason="the adapters are made with peft")
+    from nanoref.llm import DEFAULT_MODEL
+    from nanoref.testing import make_random_lora
+
+    for seed, name in enumerate(["sql", "chat"]):
+        make_random_lora(tmp_path / "adapters" / name, DEFAULT_MODEL, seed=seed)
+    monkeypatch.chdir(tmp_path)
+    (block,) = python_blocks("docs/lora.md")
+    namespace: dict = {}
+    exec(compile(block.replace('"path/to/Qwen3-0.6B"', repr(str(DEFAULT_MODEL))), "docs/lora.md", "exec"), namespace)
+    llm, finished = namespace["llm"], []
+    while not llm.is_finished():
+        finished += llm.step()[0]
+    assert [seq.token_ids[: seq.num_prompt_tokens] for seq in finished] == [llm.tokenizer.encode("SELECT")]
+
+
 CHECK_THROUGH_WITH_VENV = r"bash\s+(\S*)\.ci/with-venv\s+python\s+-m\s+nanoref\.classroom\s+check\s+(\S+)"
 
 
