@@ -335,6 +335,24 @@ def test_lora_mds_example_runs_on_adapters_of_the_built_in_model_and_leaves_its_
     assert [seq.token_ids[: seq.num_prompt_tokens] for seq in finished] == [llm.tokenizer.encode("SELECT")]
 
 
+@pytest.mark.slow
+def test_the_readmes_openai_client_example_runs_against_the_server(capsys):
+    # README's quick start: `python -m nanoref.serve --device cpu`, then its openai block, here against the same
+    # server on a free port (the block's base_url is 127.0.0.1:8000)
+    pytest.importorskip("openai")
+    pytest.importorskip("uvicorn")
+    from nanoref.serving.async_llm import AsyncLLM
+    from tests.helpers import running_server
+
+    (block,) = [block for block in python_blocks("README.md") if "OpenAI(" in block]
+    assert 'base_url="http://127.0.0.1:8000/v1"' in block
+    with running_server(AsyncLLM(LLM()), "nanoref/default_model") as server:
+        namespace: dict = {}
+        exec(compile(block.replace("http://127.0.0.1:8000", server.url), "README.md", "exec"), namespace)
+    assert namespace["model"] == "nanoref/default_model"
+    assert capsys.readouterr().out  # the streamed completion's text
+
+
 CHECK_THROUGH_WITH_VENV = r"bash\s+(\S*)\.ci/with-venv\s+python\s+-m\s+nanoref\.classroom\s+check\s+(\S+)"
 
 
