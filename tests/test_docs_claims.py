@@ -59,6 +59,26 @@ def test_every_repository_path_the_docs_quote_exists():
     assert missing == []
 
 
+def heading_anchors(path: Path) -> set[str]:
+    """The anchors GitHub gives a Markdown file's headings: lower case, punctuation but - and _ dropped, spaces -."""
+    headings = re.findall(r"^#+ (.+)$", re.sub(r"```.*?```", "", path.read_text(), flags=re.S), re.M)
+    return {re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-") for heading in headings}
+
+
+def test_every_relative_link_of_the_readme_goes_to_a_file_and_its_heading():
+    # (docs/*.md's links are checked in the built site, tests/test_docs.py; README.md is no page of it)
+    broken = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", text("README.md")):
+        if re.match(r"\w+://", target):
+            continue
+        path, _, anchor = target.partition("#")
+        if not (ROOT / path).exists():
+            broken.append(target)
+        elif anchor and anchor not in heading_anchors(ROOT / path):
+            broken.append(target)
+    assert broken == []
+
+
 def test_every_results_file_benchmarks_md_names_by_itself_is_in_benchmarks_results():
     # `beside_peer_h100_split.{json,md}`, `cuda_graphs_h200.json`: a results file named without its folder
     missing = [
