@@ -41,14 +41,52 @@ def test_every_test_file_and_test_the_docs_name_exists():
     assert missing == []
 
 
+def braces(path: str) -> list[str]:
+    """`results/x.{json,md}` -> the paths it stands for, as the shell expands it."""
+    group = re.search(r"\{([^{}]*)\}", path)
+    if not group:
+        return [path]
+    return [p for alt in group[1].split(",") for p in braces(path[: group.start()] + alt + path[group.end() :])]
+
+
 def test_every_repository_path_the_docs_quote_exists():
     missing = []
     for doc in DOCS:
-        for path in re.findall(
-            r"`((?:nanoref|tests|benchmarks|figures|notebooks|docs|\.ci)/[\w./*+-]*)`", doc.read_text()
+        for quoted in re.findall(
+            r"`((?:nanoref|tests|benchmarks|figures|notebooks|docs|\.ci)/[\w./*+{},-]*)`", doc.read_text()
         ):
-            if not list(ROOT.glob(path.rstrip("/"))):
-                missing.append(f"{doc.name}: {path}")
+            missing += [f"{doc.name}: {path}" for path in braces(quoted) if not list(ROOT.glob(path.rstrip("/")))]
+    assert missing == []
+
+
+def heading_anchors(path: Path) -> set[str]:
+    """The anchors GitHub gives a Markdown file's headings: lower case, punctuation but - and _ dropped, spaces -."""
+    headings = re.findall(r"^#+ (.+)$", re.sub(r"```.*?```", "", path.read_text(), flags=re.S), re.M)
+    return {re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-") for heading in headings}
+
+
+def test_every_relative_link_of_the_readme_goes_to_a_file_and_its_heading():
+    # (docs/*.md's links are checked in the built site, tests/test_docs.py; README.md is no page of it)
+    broken = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", text("README.md")):
+        if re.match(r"\w+://", target):
+            continue
+        path, _, anchor = target.partition("#")
+        if not (ROOT / path).exists():
+            broken.append(target)
+        elif anchor and anchor not in heading_anchors(ROOT / path):
+            broken.append(target)
+    assert broken == []
+
+
+def test_every_results_file_benchmarks_md_names_by_itself_is_in_benchmarks_results():
+    # `beside_peer_h100_split.{json,md}`, `cuda_graphs_h200.json`: a results file named without its folder
+    missing = [
+        path
+        for quoted in re.findall(r"`([\w-]+\.(?:json|md|\{json,md\}))`", text("docs/benchmarks.md"))
+        for path in braces(quoted)
+        if not (ROOT / "benchmarks" / "results" / path).is_file()
+    ]
     assert missing == []
 
 
@@ -293,6 +331,46 @@ def test_the_python_examples_run_on_the_built_in_model(name, capsys):
         config = namespace["llm"].config.hf_config
         q = namespace["trace"].steps[1].stage("layers.0.attn.decode")["q"]
         assert tuple(q) == (1, 1, config.num_attention_heads, config.head_dim)
+
+
+@pytest.mark.slow
+def test_lora_mds_example_runs_on_adapters_of_the_built_in_model_and_leaves_its_request_to_step(
+    tmp_path, monkeypatch, capsys
+):
+    # its "adapters/sql" and "adapters/chat" made for the built-in model; the request it adds last, "then llm.step()
+    # as usual", is still there for step() to run (a stream after it would have run it to its end)
+    pytest.importorskip("peft", reason="the adapters are made with peft")
+    from nanoref.llm import DEFAULT_MODEL
+    from nanoref.testing import make_random_lora
+
+    for seed, name in enumerate(["sql", "chat"]):
+        make_random_lora(tmp_path / "adapters" / name, DEFAULT_MODEL, seed=seed)
+    monkeypatch.chdir(tmp_path)
+    (block,) = python_blocks("docs/lora.md")
+    namespace: dict = {}
+    exec(compile(block.replace('"path/to/Qwen3-0.6B"', repr(str(DEFAULT_MODEL))), "docs/lora.md", "exec"), namespace)
+    llm, finished = namespace["llm"], []
+    while not llm.is_finished():
+        finished += llm.step()[0]
+    assert [seq.token_ids[: seq.num_prompt_tokens] for seq in finished] == [llm.tokenizer.encode("SELECT")]
+
+
+@pytest.mark.slow
+def test_the_readmes_openai_client_example_runs_against_the_server(capsys):
+    # README's quick start: `python -m nanoref.serve --device cpu`, then its openai block, here against the same
+    # server on a free port (the block's base_url is 127.0.0.1:8000)
+    pytest.importorskip("openai")
+    pytest.importorskip("uvicorn")
+    from nanoref.serving.async_llm import AsyncLLM
+    from tests.helpers import running_server
+
+    (block,) = [block for block in python_blocks("README.md") if "OpenAI(" in block]
+    assert 'base_url="http://127.0.0.1:8000/v1"' in block
+    with running_server(AsyncLLM(LLM()), "nanoref/default_model") as server:
+        namespace: dict = {}
+        exec(compile(block.replace("http://127.0.0.1:8000", server.url), "README.md", "exec"), namespace)
+    assert namespace["model"] == "nanoref/default_model"
+    assert capsys.readouterr().out  # the streamed completion's text
 
 
 CHECK_THROUGH_WITH_VENV = r"bash\s+(\S*)\.ci/with-venv\s+python\s+-m\s+nanoref\.classroom\s+check\s+(\S+)"

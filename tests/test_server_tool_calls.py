@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from typing import Literal
 
 import pytest
@@ -430,3 +431,16 @@ def test_the_serve_command_with_auto_tool_choice_reads_calls():
         if server.poll() is None:
             server.kill()
             server.wait()
+
+
+@pytest.mark.parametrize("choice", ["required", NAMED])
+def test_tool_calls_without_the_grammar_library_say_it_is_missing_not_that_it_refused_the_tools(monkeypatch, choice):
+    # `pip install -e ".[serve]"` has no xgrammar: the 400 must say to install it, not blame the tools' schema (an
+    # engine of its own: none of its grammars compiled before the library went missing)
+    monkeypatch.setitem(sys.modules, "xgrammar", None)  # (import xgrammar raises ImportError)
+    with running_server(AsyncLLM(LLM(device="cpu"), owns_llm=True), MODEL) as server:
+        with pytest.raises(openai.BadRequestError) as refused:
+            ask(server, tools=[WEATHER], tool_choice=choice, max_tokens=8)
+    message = refused.value.body["message"]
+    assert "pip install 'nanoref[structured]'" in message and "refuses" not in message, message
+    assert refused.value.body["param"] == "tools"

@@ -109,6 +109,9 @@ class ToolChoice:
     def refused(self, message: str) -> str:
         """The engine's refusal of the grammar's schema (the grammar library's words), as the tools' fault."""
         why = message.removeprefix("structured_outputs.json: ")
+        if why.startswith("structured_outputs needs the xgrammar package"):  # (refused nothing: it is not installed)
+            made = f"function {self.function!r:.60}'s call" if self.mode == "function" else "tool_choice 'required'"
+            return f"tools: {made} is made with a grammar, and {why}"
         if self.mode == "function":
             return f"tools: the grammar library refuses function {self.function!r:.60}'s parameters schema: {why}"
         return f"tools: the grammar library refuses the schema tool_choice 'required' makes of the tools: {why}"
