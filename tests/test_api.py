@@ -77,7 +77,9 @@ def test_nanoref_device_sets_the_default_device_and_a_bad_one_is_named(tiny_mode
     monkeypatch.setenv("NANOREF_DEVICE", "cpu")
     assert EngineConfig(tiny_model).device == torch.device("cpu")
     monkeypatch.setenv("NANOREF_DEVICE", "tpu")
-    with pytest.raises(ValueError, match="NANOREF_DEVICE='tpu' in the environment: device must be 'cpu' or 'cuda'"):
+    with pytest.raises(
+        ValueError, match="NANOREF_DEVICE='tpu' in the environment: device must be 'cpu', 'cuda' or 'auto'"
+    ):
         EngineConfig(tiny_model)
     assert EngineConfig(tiny_model, device="cpu").device == torch.device("cpu")  # an explicit device wins
     monkeypatch.delenv("NANOREF_DEVICE")
