@@ -346,7 +346,7 @@ def test_a_sharded_checkpoint_missing_shard_files_names_them(tmp_path, tiny_mode
 
 def test_a_sharded_checkpoint_is_the_files_its_index_lists(tmp_path, tiny_model):
     """A whole model.safetensors left beside the shards of a later save (or any other *.safetensors there): the
-    index names the checkpoint's files, as transformers and vLLM read it; the stray file was loaded too, and failed
+    index names the checkpoint's files, as vLLM reads it; the stray file was loaded too, and failed
     the model with 'tensor ... is also in ...'."""
     from transformers import AutoModelForCausalLM
 
