@@ -96,15 +96,15 @@ def parse_device(device: str | torch.device | None) -> torch.device:
         except ValueError as error:
             raise ValueError(f"{DEVICE_ENV}={device!r} in the environment: {error}") from None
     if not isinstance(device, (str, torch.device)):
-        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'auto', got {device!r}")
     try:
         device = torch.device(device)
     except RuntimeError:  # torch's own message lists two dozen device types nanoref does not serve
-        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}") from None
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'auto', got {device!r}") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' but no CUDA GPU is available to this PyTorch build; use device='cpu'")
     if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"device must be 'cpu' or 'cuda', got {str(device)!r}")
+        raise ValueError(f"device must be 'cpu', 'cuda' or 'auto', got {str(device)!r}")
     return device
 
 

@@ -91,8 +91,9 @@ class LLM(LLMEngine):
         llm.generate(["Hello"], SamplingParams(temperature=0.6, max_tokens=32))
 
     device: "cuda" when available, else "cpu" (the environment variable NANOREF_DEVICE, e.g. "cpu", overrides
-        that default). dtype "auto" (default): on CUDA the checkpoint's float16 or bfloat16 (config.json's dtype),
-        else bfloat16, and float16 on a GPU without bfloat16 (compute capability below 8.0); float32 on a CPU.
+        that default); "auto" (vLLM's default) is that platform choice whatever the environment says. dtype "auto"
+        (default): on CUDA the checkpoint's float16 or bfloat16 (config.json's dtype), else bfloat16, and float16 on
+        a GPU without bfloat16 (compute capability below 8.0); float32 on a CPU.
     max_num_seqs, max_num_batched_tokens: sequences per step, and tokens per prefill step (longer prompts are
         prefilled in chunks); default 512 and 16,384 on CUDA (what a GPU needs to be busy), 64 and 4,096 on a CPU.
     max_model_len: prompt + generated tokens per sequence; default the model's limit, capped at 4096.

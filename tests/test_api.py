@@ -77,7 +77,9 @@ def test_nanoref_device_sets_the_default_device_and_a_bad_one_is_named(tiny_mode
     monkeypatch.setenv("NANOREF_DEVICE", "cpu")
     assert EngineConfig(tiny_model).device == torch.device("cpu")
     monkeypatch.setenv("NANOREF_DEVICE", "tpu")
-    with pytest.raises(ValueError, match="NANOREF_DEVICE='tpu' in the environment: device must be 'cpu' or 'cuda'"):
+    with pytest.raises(
+        ValueError, match="NANOREF_DEVICE='tpu' in the environment: device must be 'cpu', 'cuda' or 'auto'"
+    ):
         EngineConfig(tiny_model)
     assert EngineConfig(tiny_model, device="cpu").device == torch.device("cpu")  # an explicit device wins
     monkeypatch.delenv("NANOREF_DEVICE")
@@ -344,7 +346,7 @@ def test_a_sharded_checkpoint_missing_shard_files_names_them(tmp_path, tiny_mode
 
 def test_a_sharded_checkpoint_is_the_files_its_index_lists(tmp_path, tiny_model):
     """A whole model.safetensors left beside the shards of a later save (or any other *.safetensors there): the
-    index names the checkpoint's files, as transformers and vLLM read it; the stray file was loaded too, and failed
+    index names the checkpoint's files, as vLLM reads it; the stray file was loaded too, and failed
     the model with 'tensor ... is also in ...'."""
     from transformers import AutoModelForCausalLM
 

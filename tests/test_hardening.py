@@ -207,8 +207,8 @@ def test_prompts_as_an_array_or_a_generator(tiny_model):
         (dict(kvcache_block_size=True), "kvcache_block_size must be"),
         (dict(num_kvcache_blocks=False), "num_kvcache_blocks must be"),
         (dict(enforce_eager="yes"), "enforce_eager must be True or False"),
-        (dict(device="tpu"), "device must be 'cpu' or 'cuda', got 'tpu'"),
-        (dict(device=3.5), "device must be 'cpu' or 'cuda'"),
+        (dict(device="tpu"), "device must be 'cpu', 'cuda' or 'auto', got 'tpu'"),
+        (dict(device=3.5), "device must be 'cpu', 'cuda' or 'auto'"),
         (dict(tensor_parallel_size=0), "tensor_parallel_size must be a positive integer"),
     ],
 )
@@ -228,7 +228,7 @@ def test_cli_bad_device_is_one_line(capsys):
 
     assert main(["hello", "--device", "tpu"]) == 2
     err = capsys.readouterr().err
-    assert err == "error: --device: device must be 'cpu' or 'cuda', got 'tpu'\n"  # (led by the flag typed)
+    assert err == "error: --device: device must be 'cpu', 'cuda' or 'auto', got 'tpu'\n"  # (led by the flag typed)
     assert main(["hello", "--device", "cpu", "--max-tokens", "0"]) == 2
     assert capsys.readouterr().err.startswith("error: --max-tokens: max_tokens must be a positive integer")
 

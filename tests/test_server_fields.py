@@ -193,6 +193,17 @@ def test_chat_prompt_logprobs_are_vllms_field_beside_the_choices(server):
     assert "not available with stream: true" in message
 
 
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_prompt_logprobs_0_in_a_stream_is_taken_as_in_vllm(server, path):
+    """vLLM refuses prompt_logprobs in a stream only where they ask for something (above 0, or -1); 0, which a
+    client may send always, streams as without it (it was a 400 here)."""
+    body = {"messages": MESSAGES} if "chat" in path else {"prompt": "Hello"}
+    body |= {"max_tokens": 2, "prompt_logprobs": 0, "stream": True}
+    response = post(server, path, body)
+    assert response.status_code == 200 and response.text.rstrip().endswith("data: [DONE]"), response.text
+    assert "prompt_logprobs" in refused(server, path, {**body, "prompt_logprobs": 1}, "prompt_logprobs")
+
+
 def test_the_chat_default_max_tokens_is_the_room_the_context_leaves(server, offline):
     """vLLM's chat default: with no max_tokens / max_completion_tokens the reply may fill the context."""
     response = post(server, "/v1/chat/completions", {"messages": MESSAGES, "ignore_eos": True})

@@ -515,6 +515,13 @@ class Echo:
     shown: bool = True
 
 
+def refuse_streamed_prompt_logprobs(body: dict, more: str = "") -> None:
+    """vLLM's 400 for prompt_logprobs asked for in a stream (0, which asks for none beside the prompt's own tokens,
+    is taken, as vLLM takes it)."""
+    if body.get("prompt_logprobs") not in (None, 0) and body.get("stream"):
+        raise BadRequest(f"prompt_logprobs are not available with stream: true (as in vLLM){more}", "prompt_logprobs")
+
+
 def echo_fields(body: dict) -> tuple[dict, bool, bool]:
     """Completions' echo, max_tokens 0 and prompt_logprobs, as vLLM takes them -> (the body to read the sampling
     fields from, echo, whether to generate). max_tokens 0 is legal with echo only (the engine then samples one token,
@@ -528,12 +535,7 @@ def echo_fields(body: dict) -> tuple[dict, bool, bool]:
         if not echo:
             raise BadRequest("max_tokens 0 generates nothing: it is allowed only with echo: true", "max_tokens")
         body["max_tokens"], generate = 1, False
-    if body.get("prompt_logprobs") is not None and body.get("stream"):
-        raise BadRequest(
-            "prompt_logprobs are not available with stream: true (as in vLLM); echo with logprobs streams the "
-            "prompt's tokens with theirs",
-            "prompt_logprobs",
-        )
+    refuse_streamed_prompt_logprobs(body, "; echo with logprobs streams the prompt's tokens with theirs")
     if echo and body.get("logprobs") is not None and body.get("prompt_logprobs") is None:
         body["prompt_logprobs"] = body["logprobs"]
     return body, bool(echo), generate
@@ -860,8 +862,7 @@ def chat_sampling_params(body: dict, defaults: dict) -> SamplingParams:
     context leaves after the prompt (vLLM's chat default; completions default to 16). defaults: the model's
     (`request_defaults`)."""
     body = dict(body)
-    if body.get("prompt_logprobs") is not None and body.get("stream"):
-        raise BadRequest("prompt_logprobs are not available with stream: true (as in vLLM)", "prompt_logprobs")
+    refuse_streamed_prompt_logprobs(body)
     logprobs, top = body.pop("logprobs", None), body.pop("top_logprobs", None)
     if logprobs is not None and not isinstance(logprobs, bool):
         raise BadRequest(f"logprobs must be true or false, got {logprobs!r}", "logprobs")

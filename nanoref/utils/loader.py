@@ -69,7 +69,7 @@ INDEX_FILE = "model.safetensors.index.json"
 
 def weight_files(folder: Path) -> list[Path]:
     """The folder's *.safetensors weights: where it has model.safetensors.index.json, the files its weight_map lists
-    (as transformers and vLLM read a sharded checkpoint: another *.safetensors beside the shards, such as a whole
+    (as vLLM reads a sharded checkpoint: another *.safetensors beside the shards, such as a whole
     model.safetensors left from an earlier save, is not part of it). Only regular files (or links to one) are
     weights: opening a FIFO of that name would block forever and a folder would fail with a bare OSError, so either
     is named here instead."""
