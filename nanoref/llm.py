@@ -254,13 +254,6 @@ class LLM(LLMEngine):
             if self.lora is not None:
                 self.lora.count(samples[0])
 
-    def queue_held_samples(self) -> None:
-        """LLMEngine.queue_held_samples (after every step, and every abort), once the streams closed during the step
-        (`OutputProcessor.abandoned`) are aborted."""
-        while self.output_processor.abandoned:
-            self.abort_request(self.output_processor.abandoned.pop(0))
-        super().queue_held_samples()
-
     def generate(
         self,
         prompts: str | list[str] | list[list[int]],

@@ -180,7 +180,9 @@ class LLMEngine:
 
     def queue_held_samples(self) -> None:
         """Queue the held samples whose sample 0 has computed its prompt (or finished: then there is nothing to
-        wait for)."""
+        wait for), once the streams closed in the middle of a step (`OutputProcessor.abandoned`) are aborted."""
+        while self.output_processor.abandoned:
+            self.abort_request(self.output_processor.abandoned.pop(0))
         for seq in self.output_processor.ready_samples():
             self.enqueue(seq)
 

@@ -212,7 +212,7 @@ class OutputProcessor:
         # back with the step) and waits here, with the error, for the loop to fail its request alone
         self.output_errors: dict[Sequence, Exception] | None = None
         # the samples of streams closed inside an engine call on the engine's own thread (the garbage collector,
-        # mid-step: engine/streaming.py), aborted once the step is done (`LLM.queue_held_samples`)
+        # mid-step: engine/streaming.py), aborted once the step is done (`LLMEngine.queue_held_samples`)
         self.abandoned: list[Sequence] = []
 
     # -- n samples ------------------------------------------------------------------------------
